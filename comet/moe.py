@@ -1,0 +1,252 @@
+"""``CometMoE``: the MoE block users put in their model.
+
+It holds the router, this rank's share of the routed experts and the optional shared
+expert, and runs the layer one of three ways:
+
+* fused (CUDA, Triton): :class:`comet.runtime.layer.FusedMoE` -- dispatch and layer0
+  GroupGEMM in one persistent kernel, layer1 GroupGEMM with reduce and combine in another;
+* unfused over a process group on the CPU: :mod:`comet.baseline` (all_to_all + torch);
+* single process on the CPU: :mod:`comet.reference`, the spec itself.
+
+All three compute the same function; tests hold them to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from comet import reference
+from comet.config import MoEConfig, ParallelConfig, check_layout
+
+
+class TopKRouter(nn.Module):
+    """Linear router scores ``[M, H] -> [M, E]`` plus the top-k selection of ``cfg``.
+
+    Parameter names follow transformers (``weight``; ``e_score_correction_bias`` for
+    DeepSeek-V3) so checkpoints load unchanged.
+    """
+
+    def __init__(self, cfg: MoEConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size,
+                                               dtype=cfg.dtype, device=device))
+        if cfg.score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
+                requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [M, H]`` -> ``(logits [M, E], topk_weights [M, k] fp32, topk_ids [M, k])``."""
+        logits = x @ self.weight.t()
+        weights, ids = reference.route(logits, self.cfg, self.e_score_correction_bias)
+        return logits, weights, ids
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP with transformers' names (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [H, 2F], w2 [F, H])`` in the kernels' layout."""
+        w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0).t()
+        return w13, self.down_proj.weight.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LocalExperts(nn.Module):
+    """This rank's routed experts in the kernels' layout.
+
+    w13: ``[El, H, 2F]`` (gate columns first, then up); w2: ``[El, F, H]``.
+    """
+
+    def __init__(self, cfg: MoEConfig, local_experts: int, device=None):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(local_experts, h, 2 * f, dtype=cfg.dtype,
+                                            device=device))
+        self.w2 = nn.Parameter(torch.empty(local_experts, f, h, dtype=cfg.dtype, device=device))
+        nn.init.normal_(self.w13, std=h ** -0.5)
+        nn.init.normal_(self.w2, std=f ** -0.5)
+
+
+def _group_layout(group) -> ParallelConfig:
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return ParallelConfig(dist.get_world_size(), dist.get_rank())
+        return ParallelConfig(1, 0)
+    return ParallelConfig(dist.get_world_size(group), dist.get_rank(group))
+
+
+class CometMoE(nn.Module):
+    """An expert-parallel MoE block with communication hidden inside the expert GEMMs.
+
+    Args:
+        num_experts, top_k, hidden_size, intermediate_size: see :class:`MoEConfig`.
+        group: the expert-parallel process group (default: the world when
+            torch.distributed is initialised, else a single rank). Experts are split
+            evenly: rank ``r`` owns ``[r * El, (r + 1) * El)``.
+        device: where parameters live.
+        comm_blocks: expert override of the block split, ``(layer0, layer1)`` comm
+            blocks or one int for both; ``None`` selects per call (tuned table, else
+            the analytic model).
+        tuned_config_folder: extra folder of ``comet tune`` tables (wins over the
+            shipped ones and ``COMET_TUNED_CONFIG_FOLDER``).
+        **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
+            n_group, topk_group, routed_scaling_factor, score_correction_bias,
+            num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
+            max_tokens).
+
+    Shapes: ``forward`` takes ``[tokens, H]`` or ``[batch, seq, H]`` and returns the same
+    shape; each rank passes its own tokens (at most ``max_tokens``).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int,
+                 intermediate_size: int, *, group=None, device=None,
+                 comm_blocks: int | tuple[int, int] | None = None,
+                 tuned_config_folder: str | None = None, **kwargs):
+        super().__init__()
+        cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                        intermediate_size=intermediate_size, **kwargs)
+        par = _group_layout(group)
+        check_layout(cfg, par)
+        self.cfg, self.par, self.group = cfg, par, group
+        self.comm_blocks = comm_blocks
+        self.tuned_config_folder = tuned_config_folder
+        self.gate = TopKRouter(cfg, device=device)
+        self.experts = LocalExperts(cfg, par.local_experts(cfg), device=device)
+        if cfg.num_shared_experts:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_size, cfg.dtype, device)
+            self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False,
+                                                 dtype=cfg.dtype, device=device)
+                                       if cfg.shared_expert_gate else None)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+        self._fused = None
+
+    @classmethod
+    def from_config(cls, cfg: MoEConfig, **kwargs) -> "CometMoE":
+        """Build from a :class:`MoEConfig`; ``kwargs`` are the non-config arguments."""
+        import dataclasses
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        return cls(**fields, **kwargs)
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts.w13.shape[0]
+
+    @property
+    def expert_offset(self) -> int:
+        return self.par.rank * self.local_experts
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"experts={c.num_experts} (local {self.local_experts}), top_k={c.top_k}, "
+                f"hidden={c.hidden_size}, ffn={c.intermediate_size}, "
+                f"ep={self.par.world_size}, rank={self.par.rank}, router={c.router}")
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(self, x: torch.Tensor, topk_ids, topk_weights) -> None:
+        cfg = self.cfg
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"hidden_states must be a tensor, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"hidden_states must be [tokens, {cfg.hidden_size}] or "
+                             f"[batch, seq, {cfg.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.experts.w13.dtype:
+            raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's "
+                            f"{self.experts.w13.dtype}")
+        if x.device != self.experts.w13.device:
+            raise ValueError(f"hidden_states are on {x.device} but the experts on "
+                             f"{self.experts.w13.device}")
+        tokens = x.numel() // cfg.hidden_size
+        if tokens > cfg.max_tokens:
+            raise ValueError(f"{tokens} tokens exceed max_tokens={cfg.max_tokens} on rank "
+                             f"{self.par.rank}; build the layer with a larger max_tokens")
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("pass both topk_ids and topk_weights, or neither")
+        if topk_ids is not None:
+            shape = (tokens, cfg.top_k)
+            if tuple(topk_ids.shape) != shape or tuple(topk_weights.shape) != shape:
+                raise ValueError(f"topk_ids and topk_weights must be {list(shape)}, got "
+                                 f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+            if topk_ids.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+            if not topk_weights.is_floating_point():
+                raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+            if topk_ids.device != x.device or topk_weights.device != x.device:
+                raise ValueError("topk_ids and topk_weights must be on the input's device")
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not capturing and topk_ids.numel():
+                # One host read per call with user-supplied ids: bad ids must fail here,
+                # not inside a kernel. Router-computed ids never need it.
+                lo, hi = int(topk_ids.min()), int(topk_ids.max())
+                if lo < -1 or hi >= cfg.num_experts:
+                    raise ValueError(f"topk_ids must be in [-1, {cfg.num_experts}), got "
+                                     f"values in [{lo}, {hi}]")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None, output_router_logits: bool = False):
+        """Args:
+            hidden_states: ``[tokens, H]`` or ``[batch, seq, H]``.
+            topk_ids, topk_weights: optional precomputed routing ``[tokens, k]``
+                (global expert ids, ``-1`` = no expert); the router is skipped.
+            output_router_logits: also return ``[tokens, E]`` router logits (None
+                when routing was passed in).
+
+        Returns:
+            Output of the input's shape, or ``(output, router_logits)``.
+        """
+        self._check_inputs(hidden_states, topk_ids, topk_weights)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = None
+        if topk_ids is None:
+            logits, topk_weights, topk_ids = self.gate(x)
+        y = self._routed(x, topk_ids, topk_weights)
+        if self.shared_expert is not None:
+            y = y + self._shared(x)
+        y = y.to(hidden_states.dtype).view(shape)
+        return (y, logits) if output_router_logits else y
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shared_expert(x).float()
+        if self.shared_expert_gate is not None:
+            s = s * torch.sigmoid(self.shared_expert_gate(x).float())
+        return s
+
+    def _routed(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        if x.is_cuda:
+            return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
+        if self.par.world_size > 1:
+            from comet.baseline import ep_moe_forward
+            return ep_moe_forward(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2,
+                                  group=self.group)
+        return reference.moe_forward(x, topk_ids, topk_weights, self.experts.w13,
+                                     self.experts.w2, round_to=x.dtype)
+
+    def fused_layer(self):
+        """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
+        if self._fused is None:
+            from comet.runtime.layer import FusedMoE
+            self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
+                                   group=self.group,
+                                   tuned_config_folder=self.tuned_config_folder)
+        return self._fused

@@ -1,0 +1,188 @@
+"""The executable specification of a comet MoE layer, in plain torch (CPU or GPU).
+
+Every kernel and every scheduler table in comet is checked against these functions. They
+favour clarity over speed: loops over experts and ranks, fp32 arithmetic.
+
+Weight layout (the kernels use the same):
+    w13: [E, H, 2F]  -- columns [0, F) are the gate projection, [F, 2F) the up projection
+    w2:  [E, F, H]
+    expert(x) = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2
+
+Expert parallelism: rank r of W owns experts [r*El, (r+1)*El), El = E / W. A token routed
+to expert e travels to rank e // El, is multiplied there, and the weighted result travels
+back; :func:`ep_forward` states what every rank must return, :func:`ep_receive_order`
+states in which order a rank stores the rows it receives (the layer0 shared tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from comet.config import MoEConfig
+
+
+# --------------------------------------------------------------------------- router
+def route(
+    logits: torch.Tensor,
+    cfg: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose ``top_k`` experts per token.
+
+    Args:
+        logits: ``[M, E]`` router logits (any float dtype).
+        cfg: the layer's config (router kind, grouping, renormalisation, scaling).
+        correction_bias: ``[E]`` selection-only bias (DeepSeek-V3), or None.
+
+    Returns:
+        ``(topk_weights [M, k] fp32, topk_ids [M, k] int64)``.
+    """
+    if logits.dim() != 2 or logits.shape[1] != cfg.num_experts:
+        raise ValueError(
+            f"router logits must be [tokens, {cfg.num_experts}], got {tuple(logits.shape)}")
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if cfg.router == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.n_group > 1:
+        m = logits.shape[0]
+        grouped = choice.view(m, cfg.n_group, -1)
+        if correction_bias is not None:
+            # DeepSeek-V3 ranks groups by the sum of their two best biased scores.
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(m, -1)
+        # Masked experts get 0.0, as in transformers' DeepSeek-V3, so patched models match.
+        choice = choice.masked_fill(expert_mask == 0, 0.0)
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
+    return weights, ids
+
+
+# --------------------------------------------------------------------------- experts
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               round_to: torch.dtype | None = None) -> torch.Tensor:
+    """One SiLU-gated MLP: ``[rows, H] -> [rows, H]`` in fp32.
+
+    ``round_to`` rounds the activation ``h`` to that dtype before the second GEMM, as the
+    kernels do (they store ``h`` in the model dtype).
+    """
+    f = w2.shape[0]
+    gu = x.float() @ w13.float()
+    h = F.silu(gu[:, :f]) * gu[:, f:]
+    if round_to is not None:
+        h = h.to(round_to).float()
+    return h @ w2.float()
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_offset: int = 0,
+    round_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Weighted sum of the routed experts that live in ``w13``/``w2``.
+
+    Args:
+        x: ``[M, H]`` tokens.
+        topk_ids: ``[M, k]`` global expert ids; ``-1`` means "no expert".
+        topk_weights: ``[M, k]``.
+        w13, w2: ``[n, H, 2F]`` and ``[n, F, H]``, experts ``expert_offset ..
+            expert_offset + n - 1``; ids outside that range contribute nothing.
+
+    Returns:
+        ``[M, H]`` fp32.
+    """
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for local in range(w13.shape[0]):
+        tok, slot = (topk_ids == expert_offset + local).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp(x[tok], w13[local], w2[local], round_to)
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out
+
+
+def shared_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert block: ``[M, H] -> [M, H]`` fp32, optionally scaled by
+    ``sigmoid(x @ gate)`` with ``gate`` of shape ``[H]`` (Qwen2-MoE)."""
+    y = expert_mlp(x, w13, w2)
+    if gate is not None:
+        y = y * torch.sigmoid(x.float() @ gate.float()).unsqueeze(1)
+    return y
+
+
+# --------------------------------------------------------------------------- expert parallel
+def ring_order(rank: int, world_size: int) -> list[int]:
+    """Source ranks in the order a rank stores (and waits for) them: own rank first."""
+    return [(rank + o) % world_size for o in range(world_size)]
+
+
+@dataclass
+class ReceivedRows:
+    """What rank ``rank`` holds in its layer0 shared tensor, in storage order.
+
+    Rows are grouped by local expert; inside an expert by source rank in ring order
+    (:func:`ring_order`); inside a source by (token, slot) ascending. Each row is one
+    (token, top-k slot) pair routed to an expert of this rank.
+    """
+
+    expert: torch.Tensor   # [rows] local expert id
+    source: torch.Tensor   # [rows] source rank
+    token: torch.Tensor    # [rows] token index on the source rank
+    slot: torch.Tensor     # [rows] top-k slot on the source rank
+
+
+def ep_receive_order(topk_ids: list[torch.Tensor], rank: int, local_experts: int) -> ReceivedRows:
+    """The row order of ``rank``'s layer0 shared tensor, given every rank's ``topk_ids``."""
+    world = len(topk_ids)
+    cols: dict[str, list[int]] = {"expert": [], "source": [], "token": [], "slot": []}
+    for le in range(local_experts):
+        e = rank * local_experts + le
+        for src in ring_order(rank, world):
+            tok, slot = (topk_ids[src].cpu() == e).nonzero(as_tuple=True)
+            order = torch.argsort(tok * topk_ids[src].shape[1] + slot)
+            for t, s in zip(tok[order].tolist(), slot[order].tolist()):
+                cols["expert"].append(le)
+                cols["source"].append(src)
+                cols["token"].append(t)
+                cols["slot"].append(s)
+    return ReceivedRows(**{k: torch.tensor(v, dtype=torch.int64) for k, v in cols.items()})
+
+
+def ep_forward(
+    xs: list[torch.Tensor],
+    topk_ids: list[torch.Tensor],
+    topk_weights: list[torch.Tensor],
+    w13_shards: list[torch.Tensor],
+    w2_shards: list[torch.Tensor],
+    round_to: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """What each of W ranks returns from the routed experts (fp32 ``[M_r, H]`` each).
+
+    ``xs[r]``, ``topk_ids[r]``, ``topk_weights[r]`` are rank r's tokens and routing;
+    ``w13_shards[r]``/``w2_shards[r]`` its experts. Equivalent to every rank running
+    :func:`moe_forward` over all experts, which is exactly the point.
+    """
+    world = len(xs)
+    el = w13_shards[0].shape[0]
+    outs = []
+    for r in range(world):
+        y = torch.zeros(xs[r].shape[0], xs[r].shape[1], dtype=torch.float32, device=xs[r].device)
+        for d in range(world):
+            y += moe_forward(xs[r], topk_ids[r], topk_weights[r], w13_shards[d], w2_shards[d],
+                             expert_offset=d * el, round_to=round_to)
+        outs.append(y)
+    return outs
