@@ -8,15 +8,13 @@ layer0 (dispatch -> GroupGEMM, shared tensor decomposed along M):
     m-tiles are ordered by *stage* -- the largest ring offset among the sources whose rows
     the tile holds -- then by expert and row. Stage-0 tiles hold only this rank's own rows
     and run while remote rows are still in flight. Each tile carries its *wait set*: a
-    bitmask of exactly the source ranks whose segments its rows overlap. Work item ``w`` of
-    the compute role is (m-tile ``w // n_blocks``, column block ``w % n_blocks``).
+    bitmask of exactly the source ranks whose segments its rows overlap. Work items are
+    (m-tile, column block) pairs in :func:`grouped_work` order.
 
 layer1 (GroupGEMM -> top-k reduce + combine, shared tensor decomposed along N):
-    column-wise: work item ``w`` is (column block ``w // num_tiles``, m-tile
-    ``w % num_tiles``), so every expert's tiles of column block ``n`` finish before column
-    block ``n + 1`` starts, and the comm role reduces and sends block ``n`` while ``n + 1``
-    computes. A column block is complete when ``num_tiles`` tiles have reported it
-    (:func:`layer1_work` is that contract, shared by the kernel and the simulator).
+    column-wise: the columns are cut into *splits* of a few column blocks, and every
+    expert's tiles of split ``s`` run before split ``s + 1`` (:func:`column_work`), so the
+    comm role reduces and sends split ``s`` while ``s + 1`` computes.
 """
 
 from __future__ import annotations
@@ -98,11 +96,31 @@ def build_tile_table(layout: RecvLayout, rank: int, rows_capacity: int,
     )
 
 
-def layer0_work(w: int, n_blocks: int) -> tuple[int, int]:
-    """layer0 work item -> (tile index in the table, column block)."""
-    return w // n_blocks, w % n_blocks
+def grouped_work(w: int, num_tiles: int, n_blocks: int, group_m: int) -> tuple[int, int]:
+    """layer0 work item ``w`` -> (tile index, column block).
+
+    Groups of ``group_m`` consecutive tiles of the table sweep the column blocks together
+    (a weight block is then read once per group while it sits in L2); groups follow the
+    table's local-first order. Mirrored by ``kernels.group_gemm.grouped_work``.
+    """
+    per_group = group_m * n_blocks
+    first = (w // per_group) * group_m
+    size = min(num_tiles - first, group_m)
+    within = w % per_group
+    return first + within % size, within // size
 
 
-def layer1_work(w: int, num_tiles: int) -> tuple[int, int]:
-    """layer1 work item -> (tile index in the table, column block): column-major."""
-    return w % num_tiles, w // num_tiles
+def column_work(w: int, num_tiles: int, n_blocks: int,
+                blocks_per_split: int) -> tuple[int, int, int]:
+    """layer1 work item ``w`` -> (tile index, column block, column split).
+
+    Split-major: every tile of split ``s`` (``blocks_per_split`` column blocks) comes
+    before any of split ``s + 1``; inside a split, tile-major, so an m-tile's rows of h are
+    reused from L2 across its column blocks. A split is complete after ``num_tiles *
+    blocks`` work items. Mirrored by ``kernels.group_gemm.column_work``.
+    """
+    split = w // (num_tiles * blocks_per_split)
+    within = w % (num_tiles * blocks_per_split)
+    first = split * blocks_per_split
+    blocks = min(n_blocks - first, blocks_per_split)
+    return within // blocks, first + within % blocks, split

@@ -1,0 +1,340 @@
+"""The unfused expert-parallel MoE pipeline: what comet's speedups are measured against.
+
+One call on rank ``r`` of ``W`` (every step a separate torch op, as in the MoE layers of
+Megatron, Tutel or a plain vLLM EP setup)::
+
+    sort (token, slot) pairs by expert -> all_to_all of the per-expert counts
+    -> host sync for the split sizes -> all_to_all dispatch of the pair rows
+    -> permute the received rows so each local expert's rows are contiguous
+    -> grouped GEMM with W13 -> SiLU(gate) * up -> grouped GEMM with W2
+    -> un-permute -> all_to_all combine -> weighted top-k reduce
+
+It is kept honest: the grouped GEMM is torch's own (``torch._grouped_mm``, CUTLASS on
+Hopper) wherever it runs, the exchange is NCCL's ``all_to_all_single``, and nothing is done
+twice. The host sync for the split sizes is inherent to this design (NCCL needs them on
+the host) and is part of what the fused layer removes.
+
+:func:`chunked_ep_moe_forward` is the coarse-grained pipelined variant (Tutel/FasterMoE):
+the tokens go in 2-4 chunks and the all_to_all of one chunk runs on a second stream while
+another chunk computes.
+
+Both run on the CPU over gloo (and with no process group at all for a single rank) and
+return what :func:`comet.reference.ep_forward` specifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["DispatchPlan", "plan_dispatch", "grouped_mm", "ep_moe_forward",
+           "chunked_ep_moe_forward"]
+
+
+def _world(group) -> tuple[int, int]:
+    """(world size, rank) of ``group``; a single rank when torch.distributed is not set up."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    if group is not None:
+        raise ValueError("a process group was passed but torch.distributed is not initialised")
+    return 1, 0
+
+
+def _phase(timer, name: str):
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- routing plan
+@dataclass
+class DispatchPlan:
+    """Where this rank's (token, slot) pairs go and what it receives (one chunk of tokens).
+
+    order:        ``[P]`` flat pair indices ``token * k + slot`` of the valid pairs, sorted
+                  by global expert (so by destination rank), ``(token, slot)`` ascending
+                  inside an expert. Row ``i`` of the dispatch buffer is pair ``order[i]``.
+    send_splits:  rows sent to each rank (host ints, ``[W]``).
+    recv_splits:  rows received from each rank (host ints, ``[W]``).
+    expert_rows:  received rows per local expert (host ints, ``[El]``).
+    offs:         ``[El]`` int32 end offsets of the experts' row groups (device), the
+                  ``offs`` argument of ``torch._grouped_mm``.
+    perm:         ``[R]`` received-row index of each expert-grouped row: grouped rows are
+                  ``recv[perm]``; rows are ordered by (local expert, source rank, token, slot).
+    """
+
+    order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    expert_rows: list[int]
+    offs: torch.Tensor
+    perm: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """R, rows this rank's experts process."""
+        return sum(self.recv_splits)
+
+
+def _sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [M*k], counts [E])``: pairs sorted by expert, invalid ids (``-1``) last."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    return order, counts
+
+
+def _exchange_counts(send: torch.Tensor, world: int, group) -> torch.Tensor:
+    """``send [W, n]`` int64 (row ``d`` for destination ``d``) -> ``[W, n]`` (row ``s``
+    from source ``s``)."""
+    if world == 1:
+        return send
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv
+
+
+def _build_plan(order: torch.Tensor, send_counts: list[list[int]], recv_counts: list[list[int]],
+                recv_dev: torch.Tensor) -> DispatchPlan:
+    """Plan from the host copies of ``send_counts [W, El]`` and ``recv_counts [W, El]``
+    (``recv_dev``: the same received counts, still on the device)."""
+    world, el = len(recv_counts), len(recv_counts[0])
+    send_splits = [sum(c) for c in send_counts]
+    recv_splits = [sum(c) for c in recv_counts]
+    expert_rows = [sum(recv_counts[s][e] for s in range(world)) for e in range(el)]
+    dev = recv_dev.device
+    # Received rows come as (source, expert) blocks; a stable sort by expert keeps the
+    # (source, token, slot) order inside each expert, which keeps the result deterministic.
+    label = torch.arange(el, device=dev).repeat(world).repeat_interleave(
+        recv_dev.reshape(-1), output_size=sum(recv_splits))
+    perm = torch.sort(label, stable=True).indices
+    offs = recv_dev.sum(dim=0).cumsum(0).to(torch.int32)
+    return DispatchPlan(order[:sum(send_splits)], send_splits, recv_splits, expert_rows,
+                        offs, perm)
+
+
+def plan_dispatch(topk_ids: torch.Tensor, local_experts: int, group=None) -> DispatchPlan:
+    """Exchange the per-expert counts of ``topk_ids [M, k]`` and plan the dispatch.
+
+    Collective over ``group``; one host sync (the split sizes). ``-1`` ids are dropped.
+    """
+    world, _ = _world(group)
+    order, counts = _sort_pairs(topk_ids, world * local_experts)
+    send = counts.view(world, local_experts)
+    recv = _exchange_counts(send, world, group)
+    host = torch.stack([send, recv]).tolist()   # the host sync NCCL's split sizes need
+    return _build_plan(order, host[0], host[1], recv)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+_torch_gmm_ok: dict[torch.device, bool] = {}
+
+
+def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # torch._grouped_mm is CUDA + bf16 only (SM90 CUTLASS kernels, SM80 fallback in newer
+    # torch); row strides must be 16-byte multiples, which MoEConfig's size alignment gives.
+    return (a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and _torch_gmm_ok.get(a.device, True))
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
+               offs: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM: rows of ``a [R, K]`` grouped by expert times ``b [El, K, N]`` -> ``[R, N]``.
+
+    ``expert_rows`` (host) and ``offs`` (device, int32 end offsets) describe the groups.
+    Uses ``torch._grouped_mm`` on CUDA/bf16 and a loop of per-expert ``mm`` otherwise.
+    """
+    if _use_torch_grouped_mm(a, b):
+        try:
+            return torch._grouped_mm(a, b, offs=offs)
+        except RuntimeError as err:   # e.g. an architecture this torch has no kernel for
+            _torch_gmm_ok[a.device] = False
+            warnings.warn(f"torch._grouped_mm failed ({err}); using a per-expert loop",
+                          stacklevel=2)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, n in enumerate(expert_rows):
+        if n:
+            torch.mm(a[start:start + n], b[e], out=out[start:start + n])
+        start += n
+    return out
+
+
+def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torch.Tensor,
+             timer=None) -> torch.Tensor:
+    """Received rows ``[R, H]`` (source order) -> expert outputs ``[R, H]`` (source order)."""
+    f = w2.shape[1]
+    with _phase(timer, "permute"):
+        grouped = rows.index_select(0, plan.perm)
+    with _phase(timer, "gemm0"):
+        gu = grouped_mm(grouped, w13, plan.expert_rows, plan.offs)
+    with _phase(timer, "act"):
+        h = F.silu(gu[:, :f]) * gu[:, f:]
+    with _phase(timer, "gemm1"):
+        out = grouped_mm(h, w2, plan.expert_rows, plan.offs)
+    with _phase(timer, "unpermute"):
+        return torch.empty_like(out).index_copy_(0, plan.perm, out)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], world: int,
+                group) -> torch.Tensor:
+    if world == 1:
+        return x
+    out = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+def _topk_reduce(back: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> torch.Tensor:
+    """Expert outputs of the pairs in ``order`` -> ``[M, H]`` fp32 weighted sums.
+
+    The pair rows go back to their (token, slot) places (dropped slots stay zero) and one
+    batched ``[1, k] @ [k, H]`` product per token sums them, in the model dtype with fp32
+    accumulation, as vLLM's moe_sum does.
+    """
+    m, k = topk_weights.shape
+    h = back.shape[1]
+    buf = back.new_zeros(m * k, h).index_copy_(0, order, back)
+    w = topk_weights.to(back.dtype).view(m, 1, k)
+    return torch.bmm(w, buf.view(m, k, h)).view(m, h).float()
+
+
+# --------------------------------------------------------------------------- pipelines
+def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   w13_local: torch.Tensor, w2_local: torch.Tensor, group=None, *,
+                   timer=None) -> torch.Tensor:
+    """The unfused expert-parallel MoE layer on this rank (collective over ``group``).
+
+    Args:
+        x: ``[M, H]`` this rank's tokens (``M`` may be 0 and may differ between ranks).
+        topk_ids: ``[M, k]`` global expert ids (``-1``: no expert).
+        topk_weights: ``[M, k]`` routing weights.
+        w13_local: ``[El, H, 2F]`` this rank's experts ``[r * El, (r + 1) * El)``.
+        w2_local: ``[El, F, H]``.
+        group: expert-parallel process group (default: the world if torch.distributed is
+            initialised, else a single rank).
+        timer: optional object with a ``phase(name)`` context manager (e.g.
+            :class:`comet.bench.timing.PhaseClock`); phases recorded: ``route``,
+            ``counts`` (count exchange + host sync), ``gather`` (pair rows in send order),
+            ``dispatch``, ``permute``, ``gemm0``, ``act``, ``gemm1``, ``unpermute``,
+            ``combine``, ``reduce``.
+
+    Returns:
+        ``[M, H]`` fp32 routed-expert output.
+    """
+    world, _ = _world(group)
+    el = w13_local.shape[0]
+    with _phase(timer, "route"):
+        order, counts = _sort_pairs(topk_ids, world * el)
+    with _phase(timer, "counts"):
+        send = counts.view(world, el)
+        recv = _exchange_counts(send, world, group)
+        host = torch.stack([send, recv]).tolist()
+        plan = _build_plan(order, host[0], host[1], recv)
+    k = topk_ids.shape[1]
+    with _phase(timer, "gather"):
+        rows = x.index_select(0, torch.div(plan.order, k, rounding_mode="floor"))
+    with _phase(timer, "dispatch"):
+        recv_rows = _all_to_all(rows, plan.recv_splits, plan.send_splits, world, group)
+    out = _experts(recv_rows, plan, w13_local, w2_local, timer)
+    with _phase(timer, "combine"):
+        back = _all_to_all(out, plan.send_splits, plan.recv_splits, world, group)
+    with _phase(timer, "reduce"):
+        return _topk_reduce(back, plan.order, topk_weights)
+
+
+def chunked_ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, w13_local: torch.Tensor,
+                           w2_local: torch.Tensor, group=None, *, chunks: int = 2
+                           ) -> torch.Tensor:
+    """Coarse-grained pipelined EP MoE (Tutel/FasterMoE): same arguments and result as
+    :func:`ep_moe_forward`.
+
+    The tokens are split into ``chunks`` contiguous chunks (the same count on every rank;
+    a chunk may be empty). One all_to_all exchanges every chunk's counts (one host sync);
+    then on CUDA the dispatch of chunk ``i + 1`` and the combine of chunk ``i - 1`` run on a
+    second stream while chunk ``i`` computes. On the CPU the same steps run in order.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    world, _ = _world(group)
+    el = w13_local.shape[0]
+    m, k = topk_ids.shape
+    bounds = [m * c // chunks for c in range(chunks + 1)]
+    sorted_pairs = [_sort_pairs(topk_ids[bounds[c]:bounds[c + 1]], world * el)
+                    for c in range(chunks)]
+    send = torch.stack([cnt.view(world, el) for _, cnt in sorted_pairs], dim=1)  # [W, C, El]
+    recv = _exchange_counts(send.reshape(world, -1), world, group).view(world, chunks, el)
+    host = torch.stack([send, recv]).tolist()
+    plans = [_build_plan(sorted_pairs[c][0], [row[c] for row in host[0]],
+                         [row[c] for row in host[1]], recv[:, c]) for c in range(chunks)]
+    # Every chunk's rows are gathered up front so the side stream never waits for compute
+    # to issue a dispatch.
+    rows = [x[bounds[c]:bounds[c + 1]].index_select(
+        0, torch.div(plans[c].order, k, rounding_mode="floor")) for c in range(chunks)]
+    if world == 1:
+        # Nothing to exchange: the pipeline degenerates to the plain layer per chunk.
+        backs = [_experts(rows[c], plans[c], w13_local, w2_local) for c in range(chunks)]
+    elif x.is_cuda:
+        backs = _overlapped(rows, plans, w13_local, w2_local, group)
+    else:
+        backs = []
+        for c, p in enumerate(plans):
+            recv_rows = _all_to_all(rows[c], p.recv_splits, p.send_splits, world, group)
+            out = _experts(recv_rows, p, w13_local, w2_local)
+            backs.append(_all_to_all(out, p.send_splits, p.recv_splits, world, group))
+    y = torch.empty(m, x.shape[1], dtype=torch.float32, device=x.device)
+    for c in range(chunks):
+        y[bounds[c]:bounds[c + 1]] = _topk_reduce(backs[c], plans[c].order,
+                                                  topk_weights[bounds[c]:bounds[c + 1]])
+    return y
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _overlapped(rows: list[torch.Tensor], plans: list[DispatchPlan], w13: torch.Tensor,
+                w2: torch.Tensor, group) -> list[torch.Tensor]:
+    """CUDA schedule of :func:`chunked_ep_moe_forward`: the all_to_alls run on a side
+    stream in the order D0 D1 C0 D2 C1 ... (D: dispatch, C: combine), each chunk's compute
+    on the main stream between its dispatch and its combine."""
+    device = rows[0].device
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)      # the gathered rows
+
+    def a2a(inp: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        out = inp.new_empty(sum(out_splits), inp.shape[1])
+        # Made on the main stream, used on the side one: the caching allocator must not
+        # hand these blocks out again before the side stream is done with them.
+        inp.record_stream(side)
+        out.record_stream(side)
+        with torch.cuda.stream(side):
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+            done = torch.cuda.Event()
+            done.record(side)
+        return out, done
+
+    received = [a2a(rows[0], plans[0].recv_splits, plans[0].send_splits)]
+    backs = []
+    for c, p in enumerate(plans):
+        if c + 1 < len(plans):
+            q = plans[c + 1]
+            received.append(a2a(rows[c + 1], q.recv_splits, q.send_splits))
+        recv_rows, arrived = received[c]
+        main.wait_event(arrived)
+        out = _experts(recv_rows, p, w13, w2)
+        computed = torch.cuda.Event()
+        computed.record(main)
+        side.wait_event(computed)
+        backs.append(a2a(out, p.send_splits, p.recv_splits)[0])
+    main.wait_stream(side)
+    return backs

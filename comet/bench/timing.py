@@ -1,0 +1,172 @@
+"""Timing on the device's own timeline, and the cross-rank aggregation of timings.
+
+Protocol (shared/DESIGN.md): CUDA events, warm-up, median of >= 20 iterations, inputs
+rotated and L2 flushed so no iteration reads another's data from cache. Ranks are aligned
+on the device (a one-element all_reduce right before the start event) so launch skew
+between processes is not charged to the layer. Each iteration's time is the slowest
+rank's; the reported number is the median over iterations of that maximum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Clock:
+    """Timestamps on ``device``'s timeline: CUDA events on a GPU, ``perf_counter`` on a CPU.
+
+    CUDA event times are read only after a synchronize (see :meth:`us`).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    @staticmethod
+    def us(start, end) -> float:
+        """Microseconds between two marks."""
+        if isinstance(start, float):
+            return (end - start) * 1e6
+        return start.elapsed_time(end) * 1e3
+
+
+class PhaseClock:
+    """Times named phases of one call: ``with clock.phase("gemm0"): ...``.
+
+    Has the interface of :class:`comet.runtime.layer.PhaseTimer` that the benchmark relies
+    on (``elapsed_us()`` after a synchronize); used for the baselines.
+    """
+
+    def __init__(self, device: torch.device):
+        self._clock = Clock(device)
+        self._marks: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = self._clock.mark()
+        yield
+        self._marks.append((name, start, self._clock.mark()))
+
+    def elapsed_us(self) -> dict[str, float]:
+        """Phase -> microseconds (summed if a phase ran more than once)."""
+        out: dict[str, float] = {}
+        for name, a, b in self._marks:
+            out[name] = out.get(name, 0.0) + Clock.us(a, b)
+        return out
+
+
+class L2Flush:
+    """Overwrites a buffer twice the size of the GPU's L2 before each timed iteration."""
+
+    def __init__(self, device: torch.device):
+        device = torch.device(device)
+        self.buf = None
+        if device.type == "cuda":
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            self.buf = torch.empty(2 * l2, dtype=torch.int8, device=device)
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def _align(group, device: torch.device) -> None:
+    """Start every rank's next kernel at (nearly) the same moment."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    if device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    else:
+        dist.barrier(group=group)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, warmup: int,
+               device: torch.device, group=None, make_timer: Callable[[], object] | None = None,
+               flush: L2Flush | None = None) -> dict[str, list[float]]:
+    """Time ``fn(set_index, timer)`` on this rank.
+
+    Iteration ``i`` uses input set ``i % n_sets`` (warm-up iterations included, so the
+    timed ones start wherever warm-up left off). ``make_timer`` builds a fresh phase timer
+    per timed iteration (``None``: no phases); ``fn`` receives it (or None).
+
+    Returns:
+        ``{"total": [iters] us, "<phase>": [iters] us, ...}``, this rank's numbers (see
+        :func:`reduce_over_ranks`; :func:`timed_sets` gives each iteration's input set).
+    """
+    clock = Clock(device)
+    marks, timers = [], []
+    for i in range(warmup + iters):
+        s = i % n_sets
+        timed = i >= warmup
+        timer = make_timer() if (make_timer is not None and timed) else None
+        if flush is not None:
+            flush()
+        _align(group, device)
+        start = clock.mark()
+        fn(s, timer)
+        end = clock.mark()
+        if timed:
+            marks.append((start, end))
+            timers.append(timer)
+    _sync(device)
+    series: dict[str, list[float]] = {"total": [Clock.us(a, b) for a, b in marks]}
+    if make_timer is not None:
+        phases = [t.elapsed_us() for t in timers]
+        for name in phases[0] if phases else ():
+            series[name] = [p.get(name, 0.0) for p in phases]
+    return series
+
+
+def timed_sets(n_sets: int, iters: int, warmup: int) -> list[int]:
+    """The input set each timed iteration of :func:`time_calls` used."""
+    return [(warmup + j) % n_sets for j in range(iters)]
+
+
+def add_sums(series: dict[str, list[float]], name: str, parts: Sequence[str]) -> None:
+    """Add ``series[name]``, the per-iteration sum of the phases in ``parts`` present."""
+    present = [series[p] for p in parts if p in series]
+    if present:
+        series[name] = [sum(v) for v in zip(*present)]
+
+
+def reduce_over_ranks(series: dict[str, list[float]], group=None,
+                      sums: Sequence[str] = ()) -> dict[str, list[float]]:
+    """Per iteration, the max over ranks of each series (the sum for names in ``sums``).
+
+    Collective over ``group`` when torch.distributed is initialised; identity otherwise.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return series
+    world = dist.get_world_size(group)
+    if world == 1:
+        return series
+    gathered: list[dict[str, list[float]] | None] = [None] * world
+    dist.all_gather_object(gathered, series, group=group)
+    out = {}
+    for name in series:
+        per_rank = [g[name] for g in gathered]
+        combine = sum if name in sums else max
+        out[name] = [combine(vals) for vals in zip(*per_rank)]
+    return out
+
+
+def median(values: Sequence[float] | None) -> float | None:
+    """Median, or None for no values."""
+    return statistics.median(values) if values else None

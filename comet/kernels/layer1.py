@@ -1,0 +1,173 @@
+"""layer1: GroupGEMM(W2) -> weighted top-k reduce -> combine, in one persistent kernel,
+followed by the final combine on each token's home rank.
+
+Shared tensor: ``out1 [rows, H]``, the expert outputs of this rank's received rows. The
+top-k reduce gathers many rows into one token, so it is *not* independent along M; it is
+along N. The GroupGEMM therefore runs column-wise: column split ``s`` (``BLOCKS_PER_SPLIT``
+column blocks) of every expert's tiles before split ``s + 1``, and the compute blocks count
+finished tiles per split.
+
+Roles:
+
+* compute (:func:`layer1_compute_role`) -- the GroupGEMM, counting tiles per split.
+* comm (:func:`reduce_send_role`) -- per split, wait until all its tiles are counted; then
+  for every *return entry* (one token of one source rank, naming the rows of its experts
+  on this rank and their weights) sum ``weight * out1[row]`` in fp32 -- pre-summing the
+  experts a token has on this rank, so one row per (token, rank) crosses the link -- and
+  store it into the source rank's ``comb[this rank, token]``. Sources are visited in ring
+  order from this rank, so at each step every rank writes to a different peer. The last
+  comm block to finish releases ``flag1[this rank] = epoch`` on every source rank.
+
+:func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
+that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
+"""
+
+import triton
+import triton.language as tl
+
+from comet.kernels.group_gemm import column_work, gemm_tile
+from comet.kernels.sync import arrive, healthy, wait_at_least
+
+ROLE_FUSED = tl.constexpr(0)
+ROLE_COMM = tl.constexpr(1)
+ROLE_COMPUTE = tl.constexpr(2)
+
+SITE_SPLIT = tl.constexpr(3)
+SITE_COMBINE = tl.constexpr(4)
+
+
+@triton.jit
+def layer1_compute_role(pid, n_prog, h_desc, w2_desc, out1_ptr, F, H,
+                        tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    num_tiles = tl.load(num_tiles_ptr)
+    n_blocks = tl.cdiv(H, BLOCK_N)
+    for w in range(pid, num_tiles * n_blocks, n_prog):
+        t, nb, split = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
+        gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
+                  tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N, F, H,
+                  False, 0, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        arrive(split_done + split, "gpu")
+
+
+@triton.jit
+def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start, end,
+                    col0, col1, TOPK: tl.constexpr, ENTRIES: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """``dst[token] = sum_j weight_j * out1[row_j]`` over columns ``[col0, col1)`` for
+    entries ``[start, end)``; rows of ``-1`` are slots that live on other ranks."""
+    q = start + tl.arange(0, ENTRIES)
+    live = q < end
+    tok = tl.load(recv_token + q, mask=live, other=0).to(tl.int64)
+    for c0 in range(col0, col1, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols[None, :] < col1
+        acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
+            wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
+            v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
+                        mask=(row[:, None] >= 0) & cmask, other=0.0)
+            acc += v.to(tl.float32) * wgt[:, None]
+        tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
+                 mask=live[:, None] & cmask)
+
+
+@triton.jit
+def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
+                     comb_table, comb_ptr, flag1_table, flag1, split_done, done_counter,
+                     num_tiles_ptr, epoch, err_ptr, rank, max_tokens, timeout,
+                     WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
+                     ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCKS_PER_SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Reduce the top-k rows of every return entry, split by split, into the sources'
+    ``comb`` buffers (see module doc)."""
+    num_tiles = tl.load(num_tiles_ptr)
+    n_blocks = tl.cdiv(H, BLOCK_N)
+    split_cols = BLOCKS_PER_SPLIT * BLOCK_N
+    for split in range(tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)):
+        if WAIT:
+            blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
+            wait_at_least(split_done + split, num_tiles * blocks, err_ptr, SITE_SPLIT, split,
+                          rank, timeout, "gpu", USE_ASM)
+        col0 = split * split_cols
+        col1 = tl.minimum(col0 + split_cols, H)
+        for o in range(WORLD):
+            s = (rank + o) % WORLD
+            n_ent = tl.load(entries + s)
+            dst = tl.load(comb_table + s).to(tl.pointer_type(comb_ptr.dtype.element_ty))
+            dst += rank * max_tokens * H
+            region = s * max_tokens
+            for c in range(pid, tl.cdiv(n_ent, ENTRIES), n_prog):
+                if healthy(err_ptr):
+                    _reduce_entries(out1_ptr, H, dst, recv_token + region,
+                                    recv_rows + region * TOPK, recv_weight + region * TOPK,
+                                    c * ENTRIES, n_ent, col0, col1, TOPK, ENTRIES, BLOCK_C)
+    if arrive(done_counter, "sys") == n_prog - 1:
+        for s in range(WORLD):
+            flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
+            tl.atomic_xchg(flag + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def layer1_kernel(
+    h_desc, w2_desc, out1_ptr, F, H,
+    tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
+    recv_token, recv_rows, recv_weight, entries, comb_table, comb_ptr, flag1_table, flag1,
+    done_counter, epoch_ptr, err_ptr, rank, max_tokens, n_comm, timeout,
+    ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
+    COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr)
+    if ROLE == ROLE_FUSED:
+        comm = pid < n_comm
+        n_role = tl.where(comm, n_comm, programs - n_comm)
+        role_pid = tl.where(comm, pid, pid - n_comm)
+    else:
+        comm = ROLE == ROLE_COMM
+        n_role = programs
+        role_pid = pid
+    if comm:
+        reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
+                         entries, comb_table, comb_ptr, flag1_table, flag1, split_done,
+                         done_counter, num_tiles_ptr, epoch, err_ptr, rank, max_tokens,
+                         timeout, WAIT, WORLD, TOPK, COMM_ENTRIES, COMM_BLOCK_C, BLOCK_N,
+                         BLOCKS_PER_SPLIT, USE_ASM)
+    else:
+        layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
+                            tile_expert, tile_row_start, tile_row_end, num_tiles_ptr,
+                            split_done, BLOCK_M, BLOCK_N, BLOCK_K,
+                            BLOCKS_PER_SPLIT, DOT_PRECISION)
+
+
+@triton.jit
+def combine_kernel(comb_ptr, flag1, dest_mask, y_ptr, num_tokens, H, epoch_ptr, err_ptr,
+                   rank, max_tokens, timeout,
+                   WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
+    """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order."""
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr)
+    if WAIT:
+        for d in range(WORLD):
+            wait_at_least(flag1 + d, epoch, err_ptr, SITE_COMBINE, d, rank, timeout, "sys",
+                          USE_ASM)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    live = rows < num_tokens
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = live[:, None] & (cols[None, :] < H)
+        acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+        for d in range(WORLD):
+            sent = tl.load(dest_mask + rows * WORLD + d, mask=live, other=0) != 0
+            v = tl.load(comb_ptr + (d * max_tokens + rows[:, None]).to(tl.int64) * H
+                        + cols[None, :], mask=cmask & sent[:, None], other=0.0)
+            acc += v.to(tl.float32)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=cmask)

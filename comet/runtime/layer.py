@@ -1,0 +1,220 @@
+"""``FusedMoE``: one expert-parallel MoE layer on the fused kernels, for one rank.
+
+A call (no host synchronisation anywhere):
+
+1. ``epoch += 1`` and zero the local counters (two tiny device ops);
+2. count exchange through symmetric memory (one program);
+3. routing plan and tile tables (torch ops on the device, fixed capacities);
+4. layer0 kernel: comm blocks push rows, compute blocks run the gated GroupGEMM;
+5. layer1 kernel: compute blocks run the column-wise GroupGEMM, comm blocks reduce and
+   send each token's rows home;
+6. combine: each token's partial rows summed in rank order.
+
+``mode`` exists for the benchmark's decomposition: ``"sequential"`` runs each layer's
+roles one after the other (0 comm blocks); ``"compute_only"`` runs the GEMMs on rows
+already in place without waiting; ``"comm_only"`` moves the data without GEMMs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.kernels import launch as L
+from comet.runtime.errors import raise_if_failed
+from comet.runtime.workspace import allocate_symmetric, allocate_virtual
+from comet.scheduler.split import analytic_split, layer_work
+
+MODES = ("fused", "sequential", "compute_only", "comm_only")
+
+
+@dataclass
+class PhaseTimer:
+    """Times the phases of a call ("plan", "layer0", "layer1", "combine") with CUDA events
+    (host clock on the CPU). Read with :meth:`elapsed_us` after a synchronize."""
+
+    events: dict = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, device: torch.device):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.events[name] = (start, end)
+
+    def elapsed_us(self) -> dict[str, float]:
+        out = {}
+        for name, (start, end) in self.events.items():
+            if isinstance(start, float):
+                out[name] = (end - start) * 1e6
+            else:
+                out[name] = start.elapsed_time(end) * 1e3
+        return out
+
+
+def _layout_of(group) -> ParallelConfig:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return ParallelConfig(1, 0)
+    g = group if group is not None else dist.group.WORLD
+    return ParallelConfig(dist.get_world_size(g), dist.get_rank(g))
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (read from the device, never assumed)."""
+    from comet.runtime import topology
+    return topology.sm_count(device.index if device.index is not None
+                             else torch.cuda.current_device())
+
+
+class FusedMoE:
+    """The routed-expert part of an MoE layer on the fused kernels (one rank's view).
+
+    Args:
+        cfg: layer shape; ``cfg.max_tokens`` sizes the workspaces.
+        w13: ``[El, H, 2F]`` this rank's experts (gate columns first), CUDA.
+        w2: ``[El, F, H]``.
+        group: expert-parallel process group (None: the world if initialised, else one
+            rank). Collective: all ranks construct it together.
+        tile: tile configuration (default: Hopper tiles).
+        tuned_config_folder: extra folder of ``comet tune`` tables.
+        check_errors: ``"lazy"`` raise a failed call's error at the next call (no sync);
+            ``"sync"`` synchronise after every call and raise at once (debugging).
+    """
+
+    def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, group=None,
+                 tile: L.TileConfig | None = None, tuned_config_folder: str | None = None,
+                 check_errors: str = "lazy"):
+        par = _layout_of(group)
+        check_layout(cfg, par)
+        el = cfg.num_experts // par.world_size
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        if tuple(w13.shape) != (el, h, 2 * f) or tuple(w2.shape) != (el, f, h):
+            raise ValueError(f"expected w13 [{el}, {h}, {2 * f}] and w2 [{el}, {f}, {h}], got "
+                             f"{list(w13.shape)} and {list(w2.shape)}")
+        if check_errors not in ("lazy", "sync"):
+            raise ValueError(f"check_errors must be 'lazy' or 'sync', got {check_errors!r}")
+        self.cfg, self.par, self.group = cfg, par, group
+        self.w13, self.w2 = w13, w2
+        self.device = w13.device
+        self.tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
+        self.check_errors = check_errors
+        self.tuned_config_folder = tuned_config_folder
+        n_splits = self.tile.n_splits(h)
+        if par.world_size == 1:
+            self.ws = allocate_virtual(cfg, 1, self.device, n_splits)[0]
+        else:
+            self.ws = allocate_symmetric(cfg, group, self.device, n_splits)
+        self.programs = sm_count(self.device) if self.device.type == "cuda" else 4
+        self.last_comm_blocks: tuple[int, int] | None = None
+        self._pending = (torch.zeros(4, dtype=torch.int32, pin_memory=True)
+                         if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------ split
+    def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
+        """(layer0, layer1) comm blocks for a call with ``num_tokens`` on this rank:
+        an explicit override, else a tuned table, else the analytic model."""
+        if comm_blocks is not None:
+            n0, n1 = (comm_blocks, comm_blocks) if isinstance(comm_blocks, int) else comm_blocks
+        else:
+            from comet.scheduler import tuned
+            picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
+                                  self.tuned_config_folder)
+            if picked is None:
+                c = self.cfg
+                w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
+                                    c.intermediate_size, c.dtype.itemsize)
+                picked = (analytic_split(w0, self.programs), analytic_split(w1, self.programs))
+            n0, n1 = picked
+        for n in (n0, n1):
+            if not 0 <= n < self.programs:
+                raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
+        return int(n0), int(n1)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, x, topk_ids, topk_weights, mode):
+        c = self.cfg
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if x.dim() != 2 or x.shape[1] != c.hidden_size:
+            raise ValueError(f"x must be [tokens, {c.hidden_size}], got {list(x.shape)}")
+        if x.dtype != c.dtype:
+            raise TypeError(f"x dtype {x.dtype} does not match the layer's {c.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the layer on {self.device}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+        if x.shape[0] > c.max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens={c.max_tokens}")
+        shape = (x.shape[0], c.top_k)
+        if tuple(topk_ids.shape) != shape or tuple(topk_weights.shape) != shape:
+            raise ValueError(f"topk_ids/topk_weights must be {list(shape)}, got "
+                             f"{list(topk_ids.shape)} / {list(topk_weights.shape)}")
+        if topk_ids.device != self.device or topk_weights.device != self.device:
+            raise ValueError("topk_ids/topk_weights must be on the layer's device")
+
+    def check_errors_now(self) -> None:
+        """Synchronise and raise if any call so far failed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        raise_if_failed(self.ws.error, self.par.rank)
+
+    def _check_pending(self) -> None:
+        if self._pending is not None:
+            raise_if_failed(self._pending, self.par.rank)   # last call's word, if copied by now
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None
+                 ) -> torch.Tensor:
+        """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``."""
+        self._check(x, topk_ids, topk_weights, mode)
+        self._check_pending()
+        ws, cfg, tile = self.ws, self.cfg, self.tile
+        timer = timer or PhaseTimer()
+        el = cfg.num_experts // ws.world
+        n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
+        self.last_comm_blocks = (n0, n1)
+        grid = self.programs
+        y = torch.empty_like(x)
+        with timer.phase("plan", x.device):
+            ws.epoch.add_(1)
+            ws.counters.zero_()
+            L.launch_exchange(ws, topk_ids, el)
+            plan = L.make_plan(ws, cfg, topk_ids, topk_weights, tile)
+        with timer.phase("layer0", x.device):
+            if mode == "fused" and n0 > 0:
+                L.launch_layer0(ws, cfg, plan, x, self.w13, tile, L.ROLE_FUSED, n0, grid)
+            else:
+                if mode != "compute_only":
+                    L.launch_layer0(ws, cfg, plan, x, self.w13, tile, L.ROLE_COMM, 0, grid)
+                if mode != "comm_only":
+                    L.launch_layer0(ws, cfg, plan, x, self.w13, tile, L.ROLE_COMPUTE, 0, grid,
+                                    wait=mode != "compute_only")
+        with timer.phase("layer1", x.device):
+            if mode == "fused" and n1 > 0:
+                L.launch_layer1(ws, cfg, plan, self.w2, tile, L.ROLE_FUSED, n1, grid)
+            else:
+                if mode != "comm_only":
+                    L.launch_layer1(ws, cfg, plan, self.w2, tile, L.ROLE_COMPUTE, 0, grid)
+                if mode != "compute_only":
+                    L.launch_layer1(ws, cfg, plan, self.w2, tile, L.ROLE_COMM, grid, grid,
+                                    wait=mode != "comm_only")
+        with timer.phase("combine", x.device):
+            if mode != "compute_only":
+                L.launch_combine(ws, cfg, plan, y, tile)
+        if self.check_errors == "sync" or self._pending is None:
+            self.check_errors_now()
+        else:
+            self._pending.copy_(ws.error, non_blocking=True)
+        return y

@@ -1,0 +1,67 @@
+"""W expert-parallel ranks in one process, driven phase by phase.
+
+Each phase runs for every rank before the next starts, and inside a layer the producer
+role runs for every rank before the consumer role: dispatch before the layer0 GroupGEMM,
+the layer1 GroupGEMM before its reduce-and-send. Under ``TRITON_INTERPRET=1`` this runs
+the very @triton.jit role functions of the fused kernels on the CPU, across ranks, over
+real peer-pointer tables; on one GPU it checks the cross-rank logic without NVLink.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from comet.config import MoEConfig
+from comet.kernels import launch as L
+from comet.runtime.errors import raise_if_failed
+from comet.runtime.workspace import allocate_virtual
+
+
+class VirtualEP:
+    """Args:
+        cfg: layer shape (``num_experts`` divisible by ``world``).
+        w13_shards, w2_shards: per rank ``[El, H, 2F]`` and ``[El, F, H]``.
+        tile: tile configuration (default: :meth:`TileConfig.small`).
+    """
+
+    def __init__(self, cfg: MoEConfig, w13_shards: list[torch.Tensor],
+                 w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None):
+        self.cfg = cfg
+        self.world = len(w13_shards)
+        self.w13, self.w2 = w13_shards, w2_shards
+        self.device = w13_shards[0].device
+        self.tile = tile or L.TileConfig.small()
+        self.ws = allocate_virtual(cfg, self.world, self.device,
+                                   self.tile.n_splits(cfg.hidden_size))
+
+    def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
+                topk_weights: list[torch.Tensor], comm_programs: int = 2,
+                compute_programs: int = 3) -> list[torch.Tensor]:
+        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``)."""
+        cfg, tile, ranks = self.cfg, self.tile, range(self.world)
+        el = cfg.num_experts // self.world
+        for ws in self.ws:
+            ws.epoch.add_(1)
+            ws.counters.zero_()
+        counts = [L.launch_exchange(self.ws[r], topk_ids[r], el, L.PHASE_PUSH) for r in ranks]
+        for r in ranks:
+            L.launch_exchange(self.ws[r], topk_ids[r], el, L.PHASE_WAIT, my_counts=counts[r])
+        plans = [L.make_plan(self.ws[r], cfg, topk_ids[r], topk_weights[r], tile) for r in ranks]
+        for r in ranks:
+            L.launch_layer0(self.ws[r], cfg, plans[r], xs[r], self.w13[r], tile, L.ROLE_COMM,
+                            0, comm_programs)
+        for r in ranks:
+            L.launch_layer0(self.ws[r], cfg, plans[r], xs[r], self.w13[r], tile,
+                            L.ROLE_COMPUTE, 0, compute_programs)
+        for r in ranks:
+            L.launch_layer1(self.ws[r], cfg, plans[r], self.w2[r], tile, L.ROLE_COMPUTE, 0,
+                            compute_programs)
+        for r in ranks:
+            L.launch_layer1(self.ws[r], cfg, plans[r], self.w2[r], tile, L.ROLE_COMM, 0,
+                            comm_programs)
+        ys = [torch.empty_like(x) for x in xs]
+        for r in ranks:
+            L.launch_combine(self.ws[r], cfg, plans[r], ys[r], tile)
+        for r in ranks:
+            raise_if_failed(self.ws[r].error, r)
+        return ys

@@ -1,0 +1,158 @@
+"""Symmetric workspaces: the buffers peers write into, and their peer pointer tables.
+
+A workspace is allocated once per (process group, layer shape) and reused by every call.
+All symmetric buffers of a rank live in one allocation (one rendezvous), carved at the same
+offsets on every rank, so a peer's buffer is ``peer_base + offset``. Kernels get, per
+buffer, an int64 table ``[W]`` of peer addresses and cast entries to typed pointers.
+
+Why single buffers are enough (no double buffering): every call starts with the count
+exchange, in which each rank waits for every peer's counts of *this* call. A peer can only
+publish counts for call ``i + 1`` after finishing call ``i`` -- including its final
+combine, which waited for everything this rank sent it in call ``i``. So once the exchange
+of call ``i + 1`` completes, no rank still reads anything written in call ``i``, and the
+epoch-valued flags of call ``i + 1`` cannot be confused with those of call ``i``.
+
+Flags hold the *epoch* (a call counter kept on the device) of the last call that set them;
+they are never reset on the hot path. Counters that are local to one GPU are zeroed by one
+memset per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from comet.config import MoEConfig
+from comet.routing import recv_capacity
+
+_ALIGN = 256  # bytes: keeps every buffer 16-byte vector- and TMA-aligned
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
+    """The buffers peers write into (identical layout on every rank)."""
+    el = cfg.num_experts // world
+    mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
+    rows = recv_capacity(world, mx, k)
+    return [
+        BufferSpec("counts", (world, world * (el + 1)), torch.int32),  # row s: from source s
+        BufferSpec("count_flags", (world,), torch.int64),
+        BufferSpec("a0", (rows, h), cfg.dtype),                         # layer0 shared tensor
+        BufferSpec("ret_token", (world, mx), torch.int32),              # return entries by source
+        BufferSpec("ret_rows", (world, mx, k), torch.int32),
+        BufferSpec("ret_weight", (world, mx, k), torch.float32),
+        BufferSpec("flag0", (world,), torch.int64),                     # dispatch done, by source
+        BufferSpec("comb", (world, mx, h), cfg.dtype),                  # partial outputs, by expert rank
+        BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
+    ]
+
+
+def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
+    offsets, total = {}, 0
+    for s in specs:
+        offsets[s.name] = total
+        nbytes = s.dtype.itemsize * int(torch.Size(s.shape).numel())
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, max(total, _ALIGN)
+
+
+#: Local counters (int32), zeroed once per call.
+COUNTER_SLOTS = {"dispatch": 0, "l1_done": 1, "split": 2}
+
+
+@dataclass
+class Workspace:
+    """One rank's view: local tensors for every symmetric buffer, peer tables, and the
+    local-only scratch (activations, counters, epoch, error word)."""
+
+    rank: int
+    world: int
+    buffers: dict[str, torch.Tensor]
+    peer_ptrs: dict[str, torch.Tensor]
+    h: torch.Tensor           # [rows, F] layer0 output (local)
+    out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
+    counters: torch.Tensor    # int32, see counter_view()
+    epoch: torch.Tensor       # int64 [1]
+    error: torch.Tensor       # int32 [4]
+    n_splits_max: int
+    _keepalive: list = field(default_factory=list, repr=False)
+
+    def __getattr__(self, name):
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    def counter_view(self, world: int) -> dict[str, torch.Tensor]:
+        """dispatch: ``[W]`` chunks pushed per destination; l1_done: ``[1]`` comm blocks
+        finished in layer1; split: ``[n_splits_max]`` tiles finished per column split."""
+        c = self.counters
+        return {"dispatch": c[:world], "l1_done": c[world:world + 1],
+                "split": c[world + 1:world + 1 + self.n_splits_max]}
+
+
+def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
+    out = {}
+    for s in specs:
+        n = int(torch.Size(s.shape).numel())
+        start = offsets[s.name]
+        out[s.name] = storage[start:start + n * s.dtype.itemsize].view(s.dtype).view(s.shape)
+    return out
+
+
+def _local_scratch(cfg: MoEConfig, world: int, device, n_splits_max: int):
+    rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+    h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
+    out1 = torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
+    counters = torch.zeros(world + 1 + n_splits_max, dtype=torch.int32, device=device)
+    epoch = torch.zeros(1, dtype=torch.int64, device=device)
+    error = torch.zeros(4, dtype=torch.int32, device=device)
+    return h, out1, counters, epoch, error
+
+
+def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int) -> list[Workspace]:
+    """W workspaces in one process whose peer tables point at each other: for tests of the
+    kernels' cross-rank logic on one device (or the CPU under the Triton interpreter)."""
+    specs = symmetric_specs(cfg, world)
+    offsets, total = _layout(specs)
+    storages = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world)]
+    bases = [s.data_ptr() for s in storages]
+    tables = {s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
+                                   device=device) for s in specs}
+    out = []
+    for r in range(world):
+        out.append(Workspace(r, world, _carve(storages[r], specs, offsets), tables,
+                             *_local_scratch(cfg, world, device, n_splits_max),
+                             n_splits_max=n_splits_max, _keepalive=storages))
+    return out
+
+
+def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int) -> Workspace:
+    """This rank's workspace in PyTorch symmetric memory over ``group`` (collective: every
+    rank of the group must call it with the same ``cfg``)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    specs = symmetric_specs(cfg, world)
+    offsets, total = _layout(specs)
+    storage = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(storage, group=group)
+    storage.zero_()
+    bases = [int(handle.buffer_ptrs[p]) for p in range(world)]
+    tables = {s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
+                                   device=device) for s in specs}
+    # Peers must not write into this rank's flags before they were zeroed.
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    return Workspace(rank, world, _carve(storage, specs, offsets), tables,
+                     *_local_scratch(cfg, world, device, n_splits_max),
+                     n_splits_max=n_splits_max, _keepalive=[storage, handle])

@@ -1,0 +1,93 @@
+"""Block split: how many of a fused kernel's blocks take the comm role.
+
+The paper's adaptive assignment: comm blocks and compute blocks should finish together.
+With ``n`` of ``P`` blocks communicating,
+
+    t_comm(n)    = bytes / min(n * per_block_bw, link_bw)
+    t_compute(n) = flops / (gemm_flops * (P - n) / P)
+
+and the layer costs about ``max(t_comm, t_compute)`` plus the part that cannot overlap
+(the first tiles wait for their rows; the last split's reduce runs after the GEMM). The
+analytic choice minimises the max; ``comet tune`` measures instead and its tables win
+(:mod:`comet.scheduler.tuned`). Inputs are what the host knows without a sync: the
+shape, this rank's token count (from the input's shape) and an assumed uniform routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    """Rates the analytic split balances (defaults: measured on 4x H200, NVLink, bf16;
+    shared/DESIGN.md).
+
+    per_block_bw: bytes/s one comm block pushes to peers (16 blocks moved 274 GB/s).
+    link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
+    gemm_flops: bf16 GroupGEMM FLOP/s of the whole GPU (torch reached 616-759 TFLOP/s).
+    """
+
+    per_block_bw: float = 17e9
+    link_bw: float = 290e9
+    gemm_flops: float = 650e12
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What one layer moves and computes on one rank.
+
+    comm_bytes: bytes this rank's comm blocks write to other ranks.
+    local_bytes: bytes they write to this rank (local copies, about 10x cheaper).
+    flops: GEMM FLOPs of this rank's compute blocks.
+    """
+
+    comm_bytes: float
+    local_bytes: float
+    flops: float
+
+
+def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
+               dtype_bytes: int = 2) -> tuple[LayerWork, LayerWork]:
+    """Expected (layer0, layer1) work under uniform routing for ``tokens`` on this rank.
+
+    layer0 sends each (token, slot) row to the expert's rank; layer1 sends one pre-summed
+    row per (token, destination rank), i.e. ``W * (1 - (1 - 1/W)^k)`` rows per token.
+    """
+    remote = (world - 1) / world
+    rows = tokens * top_k
+    l0 = LayerWork(rows * remote * hidden * dtype_bytes, rows / world * hidden * dtype_bytes,
+                   2.0 * rows * hidden * 2 * ffn)
+    ranks_per_token = world * (1.0 - (1.0 - 1.0 / world) ** top_k)
+    ret_rows = tokens * ranks_per_token
+    l1 = LayerWork(ret_rows * remote * hidden * dtype_bytes,
+                   ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden)
+    return l0, l1
+
+
+def predicted_time(work: LayerWork, n_comm: int, programs: int,
+                   machine: MachineModel = MachineModel()) -> float:
+    """Seconds for one fused layer with ``n_comm`` comm blocks out of ``programs``
+    (``n_comm == 0``: communication and GEMM run one after the other)."""
+    gemm_full = work.flops / machine.gemm_flops
+    comm_full = (work.comm_bytes / machine.link_bw
+                 + work.local_bytes / (10 * machine.link_bw))
+    if n_comm <= 0:
+        return gemm_full + max(comm_full, work.comm_bytes / (programs * machine.per_block_bw))
+    if n_comm >= programs:
+        return float("inf")
+    bw = min(n_comm * machine.per_block_bw, machine.link_bw)
+    t_comm = work.comm_bytes / bw + work.local_bytes / (10 * bw)
+    t_gemm = gemm_full * programs / (programs - n_comm)
+    return max(t_comm, t_gemm)
+
+
+def analytic_split(work: LayerWork, programs: int,
+                   machine: MachineModel = MachineModel()) -> int:
+    """The ``n_comm`` in ``[0, programs / 2]`` with the smallest :func:`predicted_time`."""
+    best_n, best_t = 0, predicted_time(work, 0, programs, machine)
+    for n in range(1, programs // 2 + 1):
+        t = predicted_time(work, n, programs, machine)
+        if t < best_t:
+            best_n, best_t = n, t
+    return best_n

@@ -1,0 +1,120 @@
+"""Compile every fused kernel for sm_90 on a machine without a GPU.
+
+The host launchers run for real on CPU tensors; ``JITFunction.run`` is replaced by a
+recorder, and each recorded launch is compiled with Triton's own front end, LLVM and the
+ptxas it ships, for a Hopper target. This catches type errors, unsupported constructs and
+inline-PTX mistakes in CI, before any GPU time is spent.
+
+Run as a script (``TRITON_INTERPRET`` must be unset): prints one line per kernel, exits 1
+on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def record_launches(fn):
+    """Run ``fn()``; return the (kernel, args, kwargs) of every Triton launch it made."""
+    launches = []
+    original = JITFunction.run
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = fake_run
+    try:
+        fn()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(kernel, args, kwargs):
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_cooperative_grid", None)
+    bound = dict(zip([p.name for p in kernel.params], args))
+    bound.update(kwargs)
+    signature, constexprs = {}, {}
+    for i, p in enumerate(kernel.params):
+        value = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[p.name] = mangle_type(value)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+def fused_launches(dtype=torch.bfloat16, world=4):
+    from comet.config import MoEConfig
+    from comet.kernels import launch as L
+    from comet.runtime.workspace import allocate_virtual
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
+                    dtype=dtype, max_tokens=64)
+    tile = L.TileConfig()
+    el = cfg.num_experts // world
+    ws = allocate_virtual(cfg, world, "cpu", tile.n_splits(cfg.hidden_size))[0]
+    w13 = torch.zeros(el, 256, 512, dtype=dtype)
+    w2 = torch.zeros(el, 256, 256, dtype=dtype)
+    x = torch.zeros(10, 256, dtype=dtype)
+    ids = torch.zeros(10, 2, dtype=torch.int64)
+    wts = torch.zeros(10, 2)
+
+    def run():
+        L.launch_exchange(ws, ids, el)
+        plan = L.make_plan(ws, cfg, ids, wts, tile)
+        for role in (L.ROLE_FUSED, L.ROLE_COMM, L.ROLE_COMPUTE):
+            L.launch_layer0(ws, cfg, plan, x, w13, tile, role, 4, 132)
+            L.launch_layer1(ws, cfg, plan, w2, tile, role, 4, 132)
+        L.launch_combine(ws, cfg, plan, torch.zeros_like(x), tile)
+    return record_launches(run)
+
+
+def resource_usage(compiled) -> str:
+    """Registers / stack / spills from the cubin, read with the cuobjdump Triton ships."""
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return f"regs={m.group(1)} stack={m.group(2)} local={m.group(4)}" if m else ""
+
+
+def main() -> int:
+    failures = 0
+    for kernel, args, kwargs in fused_launches():
+        name = kernel.fn.__name__
+        t0 = time.time()
+        try:
+            k = compile_launch(kernel, args, dict(kwargs))
+        except Exception as e:  # report every kernel, then fail
+            failures += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+            continue
+        print(f"ok   {name:24s} role={kwargs.get('ROLE', '-')} smem={k.metadata.shared} "
+              f"{resource_usage(k)} ({time.time() - t0:.1f}s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
