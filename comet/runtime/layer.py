@@ -186,6 +186,9 @@ class FusedMoE:
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
         self.last_comm_blocks = (n0, n1)
         grid = self.programs
+        # The interpreter runs one program at a time: a fused launch would have its comm
+        # programs wait for compute programs that have not run, so roles go one by one.
+        fused = mode == "fused" and not L.interpreting()
         y = torch.empty_like(x)
         with timer.phase("plan", x.device):
             ws.epoch.add_(1)
@@ -193,7 +196,7 @@ class FusedMoE:
             L.launch_exchange(ws, topk_ids, el)
             plan = L.make_plan(ws, cfg, topk_ids, topk_weights, tile)
         with timer.phase("layer0", x.device):
-            if mode == "fused" and n0 > 0:
+            if fused and n0 > 0:
                 L.launch_layer0(ws, cfg, plan, x, self.w13, tile, L.ROLE_FUSED, n0, grid)
             else:
                 if mode != "compute_only":
@@ -202,7 +205,7 @@ class FusedMoE:
                     L.launch_layer0(ws, cfg, plan, x, self.w13, tile, L.ROLE_COMPUTE, 0, grid,
                                     wait=mode != "compute_only")
         with timer.phase("layer1", x.device):
-            if mode == "fused" and n1 > 0:
+            if fused and n1 > 0:
                 L.launch_layer1(ws, cfg, plan, self.w2, tile, L.ROLE_FUSED, n1, grid)
             else:
                 if mode != "comm_only":

@@ -1,0 +1,143 @@
+"""Tuned block-split tables written by ``comet tune``, and the per-call lookup.
+
+One JSON file per (shape, expert-parallel size, device, dtype), named like vLLM's fused-MoE
+configs::
+
+    E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
+
+holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
+...}}}``. Folders are searched in order: the ``folder`` argument (``CometMoE(...,
+tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
+``comet/configs/``. The first file found wins.
+
+Selection uses only what the host knows (this rank's token count, from the input's
+shape): exact bucket, else linear interpolation between the two neighbouring buckets,
+clamped at the ends. A missing or unusable table returns None (the caller falls back to
+the analytic model and logs once); a bad file is reported with a warning, never an
+exception in the middle of a forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from comet.config import MoEConfig
+
+log = logging.getLogger("comet")
+
+SHIPPED = Path(__file__).resolve().parent.parent / "configs"
+ENV_FOLDER = "COMET_TUNED_CONFIG_FOLDER"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The device name as used in file names (``NVIDIA H200`` -> ``NVIDIA_H200``)."""
+    if device is None or torch.device(device).type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(torch.device(device)).replace(" ", "_")
+
+
+def file_name(cfg: MoEConfig, world_size: int, device: str) -> str:
+    return (f"E={cfg.num_experts},H={cfg.hidden_size},F={cfg.intermediate_size},"
+            f"topk={cfg.top_k},ep={world_size},device_name={device},"
+            f"dtype={_DTYPE_NAMES[cfg.dtype]}.json")
+
+
+def expected_meta(cfg: MoEConfig, world_size: int, device: str) -> dict:
+    return {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
+            "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
+            "dtype": _DTYPE_NAMES[cfg.dtype]}
+
+
+class TunedTableError(ValueError):
+    """A tuning file that cannot be used (malformed, wrong keys, another device)."""
+
+
+def parse_table(data: dict, expect: dict | None = None) -> dict[int, tuple[int, int]]:
+    """Validate a loaded table; returns ``{tokens: (layer0, layer1)}``."""
+    if not isinstance(data, dict) or "buckets" not in data or "meta" not in data:
+        raise TunedTableError("expected an object with 'meta' and 'buckets'")
+    meta = data["meta"]
+    if expect is not None:
+        for key, value in expect.items():
+            if meta.get(key) != value:
+                raise TunedTableError(f"meta[{key!r}] is {meta.get(key)!r}, expected {value!r}")
+    out = {}
+    for tokens, entry in data["buckets"].items():
+        try:
+            n0, n1 = int(entry["layer0"]), int(entry["layer1"])
+            t = int(tokens)
+        except (KeyError, TypeError, ValueError) as e:
+            raise TunedTableError(f"bucket {tokens!r}: needs integer 'layer0' and 'layer1' "
+                                  f"({e})") from None
+        if t <= 0 or n0 < 0 or n1 < 0:
+            raise TunedTableError(f"bucket {tokens!r}: negative or zero values")
+        out[t] = (n0, n1)
+    if not out:
+        raise TunedTableError("no buckets")
+    return out
+
+
+@lru_cache(maxsize=256)
+def _load(path: str, expect_items: tuple) -> dict[int, tuple[int, int]] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return parse_table(data, dict(expect_items))
+    except (OSError, json.JSONDecodeError, TunedTableError) as e:
+        warnings.warn(f"comet: ignoring tuning file {path}: {e}", stacklevel=3)
+        return None
+
+
+def search_folders(folder: str | os.PathLike | None = None) -> list[Path]:
+    folders = []
+    if folder:
+        folders.append(Path(folder))
+    if os.environ.get(ENV_FOLDER):
+        folders.append(Path(os.environ[ENV_FOLDER]))
+    folders.append(SHIPPED)
+    return folders
+
+
+def interpolate(table: dict[int, tuple[int, int]], tokens: int) -> tuple[int, int]:
+    """Bucket value at ``tokens``: exact, linear between neighbours, clamped at the ends."""
+    keys = sorted(table)
+    if tokens <= keys[0]:
+        return table[keys[0]]
+    if tokens >= keys[-1]:
+        return table[keys[-1]]
+    hi = next(k for k in keys if k >= tokens)
+    lo = keys[keys.index(hi) - 1]
+    if hi == tokens:
+        return table[hi]
+    frac = (tokens - lo) / (hi - lo)
+    return tuple(round(a + frac * (b - a)) for a, b in zip(table[lo], table[hi]))
+
+
+_untuned_logged: set = set()
+
+
+def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
+           folder: str | os.PathLike | None = None) -> tuple[int, int] | None:
+    """(layer0, layer1) comm blocks for ``tokens`` on this rank, or None when untuned."""
+    dev = device_name(device)
+    name = file_name(cfg, world_size, dev)
+    expect = tuple(sorted(expected_meta(cfg, world_size, dev).items()))
+    for f in search_folders(folder):
+        path = f / name
+        if path.is_file():
+            table = _load(str(path), expect)
+            if table is not None:
+                return interpolate(table, tokens)
+    if name not in _untuned_logged:
+        _untuned_logged.add(name)
+        log.info("comet: no tuned block split for %s; using the analytic model "
+                 "(run `comet tune` for this shape)", name)
+    return None

@@ -1,0 +1,126 @@
+"""The unfused and chunked EP baselines against the spec, on one rank and over gloo."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from comet import reference
+from comet.baseline import (chunked_ep_moe_forward, ep_moe_forward, grouped_mm,
+                            plan_dispatch)
+from comet.bench.timing import PhaseClock
+
+E, K, H, F = 8, 2, 32, 48
+
+
+def _routing(m, g, forbid=(), drop=0):
+    """Distinct experts per token avoiding ``forbid``; ``drop`` slots set to -1."""
+    scores = torch.rand(m, E, generator=g)
+    if forbid:
+        scores[:, list(forbid)] = -1.0
+    ids = scores.topk(K, dim=1).indices
+    if drop and m:
+        ids[torch.randint(m, (drop,), generator=g), torch.randint(K, (drop,), generator=g)] = -1
+    return ids, torch.rand(m, K, generator=g)
+
+
+def _world_inputs(world, tokens, seed, forbid=(), drop=0, dtype=torch.float32):
+    """Every rank's inputs and weights, the same on every process."""
+    g = torch.Generator().manual_seed(seed)
+    xs, ids, ws = [], [], []
+    for m in tokens:
+        i, w = _routing(m, g, forbid, drop)
+        xs.append(torch.randn(m, H, generator=g).to(dtype))
+        ids.append(i)
+        ws.append(w)
+    el = E // world
+    w13 = (torch.randn(E, H, 2 * F, generator=g) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, F, H, generator=g) * F ** -0.5).to(dtype)
+    shards13 = [w13[r * el:(r + 1) * el] for r in range(world)]
+    shards2 = [w2[r * el:(r + 1) * el] for r in range(world)]
+    return xs, ids, ws, shards13, shards2
+
+
+def _check_all(world, rank, group=None):
+    cases = [
+        dict(tokens=[7, 12, 3, 9][:world], seed=1),
+        dict(tokens=[0, 11, 5, 0][:world] if world > 1 else [0], seed=2),     # idle ranks
+        dict(tokens=[9, 4, 6, 8][:world], seed=3, forbid=(1,)),               # empty expert
+        # every expert of the last rank idle: it receives no rows at all
+        dict(tokens=[6, 6, 6, 6][:world], seed=4, forbid=tuple(range(E - E // world, E))
+             if world > 1 else (6, 7)),
+        dict(tokens=[10, 3, 8, 5][:world], seed=5, drop=4),                    # -1 ids
+    ]
+    for case in cases:
+        xs, ids, ws, s13, s2 = _world_inputs(world, **case)
+        want = reference.ep_forward(xs, ids, ws, s13, s2)[rank]
+        got = ep_moe_forward(xs[rank], ids[rank], ws[rank], s13[rank], s2[rank], group)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{case}")
+        for chunks in (1, 2, 3, 16):
+            got = chunked_ep_moe_forward(xs[rank], ids[rank], ws[rank], s13[rank], s2[rank],
+                                         group, chunks=chunks)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=f"{case} chunks={chunks}")
+    xs, ids, ws, s13, s2 = _world_inputs(world, [9, 14, 5, 7][:world], 6, dtype=torch.bfloat16)
+    want = reference.ep_forward(xs, ids, ws, s13, s2, round_to=torch.bfloat16)[rank]
+    got = ep_moe_forward(xs[rank], ids[rank], ws[rank], s13[rank], s2[rank], group)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        _check_all(world, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_rank_matches_reference():
+    _check_all(1, 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_match_reference(world):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, f"{d}/init"), nprocs=world, join=True)
+
+
+def test_grouped_mm_loop_matches_per_expert_matmul():
+    g = torch.Generator().manual_seed(0)
+    rows = [3, 0, 5, 1]
+    a = torch.randn(sum(rows), 16, generator=g)
+    b = torch.randn(len(rows), 16, 24, generator=g)
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    got = grouped_mm(a, b, rows, offs)
+    starts = [0] + offs.tolist()
+    want = torch.cat([a[starts[e]:starts[e + 1]] @ b[e] for e in range(len(rows))])
+    torch.testing.assert_close(got, want)
+
+
+def test_plan_groups_rows_by_expert():
+    ids = torch.tensor([[3, 0], [0, -1], [2, 3], [3, 2]])
+    plan = plan_dispatch(ids, local_experts=4)
+    assert plan.send_splits == [7] and plan.recv_splits == [7]
+    assert plan.expert_rows == [2, 0, 2, 3]
+    assert plan.offs.tolist() == [2, 2, 4, 7]
+    # pairs in expert order, (token, slot) ascending inside an expert; the -1 slot dropped
+    assert plan.order.tolist() == [1, 2, 4, 7, 0, 5, 6]
+
+
+def test_phase_timer_sees_every_phase():
+    xs, ids, ws, s13, s2 = _world_inputs(1, [6], 7)
+    clock = PhaseClock(torch.device("cpu"))
+    ep_moe_forward(xs[0], ids[0], ws[0], s13[0], s2[0], timer=clock)
+    assert set(clock.elapsed_us()) == {"route", "counts", "gather", "dispatch", "permute",
+                                       "gemm0", "act", "gemm1", "unpermute", "combine",
+                                       "reduce"}
+    assert all(v >= 0 for v in clock.elapsed_us().values())
+
+
+def test_chunks_must_be_positive():
+    xs, ids, ws, s13, s2 = _world_inputs(1, [4], 8)
+    with pytest.raises(ValueError, match="chunks"):
+        chunked_ep_moe_forward(xs[0], ids[0], ws[0], s13[0], s2[0], chunks=0)

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from comet.config import MoEConfig, ParallelConfig, check_layout, preset
+
+
+def test_presets_are_valid_and_named():
+    cfg = preset("mixtral")
+    assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (8, 2, 4096, 14336)
+    assert preset("deepseek-v3-like").router == "sigmoid"
+    with pytest.raises(ValueError, match="unknown config"):
+        preset("nope")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_experts=0), "num_experts"),
+    (dict(top_k=9), "top_k"),
+    (dict(hidden_size=100), "hidden_size"),
+    (dict(intermediate_size=24), "intermediate_size"),
+    (dict(router="relu"), "router"),
+    (dict(n_group=3), "n_group"),
+    (dict(n_group=2, topk_group=3), "topk_group"),
+    (dict(num_shared_experts=-1), "num_shared_experts"),
+    (dict(shared_intermediate_size=64), "shared_intermediate_size"),
+    (dict(shared_expert_gate=True), "shared_expert_gate"),
+    (dict(dtype=torch.int8), "dtype"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+])
+def test_invalid_fields_are_named(kwargs, field):
+    base = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        MoEConfig(**base)
+
+
+def test_grouped_topk_needs_enough_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(num_experts=8, top_k=4, hidden_size=64, intermediate_size=32, n_group=4,
+                  topk_group=1)
+
+
+def test_parallel_layout():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+    par = ParallelConfig(world_size=4, rank=3)
+    assert par.local_experts(cfg) == 2
+    assert list(par.expert_range(cfg)) == [6, 7]
+    with pytest.raises(ValueError, match="divisible"):
+        check_layout(cfg, ParallelConfig(world_size=3, rank=0))
+    with pytest.raises(ValueError, match="rank"):
+        ParallelConfig(world_size=2, rank=2)
+
+
+def test_shared_size_defaults():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
+                    num_shared_experts=2)
+    assert cfg.shared_size == 64
+    assert cfg.replace(num_shared_experts=0).shared_size == 0

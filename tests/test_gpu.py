@@ -1,0 +1,193 @@
+"""Fused kernels on one GPU (marker gpu): W=1 through FusedMoE, W=2/4 through the
+virtual-rank driver (the same compiled role kernels, producers launched first)."""
+
+import os
+
+import pytest
+import torch
+
+from comet import reference
+from comet.config import MoEConfig
+from comet.runtime.errors import CometTimeoutError
+from routings import KINDS, make_ids, make_tokens
+
+pytestmark = pytest.mark.gpu
+
+# The benchmark's configs scaled to test size: (E, k, H, F).
+SCALED = {
+    "mixtral": (8, 2, 512, 768),
+    "qwen2-moe": (64, 4, 256, 176),
+    "phi3.5-moe": (16, 2, 512, 400),
+    "deepseek-v3-like": (32, 8, 448, 128),
+}
+
+
+def _weights(el, h, f, dtype, g):
+    w13 = (torch.randn(el, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(dtype)
+    w2 = (torch.randn(el, f, h, generator=g, device="cuda") * f ** -0.5).to(dtype)
+    return w13, w2
+
+
+def _rel_err(y, ref):
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+
+
+def _fused(name, dtype, max_tokens=384):
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = SCALED[name]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f, dtype=dtype,
+                    max_tokens=max_tokens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = _weights(e, h, f, dtype, g)
+    return FusedMoE(cfg, w13, w2, check_errors="sync"), g
+
+
+def _inputs(layer, kind, g, tokens=None):
+    cfg = layer.cfg
+    m = tokens if tokens is not None else make_tokens(kind, 1, cfg.max_tokens,
+                                                      torch.Generator().manual_seed(1))[0]
+    if kind == "zero_token_rank":
+        m = 0
+    ids = make_ids(kind if kind != "zero_token_rank" else "random", [m], cfg.num_experts,
+                   cfg.top_k, torch.Generator().manual_seed(m))[0].cuda()
+    x = torch.randn(m, cfg.hidden_size, generator=g, device="cuda").to(cfg.dtype)
+    w = torch.rand(ids.shape, generator=g, device="cuda")
+    return x, ids, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(SCALED))
+def test_w1_fused_matches_reference_over_block_splits(name, dtype):
+    layer, g = _fused(name, dtype)
+    x, ids, w = _inputs(layer, "random", g, tokens=300)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=dtype)
+    p = layer.programs
+    for n_comm in sorted({0, 1, 7, p // 2, p - 1}):
+        y = layer(x, ids, w, comm_blocks=n_comm)
+        assert _rel_err(y, ref) < 1e-2, (name, dtype, n_comm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_w1_routings(kind):
+    layer, g = _fused("qwen2-moe", torch.bfloat16)
+    x, ids, w = _inputs(layer, kind, g)
+    y = layer(x, ids, w)
+    if x.shape[0]:
+        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        assert _rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(SCALED))
+def test_virtual_ranks_bf16(world, name):
+    from comet.kernels.launch import TileConfig
+    from comet.runtime.virtual import VirtualEP
+    e, k, h, f = SCALED[name]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.bfloat16, max_tokens=256)
+    g = torch.Generator(device="cuda").manual_seed(world)
+    shards = [_weights(e // world, h, f, torch.bfloat16, g) for _ in range(world)]
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], TileConfig())
+    for kind in KINDS:
+        cg = torch.Generator().manual_seed(len(kind))
+        ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 256, cg), e, k, cg)]
+        xs = [torch.randn(i.shape[0], h, generator=g, device="cuda").bfloat16() for i in ids]
+        ws = [torch.rand(i.shape, generator=g, device="cuda") for i in ids]
+        ys = ep.forward(xs, ids, ws, comm_programs=8, compute_programs=100)
+        ref = reference.ep_forward(xs, ids, ws, [s[0] for s in shards], [s[1] for s in shards],
+                                   round_to=torch.bfloat16)
+        for y, r in zip(ys, ref):
+            if r.numel():
+                assert _rel_err(y, r) < 1e-2, (name, kind)
+
+
+def test_no_host_sync_and_cuda_graph_replay():
+    layer, g = _fused("mixtral", torch.bfloat16)
+    x, ids, w = _inputs(layer, "random", g, tokens=256)
+    layer(x, ids, w)                                   # compile outside the checks
+    layer.check_errors = "lazy"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x, ids, w)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+    assert _rel_err(y, ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, ids, w)
+        with torch.cuda.graph(graph, stream=stream):
+            y_static = layer(x, ids, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        x2, ids2, w2 = _inputs(layer, KINDS[seed], torch.Generator(device="cuda").manual_seed(seed),
+                               tokens=256)
+        x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+        graph.replay()
+        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        assert _rel_err(y_static, ref) < 1e-2, seed
+    layer.check_errors_now()
+
+
+def test_thousand_back_to_back_calls():
+    layer, g = _fused("phi3.5-moe", torch.bfloat16, max_tokens=128)
+    layer.check_errors = "lazy"
+    calls = []
+    for i in range(1000):
+        x, ids, w = _inputs(layer, KINDS[i % len(KINDS)], g, tokens=int(torch.randint(0, 129, ())))
+        calls.append((x, ids, w, layer(x, ids, w)))
+        if len(calls) > 50:      # check a window without draining the queue
+            calls.pop(0)
+    layer.check_errors_now()
+    for x, ids, w, y in calls:
+        if x.shape[0]:
+            ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+            assert _rel_err(y, ref) < 1e-2
+    assert int(layer.ws.epoch) == 1000
+
+
+def test_bad_inputs_raise_before_launch_and_leave_the_layer_usable():
+    layer, g = _fused("mixtral", torch.bfloat16, max_tokens=64)
+    x, ids, w = _inputs(layer, "random", g, tokens=32)
+    bad = [
+        (x.float(), ids, w, TypeError),
+        (x[:, :-16].contiguous(), ids, w, ValueError),
+        (x.cpu(), ids, w, ValueError),
+        (x.t().contiguous().t(), ids, w, ValueError),
+        (torch.cat([x, x, x]), torch.cat([ids] * 3), torch.cat([w] * 3), ValueError),
+        (x, ids[:, :1], w, ValueError),
+    ]
+    epoch = int(layer.ws.epoch)
+    for args in bad:
+        with pytest.raises(args[3]):
+            layer(*args[:3])
+    assert int(layer.ws.epoch) == epoch, "a rejected call must not touch the workspace"
+    y = layer(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+    assert _rel_err(y, ref) < 1e-2
+
+
+def test_missing_peer_times_out_quickly(monkeypatch):
+    """Virtual rank 1 never runs: rank 0 raises within seconds instead of hanging."""
+    import time
+    from comet.kernels import launch as L
+    from comet.runtime.errors import raise_if_failed
+    from comet.runtime.virtual import VirtualEP
+    monkeypatch.setenv("COMET_TIMEOUT_S", "1")
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.bfloat16, max_tokens=64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shards = [_weights(4, h, f, torch.bfloat16, g) for _ in range(2)]
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], L.TileConfig())
+    ws = ep.ws[0]
+    ws.epoch.add_(1)
+    start = time.time()
+    L.launch_exchange(ws, torch.tensor([[0, 5]], device="cuda"), 4)
+    torch.cuda.synchronize()
+    with pytest.raises(CometTimeoutError, match="rank 1"):
+        raise_if_failed(ws.error, 0)
+    assert time.time() - start < 10

@@ -1,0 +1,121 @@
+"""The fused kernels' role functions for W virtual ranks, on the CPU (TRITON_INTERPRET=1).
+
+Producers are launched before consumers for every rank (comet.runtime.virtual), over
+real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16/fp32
+only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
+"""
+
+import pytest
+import torch
+
+from comet import reference
+from comet.config import MoEConfig
+from comet.kernels import launch as L
+from comet.runtime.errors import CometTimeoutError, raise_if_failed
+from comet.runtime.virtual import VirtualEP
+from routings import KINDS, make_ids, make_tokens
+
+pytestmark = pytest.mark.skipif(not L.interpreting(),
+                                reason="interpreter tests (CPU); the GPU suite runs these "
+                                       "kernels compiled")
+
+# The benchmark's four configs, scaled down to interpreter size (E, k, H, F).
+SCALED = {
+    "mixtral": (8, 2, 32, 48),
+    "qwen2-moe": (16, 4, 32, 16),
+    "phi3.5-moe": (8, 2, 48, 32),
+    "deepseek-v3-like": (16, 4, 32, 16),
+}
+
+
+def _run(world, name, kind, dtype, seed, comm_programs=2, compute_programs=3, tile=None):
+    e, k, h, f = SCALED[name]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f, dtype=dtype,
+                    max_tokens=12)
+    g = torch.Generator().manual_seed(seed)
+    el = e // world
+    tokens = make_tokens(kind, world, cfg.max_tokens, g)
+    ids = make_ids(kind, tokens, e, k, g)
+    xs = [torch.randn(i.shape[0], h, generator=g).to(dtype) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    w13 = [(torch.randn(el, h, 2 * f, generator=g) * h ** -0.5).to(dtype) for _ in range(world)]
+    w2 = [(torch.randn(el, f, h, generator=g) * f ** -0.5).to(dtype) for _ in range(world)]
+    ep = VirtualEP(cfg, w13, w2, tile)
+    ys = ep.forward(xs, ids, wts, comm_programs, compute_programs)
+    expect = reference.ep_forward(xs, ids, wts, w13, w2, round_to=dtype)
+    return ys, expect, ep
+
+
+def _close(ys, expect, dtype):
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    for y, e in zip(ys, expect):
+        torch.testing.assert_close(y.float(), e, **tol)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(SCALED))
+def test_configs_fp16(world, name):
+    ys, expect, _ = _run(world, name, "random", torch.float16, seed=world)
+    _close(ys, expect, torch.float16)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_routings_fp32_world4(kind):
+    ys, expect, _ = _run(4, "mixtral", kind, torch.float32, seed=len(kind))
+    _close(ys, expect, torch.float32)
+
+
+@pytest.mark.parametrize("comm_programs", [1, 3, 5])
+def test_comm_program_counts(comm_programs):
+    ys, expect, _ = _run(2, "qwen2-moe", "skewed", torch.float16, seed=comm_programs,
+                         comm_programs=comm_programs, compute_programs=2)
+    _close(ys, expect, torch.float16)
+
+
+def test_back_to_back_calls_reuse_the_workspace():
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=12)
+    g = torch.Generator().manual_seed(0)
+    w13 = [(torch.randn(4, h, 2 * f, generator=g) * 0.2).half() for _ in range(2)]
+    w2 = [(torch.randn(4, f, h, generator=g) * 0.2).half() for _ in range(2)]
+    ep = VirtualEP(cfg, w13, w2)
+    for call in range(3):
+        kind = KINDS[call % len(KINDS)]
+        ids = make_ids(kind, make_tokens(kind, 2, 12, g), e, k, g)
+        xs = [torch.randn(i.shape[0], h, generator=g).half() for i in ids]
+        wts = [torch.rand(i.shape, generator=g) for i in ids]
+        ys = ep.forward(xs, ids, wts)
+        _close(ys, reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16),
+               torch.float16)
+    assert int(ep.ws[0].epoch) == 3
+
+
+def test_missing_peer_is_a_clear_error():
+    """Rank 1 never dispatches: rank 0's GroupGEMM gives up and names the missing rank."""
+    ys, expect, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
+    cfg, tile = ep.cfg, ep.tile
+    g = torch.Generator().manual_seed(9)
+    ids = [torch.tensor([[0, 5], [6, 7]]), torch.tensor([[1, 4]])]
+    xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).half() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    for ws in ep.ws:
+        ws.epoch.add_(1)
+        ws.counters.zero_()
+    counts = [L.launch_exchange(ep.ws[r], ids[r], 4, L.PHASE_PUSH) for r in range(2)]
+    for r in range(2):
+        L.launch_exchange(ep.ws[r], ids[r], 4, L.PHASE_WAIT, my_counts=counts[r])
+    plan = L.make_plan(ep.ws[0], cfg, ids[0], wts[0], tile)
+    L.launch_layer0(ep.ws[0], cfg, plan, xs[0], ep.w13[0], tile, L.ROLE_COMM, 0, 2)
+    L.launch_layer0(ep.ws[0], cfg, plan, xs[0], ep.w13[0], tile, L.ROLE_COMPUTE, 0, 2)
+    with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
+        raise_if_failed(ep.ws[0].error, 0)
+
+
+def test_exchange_timeout_names_the_peer():
+    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
+    ws = ep.ws[0]
+    ws.epoch.add_(1)
+    L.launch_exchange(ws, torch.tensor([[0, 1]]), 4)       # rank 1 never publishes
+    with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
+        raise_if_failed(ws.error, 0)
