@@ -68,20 +68,20 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     dtype=dtype, max_tokens=64)
     tile = L.TileConfig()
     el = cfg.num_experts // world
-    ws = allocate_virtual(cfg, world, "cpu", tile.n_splits(cfg.hidden_size))[0]
+    ws = allocate_virtual(cfg, world, "cpu", tile.n_splits(cfg.hidden_size), tile.block_m)[0]
     w13 = torch.zeros(el, 256, 512, dtype=dtype)
     w2 = torch.zeros(el, 256, 256, dtype=dtype)
     x = torch.zeros(10, 256, dtype=dtype)
-    ids = torch.zeros(10, 2, dtype=torch.int64)
-    wts = torch.zeros(10, 2)
+    ids = torch.zeros(64, 2, dtype=torch.int64)
+    wts = torch.zeros(64, 2)
 
     def run():
-        L.launch_exchange(ws, ids, el)
-        plan = L.make_plan(ws, cfg, ids, wts, tile)
+        L.launch_plan(ws, cfg, ids, wts, tile)
+        split = L.split_of(4, "cpu")
         for role in (L.ROLE_FUSED, L.ROLE_COMM, L.ROLE_COMPUTE):
-            L.launch_layer0(ws, cfg, plan, x, w13, tile, role, 4, 132)
-            L.launch_layer1(ws, cfg, plan, w2, tile, role, 4, 132)
-        L.launch_combine(ws, cfg, plan, torch.zeros_like(x), tile)
+            L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, role, split, 132)
+            L.launch_layer1(ws, cfg, w2, tile, role, split, 132)
+        L.launch_combine(ws, cfg, L.address_of(x), split, tile)
     return record_launches(run)
 
 

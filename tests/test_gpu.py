@@ -186,7 +186,8 @@ def test_missing_peer_times_out_quickly(monkeypatch):
     ws = ep.ws[0]
     ws.epoch.add_(1)
     start = time.time()
-    L.launch_exchange(ws, torch.tensor([[0, 5]], device="cuda"), 4)
+    L.launch_counts(ws, cfg, torch.tensor([[0, 5]], device="cuda"))
+    L.launch_exchange(ws, cfg)
     torch.cuda.synchronize()
     with pytest.raises(CometTimeoutError, match="rank 1"):
         raise_if_failed(ws.error, 0)

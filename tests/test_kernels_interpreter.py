@@ -93,7 +93,7 @@ def test_back_to_back_calls_reuse_the_workspace():
 
 def test_missing_peer_is_a_clear_error():
     """Rank 1 never dispatches: rank 0's GroupGEMM gives up and names the missing rank."""
-    ys, expect, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
+    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
     cfg, tile = ep.cfg, ep.tile
     g = torch.Generator().manual_seed(9)
     ids = [torch.tensor([[0, 5], [6, 7]]), torch.tensor([[1, 4]])]
@@ -102,20 +102,25 @@ def test_missing_peer_is_a_clear_error():
     for ws in ep.ws:
         ws.epoch.add_(1)
         ws.counters.zero_()
-    counts = [L.launch_exchange(ep.ws[r], ids[r], 4, L.PHASE_PUSH) for r in range(2)]
     for r in range(2):
-        L.launch_exchange(ep.ws[r], ids[r], 4, L.PHASE_WAIT, my_counts=counts[r])
-    plan = L.make_plan(ep.ws[0], cfg, ids[0], wts[0], tile)
-    L.launch_layer0(ep.ws[0], cfg, plan, xs[0], ep.w13[0], tile, L.ROLE_COMM, 0, 2)
-    L.launch_layer0(ep.ws[0], cfg, plan, xs[0], ep.w13[0], tile, L.ROLE_COMPUTE, 0, 2)
+        L.launch_counts(ep.ws[r], cfg, ids[r])
+        L.launch_exchange(ep.ws[r], cfg, L.PHASE_PUSH)
+    ws = ep.ws[0]
+    L.launch_exchange(ws, cfg, L.PHASE_WAIT)
+    L.launch_layout(ws, cfg, tile)
+    L.launch_place(ws, cfg, ids[0], wts[0])
+    x_addr, unused = L.address_of(xs[0]), L.split_of(0, "cpu")
+    L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMM, unused, 1)
+    L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMPUTE, unused, 2)
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
-        raise_if_failed(ep.ws[0].error, 0)
+        raise_if_failed(ws.error, 0)
 
 
 def test_exchange_timeout_names_the_peer():
     _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
     ws = ep.ws[0]
     ws.epoch.add_(1)
-    L.launch_exchange(ws, torch.tensor([[0, 1]]), 4)       # rank 1 never publishes
+    L.launch_counts(ws, ep.cfg, torch.tensor([[0, 1]]))
+    L.launch_exchange(ws, ep.cfg)                     # rank 1 never publishes
     with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
         raise_if_failed(ws.error, 0)

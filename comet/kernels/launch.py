@@ -1,8 +1,8 @@
-"""Host launchers of the fused kernels: one function per phase of a call.
+"""Host launchers of comet's kernels: one function per phase of a call.
 
 A call on one rank is the sequence
 
-    exchange (push, wait) -> plan (torch, on the device) -> layer0 -> layer1 -> combine
+    counts -> exchange (push, wait) -> layout -> place -> layer0 -> layer1 -> combine
 
 and each launcher below runs one phase for one rank. :class:`comet.runtime.layer.FusedMoE`
 runs them back to back on a stream (fused roles: one launch per layer); the virtual-rank
@@ -23,10 +23,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from comet.config import MoEConfig
 from comet.kernels import layer0 as l0
 from comet.kernels import layer1 as l1
-from comet.routing import (RecvLayout, SendPlan, build_recv_layout, build_send_plan,
-                           local_counts, recv_capacity)
-from comet.runtime.workspace import Workspace
-from comet.scheduler.plan import TileTable, build_tile_table
+from comet.kernels import plan as kplan
+from comet.runtime.workspace import Workspace, plan_block_tokens
 
 ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE = 0, 1, 2
 PHASE_PUSH, PHASE_WAIT, PHASE_BOTH = 1, 2, 3
@@ -46,7 +44,8 @@ class TileConfig:
     block_n1: columns of a layer1 work item.
     block_k: K step (shrunk to divide H and F where needed).
     splits: target number of layer1 column splits (the comm role's unit of waiting).
-    comm_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+    comm_rows / comm_block_h: tile of the dispatch copy (rows x columns); a chunk of
+        ``comm_rows`` rows is also the unit a destination waits for.
     comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns).
     combine_rows / combine_block_h: tile of the final combine.
     """
@@ -90,18 +89,6 @@ class TileConfig:
         return -(-n_blocks // self.blocks_per_split(hidden))
 
 
-@dataclass
-class CallPlan:
-    """Everything one rank computed for one call (device tensors; no host sync)."""
-
-    num_tokens: int
-    counts_all: torch.Tensor      # [W, W, El + 1]
-    layout: RecvLayout
-    send: SendPlan
-    tiles: TileTable
-    entries: torch.Tensor         # [W] return entries this rank receives, by source
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -114,35 +101,80 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# ----------------------------------------------------------------------- exchange
-def launch_exchange(ws: Workspace, topk_ids: torch.Tensor, local_experts: int,
-                    phase: int = PHASE_BOTH, my_counts: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-    """Count this rank's routing and all-gather the counts; returns ``my_counts``."""
-    if my_counts is None:
-        my_counts = local_counts(topk_ids, ws.world, local_experts).contiguous()
-    row = my_counts.numel()
-    l0.exchange_counts_kernel[(1,)](
-        my_counts, ws.peer_ptrs["counts"], ws.peer_ptrs["count_flags"], ws.count_flags,
-        ws.epoch, ws.error, ws.rank, _timeout_ns(),
-        WORLD=ws.world, ROW=row, BLOCK=_next_pow2(row), PUSH=bool(phase & PHASE_PUSH),
-        WAIT=bool(phase & PHASE_WAIT),
-        USE_ASM=not interpreting(), num_warps=1)
-    return my_counts
+def _asm() -> bool:
+    return not interpreting()
 
 
-def make_plan(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, tile: TileConfig) -> CallPlan:
-    """Routing plan and tile table from the exchanged counts (torch ops on the device)."""
+def address_of(t: torch.Tensor) -> torch.Tensor:
+    """A device int64 holding ``t``'s address (kernels load it, so graphs stay valid)."""
+    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
+
+
+def split_of(n_comm: int, device) -> torch.Tensor:
+    """A device int32 holding a comm-block count (read by the fused kernels)."""
+    return torch.full((1,), n_comm, dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------- plan
+def launch_counts(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor) -> None:
+    """Per-block routing counts, prefix-summed: ``plan["block_counts"][-1]`` holds this
+    rank's totals (pairs per expert, tokens per destination)."""
+    p, k = ws.plan, cfg.top_k
+    bt = plan_block_tokens(k)
+    blocks = p["block_counts"].shape[0] - 1
+    kplan.count_kernel[(blocks,)](
+        topk_ids, p["block_counts"], topk_ids.shape[0],
+        TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
+        LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
+        BINS=_next_pow2(cfg.num_experts + 1), BLOCK_T=bt, num_warps=4)
+    p["block_counts"].cumsum_(0)
+
+
+def launch_exchange(ws: Workspace, cfg: MoEConfig, phase: int = PHASE_BOTH) -> None:
+    """All-gather this rank's totals into every peer's ``counts``; wait for all peers."""
     el = cfg.num_experts // ws.world
-    counts_all = ws.counts.view(ws.world, ws.world, el + 1)
-    layout = build_recv_layout(counts_all)
-    send = build_send_plan(topk_ids, topk_weights, counts_all, layout, ws.rank,
-                           cfg.max_tokens)
-    rows_cap = recv_capacity(ws.world, cfg.max_tokens, cfg.top_k)
-    tiles = build_tile_table(layout, ws.rank, rows_cap, tile.block_m)
-    return CallPlan(topk_ids.shape[0], counts_all, layout, send, tiles,
-                    layout.entries[ws.rank].contiguous())
+    l0.exchange_counts_kernel[(1,)](
+        ws.plan["block_counts"][-1], ws.peer_ptrs["counts"], ws.peer_ptrs["count_flags"],
+        ws.count_flags, ws.epoch, ws.error, ws.rank, _timeout_ns(),
+        WORLD=ws.world, LOCAL_EXPERTS=el, BLOCK=_next_pow2(ws.world * (el + 1)),
+        PUSH=bool(phase & PHASE_PUSH), WAIT=bool(phase & PHASE_WAIT), USE_ASM=_asm(),
+        num_warps=1)
+
+
+def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
+    """Offsets and the tile table from the exchanged counts (one program)."""
+    p, el = ws.plan, cfg.num_experts // ws.world
+    kplan.layout_kernel[(1,)](
+        ws.counts, ws.rank, p["send_base"], p["dst_base"], p["send_off"], p["ret_count"],
+        p["seg_start"], p["seg_rows"], p["pre"], p["chunks_total"], p["entries"],
+        p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
+        p["tile_stage"], p["num_tiles"], p["scratch"],
+        WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
+        EL_P2=_next_pow2(el), BLOCK_M=tile.block_m, COMM_ROWS=tile.comm_rows,
+        COMM_ENTRIES=tile.comm_entries, TILE_CHUNK=64, num_warps=4)
+
+
+def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> None:
+    """Send list and return entries of this rank (one program per token block)."""
+    p, k = ws.plan, cfg.top_k
+    blocks = p["block_counts"].shape[0] - 1
+    kplan.place_kernel[(blocks,)](
+        topk_ids, topk_weights, p["block_counts"], p["send_base"], p["dst_base"],
+        p["send_token"], p["send_row"], p["ret_token"], p["ret_rows"], p["ret_weight"],
+        p["dest_mask"], topk_ids.shape[0], cfg.max_tokens,
+        TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
+        LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
+        BLOCK_T=plan_block_tokens(k), num_warps=4)
+
+
+def launch_plan(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, tile: TileConfig) -> None:
+    """The whole plan of one call for one rank (the exchange waits for every peer)."""
+    launch_counts(ws, cfg, topk_ids)
+    launch_exchange(ws, cfg)
+    launch_layout(ws, cfg, tile)
+    launch_place(ws, cfg, topk_ids, topk_weights)
 
 
 # ----------------------------------------------------------------------- descriptors
@@ -151,67 +183,70 @@ def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t2d, block)
 
 
+def _cooperative(role: int) -> dict:
+    return {} if interpreting() or role != ROLE_FUSED else {"launch_cooperative_grid": True}
+
+
 # ----------------------------------------------------------------------- layers
-def launch_layer0(ws: Workspace, cfg: MoEConfig, plan: CallPlan, x: torch.Tensor,
-                  w13: torch.Tensor, tile: TileConfig, role: int, n_comm: int, grid: int,
+def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
+                  tile: TileConfig, role: int, split: torch.Tensor, grid: int,
                   wait: bool = True) -> None:
-    """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute)."""
+    """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute).
+
+    ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
+    int32 with the comm-block count (fused role only)."""
     el, h, f = w13.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(h)
-    a_desc = descriptor(ws.a0, [tile.block_m, bk])
-    w_desc = descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0])
-    counters = ws.counter_view(ws.world)
-    s, t = plan.send, plan.tiles
-    extra = {} if interpreting() or role != ROLE_FUSED else {"launch_cooperative_grid": True}
+    p = ws.plan
     l0.layer0_kernel[(grid,)](
-        x, s.send_token, s.send_row, s.send_off, s.ret_token, s.ret_rows, s.ret_weight,
-        s.ret_count, ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"], ws.peer_ptrs["ret_rows"],
-        ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"], ws.ret_token, ws.ret_rows,
-        ws.ret_weight, counters["dispatch"], cfg.max_tokens,
-        ws.a0, a_desc, w_desc, ws.h, h, f,
-        t.expert, t.row_start, t.row_end, t.wait_mask, t.num_tiles,
-        ws.flag0, ws.epoch, ws.error, ws.rank, n_comm, _timeout_ns(),
-        ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k),
-        COMM_ROWS=tile.comm_rows, COMM_BLOCK_H=tile.comm_block_h,
-        COMM_ENTRIES=tile.comm_entries, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0,
-        BLOCK_K=bk, DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=not interpreting(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+        x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
+        p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
+        ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
+        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.seq, cfg.max_tokens,
+        ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
+        descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
+        p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
+        p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"],
+        ws.flag0, ws.epoch, ws.error, ws.rank, split, _timeout_ns(),
+        ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
+        TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
+        COMM_BLOCK_H=tile.comm_block_h, COMM_ENTRIES=tile.comm_entries,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0, BLOCK_K=bk,
+        DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role))
 
 
-def launch_layer1(ws: Workspace, cfg: MoEConfig, plan: CallPlan, w2: torch.Tensor,
-                  tile: TileConfig, role: int, n_comm: int, grid: int,
-                  wait: bool = True) -> None:
+def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,
+                  role: int, split: torch.Tensor, grid: int, wait: bool = True) -> None:
     """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank."""
     el, h, f = w2.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(f)
-    h_desc = descriptor(ws.h, [tile.block_m, bk])
-    w_desc = descriptor(w2.view(el * f, h), [bk, tile.block_n1])
-    counters = ws.counter_view(ws.world)
-    t = plan.tiles
-    extra = {} if interpreting() or role != ROLE_FUSED else {"launch_cooperative_grid": True}
+    p = ws.plan
     l1.layer1_kernel[(grid,)](
-        h_desc, w_desc, ws.out1, f, h,
-        t.expert, t.row_start, t.row_end, t.num_tiles, counters["split"],
-        ws.ret_token, ws.ret_rows, ws.ret_weight, plan.entries, ws.peer_ptrs["comb"],
-        ws.comb, ws.peer_ptrs["flag1"], ws.flag1, counters["l1_done"], ws.epoch, ws.error,
-        ws.rank, cfg.max_tokens, n_comm, _timeout_ns(),
+        descriptor(ws.h, [tile.block_m, bk]), descriptor(w2.view(el * f, h), [bk, tile.block_n1]),
+        ws.out1, f, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
+        p["num_tiles"], ws.counter_view()["split"],
+        ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, p["chunks_total"],
+        ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
+        ws.counter_view()["l1_done"], ws.epoch, ws.error, ws.rank, cfg.max_tokens, split,
+        _timeout_ns(),
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
-        USE_ASM=not interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **extra)
+        USE_ASM=_asm(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **_cooperative(role))
 
 
-def launch_combine(ws: Workspace, cfg: MoEConfig, plan: CallPlan, y: torch.Tensor,
-                   tile: TileConfig, wait: bool = True) -> None:
-    """Sum the partial rows sent back by every rank into ``y [M, H]``."""
-    m = plan.num_tokens
+def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
+                   num_tokens: torch.Tensor, tile: TileConfig, wait: bool = True) -> None:
+    """Sum the partial rows sent back by every rank into the output whose address is in
+    ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``)."""
     # Even with no tokens, one program waits for every rank's flag1: the wait closes the
     # call (see comet.runtime.workspace on why single buffers are safe).
-    grid = max(1, triton.cdiv(m, tile.combine_rows))
+    grid = triton.cdiv(cfg.max_tokens, tile.combine_rows)
     l1.combine_kernel[(grid,)](
-        ws.comb, ws.flag1, plan.send.dest_mask, y, m, cfg.hidden_size, ws.epoch, ws.error,
-        ws.rank, cfg.max_tokens, _timeout_ns(),
+        ws.comb, ws.flag1, ws.plan["dest_mask"], y_addr, num_tokens, cfg.hidden_size,
+        ws.epoch, ws.error, ws.rank, cfg.max_tokens, _timeout_ns(),
         WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=tile.combine_block_h,
-        USE_ASM=not interpreting(), num_warps=4)
+        USE_ASM=_asm(), num_warps=4)

@@ -11,11 +11,11 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   every destination's ``a0`` (remote stores beat remote loads on NVLink), destinations in
   the order ``r, r-1, r-2, ...`` so that, at each step, every rank feeds a different peer
   and each destination receives its sources in the order it consumes them (own rank
-  first). With the rows go the *return entries* layer1 will need. The last chunk to a
-  destination releases that destination's ``flag0[r] = epoch``.
+  first). After the rows go the *return entries* layer1 will need. Chunks are published
+  in order, so ``flag0[r]`` on a destination counts the chunks of rank ``r`` that landed.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
-  before a tile, wait for the flags of exactly its wait set (sources already seen are
-  remembered, so each is awaited once per block).
+  before a tile, wait for exactly the sources of its wait set, and of each only for the
+  chunk holding the tile's last row: local rows feed the GEMM as soon as they land.
 
 The count exchange that precedes the kernel (:func:`exchange_counts_kernel`) is where
 every rank learns the layout of every destination's shared tensor.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import arrive, barrier, fence_async_proxy, healthy, wait_at_least
+from comet.kernels.sync import barrier, fence_async_proxy, healthy, wait_at_least
 
 # Roles of a launch (constexpr ROLE).
 ROLE_FUSED = tl.constexpr(0)
@@ -35,6 +35,10 @@ ROLE_COMPUTE = tl.constexpr(2)
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
 SITE_DISPATCH = tl.constexpr(2)
+SITE_DISPATCH_ORDER = tl.constexpr(5)
+
+# Flags of the dispatch hold epoch * TAG + published chunks (see tagged()).
+TAG = tl.constexpr(1 << 32)
 
 
 @triton.jit
@@ -44,20 +48,28 @@ def _peer(table, rank, like_ptr):
 
 
 @triton.jit
-def exchange_counts_kernel(my_counts, counts_table, count_flags_table, count_flags,
+def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
                            epoch_ptr, err_ptr, rank, timeout,
-                           WORLD: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                           PUSH: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr):
-    """All-gather of the ``[W, El + 1]`` routing counts: row ``r`` of every peer's
-    ``counts`` buffer receives this rank's counts, then ``count_flags[r] = epoch``.
-    ``PUSH`` and ``WAIT`` select the halves (the virtual-rank driver runs them apart)."""
+                           WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
+                           BLOCK: tl.constexpr, PUSH: tl.constexpr, WAIT: tl.constexpr,
+                           USE_ASM: tl.constexpr):
+    """All-gather of the routing counts: row ``r`` of every peer's ``counts [W, W*(El+1)]``
+    receives this rank's ``[W, El + 1]`` (pairs per destination expert, then distinct
+    tokens per destination), built from ``totals`` (``[E + W]``: pairs per expert, tokens
+    per rank); then ``count_flags[r] = epoch``. ``PUSH``/``WAIT`` select the halves (the
+    virtual-rank driver runs them apart)."""
+    EL1: tl.constexpr = LOCAL_EXPERTS + 1
+    ROW: tl.constexpr = WORLD * EL1
     epoch = tl.load(epoch_ptr)
     if PUSH:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
-        row = tl.load(my_counts + offs, mask=mask)
+        d = offs // EL1
+        c = offs % EL1
+        src = tl.where(c < LOCAL_EXPERTS, d * LOCAL_EXPERTS + c, WORLD * LOCAL_EXPERTS + d)
+        row = tl.load(totals + src, mask=mask)
         for p in range(WORLD):
-            dst = _peer(counts_table, p, my_counts)
+            dst = _peer(counts_table, p, totals)
             tl.store(dst + rank * ROW + offs, row, mask=mask)
         barrier()
         for p in range(WORLD):
@@ -100,15 +112,25 @@ def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weig
 
 
 @triton.jit
+def tagged(epoch, count):
+    """A flag value that orders by (epoch, count): stale epochs compare lower."""
+    return epoch.to(tl.int64) * TAG + count
+
+
+@triton.jit
 def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  a0_ptr, recv_token, recv_rows, recv_weight, flag0,
-                  counters, epoch, err_ptr, rank, max_tokens,
+                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                  epoch, err_ptr, rank, max_tokens, timeout,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr):
-    """Push this rank's rows and return entries to every destination (see module doc).
-    ``a0_ptr``, ``recv_*`` and ``flag0`` are this rank's own buffers, used as types."""
+                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    """Push this rank's rows, then its return entries, to every destination, in chunks
+    striped over the comm programs. Chunks are *published in order*: after copying chunk
+    ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
+    destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
+    prefix of this rank's rows and a tile waits only for the chunks it reads."""
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
         lo = tl.load(send_off + d)
@@ -123,6 +145,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         dst_rows = _peer(ret_rows_table, d, recv_rows) + region * TOPK
         dst_w = _peer(ret_weight_table, d, recv_weight) + region * TOPK
         src = d * max_tokens
+        flag = _peer(flag0_table, d, flag0) + rank
         for c in range(pid, total, n_prog):
             if healthy(err_ptr):
                 if c < row_chunks:
@@ -133,61 +156,90 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                     _push_entries(ret_token + src, ret_rows + src * TOPK,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
                                   e0, n_ent, TOPK, TOPK_P2, ENTRIES)
-            if arrive(counters + d, "sys") == total - 1:
-                flag = _peer(flag0_table, d, flag0)
-                tl.atomic_xchg(flag + rank, epoch, sem="release", scope="sys")
+            barrier()
+            if c > 0:
+                wait_at_least(seq + d, tagged(epoch, c), err_ptr, SITE_DISPATCH_ORDER, d,
+                              rank, timeout, "gpu", USE_ASM)
+            tl.atomic_xchg(flag, tagged(epoch, c + 1), sem="release", scope="sys")
+            tl.atomic_xchg(seq + d, tagged(epoch, c + 1), sem="release", scope="gpu")
         if (total == 0) & (pid == 0):
-            flag = _peer(flag0_table, d, flag0)
-            tl.atomic_xchg(flag + rank, epoch, sem="release", scope="sys")
+            tl.atomic_xchg(flag, tagged(epoch, 0), sem="release", scope="sys")
+
+
+@triton.jit
+def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epoch, err_ptr,
+                rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
+                LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Wait until every source in ``wait`` has published the chunk holding its last row
+    in ``[r0, r1)``. ``seen[s]`` caches how many chunks of ``s`` are known published, so
+    most tiles cost no flag load at all."""
+    ranks = tl.arange(0, W_P2)
+    for s in range(WORLD):
+        if ((wait >> s) & 1) != 0:
+            o = (s - rank + WORLD) % WORLD
+            seg0 = tl.load(seg_start + o * LOCAL_EXPERTS + expert)
+            seg1 = seg0 + tl.load(seg_rows + o * LOCAL_EXPERTS + expert)
+            last = tl.minimum(r1, seg1) - 1 - seg0
+            need = (tl.load(pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
+            have = tl.sum(tl.where(ranks == s, seen, 0), axis=0)
+            if need > have:
+                v = wait_at_least(flag0 + s, tagged(epoch, need), err_ptr, SITE_DISPATCH, s,
+                                  rank, timeout, "sys", USE_ASM)
+                seen = tl.where(ranks == s, (v & (TAG - 1)).to(tl.int32), seen)
+    return seen
 
 
 @triton.jit
 def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
+                        seg_start, seg_rows, pre,
                         flag0, epoch, err_ptr, rank, timeout,
                         WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        WORLD: tl.constexpr, USE_ASM: tl.constexpr):
+                        WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
+                        ROWS: tl.constexpr, USE_ASM: tl.constexpr):
     """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(F, BLOCK_N)
-    ready = tl.full([], 0, tl.int64)
+    seen = tl.zeros([W_P2], dtype=tl.int32)
     for w in range(pid, num_tiles * n_blocks, n_prog):
         t, nb = grouped_work(w, num_tiles, n_blocks)
+        expert = tl.load(tile_expert + t)
+        r0 = tl.load(tile_row_start + t)
+        r1 = tl.load(tile_row_end + t)
         if WAIT:
-            need = tl.load(tile_wait + t) & ~ready
-            if need != 0:
-                for s in range(WORLD):
-                    if ((need >> s) & 1) != 0:
-                        wait_at_least(flag0 + s, epoch, err_ptr, SITE_DISPATCH, s, rank,
-                                      timeout, "sys", USE_ASM)
-                ready = ready | need
-                fence_async_proxy(USE_ASM)
-        gemm_tile(a_desc, w13_desc, h_ptr, F, tl.load(tile_expert + t),
-                  tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N, H, F,
+            seen = _await_rows(flag0, seg_start, seg_rows, pre, tl.load(tile_wait + t),
+                               expert, r0, r1, seen, epoch, err_ptr, rank, timeout, WORLD,
+                               W_P2, LOCAL_EXPERTS, ROWS, USE_ASM)
+            fence_async_proxy(USE_ASM)
+        gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
                   True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
 
 
 @triton.jit
 def layer0_kernel(
-    # dispatch (comm role)
-    x_ptr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
+    # dispatch (comm role); the input's address is read on the device (graph replays)
+    x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
     a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    recv_token, recv_rows, recv_weight, counters, max_tokens,
+    recv_token, recv_rows, recv_weight, seq, max_tokens,
     # GroupGEMM (compute role)
     a0_ptr, a_desc, w13_desc, h_ptr, H, F,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
-    # both
-    flag0, epoch_ptr, err_ptr, rank, n_comm, timeout,
-    ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, COMM_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
-    COMM_ENTRIES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+    seg_start, seg_rows, pre,
+    # both; n_comm is read on the device so one captured launch serves every split
+    flag0, epoch_ptr, err_ptr, rank, split_ptr, timeout,
+    ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
+    LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+    COMM_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr, COMM_ENTRIES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
+    x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
     if ROLE == ROLE_FUSED:
+        n_comm = tl.load(split_ptr)
         comm = pid < n_comm
         n_role = tl.where(comm, n_comm, programs - n_comm)
         role_pid = tl.where(comm, pid, pid - n_comm)
@@ -199,11 +251,12 @@ def layer0_kernel(
         dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
                       ret_token, ret_rows, ret_weight, ret_count,
                       a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0,
-                      counters, epoch, err_ptr, rank, max_tokens,
-                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES)
+                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                      epoch, err_ptr, rank, max_tokens, timeout,
+                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES, USE_ASM)
     else:
         layer0_compute_role(role_pid, n_role, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
-                            num_tiles_ptr, flag0, epoch, err_ptr, rank, timeout,
-                            WAIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, WORLD, USE_ASM)
+                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_ptr,
+                            rank, timeout, WAIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                            WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, USE_ASM)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from comet.kernels.group_gemm import column_work, gemm_tile
+from comet.kernels.layer0 import TAG
 from comet.kernels.sync import arrive, healthy, wait_at_least
 
 ROLE_FUSED = tl.constexpr(0)
@@ -34,6 +35,7 @@ ROLE_COMPUTE = tl.constexpr(2)
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
+SITE_ENTRIES = tl.constexpr(6)
 
 
 @triton.jit
@@ -77,13 +79,18 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
 
 @triton.jit
 def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
-                     comb_table, comb_ptr, flag1_table, flag1, split_done, done_counter,
-                     num_tiles_ptr, epoch, err_ptr, rank, max_tokens, timeout,
+                     flag0, chunks_total, comb_table, comb_ptr, flag1_table, flag1,
+                     split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
+                     max_tokens, timeout,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
                      ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCKS_PER_SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
     """Reduce the top-k rows of every return entry, split by split, into the sources'
-    ``comb`` buffers (see module doc)."""
+    ``comb`` buffers (see module doc). A source's return entries travel after its rows in
+    layer0; its flag0 reaching ``chunks_total`` says they all landed."""
+    for s in range(WORLD):
+        wait_at_least(flag0 + s, epoch.to(tl.int64) * TAG + tl.load(chunks_total + s),
+                      err_ptr, SITE_ENTRIES, s, rank, timeout, "sys", USE_ASM)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
@@ -115,8 +122,9 @@ def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weigh
 def layer1_kernel(
     h_desc, w2_desc, out1_ptr, F, H,
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-    recv_token, recv_rows, recv_weight, entries, comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, epoch_ptr, err_ptr, rank, max_tokens, n_comm, timeout,
+    recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
+    comb_table, comb_ptr, flag1_table, flag1,
+    done_counter, epoch_ptr, err_ptr, rank, max_tokens, split_ptr, timeout,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
@@ -126,6 +134,7 @@ def layer1_kernel(
     programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
     if ROLE == ROLE_FUSED:
+        n_comm = tl.load(split_ptr)
         comm = pid < n_comm
         n_role = tl.where(comm, n_comm, programs - n_comm)
         role_pid = tl.where(comm, pid, pid - n_comm)
@@ -135,8 +144,9 @@ def layer1_kernel(
         role_pid = pid
     if comm:
         reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                         entries, comb_table, comb_ptr, flag1_table, flag1, split_done,
-                         done_counter, num_tiles_ptr, epoch, err_ptr, rank, max_tokens,
+                         entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
+                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
+                         max_tokens,
                          timeout, WAIT, WORLD, TOPK, COMM_ENTRIES, COMM_BLOCK_C, BLOCK_N,
                          BLOCKS_PER_SPLIT, USE_ASM)
     else:
@@ -147,13 +157,17 @@ def layer1_kernel(
 
 
 @triton.jit
-def combine_kernel(comb_ptr, flag1, dest_mask, y_ptr, num_tokens, H, epoch_ptr, err_ptr,
+def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_ptr, err_ptr,
                    rank, max_tokens, timeout,
                    WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
-    """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order."""
+    """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order.
+    The token count and the output's address are read on the device, so one captured
+    launch serves every call."""
     pid = tl.program_id(0)
+    y_ptr = tl.load(y_addr).to(tl.pointer_type(comb_ptr.dtype.element_ty))
     epoch = tl.load(epoch_ptr)
+    num_tokens = tl.load(num_tokens_ptr)
     if WAIT:
         for d in range(WORLD):
             wait_at_least(flag1 + d, epoch, err_ptr, SITE_COMBINE, d, rank, timeout, "sys",

@@ -33,13 +33,22 @@ INTERPRETER_SPINS = tl.constexpr(64)
 
 @triton.jit
 def _ld_acquire(ptr, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Acquire load of a 32- or 64-bit flag (the width follows the pointer)."""
     if USE_ASM:
-        if SCOPE == "sys":
-            v = tl.inline_asm_elementwise("ld.global.acquire.sys.b64 $0, [$1];", "=l,l",
-                                          [ptr], dtype=tl.int64, is_pure=False, pack=1)
+        if ptr.dtype.element_ty.primitive_bitwidth == 64:
+            if SCOPE == "sys":
+                v = tl.inline_asm_elementwise("ld.global.acquire.sys.b64 $0, [$1];", "=l,l",
+                                              [ptr], dtype=tl.int64, is_pure=False, pack=1)
+            else:
+                v = tl.inline_asm_elementwise("ld.global.acquire.gpu.b64 $0, [$1];", "=l,l",
+                                              [ptr], dtype=tl.int64, is_pure=False, pack=1)
         else:
-            v = tl.inline_asm_elementwise("ld.global.acquire.gpu.b64 $0, [$1];", "=l,l",
-                                          [ptr], dtype=tl.int64, is_pure=False, pack=1)
+            if SCOPE == "sys":
+                v = tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l",
+                                              [ptr], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                v = tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l",
+                                              [ptr], dtype=tl.int32, is_pure=False, pack=1)
     else:
         v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
     return v

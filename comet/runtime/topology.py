@@ -235,9 +235,8 @@ def sm_count(device_index: int | None = None) -> int:
         if not torch.cuda.is_available():
             raise ValueError(f"no current CUDA device ({unavailable_reason()})")
         device_index = torch.cuda.current_device()
-    if cuda_runtime() is None:
-        import torch
-        return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+    # device_info reads multiProcessorCount through cuda-python, or through torch's
+    # device properties when cuda-python is missing.
     return device_info(device_index).sm_count
 
 

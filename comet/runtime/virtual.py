@@ -32,36 +32,45 @@ class VirtualEP:
         self.device = w13_shards[0].device
         self.tile = tile or L.TileConfig.small()
         self.ws = allocate_virtual(cfg, self.world, self.device,
-                                   self.tile.n_splits(cfg.hidden_size))
+                                   self.tile.n_splits(cfg.hidden_size), self.tile.block_m)
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
                 compute_programs: int = 3) -> list[torch.Tensor]:
-        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``)."""
+        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``).
+
+        Under the interpreter the dispatch runs on one program: its chunks are published
+        in order, and a later chunk on program 0 would wait for a program not yet run."""
         cfg, tile, ranks = self.cfg, self.tile, range(self.world)
-        el = cfg.num_experts // self.world
         for ws in self.ws:
             ws.epoch.add_(1)
             ws.counters.zero_()
-        counts = [L.launch_exchange(self.ws[r], topk_ids[r], el, L.PHASE_PUSH) for r in ranks]
         for r in ranks:
-            L.launch_exchange(self.ws[r], topk_ids[r], el, L.PHASE_WAIT, my_counts=counts[r])
-        plans = [L.make_plan(self.ws[r], cfg, topk_ids[r], topk_weights[r], tile) for r in ranks]
+            L.launch_counts(self.ws[r], cfg, topk_ids[r])
+            L.launch_exchange(self.ws[r], cfg, L.PHASE_PUSH)
         for r in ranks:
-            L.launch_layer0(self.ws[r], cfg, plans[r], xs[r], self.w13[r], tile, L.ROLE_COMM,
-                            0, comm_programs)
+            L.launch_exchange(self.ws[r], cfg, L.PHASE_WAIT)
+            L.launch_layout(self.ws[r], cfg, tile)
+            L.launch_place(self.ws[r], cfg, topk_ids[r], topk_weights[r])
+        x_addr = [L.address_of(x) for x in xs]
+        unused = L.split_of(0, self.device)      # roles launched apart: no split to read
+        dispatchers = 1 if L.interpreting() else comm_programs
         for r in ranks:
-            L.launch_layer0(self.ws[r], cfg, plans[r], xs[r], self.w13[r], tile,
-                            L.ROLE_COMPUTE, 0, compute_programs)
+            L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMM,
+                            unused, dispatchers)
         for r in ranks:
-            L.launch_layer1(self.ws[r], cfg, plans[r], self.w2[r], tile, L.ROLE_COMPUTE, 0,
+            L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMPUTE,
+                            unused, compute_programs)
+        for r in ranks:
+            L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMPUTE, unused,
                             compute_programs)
         for r in ranks:
-            L.launch_layer1(self.ws[r], cfg, plans[r], self.w2[r], tile, L.ROLE_COMM, 0,
+            L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMM, unused,
                             comm_programs)
         ys = [torch.empty_like(x) for x in xs]
         for r in ranks:
-            L.launch_combine(self.ws[r], cfg, plans[r], ys[r], tile)
+            m = torch.full((1,), xs[r].shape[0], dtype=torch.int32, device=self.device)
+            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile)
         for r in ranks:
             raise_if_failed(self.ws[r].error, r)
         return ys

@@ -48,7 +48,7 @@ def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
         BufferSpec("ret_token", (world, mx), torch.int32),              # return entries by source
         BufferSpec("ret_rows", (world, mx, k), torch.int32),
         BufferSpec("ret_weight", (world, mx, k), torch.float32),
-        BufferSpec("flag0", (world,), torch.int64),                     # dispatch done, by source
+        BufferSpec("flag0", (world,), torch.int64),                     # chunks landed, by source
         BufferSpec("comb", (world, mx, h), cfg.dtype),                  # partial outputs, by expert rank
         BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
     ]
@@ -63,8 +63,52 @@ def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
     return offsets, max(total, _ALIGN)
 
 
-#: Local counters (int32), zeroed once per call.
-COUNTER_SLOTS = {"dispatch": 0, "l1_done": 1, "split": 2}
+#: Pairs the plan kernels handle per program (a block of whole tokens).
+PLAN_BLOCK_PAIRS = 64
+
+
+def plan_block_tokens(top_k: int) -> int:
+    """Tokens per program of the plan kernels (``PLAN_BLOCK_PAIRS`` slots, whole tokens)."""
+    slots = 1 << max(0, (top_k - 1).bit_length())
+    return max(1, PLAN_BLOCK_PAIRS // slots)
+
+
+def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, torch.Tensor]:
+    """Device tables of the per-call plan (comet.kernels.plan), allocated once.
+
+    block_counts: ``[blocks + 1, E + W]`` per token block, then prefix-summed in place
+    (row 0 stays zero; the last row ends up holding this rank's totals).
+    """
+    el = cfg.num_experts // world
+    mx, k = cfg.max_tokens, cfg.top_k
+    blocks = -(-mx // plan_block_tokens(k))
+    tiles = -(-recv_capacity(world, mx, k) // block_m) + el
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "block_counts": torch.zeros(blocks + 1, cfg.num_experts + world, **i32),
+        "send_base": torch.zeros(world, el, **i32),
+        "dst_base": torch.zeros(world, el, **i32),
+        "send_off": torch.zeros(world + 1, **i32),
+        "ret_count": torch.zeros(world, **i32),
+        "seg_start": torch.zeros(world, el, **i32),
+        "seg_rows": torch.zeros(world, el, **i32),
+        "pre": torch.zeros(world, el, **i32),
+        "chunks_total": torch.zeros(world, **i32),
+        "entries": torch.zeros(world, **i32),
+        "tile_expert": torch.zeros(tiles, **i32),
+        "tile_row_start": torch.zeros(tiles, **i32),
+        "tile_row_end": torch.zeros(tiles, **i32),
+        "tile_wait": torch.zeros(tiles, dtype=torch.int64, device=device),
+        "tile_stage": torch.zeros(tiles, **i32),
+        "num_tiles": torch.zeros(1, **i32),
+        "scratch": torch.zeros(3 * world * el, **i32),
+        "send_token": torch.zeros(mx * k, **i32),
+        "send_row": torch.zeros(mx * k, **i32),
+        "ret_token": torch.zeros(world, mx, **i32),
+        "ret_rows": torch.zeros(world, mx, k, **i32),
+        "ret_weight": torch.zeros(world, mx, k, dtype=torch.float32, device=device),
+        "dest_mask": torch.zeros(mx, world, **i32),
+    }
 
 
 @dataclass
@@ -81,6 +125,8 @@ class Workspace:
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
     error: torch.Tensor       # int32 [4]
+    seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
+    plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
     _keepalive: list = field(default_factory=list, repr=False)
 
@@ -90,12 +136,11 @@ class Workspace:
             return buffers[name]
         raise AttributeError(name)
 
-    def counter_view(self, world: int) -> dict[str, torch.Tensor]:
-        """dispatch: ``[W]`` chunks pushed per destination; l1_done: ``[1]`` comm blocks
-        finished in layer1; split: ``[n_splits_max]`` tiles finished per column split."""
+    def counter_view(self) -> dict[str, torch.Tensor]:
+        """l1_done: ``[1]`` comm blocks finished in layer1; split: ``[n_splits_max]``
+        tiles finished per column split."""
         c = self.counters
-        return {"dispatch": c[:world], "l1_done": c[world:world + 1],
-                "split": c[world + 1:world + 1 + self.n_splits_max]}
+        return {"l1_done": c[:1], "split": c[1:1 + self.n_splits_max]}
 
 
 def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
@@ -107,17 +152,19 @@ def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
     return out
 
 
-def _local_scratch(cfg: MoEConfig, world: int, device, n_splits_max: int):
+def _local_scratch(cfg: MoEConfig, world: int, device, n_splits_max: int, block_m: int):
     rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
     h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
     out1 = torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
-    counters = torch.zeros(world + 1 + n_splits_max, dtype=torch.int32, device=device)
+    counters = torch.zeros(1 + n_splits_max, dtype=torch.int32, device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     error = torch.zeros(4, dtype=torch.int32, device=device)
-    return h, out1, counters, epoch, error
+    seq = torch.zeros(world, dtype=torch.int64, device=device)
+    return h, out1, counters, epoch, error, seq, plan_buffers(cfg, world, device, block_m)
 
 
-def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int) -> list[Workspace]:
+def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int,
+                     block_m: int) -> list[Workspace]:
     """W workspaces in one process whose peer tables point at each other: for tests of the
     kernels' cross-rank logic on one device (or the CPU under the Triton interpreter)."""
     specs = symmetric_specs(cfg, world)
@@ -129,12 +176,13 @@ def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int) -> l
     out = []
     for r in range(world):
         out.append(Workspace(r, world, _carve(storages[r], specs, offsets), tables,
-                             *_local_scratch(cfg, world, device, n_splits_max),
+                             *_local_scratch(cfg, world, device, n_splits_max, block_m),
                              n_splits_max=n_splits_max, _keepalive=storages))
     return out
 
 
-def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int) -> Workspace:
+def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int,
+                       block_m: int) -> Workspace:
     """This rank's workspace in PyTorch symmetric memory over ``group`` (collective: every
     rank of the group must call it with the same ``cfg``)."""
     import torch.distributed as dist
@@ -154,5 +202,5 @@ def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int) -> Work
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
     return Workspace(rank, world, _carve(storage, specs, offsets), tables,
-                     *_local_scratch(cfg, world, device, n_splits_max),
+                     *_local_scratch(cfg, world, device, n_splits_max, block_m),
                      n_splits_max=n_splits_max, _keepalive=[storage, handle])

@@ -25,11 +25,16 @@ class MachineModel:
 
     per_block_bw: bytes/s one comm block pushes to peers (16 blocks moved 274 GB/s).
     link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
+    local_block_bw: bytes/s one comm block copies inside its own GPU (an assumption: about
+        twice the remote rate, since a block is bound by its own loads in flight).
+    hbm_bw: bytes/s of a whole-GPU copy (read + write; about 3 TB/s on an H100).
     gemm_flops: bf16 GroupGEMM FLOP/s of the whole GPU (torch reached 616-759 TFLOP/s).
     """
 
     per_block_bw: float = 17e9
     link_bw: float = 290e9
+    local_block_bw: float = 35e9
+    hbm_bw: float = 3e12
     gemm_flops: float = 650e12
 
 
@@ -38,7 +43,7 @@ class LayerWork:
     """What one layer moves and computes on one rank.
 
     comm_bytes: bytes this rank's comm blocks write to other ranks.
-    local_bytes: bytes they write to this rank (local copies, about 10x cheaper).
+    local_bytes: bytes they write to this rank (local copies).
     flops: GEMM FLOPs of this rank's compute blocks.
     """
 
@@ -70,16 +75,18 @@ def predicted_time(work: LayerWork, n_comm: int, programs: int,
     """Seconds for one fused layer with ``n_comm`` comm blocks out of ``programs``
     (``n_comm == 0``: communication and GEMM run one after the other)."""
     gemm_full = work.flops / machine.gemm_flops
-    comm_full = (work.comm_bytes / machine.link_bw
-                 + work.local_bytes / (10 * machine.link_bw))
     if n_comm <= 0:
-        return gemm_full + max(comm_full, work.comm_bytes / (programs * machine.per_block_bw))
+        return gemm_full + comm_time(work, programs, machine)
     if n_comm >= programs:
         return float("inf")
-    bw = min(n_comm * machine.per_block_bw, machine.link_bw)
-    t_comm = work.comm_bytes / bw + work.local_bytes / (10 * bw)
-    t_gemm = gemm_full * programs / (programs - n_comm)
-    return max(t_comm, t_gemm)
+    return max(comm_time(work, n_comm, machine), gemm_full * programs / (programs - n_comm))
+
+
+def comm_time(work: LayerWork, n_comm: int, machine: MachineModel = MachineModel()) -> float:
+    """Seconds for ``n_comm`` blocks to write the layer's remote and local bytes."""
+    remote = work.comm_bytes / min(n_comm * machine.per_block_bw, machine.link_bw)
+    local = work.local_bytes / min(n_comm * machine.local_block_bw, machine.hbm_bw)
+    return remote + local
 
 
 def analytic_split(work: LayerWork, programs: int,

@@ -1,0 +1,210 @@
+"""The routing plan and tile table on the device, in three small kernels.
+
+Computes exactly what :mod:`comet.routing` and :mod:`comet.scheduler.plan` specify in
+torch (tests hold the two to equality), in three launches instead of about sixty, so a
+call costs microseconds of host time and little GPU time at small token counts:
+
+1. :func:`count_kernel` -- one program per block of tokens: how many (token, slot) pairs
+   of the block go to each expert, and how many of its tokens go to each rank. A cumsum
+   over blocks (torch, one op) turns these into each block's starting offsets and, in the
+   last row, this rank's totals, which the count exchange sends to every peer.
+2. :func:`layout_kernel` -- one program, after the exchange: from ``counts_all`` the
+   offsets this rank needs as a source (where its rows land on each destination, where
+   they sit in its send list) and as a destination (its segments, and the local-first
+   tile table with wait sets).
+3. :func:`place_kernel` -- one program per block of tokens: the send list (token, row on
+   the destination) and the return entries, at offsets from steps 1 and 2.
+
+Pair ``(t, j)`` is slot ``j`` of token ``t``; ids outside ``[0, E)`` mean "no expert".
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pairs(ids_ptr, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+           rows):
+    """Expert ids of tokens ``t`` (``[BT, TOPK_P2]``; ``ids`` has ``rows`` rows) and which
+    are real pairs."""
+    j = tl.arange(0, TOPK_P2)
+    inside = (t[:, None] < rows) & (j[None, :] < TOPK)
+    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :], mask=inside, other=-1)
+    valid = inside & (e >= 0) & (e < NUM_EXPERTS)
+    return e.to(tl.int32), valid
+
+
+@triton.jit
+def count_kernel(ids_ptr, block_counts, rows,
+                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Row ``b + 1`` of ``block_counts [blocks + 1, E + W]``: pairs per expert and tokens
+    per destination rank of token block ``b`` (row 0 stays zero for the cumsum)."""
+    b = tl.program_id(0)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    e, valid = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+    row = block_counts + (b + 1) * (NUM_EXPERTS + WORLD)
+    binned = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (BLOCK_T * TOPK_P2,))
+    hist = tl.histogram(binned, BINS)
+    bins = tl.arange(0, BINS)
+    tl.store(row + bins, hist, mask=bins < NUM_EXPERTS)
+    dest = e // LOCAL_EXPERTS
+    for d in range(WORLD):
+        on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
+        tl.store(row + NUM_EXPERTS + d, tl.sum(on, axis=0))
+
+
+@triton.jit
+def layout_kernel(counts_all, rank, send_base, dst_base, send_off, ret_count,
+                  seg_start, seg_rows, pre, chunks_total, entries,
+                  tile_expert, tile_row_start, tile_row_end, tile_wait, tile_stage, num_tiles,
+                  scratch, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
+                  EL_P2: tl.constexpr, BLOCK_M: tl.constexpr, COMM_ROWS: tl.constexpr,
+                  COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    """Offsets of this rank as a source and as a destination, and its tile table.
+
+    ``counts_all [W_src, W_dst, El + 1]``. Tables written (``[W, El]`` unless noted):
+    send_base/dst_base -- for pairs to expert ``el`` of destination ``d``: first index in
+    this rank's send list / first row in ``d``'s shared tensor; send_off ``[W + 1]``;
+    ret_count ``[W]``; seg_start/seg_rows -- this rank's segments by ring offset ``o``;
+    pre -- rows of source ``s`` for experts before ``el``; chunks_total/entries ``[W]`` --
+    dispatch chunks and return entries each source sends here; the tile table.
+    ``scratch``: ``3 * W * El`` int32 of working space.
+    """
+    EL1: tl.constexpr = LOCAL_EXPERTS + 1
+    s_idx = tl.arange(0, W_P2)
+    el_idx = tl.arange(0, EL_P2)
+    grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)
+
+    # -- as a source: where my pairs land, and my send list ------------------------------
+    mine = tl.load(counts_all + rank * WORLD * EL1 + s_idx[:, None] * EL1 + el_idx[None, :],
+                   mask=grid_mask, other=0)                     # [d, el]
+    flat = tl.reshape(mine, (W_P2 * EL_P2,))
+    base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
+    tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base, mask=grid_mask)
+    per_dest = tl.sum(mine, axis=1)
+    tl.store(send_off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=s_idx < WORLD)
+    tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
+    unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
+                     mask=s_idx < WORLD, other=0)
+    tl.store(ret_count + s_idx, unique, mask=s_idx < WORLD)
+    for d in range(WORLD):
+        # rows of every source s for d's experts: m[s, el]
+        m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
+                    mask=grid_mask, other=0)
+        ex_rows = tl.sum(m, axis=0)
+        ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
+        ring = (s_idx - d + WORLD) % WORLD                     # ring offset of source s
+        before = tl.sum(tl.where((ring < (rank - d + WORLD) % WORLD)[:, None], m, 0), axis=0)
+        tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
+                 mask=el_idx < LOCAL_EXPERTS)
+
+    # -- as a destination: segments, waits and tiles -----------------------------------
+    m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + rank * EL1 + el_idx[None, :],
+                mask=grid_mask, other=0)                        # [s, el]
+    tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
+             tl.cumsum(m, axis=1) - m, mask=grid_mask)
+    ent = tl.load(counts_all + s_idx * WORLD * EL1 + rank * EL1 + LOCAL_EXPERTS,
+                  mask=s_idx < WORLD, other=0)
+    tl.store(entries + s_idx, ent, mask=s_idx < WORLD)
+    rows_from = tl.sum(m, axis=1)
+    tl.store(chunks_total + s_idx, tl.cdiv(rows_from, COMM_ROWS) + tl.cdiv(ent, COMM_ENTRIES),
+             mask=s_idx < WORLD)
+    o_idx = s_idx                                               # rows of the ring view: o
+    src_of_o = (rank + o_idx) % WORLD
+    ring_rows = tl.load(counts_all + src_of_o[:, None] * WORLD * EL1 + rank * EL1
+                        + el_idx[None, :], mask=grid_mask, other=0)   # [o, el]
+    ex_rows = tl.sum(ring_rows, axis=0)
+    ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
+    seg_end_rel = tl.cumsum(ring_rows, axis=0)                  # inclusive, within expert
+    seg0 = ex_off[None, :] + seg_end_rel - ring_rows
+    tl.store(seg_start + o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], seg0, mask=grid_mask)
+    tl.store(seg_rows + o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], ring_rows,
+             mask=grid_mask)
+    # A tile's stage is the ring offset of the segment holding its last row, so stage is
+    # non-decreasing along an expert's tiles, and the tiles of expert el with stage <= o
+    # are those ending at or before the end of segment o (a closed form, no search).
+    tiles_el = tl.cdiv(ex_rows, BLOCK_M)[None, :]
+    seg_start_rel = seg_end_rel - ring_rows
+    upto = tl.where(seg_end_rel >= ex_rows[None, :], tiles_el, seg_end_rel // BLOCK_M)
+    before = tl.where(seg_start_rel >= ex_rows[None, :], tiles_el, seg_start_rel // BLOCK_M)
+    per_stage = tl.where(grid_mask, upto - before, 0)
+    flat = tl.reshape(per_stage, (W_P2 * EL_P2,))
+    out_base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
+    tl.store(num_tiles, tl.sum(flat, axis=0))
+    cell = o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :]
+    n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
+    tl.store(scratch + cell, before, mask=grid_mask)
+    tl.store(scratch + n_cells + cell, per_stage, mask=grid_mask)
+    tl.store(scratch + 2 * n_cells + cell, out_base, mask=grid_mask)
+    tl.debug_barrier()
+    for o in range(WORLD):
+        for el in range(LOCAL_EXPERTS):
+            c = o * LOCAL_EXPERTS + el
+            first = tl.load(scratch + c)
+            count = tl.load(scratch + n_cells + c)
+            dst = tl.load(scratch + 2 * n_cells + c)
+            # segments of expert el, by ring offset
+            seg_o = tl.load(seg_start + o_idx * LOCAL_EXPERTS + el, mask=o_idx < WORLD, other=0)
+            len_o = tl.load(seg_rows + o_idx * LOCAL_EXPERTS + el, mask=o_idx < WORLD, other=0)
+            e_off = tl.load(seg_start + el)
+            e_end = e_off + tl.sum(len_o, axis=0)
+            for c0 in range(0, count, TILE_CHUNK):
+                i = c0 + tl.arange(0, TILE_CHUNK)
+                live = i < count
+                r0 = e_off + (first + i) * BLOCK_M
+                r1 = tl.minimum(r0 + BLOCK_M, e_end)
+                hit = ((seg_o[None, :] < r1[:, None]) & (seg_o[None, :] + len_o[None, :] > r0[:, None])
+                       & (len_o[None, :] > 0))
+                one = tl.full([TILE_CHUNK, W_P2], 1, tl.int64)
+                bits = tl.where(hit, one << src_of_o[None, :].to(tl.int64), 0)
+                tl.store(tile_expert + dst + i, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
+                tl.store(tile_row_start + dst + i, r0, mask=live)
+                tl.store(tile_row_end + dst + i, r1, mask=live)
+                tl.store(tile_wait + dst + i, tl.sum(bits, axis=1), mask=live)
+                tl.store(tile_stage + dst + i, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
+
+
+@triton.jit
+def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
+                 send_token, send_row, ret_token, ret_rows, ret_weight, dest_mask, rows,
+                 max_tokens,
+                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Send list and return entries of token block ``b`` (see module docstring). ``rows``
+    bounds the ids read; ``max_tokens`` is the tables' capacity."""
+    b = tl.program_id(0)
+    P: tl.constexpr = BLOCK_T * TOPK_P2
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, TOPK_P2)
+    e, valid = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+    e_safe = tl.where(valid, e, 0)
+    dest = e_safe // LOCAL_EXPERTS
+    el = e_safe - dest * LOCAL_EXPERTS
+    # Rank of each pair among this block's pairs of the same expert, in (token, slot) order.
+    key = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (P,))
+    order = tl.arange(0, P)
+    earlier = (key[:, None] == key[None, :]) & (order[None, :] < order[:, None])
+    rank_in = tl.reshape(tl.sum(earlier.to(tl.int32), axis=1), (BLOCK_T, TOPK_P2))
+    row = block_counts + b * (NUM_EXPERTS + WORLD)              # exclusive prefix of block b
+    pos = tl.load(row + e_safe, mask=valid, other=0) + rank_in
+    dst_row = tl.load(dst_base + dest * LOCAL_EXPERTS + el, mask=valid, other=0) + pos
+    idx = tl.load(send_base + dest * LOCAL_EXPERTS + el, mask=valid, other=0) + pos
+    tok = tl.broadcast_to(t[:, None], (BLOCK_T, TOPK_P2))
+    tl.store(send_token + idx, tok, mask=valid)
+    tl.store(send_row + idx, dst_row, mask=valid)
+    w = tl.load(weights_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :],
+                mask=valid, other=0.0).to(tl.float32)
+    live_t = t < max_tokens
+    for d in range(WORLD):
+        on = valid & (dest == d)
+        any_d = tl.max(on.to(tl.int32), axis=1)
+        q = tl.load(row + NUM_EXPERTS + d) + tl.cumsum(any_d, axis=0) - any_d
+        slot = (d * max_tokens + q).to(tl.int64)
+        has = any_d != 0
+        tl.store(ret_token + slot, t, mask=has)
+        jm = has[:, None] & (j[None, :] < TOPK)
+        tl.store(ret_rows + slot[:, None] * TOPK + j[None, :], tl.where(on, dst_row, -1), mask=jm)
+        tl.store(ret_weight + slot[:, None] * TOPK + j[None, :], tl.where(on, w, 0.0), mask=jm)
+        tl.store(dest_mask + t.to(tl.int64) * WORLD + d, any_d, mask=live_t)

@@ -1,0 +1,76 @@
+"""The plan kernels (comet.kernels.plan) against the torch specification
+(comet.routing, comet.scheduler.plan): same send lists, return entries and tile tables."""
+
+import pytest
+import torch
+
+from comet.config import MoEConfig
+from comet.kernels import launch as L
+from comet.routing import build_recv_layout, build_send_plan, local_counts, recv_capacity
+from comet.runtime.workspace import allocate_virtual
+from comet.scheduler.plan import build_tile_table
+from routings import KINDS, make_ids, make_tokens
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not L.interpreting(),
+                                reason="needs TRITON_INTERPRET=1 on a CPU")
+
+
+def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4):
+    cfg = MoEConfig(num_experts=world * el, top_k=k, hidden_size=16, intermediate_size=16,
+                    dtype=torch.float16, max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(seed)
+    tokens = make_tokens(kind, world, max_tokens, g)
+    ids = [i.to(DEVICE) for i in make_ids(kind, tokens, world * el, k, g)]
+    if kind == "random" and ids[0].numel():
+        ids[0][0, -1] = -1                                # "no expert" slots too
+    wts = [torch.rand(i.shape, generator=g).to(DEVICE) for i in ids]
+    tile = L.TileConfig.small()
+    tile = L.TileConfig(**{**tile.__dict__, "block_m": block_m})
+    wss = allocate_virtual(cfg, world, DEVICE, 2, block_m)
+    for r in range(world):
+        wss[r].epoch.add_(1)
+        L.launch_counts(wss[r], cfg, ids[r])
+        L.launch_exchange(wss[r], cfg, L.PHASE_PUSH)
+    for r in range(world):
+        L.launch_exchange(wss[r], cfg, L.PHASE_WAIT)
+        L.launch_layout(wss[r], cfg, tile)
+        L.launch_place(wss[r], cfg, ids[r], wts[r])
+    counts = torch.stack([local_counts(i, world, el) for i in ids])
+    layout = build_recv_layout(counts)
+    return cfg, ids, wts, wss, counts, layout, tile
+
+
+@pytest.mark.parametrize("world, el, k", [(1, 4, 2), (2, 2, 2), (4, 2, 3), (4, 4, 4),
+                                          (8, 1, 2)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_kernels_match_the_spec(world, el, k, kind):
+    mx = 9
+    cfg, ids, wts, wss, counts, layout, tile = _plan_both(world, el, k, mx, kind,
+                                                          seed=world * 10 + el + len(kind))
+    for r in range(world):
+        p = wss[r].plan
+        assert torch.equal(wss[r].counts.view(world, world, el + 1).cpu(), counts.cpu().int())
+        spec = build_send_plan(ids[r], wts[r], counts, layout, r, mx)
+        assert torch.equal(p["send_off"].cpu(), spec.send_off.cpu())
+        n = int(spec.send_off[-1])
+        assert torch.equal(p["send_token"][:n].cpu(), spec.send_token[:n].cpu())
+        assert torch.equal(p["send_row"][:n].cpu(), spec.send_row[:n].cpu())
+        assert torch.equal(p["ret_count"].cpu(), spec.ret_count.cpu())
+        for d in range(world):
+            q = int(spec.ret_count[d])
+            assert torch.equal(p["ret_token"][d, :q].cpu(), spec.ret_token[d, :q].cpu())
+            assert torch.equal(p["ret_rows"][d, :q].cpu(), spec.ret_rows[d, :q].cpu())
+            assert torch.equal(p["ret_weight"][d, :q].cpu(), spec.ret_weight[d, :q].cpu())
+        m = ids[r].shape[0]
+        assert torch.equal(p["dest_mask"][:m].cpu(), spec.dest_mask[:m].cpu())
+        tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m)
+        nt = int(tiles.num_tiles)
+        assert int(p["num_tiles"]) == nt
+        for name, ref in (("tile_expert", tiles.expert), ("tile_row_start", tiles.row_start),
+                          ("tile_row_end", tiles.row_end), ("tile_wait", tiles.wait_mask),
+                          ("tile_stage", tiles.stage)):
+            assert torch.equal(p[name][:nt].cpu(), ref[:nt].cpu()), name
+        assert torch.equal(p["seg_start"].cpu(), layout.seg_off[r].cpu())
+        assert torch.equal(p["seg_rows"].cpu(), layout.seg_rows[r].cpu())
+        assert torch.equal(p["entries"].cpu(), layout.entries[r].cpu())
