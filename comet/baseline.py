@@ -85,8 +85,10 @@ def _sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, torch.full_like(flat, num_experts))
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    return order, counts
+    # Not torch.bincount: on CUDA it reads the input's max on the host (a second sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return order, counts[:num_experts]
 
 
 def _exchange_counts(send: torch.Tensor, world: int, group) -> torch.Tensor:
@@ -149,6 +151,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
     ``expert_rows`` (host) and ``offs`` (device, int32 end offsets) describe the groups.
     Uses ``torch._grouped_mm`` on CUDA/bf16 and a loop of per-expert ``mm`` otherwise.
     """
+    if a.shape[0] == 0:
+        return a.new_empty(0, b.shape[-1])
     if _use_torch_grouped_mm(a, b):
         try:
             return torch._grouped_mm(a, b, offs=offs)

@@ -82,7 +82,7 @@ def test_single_rank_matches_reference():
     _check_all(1, 0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_ranks_match_reference(world):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, f"{d}/init"), nprocs=world, join=True)

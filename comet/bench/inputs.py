@@ -66,7 +66,9 @@ def make_input_sets(cfg: MoEConfig, config_name: str, tokens: int, routing: str,
         g = torch.Generator().manual_seed(derive_seed(seed, config_name, tokens, routing,
                                                       rank, s))
         ids, weights = make_routing(tokens, cfg.num_experts, cfg.top_k, routing, g)
-        x = torch.randn(tokens, cfg.hidden_size, generator=g).to(device=device, dtype=cfg.dtype)
+        gx = torch.Generator(device=device).manual_seed(
+            derive_seed(seed, config_name, tokens, routing, rank, s, "x"))
+        x = torch.randn(tokens, cfg.hidden_size, generator=gx, device=device, dtype=cfg.dtype)
         sets.append(InputSet(x, ids.to(device), weights.to(device)))
     return sets
 

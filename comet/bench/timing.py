@@ -3,8 +3,8 @@
 Protocol (shared/DESIGN.md): CUDA events, warm-up, median of >= 20 iterations, inputs
 rotated and L2 flushed so no iteration reads another's data from cache. Ranks are aligned
 on the device (a one-element all_reduce right before the start event) so launch skew
-between processes is not charged to the layer. Each iteration's time is the slowest
-rank's; the reported number is the median over iterations of that maximum.
+between processes is not charged to the layer. Each iteration's time, and its phases, are
+the slowest rank's; the reported number is the median over iterations.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
 
     Iteration ``i`` uses input set ``i % n_sets`` (warm-up iterations included, so the
     timed ones start wherever warm-up left off). ``make_timer`` builds a fresh phase timer
-    per timed iteration (``None``: no phases); ``fn`` receives it (or None).
+    per iteration (``None``: no phases); ``fn`` receives it (or None).
 
     Returns:
         ``{"total": [iters] us, "<phase>": [iters] us, ...}``, this rank's numbers (see
@@ -115,7 +115,7 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
     for i in range(warmup + iters):
         s = i % n_sets
         timed = i >= warmup
-        timer = make_timer() if (make_timer is not None and timed) else None
+        timer = make_timer() if make_timer is not None else None
         if flush is not None:
             flush()
         _align(group, device)
@@ -139,18 +139,16 @@ def timed_sets(n_sets: int, iters: int, warmup: int) -> list[int]:
     return [(warmup + j) % n_sets for j in range(iters)]
 
 
-def add_sums(series: dict[str, list[float]], name: str, parts: Sequence[str]) -> None:
-    """Add ``series[name]``, the per-iteration sum of the phases in ``parts`` present."""
-    present = [series[p] for p in parts if p in series]
-    if present:
-        series[name] = [sum(v) for v in zip(*present)]
-
-
 def reduce_over_ranks(series: dict[str, list[float]], group=None,
                       sums: Sequence[str] = ()) -> dict[str, list[float]]:
-    """Per iteration, the max over ranks of each series (the sum for names in ``sums``).
+    """Per iteration, the numbers of the slowest rank.
 
-    Collective over ``group`` when torch.distributed is initialised; identity otherwise.
+    With a ``"total"`` series, every series of an iteration is taken from the rank whose
+    total was largest in it, so phases stay consistent with the total they are part of (a
+    fast rank's combine, which waits for a slow rank's GEMM, is not mixed with the slow
+    rank's GEMM). Without one, each series is its own maximum over ranks. Names in
+    ``sums`` are summed over ranks instead. Collective over ``group`` when
+    torch.distributed is initialised; identity otherwise.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return series
@@ -159,11 +157,26 @@ def reduce_over_ranks(series: dict[str, list[float]], group=None,
         return series
     gathered: list[dict[str, list[float]] | None] = [None] * world
     dist.all_gather_object(gathered, series, group=group)
-    out = {}
-    for name in series:
-        per_rank = [g[name] for g in gathered]
-        combine = sum if name in sums else max
-        out[name] = [combine(vals) for vals in zip(*per_rank)]
+    return combine_ranks(gathered, sums)
+
+
+def combine_ranks(per_rank: Sequence[dict[str, list[float]]],
+                  sums: Sequence[str] = ()) -> dict[str, list[float]]:
+    """The reduction of :func:`reduce_over_ranks` over already gathered series."""
+    out: dict[str, list[float]] = {}
+    slowest = None
+    if "total" in per_rank[0]:
+        totals = [p["total"] for p in per_rank]
+        slowest = [max(range(len(per_rank)), key=lambda r, i=i: totals[r][i])
+                   for i in range(len(totals[0]))]
+    for name in per_rank[0]:
+        columns = list(zip(*[p[name] for p in per_rank]))   # [iteration][rank]
+        if name in sums:
+            out[name] = [sum(c) for c in columns]
+        elif slowest is not None:
+            out[name] = [c[r] for c, r in zip(columns, slowest)]
+        else:
+            out[name] = [max(c) for c in columns]
     return out
 
 

@@ -1,0 +1,98 @@
+"""Benchmark records: one dict per (config, tokens per rank, routing, layer), and the
+ratios derived from its times.
+
+Times are microseconds, each the median over iterations of the slowest rank (see
+:mod:`comet.bench.timing`); ``None`` where a variant was not measured (no GPU, one rank,
+or a per-layer row of a variant that has no layers). Variants:
+
+* ``baseline_us`` (a) -- :func:`comet.baseline.ep_moe_forward`, unfused.
+* ``fused_us`` (b) -- comet's fused layer.
+* ``compute_only_us`` (c) -- the same tiles with the rows already in place, no comm.
+* ``comm_only_us`` (d) -- dispatch and combine data movement alone.
+* ``chunked_us`` (e) -- :func:`comet.baseline.chunked_ep_moe_forward`, the better of 2
+  and 4 chunks (``chunked_chunks`` says which).
+* ``sequential_us`` -- comet's kernels with 0 comm blocks: comm, then compute.
+* ``torch_gmm_us`` -- torch's grouped GEMM on the rows this layer multiplies.
+* ``nccl_a2a_us`` -- NCCL ``all_to_all_single`` of the rows this layer moves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+#: Every record has these keys (values may be None); the JSON schema of a result file.
+REQUIRED_KEYS = (
+    "device", "world_size", "layout", "config", "tokens_per_rank", "routing", "layer",
+    "baseline_us", "fused_us", "compute_only_us", "comm_only_us", "chunked_us",
+    "torch_gmm_tflops", "comet_gmm_tflops", "cutlass_gmm_tflops", "n_comm", "date", "command",
+)
+
+LAYERS = ("layer0", "layer1", "moe")
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``, None if either is missing or ``den`` is not positive."""
+    if num is None or den is None or not den > 0:
+        return None
+    return num / den
+
+
+def hidden_fraction(compute_us: float | None, comm_us: float | None,
+                    fused_us: float | None) -> float | None:
+    """Share of the shorter of compute and comm that the fused layer hides:
+    ``(c + d - b) / min(c, d)``.
+
+    1.0: the fused layer costs ``max(c, d)``; 0.0: it costs ``c + d`` (nothing hidden);
+    negative: slower than running the two back to back; above 1.0: faster than the longer
+    of the two alone.
+    """
+    if compute_us is None or comm_us is None or fused_us is None:
+        return None
+    return ratio(compute_us + comm_us - fused_us, min(compute_us, comm_us))
+
+
+def tflops(flops: float | None, us: float | None) -> float | None:
+    """TFLOP/s of ``flops`` done in ``us`` microseconds."""
+    r = ratio(flops, us)
+    return None if r is None else r / 1e6
+
+
+def derive(rec: dict) -> dict:
+    """Add the ratios the tables show (in place; also returned).
+
+    speedup: a / b.  speedup_vs_chunked: e / b.  hidden_comm_fraction: see
+    :func:`hidden_fraction`.  compute_efficiency: torch grouped GEMM time over (c), i.e.
+    comet's GEMM TFLOP/s over torch's on the same rows.  comm_efficiency: NCCL
+    all_to_all time of the same rows over (d).
+    """
+    rec["speedup"] = ratio(rec.get("baseline_us"), rec.get("fused_us"))
+    rec["speedup_vs_chunked"] = ratio(rec.get("chunked_us"), rec.get("fused_us"))
+    rec["hidden_comm_fraction"] = hidden_fraction(
+        rec.get("compute_only_us"), rec.get("comm_only_us"), rec.get("fused_us"))
+    rec["compute_efficiency"] = ratio(rec.get("comet_gmm_tflops"), rec.get("torch_gmm_tflops"))
+    rec["comm_efficiency"] = ratio(rec.get("nccl_a2a_us"), rec.get("comm_only_us"))
+    return rec
+
+
+def geomean(values) -> float | None:
+    """Geometric mean of the positive values given, None if there are none."""
+    vals = [v for v in values if v is not None and v > 0]
+    if not vals:
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def write_json(records: list[dict], path: str) -> str:
+    """Write ``records`` as a JSON list; returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def read_json(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,207 @@
+"""Tables (console and markdown), a summary against the targets, and the speedup plot."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from comet.bench.records import geomean
+
+Column = tuple[str, Callable[[dict], str]]
+
+
+def _num(key: str, fmt: str = "{:.1f}") -> Callable[[dict], str]:
+    def get(r: dict) -> str:
+        v = r.get(key)
+        return "-" if v is None else fmt.format(v)
+    return get
+
+
+def _n_comm(r: dict) -> str:
+    n = r.get("n_comm")
+    if n is None:
+        return "-"
+    if r.get("layer") == "layer0":
+        return str(n[0])
+    if r.get("layer") == "layer1":
+        return str(n[1])
+    return f"{n[0]}/{n[1]}"
+
+
+def _phase(name: str) -> Callable[[dict], str]:
+    def get(r: dict) -> str:
+        v = (r.get("baseline_phases_us") or {}).get(name)
+        return "-" if v is None else f"{v:.1f}"
+    return get
+
+
+_KEY: list[Column] = [
+    ("config", lambda r: str(r["config"])),
+    ("tokens/rank", lambda r: str(r["tokens_per_rank"])),
+    ("routing", lambda r: str(r["routing"])),
+    ("layer", lambda r: str(r["layer"])),
+]
+
+#: Times and the headline ratios.
+MAIN_COLUMNS: list[Column] = _KEY + [
+    ("(a) baseline us", _num("baseline_us")),
+    ("(b) fused us", _num("fused_us")),
+    ("(c) compute us", _num("compute_only_us")),
+    ("(d) comm us", _num("comm_only_us")),
+    ("(e) chunked us", _num("chunked_us")),
+    ("a/b", _num("speedup", "{:.2f}")),
+    ("e/b", _num("speedup_vs_chunked", "{:.2f}")),
+    ("hidden", _num("hidden_comm_fraction", "{:.2f}")),
+    ("n_comm", _n_comm),
+]
+
+#: Compute and communication against their references.
+EFFICIENCY_COLUMNS: list[Column] = _KEY + [
+    ("torch GEMM TFLOP/s", _num("torch_gmm_tflops", "{:.4g}")),
+    ("comet GEMM TFLOP/s", _num("comet_gmm_tflops", "{:.4g}")),
+    ("CUTLASS TFLOP/s", _num("cutlass_gmm_tflops", "{:.4g}")),
+    ("compute eff", _num("compute_efficiency", "{:.2f}")),
+    ("NCCL a2a us", _num("nccl_a2a_us")),
+    ("comm eff", _num("comm_efficiency", "{:.2f}")),
+    ("sequential us", _num("sequential_us")),
+]
+
+#: Where the unfused baseline's time goes ("moe" rows), as in shared/DESIGN.md.
+BREAKDOWN_COLUMNS: list[Column] = _KEY[:3] + [
+    ("count exchange+host sync us", _phase("sync")),
+    ("dispatch+combine us", _phase("a2a")),
+    ("GEMMs us", _phase("gemm")),
+    ("act us", _phase("act")),
+    ("permutes+reduce us", _phase("permute")),
+    ("whole layer us", _num("baseline_us")),
+]
+
+
+def _sorted(records: Sequence[dict]) -> list[dict]:
+    layer_order = {"layer0": 0, "layer1": 1, "moe": 2}
+    return sorted(records, key=lambda r: (r["config"], r["routing"], r["tokens_per_rank"],
+                                          layer_order.get(r["layer"], 3)))
+
+
+def _rows(records: Sequence[dict], columns: Sequence[Column]) -> list[list[str]]:
+    return [[get(r) for _, get in columns] for r in _sorted(records)]
+
+
+def text_table(records: Sequence[dict], columns: Sequence[Column] = MAIN_COLUMNS) -> str:
+    """A fixed-width table for the console."""
+    rows = [[name for name, _ in columns]] + _rows(records, columns)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(records: Sequence[dict], columns: Sequence[Column] = MAIN_COLUMNS) -> str:
+    """A GitHub markdown table: header row, separator row, one row per record."""
+    head = "| " + " | ".join(name for name, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(row) + " |" for row in _rows(records, columns)]
+    return "\n".join([head, sep] + body)
+
+
+def summary(records: Sequence[dict]) -> list[str]:
+    """One line per target of issue 4 that these records can speak to ("moe" rows)."""
+    lines = []
+    moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
+    big = [r for r in moe if r["tokens_per_rank"] >= 4096]
+    for routing in sorted({r["routing"] for r in moe}):
+        b = [r for r in big if r["routing"] == routing]
+        small = [r for r in moe if r["routing"] == routing and r["tokens_per_rank"] <= 128]
+        parts = []
+        if b:
+            parts.append(f"geomean a/b at >= 4096 tokens/rank {_fmt(geomean(r['speedup'] for r in b))}"
+                         f" (target 1.5)")
+            parts.append(f"geomean e/b {_fmt(geomean(r['speedup_vs_chunked'] for r in b))}"
+                         f" (target 1.2)")
+            hidden = [r["hidden_comm_fraction"] for r in b if r["hidden_comm_fraction"] is not None]
+            parts.append(f"min hidden {_fmt(min(hidden) if hidden else None)} (target 0.85)")
+            eff = [r["compute_efficiency"] for r in b if r["compute_efficiency"] is not None]
+            parts.append(f"min compute eff {_fmt(min(eff) if eff else None)} (target 1.0)")
+        if small:
+            parts.append(f"geomean a/b at 128 tokens/rank "
+                         f"{_fmt(geomean(r['speedup'] for r in small))} (target 2.0)")
+        if parts:
+            lines.append(f"{routing}: " + "; ".join(parts))
+    return lines
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
+    """The whole markdown file of one run: metadata, notes, summary, the three tables."""
+    first = records[0] if records else {}
+    out = [f"# comet bench: {first.get('layout', '?')} on {first.get('device', '?')}", "",
+           f"- date: {first.get('date', '?')}",
+           f"- command: `{first.get('command', '?')}`",
+           f"- dtype: {first.get('dtype', '?')}; iterations: {first.get('iters', '?')} "
+           f"(median of the slowest rank), warm-up {first.get('warmup', '?')}, "
+           f"{first.get('input_sets', '?')} input sets"]
+    out += [f"- note: {n}" for n in notes]
+    lines = summary(records)
+    if lines:
+        out += ["", "## Summary", ""] + [f"- {s}" for s in lines]
+    out += ["", "## Times", "", markdown_table(records, MAIN_COLUMNS),
+            "", "## Compute and communication efficiency", "",
+            markdown_table(records, EFFICIENCY_COLUMNS)]
+    moe = [r for r in records if r["layer"] == "moe"]
+    if moe:
+        out += ["", "## Where the unfused baseline spends its time", "",
+                markdown_table(moe, BREAKDOWN_COLUMNS)]
+    return "\n".join(out) + "\n"
+
+
+def plot_speedup(records: Sequence[dict], path: str) -> tuple[str | None, str]:
+    """Speedup a/b and hidden-comm fraction against tokens per rank, one line per config
+    (solid: uniform routing, dashed: skewed), from the "moe" records.
+
+    Returns ``(path or None, note)``; no plot without matplotlib or fused timings.
+    """
+    moe = [r for r in records if r["layer"] == "moe" and r.get("speedup") is not None]
+    if not moe:
+        return None, "plot skipped: no fused timings to plot"
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "plot skipped: matplotlib is not installed (pip install 'comet-moe[plot]')"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"uniform": "-", "skewed": "--"}
+    for (config, routing), rows in sorted(_group(moe).items()):
+        rows = sorted(rows, key=lambda r: r["tokens_per_rank"])
+        xs = [r["tokens_per_rank"] for r in rows]
+        label = f"{config} ({routing})"
+        ls = styles.get(routing, ":")
+        axes[0].plot(xs, [r["speedup"] for r in rows], ls, marker="o", label=label)
+        axes[1].plot(xs, [r["hidden_comm_fraction"] for r in rows], ls, marker="o", label=label)
+    for ax, title, target in ((axes[0], "speedup over the unfused baseline (a/b)", 1.5),
+                              (axes[1], "hidden communication (c + d - b) / min(c, d)", 0.85)):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.set_title(title)
+        ax.axhline(target, color="grey", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="black", lw=0.8)
+    axes[0].legend(fontsize=8)
+    first = moe[0]
+    fig.suptitle(f"comet {first.get('layout', '')} on {first.get('device', '')}, "
+                 f"{first.get('dtype', '')}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"plot written to {path}"
+
+
+def _group(records: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["config"], r["routing"]), []).append(r)
+    return groups

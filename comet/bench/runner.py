@@ -1,0 +1,306 @@
+"""Times every variant of one benchmark case (config, tokens per rank, routing).
+
+All variants see the same input sets (rotated through, L2 flushed between iterations);
+each variant's per-iteration times (and phases) are the slowest rank's, then the median
+is taken. Per-layer numbers come from phase timers inside whole calls:
+
+=============  ===================================================  ========================
+variant        layer0                                               layer1
+=============  ===================================================  ========================
+baseline       route + counts + gather + dispatch + permute +       gemm1 + unpermute +
+               gemm0 + act                                          combine + reduce
+comet modes    plan + layer0 (the FusedMoE PhaseTimer phases)       layer1 + combine
+torch GEMM     gemm0                                                gemm1
+NCCL a2a       dispatch                                             combine
+=============  ===================================================  ========================
+
+"moe" is the whole call (for the GEMM and a2a references: both phases). The baseline's
+whole-call time is taken in separate iterations without phase events, which would add host
+work to a pipeline that is host-bound at small token counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from comet import reference
+from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, grouped_mm, plan_dispatch
+from comet.bench import records as rec
+from comet.bench.inputs import InputSet, make_input_sets
+from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
+                                timed_sets)
+from comet.config import MoEConfig
+
+FUSED_MODES = ("fused", "sequential", "compute_only", "comm_only")
+
+_LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "baseline": {"layer0": ("route", "counts", "gather", "dispatch", "permute", "gemm0", "act"),
+                 "layer1": ("gemm1", "unpermute", "combine", "reduce")},
+    "comet": {"layer0": ("plan", "layer0"), "layer1": ("layer1", "combine")},
+    # The GEMM kernels alone, for TFLOP/s: torch's grouped GEMM is timed without routing.
+    "comet_kernels": {"layer0": ("layer0",), "layer1": ("layer1",), "moe": ("layer0", "layer1")},
+    "gmm": {"layer0": ("gemm0",), "layer1": ("gemm1",), "moe": ("gemm0", "gemm1")},
+    "a2a": {"layer0": ("dispatch",), "layer1": ("combine",), "moe": ("dispatch", "combine")},
+}
+
+#: Baseline phases summed into the breakdown columns (shared/DESIGN.md's table).
+BASELINE_BREAKDOWN = {
+    "sync": ("counts",),
+    "a2a": ("dispatch", "combine"),
+    "gemm": ("gemm0", "gemm1"),
+    "act": ("act",),
+    "permute": ("route", "gather", "permute", "unpermute", "reduce"),
+}
+
+
+@dataclass
+class Settings:
+    """How to measure (shared by every case of a run)."""
+
+    device: torch.device
+    group: object = None
+    world: int = 1
+    rank: int = 0
+    iters: int = 20
+    warmup: int = 5
+    n_sets: int = 4
+    seed: int = 0
+    comm_blocks: int | tuple[int, int] | None = None
+    chunk_options: tuple[int, ...] = (2, 4)
+
+
+@dataclass
+class Case:
+    """One benchmark point."""
+
+    config: str
+    cfg: MoEConfig
+    tokens: int
+    routing: str
+
+
+@dataclass
+class Fused:
+    """comet's layer for one config, as the runner drives it.
+
+    layer: ``layer(x, topk_ids, topk_weights, comm_blocks=, mode=, timer=)`` with
+    ``last_comm_blocks``; make_timer: builds its phase timer (``PhaseTimer``).
+    """
+
+    layer: object
+    make_timer: Callable[[], object]
+
+
+@dataclass
+class _Series:
+    """One variant's reduced per-iteration times by phase, plus the view per layer."""
+
+    series: dict[str, list[float]]
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def layer(self, name: str, phases: dict[str, tuple[str, ...]] | None = None
+              ) -> list[float] | None:
+        parts = (self.phases if phases is None else phases).get(name)
+        if parts is None:
+            return self.series.get("total") if name == "moe" else None
+        present = [self.series[p] for p in parts if p in self.series]
+        return [sum(v) for v in zip(*present)] if present else None
+
+    def median(self, name: str) -> float | None:
+        return median(self.layer(name))
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    diff = (y.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _gemm_flops(rows: int, cfg: MoEConfig) -> dict[str, float]:
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    l0, l1 = 2.0 * rows * h * 2 * f, 2.0 * rows * f * h
+    return {"layer0": l0, "layer1": l1, "moe": l0 + l1}
+
+
+def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
+             fused: Fused | None = None,
+             cutlass_mm: Callable | None = None,
+             layers: Sequence[str] = rec.LAYERS) -> list[dict]:
+    """Measure every variant of ``case``; collective over ``st.group``.
+
+    Args:
+        w13, w2: this rank's expert weights ``[El, H, 2F]``, ``[El, F, H]``.
+        fused: comet's layer for this config, or None (no GPU, or it failed to build):
+            its columns are then None.
+        cutlass_mm: the CUTLASS grouped GEMM reference, or None.
+        layers: which of "layer0", "layer1", "moe" to return records for.
+
+    Returns:
+        One record per layer with the measured fields and the derived ratios (no
+        run metadata: the caller adds device, layout, date, command).
+    """
+    cfg, dev, group = case.cfg, st.device, st.group
+    el = w13.shape[0]
+    sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, st.rank,
+                           st.seed, dev)
+    plans = [plan_dispatch(s.topk_ids, el, group) for s in sets]
+    flush = L2Flush(dev)
+
+    def timed(fn, make_timer=None) -> dict[str, list[float]]:
+        series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
+                            device=dev, group=group, make_timer=make_timer, flush=flush)
+        return reduce_over_ranks(series, group)
+
+    def baseline(s: InputSet, timer=None):
+        return ep_moe_forward(s.x, s.topk_ids, s.topk_weights, w13, w2, group, timer=timer)
+
+    def phase_clock():
+        return PhaseClock(dev)
+
+    out: dict[str, _Series] = {}
+    # The whole-call time of the baseline comes from calls without phase events: its
+    # small-token regime is host-bound, and ~20 event records would add to it.
+    phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
+    phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
+    out["baseline"] = _Series(phases, _LAYER_PHASES["baseline"])
+    for n in st.chunk_options:
+        out[f"chunked{n}"] = _Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
+            sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
+    n_comm = None
+    if fused is not None:
+        for mode in FUSED_MODES:
+            out[mode] = _Series(timed(lambda i, t, mode=mode: fused.layer(
+                sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
+                comm_blocks=None if mode == "sequential" else st.comm_blocks,
+                mode=mode, timer=t), fused.make_timer), _LAYER_PHASES["comet"])
+        fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
+                    comm_blocks=st.comm_blocks, mode="fused")
+        n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
+    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
+                 torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
+                for p in plans]
+
+    out["torch_gmm"] = _Series(timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
+                                     phase_clock), _LAYER_PHASES["gmm"])
+    if cutlass_mm is not None:
+        out["cutlass_gmm"] = _Series(timed(_gemm_fn(
+            plans, gmm_rows, w13, w2, lambda a, b, _, offs: cutlass_mm(a, b, offs)),
+            phase_clock), _LAYER_PHASES["gmm"])
+    del gmm_rows
+    if st.world > 1:
+        out["nccl"] = _Series(timed(_a2a_fn(sets, plans, group), phase_clock),
+                              _LAYER_PHASES["a2a"])
+
+    flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
+    order = timed_sets(st.n_sets, st.iters, st.warmup)
+    flops = reduce_over_ranks({name: [flops_by_set[s][name] for s in order]
+                               for name in rec.LAYERS}, group, sums=rec.LAYERS)
+    checks = _checks(sets[0], baseline, w13, w2, st, fused)
+
+    results = []
+    for layer in layers:
+        chunked = {n: out[f"chunked{n}"].median(layer) for n in st.chunk_options}
+        best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
+                   default=None)
+
+        def med(variant, layer=layer):
+            return out[variant].median(layer) if variant in out else None
+
+        def gmm_tflops(variant, phases=None, layer=layer):
+            times = out[variant].layer(layer, phases) if variant in out else None
+            if not times:
+                return None
+            return median([rec.tflops(f, st.world * t) for f, t in zip(flops[layer], times)])
+
+        r = {
+            "config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
+            "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer,
+            "baseline_us": med("baseline"), "fused_us": med("fused"),
+            "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
+            "comm_only_us": med("comm_only"),
+            "chunked_us": chunked[best] if best is not None else None,
+            "chunked_chunks": best,
+            **{f"chunked{n}_us": chunked[n] for n in st.chunk_options},
+            "torch_gmm_us": med("torch_gmm"),
+            "torch_gmm_tflops": gmm_tflops("torch_gmm"),
+            "comet_gmm_tflops": gmm_tflops("compute_only", _LAYER_PHASES["comet_kernels"]),
+            "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm"),
+            "nccl_a2a_us": med("nccl"),
+            "n_comm": n_comm[0] if n_comm else None,
+            "n_comm_per_rank": n_comm,
+            "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            "max_rel_err": checks,
+            "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
+        }
+        if layer == "moe":
+            base = out["baseline"].series
+            r["baseline_phases_us"] = {
+                name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
+                for name, parts in BASELINE_BREAKDOWN.items()}
+            # Where comet's time goes, per mode and phase (plan, layer0, layer1, combine).
+            r["comet_phases_us"] = {
+                mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
+                for mode in FUSED_MODES if mode in out} or None
+        results.append(rec.derive(r))
+    return results
+
+
+def _gemm_fn(plans, rows, w13, w2, mm):
+    """The layer's two grouped GEMMs alone, on rows laid out as the layer's (``rows[i]``:
+    random ``[R, H]`` and ``[R, F]`` inputs of set ``i``)."""
+    def fn(i, t):
+        p, (a0, a1) = plans[i], rows[i]
+        with t.phase("gemm0"):
+            mm(a0, w13, p.expert_rows, p.offs)
+        with t.phase("gemm1"):
+            mm(a1, w2, p.expert_rows, p.offs)
+    return fn
+
+
+def _a2a_fn(sets: list[InputSet], plans, group):
+    """NCCL all_to_all_single of the rows the layer moves, split sizes known up front."""
+    bufs = []
+    for s, p in zip(sets, plans):
+        send = torch.empty(len(p.order), s.x.shape[1], dtype=s.x.dtype, device=s.x.device)
+        bufs.append((send, send.new_empty(p.rows, send.shape[1]), torch.empty_like(send)))
+
+    def fn(i, t):
+        p, (send, recv, back) = plans[i], bufs[i]
+        with t.phase("dispatch"):
+            dist.all_to_all_single(recv, send, p.recv_splits, p.send_splits, group=group)
+        with t.phase("combine"):
+            dist.all_to_all_single(back, recv, p.send_splits, p.recv_splits, group=group)
+    return fn
+
+
+def _gather(value: list, group) -> list:
+    """Concatenation of every rank's ``value`` list, in rank order."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, value, group=group)
+    return [v for part in parts for v in part]
+
+
+def _checks(s: InputSet, baseline, w13, w2, st: Settings, fused: Fused | None
+            ) -> dict[str, float]:
+    """Max relative error (over ranks) of each variant's output against the baseline's,
+    and of the baseline against the reference spec when there is a single rank."""
+    ref = baseline(s)
+    errs = {"chunked": _rel_err(chunked_ep_moe_forward(
+        s.x, s.topk_ids, s.topk_weights, w13, w2, st.group, chunks=st.chunk_options[0]), ref)}
+    if fused is not None:
+        errs["fused"] = _rel_err(fused.layer(s.x, s.topk_ids, s.topk_weights,
+                                             comm_blocks=st.comm_blocks, mode="fused"), ref)
+    if st.world == 1:
+        spec = reference.moe_forward(s.x, s.topk_ids, s.topk_weights, w13, w2,
+                                     round_to=s.x.dtype)
+        errs["baseline_vs_reference"] = _rel_err(ref, spec)
+    reduced = reduce_over_ranks({k: [v] for k, v in errs.items()}, st.group)
+    return {k: v[0] for k, v in reduced.items()}

@@ -1,0 +1,355 @@
+"""``comet bench``: time comet's fused MoE layer against the unfused and the chunked EP
+baselines, per layer, config, tokens per rank and routing (shared/DESIGN.md's protocol).
+
+Examples::
+
+    comet bench                                   # every GPU, the four model configs
+    comet bench --config mixtral --tokens 4096 --routing uniform --layers moe
+    comet bench --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir out/
+    comet bench --timeline --config mixtral --output-dir out/   # per-block trace
+    comet bench --from-json out/bench-ep4-*.json --output-dir docs/  # tables from JSON
+
+With several GPUs visible it re-launches itself under torchrun, one rank per GPU, with
+NVLink multicast off. With one GPU it runs in-process (EP=1). With none it times the torch
+paths on a scaled-down config on the CPU, to show the tool works; those are no GPU timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from comet.bench import records as rec
+from comet.bench import report, trace
+from comet.bench.cutlass_ref import load_cutlass_grouped_mm
+from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.runner import Case, Fused, Settings, run_case
+from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
+
+#: NVLink multicast stays off on the shared GPU machines (shared/DESIGN.md).
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+#: Small enough that the CPU run finishes in seconds.
+CPU_CONFIG = "cpu-tiny"
+CONFIGS: dict[str, MoEConfig] = {
+    **PRESETS,
+    CPU_CONFIG: MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512),
+}
+GPU_CONFIGS = ("mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like")
+GPU_TOKENS = (128, 1024, 4096, 16384)
+CPU_TOKENS = (64, 256)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NO_GPU_NOTE = ("no GPU: these are CPU times of the torch paths (unfused and chunked "
+               "baselines, per-expert GEMM loop) on a scaled-down config, not GPU timings; "
+               "comet's fused kernels need CUDA, so its columns are empty")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="comet bench", description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Columns and protocol: docs/benchmarks.md.")
+    g = p.add_argument_group("what to run")
+    g.add_argument("--config", nargs="+", choices=sorted(CONFIGS), default=None,
+                   metavar="NAME",
+                   help=f"named configs, of {', '.join(sorted(CONFIGS))} (default: "
+                        f"{' '.join(GPU_CONFIGS)} on a GPU, {CPU_CONFIG} on the CPU)")
+    g.add_argument("--experts", type=int, help="explicit config: E (with --topk/--hidden/--ffn)")
+    g.add_argument("--topk", type=int, help="explicit config: experts per token")
+    g.add_argument("--hidden", type=int, help="explicit config: H")
+    g.add_argument("--ffn", type=int, help="explicit config: expert FFN size F")
+    g.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help=f"tokens per rank (default: {' '.join(map(str, GPU_TOKENS))} on a GPU, "
+                        f"{' '.join(map(str, CPU_TOKENS))} on the CPU)")
+    g.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
+                   help="uniform, or skewed: expert 0 chosen by half of all tokens "
+                        "(default: both)")
+    g.add_argument("--layers", nargs="+", choices=rec.LAYERS, default=list(rec.LAYERS),
+                   help="layer0 (dispatch + GEMM0 + act), layer1 (GEMM1 + combine), moe "
+                        "(the whole layer) (default: all)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: bf16 on a GPU, fp32 on the CPU (CPU bf16 GEMMs crawl)")
+    g.add_argument("--comm-blocks", nargs="+", type=int, default=None, metavar="N",
+                   help="fix the block split: one count for both layers or two "
+                        "(layer0 layer1); default: comet chooses per call")
+    g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
+                   help="chunk counts tried for the coarse-grained baseline, the best "
+                        "kept (default: 2 4)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="ranks to launch (default: every visible GPU)")
+    m = p.add_argument_group("how to measure")
+    m.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per variant (default: 20 on a GPU, 3 on the CPU)")
+    m.add_argument("--warmup", type=int, default=None,
+                   help="untimed iterations first (default: 5 on a GPU, 1 on the CPU)")
+    m.add_argument("--input-sets", type=int, default=4,
+                   help="input sets rotated through, with an L2 flush between "
+                        "iterations (default: 4)")
+    m.add_argument("--seed", type=int, default=0, help="seed of every input (default: 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-dir", default=None,
+                   help="write the JSON records, a markdown report and a PNG plot here")
+    o.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    o.add_argument("--timeline", action="store_true",
+                   help="instead of the sweep: a per-block timeline of one fused call of the "
+                        "first config (Chrome/Perfetto trace + PNG)")
+    o.add_argument("--timeline-tokens", type=int, default=4096,
+                   help="tokens per rank of the --timeline call (default: 4096)")
+    o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="measure nothing: print and write the report of these result files")
+    return p
+
+
+# --------------------------------------------------------------------------- launching
+def _under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of the torchrun children: NVLink multicast off, and this checkout
+    importable without an install."""
+    env = dict(os.environ, **NVLS_OFF)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def torchrun_command(argv: list[str], nproc: int) -> list[str]:
+    """torchrun of ``comet.cli.bench argv`` on ``nproc`` ranks. ``--nproc`` is dropped:
+    the children do not need it, and torchrun's parser would take it for an
+    abbreviation of its own ``--nproc-per-node`` even after the module name."""
+    child, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            child.append(a)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "comet.cli.bench", *child]
+
+
+# --------------------------------------------------------------------------- helpers
+def _configs(args, parser, on_gpu: bool) -> list[tuple[str, MoEConfig]]:
+    explicit = [args.experts, args.topk, args.hidden, args.ffn]
+    out = []
+    names = args.config or ([] if any(v is not None for v in explicit) else
+                            (GPU_CONFIGS if on_gpu else [CPU_CONFIG]))
+    out += [(n, CONFIGS[n]) for n in names]
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            parser.error("--experts, --topk, --hidden and --ffn go together")
+        try:
+            cfg = MoEConfig(num_experts=args.experts, top_k=args.topk,
+                            hidden_size=args.hidden, intermediate_size=args.ffn)
+        except ValueError as err:
+            parser.error(str(err))
+        out.append((f"e{args.experts}-k{args.topk}-h{args.hidden}-f{args.ffn}", cfg))
+    return out
+
+
+def _comm_blocks(values, parser):
+    if values is None or len(values) > 2:
+        if values is not None:
+            parser.error("--comm-blocks takes one count (both layers) or two (layer0 layer1)")
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _build_fused(cfg, w13, w2, group, device) -> tuple[Fused | None, str | None]:
+    """comet's layer for ``cfg``, or None and why; every rank gets the same answer."""
+    if device.type != "cuda":
+        return None, None
+    try:
+        from comet.runtime.layer import FusedMoE, PhaseTimer
+        fused, why = Fused(FusedMoE(cfg, w13, w2, group=group), PhaseTimer), None
+    except Exception as err:  # report and go on: the baselines are still worth measuring
+        fused, why = None, f"comet fused unavailable: {type(err).__name__}: {err}"
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        ok = torch.tensor([fused is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not ok.item() and fused is not None:
+            fused, why = None, "comet fused unavailable: it failed to build on another rank"
+    return fused, why
+
+
+def _gather_objects(obj, group) -> list:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: str,
+          plot: bool) -> None:
+    """Print the report and write JSON, markdown and PNG (rank 0 only)."""
+    for n in notes:
+        print(f"note: {n}")
+    print()
+    print(report.text_table(records, report.MAIN_COLUMNS))
+    print()
+    print(report.text_table(records, report.EFFICIENCY_COLUMNS))
+    moe = [r for r in records if r["layer"] == "moe"]
+    if moe:
+        print()
+        print(report.text_table(moe, report.BREAKDOWN_COLUMNS))
+    for line in report.summary(records):
+        print(f"summary: {line}")
+    if output_dir is None:
+        return
+    base = os.path.join(output_dir, stem)
+    print(f"wrote {rec.write_json(records, base + '.json')}")
+    if plot:
+        _, note = report.plot_speedup(records, base + ".png")
+        notes = notes + [note]
+        print(note)
+    with open(base + ".md", "w") as f:
+        f.write(report.markdown_report(records, notes))
+    print(f"wrote {base}.md")
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+
+    if args.from_json:
+        records = [r for path in args.from_json for r in rec.read_json(path)]
+        notes = sorted({n for r in records for n in r.get("notes", [])})
+        _emit(records, notes, args.output_dir, f"bench-{stamp:%Y%m%d-%H%M%S}", not args.no_plot)
+        return 0
+
+    os.environ.update(NVLS_OFF)
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not _under_torchrun() and n_gpu > 1 and (args.nproc or n_gpu) > 1:
+        cmd = torchrun_command(argv, args.nproc or n_gpu)
+        print("launching: " + shlex.join(cmd), flush=True)
+        return subprocess.run(cmd, env=launch_env()).returncode
+
+    group = None
+    if _under_torchrun():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if n_gpu:
+            torch.cuda.set_device(local_rank)
+        if n_gpu:
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        device = torch.device("cuda", local_rank) if n_gpu else torch.device("cpu")
+    else:
+        world, rank = 1, 0
+        device = torch.device("cuda", 0) if n_gpu else torch.device("cpu")
+    try:
+        return _run(args, parser, argv, stamp, device, group, world, rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
+    on_gpu = device.type == "cuda"
+    configs = _configs(args, parser, on_gpu)
+    tokens = args.tokens or list(GPU_TOKENS if on_gpu else CPU_TOKENS)
+    iters = args.iters or (20 if on_gpu else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
+    if min(tokens) < 0 or iters < 1 or args.input_sets < 1 or min(args.chunks) < 1:
+        parser.error("--tokens must be >= 0; --iters, --input-sets and --chunks >= 1")
+    dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    notes = [] if on_gpu else [NO_GPU_NOTE]
+    if on_gpu and iters < 20:
+        notes.append(f"only {iters} timed iterations; the protocol quotes medians of >= 20")
+    layout = f"ep{world}"
+    device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    meta = {"device": device_name, "world_size": world, "layout": layout,
+            "date": stamp.isoformat(timespec="seconds"),
+            "command": shlex.join(["comet", "bench", *argv])}
+    st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
+                  warmup=warmup, n_sets=args.input_sets, seed=args.seed,
+                  comm_blocks=_comm_blocks(args.comm_blocks, parser), chunk_options=tuple(args.chunks))
+    if args.timeline:
+        return _timeline(args, configs[0], st, dtype, meta, stamp)
+
+    cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device)
+    if cutlass_mm is None:
+        notes.append(cutlass_note)
+    cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
+    records: list[dict] = []
+    from tqdm import tqdm
+    bar = tqdm(total=len(cases), desc="comet bench", disable=rank != 0, dynamic_ncols=True)
+    for name, base_cfg in configs:
+        cfg = base_cfg.replace(dtype=dtype, max_tokens=max(max(tokens), 1))
+        try:
+            check_layout(cfg, ParallelConfig(world, rank))
+        except ValueError as err:
+            notes.append(f"{name} skipped: {err}")
+            bar.update(len(tokens) * len(args.routing))
+            continue
+        w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
+                                      device)
+        fused, why = _build_fused(cfg, w13, w2, group, device)
+        if why and why not in notes:
+            notes.append(why)
+        for t in tokens:
+            for routing in args.routing:
+                bar.set_postfix_str(f"{name} {t} {routing}")
+                for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
+                                  args.layers):
+                    records.append({**meta, **r, "notes": notes})
+                bar.update()
+        del w13, w2, fused
+        if on_gpu:
+            torch.cuda.empty_cache()
+    bar.close()
+    if rank == 0:
+        _emit(records, notes, args.output_dir, f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}",
+              not args.no_plot)
+    return 0
+
+
+def _timeline(args, config, st: Settings, dtype, meta, stamp) -> int:
+    """Write the per-block trace (and PNG) of one fused call of ``config``."""
+    name, base_cfg = config
+    tokens, routing = args.timeline_tokens, args.routing[0]
+    cfg = base_cfg.replace(dtype=dtype, max_tokens=max(tokens, 1))
+    check_layout(cfg, ParallelConfig(st.world, st.rank))
+    w13, w2 = make_expert_weights(cfg, cfg.num_experts // st.world, name, st.rank, args.seed,
+                                  st.device)
+    fused, why = _build_fused(cfg, w13, w2, st.group, st.device)
+    if fused is not None and not hasattr(fused.layer, "timeline"):
+        fused, why = None, "comet's fused layer has no timeline() yet"
+    if fused is None:
+        if st.rank == 0:
+            print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")
+        return 1
+    s = make_input_sets(cfg, name, tokens, routing, 1, st.rank, args.seed, st.device)[0]
+    # The first call compiles the kernels; the timeline is of a warm call.
+    fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
+    entries = fused.layer.timeline(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks)
+    timelines = dict(enumerate(_gather_objects(entries, st.group)))
+    if st.rank != 0:
+        return 0
+    stem = f"timeline-{meta['layout']}-{name}-{tokens}-{stamp:%Y%m%d-%H%M%S}"
+    base = os.path.join(args.output_dir or ".", stem)
+    title = (f"{name}, {tokens} tokens/rank, {routing}, {meta['layout']} on {meta['device']}, "
+             f"comm blocks {list(fused.layer.last_comm_blocks)}")
+    print(f"wrote {trace.write_trace(timelines, base + '.json', {**meta, 'title': title})}")
+    if not args.no_plot:
+        print(trace.plot_timeline(timelines, base + ".png", title)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

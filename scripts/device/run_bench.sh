@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# comet bench on a GPU machine, from the repository root with no install:
+#   scripts/device/run_bench.sh NPROC [comet bench arguments...]
+# Runs the sweep on NPROC GPUs (default configs and sizes unless arguments say otherwise)
+# and a per-block timeline of one Mixtral call, writing under $OUT (./out if unset):
+# bench-epN-*.json/.md/.png, timeline-epN-*.json/.png and bench.log -- six files, since
+# at most eight come back from the device machines.
+set -uo pipefail
+nproc="${1:?usage: run_bench.sh NPROC [comet bench args...]}"
+shift
+# NVLink multicast stays off on the shared machines (shared/DESIGN.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Progress bars: a line every 30 s is enough in a log.
+export TQDM_MININTERVAL=30
+out="${OUT:-out}"
+mkdir -p "$out"
+{
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  status=0
+  python3 -m comet.cli.bench --nproc "$nproc" --output-dir "$out" "$@" || status=$?
+  python3 -m comet.cli.bench --nproc "$nproc" --timeline --config mixtral --output-dir "$out" \
+    || echo "timeline: not written (exit $?)"
+  exit "$status"
+} 2>&1 | tee "$out/bench.log"

@@ -1,0 +1,287 @@
+"""`comet bench` on the CPU, its record math, and the report/plot/trace writers."""
+
+import contextlib
+import glob
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import comet
+from comet.baseline import ep_moe_forward
+from comet.bench import records as rec
+from comet.bench import report, trace
+from comet.bench.inputs import HOT_EXPERT, make_routing
+from comet.bench.runner import Fused
+from comet.bench.timing import PhaseClock, combine_ranks, reduce_over_ranks
+from comet.cli import bench
+
+SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
+         "--routing", "uniform"]
+
+
+# --------------------------------------------------------------------------- fakes
+class FakeFusedMoE:
+    """Stands in for comet.runtime.layer.FusedMoE on the CPU: the baseline's numbers,
+    the fused layer's interface (modes, phase timer, block split, timeline)."""
+
+    def __init__(self, cfg, w13, w2, group=None):
+        self.w13, self.w2, self.group = w13, w2, group
+        self.last_comm_blocks = None
+
+    def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
+        assert mode in ("fused", "sequential", "compute_only", "comm_only")
+        self.last_comm_blocks = (0, 0) if mode == "sequential" else (2, 3)
+        y = None
+        for name in ("plan", "layer0", "layer1", "combine"):
+            with timer.phase(name) if timer is not None else contextlib.nullcontext():
+                if name == "layer0":
+                    y = ep_moe_forward(x, topk_ids, topk_weights, self.w13, self.w2, self.group)
+        return y.to(x.dtype)
+
+    def timeline(self, x, topk_ids, topk_weights, comm_blocks=None):
+        self.last_comm_blocks = (2, 3)
+        return _synthetic_timeline(blocks=6, n_comm=2)
+
+
+def _synthetic_timeline(blocks=4, n_comm=1, t0=1_000_000):
+    out = []
+    for layer_i, layer in enumerate(("layer0", "layer1")):
+        for b in range(blocks):
+            for u in range(3):
+                start = t0 + layer_i * 10_000 + u * 2_000 + b * 100
+                out.append(dict(block=b, role="comm" if b < n_comm else "compute",
+                                layer=layer, unit=u, start_ns=start, end_ns=start + 1_500))
+    return out
+
+
+@pytest.fixture
+def fake_fused(monkeypatch):
+    def build(cfg, w13, w2, group, device):
+        return Fused(FakeFusedMoE(cfg, w13, w2, group), lambda: PhaseClock(device)), None
+    monkeypatch.setattr(bench, "_build_fused", build)
+
+
+def _synthetic_records():
+    base = dict(device="NVIDIA H200", world_size=4, layout="ep4", dtype="bfloat16",
+                date="2026-01-01T00:00:00+00:00", command="comet bench", n_comm=[16, 24],
+                torch_gmm_tflops=600.0, comet_gmm_tflops=650.0, cutlass_gmm_tflops=None,
+                nccl_a2a_us=400.0, chunked_us=1300.0, sequential_us=1500.0,
+                baseline_phases_us={"sync": 100.0, "a2a": 300.0, "gemm": 900.0,
+                                    "act": 100.0, "permute": 50.0})
+    out = []
+    for config in ("mixtral", "qwen2-moe"):
+        for tokens in (128, 4096):
+            for layer in rec.LAYERS:
+                r = dict(base, config=config, tokens_per_rank=tokens, routing="uniform",
+                         layer=layer, baseline_us=2000.0, fused_us=1000.0,
+                         compute_only_us=900.0, comm_only_us=400.0)
+                out.append(rec.derive(r))
+    return out
+
+
+# --------------------------------------------------------------------------- the CLI
+def test_cpu_default_run_prints_table_and_writes_records(tmp_path, capsys):
+    assert bench.main(SMALL + ["--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no GPU" in out and "(a) baseline us" in out and "cpu-tiny" in out
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    records = rec.read_json(path)
+    assert len(records) == 3
+    for r in records:
+        assert set(rec.REQUIRED_KEYS) <= set(r)
+        assert r["baseline_us"] > 0 and r["fused_us"] is None
+        assert r["cutlass_gmm_tflops"] is None
+        assert r["world_size"] == 1 and r["layout"] == "ep1" and r["device"] == "cpu"
+    moe = next(r for r in records if r["layer"] == "moe")
+    assert moe["chunked_us"] > 0 and moe["chunked_chunks"] in (2, 4)
+    assert moe["max_rel_err"]["baseline_vs_reference"] < 1e-4
+    assert moe["max_rel_err"]["chunked"] < 1e-4
+    assert set(moe["baseline_phases_us"]) == {"sync", "a2a", "gemm", "act", "permute"}
+    assert moe["comet_phases_us"] is None
+    md = open(path[:-5] + ".md").read()
+    assert "| config | tokens/rank | routing | layer |" in md
+    assert not os.path.exists(path[:-5] + ".png")     # nothing fused to plot
+
+
+def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
+    argv = SMALL + ["--layers", "layer0", "moe", "--output-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    records = rec.read_json(path)
+    assert [r["layer"] for r in records] == ["layer0", "moe"]
+    for r in records:
+        for key in ("fused_us", "sequential_us", "compute_only_us", "comm_only_us"):
+            assert r[key] > 0
+        assert r["n_comm"] == [2, 3]
+        assert r["speedup"] == pytest.approx(r["baseline_us"] / r["fused_us"])
+        assert r["hidden_comm_fraction"] == pytest.approx(rec.hidden_fraction(
+            r["compute_only_us"], r["comm_only_us"], r["fused_us"]))
+        assert r["comet_gmm_tflops"] > 0
+        assert r["max_rel_err"]["fused"] < 1e-4
+    moe = records[1]
+    assert set(moe["comet_phases_us"]) == {"fused", "sequential", "compute_only", "comm_only"}
+    assert set(moe["comet_phases_us"]["fused"]) == {"plan", "layer0", "layer1", "combine"}
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        assert "matplotlib is not installed" in out
+    else:
+        assert os.path.exists(path[:-5] + ".png")
+
+
+def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused):
+    argv = ["--timeline", "--timeline-tokens", "16", "--no-plot", "--output-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    [path] = glob.glob(str(tmp_path / "timeline-ep1-cpu-tiny-16-*.json"))
+    data = json.load(open(path))
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(_synthetic_timeline(blocks=6, n_comm=2))
+    assert "comm blocks [2, 3]" in data["otherData"]["title"]
+
+
+def test_timeline_without_gpu_says_why(capsys):
+    assert bench.main(["--timeline", "--timeline-tokens", "16"]) == 1
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_report_from_json(tmp_path, capsys):
+    path = rec.write_json(_synthetic_records(), str(tmp_path / "in.json"))
+    assert bench.main(["--from-json", path, "--no-plot", "--output-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "summary: uniform: geomean a/b at >= 4096 tokens/rank 2.00" in out
+    assert glob.glob(str(tmp_path / "o" / "bench-*.md"))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--experts", "8", "--topk", "2"])          # --hidden/--ffn missing
+    with pytest.raises(SystemExit):
+        bench.main(SMALL + ["--comm-blocks", "1", "2", "3"])
+
+
+def test_launch_keeps_nvlink_multicast_off():
+    env = bench.launch_env()
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(comet.__file__)))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == root
+    cmd = bench.torchrun_command(["--nproc", "4", "--tokens", "128", "--nproc=4"], 4)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=4" in cmd and cmd[-4:] == ["-m", "comet.cli.bench", "--tokens", "128"]
+
+
+# --------------------------------------------------------------------------- math
+def test_ratios_and_hidden_fraction():
+    assert rec.hidden_fraction(100.0, 50.0, 110.0) == pytest.approx(0.8)
+    assert rec.hidden_fraction(100.0, 50.0, 100.0) == pytest.approx(1.0)   # costs max(c, d)
+    assert rec.hidden_fraction(100.0, 50.0, 150.0) == pytest.approx(0.0)   # costs c + d
+    assert rec.hidden_fraction(100.0, 50.0, 175.0) < 0
+    assert rec.hidden_fraction(None, 50.0, 100.0) is None
+    assert rec.ratio(3.0, 0.0) is None and rec.ratio(None, 1.0) is None
+    assert rec.tflops(2e12, 1e6) == pytest.approx(2.0)
+    assert rec.geomean([1.0, 4.0, None]) == pytest.approx(2.0)
+    r = rec.derive(dict(baseline_us=300.0, fused_us=100.0, chunked_us=150.0,
+                        compute_only_us=80.0, comm_only_us=40.0, torch_gmm_tflops=500.0,
+                        comet_gmm_tflops=550.0, nccl_a2a_us=50.0))
+    assert r["speedup"] == pytest.approx(3.0)
+    assert r["speedup_vs_chunked"] == pytest.approx(1.5)
+    assert r["hidden_comm_fraction"] == pytest.approx(0.5)
+    assert r["compute_efficiency"] == pytest.approx(1.1)
+    assert r["comm_efficiency"] == pytest.approx(1.25)
+
+
+def test_reduce_over_ranks_is_identity_on_one_process():
+    s = {"total": [1.0, 2.0]}
+    assert reduce_over_ranks(s) == s
+
+
+def test_ranks_combine_to_the_slowest_rank_per_iteration():
+    fast_gemm = {"total": [10.0, 30.0], "gemm": [2.0, 25.0], "combine": [8.0, 5.0]}
+    slow_gemm = {"total": [20.0, 12.0], "gemm": [15.0, 6.0], "combine": [5.0, 6.0]}
+    out = combine_ranks([fast_gemm, slow_gemm])
+    # phases come from the rank whose total was largest in that iteration, never mixed
+    assert out == {"total": [20.0, 30.0], "gemm": [15.0, 25.0], "combine": [5.0, 5.0]}
+    flops = combine_ranks([{"moe": [1.0, 2.0]}, {"moe": [3.0, 1.0]}], sums=("moe",))
+    assert flops == {"moe": [4.0, 3.0]}
+    errs = combine_ranks([{"fused": [0.1]}, {"fused": [0.3]}])
+    assert errs == {"fused": [0.3]}
+
+
+def test_routing_kinds():
+    g = torch.Generator().manual_seed(0)
+    m, e, k = 4000, 16, 2
+    ids, w = make_routing(m, e, k, "uniform", g)
+    assert ids.shape == (m, k) and int(ids.min()) >= 0 and int(ids.max()) < e
+    assert (ids[:, 0] != ids[:, 1]).all()
+    torch.testing.assert_close(w.sum(1), torch.ones(m))
+    share = (ids == HOT_EXPERT).any(1).float().mean().item()
+    assert share == pytest.approx(k / e, abs=0.03)
+    ids, _ = make_routing(m, e, k, "skewed", g)
+    assert (ids == HOT_EXPERT).any(1).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    assert (ids[:, 0] != ids[:, 1]).all()
+    with pytest.raises(ValueError):
+        make_routing(4, e, k, "zipf", g)
+
+
+# --------------------------------------------------------------------------- writers
+def test_markdown_and_text_tables():
+    records = _synthetic_records()
+    md = report.markdown_table(records)
+    lines = md.splitlines()
+    assert lines[0].startswith("| config | tokens/rank | routing | layer | (a) baseline us")
+    assert set(lines[1]) <= set("|-")
+    assert len(lines) == 2 + len(records)
+    assert "| mixtral | 128 | uniform | layer0 | 2000.0 | 1000.0 |" in md
+    assert "| 16 |" in md and "| 16/24 |" in md         # n_comm per layer and for moe
+    full = report.markdown_report(records, ["a note"])
+    for section in ("## Summary", "## Times", "## Compute and communication efficiency",
+                    "## Where the unfused baseline spends its time", "- note: a note"):
+        assert section in full
+    text = report.text_table(records, report.EFFICIENCY_COLUMNS)
+    assert "torch GEMM TFLOP/s" in text.splitlines()[0] and "1.08" in text
+
+
+def test_plots_skip_cleanly_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path, note = report.plot_speedup(_synthetic_records(), str(tmp_path / "p.png"))
+    assert path is None and "matplotlib is not installed" in note
+    path, note = trace.plot_timeline({0: _synthetic_timeline()}, str(tmp_path / "t.png"))
+    assert path is None and "matplotlib is not installed" in note
+    assert not os.listdir(tmp_path)
+
+
+def test_plots_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    path, _ = report.plot_speedup(_synthetic_records(), str(tmp_path / "p.png"))
+    assert os.path.getsize(path) > 0
+    path, _ = trace.plot_timeline({0: _synthetic_timeline(), 1: _synthetic_timeline(t0=5)},
+                                  str(tmp_path / "t.png"), "title")
+    assert os.path.getsize(path) > 0
+
+
+def test_chrome_trace_is_valid_and_complete(tmp_path):
+    timelines = {0: _synthetic_timeline(blocks=4, n_comm=1),
+                 1: _synthetic_timeline(blocks=4, n_comm=2, t0=7_000_000)}
+    path = trace.write_trace(timelines, str(tmp_path / "t.json"), {"config": "mixtral"})
+    data = json.load(open(path))
+    events = data["traceEvents"]
+    assert data["otherData"] == {"config": "mixtral"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == sum(len(v) for v in timelines.values())
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert min(e["ts"] for e in mine) == 0          # each rank from its own first stamp
+        assert all(e["dur"] == pytest.approx(1.5) for e in mine)
+    assert {e["name"] for e in spans} == {"comm layer0", "comm layer1", "compute layer0",
+                                          "compute layer1"}
+    assert len({e["cname"] for e in spans}) == 4
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[(1, 1)] == "block 1 (layer0:comm, layer1:comm)"
+    assert names[(0, 3)] == "block 3 (layer0:compute, layer1:compute)"
