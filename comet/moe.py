@@ -147,6 +147,12 @@ class CometMoE(nn.Module):
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         return cls(**fields, **kwargs)
 
+    @staticmethod
+    def from_module(block, group=None, **kwargs) -> "CometMoE":
+        """Convert a transformers MoE block (see :func:`comet.integrations.from_module`)."""
+        from comet.integrations import from_module
+        return from_module(block, group=group, **kwargs)
+
     @property
     def local_experts(self) -> int:
         return self.experts.w13.shape[0]
@@ -162,7 +168,8 @@ class CometMoE(nn.Module):
                 f"ep={self.par.world_size}, rank={self.par.rank}, router={c.router}")
 
     # ------------------------------------------------------------------ validation
-    def _check_inputs(self, x: torch.Tensor, topk_ids, topk_weights) -> None:
+    def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
+        """Raise on inputs :meth:`forward` cannot take (before any kernel runs)."""
         cfg = self.cfg
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a tensor, got {type(x).__name__}")
@@ -214,25 +221,30 @@ class CometMoE(nn.Module):
         Returns:
             Output of the input's shape, or ``(output, router_logits)``.
         """
-        self._check_inputs(hidden_states, topk_ids, topk_weights)
+        self.check_inputs(hidden_states, topk_ids, topk_weights)
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        x = hidden_states.reshape(-1, shape[-1]).contiguous()
         logits = None
         if topk_ids is None:
             logits, topk_weights, topk_ids = self.gate(x)
-        y = self._routed(x, topk_ids, topk_weights)
+        y = self.experts_forward(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
-            y = y + self._shared(x)
+            y = y + self.shared_forward(x)
         y = y.to(hidden_states.dtype).view(shape)
         return (y, logits) if output_router_logits else y
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared-expert block on ``x [M, H]`` (gated where configured), fp32."""
         s = self.shared_expert(x).float()
         if self.shared_expert_gate is not None:
             s = s * torch.sigmoid(self.shared_expert_gate(x).float())
         return s
 
-    def _routed(self, x, topk_ids, topk_weights) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts of ``x [M, H]`` (contiguous) for routing the caller vouches for:
+        no host check of the ids (ids outside ``[0, E)`` count as "no expert").
+        Returns ``[M, H]``."""
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
         if self.par.world_size > 1:

@@ -63,9 +63,10 @@ def rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
 
 
-def check_correctness(results, quick):
+def check_correctness(results, quick, configs):
     world, rank = dist.get_world_size(), dist.get_rank()
-    for name, (e, k, h, f) in SCALED.items():
+    for name in configs:
+        e, k, h, f = SCALED[name]
         for dtype in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
             cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                             dtype=dtype, max_tokens=512)
@@ -187,12 +188,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", nargs="+", default=list(SCALED), choices=list(SCALED))
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     results = []
-    check_correctness(results, args.quick)
+    check_correctness(results, args.quick, args.configs)
     layer = check_back_to_back_graph_and_sync(results, args.calls)
     check_missing_rank(results, layer)
     if dist.get_rank() == 0 and args.json:

@@ -81,6 +81,10 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         for role in (L.ROLE_FUSED, L.ROLE_COMM, L.ROLE_COMPUTE):
             L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, role, split, 132)
             L.launch_layer1(ws, cfg, w2, tile, role, split, 132)
+        trace = torch.zeros(132, L.MAX_TRACE_EVENTS, 4, dtype=torch.int64)
+        L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED, split, 132,
+                        trace=trace)
+        L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
         L.launch_combine(ws, cfg, L.address_of(x), split, tile)
     return record_launches(run)
 

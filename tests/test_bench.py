@@ -8,6 +8,8 @@ import os
 import sys
 
 import pytest
+
+from comet.cli import launch
 import torch
 
 import comet
@@ -165,13 +167,14 @@ def test_bad_arguments_are_refused():
 
 
 def test_launch_keeps_nvlink_multicast_off():
-    env = bench.launch_env()
+    env = launch.launch_env()
     assert env["NCCL_NVLS_ENABLE"] == "0"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["NVSHMEM_DISABLE_NVLS"] == "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(comet.__file__)))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == root
-    cmd = bench.torchrun_command(["--nproc", "4", "--tokens", "128", "--nproc=4"], 4)
+    cmd = launch.torchrun_command(["--nproc", "4", "--tokens", "128", "--nproc=4"], 4,
+                                  "comet.cli.bench")
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--nproc-per-node=4" in cmd and cmd[-4:] == ["-m", "comet.cli.bench", "--tokens", "128"]
 

@@ -192,3 +192,15 @@ def test_missing_peer_times_out_quickly(monkeypatch):
     with pytest.raises(CometTimeoutError, match="rank 1"):
         raise_if_failed(ws.error, 0)
     assert time.time() - start < 10
+
+
+def test_timeline_records_both_roles():
+    layer, g = _fused("mixtral", torch.bfloat16)
+    x, ids, w = _inputs(layer, "random", g, tokens=256)
+    layer(x, ids, w)
+    records = layer.timeline(x, ids, w, comm_blocks=4)
+    roles = {(r["layer"], r["role"]) for r in records}
+    assert roles == {("layer0", "comm"), ("layer0", "compute"), ("layer1", "comm"),
+                     ("layer1", "compute")}
+    assert all(r["end_ns"] >= r["start_ns"] >= 0 for r in records)
+    assert {r["block"] for r in records if r["role"] == "comm"} <= set(range(4))

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import shlex
-import subprocess
 import sys
 
 import torch
@@ -31,11 +30,8 @@ from comet.bench import report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.runner import Case, Fused, Settings, run_case
+from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
-
-#: NVLink multicast stays off on the shared GPU machines (shared/DESIGN.md).
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 
 #: Small enough that the CPU run finishes in seconds.
 CPU_CONFIG = "cpu-tiny"
@@ -106,36 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="measure nothing: print and write the report of these result files")
     return p
-
-
-# --------------------------------------------------------------------------- launching
-def _under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def launch_env() -> dict[str, str]:
-    """The environment of the torchrun children: NVLink multicast off, and this checkout
-    importable without an install."""
-    env = dict(os.environ, **NVLS_OFF)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
-def torchrun_command(argv: list[str], nproc: int) -> list[str]:
-    """torchrun of ``comet.cli.bench argv`` on ``nproc`` ranks. ``--nproc`` is dropped:
-    the children do not need it, and torchrun's parser would take it for an
-    abbreviation of its own ``--nproc-per-node`` even after the module name."""
-    child, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            child.append(a)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "comet.cli.bench", *child]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -231,27 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         _emit(records, notes, args.output_dir, f"bench-{stamp:%Y%m%d-%H%M%S}", not args.no_plot)
         return 0
 
-    os.environ.update(NVLS_OFF)
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not _under_torchrun() and n_gpu > 1 and (args.nproc or n_gpu) > 1:
-        cmd = torchrun_command(argv, args.nproc or n_gpu)
-        print("launching: " + shlex.join(cmd), flush=True)
-        return subprocess.run(cmd, env=launch_env()).returncode
-
+    code = maybe_relaunch(argv, args.nproc, "comet.cli.bench")
+    if code is not None:
+        return code
+    device, world, rank = init_ranks()
     group = None
-    if _under_torchrun():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if n_gpu:
-            torch.cuda.set_device(local_rank)
-        if n_gpu:
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        else:
-            dist.init_process_group("gloo")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        device = torch.device("cuda", local_rank) if n_gpu else torch.device("cpu")
-    else:
-        world, rank = 1, 0
-        device = torch.device("cuda", 0) if n_gpu else torch.device("cpu")
     try:
         return _run(args, parser, argv, stamp, device, group, world, rank)
     finally:

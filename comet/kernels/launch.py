@@ -183,6 +183,18 @@ def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t2d, block)
 
 
+#: Events each program may record when tracing (comet bench --timeline).
+MAX_TRACE_EVENTS = 512
+
+
+def _trace_args(trace: torch.Tensor | None, device) -> tuple[torch.Tensor, dict]:
+    """The trace buffer ``[programs, MAX_TRACE_EVENTS, 4]`` int64 (or a dummy)."""
+    if trace is None:
+        return torch.zeros(1, dtype=torch.int64, device=device), {"TRACE": False,
+                                                                   "MAX_EVENTS": 1}
+    return trace, {"TRACE": True, "MAX_EVENTS": MAX_TRACE_EVENTS}
+
+
 def _cooperative(role: int) -> dict:
     return {} if interpreting() or role != ROLE_FUSED else {"launch_cooperative_grid": True}
 
@@ -190,7 +202,7 @@ def _cooperative(role: int) -> dict:
 # ----------------------------------------------------------------------- layers
 def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
-                  wait: bool = True) -> None:
+                  wait: bool = True, trace: torch.Tensor | None = None) -> None:
     """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute).
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
@@ -198,6 +210,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
     el, h, f = w13.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(h)
     p = ws.plan
+    trace, trace_kw = _trace_args(trace, w13.device)
     l0.layer0_kernel[(grid,)](
         x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
         p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
@@ -207,21 +220,23 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"],
-        ws.flag0, ws.epoch, ws.error, ws.rank, split, _timeout_ns(),
+        ws.flag0, ws.epoch, ws.error, ws.rank, split, _timeout_ns(), trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_BLOCK_H=tile.comm_block_h, COMM_ENTRIES=tile.comm_entries,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0, BLOCK_K=bk,
-        DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(),
+        DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(), **trace_kw,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role))
 
 
 def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,
-                  role: int, split: torch.Tensor, grid: int, wait: bool = True) -> None:
+                  role: int, split: torch.Tensor, grid: int, wait: bool = True,
+                  trace: torch.Tensor | None = None) -> None:
     """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank."""
     el, h, f = w2.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(f)
     p = ws.plan
+    trace, trace_kw = _trace_args(trace, w2.device)
     l1.layer1_kernel[(grid,)](
         descriptor(ws.h, [tile.block_m, bk]), descriptor(w2.view(el * f, h), [bk, tile.block_n1]),
         ws.out1, f, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
@@ -229,12 +244,12 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
         ws.counter_view()["l1_done"], ws.epoch, ws.error, ws.rank, cfg.max_tokens, split,
-        _timeout_ns(),
+        _timeout_ns(), trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
-        USE_ASM=_asm(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **_cooperative(role))
 
 

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import barrier, fence_async_proxy, healthy, wait_at_least
+from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, stamp,
+                                wait_at_least)
 
 # Roles of a launch (constexpr ROLE).
 ROLE_FUSED = tl.constexpr(0)
@@ -122,15 +123,16 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
                   a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                  epoch, err_ptr, rank, max_tokens, timeout,
+                  epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr,
-                  USE_ASM: tl.constexpr):
+                  TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
     striped over the comm programs. Chunks are *published in order*: after copying chunk
     ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
     destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
     prefix of this rank's rows and a tile waits only for the chunks it reads."""
+    events = 0
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
         lo = tl.load(send_off + d)
@@ -147,6 +149,8 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         src = d * max_tokens
         flag = _peer(flag0_table, d, flag0) + rank
         for c in range(pid, total, n_prog):
+            if TRACE:
+                start = clock_ns(USE_ASM)
             if healthy(err_ptr):
                 if c < row_chunks:
                     _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS, hi, H,
@@ -162,6 +166,8 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                               rank, timeout, "gpu", USE_ASM)
             tl.atomic_xchg(flag, tagged(epoch, c + 1), sem="release", scope="sys")
             tl.atomic_xchg(seq + d, tagged(epoch, c + 1), sem="release", scope="gpu")
+            if TRACE:
+                events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
         if (total == 0) & (pid == 0):
             tl.atomic_xchg(flag, tagged(epoch, 0), sem="release", scope="sys")
 
@@ -193,16 +199,20 @@ def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epo
 def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
-                        flag0, epoch, err_ptr, rank, timeout,
+                        flag0, epoch, err_ptr, rank, timeout, trace_ptr,
                         WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                        ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+                        ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+                        USE_ASM: tl.constexpr):
     """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(F, BLOCK_N)
     seen = tl.zeros([W_P2], dtype=tl.int32)
+    events = 0
     for w in range(pid, num_tiles * n_blocks, n_prog):
+        if TRACE:
+            start = clock_ns(USE_ASM)
         t, nb = grouped_work(w, num_tiles, n_blocks)
         expert = tl.load(tile_expert + t)
         r0 = tl.load(tile_row_start + t)
@@ -214,6 +224,8 @@ def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
             fence_async_proxy(USE_ASM)
         gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
                   True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        if TRACE:
+            events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS, USE_ASM)
 
 
 @triton.jit
@@ -227,16 +239,18 @@ def layer0_kernel(
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
     seg_start, seg_rows, pre,
     # both; n_comm is read on the device so one captured launch serves every split
-    flag0, epoch_ptr, err_ptr, rank, split_ptr, timeout,
+    flag0, epoch_ptr, err_ptr, rank, split_ptr, timeout, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr, COMM_ENTRIES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
+    trace_ptr += pid * MAX_EVENTS * 4
     x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
     if ROLE == ROLE_FUSED:
         n_comm = tl.load(split_ptr)
@@ -252,11 +266,13 @@ def layer0_kernel(
                       ret_token, ret_rows, ret_weight, ret_count,
                       a0_table, ret_token_table, ret_rows_table, ret_weight_table,
                       flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                      epoch, err_ptr, rank, max_tokens, timeout,
-                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES, USE_ASM)
+                      epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
+                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES, TRACE,
+                      MAX_EVENTS, USE_ASM)
     else:
         layer0_compute_role(role_pid, n_role, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_ptr,
-                            rank, timeout, WAIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                            WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, USE_ASM)
+                            rank, timeout, trace_ptr, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
+                            MAX_EVENTS, USE_ASM)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from comet.kernels.group_gemm import column_work, gemm_tile
 from comet.kernels.layer0 import TAG
-from comet.kernels.sync import arrive, healthy, wait_at_least
+from comet.kernels.sync import arrive, clock_ns, healthy, stamp, wait_at_least
 
 ROLE_FUSED = tl.constexpr(0)
 ROLE_COMM = tl.constexpr(1)
@@ -41,17 +41,23 @@ SITE_ENTRIES = tl.constexpr(6)
 @triton.jit
 def layer1_compute_role(pid, n_prog, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        trace_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+                        MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
+    events = 0
     for w in range(pid, num_tiles * n_blocks, n_prog):
+        if TRACE:
+            start = clock_ns(USE_ASM)
         t, nb, split = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
         gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
                   tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N, F, H,
                   False, 0, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         arrive(split_done + split, "gpu")
+        if TRACE:
+            events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
 
 
 @triton.jit
@@ -81,10 +87,11 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
 def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
                      flag0, chunks_total, comb_table, comb_ptr, flag1_table, flag1,
                      split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
-                     max_tokens, timeout,
+                     max_tokens, timeout, trace_ptr,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
                      ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCKS_PER_SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                     BLOCKS_PER_SPLIT: tl.constexpr, TRACE: tl.constexpr,
+                     MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Reduce the top-k rows of every return entry, split by split, into the sources'
     ``comb`` buffers (see module doc). A source's return entries travel after its rows in
     layer0; its flag0 reaching ``chunks_total`` says they all landed."""
@@ -94,7 +101,10 @@ def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weigh
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
+    events = 0
     for split in range(tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)):
+        if TRACE:
+            start = clock_ns(USE_ASM)
         if WAIT:
             blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
             wait_at_least(split_done + split, num_tiles * blocks, err_ptr, SITE_SPLIT, split,
@@ -112,6 +122,8 @@ def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weigh
                     _reduce_entries(out1_ptr, H, dst, recv_token + region,
                                     recv_rows + region * TOPK, recv_weight + region * TOPK,
                                     c * ENTRIES, n_ent, col0, col1, TOPK, ENTRIES, BLOCK_C)
+        if TRACE:
+            events = stamp(trace_ptr, events, WORLD + split, split, start, MAX_EVENTS, USE_ASM)
     if arrive(done_counter, "sys") == n_prog - 1:
         for s in range(WORLD):
             flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
@@ -124,15 +136,17 @@ def layer1_kernel(
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
     recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, epoch_ptr, err_ptr, rank, max_tokens, split_ptr, timeout,
+    done_counter, epoch_ptr, err_ptr, rank, max_tokens, split_ptr, timeout, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
+    trace_ptr += pid * MAX_EVENTS * 4
     if ROLE == ROLE_FUSED:
         n_comm = tl.load(split_ptr)
         comm = pid < n_comm
@@ -146,14 +160,13 @@ def layer1_kernel(
         reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
                          flag1, split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
-                         max_tokens,
-                         timeout, WAIT, WORLD, TOPK, COMM_ENTRIES, COMM_BLOCK_C, BLOCK_N,
-                         BLOCKS_PER_SPLIT, USE_ASM)
+                         max_tokens, timeout, trace_ptr, WAIT, WORLD, TOPK, COMM_ENTRIES,
+                         COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, TRACE, MAX_EVENTS, USE_ASM)
     else:
         layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                             tile_expert, tile_row_start, tile_row_end, num_tiles_ptr,
-                            split_done, BLOCK_M, BLOCK_N, BLOCK_K,
-                            BLOCKS_PER_SPLIT, DOT_PRECISION)
+                            split_done, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
+                            BLOCKS_PER_SPLIT, DOT_PRECISION, TRACE, MAX_EVENTS, USE_ASM)
 
 
 @triton.jit

@@ -66,6 +66,25 @@ def _now(spins, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def clock_ns(USE_ASM: tl.constexpr):
+    """The global timer in ns (0 under the interpreter): timeline stamps."""
+    return _now(tl.full([], 0, tl.int32), USE_ASM) * USE_ASM
+
+
+@triton.jit
+def stamp(trace_ptr, n, kind, unit, start, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Record one unit of work ``(kind, unit, start, now)`` as event ``n`` of this
+    program's trace row; returns ``n + 1`` (events past ``MAX_EVENTS`` are dropped)."""
+    if n < MAX_EVENTS:
+        ev = trace_ptr + n * 4
+        tl.store(ev, kind.to(tl.int64))
+        tl.store(ev + 1, unit.to(tl.int64))
+        tl.store(ev + 2, start)
+        tl.store(ev + 3, clock_ns(USE_ASM))
+    return n + 1
+
+
+@triton.jit
 def barrier():
     """Block-wide barrier (``bar.sync``)."""
     tl.debug_barrier()

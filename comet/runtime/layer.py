@@ -63,6 +63,13 @@ class PhaseTimer:
         return out
 
 
+def _describe(layer: str, role: str, kind: int, world: int) -> str:
+    """Human label of a trace event's ``kind`` (see the stamps in comet.kernels)."""
+    if layer == "layer0":
+        return f"push to rank {kind}" if role == "comm" else f"expert {kind - world} tile"
+    return f"reduce+send split {kind - world}" if role == "comm" else f"tile of split {kind}"
+
+
 class _StaticInputs:
     """Fixed-address staging for one call, so a captured graph serves every call:
     routing padded to ``max_tokens`` with id -1, token count and comm-block split as
@@ -141,8 +148,9 @@ class FusedMoE:
                          if self.device.type == "cuda" else None)
         self.use_graphs = use_graphs
         self._static = _StaticInputs(cfg, self.device)
-        self._graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
-        self._compiled: set[tuple[bool, bool]] = set()
+        self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._trace: dict[str, torch.Tensor] | None = None
+        self._compiled: set[tuple[str, bool, bool]] = set()
 
     # ------------------------------------------------------------------ split
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
@@ -203,9 +211,10 @@ class FusedMoE:
                  ) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``.
 
-        Every rank of the group must make the same sequence of calls. On a GPU, fused
-        calls replay a CUDA graph captured on the second such call (the first compiles the
-        kernels of that variant): the host then issues about ten small operations.
+        Every rank of the group must make the same sequence of calls. On a GPU, calls
+        without a ``timer`` replay a CUDA graph captured on the second call of the same
+        variant (mode, and which layers have comm blocks; the first compiles the kernels):
+        the host then issues about ten small operations.
         """
         self._check(x, topk_ids, topk_weights, mode)
         self._check_pending()
@@ -222,15 +231,15 @@ class FusedMoE:
         s.ids[:m].copy_(topk_ids)
         s.ids[m:].fill_(-1)
         s.weights[:m].copy_(topk_weights)
-        key = (n0 > 0, n1 > 0)
-        graphable = (self.use_graphs and x.is_cuda and timer is None and mode == "fused"
+        key = (mode, n0 > 0, n1 > 0)
+        graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled:
             if key not in self._graphs:
                 self._graphs[key] = self._capture(key)
             self._graphs[key].replay()
         else:
-            self._body(mode, key, timer or PhaseTimer())
+            self._body(mode, key[1:], timer or PhaseTimer())
             if graphable:
                 self._compiled.add(key)
         if self.check_errors == "sync" or self._pending is None:
@@ -239,14 +248,48 @@ class FusedMoE:
             self._pending.copy_(self.ws.error, non_blocking=True)
         return y
 
-    def _capture(self, key: tuple[bool, bool]) -> torch.cuda.CUDAGraph:
+    def timeline(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 comm_blocks=None) -> list[dict]:
+        """One fused call with every block stamping the start and end of each unit of
+        work (global timer, ns). Returns records ``{block, role, layer, unit, what,
+        start_ns, end_ns}``, times relative to the earliest stamp. Collective, like any
+        call. Both layers run fused (at least one comm block each)."""
+        n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
+        n0, n1 = max(n0, 1), max(n1, 1)
+        shape = (self.programs, L.MAX_TRACE_EVENTS, 4)
+        self._trace = {name: torch.full(shape, -1, dtype=torch.int64, device=self.device)
+                       for name in ("layer0", "layer1")}
+        try:
+            self(x, topk_ids, topk_weights, comm_blocks=(n0, n1), timer=PhaseTimer())
+            self.check_errors_now()
+            raw = {k: v.cpu() for k, v in self._trace.items()}
+        finally:
+            self._trace = None
+        world = self.par.world_size
+        records = []
+        for layer, n_comm in (("layer0", n0), ("layer1", n1)):
+            for block in range(self.programs):
+                role = "comm" if block < n_comm else "compute"
+                for kind, unit, start, end in raw[layer][block].tolist():
+                    if start < 0:
+                        break
+                    records.append({"block": block, "role": role, "layer": layer,
+                                    "unit": unit, "what": _describe(layer, role, kind, world),
+                                    "start_ns": start, "end_ns": end})
+        t0 = min((r["start_ns"] for r in records), default=0)
+        for r in records:
+            r["start_ns"] -= t0
+            r["end_ns"] -= t0
+        return records
+
+    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph:
         """Record one fused call on the static buffers (records; executes nothing, so
         every rank still makes exactly one real call per user call)."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            self._body("fused", key, PhaseTimer())
+            self._body(key[0], key[1:], PhaseTimer())
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
@@ -266,9 +309,11 @@ class FusedMoE:
             ws.epoch.add_(1)
             ws.counters.zero_()
             L.launch_plan(ws, cfg, s.ids, s.weights, tile)
+        trace = self._trace or {}
         with timer.phase("layer0", dev):
             if fused0:
-                L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_FUSED, split0, grid)
+                L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_FUSED, split0, grid,
+                                trace=trace.get("layer0"))
             else:
                 if mode != "compute_only":
                     L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMM, split0, grid)
@@ -277,7 +322,8 @@ class FusedMoE:
                                     wait=mode != "compute_only")
         with timer.phase("layer1", dev):
             if fused1:
-                L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split1, grid)
+                L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split1, grid,
+                                trace=trace.get("layer1"))
             else:
                 if mode != "comm_only":
                     L.launch_layer1(ws, cfg, w2, tile, L.ROLE_COMPUTE, split1, grid)

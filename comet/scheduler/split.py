@@ -23,7 +23,9 @@ class MachineModel:
     """Rates the analytic split balances (defaults: measured on 4x H200, NVLink, bf16;
     shared/DESIGN.md).
 
-    per_block_bw: bytes/s one comm block pushes to peers (16 blocks moved 274 GB/s).
+    per_block_bw: bytes/s one layer0 comm block pushes to peers (16 blocks moved 274 GB/s).
+    reduce_block_bw: bytes/s of partial rows one layer1 comm block reduces and sends (2
+        blocks moved about 9.5 GB/s for Mixtral at 16384 tokens per rank on 4x H200).
     link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
     local_block_bw: bytes/s one comm block copies inside its own GPU (an assumption: about
         twice the remote rate, since a block is bound by its own loads in flight).
@@ -32,6 +34,7 @@ class MachineModel:
     """
 
     per_block_bw: float = 17e9
+    reduce_block_bw: float = 5e9
     link_bw: float = 290e9
     local_block_bw: float = 35e9
     hbm_bw: float = 3e12
@@ -50,6 +53,7 @@ class LayerWork:
     comm_bytes: float
     local_bytes: float
     flops: float
+    reduce: bool = False    # layer1's reduce-and-send (slower per block than a copy)
 
 
 def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
@@ -66,7 +70,8 @@ def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
     ranks_per_token = world * (1.0 - (1.0 - 1.0 / world) ** top_k)
     ret_rows = tokens * ranks_per_token
     l1 = LayerWork(ret_rows * remote * hidden * dtype_bytes,
-                   ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden)
+                   ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden,
+                   reduce=True)
     return l0, l1
 
 
@@ -84,8 +89,10 @@ def predicted_time(work: LayerWork, n_comm: int, programs: int,
 
 def comm_time(work: LayerWork, n_comm: int, machine: MachineModel = MachineModel()) -> float:
     """Seconds for ``n_comm`` blocks to write the layer's remote and local bytes."""
-    remote = work.comm_bytes / min(n_comm * machine.per_block_bw, machine.link_bw)
-    local = work.local_bytes / min(n_comm * machine.local_block_bw, machine.hbm_bw)
+    per_block = machine.reduce_block_bw if work.reduce else machine.per_block_bw
+    local_per_block = per_block * machine.local_block_bw / machine.per_block_bw
+    remote = work.comm_bytes / min(n_comm * per_block, machine.link_bw)
+    local = work.local_bytes / min(n_comm * local_per_block, machine.hbm_bw)
     return remote + local
 
 

@@ -1,0 +1,185 @@
+"""``comet tune``: measure the best block split per shape and write a tuned table.
+
+For a model config and a list of tokens-per-rank buckets, time the fused layer with each
+candidate number of comm blocks (the same count for both layers in one call; each layer
+is a separate kernel, so one sweep times both) and keep, per bucket and layer, the
+fastest. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
+dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
+sweep resumes where it stopped, and an existing file is merged into.
+
+Examples::
+
+    comet tune --config mixtral                        # every GPU, default buckets
+    comet tune --config-json path/to/config.json --tokens 512 2048
+    comet tune --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir my_tables/
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from comet import __version__
+from comet.bench.inputs import make_expert_weights, make_input_sets
+from comet.bench.timing import median, reduce_over_ranks, time_calls
+from comet.cli.launch import init_ranks, maybe_relaunch
+from comet.config import PRESETS, MoEConfig
+from comet.scheduler import tuned
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_TOKENS = (128, 1024, 4096, 16384)
+DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="comet tune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(PRESETS), help="a named model shape")
+    p.add_argument("--config-json", help="a transformers config.json of an MoE model")
+    for name in ("experts", "topk", "hidden", "ffn"):
+        p.add_argument(f"--{name}", type=int, help="explicit sizes (all four together)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                   help="tokens-per-rank buckets (default: %(default)s)")
+    p.add_argument("--candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES),
+                   help="comm-block counts to try (0: comm then compute)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--output-dir", default=os.environ.get(tuned.ENV_FOLDER, "comet_tuned"),
+                   help=f"where tables go (default: ${tuned.ENV_FOLDER} or ./comet_tuned)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="re-measure buckets already in the file")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def config_from_json(path: str) -> MoEConfig:
+    """The MoE shape of a transformers config.json (Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V3 names)."""
+    with open(path) as f:
+        c = json.load(f)
+    experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+    ffn = c.get("moe_intermediate_size") or c.get("intermediate_size")
+    if not (experts and c.get("num_experts_per_tok") and c.get("hidden_size") and ffn):
+        raise ValueError(f"{path}: not an MoE config (needs experts, num_experts_per_tok, "
+                         "hidden_size and an expert intermediate size)")
+    return MoEConfig(num_experts=int(experts), top_k=int(c["num_experts_per_tok"]),
+                     hidden_size=int(c["hidden_size"]), intermediate_size=int(ffn))
+
+
+def resolve_config(args, parser) -> MoEConfig:
+    explicit = [args.experts, args.topk, args.hidden, args.ffn]
+    chosen = sum([args.config is not None, args.config_json is not None,
+                  any(v is not None for v in explicit)])
+    if chosen != 1:
+        parser.error("give exactly one of --config, --config-json, or the four sizes")
+    try:
+        if args.config:
+            return PRESETS[args.config]
+        if args.config_json:
+            return config_from_json(args.config_json)
+        if any(v is None for v in explicit):
+            parser.error("--experts, --topk, --hidden and --ffn go together")
+        return MoEConfig(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden,
+                         intermediate_size=args.ffn)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def load_existing(path: str, meta: dict) -> dict:
+    """The table already at ``path`` (to resume / merge), or a fresh one."""
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        tuned.parse_table(data, meta)   # refuse to merge into a table of another shape
+        return data
+    return {"meta": meta, "buckets": {}}
+
+
+def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
+                 rank: int) -> dict:
+    """Layer times per candidate for one bucket; the entry written to the table."""
+    from comet.runtime.layer import PhaseTimer
+    sets = make_input_sets(cfg, "tune", tokens, "uniform", 2, rank, args.seed, device)
+    times = {}
+    for n in candidates:
+        def call(i, timer, n=n):
+            s = sets[i]
+            layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer)
+        series = time_calls(call, n_sets=len(sets), iters=args.iters, warmup=args.warmup,
+                            device=device, make_timer=PhaseTimer)
+        series = reduce_over_ranks(series)
+        times[n] = (median(series["layer0"]), median(series["layer1"]))
+    best0 = min(times, key=lambda n: times[n][0])
+    best1 = min(times, key=lambda n: times[n][1])
+    return {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
+            "layer1_us": times[best1][1],
+            "sweep_us": {str(n): [round(a, 1), round(b, 1)] for n, (a, b) in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, parser).replace(dtype=DTYPES[args.dtype],
+                                               max_tokens=max(args.tokens))
+    code = maybe_relaunch(argv, args.nproc, "comet.cli.tune")
+    if code is not None:
+        return code
+    device, world, rank = init_ranks()
+    if device.type != "cuda":
+        print("comet tune measures the fused kernels and needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        return _tune(cfg, args, device, world, rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
+    from tqdm import tqdm
+
+    from comet.runtime.layer import FusedMoE
+    if cfg.num_experts % world:
+        print(f"num_experts ({cfg.num_experts}) is not divisible by {world} ranks",
+              file=sys.stderr)
+        return 2
+    name = tuned.device_name(device)
+    meta = tuned.expected_meta(cfg, world, name)
+    path = os.path.join(args.output_dir, tuned.file_name(cfg, world, name))
+    table = load_existing(path, meta)
+    w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
+                                  device)
+    layer = FusedMoE(cfg, w13, w2)
+    candidates = sorted({n for n in args.candidates if 0 <= n < layer.programs})
+    todo = [t for t in args.tokens if args.overwrite or str(t) not in table["buckets"]]
+    bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} ep={world}", disable=rank != 0)
+    for tokens in bar:
+        entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
+        table["buckets"][str(tokens)] = entry
+        table["meta"].update(comet_version=__version__,
+                             date=datetime.date.today().isoformat(),
+                             candidates=candidates, iters=args.iters)
+        if rank == 0:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(path + ".tmp", path)
+            bar.write(f"tokens={tokens}: layer0 {entry['layer0']} comm blocks "
+                      f"({entry['layer0_us']:.0f} us), layer1 {entry['layer1']} "
+                      f"({entry['layer1_us']:.0f} us)")
+    if rank == 0:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

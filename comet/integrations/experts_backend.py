@@ -1,0 +1,100 @@
+"""A ``"comet"`` backend for transformers' experts-implementation registry (5.x).
+
+transformers 5.x dispatches the forward of its fused experts modules (``@use_experts_
+implementation``) through ``transformers.integrations.moe.ExpertsInterface``; a model picks
+one with ``from_pretrained(..., experts_implementation="comet")`` or
+``model.set_experts_implementation("comet")``. The backend only replaces the expert
+computation: routing, shared experts and module structure stay transformers', and every
+rank runs its own experts (W = 1; transformers' own expert parallelism, if configured, hands
+it local ids). For comet's expert parallelism use :func:`comet.patch_model`.
+
+On a CPU the backend computes :func:`comet.reference.moe_forward` on views of the
+transformers weights (autograd flows to them). On CUDA it runs comet's fused W=1 layer,
+which keeps a kernel-layout copy of the experts' weights, refreshed when they change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from comet import reference
+from comet.integrations.blocks import expert_layout, expert_sizes
+from comet.moe import CometMoE
+
+BACKEND_NAME = "comet"
+
+_MIN_MAX_TOKENS = 4096
+
+
+def register_experts_backend() -> bool:
+    """Register :func:`comet_experts_forward` as ``"comet"`` in transformers' experts
+    registry. Returns False (and does nothing) where the installed transformers has no
+    registry (4.x)."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(BACKEND_NAME, comet_experts_forward)
+    return True
+
+
+def _kernel_views(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [E, H, 2F], w2 [E, F, H])`` views of a fused transformers experts module."""
+    if getattr(experts, "is_transposed", False):
+        return experts.gate_up_proj, experts.down_proj
+    return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+
+
+def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The registry entry: ``self`` is a transformers fused experts module.
+
+    Args:
+        hidden_states: ``[tokens, H]``.
+        top_k_index: ``[tokens, k]`` expert ids; ids ``>= num_experts`` (transformers'
+            expert-parallel sentinels) contribute nothing.
+        top_k_weights: ``[tokens, k]``.
+
+    Returns:
+        ``[tokens, H]`` in ``hidden_states``' dtype.
+    """
+    if "_comet_checked" not in self.__dict__:
+        if expert_layout(self).kind != "fused":
+            raise NotImplementedError(f"{type(self).__name__} is not a fused experts module")
+        self.__dict__["_comet_checked"] = True
+    ids = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)
+    if hidden_states.is_cuda:
+        layer = _local_layer(self, hidden_states.shape[0], top_k_index.shape[-1])
+        out = layer.experts_forward(hidden_states.contiguous(), ids, top_k_weights.float())
+    else:
+        w13, w2 = _kernel_views(self)
+        out = reference.moe_forward(hidden_states, ids, top_k_weights, w13, w2,
+                                    round_to=hidden_states.dtype)
+    return out.to(hidden_states.dtype)
+
+
+def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
+    """A single-rank :class:`CometMoE` over all of ``experts``' weights, cached on the
+    module outside its ``_modules`` (so it never shows in ``state_dict``)."""
+    source = (experts.gate_up_proj, experts.down_proj)
+    key = (tuple(t._version for t in source), tuple(t.data_ptr() for t in source), top_k)
+    cached = experts.__dict__.get("_comet_layer")
+    if cached is not None and cached[0] == key and cached[1].cfg.max_tokens >= tokens:
+        return cached[1]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "the 'comet' experts backend runs each rank's experts alone and cannot build "
+            "a one-rank layer inside a multi-rank process group; use "
+            "comet.patch_model(model, group=...) for expert parallelism")
+    e, h, f = expert_sizes(experts, expert_layout(experts))
+    max_tokens = max(_MIN_MAX_TOKENS, 1 << (tokens - 1).bit_length())
+    layer = CometMoE(e, top_k, h, f, dtype=experts.gate_up_proj.dtype, max_tokens=max_tokens,
+                     device="meta")
+    w13, w2 = _kernel_views(experts)
+    with torch.no_grad():
+        layer.experts.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+        layer.experts.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+    experts.__dict__["_comet_layer"] = (key, layer)
+    return layer
