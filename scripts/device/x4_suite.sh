@@ -22,8 +22,9 @@ for c in mixtral qwen2-moe phi3.5-moe deepseek-v3-like; do
       --candidates 0 4 8 16 32 --iters 5 --warmup 2 --output-dir "$TUNED"
 done
 tar cf "$OUT/tuned.tar" -C "$TUNED" .
-COMET_TUNED_CONFIG_FOLDER="$TUNED" run timeout 180 python3 -m comet.cli.bench \
+export COMET_TUNED_CONFIG_FOLDER="$TUNED"
+run timeout 180 python3 -m comet.cli.bench \
     --output-dir "$OUT" --iters 20 --warmup 3
-COMET_TUNED_CONFIG_FOLDER="$TUNED" run timeout 30 python3 -m comet.cli.bench --timeline \
+run timeout 30 python3 -m comet.cli.bench --timeline \
     --config mixtral --output-dir "$OUT"
 ls -la "$OUT" | tee -a "$LOG"
