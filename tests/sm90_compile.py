@@ -68,7 +68,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     dtype=dtype, max_tokens=64)
     tile = L.TileConfig()
     el = cfg.num_experts // world
-    ws = allocate_virtual(cfg, world, "cpu", tile.n_splits(cfg.hidden_size), tile.block_m)[0]
+    ws = allocate_virtual(cfg, world, "cpu", tile)[0]
     w13 = torch.zeros(el, 256, 512, dtype=dtype)
     w2 = torch.zeros(el, 256, 256, dtype=dtype)
     x = torch.zeros(10, 256, dtype=dtype)

@@ -27,7 +27,7 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4):
     wts = [torch.rand(i.shape, generator=g).to(DEVICE) for i in ids]
     tile = L.TileConfig.small()
     tile = L.TileConfig(**{**tile.__dict__, "block_m": block_m})
-    wss = allocate_virtual(cfg, world, DEVICE, 2, block_m)
+    wss = allocate_virtual(cfg, world, DEVICE, tile)
     for r in range(world):
         wss[r].epoch.add_(1)
         L.launch_counts(wss[r], cfg, ids[r])

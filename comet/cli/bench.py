@@ -237,6 +237,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         notes.append(cutlass_note)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
+    partial = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}.partial.json"
     from tqdm import tqdm
     bar = tqdm(total=len(cases), desc="comet bench", disable=rank != 0, dynamic_ncols=True)
     for name, base_cfg in configs:
@@ -258,6 +259,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
                                   args.layers):
                     records.append({**meta, **r, "notes": notes})
+                if rank == 0 and args.output_dir:
+                    # Partial results survive an interrupted sweep.
+                    rec.write_json(records, os.path.join(args.output_dir, partial))
                 bar.update()
         del w13, w2, fused
         if on_gpu:
@@ -266,6 +270,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if rank == 0:
         _emit(records, notes, args.output_dir, f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}",
               not args.no_plot)
+        if args.output_dir and os.path.exists(os.path.join(args.output_dir, partial)):
+            os.remove(os.path.join(args.output_dir, partial))
     return 0
 
 

@@ -3,8 +3,10 @@ multicast off, and set up the process group in the children."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -63,6 +65,8 @@ def init_ranks() -> tuple[torch.device, int, int]:
     if not under_torchrun():
         return (torch.device("cuda", 0) if n_gpu else torch.device("cpu")), 1, 0
     local_rank = int(os.environ["LOCAL_RANK"])
+    # A rank killed by torchrun (a timeout, a peer's crash) prints where it was stuck.
+    faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
     if n_gpu:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -215,7 +215,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
         p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
         ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
-        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.seq, cfg.max_tokens,
+        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.done, ws.done.shape[1], cfg.max_tokens,
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],

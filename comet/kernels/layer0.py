@@ -11,8 +11,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   every destination's ``a0`` (remote stores beat remote loads on NVLink), destinations in
   the order ``r, r-1, r-2, ...`` so that, at each step, every rank feeds a different peer
   and each destination receives its sources in the order it consumes them (own rank
-  first). After the rows go the *return entries* layer1 will need. Chunks are published
-  in order, so ``flag0[r]`` on a destination counts the chunks of rank ``r`` that landed.
+  first). After the rows go the *return entries* layer1 will need. Finished chunks are
+  published as a prefix, so ``flag0[r]`` on a destination counts the chunks of rank ``r``
+  that landed.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
   before a tile, wait for exactly the sources of its wait set, and of each only for the
   chunk holding the tile's last row: local rows feed the GEMM as soon as they land.
@@ -25,8 +26,8 @@ import triton
 import triton.language as tl
 
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, stamp,
-                                wait_at_least)
+from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, load_acquire,
+                                stamp, wait_at_least)
 
 # Roles of a launch (constexpr ROLE).
 ROLE_FUSED = tl.constexpr(0)
@@ -119,19 +120,45 @@ def tagged(epoch, count):
 
 
 @triton.jit
+def _publish(done, flag, published, upto, epoch, err_ptr, d, rank, timeout,
+             WAIT_ALL: tl.constexpr, USE_ASM: tl.constexpr):
+    """Advance the published prefix of chunks to a destination over the chunks marked
+    done, and release it into the destination's flag. ``WAIT_ALL``: wait for all ``upto``
+    chunks and always publish (a destination with nothing to receive still learns so)."""
+    start = published
+    if WAIT_ALL:
+        for c in range(published, upto):
+            wait_at_least(done + c, epoch, err_ptr, SITE_DISPATCH_ORDER, d, rank, timeout,
+                          "sys", USE_ASM)
+        published = upto
+        tl.atomic_xchg(flag, tagged(epoch, published), sem="release", scope="sys")
+    else:
+        scanning = published < upto
+        while scanning:
+            ready = load_acquire(done + published, "sys", USE_ASM) >= epoch
+            published += ready.to(tl.int32)
+            scanning = ready & (published < upto)
+        if published > start:
+            tl.atomic_xchg(flag, tagged(epoch, published), sem="release", scope="sys")
+    return published
+
+
+@triton.jit
 def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, done, max_chunks,
                   epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    striped over the comm programs. Chunks are *published in order*: after copying chunk
-    ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
-    destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
-    prefix of this rank's rows and a tile waits only for the chunks it reads."""
+    striped over the comm programs. Each program marks its finished chunks in ``done``
+    (a sys-scope release, so its remote stores are visible first) and goes on; program 0
+    publishes the *prefix* of finished chunks into the destination's ``flag0[r] =
+    tagged(epoch, count)`` after each of its own chunks, so a destination sees a growing
+    prefix of this rank's rows and a tile waits only for the chunks it reads, while no
+    copying program ever waits for another."""
     events = 0
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
@@ -148,6 +175,8 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         dst_w = _peer(ret_weight_table, d, recv_weight) + region * TOPK
         src = d * max_tokens
         flag = _peer(flag0_table, d, flag0) + rank
+        done_d = done + d * max_chunks
+        published = 0
         for c in range(pid, total, n_prog):
             if TRACE:
                 start = clock_ns(USE_ASM)
@@ -161,15 +190,15 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
                                   e0, n_ent, TOPK, TOPK_P2, ENTRIES)
             barrier()
-            if c > 0:
-                wait_at_least(seq + d, tagged(epoch, c), err_ptr, SITE_DISPATCH_ORDER, d,
-                              rank, timeout, "gpu", USE_ASM)
-            tl.atomic_xchg(flag, tagged(epoch, c + 1), sem="release", scope="sys")
-            tl.atomic_xchg(seq + d, tagged(epoch, c + 1), sem="release", scope="gpu")
+            tl.atomic_xchg(done_d + c, epoch, sem="release", scope="sys")
+            if pid == 0:
+                published = _publish(done_d, flag, published, total, epoch, err_ptr, d,
+                                     rank, timeout, False, USE_ASM)
             if TRACE:
                 events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
-        if (total == 0) & (pid == 0):
-            tl.atomic_xchg(flag, tagged(epoch, 0), sem="release", scope="sys")
+        if pid == 0:
+            _publish(done_d, flag, published, total, epoch, err_ptr, d, rank, timeout, True,
+                     USE_ASM)
 
 
 @triton.jit
@@ -233,7 +262,7 @@ def layer0_kernel(
     # dispatch (comm role); the input's address is read on the device (graph replays)
     x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
     a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    recv_token, recv_rows, recv_weight, seq, max_tokens,
+    recv_token, recv_rows, recv_weight, done, max_chunks, max_tokens,
     # GroupGEMM (compute role)
     a0_ptr, a_desc, w13_desc, h_ptr, H, F,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
@@ -265,7 +294,8 @@ def layer0_kernel(
         dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
                       ret_token, ret_rows, ret_weight, ret_count,
                       a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, done,
+                      max_chunks,
                       epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
                       WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES, TRACE,
                       MAX_EVENTS, USE_ASM)

@@ -136,12 +136,10 @@ class FusedMoE:
         self.tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
         self.check_errors = check_errors
         self.tuned_config_folder = tuned_config_folder
-        n_splits = self.tile.n_splits(h)
         if par.world_size == 1:
-            self.ws = allocate_virtual(cfg, 1, self.device, n_splits, self.tile.block_m)[0]
+            self.ws = allocate_virtual(cfg, 1, self.device, self.tile)[0]
         else:
-            self.ws = allocate_symmetric(cfg, group, self.device, n_splits,
-                                         self.tile.block_m)
+            self.ws = allocate_symmetric(cfg, group, self.device, self.tile)
         self.programs = sm_count(self.device) if self.device.type == "cuda" else 4
         self.last_comm_blocks: tuple[int, int] | None = None
         self._pending = (torch.zeros(4, dtype=torch.int32, pin_memory=True)

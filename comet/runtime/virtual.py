@@ -31,8 +31,7 @@ class VirtualEP:
         self.w13, self.w2 = w13_shards, w2_shards
         self.device = w13_shards[0].device
         self.tile = tile or L.TileConfig.small()
-        self.ws = allocate_virtual(cfg, self.world, self.device,
-                                   self.tile.n_splits(cfg.hidden_size), self.tile.block_m)
+        self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,

@@ -125,7 +125,7 @@ class Workspace:
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
     error: torch.Tensor       # int32 [4]
-    seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
+    done: torch.Tensor        # int64 [W, max_chunks] epoch of each finished dispatch chunk
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
     _keepalive: list = field(default_factory=list, repr=False)
@@ -152,21 +152,30 @@ def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
     return out
 
 
-def _local_scratch(cfg: MoEConfig, world: int, device, n_splits_max: int, block_m: int):
+def max_dispatch_chunks(cfg: MoEConfig, comm_rows: int, comm_entries: int) -> int:
+    """Most dispatch chunks one rank sends one destination: all its rows, then all its
+    return entries."""
+    return -(-cfg.max_tokens * cfg.top_k // comm_rows) + -(-cfg.max_tokens // comm_entries)
+
+
+def _local_scratch(cfg: MoEConfig, world: int, device, tile):
     rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
     h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
     out1 = torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
-    counters = torch.zeros(1 + n_splits_max, dtype=torch.int32, device=device)
+    counters = torch.zeros(1 + tile.n_splits(cfg.hidden_size), dtype=torch.int32,
+                           device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     error = torch.zeros(4, dtype=torch.int32, device=device)
-    seq = torch.zeros(world, dtype=torch.int64, device=device)
-    return h, out1, counters, epoch, error, seq, plan_buffers(cfg, world, device, block_m)
+    done = torch.zeros(world, max_dispatch_chunks(cfg, tile.comm_rows, tile.comm_entries),
+                       dtype=torch.int64, device=device)
+    return (h, out1, counters, epoch, error, done,
+            plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
 
 
-def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int,
-                     block_m: int) -> list[Workspace]:
+def allocate_virtual(cfg: MoEConfig, world: int, device, tile) -> list[Workspace]:
     """W workspaces in one process whose peer tables point at each other: for tests of the
-    kernels' cross-rank logic on one device (or the CPU under the Triton interpreter)."""
+    kernels' cross-rank logic on one device (or the CPU under the Triton interpreter).
+    ``tile``: the kernels' :class:`comet.kernels.launch.TileConfig` (sizes the tables)."""
     specs = symmetric_specs(cfg, world)
     offsets, total = _layout(specs)
     storages = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world)]
@@ -176,15 +185,14 @@ def allocate_virtual(cfg: MoEConfig, world: int, device, n_splits_max: int,
     out = []
     for r in range(world):
         out.append(Workspace(r, world, _carve(storages[r], specs, offsets), tables,
-                             *_local_scratch(cfg, world, device, n_splits_max, block_m),
-                             n_splits_max=n_splits_max, _keepalive=storages))
+                             *_local_scratch(cfg, world, device, tile),
+                             _keepalive=storages))
     return out
 
 
-def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int,
-                       block_m: int) -> Workspace:
+def allocate_symmetric(cfg: MoEConfig, group, device, tile) -> Workspace:
     """This rank's workspace in PyTorch symmetric memory over ``group`` (collective: every
-    rank of the group must call it with the same ``cfg``)."""
+    rank of the group must call it with the same ``cfg`` and ``tile``)."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -202,5 +210,5 @@ def allocate_symmetric(cfg: MoEConfig, group, device, n_splits_max: int,
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
     return Workspace(rank, world, _carve(storage, specs, offsets), tables,
-                     *_local_scratch(cfg, world, device, n_splits_max, block_m),
-                     n_splits_max=n_splits_max, _keepalive=[storage, handle])
+                     *_local_scratch(cfg, world, device, tile),
+                     _keepalive=[storage, handle])
