@@ -11,9 +11,8 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   every destination's ``a0`` (remote stores beat remote loads on NVLink), destinations in
   the order ``r, r-1, r-2, ...`` so that, at each step, every rank feeds a different peer
   and each destination receives its sources in the order it consumes them (own rank
-  first). After the rows go the *return entries* layer1 will need. Finished chunks are
-  published as a prefix, so ``flag0[r]`` on a destination counts the chunks of rank ``r``
-  that landed.
+  first). After the rows go the *return entries* layer1 will need. Chunks are published
+  in order, so ``flag0[r]`` on a destination counts the chunks of rank ``r`` that landed.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
   before a tile, wait for exactly the sources of its wait set, and of each only for the
   chunk holding the tile's last row: local rows feed the GEMM as soon as they land.
@@ -26,8 +25,8 @@ import triton
 import triton.language as tl
 
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, load_acquire,
-                                stamp, wait_at_least)
+from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, stamp,
+                                wait_at_least)
 
 # Roles of a launch (constexpr ROLE).
 ROLE_FUSED = tl.constexpr(0)
@@ -85,32 +84,35 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
 
 @triton.jit
 def _push_rows(x_ptr, dst, send_token, send_row, start, end, H,
-               ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Copy token rows ``send_token[start:end]`` of x into rows ``send_row[...]`` of dst."""
-    i = start + tl.arange(0, ROWS)
-    live = i < end
-    tok = tl.load(send_token + i, mask=live, other=0).to(tl.int64)
-    row = tl.load(send_row + i, mask=live, other=0).to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mask = live[:, None] & (cols[None, :] < H)
-        v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
-        tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
+               COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy token rows ``send_token[start:end]`` of x into rows ``send_row[...]`` of dst,
+    ``COPY_ROWS`` x ``BLOCK_H`` at a time."""
+    for r0 in range(start, end, COPY_ROWS):
+        i = r0 + tl.arange(0, COPY_ROWS)
+        live = i < end
+        tok = tl.load(send_token + i, mask=live, other=0).to(tl.int64)
+        row = tl.load(send_row + i, mask=live, other=0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = live[:, None] & (cols[None, :] < H)
+            v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
+            tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
 
 
 @triton.jit
 def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weight,
                   start, end, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  ENTRIES: tl.constexpr):
+                  ENTRY_TILE: tl.constexpr):
     """Copy return entries ``[start, end)`` (same indices on both sides)."""
-    q = start + tl.arange(0, ENTRIES)
-    live = q < end
-    tl.store(dst_token + q, tl.load(src_token + q, mask=live), mask=live)
-    j = tl.arange(0, TOPK_P2)
-    idx = q[:, None] * TOPK + j[None, :]
-    mask = live[:, None] & (j[None, :] < TOPK)
-    tl.store(dst_rows + idx, tl.load(src_rows + idx, mask=mask), mask=mask)
-    tl.store(dst_weight + idx, tl.load(src_weight + idx, mask=mask), mask=mask)
+    for q0 in range(start, end, ENTRY_TILE):
+        q = q0 + tl.arange(0, ENTRY_TILE)
+        live = q < end
+        tl.store(dst_token + q, tl.load(src_token + q, mask=live), mask=live)
+        j = tl.arange(0, TOPK_P2)
+        idx = q[:, None] * TOPK + j[None, :]
+        mask = live[:, None] & (j[None, :] < TOPK)
+        tl.store(dst_rows + idx, tl.load(src_rows + idx, mask=mask), mask=mask)
+        tl.store(dst_weight + idx, tl.load(src_weight + idx, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -120,45 +122,20 @@ def tagged(epoch, count):
 
 
 @triton.jit
-def _publish(done, flag, published, upto, epoch, err_ptr, d, rank, timeout,
-             WAIT_ALL: tl.constexpr, USE_ASM: tl.constexpr):
-    """Advance the published prefix of chunks to a destination over the chunks marked
-    done, and release it into the destination's flag. ``WAIT_ALL``: wait for all ``upto``
-    chunks and always publish (a destination with nothing to receive still learns so)."""
-    start = published
-    if WAIT_ALL:
-        for c in range(published, upto):
-            wait_at_least(done + c, epoch, err_ptr, SITE_DISPATCH_ORDER, d, rank, timeout,
-                          "sys", USE_ASM)
-        published = upto
-        tl.atomic_xchg(flag, tagged(epoch, published), sem="release", scope="sys")
-    else:
-        scanning = published < upto
-        while scanning:
-            ready = load_acquire(done + published, "sys", USE_ASM) >= epoch
-            published += ready.to(tl.int32)
-            scanning = ready & (published < upto)
-        if published > start:
-            tl.atomic_xchg(flag, tagged(epoch, published), sem="release", scope="sys")
-    return published
-
-
-@triton.jit
 def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, done, max_chunks,
+                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
                   epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr,
+                  ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                  ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    striped over the comm programs. Each program marks its finished chunks in ``done``
-    (a sys-scope release, so its remote stores are visible first) and goes on; program 0
-    publishes the *prefix* of finished chunks into the destination's ``flag0[r] =
-    tagged(epoch, count)`` after each of its own chunks, so a destination sees a growing
-    prefix of this rank's rows and a tile waits only for the chunks it reads, while no
-    copying program ever waits for another."""
+    striped over the comm programs. Chunks are *published in order*: after copying chunk
+    ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
+    destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
+    prefix of this rank's rows and a tile waits only for the chunks it reads."""
     events = 0
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
@@ -175,30 +152,29 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         dst_w = _peer(ret_weight_table, d, recv_weight) + region * TOPK
         src = d * max_tokens
         flag = _peer(flag0_table, d, flag0) + rank
-        done_d = done + d * max_chunks
-        published = 0
         for c in range(pid, total, n_prog):
             if TRACE:
                 start = clock_ns(USE_ASM)
             if healthy(err_ptr):
                 if c < row_chunks:
-                    _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS, hi, H,
-                               ROWS, BLOCK_H)
+                    _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS,
+                               tl.minimum(lo + (c + 1) * ROWS, hi), H, COPY_ROWS, BLOCK_H)
                 else:
                     e0 = (c - row_chunks) * ENTRIES
                     _push_entries(ret_token + src, ret_rows + src * TOPK,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
-                                  e0, n_ent, TOPK, TOPK_P2, ENTRIES)
+                                  e0, tl.minimum(e0 + ENTRIES, n_ent), TOPK, TOPK_P2,
+                                  ENTRY_TILE)
             barrier()
-            tl.atomic_xchg(done_d + c, epoch, sem="release", scope="sys")
-            if pid == 0:
-                published = _publish(done_d, flag, published, total, epoch, err_ptr, d,
-                                     rank, timeout, False, USE_ASM)
+            if c > 0:
+                wait_at_least(seq + d, tagged(epoch, c), err_ptr, SITE_DISPATCH_ORDER, d,
+                              rank, timeout, "gpu", USE_ASM)
+            tl.atomic_xchg(flag, tagged(epoch, c + 1), sem="release", scope="sys")
+            tl.atomic_xchg(seq + d, tagged(epoch, c + 1), sem="release", scope="gpu")
             if TRACE:
                 events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
-        if pid == 0:
-            _publish(done_d, flag, published, total, epoch, err_ptr, d, rank, timeout, True,
-                     USE_ASM)
+        if (total == 0) & (pid == 0):
+            tl.atomic_xchg(flag, tagged(epoch, 0), sem="release", scope="sys")
 
 
 @triton.jit
@@ -262,7 +238,7 @@ def layer0_kernel(
     # dispatch (comm role); the input's address is read on the device (graph replays)
     x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
     a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    recv_token, recv_rows, recv_weight, done, max_chunks, max_tokens,
+    recv_token, recv_rows, recv_weight, seq, max_tokens,
     # GroupGEMM (compute role)
     a0_ptr, a_desc, w13_desc, h_ptr, H, F,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
@@ -271,7 +247,8 @@ def layer0_kernel(
     flag0, epoch_ptr, err_ptr, rank, split_ptr, timeout, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-    COMM_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr, COMM_ENTRIES: tl.constexpr,
+    COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
+    COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     USE_ASM: tl.constexpr,
@@ -294,11 +271,10 @@ def layer0_kernel(
         dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
                       ret_token, ret_rows, ret_weight, ret_count,
                       a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, done,
-                      max_chunks,
+                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
                       epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
-                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_BLOCK_H, COMM_ENTRIES, TRACE,
-                      MAX_EVENTS, USE_ASM)
+                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
+                      COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
     else:
         layer0_compute_role(role_pid, n_role, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,

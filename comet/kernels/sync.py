@@ -55,12 +55,6 @@ def _ld_acquire(ptr, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def load_acquire(ptr, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """One acquire load (no waiting)."""
-    return _ld_acquire(ptr, SCOPE, USE_ASM)
-
-
-@triton.jit
 def _now(spins, USE_ASM: tl.constexpr):
     """Nanoseconds on a GPU; the spin count under the interpreter."""
     if USE_ASM:

@@ -125,7 +125,7 @@ class Workspace:
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
     error: torch.Tensor       # int32 [4]
-    done: torch.Tensor        # int64 [W, max_chunks] epoch of each finished dispatch chunk
+    seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
     _keepalive: list = field(default_factory=list, repr=False)
@@ -152,12 +152,6 @@ def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
     return out
 
 
-def max_dispatch_chunks(cfg: MoEConfig, comm_rows: int, comm_entries: int) -> int:
-    """Most dispatch chunks one rank sends one destination: all its rows, then all its
-    return entries."""
-    return -(-cfg.max_tokens * cfg.top_k // comm_rows) + -(-cfg.max_tokens // comm_entries)
-
-
 def _local_scratch(cfg: MoEConfig, world: int, device, tile):
     rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
     h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
@@ -166,9 +160,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
                            device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     error = torch.zeros(4, dtype=torch.int32, device=device)
-    done = torch.zeros(world, max_dispatch_chunks(cfg, tile.comm_rows, tile.comm_entries),
-                       dtype=torch.int64, device=device)
-    return (h, out1, counters, epoch, error, done,
+    seq = torch.zeros(world, dtype=torch.int64, device=device)
+    return (h, out1, counters, epoch, error, seq,
             plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
 
 

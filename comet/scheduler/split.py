@@ -24,8 +24,9 @@ class MachineModel:
     shared/DESIGN.md).
 
     per_block_bw: bytes/s one layer0 comm block pushes to peers (16 blocks moved 274 GB/s).
-    reduce_block_bw: bytes/s of partial rows one layer1 comm block reduces and sends (2
-        blocks moved about 9.5 GB/s for Mixtral at 16384 tokens per rank on 4x H200).
+    reduce_block_bw: bytes/s of partial rows one layer1 comm block reduces and sends
+        (measured on 4x H200: 2 blocks moved ~9.5 GB/s for Mixtral at 16384 tokens per
+        rank; 32 blocks ~97 GB/s for Qwen2-MoE at 16384, i.e. ~3 GB/s per block).
     link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
     local_block_bw: bytes/s one comm block copies inside its own GPU (an assumption: about
         twice the remote rate, since a block is bound by its own loads in flight).
@@ -34,7 +35,7 @@ class MachineModel:
     """
 
     per_block_bw: float = 17e9
-    reduce_block_bw: float = 5e9
+    reduce_block_bw: float = 3e9
     link_bw: float = 290e9
     local_block_bw: float = 35e9
     hbm_bw: float = 3e12

@@ -1,0 +1,127 @@
+"""Tuned block-split tables: lookup, interpolation, bad files; the comet tune CLI on CPU."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from comet.cli import tune
+from comet.config import MoEConfig, preset
+from comet.scheduler import tuned
+from comet.scheduler.split import analytic_split, layer_work, predicted_time
+
+CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+
+
+def _write(folder, cfg=CFG, world=4, device="cpu", buckets=None, meta=None):
+    meta = meta or tuned.expected_meta(cfg, world, device)
+    buckets = buckets or {"128": {"layer0": 4, "layer1": 8}, "1024": {"layer0": 12, "layer1": 24}}
+    path = folder / tuned.file_name(cfg, world, device)
+    path.write_text(json.dumps({"meta": meta, "buckets": buckets}))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+    tuned._load.cache_clear()
+    monkeypatch.delenv(tuned.ENV_FOLDER, raising=False)
+
+
+def test_file_name_is_vllm_style():
+    name = tuned.file_name(preset("mixtral"), 4, "NVIDIA_H200")
+    assert name == "E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json"
+
+
+def test_lookup_exact_interpolated_and_clamped(tmp_path):
+    _write(tmp_path)
+    assert tuned.lookup(CFG, 4, 128, None, tmp_path) == (4, 8)
+    assert tuned.lookup(CFG, 4, 576, None, tmp_path) == (8, 16)      # halfway
+    assert tuned.lookup(CFG, 4, 1, None, tmp_path) == (4, 8)
+    assert tuned.lookup(CFG, 4, 10_000, None, tmp_path) == (12, 24)
+
+
+def test_user_folder_wins_over_env(tmp_path, monkeypatch):
+    user, env = tmp_path / "user", tmp_path / "env"
+    user.mkdir(), env.mkdir()
+    _write(user, buckets={"64": {"layer0": 1, "layer1": 2}})
+    _write(env, buckets={"64": {"layer0": 7, "layer1": 7}})
+    monkeypatch.setenv(tuned.ENV_FOLDER, str(env))
+    assert tuned.lookup(CFG, 4, 64, None, user) == (1, 2)
+    assert tuned.lookup(CFG, 4, 64, None, None) == (7, 7)
+
+
+def test_untuned_logs_once_and_returns_none(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="comet"):
+        assert tuned.lookup(CFG.replace(hidden_size=96), 4, 64, None, tmp_path) is None
+        assert tuned.lookup(CFG.replace(hidden_size=96), 4, 64, None, tmp_path) is None
+    assert sum("no tuned block split" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{not json", "Expecting"),
+    (json.dumps({"buckets": {}}), "meta"),
+    (json.dumps({"meta": {}, "buckets": {"1": {"layer0": 1}}}), "meta"),
+])
+def test_bad_files_warn_and_fall_back(tmp_path, content, why):
+    (tmp_path / tuned.file_name(CFG, 4, "cpu")).write_text(content)
+    with pytest.warns(UserWarning, match="ignoring tuning file"):
+        assert tuned.lookup(CFG, 4, 64, None, tmp_path) is None
+
+
+def test_a_table_for_another_device_is_refused(tmp_path):
+    meta = tuned.expected_meta(CFG, 4, "NVIDIA_H100")
+    _write(tmp_path, meta=meta)       # file named for cpu, content says H100
+    with pytest.warns(UserWarning, match="device_name"):
+        assert tuned.lookup(CFG, 4, 64, None, tmp_path) is None
+
+
+def test_bad_bucket_values_are_refused():
+    meta = tuned.expected_meta(CFG, 4, "cpu")
+    with pytest.raises(tuned.TunedTableError, match="integer"):
+        tuned.parse_table({"meta": meta, "buckets": {"1": {"layer0": "x", "layer1": 2}}}, meta)
+    with pytest.raises(tuned.TunedTableError, match="negative"):
+        tuned.parse_table({"meta": meta, "buckets": {"1": {"layer0": -1, "layer1": 2}}}, meta)
+
+
+def test_analytic_split_balances_comm_and_compute():
+    w0, w1 = layer_work(4096, 4, 2, 4096, 14336)
+    n = analytic_split(w0, 132)
+    assert 0 <= n <= 66
+    assert predicted_time(w0, n, 132) <= predicted_time(w0, 0, 132)
+    # A layer with no GEMM work wants as many comm blocks as the search allows.
+    comm_only = layer_work(4096, 4, 2, 4096, 16)[0]
+    assert analytic_split(comm_only, 132) > analytic_split(w0, 132)
+
+
+def test_tune_cli_parses_configs(tmp_path):
+    parser = tune.build_parser()
+    args = parser.parse_args(["--config", "qwen2-moe"])
+    assert tune.resolve_config(args, parser).num_experts == 64
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps({"num_local_experts": 8, "num_experts_per_tok": 2,
+                                    "hidden_size": 4096, "intermediate_size": 14336}))
+    args = parser.parse_args(["--config-json", str(cfg_json)])
+    assert tune.resolve_config(args, parser) == preset("mixtral")
+    with pytest.raises(SystemExit):
+        tune.resolve_config(parser.parse_args(["--config", "mixtral", "--experts", "8"]),
+                            parser)
+    cfg_json.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(SystemExit):
+        tune.resolve_config(parser.parse_args(["--config-json", str(cfg_json)]), parser)
+
+
+def test_tune_resumes_and_refuses_foreign_tables(tmp_path):
+    meta = tuned.expected_meta(CFG, 4, "cpu")
+    path = _write(tmp_path)
+    table = tune.load_existing(str(path), meta)
+    assert set(table["buckets"]) == {"128", "1024"}          # resumed, not remeasured
+    other = tuned.expected_meta(CFG.replace(top_k=1), 4, "cpu")
+    with pytest.raises(tuned.TunedTableError):
+        tune.load_existing(str(path), other)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_tune_without_gpu_says_so(capsys):
+    assert tune.main(["--config", "mixtral", "--tokens", "16"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
