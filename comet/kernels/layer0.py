@@ -24,14 +24,10 @@ every rank learns the layout of every destination's shared tensor.
 import triton
 import triton.language as tl
 
+from comet.kernels.roles import assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, stamp,
                                 wait_at_least)
-
-# Roles of a launch (constexpr ROLE).
-ROLE_FUSED = tl.constexpr(0)
-ROLE_COMM = tl.constexpr(1)
-ROLE_COMPUTE = tl.constexpr(2)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
@@ -253,20 +249,10 @@ def layer0_kernel(
     DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
-    trace_ptr += pid * MAX_EVENTS * 4
+    trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-    if ROLE == ROLE_FUSED:
-        n_comm = tl.load(split_ptr)
-        comm = pid < n_comm
-        n_role = tl.where(comm, n_comm, programs - n_comm)
-        role_pid = tl.where(comm, pid, pid - n_comm)
-    else:
-        comm = ROLE == ROLE_COMM
-        n_role = programs
-        role_pid = pid
+    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     if comm:
         dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
                       ret_token, ret_rows, ret_weight, ret_count,

@@ -25,13 +25,10 @@ that token was sent to, always in rank order 0..W-1: the result does not depend 
 import triton
 import triton.language as tl
 
+from comet.kernels.roles import assign_role
 from comet.kernels.group_gemm import column_work, gemm_tile
 from comet.kernels.layer0 import TAG
 from comet.kernels.sync import arrive, clock_ns, healthy, stamp, wait_at_least
-
-ROLE_FUSED = tl.constexpr(0)
-ROLE_COMM = tl.constexpr(1)
-ROLE_COMPUTE = tl.constexpr(2)
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
@@ -143,19 +140,9 @@ def layer1_kernel(
     DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     epoch = tl.load(epoch_ptr)
-    trace_ptr += pid * MAX_EVENTS * 4
-    if ROLE == ROLE_FUSED:
-        n_comm = tl.load(split_ptr)
-        comm = pid < n_comm
-        n_role = tl.where(comm, n_comm, programs - n_comm)
-        role_pid = tl.where(comm, pid, pid - n_comm)
-    else:
-        comm = ROLE == ROLE_COMM
-        n_role = programs
-        role_pid = pid
+    trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
+    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     if comm:
         reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
