@@ -26,7 +26,7 @@ Steps of one call on rank ``r``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -143,9 +143,6 @@ class SendPlan:
     ret_weight: torch.Tensor
     ret_count: torch.Tensor
     dest_mask: torch.Tensor
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def build_send_plan(

@@ -69,20 +69,3 @@ def column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT: tl.constexpr):
     first_block = split * BLOCKS_PER_SPLIT
     blocks = tl.minimum(n_blocks - first_block, BLOCKS_PER_SPLIT)
     return within // blocks, first_block + within % blocks, split
-
-
-@triton.jit
-def group_gemm_kernel(a_desc, b_desc, c_ptr, stride_cm, tile_expert, tile_row_start,
-                      tile_row_end, num_tiles_ptr, K, N, UP_OFFSET,
-                      GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Stand-alone persistent GroupGEMM (no communication) in the layer0 work order."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    num_tiles = tl.load(num_tiles_ptr)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    for w in range(pid, num_tiles * n_blocks, programs):
-        t, nb = grouped_work(w, num_tiles, n_blocks)
-        gemm_tile(a_desc, b_desc, c_ptr, stride_cm, tl.load(tile_expert + t),
-                  tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N, K, N,
-                  GATED, UP_OFFSET, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
