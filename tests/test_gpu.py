@@ -1,7 +1,6 @@
 """Fused kernels on one GPU (marker gpu): W=1 through FusedMoE, W=2/4 through the
 virtual-rank driver (the same compiled role kernels, producers launched first)."""
 
-
 import pytest
 import torch
 
