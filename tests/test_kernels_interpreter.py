@@ -124,3 +124,32 @@ def test_exchange_timeout_names_the_peer():
     L.launch_exchange(ws, ep.cfg)                     # rank 1 never publishes
     with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
         raise_if_failed(ws.error, 0)
+
+
+def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
+    """FusedMoE itself (staging, device-side addresses and counts, the per-call plan) on
+    one rank; rejected inputs raise before anything runs and do not touch the epoch."""
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = SCALED["phi3.5-moe"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=10)
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
+    w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
+    layer = FusedMoE(cfg, w13, w2)
+    x = torch.randn(7, h, generator=g).half()
+    ids = make_ids("skewed", [7], e, k, g)[0]
+    ids[2, 1] = -1
+    w = torch.rand(7, k, generator=g)
+    bad = [(x.float(), ids, w, TypeError), (x[:, :16].contiguous(), ids, w, ValueError),
+           (torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w]), ValueError),
+           (x, ids[:, :1], w, ValueError), (x.t().contiguous().t(), ids, w, ValueError)]
+    for bx, bi, bw, err in bad:
+        with pytest.raises(err):
+            layer(bx, bi, bw)
+    assert int(layer.ws.epoch) == 0
+    for call in range(2):
+        y = layer(x, ids, w, comm_blocks=call)
+        ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert int(layer.ws.epoch) == 2
