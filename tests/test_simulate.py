@@ -62,3 +62,13 @@ def test_simulate_detects_deadlock():
     xs, ids, wts, w13, w2, mx = _case(2, "random", seed=12)
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(xs, ids, wts, w13, w2, mx, SimConfig(comm_programs=0))
+
+
+def test_simulate_catches_waiting_for_one_chunk_too_few(monkeypatch):
+    from comet.scheduler import simulate as sim
+    real = sim._chunks_needed
+    monkeypatch.setattr(sim, "_chunks_needed", lambda *a: max(real(*a) - 1, 0))
+    xs, ids, wts, w13, w2, mx = _case(4, "skewed", seed=13)
+    with pytest.raises(ScheduleError, match="before its rows arrived"):
+        for seed in range(8):
+            simulate(xs, ids, wts, w13, w2, mx, SimConfig(seed=seed, comm_rows=2))

@@ -6,9 +6,11 @@ orders, same comm chunking -- and an event loop interleaves the programs of all 
 a random (seeded) order, running one work item at a time:
 
 * a layer0 comm program pushes a chunk of rows (or return entries) to a destination and
-  counts it; the last chunk to a destination sets that destination's flag for this source;
-* a layer0 compute program may start a tile only once the flags of its wait set are set,
-  and then asserts that *every row it reads has arrived* -- the wait set is sufficient;
+  publishes it once the previous chunk is published, so the destination's flag for this
+  source counts a prefix of landed chunks;
+* a layer0 compute program may start a tile only once every source of its wait set has
+  published the chunk holding the tile's last row from it, and then asserts that *every
+  row it reads has arrived* -- the wait is sufficient;
 * a layer1 compute program counts its tile for its column split; a layer1 comm program
   may reduce a split only when the count is complete, and asserts that every element it
   reads was computed; the combine waits for every rank's flag and asserts every partial
@@ -80,7 +82,17 @@ class _Rank:
         self.ret_rows = torch.full((world, max_tokens, ids.shape[1]), -1, dtype=torch.int64)
         self.ret_w = torch.zeros(world, max_tokens, ids.shape[1])
         self.comb = torch.full((world, max_tokens, h_dim), float("nan"))
-        self.flag0 = [False] * world
+        self.flag0 = [0] * world            # chunks of each source published here
+        self.published = [0] * world        # chunks this rank published to each dest
+        # Receiver tables the kernel uses to find the chunk holding a row (layout_kernel).
+        pairs = counts_all[:, r, :-1].to(torch.int64)                   # [s, el]
+        self.pre = torch.cumsum(pairs, dim=1) - pairs
+        self.seg_start = layout.seg_off[r].to(torch.int64)              # [o, el]
+        self.seg_rows = layout.seg_rows[r].to(torch.int64)
+        self.chunks_total = [_cdiv(int(pairs[s].sum()), cfg.comm_rows)
+                             + _cdiv(int(counts_all[s, r, -1]), cfg.comm_entries)
+                             for s in range(world)]
+        self.entries_in = torch.zeros(world, max_tokens, dtype=torch.bool)
         self.flag1 = [False] * world
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
         self.comm1_finished = 0
@@ -147,7 +159,8 @@ def _wait_ok(prog) -> bool:
 
 
 def _dispatch_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
-    """layer0 comm role of one program (kernels.layer0.dispatch_role)."""
+    """layer0 comm role of one program (kernels.layer0.dispatch_role): chunks striped over
+    programs, each published after the previous one (so a destination sees a prefix)."""
     world = len(ranks)
     s = rk.send
     for o in range(world):
@@ -157,8 +170,6 @@ def _dispatch_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
         n_ent = int(s.ret_count[d])
         row_chunks = _cdiv(hi - lo, cfg.comm_rows)
         total = row_chunks + _cdiv(n_ent, cfg.comm_entries)
-        if total == 0 and pid == 0:
-            dst.flag0[rk.r] = True
         for c in range(pid, total, cfg.comm_programs):
             if c < row_chunks:
                 i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
@@ -173,16 +184,20 @@ def _dispatch_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
                 dst.ret_tok[rk.r, q] = s.ret_token[d, q].long()
                 dst.ret_rows[rk.r, q] = s.ret_rows[d, q].long()
                 dst.ret_w[rk.r, q] = s.ret_weight[d, q]
-            rk_counter = _counter(rk, "dispatch", d)
-            if rk_counter == total:
-                dst.flag0[rk.r] = True
+                dst.entries_in[rk.r, q] = True
+            yield lambda d=d, c=c: rk.published[d] == c
+            rk.published[d] = c + 1
+            dst.flag0[rk.r] = c + 1
             yield None
 
 
-def _counter(rk: _Rank, name: str, key) -> int:
-    counters = rk.__dict__.setdefault("_counters", {})
-    counters[(name, key)] = counters.get((name, key), 0) + 1
-    return counters[(name, key)]
+def _chunks_needed(rk: _Rank, s: int, expert: int, r1: int, cfg: SimConfig) -> int:
+    """Published chunks of source ``s`` that cover the tile's last row from ``s``
+    (kernels.layer0._await_rows)."""
+    o = (s - rk.r) % len(rk.flag0)
+    seg0 = int(rk.seg_start[o, expert])
+    last = min(r1, seg0 + int(rk.seg_rows[o, expert])) - 1 - seg0
+    return (int(rk.pre[s, expert]) + last) // cfg.comm_rows + 1
 
 
 def _layer0_program(rk: _Rank, pid: int, cfg: SimConfig):
@@ -194,8 +209,9 @@ def _layer0_program(rk: _Rank, pid: int, cfg: SimConfig):
         tile, nb = grouped_work(w, rk.num_tiles, n_blocks, cfg.group_m)
         mask = int(t.wait_mask[tile])
         sources = [s for s in range(len(rk.flag0)) if mask >> s & 1]
-        yield lambda: all(rk.flag0[s] for s in sources)
         r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
+        need = {s: _chunks_needed(rk, s, e, r1, cfg) for s in sources}
+        yield lambda: all(rk.flag0[s] >= n for s, n in need.items())
         if not bool(rk.arrived[r0:r1].all()):
             raise ScheduleError(f"rank {rk.r} tile {tile} (rows {r0}:{r1}) ran before its "
                                 f"rows arrived; wait set {sources}")
@@ -229,6 +245,11 @@ def _reduce_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
     world = len(ranks)
     h_dim = rk.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
+    # Return entries travel after the rows: all of a source's chunks must have landed.
+    yield lambda: all(rk.flag0[s] >= rk.chunks_total[s] for s in range(world))
+    for s in range(world):
+        if not bool(rk.entries_in[s, :rk.entries[s]].all()):
+            raise ScheduleError(f"rank {rk.r} reads return entries of rank {s} not delivered")
     for split in range(len(rk.split_count)):
         blocks = min(n_blocks - split * cfg.blocks_per_split, cfg.blocks_per_split)
         target = rk.num_tiles * blocks
