@@ -143,6 +143,16 @@ class ParallelConfig:
             raise ValueError(
                 f"rank must be in [0, world_size={self.world_size}), got {self.rank!r}")
 
+    @classmethod
+    def from_group(cls, group=None) -> "ParallelConfig":
+        """The layout of a process group (None: the world when torch.distributed is
+        initialised, else a single rank)."""
+        import torch.distributed as dist
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return cls(1, 0)
+        g = group if group is not None else dist.group.WORLD
+        return cls(dist.get_world_size(g), dist.get_rank(g))
+
     def local_experts(self, moe: MoEConfig) -> int:
         """El, the experts on each rank; raises if the world does not divide E."""
         check_layout(moe, self)

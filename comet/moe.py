@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from comet import reference
@@ -85,14 +84,6 @@ class LocalExperts(nn.Module):
         nn.init.normal_(self.w2, std=f ** -0.5)
 
 
-def _group_layout(group) -> ParallelConfig:
-    if group is None:
-        if dist.is_available() and dist.is_initialized():
-            return ParallelConfig(dist.get_world_size(), dist.get_rank())
-        return ParallelConfig(1, 0)
-    return ParallelConfig(dist.get_world_size(group), dist.get_rank(group))
-
-
 class CometMoE(nn.Module):
     """An expert-parallel MoE block with communication hidden inside the expert GEMMs.
 
@@ -123,7 +114,7 @@ class CometMoE(nn.Module):
         super().__init__()
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
-        par = _group_layout(group)
+        par = ParallelConfig.from_group(group)
         check_layout(cfg, par)
         self.cfg, self.par, self.group = cfg, par, group
         self.comm_blocks = comm_blocks

@@ -18,16 +18,17 @@ already in place without waiting; ``"comm_only"`` moves the data without GEMMs.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.workspace import allocate_symmetric, allocate_virtual
+from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
 MODES = ("fused", "sequential", "compute_only", "comm_only")
@@ -86,13 +87,6 @@ class _StaticInputs:
         self.addr = torch.zeros(2, dtype=torch.int64, device=device)
 
 
-def _layout_of(group) -> ParallelConfig:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return ParallelConfig(1, 0)
-    g = group if group is not None else dist.group.WORLD
-    return ParallelConfig(dist.get_world_size(g), dist.get_rank(g))
-
-
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (read from the device, never assumed)."""
     from comet.runtime import topology
@@ -121,7 +115,7 @@ class FusedMoE:
     def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, group=None,
                  tile: L.TileConfig | None = None, tuned_config_folder: str | None = None,
                  check_errors: str = "lazy", use_graphs: bool = True):
-        par = _layout_of(group)
+        par = ParallelConfig.from_group(group)
         check_layout(cfg, par)
         el = cfg.num_experts // par.world_size
         h, f = cfg.hidden_size, cfg.intermediate_size
@@ -142,6 +136,7 @@ class FusedMoE:
             self.ws = allocate_symmetric(cfg, group, self.device, self.tile)
         self.programs = sm_count(self.device) if self.device.type == "cuda" else 4
         self.last_comm_blocks: tuple[int, int] | None = None
+        self._selected: dict[tuple, tuple[int, int]] = {}
         self._pending = (torch.zeros(4, dtype=torch.int32, pin_memory=True)
                          if self.device.type == "cuda" else None)
         self.use_graphs = use_graphs
@@ -157,19 +152,27 @@ class FusedMoE:
         if comm_blocks is not None:
             n0, n1 = (comm_blocks, comm_blocks) if isinstance(comm_blocks, int) else comm_blocks
         else:
-            from comet.scheduler import tuned
-            picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
-                                  self.tuned_config_folder)
-            if picked is None:
-                c = self.cfg
-                w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
-                                    c.intermediate_size, c.dtype.itemsize)
-                picked = (analytic_split(w0, self.programs), analytic_split(w1, self.programs))
-            n0, n1 = picked
+            # Remembered per token count: the forward path should not search folders,
+            # query the device name or run the model's loop on every call.
+            key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
+            if key not in self._selected:
+                self._selected[key] = self._select(num_tokens)
+            n0, n1 = self._selected[key]
         for n in (n0, n1):
             if not 0 <= n < self.programs:
                 raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
         return int(n0), int(n1)
+
+    def _select(self, num_tokens: int) -> tuple[int, int]:
+        """Tuned table, else the analytic model (comet/scheduler/split.py)."""
+        picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
+                              self.tuned_config_folder)
+        if picked is None:
+            c = self.cfg
+            w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
+                                c.intermediate_size, c.dtype.itemsize)
+            picked = (analytic_split(w0, self.programs), analytic_split(w1, self.programs))
+        return picked
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, mode):
