@@ -85,7 +85,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED, split, 132,
                         trace=trace)
         L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
-        L.launch_combine(ws, cfg, L.address_of(x), split, tile)
+        L.launch_combine(ws, cfg, L.address_of(x), split, tile, 132)
     return record_launches(run)
 
 

@@ -182,13 +182,13 @@ def test_missing_peer_times_out_quickly(monkeypatch):
     shards = [_weights(4, h, f, torch.bfloat16, g) for _ in range(2)]
     ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], L.TileConfig())
     ws = ep.ws[0]
-    ws.epoch.add_(1)
+    ws.begin_call()
     start = time.time()
     L.launch_counts(ws, cfg, torch.tensor([[0, 5]], device="cuda"))
     L.launch_exchange(ws, cfg)
     torch.cuda.synchronize()
     with pytest.raises(CometTimeoutError, match="rank 1"):
-        raise_if_failed(ws.error, 0)
+        raise_if_failed(ws.fatal_word, 0)
     assert time.time() - start < 10
 
 

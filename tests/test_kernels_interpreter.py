@@ -100,8 +100,7 @@ def test_missing_peer_is_a_clear_error():
     xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).half() for i in ids]
     wts = [torch.rand(i.shape, generator=g) for i in ids]
     for ws in ep.ws:
-        ws.epoch.add_(1)
-        ws.counters.zero_()
+        ws.begin_call()
     for r in range(2):
         L.launch_counts(ep.ws[r], cfg, ids[r])
         L.launch_exchange(ep.ws[r], cfg, L.PHASE_PUSH)
@@ -113,17 +112,17 @@ def test_missing_peer_is_a_clear_error():
     L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMM, unused, 1)
     L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMPUTE, unused, 2)
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
-        raise_if_failed(ws.error, 0)
+        raise_if_failed(ws.fatal_word, 0)
 
 
 def test_exchange_timeout_names_the_peer():
     _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
     ws = ep.ws[0]
-    ws.epoch.add_(1)
+    ws.begin_call()
     L.launch_counts(ws, ep.cfg, torch.tensor([[0, 1]]))
     L.launch_exchange(ws, ep.cfg)                     # rank 1 never publishes
     with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
-        raise_if_failed(ws.error, 0)
+        raise_if_failed(ws.fatal_word, 0)
 
 
 def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():

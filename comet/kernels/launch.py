@@ -24,7 +24,7 @@ from comet.config import MoEConfig
 from comet.kernels import layer0 as l0
 from comet.kernels import layer1 as l1
 from comet.kernels import plan as kplan
-from comet.runtime.workspace import Workspace, plan_block_tokens
+from comet.runtime.workspace import COUNT_BUFFERS, Workspace, plan_block_tokens
 
 ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE = 0, 1, 2
 PHASE_PUSH, PHASE_WAIT, PHASE_BOTH = 1, 2, 3
@@ -131,7 +131,7 @@ def launch_counts(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor) -> None
     bt = plan_block_tokens(k)
     blocks = p["block_counts"].shape[0] - 1
     kplan.count_kernel[(blocks,)](
-        topk_ids, p["block_counts"], topk_ids.shape[0],
+        topk_ids, p["block_counts"], topk_ids.shape[0], ws.input_word, ws.epoch,
         TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
         LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
         BINS=_next_pow2(cfg.num_experts + 1), BLOCK_T=bt, num_warps=4)
@@ -143,8 +143,9 @@ def launch_exchange(ws: Workspace, cfg: MoEConfig, phase: int = PHASE_BOTH) -> N
     el = cfg.num_experts // ws.world
     l0.exchange_counts_kernel[(1,)](
         ws.plan["block_counts"][-1], ws.peer_ptrs["counts"], ws.peer_ptrs["count_flags"],
-        ws.count_flags, ws.epoch, ws.error, ws.rank, _timeout_ns(),
-        WORLD=ws.world, LOCAL_EXPERTS=el, BLOCK=_next_pow2(ws.world * (el + 1)),
+        ws.count_flags, ws.epoch, ws.peer_ptrs["error"], ws.rank, _timeout_ns(),
+        WORLD=ws.world, LOCAL_EXPERTS=el, COUNT_BUFFERS=COUNT_BUFFERS,
+        BLOCK=_next_pow2(ws.world * (el + 1)),
         PUSH=bool(phase & PHASE_PUSH), WAIT=bool(phase & PHASE_WAIT), USE_ASM=_asm(),
         num_warps=1)
 
@@ -153,12 +154,12 @@ def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
     """Offsets and the tile table from the exchanged counts (one program)."""
     p, el = ws.plan, cfg.num_experts // ws.world
     kplan.layout_kernel[(1,)](
-        ws.counts, ws.rank, p["send_base"], p["dst_base"], p["send_off"], p["ret_count"],
+        ws.counts, ws.epoch, ws.rank, p["send_base"], p["dst_base"], p["send_off"], p["ret_count"],
         p["seg_start"], p["seg_rows"], p["pre"], p["chunks_total"], p["entries"],
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["tile_stage"], p["num_tiles"], p["scratch"],
         WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
-        EL_P2=_next_pow2(el), BLOCK_M=tile.block_m, COMM_ROWS=tile.comm_rows,
+        EL_P2=_next_pow2(el), COUNT_BUFFERS=COUNT_BUFFERS, BLOCK_M=tile.block_m, COMM_ROWS=tile.comm_rows,
         COMM_ENTRIES=tile.dispatch_entries, TILE_CHUNK=64, num_warps=4)
 
 
@@ -170,7 +171,7 @@ def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
     kplan.place_kernel[(blocks,)](
         topk_ids, topk_weights, p["block_counts"], p["send_base"], p["dst_base"],
         p["send_token"], p["send_row"], p["ret_token"], p["ret_rows"], p["ret_weight"],
-        p["dest_mask"], topk_ids.shape[0], cfg.max_tokens,
+        p["dest_mask"], topk_ids.shape[0], cfg.max_tokens, ws.input_word, ws.epoch,
         TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
         LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
         BLOCK_T=plan_block_tokens(k), num_warps=4)
@@ -228,7 +229,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"],
-        ws.flag0, ws.epoch, ws.error, ws.rank, split, _timeout_ns(), trace,
+        ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, _timeout_ns(), trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
@@ -252,7 +253,8 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         p["num_tiles"], ws.counter_view()["split"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
-        ws.counter_view()["l1_done"], ws.epoch, ws.error, ws.rank, cfg.max_tokens, split,
+        ws.counter_view()["l1_done"], ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens,
+        split,
         _timeout_ns(), trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_BLOCK_C=tile.comm_block_c,
@@ -263,14 +265,16 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
 
 
 def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
-                   num_tokens: torch.Tensor, tile: TileConfig, wait: bool = True) -> None:
+                   num_tokens: torch.Tensor, tile: TileConfig, grid: int,
+                   wait: bool = True) -> None:
     """Sum the partial rows sent back by every rank into the output whose address is in
-    ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``)."""
-    # Even with no tokens, one program waits for every rank's flag1: the wait closes the
-    # call (see comet.runtime.workspace on why single buffers are safe).
-    grid = triton.cdiv(cfg.max_tokens, tile.combine_rows)
+    ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``), on at most
+    ``grid`` programs."""
+    # Even with no tokens every program waits for every rank's flag1: the wait closes
+    # the call (see comet.runtime.workspace).
+    grid = max(1, min(grid, triton.cdiv(cfg.max_tokens, tile.combine_rows)))
     l1.combine_kernel[(grid,)](
         ws.comb, ws.flag1, ws.plan["dest_mask"], y_addr, num_tokens, cfg.hidden_size,
-        ws.epoch, ws.error, ws.rank, cfg.max_tokens, _timeout_ns(),
+        ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, _timeout_ns(),
         WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=tile.combine_block_h,
         USE_ASM=_asm(), num_warps=4)

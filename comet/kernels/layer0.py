@@ -26,7 +26,7 @@ import triton.language as tl
 
 from comet.kernels.roles import assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, stamp,
+from comet.kernels.sync import (clock_ns, fence_async_proxy, healthy, release, stamp,
                                 wait_at_least)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
@@ -46,14 +46,16 @@ def _peer(table, rank, like_ptr):
 
 @triton.jit
 def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
-                           epoch_ptr, err_ptr, rank, timeout,
+                           epoch_ptr, err_table, rank, timeout,
                            WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                           BLOCK: tl.constexpr, PUSH: tl.constexpr, WAIT: tl.constexpr,
-                           USE_ASM: tl.constexpr):
-    """All-gather of the routing counts: row ``r`` of every peer's ``counts [W, W*(El+1)]``
-    receives this rank's ``[W, El + 1]`` (pairs per destination expert, then distinct
-    tokens per destination), built from ``totals`` (``[E + W]``: pairs per expert, tokens
-    per rank); then ``count_flags[r] = epoch``. ``PUSH``/``WAIT`` select the halves (the
+                           COUNT_BUFFERS: tl.constexpr, BLOCK: tl.constexpr,
+                           PUSH: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """All-gather of the routing counts: row ``r`` of every peer's ``counts[epoch % COUNT_BUFFERS]``
+    (``[W, W*(El+1)]``) receives this rank's ``[W, El + 1]`` (pairs per destination
+    expert, then distinct tokens per destination), built from ``totals`` (``[E + W]``:
+    pairs per expert, tokens per rank); then ``count_flags[r] = epoch``. The wait is the
+    handshake that opens a call: no peer writes anything else of this call into this
+    rank before it (comet.runtime.workspace). ``PUSH``/``WAIT`` select the halves (the
     virtual-rank driver runs them apart)."""
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
     ROW: tl.constexpr = WORLD * EL1
@@ -65,17 +67,17 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
         c = offs % EL1
         src = tl.where(c < LOCAL_EXPERTS, d * LOCAL_EXPERTS + c, WORLD * LOCAL_EXPERTS + d)
         row = tl.load(totals + src, mask=mask)
+        slot = (epoch % COUNT_BUFFERS) * WORLD * ROW + rank * ROW
         for p in range(WORLD):
             dst = _peer(counts_table, p, totals)
-            tl.store(dst + rank * ROW + offs, row, mask=mask)
-        barrier()
-        for p in range(WORLD):
-            flag = _peer(count_flags_table, p, count_flags)
-            tl.atomic_xchg(flag + rank, epoch, sem="release", scope="sys")
+            tl.store(dst + slot + offs, row, mask=mask)
+        if healthy(err_table, rank, USE_ASM):
+            for p in range(WORLD):
+                release(_peer(count_flags_table, p, count_flags) + rank, epoch, "sys")
     if WAIT:
         for s in range(WORLD):
-            wait_at_least(count_flags + s, epoch, err_ptr, SITE_COUNTS, s, rank, timeout,
-                          "sys", USE_ASM)
+            wait_at_least(count_flags + s, epoch, err_table, SITE_COUNTS, s, rank, timeout,
+                          "sys", WORLD, USE_ASM)
 
 
 @triton.jit
@@ -122,7 +124,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
                   a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                  epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
+                  epoch, err_table, rank, max_tokens, timeout, trace_ptr,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                   ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
@@ -151,7 +153,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         for c in range(pid, total, n_prog):
             if TRACE:
                 start = clock_ns(USE_ASM)
-            if healthy(err_ptr):
+            if healthy(err_table, rank, USE_ASM):
                 if c < row_chunks:
                     _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS,
                                tl.minimum(lo + (c + 1) * ROWS, hi), H, COPY_ROWS, BLOCK_H)
@@ -161,26 +163,36 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
                                   e0, tl.minimum(e0 + ENTRIES, n_ent), TOPK, TOPK_P2,
                                   ENTRY_TILE)
-            barrier()
+            # Publish in order, and never after a failure: a chunk skipped because the
+            # group failed must not look delivered.
             if c > 0:
-                wait_at_least(seq + d, tagged(epoch, c), err_ptr, SITE_DISPATCH_ORDER, d,
-                              rank, timeout, "gpu", USE_ASM)
-            tl.atomic_xchg(flag, tagged(epoch, c + 1), sem="release", scope="sys")
-            tl.atomic_xchg(seq + d, tagged(epoch, c + 1), sem="release", scope="gpu")
+                ready = wait_at_least(seq + d, tagged(epoch, c), err_table,
+                                      SITE_DISPATCH_ORDER, d, rank, timeout, "gpu", WORLD,
+                                      USE_ASM)
+            else:
+                ready = healthy(err_table, rank, USE_ASM)
+            if ready:
+                release(flag, tagged(epoch, c + 1), "sys")
+                release(seq + d, tagged(epoch, c + 1), "gpu")
             if TRACE:
                 events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
         if (total == 0) & (pid == 0):
-            tl.atomic_xchg(flag, tagged(epoch, 0), sem="release", scope="sys")
+            if healthy(err_table, rank, USE_ASM):
+                release(flag, tagged(epoch, 0), "sys")
 
 
 @triton.jit
-def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epoch, err_ptr,
-                rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
+def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epoch,
+                err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
                 LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
     """Wait until every source in ``wait`` has published the chunk holding its last row
-    in ``[r0, r1)``. ``seen[s]`` caches how many chunks of ``s`` are known published, so
-    most tiles cost no flag load at all."""
+    in ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many chunks of ``s``
+    are known published, so most tiles cost no flag load at all. It only ever holds
+    waited-for targets, never a raw flag value: every warp must agree on it, or warps
+    would disagree on which tiles wait (see comet.kernels.sync on uniform control flow).
+    ``ok`` is 0 once a wait gave up."""
     ranks = tl.arange(0, W_P2)
+    ok = tl.full([], 1, tl.int32)
     for s in range(WORLD):
         if ((wait >> s) & 1) != 0:
             o = (s - rank + WORLD) % WORLD
@@ -190,17 +202,18 @@ def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epo
             need = (tl.load(pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
             have = tl.sum(tl.where(ranks == s, seen, 0), axis=0)
             if need > have:
-                v = wait_at_least(flag0 + s, tagged(epoch, need), err_ptr, SITE_DISPATCH, s,
-                                  rank, timeout, "sys", USE_ASM)
-                seen = tl.where(ranks == s, (v & (TAG - 1)).to(tl.int32), seen)
-    return seen
+                got = wait_at_least(flag0 + s, tagged(epoch, need), err_table, SITE_DISPATCH,
+                                    s, rank, timeout, "sys", WORLD, USE_ASM)
+                ok = ok & got
+                seen = tl.where((ranks == s) & (got != 0), need, seen)
+    return seen, ok
 
 
 @triton.jit
 def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
-                        flag0, epoch, err_ptr, rank, timeout, trace_ptr,
+                        flag0, epoch, err_table, rank, timeout, trace_ptr,
                         WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
@@ -218,13 +231,15 @@ def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
         expert = tl.load(tile_expert + t)
         r0 = tl.load(tile_row_start + t)
         r1 = tl.load(tile_row_end + t)
+        ready = 1
         if WAIT:
-            seen = _await_rows(flag0, seg_start, seg_rows, pre, tl.load(tile_wait + t),
-                               expert, r0, r1, seen, epoch, err_ptr, rank, timeout, WORLD,
-                               W_P2, LOCAL_EXPERTS, ROWS, USE_ASM)
+            seen, ready = _await_rows(flag0, seg_start, seg_rows, pre, tl.load(tile_wait + t),
+                                      expert, r0, r1, seen, epoch, err_table, rank, timeout,
+                                      WORLD, W_P2, LOCAL_EXPERTS, ROWS, USE_ASM)
             fence_async_proxy(USE_ASM)
-        gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
-                  True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        if ready:   # after a failure the call's output is void: skip the GEMMs
+            gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
+                      True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         if TRACE:
             events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS, USE_ASM)
 
@@ -240,7 +255,7 @@ def layer0_kernel(
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
     seg_start, seg_rows, pre,
     # both; n_comm is read on the device so one captured launch serves every split
-    flag0, epoch_ptr, err_ptr, rank, split_ptr, timeout, trace_ptr,
+    flag0, epoch_ptr, err_table, rank, split_ptr, timeout, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
@@ -258,13 +273,13 @@ def layer0_kernel(
                       ret_token, ret_rows, ret_weight, ret_count,
                       a0_table, ret_token_table, ret_rows_table, ret_weight_table,
                       flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                      epoch, err_ptr, rank, max_tokens, timeout, trace_ptr,
+                      epoch, err_table, rank, max_tokens, timeout, trace_ptr,
                       WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
                       COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
     else:
         layer0_compute_role(role_pid, n_role, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
-                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_ptr,
+                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_table,
                             rank, timeout, trace_ptr, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
                             DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
                             MAX_EVENTS, USE_ASM)

@@ -28,7 +28,7 @@ import triton.language as tl
 from comet.kernels.roles import assign_role
 from comet.kernels.group_gemm import column_work, gemm_tile
 from comet.kernels.layer0 import TAG
-from comet.kernels.sync import arrive, clock_ns, healthy, stamp, wait_at_least
+from comet.kernels.sync import arrive, clock_ns, healthy, release, stamp, wait_at_least
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
@@ -83,7 +83,7 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
 @triton.jit
 def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
                      flag0, chunks_total, comb_table, comb_ptr, flag1_table, flag1,
-                     split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
+                     split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
                      max_tokens, timeout, trace_ptr,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
                      ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -94,7 +94,7 @@ def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weigh
     layer0; its flag0 reaching ``chunks_total`` says they all landed."""
     for s in range(WORLD):
         wait_at_least(flag0 + s, epoch.to(tl.int64) * TAG + tl.load(chunks_total + s),
-                      err_ptr, SITE_ENTRIES, s, rank, timeout, "sys", USE_ASM)
+                      err_table, SITE_ENTRIES, s, rank, timeout, "sys", WORLD, USE_ASM)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
@@ -104,27 +104,32 @@ def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weigh
             start = clock_ns(USE_ASM)
         if WAIT:
             blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
-            wait_at_least(split_done + split, num_tiles * blocks, err_ptr, SITE_SPLIT, split,
-                          rank, timeout, "gpu", USE_ASM)
-        col0 = split * split_cols
-        col1 = tl.minimum(col0 + split_cols, H)
-        for o in range(WORLD):
-            s = (rank + o) % WORLD
-            n_ent = tl.load(entries + s)
-            dst = tl.load(comb_table + s).to(tl.pointer_type(comb_ptr.dtype.element_ty))
-            dst += rank * max_tokens * H
-            region = s * max_tokens
-            for c in range(pid, tl.cdiv(n_ent, ENTRIES), n_prog):
-                if healthy(err_ptr):
+            ready = wait_at_least(split_done + split, num_tiles * blocks, err_table,
+                                  SITE_SPLIT, split, rank, timeout, "gpu", WORLD, USE_ASM)
+        else:
+            ready = healthy(err_table, rank, USE_ASM)
+        if ready:
+            col0 = split * split_cols
+            col1 = tl.minimum(col0 + split_cols, H)
+            for o in range(WORLD):
+                s = (rank + o) % WORLD
+                n_ent = tl.load(entries + s)
+                dst = tl.load(comb_table + s).to(tl.pointer_type(comb_ptr.dtype.element_ty))
+                dst += rank * max_tokens * H
+                region = s * max_tokens
+                for c in range(pid, tl.cdiv(n_ent, ENTRIES), n_prog):
                     _reduce_entries(out1_ptr, H, dst, recv_token + region,
                                     recv_rows + region * TOPK, recv_weight + region * TOPK,
                                     c * ENTRIES, n_ent, col0, col1, TOPK, ENTRIES, BLOCK_C)
         if TRACE:
             events = stamp(trace_ptr, events, WORLD + split, split, start, MAX_EVENTS, USE_ASM)
+    # The last comm block to finish tells every source its partial rows are there --
+    # unless the group failed meanwhile: rows skipped after a failure must not look sent.
     if arrive(done_counter, "sys") == n_prog - 1:
-        for s in range(WORLD):
-            flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
-            tl.atomic_xchg(flag + rank, epoch, sem="release", scope="sys")
+        if healthy(err_table, rank, USE_ASM):
+            for s in range(WORLD):
+                flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
+                release(flag + rank, epoch, "sys")
 
 
 @triton.jit
@@ -133,7 +138,7 @@ def layer1_kernel(
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
     recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, epoch_ptr, err_ptr, rank, max_tokens, split_ptr, timeout, trace_ptr,
+    done_counter, epoch_ptr, err_table, rank, max_tokens, split_ptr, timeout, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
@@ -146,7 +151,7 @@ def layer1_kernel(
     if comm:
         reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
-                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_ptr, rank,
+                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
                          max_tokens, timeout, trace_ptr, WAIT, WORLD, TOPK, COMM_ENTRIES,
                          COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, TRACE, MAX_EVENTS, USE_ASM)
     else:
@@ -157,31 +162,36 @@ def layer1_kernel(
 
 
 @triton.jit
-def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_ptr, err_ptr,
-                   rank, max_tokens, timeout,
+def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_ptr,
+                   err_table, rank, max_tokens, timeout,
                    WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
     """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order.
-    The token count and the output's address are read on the device, so one captured
-    launch serves every call."""
+    Persistent: a few programs loop over blocks of ``ROWS`` tokens, so spinning programs
+    never fill the GPU (W virtual ranks share one GPU in tests). The token count and the
+    output's address are read on the device, so one captured launch serves every call."""
     pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
     y_ptr = tl.load(y_addr).to(tl.pointer_type(comb_ptr.dtype.element_ty))
     epoch = tl.load(epoch_ptr)
     num_tokens = tl.load(num_tokens_ptr)
+    ready = tl.full([], 1, tl.int32)
     if WAIT:
         for d in range(WORLD):
-            wait_at_least(flag1 + d, epoch, err_ptr, SITE_COMBINE, d, rank, timeout, "sys",
-                          USE_ASM)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    live = rows < num_tokens
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = live[:, None] & (cols[None, :] < H)
-        acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-        for d in range(WORLD):
-            sent = tl.load(dest_mask + rows * WORLD + d, mask=live, other=0) != 0
-            v = tl.load(comb_ptr + (d * max_tokens + rows[:, None]).to(tl.int64) * H
-                        + cols[None, :], mask=cmask & sent[:, None], other=0.0)
-            acc += v.to(tl.float32)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=cmask)
+            ready = ready & wait_at_least(flag1 + d, epoch, err_table, SITE_COMBINE, d, rank,
+                                          timeout, "sys", WORLD, USE_ASM)
+    if ready:
+        for b in range(pid, tl.cdiv(num_tokens, ROWS), n_prog):
+            rows = b * ROWS + tl.arange(0, ROWS)
+            live = rows < num_tokens
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cmask = live[:, None] & (cols[None, :] < H)
+                acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+                for d in range(WORLD):
+                    sent = tl.load(dest_mask + rows * WORLD + d, mask=live, other=0) != 0
+                    v = tl.load(comb_ptr + (d * max_tokens + rows[:, None]).to(tl.int64) * H
+                                + cols[None, :], mask=cmask & sent[:, None], other=0.0)
+                    acc += v.to(tl.float32)
+                tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                         acc.to(y_ptr.dtype.element_ty), mask=cmask)

@@ -16,34 +16,54 @@ call costs microseconds of host time and little GPU time at small token counts:
    the destination) and the return entries, at offsets from steps 1 and 2.
 
 Pair ``(t, j)`` is slot ``j`` of token ``t``; ids outside ``[0, E)`` mean "no expert".
+Only ``-1`` may say so on purpose: any other id outside ``[0, E)``, and a NaN or infinite
+weight of a real pair, is reported in the input error word (comet.runtime.errors) and the
+pair dropped -- on every rank alike, so the call completes and the workspace stays usable.
 """
 
 import triton
 import triton.language as tl
 
+from comet.kernels.sync import INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT, record_input_error
+
 
 @triton.jit
 def _pairs(ids_ptr, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
            rows):
-    """Expert ids of tokens ``t`` (``[BT, TOPK_P2]``; ``ids`` has ``rows`` rows) and which
-    are real pairs."""
+    """Expert ids of tokens ``t`` (``[BT, TOPK_P2]``; ``ids`` has ``rows`` rows), which
+    are real pairs, and which are invalid ids (neither an expert nor -1)."""
     j = tl.arange(0, TOPK_P2)
     inside = (t[:, None] < rows) & (j[None, :] < TOPK)
     e = tl.load(ids_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :], mask=inside, other=-1)
     valid = inside & (e >= 0) & (e < NUM_EXPERTS)
-    return e.to(tl.int32), valid
+    bad = inside & ((e < -1) | (e >= NUM_EXPERTS))
+    return tl.where(valid, e, -1).to(tl.int32), valid, bad
 
 
 @triton.jit
-def count_kernel(ids_ptr, block_counts, rows,
+def _report(bad, t, input_err, code, epoch_ptr, TOPK_P2: tl.constexpr):
+    """Report the first pair of ``bad [BT, TOPK_P2]`` (tokens ``t``) as input error
+    ``code``."""
+    if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
+        j = tl.arange(0, TOPK_P2)
+        key = tl.where(bad, t[:, None] * TOPK_P2 + j[None, :], 2147483647)
+        first = tl.min(tl.min(key, axis=1), axis=0)
+        record_input_error(input_err, code, first // TOPK_P2, first % TOPK_P2,
+                           tl.load(epoch_ptr))
+
+
+@triton.jit
+def count_kernel(ids_ptr, block_counts, rows, input_err, epoch_ptr,
                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                  LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr,
                  BLOCK_T: tl.constexpr):
     """Row ``b + 1`` of ``block_counts [blocks + 1, E + W]``: pairs per expert and tokens
-    per destination rank of token block ``b`` (row 0 stays zero for the cumsum)."""
+    per destination rank of token block ``b`` (row 0 stays zero for the cumsum); reports
+    invalid ids."""
     b = tl.program_id(0)
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    e, valid = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+    e, valid, bad = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+    _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch_ptr, TOPK_P2)
     row = block_counts + (b + 1) * (NUM_EXPERTS + WORLD)
     binned = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (BLOCK_T * TOPK_P2,))
     hist = tl.histogram(binned, BINS)
@@ -56,15 +76,16 @@ def count_kernel(ids_ptr, block_counts, rows,
 
 
 @triton.jit
-def layout_kernel(counts_all, rank, send_base, dst_base, send_off, ret_count,
+def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_count,
                   seg_start, seg_rows, pre, chunks_total, entries,
                   tile_expert, tile_row_start, tile_row_end, tile_wait, tile_stage, num_tiles,
                   scratch, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                  EL_P2: tl.constexpr, BLOCK_M: tl.constexpr, COMM_ROWS: tl.constexpr,
-                  COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
+                  EL_P2: tl.constexpr, COUNT_BUFFERS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  COMM_ROWS: tl.constexpr, COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
-    ``counts_all [W_src, W_dst, El + 1]``. Tables written (``[W, El]`` unless noted):
+    ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
+    epoch's parity, ``counts_all``. Tables written (``[W, El]`` unless noted):
     send_base/dst_base -- for pairs to expert ``el`` of destination ``d``: first index in
     this rank's send list / first row in ``d``'s shared tensor; send_off ``[W + 1]``;
     ret_count ``[W]``; seg_start/seg_rows -- this rank's segments by ring offset ``o``;
@@ -73,6 +94,7 @@ def layout_kernel(counts_all, rank, send_base, dst_base, send_off, ret_count,
     ``scratch``: ``3 * W * El`` int32 of working space.
     """
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
+    counts_all = counts + (tl.load(epoch_ptr) % COUNT_BUFFERS) * WORLD * WORLD * EL1
     s_idx = tl.arange(0, W_P2)
     el_idx = tl.arange(0, EL_P2)
     grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)
@@ -169,16 +191,17 @@ def layout_kernel(counts_all, rank, send_base, dst_base, send_off, ret_count,
 @triton.jit
 def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
                  send_token, send_row, ret_token, ret_rows, ret_weight, dest_mask, rows,
-                 max_tokens,
+                 max_tokens, input_err, epoch_ptr,
                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                  LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr):
     """Send list and return entries of token block ``b`` (see module docstring). ``rows``
-    bounds the ids read; ``max_tokens`` is the tables' capacity."""
+    bounds the ids read; ``max_tokens`` is the tables' capacity. Reports non-finite
+    weights of real pairs."""
     b = tl.program_id(0)
     P: tl.constexpr = BLOCK_T * TOPK_P2
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, TOPK_P2)
-    e, valid = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+    e, valid, _ = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
     e_safe = tl.where(valid, e, 0)
     dest = e_safe // LOCAL_EXPERTS
     el = e_safe - dest * LOCAL_EXPERTS
@@ -196,6 +219,8 @@ def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
     tl.store(send_row + idx, dst_row, mask=valid)
     w = tl.load(weights_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :],
                 mask=valid, other=0.0).to(tl.float32)
+    _report(valid & ((w != w) | (tl.abs(w) == float("inf"))), t, input_err, INPUT_BAD_WEIGHT,
+            epoch_ptr, TOPK_P2)
     live_t = t < max_tokens
     for d in range(WORLD):
         on = valid & (dest == d)

@@ -5,27 +5,47 @@ Rules they implement (shared/DESIGN.md, "Rules for kernels that talk across bloc
 * publish: every thread stores its data with ``tl.store``; a block barrier; then one
   release atomic on the flag (scope ``"sys"`` when a peer GPU reads it, ``"gpu"`` inside
   one GPU). The barrier makes all threads' stores part of what the release publishes.
-* wait: spin on an acquire load, bounded by a timeout; then a block barrier; loads of the
-  published data are made to depend on the waited value so the compiler cannot hoist them
-  above the wait.
-* a failed wait never hangs: it records an error (first error wins) in the device error
-  word, and every later wait anywhere in the call sees the error and gives up at once, so
-  the host can raise a clear exception instead of a hang.
+* wait: spin on an acquire load, bounded by a timeout; then a block-wide *vote* on the
+  outcome; loads of the published data are made to depend on the waited value so the
+  compiler cannot hoist them above the wait.
+* a failed wait never hangs: it records an error (first error wins) in this rank's error
+  word *and in every peer's*, and every later wait anywhere in the group sees the error
+  and gives up at once, so every rank's host raises a clear exception instead of hanging.
 
-``USE_ASM`` selects inline PTX (``ld.acquire``, ``%globaltimer``) on a GPU and plain
-atomics plus a spin counter under ``TRITON_INTERPRET=1``, where inline assembly cannot run
+Block-uniform control flow. Every thread of a block runs the spin on its own and may see
+a different value (warps read a flag that peers keep advancing at different moments; a
+timer may expire in one warp and not in another). Anything decided from memory that other
+blocks or GPUs change -- a flag, the error word -- therefore goes through :func:`vote_all`
+(``barrier.red.and``) before it steers control flow: a branch that only some warps take
+would leave the block's barriers (``bar.sync`` in Triton's TMA pipelines, broadcasts of
+scalar atomics) matched across different code, a hang no timeout can catch. Callers only
+branch on the values these functions return, never on raw flag loads.
+
+``USE_ASM`` selects inline PTX (``ld.acquire``, ``%globaltimer``, ``barrier.red``) on a
+GPU and plain atomics plus a spin counter under ``TRITON_INTERPRET=1``, where inline
+assembly cannot run, where a block is one thread of control (so every value is uniform)
 and where a wait that is not satisfied at once never will be (programs run one by one).
 """
 
 import triton
 import triton.language as tl
 
-# Error word layout (int32 x 4), shared with comet.runtime.errors.
+# Fatal error word (int32 x 4, symmetric: peers write it too), see comet.runtime.errors.
 ERR_CODE = tl.constexpr(0)
 ERR_SITE = tl.constexpr(1)      # which wait: see comet.runtime.errors.SITES
 ERR_INDEX = tl.constexpr(2)     # flag index (usually the peer rank)
 ERR_RANK = tl.constexpr(3)      # rank that gave up
 ERR_TIMEOUT = tl.constexpr(1)
+
+# Input error word (int32 x 4, local): bad routing found by the plan kernels. It does not
+# stop the call (bad slots count as "no expert" on every rank alike), so the workspace
+# stays usable; the host raises it once.
+INPUT_CODE = tl.constexpr(0)
+INPUT_TOKEN = tl.constexpr(1)   # first offending token of the block that reported
+INPUT_SLOT = tl.constexpr(2)    # its top-k slot
+INPUT_EPOCH = tl.constexpr(3)   # the call (epoch) it came from
+INPUT_BAD_EXPERT = tl.constexpr(1)   # an id outside [-1, E)
+INPUT_BAD_WEIGHT = tl.constexpr(2)   # a NaN or infinite routing weight
 
 # Interpreter: spins before a wait counts as failed (programs run sequentially there).
 INTERPRETER_SPINS = tl.constexpr(64)
@@ -91,33 +111,78 @@ def barrier():
 
 
 @triton.jit
-def record_error(err_ptr, site, index, rank):
-    """First error wins: later failures only bail out."""
-    old = tl.atomic_cas(err_ptr + ERR_CODE, 0, ERR_TIMEOUT, sem="relaxed", scope="sys")
+def vote_all(pred, USE_ASM: tl.constexpr):
+    """1 in every thread of the block if ``pred`` holds in every thread, else 0; also a
+    block barrier. The one way a per-thread observation may steer control flow."""
+    if USE_ASM:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; "
+            "barrier.red.and.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        out = pred.to(tl.int32)
+    return out
+
+
+@triton.jit
+def error_word(err_table, rank):
+    """``rank``'s fatal error word (``err_table``: the int64 peer table of ``error``)."""
+    return tl.load(err_table + rank).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _failed_here(err_table, rank):
+    """This thread's view: has any wait of the group given up? (not uniform)"""
+    return tl.load(error_word(err_table, rank) + ERR_CODE, volatile=True) != 0
+
+
+@triton.jit
+def healthy(err_table, rank, USE_ASM: tl.constexpr):
+    """1 (in every thread) while no wait of this call, on any rank, has given up: work
+    after a failure is skipped and nothing more is published. A block barrier."""
+    return vote_all(_failed_here(err_table, rank) == 0, USE_ASM)
+
+
+@triton.jit
+def record_error(err_table, site, index, rank, WORLD: tl.constexpr):
+    """Record a failed wait: first error wins in this rank's word, and the rank that wins
+    also writes it into every peer's word, so the whole group gives up within one spin
+    instead of each rank waiting out its own timeout. Call from block-uniform code."""
+    if _claim(error_word(err_table, rank), site, index, rank):
+        for o in range(1, WORLD):
+            _claim(error_word(err_table, (rank + o) % WORLD), site, index, rank)
+
+
+@triton.jit
+def _claim(word, site, index, rank):
+    """Write the error into ``word`` unless it already holds one; True if it did."""
+    won = tl.atomic_cas(word + ERR_CODE, 0, ERR_TIMEOUT, sem="relaxed", scope="sys") == 0
+    if won:
+        tl.store(word + ERR_SITE, site)
+        tl.store(word + ERR_INDEX, index)
+        tl.store(word + ERR_RANK, rank)
+    return won
+
+
+@triton.jit
+def record_input_error(input_err, code, token, slot, epoch):
+    """Report bad routing of this call (first report of a call wins; no effect on the
+    call itself, which treats the bad slots as "no expert")."""
+    old = tl.atomic_cas(input_err + INPUT_CODE, 0, code, sem="relaxed", scope="gpu")
     if old == 0:
-        tl.store(err_ptr + ERR_SITE, site)
-        tl.store(err_ptr + ERR_INDEX, index)
-        tl.store(err_ptr + ERR_RANK, rank)
+        tl.store(input_err + INPUT_TOKEN, token)
+        tl.store(input_err + INPUT_SLOT, slot)
+        tl.store(input_err + INPUT_EPOCH, epoch.to(tl.int32))
 
 
 @triton.jit
-def failed(err_ptr):
-    """True once any wait of this call has given up."""
-    return tl.load(err_ptr + ERR_CODE, volatile=True) != 0
-
-
-@triton.jit
-def healthy(err_ptr):
-    """True while no wait of this call has given up (work after a failure is skipped)."""
-    return tl.load(err_ptr + ERR_CODE, volatile=True) == 0
-
-
-@triton.jit
-def wait_at_least(flag_ptr, target, err_ptr, site, index, rank, timeout,
-                  SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """Spin until ``*flag_ptr >= target``; return the value seen, which is below
-    ``target`` only if the wait gave up. ``timeout`` is in ns (GPU); the interpreter
-    bounds the spin by :data:`INTERPRETER_SPINS` instead."""
+def wait_at_least(flag_ptr, target, err_table, site, index, rank, timeout,
+                  SCOPE: tl.constexpr, WORLD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Spin until ``*flag_ptr >= target``. Returns 1 in every thread when the wait was
+    satisfied, 0 in every thread when it gave up (its timeout, in ns on a GPU, expired --
+    then it records the error -- or a wait elsewhere in the group failed). Ends with a
+    block barrier, so the caller may publish or read what the flag guards right after.
+    The interpreter bounds the spin by :data:`INTERPRETER_SPINS` instead of a clock."""
     spins = 0
     start = _now(spins, USE_ASM)
     v = _ld_acquire(flag_ptr, SCOPE, USE_ASM)
@@ -129,26 +194,11 @@ def wait_at_least(flag_ptr, target, err_ptr, site, index, rank, timeout,
             expired = _now(spins, USE_ASM) - start > timeout
         else:
             expired = spins > INTERPRETER_SPINS
-        if expired:
-            record_error(err_ptr, site, index, rank)
-        stop = expired | failed(err_ptr)
-        waiting = (v < target) & (stop == 0)
-    barrier()
-    return v
-
-
-@triton.jit
-def depend(ptr, token, USE_ASM: tl.constexpr):
-    """``ptr``, made to depend on ``token`` (a waited value) so loads through it stay below
-    the wait."""
-    if USE_ASM:
-        addr = tl.inline_asm_elementwise("mov.b64 $0, $1; // $2", "=l,l,l",
-                                         [ptr.to(tl.int64, bitcast=True), token.to(tl.int64)],
-                                         dtype=tl.int64, is_pure=False, pack=1)
-        out = addr.to(ptr.dtype, bitcast=True)
-    else:
-        out = ptr
-    return out
+        waiting = (v < target) & (expired == 0) & (_failed_here(err_table, rank) == 0)
+    ok = vote_all(v >= target, USE_ASM)
+    if ok == 0:
+        record_error(err_table, site, index, rank, WORLD)
+    return ok
 
 
 @triton.jit
@@ -161,15 +211,16 @@ def fence_async_proxy(USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def publish(flag_ptr, value, SCOPE: tl.constexpr):
-    """Release ``value`` into ``*flag_ptr`` after this block's stores (see module doc)."""
-    barrier()
+def release(flag_ptr, value, SCOPE: tl.constexpr):
+    """Publish ``value`` into ``*flag_ptr``: one thread's release, after the block barrier
+    that ended the work it covers (a vote, a wait or :func:`barrier`)."""
     tl.atomic_xchg(flag_ptr, value, sem="release", scope=SCOPE)
 
 
 @triton.jit
 def arrive(counter_ptr, SCOPE: tl.constexpr):
     """Count one finished unit of work after this block's stores; returns the count
-    before this arrival (acq_rel, so the last arriver sees everyone's stores)."""
+    before this arrival (acq_rel, so the last arriver sees everyone's stores). The
+    returned value is the same in every thread (a scalar atomic is broadcast)."""
     barrier()
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope=SCOPE)

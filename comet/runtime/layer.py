@@ -26,8 +26,8 @@ import torch
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
-from comet.runtime.errors import raise_if_failed
-from comet.runtime.workspace import allocate_symmetric, allocate_virtual
+from comet.runtime.errors import CometError, input_error, raise_if_failed
+from comet.runtime.workspace import ERROR_WORD, allocate_symmetric, allocate_virtual
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -105,17 +105,66 @@ class FusedMoE:
             rank). Collective: all ranks construct it together.
         tile: tile configuration (default: Hopper tiles).
         tuned_config_folder: extra folder of ``comet tune`` tables.
-        check_errors: ``"lazy"`` raise a failed call's error at the next call (no sync);
+        check_errors: ``"lazy"`` raise a failed call's error at a later call (no sync);
             ``"sync"`` synchronise after every call and raise at once (debugging).
         use_graphs: replay fused calls from a CUDA graph (cuts host work per call from
             ~60 launches to ~10 small ops). Inside a user's own graph capture, calls are
             recorded eagerly instead.
+
+    Errors: a peer that does not make the call, hangs or crashes makes every rank's call
+    raise :class:`~comet.runtime.errors.CometTimeoutError` within ``COMET_TIMEOUT_S``
+    (default 10 s); the layer then raises :class:`~comet.runtime.errors.CometError` until
+    :meth:`reset` has been called on every rank. Bad routing (an id outside ``[-1, E)``,
+    a NaN or infinite weight) is checked on the device and raised as
+    :class:`~comet.runtime.errors.CometInputError` by a later call (with ``"sync"``: by
+    the same call) *after* that call's work was issued, so every rank still makes the
+    same calls; the bad slots count as "no expert" and the layer stays usable.
     """
 
     def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, group=None,
                  tile: L.TileConfig | None = None, tuned_config_folder: str | None = None,
                  check_errors: str = "lazy", use_graphs: bool = True):
         par = ParallelConfig.from_group(group)
+        tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
+        self._validate(cfg, par, w13, w2, check_errors)
+        if par.world_size == 1:
+            ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
+        else:
+            ws = allocate_symmetric(cfg, group, w13.device, tile)
+        programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
+        self._setup(cfg, w13, w2, group, par, ws, tile, programs, tuned_config_folder,
+                    check_errors, use_graphs)
+
+    @classmethod
+    def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
+                      w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None,
+                      programs: int | None = None, **kwargs) -> list["FusedMoE"]:
+        """W ranks of one expert-parallel group in this process, on one device, whose
+        workspaces point at each other: call them concurrently, one CUDA stream per rank,
+        to run the real cross-rank protocol without NVLink (tests). ``programs`` (default:
+        the SM count over W) is each rank's grid, so every rank's blocks stay resident at
+        once. Keyword arguments as for the constructor."""
+        world = len(w13_shards)
+        device = w13_shards[0].device
+        tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
+        if programs is None:
+            programs = max(1, (sm_count(device) if device.type == "cuda" else 4 * world) // world)
+        spaces = allocate_virtual(cfg, world, device, tile)
+        layers = []
+        for r in range(world):
+            par = ParallelConfig(world, r)
+            cls._validate(cfg, par, w13_shards[r], w2_shards[r],
+                          kwargs.get("check_errors", "lazy"))
+            layer = cls.__new__(cls)
+            layer._setup(cfg, w13_shards[r], w2_shards[r], None, par, spaces[r], tile,
+                         programs, kwargs.get("tuned_config_folder"),
+                         kwargs.get("check_errors", "lazy"), kwargs.get("use_graphs", True),
+                         virtual=True)
+            layers.append(layer)
+        return layers
+
+    @staticmethod
+    def _validate(cfg, par, w13, w2, check_errors) -> None:
         check_layout(cfg, par)
         el = cfg.num_experts // par.world_size
         h, f = cfg.hidden_size, cfg.intermediate_size
@@ -124,21 +173,25 @@ class FusedMoE:
                              f"{list(w13.shape)} and {list(w2.shape)}")
         if check_errors not in ("lazy", "sync"):
             raise ValueError(f"check_errors must be 'lazy' or 'sync', got {check_errors!r}")
+
+    def _setup(self, cfg, w13, w2, group, par, ws, tile, programs, tuned_config_folder,
+               check_errors, use_graphs, virtual: bool = False) -> None:
         self.cfg, self.par, self.group = cfg, par, group
         self.w13, self.w2 = w13, w2
         self.device = w13.device
-        self.tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
+        self.tile = tile
         self.check_errors = check_errors
         self.tuned_config_folder = tuned_config_folder
-        if par.world_size == 1:
-            self.ws = allocate_virtual(cfg, 1, self.device, self.tile)[0]
-        else:
-            self.ws = allocate_symmetric(cfg, group, self.device, self.tile)
-        self.programs = sm_count(self.device) if self.device.type == "cuda" else 4
+        self.ws = ws
+        self.programs = programs
+        self._virtual = virtual
         self.last_comm_blocks: tuple[int, int] | None = None
         self._selected: dict[tuple, tuple[int, int]] = {}
-        self._pending = (torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        # Host copy of the error words, refreshed after every call without a sync.
+        self._pending = (torch.zeros(ws.error.numel(), dtype=torch.int32, pin_memory=True)
                          if self.device.type == "cuda" else None)
+        self._failure: CometError | None = None   # sticky until reset()
+        self._input_reported = 0                   # epoch of the last input error raised
         self.use_graphs = use_graphs
         self._static = _StaticInputs(cfg, self.device)
         self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -197,14 +250,59 @@ class FusedMoE:
             raise ValueError("topk_ids/topk_weights must be on the layer's device")
 
     def check_errors_now(self) -> None:
-        """Synchronise and raise if any call so far failed."""
+        """Synchronise and raise if any call so far failed (or had bad routing)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        raise_if_failed(self.ws.error, self.par.rank)
+        self._raise_for(self.ws.error.tolist())
 
-    def _check_pending(self) -> None:
+    def _raise_for(self, word: list[int]) -> None:
+        """Raise what an error word (fatal, then input) reports, once."""
+        try:
+            raise_if_failed(word[:ERROR_WORD], self.par.rank)
+        except CometError as e:
+            self._failure = e
+            raise
+        err = input_error(word[ERROR_WORD:], self.cfg.num_experts)
+        epoch = word[-1]
+        if err is not None and epoch > self._input_reported:
+            self._input_reported = epoch
+            self.ws.input_word.zero_()   # stream-ordered: later calls may report again
+            raise err
+
+    def _after_launch(self) -> None:
+        """Report errors of this call (``"sync"``) or of earlier ones (``"lazy"``: read
+        the host copy an earlier call left, then refresh it without a sync)."""
+        if self.check_errors == "sync" or self._pending is None:
+            self.check_errors_now()
+            return
+        word = self._pending.tolist()
+        self._pending.copy_(self.ws.error, non_blocking=True)
+        self._raise_for(word)
+
+    def reset(self) -> None:
+        """Bring the layer back after a :class:`CometError`. Collective: every rank of
+        the group calls it (it waits for every rank's calls in flight to end -- they end
+        within the timeout, since a failed group gives up everywhere -- then zeroes flags,
+        epochs and error words on every rank before any rank calls again)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._group_barrier()
+        self.ws.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._group_barrier()
+        self._failure = None
+        self._input_reported = 0
         if self._pending is not None:
-            raise_if_failed(self._pending, self.par.rank)   # last call's word, if copied by now
+            self._pending.zero_()
+
+    def _group_barrier(self) -> None:
+        # Virtual ranks share this process and its device: the synchronize was enough.
+        if self.par.world_size > 1 and not self._virtual:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -218,7 +316,10 @@ class FusedMoE:
         the host then issues about ten small operations.
         """
         self._check(x, topk_ids, topk_weights, mode)
-        self._check_pending()
+        if self._failure is not None:
+            raise CometError("comet: this layer failed in an earlier call and its workspace "
+                             "is unusable until reset() is called on every rank (or the "
+                             f"layer is re-created): {self._failure}") from self._failure
         m = x.shape[0]
         n0, n1 = self.select_comm_blocks(m, comm_blocks)
         self.last_comm_blocks = (n0, n1)
@@ -243,10 +344,7 @@ class FusedMoE:
             self._body(mode, key[1:], timer or PhaseTimer())
             if graphable:
                 self._compiled.add(key)
-        if self.check_errors == "sync" or self._pending is None:
-            self.check_errors_now()
-        else:
-            self._pending.copy_(self.ws.error, non_blocking=True)
+        self._after_launch()
         return y
 
     def timeline(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -289,12 +387,19 @@ class FusedMoE:
 
     def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph:
         """Record one fused call on the static buffers (records; executes nothing, so
-        every rank still makes exactly one real call per user call)."""
+        every rank still makes exactly one real call per user call). Not through
+        ``torch.cuda.graph``, whose entry synchronises the device: calls in flight wait
+        for peers' next calls, which a host blocked here would never make (virtual ranks
+        sharing a device), and a hidden host sync does not belong in a forward anyway."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            self._body(key[0], key[1:], PhaseTimer())
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                self._body(key[0], key[1:], PhaseTimer())
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
@@ -311,8 +416,7 @@ class FusedMoE:
         w13, w2 = self.w13, self.w2
         dev = ws.epoch.device
         with timer.phase("plan", dev):
-            ws.epoch.add_(1)
-            ws.counters.zero_()
+            ws.begin_call()
             L.launch_plan(ws, cfg, s.ids, s.weights, tile)
         trace = self._trace or {}
         with timer.phase("layer0", dev):
@@ -337,4 +441,4 @@ class FusedMoE:
                                     wait=mode != "comm_only")
         with timer.phase("combine", dev):
             if mode != "compute_only":
-                L.launch_combine(ws, cfg, y_addr, s.num_tokens, tile)
+                L.launch_combine(ws, cfg, y_addr, s.num_tokens, tile, grid)

@@ -1,5 +1,8 @@
 """W expert-parallel ranks in one process, driven phase by phase.
 
+(:meth:`comet.runtime.layer.FusedMoE.virtual_group` is the other way to run W ranks in one
+process: the real fused calls, concurrently on W streams of one GPU.)
+
 Each phase runs for every rank before the next starts, and inside a layer the producer
 role runs for every rank before the consumer role: dispatch before the layer0 GroupGEMM,
 the layer1 GroupGEMM before its reduce-and-send. Under ``TRITON_INTERPRET=1`` this runs
@@ -42,8 +45,7 @@ class VirtualEP:
         in order, and a later chunk on program 0 would wait for a program not yet run."""
         cfg, tile, ranks = self.cfg, self.tile, range(self.world)
         for ws in self.ws:
-            ws.epoch.add_(1)
-            ws.counters.zero_()
+            ws.begin_call()
         for r in ranks:
             L.launch_counts(self.ws[r], cfg, topk_ids[r])
             L.launch_exchange(self.ws[r], cfg, L.PHASE_PUSH)
@@ -69,7 +71,7 @@ class VirtualEP:
         ys = [torch.empty_like(x) for x in xs]
         for r in ranks:
             m = torch.full((1,), xs[r].shape[0], dtype=torch.int32, device=self.device)
-            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile)
+            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile, compute_programs)
         for r in ranks:
-            raise_if_failed(self.ws[r].error, r)
+            raise_if_failed(self.ws[r].fatal_word, r)
         return ys

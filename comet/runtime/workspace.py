@@ -5,16 +5,18 @@ All symmetric buffers of a rank live in one allocation (one rendezvous), carved 
 offsets on every rank, so a peer's buffer is ``peer_base + offset``. Kernels get, per
 buffer, an int64 table ``[W]`` of peer addresses and cast entries to typed pointers.
 
-Why single buffers are enough (no double buffering): every call starts with the count
-exchange, in which each rank waits for every peer's counts of *this* call. A peer can only
-publish counts for call ``i + 1`` after finishing call ``i`` -- including its final
-combine, which waited for everything this rank sent it in call ``i``. So once the exchange
-of call ``i + 1`` completes, no rank still reads anything written in call ``i``, and the
-epoch-valued flags of call ``i + 1`` cannot be confused with those of call ``i``.
+What keeps call ``N + 1`` of a fast rank from overwriting what call ``N`` of a slow rank
+still reads (docs/design.md has the whole table, buffer by buffer): every call starts with
+the count exchange, and a rank publishes its counts for call ``N + 1`` only after its call
+``N`` finished on its stream. Everything a peer writes into this rank during call ``N + 1``
+-- rows, return entries, partial outputs, flags -- is written after that peer *waited* for
+this rank's counts of call ``N + 1``, so after this rank stopped reading call ``N``'s data.
+The counts themselves are written before that wait, so they are double-buffered by epoch
+parity: a peer can be one exchange ahead, never two.
 
 Flags hold the *epoch* (a call counter kept on the device) of the last call that set them;
 they are never reset on the hot path. Counters that are local to one GPU are zeroed by one
-memset per call.
+memset per call; the error word is sticky until :meth:`Workspace.clear` (``reset()``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from comet.config import MoEConfig
 from comet.routing import recv_capacity
 
 _ALIGN = 256  # bytes: keeps every buffer 16-byte vector- and TMA-aligned
+
+#: Count buffers, used by epoch parity (see the module docstring).
+COUNT_BUFFERS = 2
+
+#: int32 fields of an error word (comet.kernels.sync, comet.runtime.errors).
+ERROR_WORD = 4
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,8 @@ def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
     mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
     rows = recv_capacity(world, mx, k)
     return [
-        BufferSpec("counts", (world, world * (el + 1)), torch.int32),  # row s: from source s
+        # [epoch parity, source s]: the source's pairs per expert and tokens per rank
+        BufferSpec("counts", (COUNT_BUFFERS, world, world * (el + 1)), torch.int32),
         BufferSpec("count_flags", (world,), torch.int64),
         BufferSpec("a0", (rows, h), cfg.dtype),                         # layer0 shared tensor
         BufferSpec("ret_token", (world, mx), torch.int32),              # return entries by source
@@ -51,6 +60,8 @@ def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
         BufferSpec("flag0", (world,), torch.int64),                     # chunks landed, by source
         BufferSpec("comb", (world, mx, h), cfg.dtype),                  # partial outputs, by expert rank
         BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
+        # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
+        BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
 
 
@@ -114,7 +125,7 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
 @dataclass
 class Workspace:
     """One rank's view: local tensors for every symmetric buffer, peer tables, and the
-    local-only scratch (activations, counters, epoch, error word)."""
+    local-only scratch (activations, counters, epoch)."""
 
     rank: int
     world: int
@@ -124,7 +135,6 @@ class Workspace:
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
-    error: torch.Tensor       # int32 [4]
     seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
@@ -135,6 +145,30 @@ class Workspace:
         if name in buffers:
             return buffers[name]
         raise AttributeError(name)
+
+    @property
+    def fatal_word(self) -> torch.Tensor:
+        """int32 [4]: a failed wait of the group (comet.runtime.errors)."""
+        return self.buffers["error"][:ERROR_WORD]
+
+    @property
+    def input_word(self) -> torch.Tensor:
+        """int32 [4]: bad routing seen by this rank's plan kernels."""
+        return self.buffers["error"][ERROR_WORD:]
+
+    def begin_call(self) -> None:
+        """Device ops opening a call: next epoch, zero the local counters."""
+        self.epoch.add_(1)
+        self.counters.zero_()
+
+    def clear(self) -> None:
+        """Zero every flag, counter, epoch and error word (device ops on the current
+        stream). Only safe while no rank of the group has a call in flight: see
+        :meth:`comet.runtime.layer.FusedMoE.reset`."""
+        for name in ("count_flags", "flag0", "flag1", "error"):
+            self.buffers[name].zero_()
+        for t in (self.epoch, self.counters, self.seq):
+            t.zero_()
 
     def counter_view(self) -> dict[str, torch.Tensor]:
         """l1_done: ``[1]`` comm blocks finished in layer1; split: ``[n_splits_max]``
@@ -159,9 +193,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
     counters = torch.zeros(1 + tile.n_splits(cfg.hidden_size), dtype=torch.int32,
                            device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
-    error = torch.zeros(4, dtype=torch.int32, device=device)
     seq = torch.zeros(world, dtype=torch.int64, device=device)
-    return (h, out1, counters, epoch, error, seq,
+    return (h, out1, counters, epoch, seq,
             plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
 
 
