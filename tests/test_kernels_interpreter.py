@@ -152,3 +152,77 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
         ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(layer.ws.epoch) == 2
+
+
+def _w1_layer(seed=5, max_tokens=10):
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = SCALED["phi3.5-moe"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=max_tokens)
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
+    w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
+    x = torch.randn(7, h, generator=g).half()
+    ids = make_ids("random", [7], e, k, g)[0]
+    w = torch.rand(7, k, generator=g)
+    return FusedMoE(cfg, w13, w2), cfg, x, ids, w
+
+
+@pytest.mark.parametrize("bad", ["id_too_large", "id_below_minus_one", "nan_weight",
+                                 "inf_weight"])
+def test_bad_routing_is_reported_on_the_device_and_the_layer_stays_usable(bad):
+    from comet.runtime.errors import CometInputError
+    layer, cfg, x, ids, w = _w1_layer()
+    bad_ids, bad_w, clean_ids = ids.clone(), w.clone(), ids.clone()
+    clean_ids[4, 1] = -1
+    if bad == "id_too_large":
+        bad_ids[4, 1] = cfg.num_experts
+    elif bad == "id_below_minus_one":
+        bad_ids[4, 1] = -2
+    else:
+        bad_w[4, 1] = float("nan") if bad == "nan_weight" else float("inf")
+    with pytest.raises(CometInputError, match="token 4, slot 1"):
+        layer(x, bad_ids, bad_w)
+    # The call completed with the slot dropped; the next one is clean and correct.
+    y = layer(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert int(layer.ws.epoch) == 2
+    # -1 is "no expert", not an error.
+    y = layer(x, clean_ids, w)
+    ref = reference.moe_forward(x, clean_ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_failed_layer_raises_until_reset():
+    from comet.runtime.errors import CometError
+    layer, cfg, x, ids, w = _w1_layer()
+    layer(x, ids, w)
+    # As a peer's report would leave it: layer1 of rank 0 gave up on rank 0's entries.
+    layer.ws.fatal_word.copy_(torch.tensor([1, 6, 0, 0], dtype=torch.int32))
+    with pytest.raises(CometTimeoutError, match="layer1 on rank 0 .* return entries"):
+        layer(x, ids, w)
+    for _ in range(2):
+        with pytest.raises(CometError, match="reset"):
+            layer(x, ids, w)
+    epoch = int(layer.ws.epoch)
+    layer.reset()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    y = layer(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert epoch == 2 and int(layer.ws.epoch) == 1
+
+
+def test_a_timeout_is_written_into_every_peers_error_word():
+    """Rank 0 gives up on rank 1's counts; rank 1 (and rank 2) learn it from rank 0, so
+    their next waits give up at once instead of each waiting out its own timeout."""
+    _, _, ep = _run(4, "mixtral", "random", torch.float16, seed=4)
+    ws = ep.ws[0]
+    ws.begin_call()
+    L.launch_counts(ws, ep.cfg, torch.tensor([[0, 1]]))
+    L.launch_exchange(ws, ep.cfg)
+    for r in range(4):
+        with pytest.raises(CometTimeoutError, match=rf"exchange on rank 0 .* from rank 1 "
+                                                     rf"\(observed by rank {r}\)"):
+            raise_if_failed(ep.ws[r].fatal_word, r)

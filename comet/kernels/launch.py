@@ -204,14 +204,20 @@ def _trace_args(trace: torch.Tensor | None, device) -> tuple[torch.Tensor, dict]
     return trace, {"TRACE": True, "MAX_EVENTS": MAX_TRACE_EVENTS}
 
 
-def _cooperative(role: int) -> dict:
-    return {} if interpreting() or role != ROLE_FUSED else {"launch_cooperative_grid": True}
+def _cooperative(role: int, cooperative: bool) -> dict:
+    """A fused launch is cooperative: co-residency of its roles is guaranteed, or the
+    launch fails instead of hanging. Virtual ranks sharing one GPU launch without it (their
+    grids are sized to fit side by side; see FusedMoE.virtual_group)."""
+    if interpreting() or role != ROLE_FUSED or not cooperative:
+        return {}
+    return {"launch_cooperative_grid": True}
 
 
 # ----------------------------------------------------------------------- layers
 def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
-                  wait: bool = True, trace: torch.Tensor | None = None) -> None:
+                  wait: bool = True, trace: torch.Tensor | None = None,
+                  cooperative: bool = True) -> None:
     """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute).
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
@@ -236,12 +242,12 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0, BLOCK_K=bk,
         DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(), **trace_kw,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role))
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
 
 
 def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,
                   role: int, split: torch.Tensor, grid: int, wait: bool = True,
-                  trace: torch.Tensor | None = None) -> None:
+                  trace: torch.Tensor | None = None, cooperative: bool = True) -> None:
     """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank."""
     el, h, f = w2.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(f)
@@ -261,7 +267,7 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **_cooperative(role))
+        **_cooperative(role, cooperative))
 
 
 def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,

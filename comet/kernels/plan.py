@@ -16,9 +16,10 @@ call costs microseconds of host time and little GPU time at small token counts:
    the destination) and the return entries, at offsets from steps 1 and 2.
 
 Pair ``(t, j)`` is slot ``j`` of token ``t``; ids outside ``[0, E)`` mean "no expert".
-Only ``-1`` may say so on purpose: any other id outside ``[0, E)``, and a NaN or infinite
-weight of a real pair, is reported in the input error word (comet.runtime.errors) and the
-pair dropped -- on every rank alike, so the call completes and the workspace stays usable.
+Only ``-1`` may say so on purpose: any other id outside ``[0, E)`` is reported in the
+input error word (comet.runtime.errors) and the pair dropped -- on every rank alike, so
+the call completes and the workspace stays usable; a NaN or infinite weight of a real
+pair is reported and counts as 0 (the slot adds nothing, as with no expert).
 """
 
 import triton
@@ -219,8 +220,9 @@ def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
     tl.store(send_row + idx, dst_row, mask=valid)
     w = tl.load(weights_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :],
                 mask=valid, other=0.0).to(tl.float32)
-    _report(valid & ((w != w) | (tl.abs(w) == float("inf"))), t, input_err, INPUT_BAD_WEIGHT,
-            epoch_ptr, TOPK_P2)
+    finite = (w == w) & (tl.abs(w) != float("inf"))
+    _report(valid & ~finite, t, input_err, INPUT_BAD_WEIGHT, epoch_ptr, TOPK_P2)
+    w = tl.where(finite, w, 0.0)      # the slot then adds nothing, as "no expert" would
     live_t = t < max_tokens
     for d in range(WORLD):
         on = valid & (dest == d)

@@ -79,5 +79,5 @@ def input_error(word: torch.Tensor | list[int], num_experts: int) -> CometInputE
         return None
     what = INPUT_ERRORS.get(code, "invalid routing").format(num_experts=num_experts)
     return CometInputError(
-        f"comet: call {epoch} had {what} at token {token}, slot {slot}; those slots were "
-        "treated as 'no expert' on every rank. Use -1 for a slot with no expert.")
+        f"comet: call {epoch} had {what} at token {token}, slot {slot}; that slot added "
+        "nothing to the output, on every rank alike. Use -1 for a slot with no expert.")

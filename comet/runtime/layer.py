@@ -142,10 +142,15 @@ class FusedMoE:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank,
         to run the real cross-rank protocol without NVLink (tests). ``programs`` (default:
-        the SM count over W) is each rank's grid, so every rank's blocks stay resident at
-        once. Keyword arguments as for the constructor."""
+        the SM count over W) is each rank's grid, so every rank's spinning kernel fits on
+        the GPU beside the others' (launched without the cooperative attribute, which
+        would not let them share it). Keyword arguments as for the constructor."""
         world = len(w13_shards)
         device = w13_shards[0].device
+        if world > 1 and kwargs.get("check_errors") == "sync":
+            raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
+                             "synchronize waits for its call, which needs the other ranks' "
+                             "calls; use 'lazy' and check_errors_now() after the calls")
         tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
         if programs is None:
             programs = max(1, (sm_count(device) if device.type == "cuda" else 4 * world) // world)
@@ -422,7 +427,7 @@ class FusedMoE:
         with timer.phase("layer0", dev):
             if fused0:
                 L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_FUSED, split0, grid,
-                                trace=trace.get("layer0"))
+                                trace=trace.get("layer0"), cooperative=not self._virtual)
             else:
                 if mode != "compute_only":
                     L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMM, split0, grid)
@@ -432,7 +437,7 @@ class FusedMoE:
         with timer.phase("layer1", dev):
             if fused1:
                 L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split1, grid,
-                                trace=trace.get("layer1"))
+                                trace=trace.get("layer1"), cooperative=not self._virtual)
             else:
                 if mode != "comm_only":
                     L.launch_layer1(ws, cfg, w2, tile, L.ROLE_COMPUTE, split1, grid)

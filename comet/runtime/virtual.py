@@ -75,3 +75,35 @@ class VirtualEP:
         for r in ranks:
             raise_if_failed(self.ws[r].fatal_word, r)
         return ys
+
+
+
+
+def concurrent_forward(layers, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
+                       topk_weights: list[torch.Tensor], streams: list[torch.cuda.Stream],
+                       comm_blocks=None, delay_cycles: list[int] | None = None,
+                       return_exceptions: bool = False) -> list:
+    """One call of every rank of a :meth:`FusedMoE.virtual_group
+    <comet.runtime.layer.FusedMoE.virtual_group>`, each on its own stream, with no
+    synchronisation: a rank's call N + 1 may run beside another's call N, as on W GPUs.
+
+    ``delay_cycles[r]``: a spin of that many SM clock cycles on rank ``r``'s stream before
+    its call (drift; about 2000 cycles per microsecond on Hopper). Inputs must be ready on
+    every stream (e.g. made before a synchronize). Every rank's call is made even if an
+    earlier rank's raised (ranks must make the same calls); then, like
+    ``asyncio.gather``, the first exception is raised, or with ``return_exceptions`` the
+    failed ranks' entries are their exceptions."""
+    out = []
+    for r, layer in enumerate(layers):
+        with torch.cuda.stream(streams[r]):
+            if delay_cycles and delay_cycles[r]:
+                torch.cuda._sleep(int(delay_cycles[r]))
+            try:
+                out.append(layer(xs[r], topk_ids[r], topk_weights[r], comm_blocks=comm_blocks))
+            except Exception as e:  # noqa: BLE001 -- handed back or re-raised below
+                out.append(e)
+    if not return_exceptions:
+        for item in out:
+            if isinstance(item, Exception):
+                raise item
+    return out

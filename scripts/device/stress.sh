@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Liveness stress on every GPU of the machine (nvidia-h200-x2 / -x4), one call:
+#   COMET_COMMIT=$(git rev-parse --short HEAD) bash scripts/device/stress.sh [stress.py args]
+# The four presets at full size, 200 back-to-back calls per (preset, token count), with
+# drift; writes $OUT/stress-ep<W>-<device>.json and $OUT/stress-ep<W>.log. Copy both to
+# benchmarks/results/<date>/ afterwards. A hang ends at the `timeout` below (exit 124).
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COMET_TIMEOUT_S=${COMET_TIMEOUT_S:-10}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+W=$(nvidia-smi --list-gpus | wc -l)
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | awk '{print $NF}')
+LOG="$OUT/stress-ep$W.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$LOG"
+timeout "${STRESS_TIMEOUT_S:-540}" python3 -m torch.distributed.run --standalone \
+    --nproc-per-node "$W" scripts/device/stress.py \
+    --output "$OUT/stress-ep$W-$DEV.json" "$@" 2>&1 | tee -a "$LOG"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"

@@ -1,0 +1,244 @@
+"""Liveness on one GPU (marker gpu): W virtual ranks' *fused* calls run concurrently, one
+stream per rank, so a fast rank's call N + 1 overlaps a slow rank's call N the way it does
+on W GPUs -- at full model sizes, with random device-side delays -- and failures (a rank
+that stalls, skips a call, or passes bad routing) become exceptions, never hangs.
+
+The virtual-rank driver of test_gpu.py runs ranks phase by phase and cannot show any of
+this; scripts/device/stress.sh does the same on real GPUs.
+"""
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from comet import reference
+from comet.config import PRESETS
+from comet.runtime.errors import CometError, CometInputError, CometTimeoutError
+from routings import make_ids
+
+pytestmark = pytest.mark.gpu
+
+#: Drift: spins of up to this many SM cycles (~0.5 ms) before some calls of some ranks.
+MAX_DELAY_CYCLES = 1_000_000
+
+
+def _group(name, world, max_tokens, **kwargs):
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS[name].replace(max_tokens=max_tokens)
+    g = torch.Generator(device="cuda").manual_seed(world)
+    el = cfg.num_experts // world
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    w13 = [(torch.randn(el, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
+           for _ in range(world)]
+    w2 = [(torch.randn(el, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
+          for _ in range(world)]
+    layers = FusedMoE.virtual_group(cfg, w13, w2, **kwargs)
+    return cfg, layers, w13, w2
+
+
+def _inputs(cfg, world, kind, tokens, seed):
+    cg = torch.Generator().manual_seed(seed)
+    ids = [i.cuda() for i in make_ids(kind, tokens, cfg.num_experts, cfg.top_k, cg)]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn(m, cfg.hidden_size, generator=g, device="cuda").to(cfg.dtype)
+          for m in tokens]
+    ws = [torch.softmax(torch.randn(m, cfg.top_k, generator=g, device="cuda"), -1)
+          for m in tokens]
+    return xs, ids, ws
+
+
+def _rel_err(y, ref):
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item() if ref.numel() else 0.0
+
+
+def _streams(world):
+    return [torch.cuda.Stream() for _ in range(world)]
+
+
+@pytest.mark.parametrize("name, world", [("mixtral", 4), ("mixtral", 2), ("qwen2-moe", 4),
+                                         ("phi3.5-moe", 4), ("deepseek-v3-like", 4)])
+def test_drift_concurrent_virtual_ranks_full_size(name, world, monkeypatch):
+    """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked.
+    (A long timeout: first calls compile on the host while earlier ranks wait.)"""
+    from comet.runtime.virtual import concurrent_forward
+    monkeypatch.setenv("COMET_TIMEOUT_S", "600")
+    max_tokens = 384
+    cfg, layers, w13, w2 = _group(name, world, max_tokens)
+    p = layers[0].programs
+    splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
+    kinds = ["random", "skewed", "one_expert"]
+    rng = random.Random(world)
+    calls = []
+    for i in range(220):
+        tokens = [rng.randint(0, max_tokens) for _ in range(world)]
+        calls.append(_inputs(cfg, world, kinds[i % len(kinds)], tokens, seed=i))
+    torch.cuda.synchronize()
+    streams = _streams(world)
+    outputs = []
+    t0 = time.time()
+    for i, (xs, ids, ws) in enumerate(calls):
+        delays = [rng.choice([0, 0, rng.randint(1, MAX_DELAY_CYCLES)]) for _ in range(world)]
+        outputs.append(concurrent_forward(layers, xs, ids, ws, streams,
+                                          comm_blocks=splits[i % len(splits)],
+                                          delay_cycles=delays))
+    torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    for layer in layers:
+        layer.check_errors_now()
+    worst = 0.0
+    for (xs, ids, ws), ys in zip(calls, outputs):
+        ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
+        for y, r in zip(ys, ref):
+            worst = max(worst, _rel_err(y, r))
+    print(f"{name} W={world}: 220 concurrent calls in {elapsed:.1f}s, worst rel err {worst:.2e}")
+    assert worst < 2e-2
+    assert all(int(layer.ws.epoch) == 220 for layer in layers)
+
+
+def _compile(layers, cfg, world, streams):
+    """One call under a long timeout: the kernels compile on the host inside a rank's first
+    call while the ranks launched before it wait on the device (a one-process artefact)."""
+    old = os.environ.get("COMET_TIMEOUT_S")
+    os.environ["COMET_TIMEOUT_S"] = "600"
+    try:
+        _one_call(layers, cfg, world, 1, streams)
+        torch.cuda.synchronize()
+    finally:
+        if old is None:
+            os.environ.pop("COMET_TIMEOUT_S")
+        else:
+            os.environ["COMET_TIMEOUT_S"] = old
+
+
+def _one_call(layers, cfg, world, seed, streams, **kwargs):
+    from comet.runtime.virtual import concurrent_forward
+    xs, ids, ws = _inputs(cfg, world, "random", [64] * world, seed)
+    torch.cuda.synchronize()
+    return xs, ids, ws, concurrent_forward(layers, xs, ids, ws, streams, **kwargs)
+
+
+def _expect_timeout_everywhere(layers, started, budget_s):
+    for layer in layers:
+        with pytest.raises(CometTimeoutError):
+            layer.check_errors_now()
+    elapsed = time.time() - started
+    assert elapsed < budget_s, elapsed
+    for layer in layers:   # the failure is remembered: no call until reset()
+        with pytest.raises(CometError, match="reset"):
+            layer(torch.zeros(1, layer.cfg.hidden_size, dtype=layer.cfg.dtype, device="cuda"),
+                  torch.zeros(1, layer.cfg.top_k, dtype=torch.int64, device="cuda"),
+                  torch.ones(1, layer.cfg.top_k, device="cuda"))
+
+
+def _reset_and_check(layers, cfg, w13, w2, world, streams):
+    for layer in layers:
+        layer.reset()
+    xs, ids, ws, ys = _one_call(layers, cfg, world, 99, streams)
+    for layer in layers:
+        layer.check_errors_now()
+    ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
+    assert max(_rel_err(y, r) for y, r in zip(ys, ref)) < 2e-2
+
+
+@pytest.fixture
+def short_timeout(monkeypatch):
+    monkeypatch.setenv("COMET_TIMEOUT_S", "1")
+    return 1.0
+
+
+def test_injected_stall_mid_call_is_an_error_on_every_rank(short_timeout, monkeypatch):
+    """Rank 1 sleeps for 3x the timeout between its layer0 and layer1 kernels."""
+    from comet.kernels import launch as L
+    world = 2
+    cfg, layers, w13, w2 = _group("mixtral", world, 128, use_graphs=False)
+    streams = _streams(world)
+    _compile(layers, cfg, world, streams)
+    real = L.launch_layer1
+
+    def stalled(ws, *args, **kwargs):
+        if ws.rank == 1:
+            torch.cuda._sleep(int(3 * short_timeout * 2e9))        # ~2 GHz SM clock
+        return real(ws, *args, **kwargs)
+
+    monkeypatch.setattr(L, "launch_layer1", stalled)
+    started = time.time()
+    _one_call(layers, cfg, world, 2, streams)
+    _expect_timeout_everywhere(layers, started, budget_s=3 * short_timeout + 2 + 5)
+    monkeypatch.setattr(L, "launch_layer1", real)
+    _reset_and_check(layers, cfg, w13, w2, world, streams)
+
+
+def test_skipped_call_is_an_error_on_every_rank(short_timeout):
+    """Rank 1 does not make call 2: rank 0 times out; rank 1 learns of it from rank 0."""
+    from comet.runtime.virtual import concurrent_forward
+    world = 2
+    cfg, layers, w13, w2 = _group("mixtral", world, 128)
+    streams = _streams(world)
+    _compile(layers, cfg, world, streams)
+    xs, ids, ws = _inputs(cfg, world, "random", [64] * world, 3)
+    torch.cuda.synchronize()
+    started = time.time()
+    concurrent_forward(layers[:1], xs[:1], ids[:1], ws[:1], streams[:1])
+    torch.cuda.synchronize()
+    assert time.time() - started < short_timeout + 2
+    _expect_timeout_everywhere(layers, started, budget_s=short_timeout + 2 + 5)
+    _reset_and_check(layers, cfg, w13, w2, world, streams)
+
+
+def test_bad_routing_is_reported_and_the_layer_stays_usable():
+    """Rank 1 passes an expert id >= E, then a NaN weight: it raises CometInputError,
+    every rank's output treats those slots as "no expert", the next call is clean."""
+    from comet.runtime.virtual import concurrent_forward
+    world = 2
+    cfg, layers, w13, w2 = _group("qwen2-moe", world, 128)
+    streams = _streams(world)
+    _compile(layers, cfg, world, streams)
+    for corrupt, token in (("id", 7), ("weight", 9)):
+        xs, ids, ws = _inputs(cfg, world, "random", [64] * world, 5)
+        clean_ids = [i.clone() for i in ids]
+        clean_ids[1][token, 1] = -1
+        if corrupt == "id":
+            ids[1][token, 1] = cfg.num_experts + 3
+        else:
+            ws[1][token, 1] = float("nan")
+        torch.cuda.synchronize()
+        ys = concurrent_forward(layers, xs, ids, ws, streams)
+        layers[0].check_errors_now()
+        with pytest.raises(CometInputError, match=f"token {token}, slot 1"):
+            layers[1].check_errors_now()
+        layers[1].check_errors_now()                 # reported once
+        ref = reference.ep_forward(xs, clean_ids, ws, w13, w2, round_to=cfg.dtype)
+        assert max(_rel_err(y, r) for y, r in zip(ys, ref)) < 2e-2
+        xs, ids, ws, ys = _one_call(layers, cfg, world, 6, streams)
+        for layer in layers:
+            layer.check_errors_now()
+        ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
+        assert max(_rel_err(y, r) for y, r in zip(ys, ref)) < 2e-2
+
+
+def test_lazy_input_error_is_raised_once_by_a_later_call():
+    """Without a sync the error surfaces at a later call -- after that call's work was
+    issued, so the ranks stay in step -- exactly once."""
+    from comet.runtime.virtual import concurrent_forward
+    world = 2
+    cfg, layers, w13, w2 = _group("mixtral", world, 64)
+    streams = _streams(world)
+    _compile(layers, cfg, world, streams)
+    raised = 0
+    for i in range(8):
+        xs, ids, ws = _inputs(cfg, world, "random", [32] * world, 9 + i)
+        if i == 0:
+            ids[0][3, 0] = -5
+        torch.cuda.synchronize()
+        out = concurrent_forward(layers, xs, ids, ws, streams, return_exceptions=True)
+        raised += isinstance(out[0], CometInputError)
+        assert not isinstance(out[1], Exception)
+    torch.cuda.synchronize()
+    try:
+        layers[0].check_errors_now()
+    except CometInputError:
+        raised += 1
+    assert raised == 1, raised
