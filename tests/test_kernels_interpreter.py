@@ -226,3 +226,12 @@ def test_a_timeout_is_written_into_every_peers_error_word():
         with pytest.raises(CometTimeoutError, match=rf"exchange on rank 0 .* from rank 1 "
                                                      rf"\(observed by rank {r}\)"):
             raise_if_failed(ep.ws[r].fatal_word, r)
+
+
+def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
+    layer, cfg, x, ids, w = _w1_layer()
+    layer.preload()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    y = layer(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)

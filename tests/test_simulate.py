@@ -1,11 +1,13 @@
-"""simulate() runs the fused schedules of W virtual ranks and must equal the reference."""
+"""simulate() runs the fused schedules of W virtual ranks and must equal the reference;
+simulate_calls() runs consecutive calls on drifting ranks and must never let one call read
+another call's data."""
 
 import pytest
 import torch
 
 from comet import reference
 from comet.scheduler import plan as plan_mod
-from comet.scheduler.simulate import ScheduleError, SimConfig, simulate
+from comet.scheduler.simulate import ScheduleError, SimConfig, simulate, simulate_calls
 from routings import KINDS, make_ids, make_tokens
 
 
@@ -72,3 +74,103 @@ def test_simulate_catches_waiting_for_one_chunk_too_few(monkeypatch):
     with pytest.raises(ScheduleError, match="before its rows arrived"):
         for seed in range(8):
             simulate(xs, ids, wts, w13, w2, mx, SimConfig(seed=seed, comm_rows=2))
+
+
+def _drift_case(world, seed, n_calls, el=2, top_k=2, hidden=16, ffn=16, max_tokens=9):
+    """One layer's weights and ``n_calls`` calls, each with its own tokens and routing
+    (the routing kinds in turn), as simulate_calls takes them."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = [torch.randn(el, hidden, 2 * ffn, generator=g) * 0.3 for _ in range(world)]
+    w2 = [torch.randn(el, ffn, hidden, generator=g) * 0.3 for _ in range(world)]
+    calls = []
+    for i in range(n_calls):
+        kind = KINDS[(seed + i) % len(KINDS)]
+        ids = make_ids(kind, make_tokens(kind, world, max_tokens, g), world * el, top_k, g)
+        xs = [torch.randn(t.shape[0], hidden, generator=g) for t in ids]
+        wts = [torch.rand(t.shape, generator=g) for t in ids]
+        calls.append((xs, ids, wts))
+    return calls, w13, w2, max_tokens
+
+
+def _one_fast_rank(world, fast):
+    """Rank ``fast`` runs about fifty times as many work items as any other."""
+    return tuple(1.0 if r == fast else 0.02 for r in range(world))
+
+
+def _assert_calls_match(result, calls, modes, w13, w2):
+    for (xs, ids, wts), outs, mode in zip(calls, result.outputs, modes):
+        if mode == "compute_only":
+            assert all(o is None for o in outs)
+            continue
+        for got, expect in zip(outs, reference.ep_forward(xs, ids, wts, w13, w2)):
+            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_drift_consecutive_fused_calls_match_reference(world, seed):
+    calls, w13, w2, mx = _drift_case(world, seed, n_calls=len(KINDS))
+    cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, seed % world))
+    result = simulate_calls(calls, w13, w2, mx, cfg)
+    _assert_calls_match(result, calls, ["fused"] * len(calls), w13, w2)
+    # Call N + 1 of the fast rank overlapped call N of a slow one -- and the fast rank
+    # is one exchange ahead at most, never two.
+    assert result.drift == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_drift_compute_only_and_fused_calls_mix(world):
+    modes = ["compute_only", "fused", "compute_only", "compute_only", "fused", "fused"]
+    calls, w13, w2, mx = _drift_case(world, 7, n_calls=len(modes))
+    for seed in range(2):
+        cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, seed % world))
+        result = simulate_calls(calls, w13, w2, mx, cfg, modes=modes)
+        _assert_calls_match(result, calls, modes, w13, w2)
+        assert result.drift == 1
+
+
+def test_drift_single_count_buffer_suffices_between_fused_calls():
+    # A fused call ends with the combine waiting for every rank's flag1, which a rank sets
+    # only after its layout read the call's counts: no peer pushes the next call's counts
+    # before they were read.
+    calls, w13, w2, mx = _drift_case(4, 8, n_calls=4)
+    for seed in range(2):
+        cfg = SimConfig(seed=seed, speeds=_one_fast_rank(4, 0), count_buffers=1)
+        result = simulate_calls(calls, w13, w2, mx, cfg)
+        _assert_calls_match(result, calls, ["fused"] * len(calls), w13, w2)
+        assert result.drift == 1
+
+
+def test_drift_single_count_buffer_fails_after_compute_only_calls():
+    # compute_only calls end without the combine's wait: a fast rank pushes the counts of
+    # its next call over counts a slow rank has not read yet.
+    modes = ["compute_only", "compute_only", "fused", "fused"]
+    calls, w13, w2, mx = _drift_case(2, 9, n_calls=len(modes))
+    stale = r"layout \(counts buffer 0\).*in call 2, not call 1"
+    with pytest.raises(ScheduleError, match=stale):
+        for seed in range(10):
+            cfg = SimConfig(seed=seed, speeds=_one_fast_rank(2, 0), count_buffers=1)
+            simulate_calls(calls, w13, w2, mx, cfg, modes=modes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_drift_flags_without_epochs_fail(world):
+    # count_flags left at "done" by call N let the fast rank's call N + 1 through the
+    # exchange before its peers pushed their counts.
+    calls, w13, w2, mx = _drift_case(world, 10, n_calls=3)
+    with pytest.raises(ScheduleError, match="not call 2's"):
+        for seed in range(10):
+            cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, 0), epoch_flags=False)
+            simulate_calls(calls, w13, w2, mx, cfg)
+
+
+def test_drift_dispatch_flags_without_epochs_fail(monkeypatch):
+    # Even with the exchange intact, a flag0 count left by call N satisfies call N + 1's
+    # tile waits before that call's rows landed.
+    from comet.scheduler import simulate as sim
+    monkeypatch.setattr(sim, "_published", lambda cfg, epoch, chunks: chunks)
+    calls, w13, w2, mx = _drift_case(4, 11, n_calls=3)
+    with pytest.raises(ScheduleError, match="before its rows arrived"):
+        for seed in range(10):
+            cfg = SimConfig(seed=seed, speeds=_one_fast_rank(4, 0))
+            simulate_calls(calls, w13, w2, mx, cfg)

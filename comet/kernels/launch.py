@@ -101,10 +101,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _timeout_ns() -> int:
-    return int(float(os.environ.get("COMET_TIMEOUT_S", "10")) * 1e9)
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -143,7 +139,7 @@ def launch_exchange(ws: Workspace, cfg: MoEConfig, phase: int = PHASE_BOTH) -> N
     el = cfg.num_experts // ws.world
     l0.exchange_counts_kernel[(1,)](
         ws.plan["block_counts"][-1], ws.peer_ptrs["counts"], ws.peer_ptrs["count_flags"],
-        ws.count_flags, ws.epoch, ws.peer_ptrs["error"], ws.rank, _timeout_ns(),
+        ws.count_flags, ws.epoch, ws.peer_ptrs["error"], ws.rank, ws.timeout,
         WORLD=ws.world, LOCAL_EXPERTS=el, COUNT_BUFFERS=COUNT_BUFFERS,
         BLOCK=_next_pow2(ws.world * (el + 1)),
         PUSH=bool(phase & PHASE_PUSH), WAIT=bool(phase & PHASE_WAIT), USE_ASM=_asm(),
@@ -235,7 +231,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"],
-        ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, _timeout_ns(), trace,
+        ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
@@ -261,7 +257,7 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
         ws.counter_view()["l1_done"], ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens,
         split,
-        _timeout_ns(), trace,
+        ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
@@ -281,6 +277,6 @@ def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
     grid = max(1, min(grid, triton.cdiv(cfg.max_tokens, tile.combine_rows)))
     l1.combine_kernel[(grid,)](
         ws.comb, ws.flag1, ws.plan["dest_mask"], y_addr, num_tokens, cfg.hidden_size,
-        ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, _timeout_ns(),
+        ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, ws.timeout,
         WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=tile.combine_block_h,
         USE_ASM=_asm(), num_warps=4)

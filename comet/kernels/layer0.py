@@ -26,8 +26,8 @@ import triton.language as tl
 
 from comet.kernels.roles import assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work
-from comet.kernels.sync import (clock_ns, fence_async_proxy, healthy, release, stamp,
-                                wait_at_least)
+from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
+                                stamp, wait_at_least)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
@@ -46,7 +46,7 @@ def _peer(table, rank, like_ptr):
 
 @triton.jit
 def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
-                           epoch_ptr, err_table, rank, timeout,
+                           epoch_ptr, err_table, rank, timeout_ptr,
                            WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                            COUNT_BUFFERS: tl.constexpr, BLOCK: tl.constexpr,
                            PUSH: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr):
@@ -60,6 +60,7 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
     ROW: tl.constexpr = WORLD * EL1
     epoch = tl.load(epoch_ptr)
+    timeout = tl.load(timeout_ptr)
     if PUSH:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
@@ -68,10 +69,11 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
         src = tl.where(c < LOCAL_EXPERTS, d * LOCAL_EXPERTS + c, WORLD * LOCAL_EXPERTS + d)
         row = tl.load(totals + src, mask=mask)
         slot = (epoch % COUNT_BUFFERS) * WORLD * ROW + rank * ROW
-        for p in range(WORLD):
-            dst = _peer(counts_table, p, totals)
-            tl.store(dst + slot + offs, row, mask=mask)
-        if healthy(err_table, rank, USE_ASM):
+        if healthy(err_table, rank, USE_ASM):    # a failed rank writes nothing into peers
+            for p in range(WORLD):
+                dst = _peer(counts_table, p, totals)
+                tl.store(dst + slot + offs, row, mask=mask)
+            barrier()
             for p in range(WORLD):
                 release(_peer(count_flags_table, p, count_flags) + rank, epoch, "sys")
     if WAIT:
@@ -255,7 +257,7 @@ def layer0_kernel(
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
     seg_start, seg_rows, pre,
     # both; n_comm is read on the device so one captured launch serves every split
-    flag0, epoch_ptr, err_table, rank, split_ptr, timeout, trace_ptr,
+    flag0, epoch_ptr, err_table, rank, split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
@@ -265,6 +267,7 @@ def layer0_kernel(
     USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
+    timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)

@@ -138,7 +138,7 @@ def layer1_kernel(
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
     recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, epoch_ptr, err_table, rank, max_tokens, split_ptr, timeout, trace_ptr,
+    done_counter, epoch_ptr, err_table, rank, max_tokens, split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
@@ -146,6 +146,7 @@ def layer1_kernel(
     USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
+    timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     if comm:
@@ -163,7 +164,7 @@ def layer1_kernel(
 
 @triton.jit
 def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_ptr,
-                   err_table, rank, max_tokens, timeout,
+                   err_table, rank, max_tokens, timeout_ptr,
                    WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
     """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order.
@@ -174,6 +175,7 @@ def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_
     n_prog = tl.num_programs(0)
     y_ptr = tl.load(y_addr).to(tl.pointer_type(comb_ptr.dtype.element_ty))
     epoch = tl.load(epoch_ptr)
+    timeout = tl.load(timeout_ptr)
     num_tokens = tl.load(num_tokens_ptr)
     ready = tl.full([], 1, tl.int32)
     if WAIT:

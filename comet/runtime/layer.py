@@ -27,7 +27,8 @@ import torch
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
 from comet.runtime.errors import CometError, input_error, raise_if_failed
-from comet.runtime.workspace import ERROR_WORD, allocate_symmetric, allocate_virtual
+from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
+                                    timeout_ns)
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -141,7 +142,9 @@ class FusedMoE:
                       programs: int | None = None, **kwargs) -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank,
-        to run the real cross-rank protocol without NVLink (tests). ``programs`` (default:
+        to run the real cross-rank protocol without NVLink (tests). Each rank is
+        :meth:`preload`-ed (one host thread cannot make peer calls while the device waits
+        to load a module). ``programs`` (default:
         the SM count over W) is each rank's grid, so every rank's spinning kernel fits on
         the GPU beside the others' (launched without the cooperative attribute, which
         would not let them share it). Keyword arguments as for the constructor."""
@@ -165,6 +168,8 @@ class FusedMoE:
                          programs, kwargs.get("tuned_config_folder"),
                          kwargs.get("check_errors", "lazy"), kwargs.get("use_graphs", True),
                          virtual=True)
+            if device.type == "cuda":
+                layer.preload()
             layers.append(layer)
         return layers
 
@@ -197,6 +202,7 @@ class FusedMoE:
                          if self.device.type == "cuda" else None)
         self._failure: CometError | None = None   # sticky until reset()
         self._input_reported = 0                   # epoch of the last input error raised
+        self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
         self._static = _StaticInputs(cfg, self.device)
         self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -325,11 +331,23 @@ class FusedMoE:
             raise CometError("comet: this layer failed in an earlier call and its workspace "
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self._failure}") from self._failure
+        n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
+        y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer)
+        self._after_launch()
+        return y
+
+    def _launch(self, x, topk_ids, topk_weights, split: tuple[int, int], mode: str,
+                timer: PhaseTimer | None) -> torch.Tensor:
+        """Stage the inputs and issue one call's work (graph replay when possible)."""
         m = x.shape[0]
-        n0, n1 = self.select_comm_blocks(m, comm_blocks)
+        n0, n1 = split
         self.last_comm_blocks = (n0, n1)
         y = torch.empty_like(x)
         s = self._static
+        timeout = timeout_ns()
+        if timeout != self._timeout:
+            self.ws.timeout.fill_(timeout)
+            self._timeout = timeout
         s.addr[0].fill_(x.data_ptr())
         s.addr[1].fill_(y.data_ptr())
         s.num_tokens.fill_(m)
@@ -349,8 +367,32 @@ class FusedMoE:
             self._body(mode, key[1:], timer or PhaseTimer())
             if graphable:
                 self._compiled.add(key)
-        self._after_launch()
         return y
+
+    def preload(self, mode: str = "fused") -> None:
+        """Compile, load and capture the kernels of every block-split variant of ``mode``
+        on this rank alone, before the first call. Local -- nothing reaches a peer -- so
+        it needs no barrier; but not while this layer has a call in flight.
+
+        It runs two calls per variant (the first compiles, the second captures the graph)
+        with this rank's error word set, so every wait gives up at once and nothing is
+        published or sent, then clears the word and the epoch. Why: CUDA may have to wait
+        for the device to go idle to load a kernel module, and a rank's first call loads
+        modules while its earlier kernels wait for peers. On W GPUs the peers get there
+        anyway; virtual ranks sharing one GPU and one host thread would deadlock."""
+        dev = self.device
+        nothing = (torch.empty(0, self.cfg.hidden_size, dtype=self.cfg.dtype, device=dev),
+                   torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
+                   torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
+        self.ws.fatal_word[0].fill_(1)
+        for split in ((1, 1), (0, 0), (1, 0), (0, 1)):
+            for _ in range(2):
+                self._launch(*nothing, split, mode, None)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.ws.error.zero_()
+        for t in (self.ws.epoch, self.ws.counters):
+            t.zero_()
 
     def timeline(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  comm_blocks=None) -> list[dict]:

@@ -21,6 +21,7 @@ memset per call; the error word is sticky until :meth:`Workspace.clear` (``reset
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,13 @@ COUNT_BUFFERS = 2
 
 #: int32 fields of an error word (comet.kernels.sync, comet.runtime.errors).
 ERROR_WORD = 4
+
+
+def timeout_ns() -> int:
+    """Bound of every cross-rank wait, ``COMET_TIMEOUT_S`` (default 10 s), in ns. Kernels
+    read it from :attr:`Workspace.timeout` on the device, so captured graphs follow a
+    change (FusedMoE refreshes it before each call)."""
+    return int(float(os.environ.get("COMET_TIMEOUT_S", "10")) * 1e9)
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class Workspace:
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
     seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
+    timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
     _keepalive: list = field(default_factory=list, repr=False)
@@ -194,7 +203,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
                            device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     seq = torch.zeros(world, dtype=torch.int64, device=device)
-    return (h, out1, counters, epoch, seq,
+    timeout = torch.full((1,), timeout_ns(), dtype=torch.int64, device=device)
+    return (h, out1, counters, epoch, seq, timeout,
             plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
 
 

@@ -5,6 +5,9 @@ items in the order the kernels do -- same routing plan, same tile tables, same w
 orders, same comm chunking -- and an event loop interleaves the programs of all ranks in
 a random (seeded) order, running one work item at a time:
 
+* the count exchange pushes this rank's counts into every peer's counts buffer of the
+  call's epoch parity and publishes ``count_flags``; the layout reads the counts back and
+  builds the call's routing plan and tile table from *what it read*;
 * a layer0 comm program pushes a chunk of rows (or return entries) to a destination and
   publishes it once the previous chunk is published, so the destination's flag for this
   source counts a prefix of landed chunks;
@@ -16,9 +19,20 @@ a random (seeded) order, running one work item at a time:
   reads was computed; the combine waits for every rank's flag and asserts every partial
   row it sums was delivered.
 
-Kernel order on one stream is respected (a rank's layer1 starts after its layer0 is done;
-its combine after its layer1). If no program can make progress the schedule deadlocks and
-:class:`ScheduleError` is raised. The result must equal :func:`comet.reference.ep_forward`.
+Several *consecutive calls* run back to back (:func:`simulate_calls`). The symmetric
+buffers persist across calls, as the workspace does, and every element peers write is
+tagged with the epoch (call number) of the writer; every read asserts the tag equals the
+reader's epoch. Ranks drift -- per-rank ``speeds`` weight the random choice -- so call
+``N + 1`` of a fast rank interleaves with call ``N`` of a slow one: a read of data another
+call wrote (too early, or overwritten) raises :class:`ScheduleError`. Flags carry the
+epoch like the kernels' (``SimConfig.epoch_flags``) and the counts are double-buffered
+by parity (``SimConfig.count_buffers``); turning either protection off makes drifting
+schedules fail, which the tests check.
+
+Kernel order on one stream is respected (exchange, layout, layer0, layer1, combine; a
+rank's next call after its previous one). If no program can make progress the schedule
+deadlocks and :class:`ScheduleError` is raised. Every fused call must equal
+:func:`comet.reference.ep_forward`.
 """
 
 from __future__ import annotations
@@ -32,16 +46,33 @@ import torch.nn.functional as F
 from comet.routing import build_recv_layout, build_send_plan, local_counts, recv_capacity
 from comet.scheduler.plan import build_tile_table, column_work, grouped_work
 
+#: Modes of a call (comet.runtime.layer.MODES): the fused layer, or the benchmark's GEMMs
+#: on whatever rows are in place -- exchange and layout, then no dispatch, no waits, no
+#: reduce, no combine.
+MODES = ("fused", "compute_only")
+
+#: Dispatch flags hold ``epoch * TAG + chunks`` (kernels.layer0.TAG).
+TAG = 1 << 32
+
 
 class ScheduleError(AssertionError):
-    """A tile ran before its data, a wait could never be satisfied, or data went missing."""
+    """A tile ran before its data, a read saw another call's data, a wait could never be
+    satisfied, or data went missing."""
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Tile and launch shape of the simulated kernels (mirrors kernels.launch.TileConfig).
+    """Tile and launch shape of the simulated kernels (mirrors kernels.launch.TileConfig),
+    the interleaving, and the protocol variant.
 
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
+    speeds: per-rank weights of the random choice of the next program (None: uniform); a
+        large ratio makes one rank run calls ahead of another.
+    count_buffers: counts buffers, used by epoch parity (workspace.COUNT_BUFFERS); 1 lets
+        a peer one exchange ahead overwrite counts not read yet.
+    epoch_flags: flags carry the epoch of the call that set them; False models flags that
+        hold only a chunk count or "done", so a value left by an earlier call satisfies a
+        later call's wait.
     """
 
     block_m: int = 4
@@ -54,36 +85,105 @@ class SimConfig:
     comm_programs: int = 2
     compute_programs: int = 3
     seed: int = 0
+    speeds: tuple[float, ...] | None = None
+    count_buffers: int = 2
+    epoch_flags: bool = True
+
+
+@dataclass
+class SimResult:
+    """outputs: ``[call][rank]`` fp32 outputs (None for compute_only calls, which have no
+    combine). drift: the largest epoch difference seen between two ranks that were both
+    inside a call at the same time (1 = call N+1 of one rank overlapped call N of another)."""
+
+    outputs: list[list[torch.Tensor | None]]
+    drift: int
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class _Rank:
-    """State of one virtual rank: its shared tensors plus what has arrived / been done."""
+def _done(cfg: SimConfig, epoch: int) -> int:
+    """Value of a count_flags / flag1 entry set by call ``epoch``."""
+    return epoch if cfg.epoch_flags else 1
 
-    def __init__(self, r, x, ids, wts, w13, w2, counts_all, layout, max_tokens, cfg):
-        world = counts_all.shape[0]
-        h_dim, f_dim = w13.shape[1], w2.shape[1]
-        rows = recv_capacity(world, max_tokens, ids.shape[1])
-        self.r, self.x, self.w13, self.w2 = r, x.float(), w13.float(), w2.float()
+
+def _published(cfg: SimConfig, epoch: int, chunks: int) -> int:
+    """Value of a flag0 entry once call ``epoch`` published ``chunks`` chunks."""
+    return epoch * TAG + chunks if cfg.epoch_flags else chunks
+
+
+class _Tags:
+    """The epoch and the rank that last wrote each slot of one rank's buffer (epoch 0:
+    never written), so a read can prove it sees its own call's data."""
+
+    def __init__(self, name: str, owner: int, shape: tuple[int, ...]):
+        self.name, self.owner = name, owner
+        self.epoch = torch.zeros(shape, dtype=torch.int64)
+        self.writer = torch.full(shape, -1, dtype=torch.int64)
+
+    def write(self, index, epoch: int, writer: int) -> None:
+        self.epoch[index] = epoch
+        self.writer[index] = writer
+
+    def check(self, index, epoch: int, context: str) -> None:
+        """Raise unless every slot of ``index`` was written by call ``epoch``."""
+        got = self.epoch[index]
+        stale = got != epoch
+        if bool(stale.any()):
+            call, writer = int(got[stale][0]), int(self.writer[index][stale][0])
+            origin = ("data never written" if call == 0 else
+                      f"data written by rank {writer} in call {call}")
+            raise ScheduleError(f"{context}: {self.name} of rank {self.owner} holds {origin}, "
+                                f"not call {epoch}'s")
+
+
+class _Rank:
+    """One virtual rank: the buffers of its workspace, which persist across calls -- the
+    symmetric ones peers write into, and the local h / out1 -- each slot tagged with the
+    call that wrote it; its flags; its epoch; and its current call."""
+
+    def __init__(self, r: int, world: int, el: int, h_dim: int, f_dim: int, top_k: int,
+                 max_tokens: int, cfg: SimConfig):
+        rows = recv_capacity(world, max_tokens, top_k)
+        n_splits = _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
+        self.r, self.world, self.rows = r, world, rows
+        self.epoch, self.in_call, self.call = 0, False, None
+        # [epoch parity][source]: the source's counts_all row [W_dst, El + 1]
+        self.counts = [[None] * world for _ in range(cfg.count_buffers)]
+        self.counts_tag = _Tags("counts", r, (cfg.count_buffers, world))
+        self.count_flags = [0] * world
+        self.a0 = torch.zeros(rows, h_dim)
+        self.a0_tag = _Tags("a0", r, (rows,))
+        self.ret_tok = torch.zeros(world, max_tokens, dtype=torch.int64)
+        self.ret_rows = torch.full((world, max_tokens, top_k), -1, dtype=torch.int64)
+        self.ret_w = torch.zeros(world, max_tokens, top_k)
+        self.ret_tag = _Tags("return entries", r, (world, max_tokens))
+        self.flag0 = [0] * world
+        self.comb = torch.zeros(world, max_tokens, h_dim)
+        self.comb_tag = _Tags("comb", r, (world, max_tokens, n_splits))
+        self.flag1 = [0] * world
+        self.h = torch.zeros(rows, f_dim)
+        self.h_tag = _Tags("h", r, (rows, _cdiv(f_dim, cfg.block_n0)))
+        self.out1 = torch.zeros(rows, h_dim)
+        self.out1_tag = _Tags("out1", r, (rows, _cdiv(h_dim, cfg.block_n1)))
+
+
+class _Call:
+    """Call ``n`` on one rank: its inputs, the tables layout_kernel builds from the counts
+    the rank read, and the local counters zeroed when the call begins."""
+
+    def __init__(self, rk: _Rank, n: int, x, ids, wts, counts_all, w13, w2, max_tokens: int,
+                 cfg: SimConfig):
+        r, world = rk.r, rk.world
+        layout = build_recv_layout(counts_all)
+        self.r, self.n, self.world = r, n, world
+        self.x, self.w13, self.w2 = x.float(), w13.float(), w2.float()
         self.send = build_send_plan(ids, wts, counts_all, layout, r, max_tokens)
-        self.tiles = build_tile_table(layout, r, rows, cfg.block_m)
+        self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m)
         self.num_tiles = int(self.tiles.num_tiles)
         self.entries = layout.entries[r].tolist()
-        self.a0 = torch.full((rows, h_dim), float("nan"))
-        self.arrived = torch.zeros(rows, dtype=torch.bool)
-        self.h = torch.full((rows, f_dim), float("nan"))
-        self.h_done = torch.zeros(rows, _cdiv(f_dim, cfg.block_n0), dtype=torch.bool)
-        self.out1 = torch.full((rows, h_dim), float("nan"))
-        self.out1_done = torch.zeros(rows, _cdiv(h_dim, cfg.block_n1), dtype=torch.bool)
-        self.ret_tok = torch.zeros(world, max_tokens, dtype=torch.int64)
-        self.ret_rows = torch.full((world, max_tokens, ids.shape[1]), -1, dtype=torch.int64)
-        self.ret_w = torch.zeros(world, max_tokens, ids.shape[1])
-        self.comb = torch.full((world, max_tokens, h_dim), float("nan"))
-        self.flag0 = [0] * world            # chunks of each source published here
-        self.published = [0] * world        # chunks this rank published to each dest
         # Receiver tables the kernel uses to find the chunk holding a row (layout_kernel).
         pairs = counts_all[:, r, :-1].to(torch.int64)                   # [s, el]
         self.pre = torch.cumsum(pairs, dim=1) - pairs
@@ -92,77 +192,139 @@ class _Rank:
         self.chunks_total = [_cdiv(int(pairs[s].sum()), cfg.comm_rows)
                              + _cdiv(int(counts_all[s, r, -1]), cfg.comm_entries)
                              for s in range(world)]
-        self.entries_in = torch.zeros(world, max_tokens, dtype=torch.bool)
-        self.flag1 = [False] * world
+        self.published = [0] * world        # chunks this rank published to each dest
+        h_dim = self.w2.shape[2]
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
         self.comm1_finished = 0
-        self.pending = {"layer0": 0, "layer1": 0}
 
 
 def simulate(xs, topk_ids, topk_weights, w13_shards, w2_shards, max_tokens: int,
              cfg: SimConfig = SimConfig()) -> list[torch.Tensor]:
-    """Execute the fused schedule for ``len(xs)`` ranks; return each rank's fp32 output.
+    """Execute one fused call for ``len(xs)`` ranks; return each rank's fp32 output.
 
     Args mirror :func:`comet.reference.ep_forward`; ``max_tokens`` sizes the tables.
     Raises :class:`ScheduleError` on any violated dependency or deadlock.
     """
-    world = len(xs)
-    el = w13_shards[0].shape[0]
-    counts_all = torch.stack([local_counts(i, world, el) for i in topk_ids])
-    layout = build_recv_layout(counts_all)
-    ranks = [_Rank(r, xs[r], topk_ids[r], topk_weights[r], w13_shards[r], w2_shards[r],
-                   counts_all, layout, max_tokens, cfg) for r in range(world)]
-    programs: list[tuple[str, int, object]] = []
-    for rk in ranks:
-        for p in range(cfg.comm_programs):
-            programs.append(("layer0", rk.r, _dispatch_program(rk, ranks, p, cfg)))
-            programs.append(("layer1", rk.r, _reduce_program(rk, ranks, p, cfg)))
-        for p in range(cfg.compute_programs):
-            programs.append(("layer0", rk.r, _layer0_program(rk, p, cfg)))
-            programs.append(("layer1", rk.r, _layer1_program(rk, p, cfg)))
-        rk.pending = {"layer0": cfg.comm_programs + cfg.compute_programs,
-                      "layer1": cfg.comm_programs + cfg.compute_programs}
-    outputs: list[torch.Tensor | None] = [None] * world
-    combines = {rk.r: _combine_program(rk, ranks, outputs) for rk in ranks}
+    return simulate_calls([(xs, topk_ids, topk_weights)], w13_shards, w2_shards, max_tokens,
+                          cfg=cfg).outputs[0]
+
+
+def simulate_calls(calls, w13_shards, w2_shards, max_tokens: int, cfg: SimConfig = SimConfig(),
+                   modes=None) -> SimResult:
+    """Execute consecutive calls of the layer on ``len(w13_shards)`` ranks.
+
+    calls: per call ``(xs, topk_ids, topk_weights)``, per-rank lists as
+        :func:`comet.reference.ep_forward` takes them (same ``top_k`` in every call).
+    modes: per call, one of :data:`MODES` (default: every call fused).
+    Each rank runs its calls in order on its stream; ranks are not kept in step, so they
+    drift apart as far as the protocol lets them. Raises :class:`ScheduleError` on any
+    violated dependency, read of another call's data, or deadlock.
+    """
+    world = len(w13_shards)
+    modes = list(modes) if modes is not None else ["fused"] * len(calls)
+    if len(modes) != len(calls) or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be one of {MODES} per call, got {modes!r}")
+    if cfg.speeds is not None and len(cfg.speeds) != world:
+        raise ValueError(f"speeds needs one weight per rank ({world}), got {cfg.speeds!r}")
+    el, h_dim, two_f = w13_shards[0].shape
+    top_k = calls[0][1][0].shape[1]
+    ranks = [_Rank(r, world, el, h_dim, two_f // 2, top_k, max_tokens, cfg)
+             for r in range(world)]
+    outputs: list[list[torch.Tensor | None]] = [[None] * world for _ in calls]
+    streams = [_stream(rk, ranks, calls, modes, w13_shards[rk.r], w2_shards[rk.r],
+                       max_tokens, outputs, cfg) for rk in ranks]
+    kernels: dict[int, tuple[str, list]] = {}
+
+    def launch_next(r: int) -> None:
+        """Start rank r's next kernel with programs, or retire the rank."""
+        for name, gens in streams[r]:
+            if gens:
+                kernels[r] = (name, [[gen, None] for gen in gens])
+                return
+        del kernels[r]
+
+    for r in range(world):
+        launch_next(r)
     rng = random.Random(cfg.seed)
-    live = [[layer, r, gen, None] for layer, r, gen in programs]
-    live += [["combine", r, gen, None] for r, gen in combines.items()]
-    while live:
-        ready = [p for p in live if _may_run(p, ranks) and _wait_ok(p)]
+    drift = 0
+    while kernels:
+        ready = [(r, prog) for r, (_, progs) in kernels.items() for prog in progs
+                 if prog[1] is None or prog[1]()]
         if not ready:
-            stuck = ", ".join(f"{p[0]}@rank{p[1]} waiting for {p[3]}" for p in live)
+            stuck = ", ".join(f"rank {r} call {ranks[r].epoch} {name} ({len(progs)} "
+                              f"programs waiting)" for r, (name, progs) in kernels.items())
             raise ScheduleError(f"deadlock: {stuck}")
-        prog = rng.choice(ready)
+        if cfg.speeds is None:
+            r, prog = rng.choice(ready)
+        else:
+            r, prog = rng.choices(ready, weights=[cfg.speeds[q] for q, _ in ready])[0]
         try:
-            prog[3] = next(prog[2])
+            prog[1] = next(prog[0])
         except StopIteration:
-            live.remove(prog)
-            if prog[0] in ("layer0", "layer1"):
-                ranks[prog[1]].pending[prog[0]] -= 1
-    return outputs
+            progs = kernels[r][1]
+            progs.remove(prog)
+            if not progs:
+                launch_next(r)
+        busy = [rk.epoch for rk in ranks if rk.in_call]
+        if busy:
+            drift = max(drift, max(busy) - min(busy))
+    return SimResult(outputs, drift)
 
 
-def _may_run(prog, ranks) -> bool:
-    """Stream order on one rank: layer0 kernel, then layer1 kernel, then the combine."""
-    layer, r = prog[0], prog[1]
-    pending = ranks[r].pending
-    if layer == "layer1":
-        return pending["layer0"] == 0
-    if layer == "combine":
-        return pending["layer0"] == 0 and pending["layer1"] == 0
-    return True
+def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, cfg):
+    """Rank ``rk``'s kernels in stream order, call after call, as (name, programs); the
+    event loop asks for the next one only when every program of the previous finished."""
+    compute = range(cfg.compute_programs)
+    for n, ((xs, ids, wts), mode) in enumerate(zip(calls, modes), start=1):
+        counts = local_counts(ids[rk.r], rk.world, w13.shape[0])
+        yield "exchange", [_exchange_program(rk, ranks, n, counts, cfg)]
+        yield "layout", [_layout_program(rk, n, xs[rk.r], ids[rk.r], wts[rk.r], w13, w2,
+                                         max_tokens, cfg)]
+        call, fused = rk.call, mode == "fused"
+        comm = range(cfg.comm_programs if fused else 0)
+        yield "layer0", ([_dispatch_program(rk, call, ranks, p, cfg) for p in comm]
+                         + [_layer0_program(rk, call, p, fused, cfg) for p in compute])
+        yield "layer1", ([_layer1_program(rk, call, p, cfg) for p in compute]
+                         + [_reduce_program(rk, call, ranks, p, cfg) for p in comm])
+        if fused:
+            yield "combine", [_combine_program(rk, call, ranks, outputs[n - 1], cfg)]
+        rk.in_call = False
 
 
-def _wait_ok(prog) -> bool:
-    cond = prog[3]
-    return cond is None or cond()
+def _exchange_program(rk: _Rank, ranks, n: int, counts, cfg: SimConfig):
+    """Workspace.begin_call, then kernels.layer0.exchange_counts_kernel: push this rank's
+    counts into row ``r`` of every peer's counts buffer of this epoch's parity, set every
+    peer's ``count_flags[r]``, and wait for every peer's. The wait is the handshake that
+    opens a call: no peer writes anything else of call ``n`` into this rank before it."""
+    rk.epoch, rk.in_call = n, True
+    slot = n % cfg.count_buffers
+    for peer in ranks:
+        peer.counts[slot][rk.r] = counts
+        peer.counts_tag.write((slot, rk.r), n, rk.r)
+    for peer in ranks:
+        peer.count_flags[rk.r] = _done(cfg, n)
+    yield lambda: all(f >= _done(cfg, n) for f in rk.count_flags)
 
 
-def _dispatch_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
+def _layout_program(rk: _Rank, n: int, x, ids, wts, w13, w2, max_tokens: int,
+                    cfg: SimConfig):
+    """kernels.plan.layout_kernel (with place_kernel): counts_all is what this rank reads
+    from its counts buffer of the epoch's parity -- every source's row must be of call
+    ``n`` -- and the call's plan and tile table are built from it."""
+    slot = n % cfg.count_buffers
+    rk.counts_tag.check((slot, slice(None)), n,
+                        f"rank {rk.r} call {n} layout (counts buffer {slot})")
+    counts_all = torch.stack(rk.counts[slot])
+    rk.call = _Call(rk, n, x, ids, wts, counts_all, w13, w2, max_tokens, cfg)
+    yield None
+
+
+def _dispatch_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
     """layer0 comm role of one program (kernels.layer0.dispatch_role): chunks striped over
-    programs, each published after the previous one (so a destination sees a prefix)."""
-    world = len(ranks)
-    s = rk.send
+    programs, each published after the previous one (so a destination sees a prefix). A
+    destination with no chunks still gets ``flag0 = (epoch, 0)``: the reduce's wait for
+    all chunks must not be satisfied by a flag of an earlier call."""
+    world, n, s = call.world, call.n, call.send
     for o in range(world):
         d = (rk.r - o) % world
         dst = ranks[d]
@@ -174,120 +336,130 @@ def _dispatch_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
             if c < row_chunks:
                 i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
                 rows = s.send_row[i].long()
-                if dst.arrived[rows].any():
-                    raise ScheduleError(f"rank {rk.r} overwrote rows of rank {d}")
-                dst.a0[rows] = rk.x[s.send_token[i].long()]
-                dst.arrived[rows] = True
+                if bool((dst.a0_tag.epoch[rows] == n).any()):
+                    raise ScheduleError(f"rank {rk.r} call {n} overwrote rows of rank {d} "
+                                        f"written in the same call")
+                dst.a0[rows] = call.x[s.send_token[i].long()]
+                dst.a0_tag.write(rows, n, rk.r)
             else:
                 q = torch.arange((c - row_chunks) * cfg.comm_entries,
                                  min((c - row_chunks + 1) * cfg.comm_entries, n_ent))
                 dst.ret_tok[rk.r, q] = s.ret_token[d, q].long()
                 dst.ret_rows[rk.r, q] = s.ret_rows[d, q].long()
                 dst.ret_w[rk.r, q] = s.ret_weight[d, q]
-                dst.entries_in[rk.r, q] = True
-            yield lambda d=d, c=c: rk.published[d] == c
-            rk.published[d] = c + 1
-            dst.flag0[rk.r] = c + 1
+                dst.ret_tag.write((rk.r, q), n, rk.r)
+            yield lambda d=d, c=c: call.published[d] == c
+            call.published[d] = c + 1
+            dst.flag0[rk.r] = _published(cfg, n, c + 1)
+            yield None
+        if total == 0 and pid == 0:
+            dst.flag0[rk.r] = _published(cfg, n, 0)
             yield None
 
 
-def _chunks_needed(rk: _Rank, s: int, expert: int, r1: int, cfg: SimConfig) -> int:
+def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) -> int:
     """Published chunks of source ``s`` that cover the tile's last row from ``s``
     (kernels.layer0._await_rows)."""
-    o = (s - rk.r) % len(rk.flag0)
-    seg0 = int(rk.seg_start[o, expert])
-    last = min(r1, seg0 + int(rk.seg_rows[o, expert])) - 1 - seg0
-    return (int(rk.pre[s, expert]) + last) // cfg.comm_rows + 1
+    o = (s - call.r) % call.world
+    seg0 = int(call.seg_start[o, expert])
+    last = min(r1, seg0 + int(call.seg_rows[o, expert])) - 1 - seg0
+    return (int(call.pre[s, expert]) + last) // cfg.comm_rows + 1
 
 
-def _layer0_program(rk: _Rank, pid: int, cfg: SimConfig):
-    """layer0 compute role (kernels.layer0.layer0_compute_role)."""
-    f_dim = rk.w2.shape[1]
+def _layer0_program(rk: _Rank, call: _Call, pid: int, wait: bool, cfg: SimConfig):
+    """layer0 compute role (kernels.layer0.layer0_compute_role). Without ``wait``
+    (compute_only) it runs on whatever rows are in place, so reads are not checked."""
+    f_dim = call.w2.shape[1]
     n_blocks = _cdiv(f_dim, cfg.block_n0)
-    t = rk.tiles
-    for w in range(pid, rk.num_tiles * n_blocks, cfg.compute_programs):
-        tile, nb = grouped_work(w, rk.num_tiles, n_blocks, cfg.group_m)
-        mask = int(t.wait_mask[tile])
-        sources = [s for s in range(len(rk.flag0)) if mask >> s & 1]
+    t, n = call.tiles, call.n
+    for w in range(pid, call.num_tiles * n_blocks, cfg.compute_programs):
+        tile, nb = grouped_work(w, call.num_tiles, n_blocks, cfg.group_m)
         r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
-        need = {s: _chunks_needed(rk, s, e, r1, cfg) for s in sources}
-        yield lambda: all(rk.flag0[s] >= n for s, n in need.items())
-        if not bool(rk.arrived[r0:r1].all()):
-            raise ScheduleError(f"rank {rk.r} tile {tile} (rows {r0}:{r1}) ran before its "
-                                f"rows arrived; wait set {sources}")
+        if wait:
+            mask = int(t.wait_mask[tile])
+            sources = [s for s in range(call.world) if mask >> s & 1]
+            need = {s: _published(cfg, n, _chunks_needed(call, s, e, r1, cfg))
+                    for s in sources}
+            yield lambda: all(rk.flag0[s] >= v for s, v in need.items())
+            rk.a0_tag.check(slice(r0, r1), n, f"rank {rk.r} call {n} tile {tile} (rows "
+                            f"{r0}:{r1}) ran before its rows arrived; wait set {sources}")
         c0, c1 = nb * cfg.block_n0, min((nb + 1) * cfg.block_n0, f_dim)
         a = rk.a0[r0:r1]
-        gate = a @ rk.w13[e][:, c0:c1]
-        up = a @ rk.w13[e][:, f_dim + c0:f_dim + c1]
+        gate = a @ call.w13[e][:, c0:c1]
+        up = a @ call.w13[e][:, f_dim + c0:f_dim + c1]
         rk.h[r0:r1, c0:c1] = F.silu(gate) * up
-        rk.h_done[r0:r1, nb] = True
+        rk.h_tag.write((slice(r0, r1), nb), n, rk.r)
+        if not wait:
+            yield None
 
 
-def _layer1_program(rk: _Rank, pid: int, cfg: SimConfig):
+def _layer1_program(rk: _Rank, call: _Call, pid: int, cfg: SimConfig):
     """layer1 compute role (kernels.layer1.layer1_compute_role)."""
-    h_dim = rk.w2.shape[2]
+    h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
-    t = rk.tiles
-    for w in range(pid, rk.num_tiles * n_blocks, cfg.compute_programs):
-        tile, nb, split = column_work(w, rk.num_tiles, n_blocks, cfg.blocks_per_split)
+    t, n = call.tiles, call.n
+    for w in range(pid, call.num_tiles * n_blocks, cfg.compute_programs):
+        tile, nb, split = column_work(w, call.num_tiles, n_blocks, cfg.blocks_per_split)
         r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
-        if not bool(rk.h_done[r0:r1].all()):
-            raise ScheduleError(f"rank {rk.r} layer1 tile {tile} read unfinished h rows")
+        rk.h_tag.check((slice(r0, r1), slice(None)), n,
+                       f"rank {rk.r} call {n} layer1 tile {tile} read unfinished h rows")
         c0, c1 = nb * cfg.block_n1, min((nb + 1) * cfg.block_n1, h_dim)
-        rk.out1[r0:r1, c0:c1] = rk.h[r0:r1] @ rk.w2[e][:, c0:c1]
-        rk.out1_done[r0:r1, nb] = True
-        rk.split_count[split] += 1
+        rk.out1[r0:r1, c0:c1] = rk.h[r0:r1] @ call.w2[e][:, c0:c1]
+        rk.out1_tag.write((slice(r0, r1), nb), n, rk.r)
+        call.split_count[split] += 1
         yield None
 
 
-def _reduce_program(rk: _Rank, ranks, pid: int, cfg: SimConfig):
+def _reduce_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
     """layer1 comm role (kernels.layer1.reduce_send_role)."""
-    world = len(ranks)
-    h_dim = rk.w2.shape[2]
+    world, n = call.world, call.n
+    h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
     # Return entries travel after the rows: all of a source's chunks must have landed.
-    yield lambda: all(rk.flag0[s] >= rk.chunks_total[s] for s in range(world))
+    need = [_published(cfg, n, c) for c in call.chunks_total]
+    yield lambda: all(rk.flag0[s] >= need[s] for s in range(world))
     for s in range(world):
-        if not bool(rk.entries_in[s, :rk.entries[s]].all()):
-            raise ScheduleError(f"rank {rk.r} reads return entries of rank {s} not delivered")
-    for split in range(len(rk.split_count)):
+        rk.ret_tag.check((s, slice(0, call.entries[s])), n,
+                         f"rank {rk.r} call {n} reduce, return entries from rank {s}")
+    for split in range(len(call.split_count)):
         blocks = min(n_blocks - split * cfg.blocks_per_split, cfg.blocks_per_split)
-        target = rk.num_tiles * blocks
-        yield lambda split=split, target=target: rk.split_count[split] >= target
+        target = call.num_tiles * blocks
+        yield lambda split=split, target=target: call.split_count[split] >= target
         nb0 = split * cfg.blocks_per_split
         c0, c1 = nb0 * cfg.block_n1, min((nb0 + blocks) * cfg.block_n1, h_dim)
         for o in range(world):
             s = (rk.r + o) % world
-            n_ent = rk.entries[s]
+            n_ent = call.entries[s]
             for c in range(pid, _cdiv(n_ent, cfg.comm_entries), cfg.comm_programs):
                 for q in range(c * cfg.comm_entries, min((c + 1) * cfg.comm_entries, n_ent)):
-                    rows = rk.ret_rows[s, q]
                     acc = torch.zeros(c1 - c0)
-                    for j, row in enumerate(rows.tolist()):
+                    for j, row in enumerate(rk.ret_rows[s, q].tolist()):
                         if row < 0:
                             continue
-                        if not bool(rk.out1_done[row, nb0:nb0 + blocks].all()):
-                            raise ScheduleError(f"rank {rk.r} reduced split {split} before "
-                                                f"row {row} was computed")
+                        rk.out1_tag.check((row, slice(nb0, nb0 + blocks)), n,
+                                          f"rank {rk.r} call {n} reduced split {split} "
+                                          f"before row {row} was computed")
                         acc += rk.out1[row, c0:c1] * rk.ret_w[s, q, j]
-                    ranks[s].comb[rk.r, rk.ret_tok[s, q], c0:c1] = acc
+                    tok = int(rk.ret_tok[s, q])
+                    ranks[s].comb[rk.r, tok, c0:c1] = acc
+                    ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
                 yield None
-    rk.comm1_finished += 1
-    if rk.comm1_finished == cfg.comm_programs:
+    call.comm1_finished += 1
+    if call.comm1_finished == cfg.comm_programs:
         for s in range(world):
-            ranks[s].flag1[rk.r] = True
+            ranks[s].flag1[rk.r] = _done(cfg, n)
 
 
-def _combine_program(rk: _Rank, ranks, outputs):
+def _combine_program(rk: _Rank, call: _Call, ranks, outputs, cfg: SimConfig):
     """kernels.layer1.combine_kernel: sum partial rows in rank order."""
-    world = len(ranks)
-    yield lambda: all(rk.flag1)
-    m = rk.x.shape[0]
-    mask = rk.send.dest_mask[:m].bool()
-    y = torch.zeros(m, rk.x.shape[1])
+    world, n = call.world, call.n
+    yield lambda: all(f >= _done(cfg, n) for f in rk.flag1)
+    m = call.x.shape[0]
+    mask = call.send.dest_mask[:m].bool()
+    y = torch.zeros(m, call.x.shape[1])
     for d in range(world):
-        part = rk.comb[d, :m][mask[:, d]]
-        if torch.isnan(part).any():
-            raise ScheduleError(f"rank {rk.r} summed a partial row rank {d} never sent")
-        y[mask[:, d]] += part
+        tokens = mask[:, d].nonzero().flatten()
+        rk.comb_tag.check((d, tokens), n,
+                          f"rank {rk.r} call {n} combine, partial rows from rank {d}")
+        y[mask[:, d]] += rk.comb[d, :m][mask[:, d]]
     outputs[rk.r] = y
