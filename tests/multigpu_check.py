@@ -183,6 +183,36 @@ def check_missing_rank(results, layer):
             log(f"ok missing rank raised after {elapsed:.1f}s: {msg}")
 
 
+def check_reset_after_failure(results, layer):
+    """After check_missing_rank every rank -- the one that skipped the call too, which
+    learns of it from its peers' error words -- raises, and reset() on every rank brings
+    the group back: the next call is correct."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dist.barrier()                       # the peers have raised by now
+    if rank == world - 1:
+        try:
+            layer.check_errors_now()
+            raised = False
+        except CometTimeoutError:
+            raised = True
+        assert raised, "the rank that skipped a call was not told of the failure"
+    start = time.time()
+    layer.reset()
+    cfg = layer.cfg
+    el = cfg.num_experts // world
+    w13, w2 = global_weights(cfg, 3)
+    xs, ids, ws = all_inputs(cfg, world, "random", seed=78)
+    y = layer(xs[rank], ids[rank], ws[rank])
+    layer.check_errors_now()
+    ref = reference.ep_forward(xs, ids, ws, list(w13.split(el)), list(w2.split(el)),
+                               round_to=cfg.dtype)[rank]
+    err = rel_err(y, ref)
+    assert err < 1e-2, err
+    results.append({"check": "reset_after_failure", "rel_err": err,
+                    "reset_seconds": time.time() - start})
+    log(f"ok every rank raised; after reset() the next call is correct (rel err {err:.1e})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -197,12 +227,13 @@ def main():
     check_correctness(results, args.quick, args.configs)
     layer = check_back_to_back_graph_and_sync(results, args.calls)
     check_missing_rank(results, layer)
+    check_reset_after_failure(results, layer)
     if dist.get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": dist.get_world_size(),
                        "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     log("ALL MULTIGPU CHECKS PASSED")
-    os._exit(0)   # the skipped rank's peers are in a failed state: skip teardown
+    os._exit(0)
 
 
 if __name__ == "__main__":
