@@ -1,5 +1,7 @@
-"""Repro of issue 10 (copied from shared/repro): N back-to-back calls of the fused layer at full model size (no host sync between
-calls: lazy error checks, calls 2+ replay the captured CUDA graph), then one check.
+"""Repro of issue 10 (copied from shared/repro): N back-to-back calls of the fused layer at
+full model size (no host sync between calls: lazy error checks, calls 2+ replay the
+captured CUDA graph), then one check. At commit 66d677d it hung on 4x and 2x H200
+(benchmarks/results/2026-11-23/h200x2-repro-back-to-back.log).
 
     torchrun --nproc-per-node 4 scripts/device/back_to_back.py E K H F TOKENS SPLIT [SPLIT...]
     SPLIT: "auto" or "n0,n1" (comm blocks of layer0, layer1); run each case in its own process,

@@ -164,8 +164,10 @@ def main() -> int:
 
 
 def _write(path, world, records, partial):
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("COMET_COMMIT", "")
+    # The device machines get a copy of the tree whose git HEAD is not the commit that was
+    # sent: stress.sh passes the real one.
+    commit = os.environ.get("COMET_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"device": torch.cuda.get_device_name(), "world_size": world, "commit": commit,
            "date": datetime.date.today().isoformat(),
            "command": "torchrun --nproc-per-node {} scripts/device/stress.py {}".format(
