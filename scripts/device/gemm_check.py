@@ -5,6 +5,10 @@ rows, uniform routing) runs through FusedMoE(mode="compute_only") -- the same ke
 fused layer uses -- and through torch._grouped_mm on the same rows.
 
     PYTHONPATH=. python3 scripts/device/gemm_check.py [--tokens 4096 16384]
+        [--tiles 128,128,256,64,8,3 64,64,128,64,4,4 ...]
+
+``--tiles`` tries tile configurations (block_m, block_n0, block_n1, block_k, num_warps,
+num_stages of comet.kernels.launch.TileConfig) on the same rows, one record each.
 """
 
 import argparse
@@ -15,7 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from comet.config import MoEConfig, preset
+from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE, PhaseTimer
+
+TILE_FIELDS = ("block_m", "block_n0", "block_n1", "block_k", "num_warps", "num_stages")
 
 
 def grouped_mm(a, b, offs):
@@ -37,7 +44,7 @@ def median_us(fn, iters=20, warmup=5):
     return sorted(times)[len(times) // 2]
 
 
-def run(name, tokens, world=4):
+def run(name, tokens, world=4, tile=None):
     base = preset(name)
     el = base.num_experts // world
     cfg = MoEConfig(num_experts=el, top_k=min(base.top_k, el), hidden_size=base.hidden_size,
@@ -52,7 +59,7 @@ def run(name, tokens, world=4):
     # (k > el for mixtral's 2 local experts is fine: each slot is its own row).
     tok = tokens * k // cfg.top_k
     cfg = cfg.replace(max_tokens=tok)
-    layer = FusedMoE(cfg, w13, w2)
+    layer = FusedMoE(cfg, w13, w2, tile=tile)
     ids = torch.stack([torch.randperm(el, device="cuda")[:cfg.top_k] for _ in range(tok)])
     x = torch.randn(tok, h, device="cuda", generator=g).bfloat16()
     w = torch.rand(ids.shape, device="cuda")
@@ -86,7 +93,9 @@ def run(name, tokens, world=4):
         print("torch._grouped_mm failed:", repr(e)[:300])
         t_us = t_gemm_only = float("nan")
     flops = 2.0 * rows_total * h * 2 * f + 2.0 * rows_total * f * h
+    tile = layer.tile
     rec = dict(config=name, tokens_per_rank=tokens, rows=rows_total, experts=el,
+               tile={k: getattr(tile, k) for k in TILE_FIELDS},
                comet_compute_us=c_us, comet_layer0_us=ph.get("layer0"),
                comet_layer1_us=ph.get("layer1"), comet_plan_us=ph.get("plan"),
                comet_fused_w1_us=fused_us,
@@ -104,13 +113,19 @@ def main():
     ap.add_argument("--configs", nargs="+",
                     default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_check.json"))
+    ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,BK,WARPS,STAGES",
+                    help="tile configurations to try (default: the default one)")
     args = ap.parse_args()
-    recs = [run(c, t) for c in args.configs for t in args.tokens]
+    tiles = [None] if not args.tiles else [
+        TileConfig(**dict(zip(TILE_FIELDS, map(int, t.split(","))))) for t in args.tiles]
+    recs = [run(c, t, tile=tile) for c in args.configs for t in args.tokens for tile in tiles]
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "records": recs}, f, indent=1)
-    print(f"{'config':18s} {'tok':>6s} {'comet TF/s':>10s} {'torch TF/s':>10s} {'ratio':>6s}")
+    print(f"{'config':18s} {'tok':>6s} {'tile':>22s} {'comet TF/s':>10s} {'torch TF/s':>10s} "
+          f"{'ratio':>6s}")
     for r in recs:
-        print(f"{r['config']:18s} {r['tokens_per_rank']:6d} {r['comet_tflops']:10.0f} "
+        tile = ",".join(str(v) for v in r["tile"].values())
+        print(f"{r['config']:18s} {r['tokens_per_rank']:6d} {tile:>22s} {r['comet_tflops']:10.0f} "
               f"{r['torch_tflops']:10.0f} {r['compute_efficiency']:6.2f}")
 
 
