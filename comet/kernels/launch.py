@@ -150,12 +150,14 @@ def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
     """Offsets and the tile table from the exchanged counts (one program)."""
     p, el = ws.plan, cfg.num_experts // ws.world
     kplan.layout_kernel[(1,)](
-        ws.counts, ws.epoch, ws.rank, p["send_base"], p["dst_base"], p["send_off"], p["ret_count"],
+        ws.counts, ws.epoch, ws.rank, p["send_base"], p["dst_base"], p["send_off"],
+        p["ret_count"],
         p["seg_start"], p["seg_rows"], p["pre"], p["chunks_total"], p["entries"],
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["tile_stage"], p["num_tiles"], p["scratch"],
         WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
-        EL_P2=_next_pow2(el), COUNT_BUFFERS=COUNT_BUFFERS, BLOCK_M=tile.block_m, COMM_ROWS=tile.comm_rows,
+        EL_P2=_next_pow2(el), COUNT_BUFFERS=COUNT_BUFFERS, BLOCK_M=tile.block_m,
+        COMM_ROWS=tile.comm_rows,
         COMM_ENTRIES=tile.dispatch_entries, TILE_CHUNK=64, num_warps=4)
 
 

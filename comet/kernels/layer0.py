@@ -50,8 +50,9 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
                            WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                            COUNT_BUFFERS: tl.constexpr, BLOCK: tl.constexpr,
                            PUSH: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr):
-    """All-gather of the routing counts: row ``r`` of every peer's ``counts[epoch % COUNT_BUFFERS]``
-    (``[W, W*(El+1)]``) receives this rank's ``[W, El + 1]`` (pairs per destination
+    """All-gather of the routing counts: row ``r`` of every peer's
+    ``counts[epoch % COUNT_BUFFERS]`` (``[W, W*(El+1)]``) receives this rank's
+    ``[W, El + 1]`` (pairs per destination
     expert, then distinct tokens per destination), built from ``totals`` (``[E + W]``:
     pairs per expert, tokens per rank); then ``count_flags[r] = epoch``. The wait is the
     handshake that opens a call: no peer writes anything else of this call into this

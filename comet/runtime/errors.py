@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+#: Fatal word code of a failed wait (comet.kernels.sync.ERR_TIMEOUT).
+TIMEOUT_CODE = 1
+
 #: Wait sites (kernels/layer0.py, kernels/layer1.py): name, what was awaited.
 SITES = {
     1: ("exchange", "routing counts (count_flags[{index}]) from rank {index}"),

@@ -26,7 +26,7 @@ import torch
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
-from comet.runtime.errors import CometError, input_error, raise_if_failed
+from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
 from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
                                     timeout_ns)
 from comet.scheduler import tuned
@@ -139,18 +139,20 @@ class FusedMoE:
     @classmethod
     def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
                       w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None,
-                      programs: int | None = None, **kwargs) -> list["FusedMoE"]:
+                      programs: int | None = None, tuned_config_folder: str | None = None,
+                      check_errors: str = "lazy", use_graphs: bool = True
+                      ) -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
-        workspaces point at each other: call them concurrently, one CUDA stream per rank,
-        to run the real cross-rank protocol without NVLink (tests). Each rank is
-        :meth:`preload`-ed (one host thread cannot make peer calls while the device waits
-        to load a module). ``programs`` (default:
-        the SM count over W) is each rank's grid, so every rank's spinning kernel fits on
-        the GPU beside the others' (launched without the cooperative attribute, which
-        would not let them share it). Keyword arguments as for the constructor."""
+        workspaces point at each other: call them concurrently, one CUDA stream per rank
+        (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
+        protocol without NVLink (tests). Each rank is :meth:`preload`-ed: one host thread
+        cannot make peer calls while the device waits to load a module. ``programs``
+        (default: the SM count over W) is each rank's grid, so every rank's spinning kernel
+        fits on the GPU beside the others' (launched without the cooperative attribute,
+        which would not let them share it). Other arguments as for the constructor."""
         world = len(w13_shards)
         device = w13_shards[0].device
-        if world > 1 and kwargs.get("check_errors") == "sync":
+        if world > 1 and check_errors == "sync":
             raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
                              "synchronize waits for its call, which needs the other ranks' "
                              "calls; use 'lazy' and check_errors_now() after the calls")
@@ -161,13 +163,10 @@ class FusedMoE:
         layers = []
         for r in range(world):
             par = ParallelConfig(world, r)
-            cls._validate(cfg, par, w13_shards[r], w2_shards[r],
-                          kwargs.get("check_errors", "lazy"))
+            cls._validate(cfg, par, w13_shards[r], w2_shards[r], check_errors)
             layer = cls.__new__(cls)
             layer._setup(cfg, w13_shards[r], w2_shards[r], None, par, spaces[r], tile,
-                         programs, kwargs.get("tuned_config_folder"),
-                         kwargs.get("check_errors", "lazy"), kwargs.get("use_graphs", True),
-                         virtual=True)
+                         programs, tuned_config_folder, check_errors, use_graphs, virtual=True)
             if device.type == "cuda":
                 layer.preload()
             layers.append(layer)
@@ -384,7 +383,7 @@ class FusedMoE:
         nothing = (torch.empty(0, self.cfg.hidden_size, dtype=self.cfg.dtype, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
-        self.ws.fatal_word[0].fill_(1)
+        self.ws.fatal_word[0].fill_(TIMEOUT_CODE)
         for split in ((1, 1), (0, 0), (1, 0), (0, 1)):
             for _ in range(2):
                 self._launch(*nothing, split, mode, None)
