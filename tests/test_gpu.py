@@ -201,4 +201,11 @@ def test_timeline_records_both_roles():
     assert roles == {("layer0", "comm"), ("layer0", "compute"), ("layer1", "comm"),
                      ("layer1", "compute")}
     assert all(r["end_ns"] >= r["start_ns"] >= 0 for r in records)
-    assert {r["block"] for r in records if r["role"] == "comm"} <= set(range(4))
+    # Only the 4 comm blocks push; once done they take GEMM tiles from the queue, and
+    # GEMM blocks out of tiles take reduce items.
+    pushes = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "comm")}
+    assert pushes <= set(range(4))
+    tiles0 = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "compute")}
+    assert tiles0 & set(range(4)), "comm blocks never joined the GEMM"
+    reducers = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer1", "comm")}
+    assert reducers - set(range(4)), "no GEMM block joined the reduce"

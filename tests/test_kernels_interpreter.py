@@ -235,3 +235,54 @@ def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
+    """The fused launches of one rank (the interpreter runs programs in order, so one
+    rank is what it can run fused): layer0 program 0 dispatches and then, from the work
+    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
+    tile and then every reduce item; the others find both queues empty. The trace shows
+    which block did what; the output must still be exact."""
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=12)
+    g = torch.Generator().manual_seed(11)
+    ids = make_ids("random", [12], e, k, g)[0]
+    x = torch.randn(12, h, generator=g).half()
+    wts = torch.rand(ids.shape, generator=g)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
+    w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
+    ep = VirtualEP(cfg, [w13], [w2])
+    ws, tile = ep.ws[0], ep.tile
+    ws.begin_call()
+    L.launch_plan(ws, cfg, ids, wts, tile)
+    grid = 3
+    traces = [torch.full((grid, L.MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
+              for _ in range(2)]
+    L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED,
+                    L.split_of(1, x.device), grid, trace=traces[0])
+    L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, L.split_of(0, x.device), grid,
+                    trace=traces[1])
+    y = torch.empty_like(x)
+    L.launch_combine(ws, cfg, L.address_of(y), torch.full((1,), 12, dtype=torch.int32), tile,
+                     grid)
+    raise_if_failed(ws.fatal_word, 0)
+    torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
+                                                                round_to=torch.float16),
+                               rtol=2e-2, atol=2e-2)
+
+    def kinds(layer, block):
+        ev = traces[layer][block]
+        return ev[ev[:, 0] >= 0, 0].tolist()
+
+    world, reduce_kind = 1, 1 << 16
+    assert set(kinds(0, 0)) >= {0, world}, "layer0 block 0 must push, then take tiles"
+    assert kinds(0, 0).index(world) > kinds(0, 0).index(0)
+    assert kinds(0, 1) == [] and kinds(0, 2) == []
+    l1 = kinds(1, 0)
+    assert any(k < reduce_kind for k in l1) and any(k >= reduce_kind for k in l1)
+    assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
+        i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
+    c = ws.counter_view()
+    n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
+    assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)

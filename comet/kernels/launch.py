@@ -53,6 +53,8 @@ class TileConfig:
     dispatch_entries: return entries per dispatch chunk (same reason as comm_rows).
     comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns); also the
         copy tile of return entries in the dispatch.
+    reduce_item: return entries per item of layer1's reduce queue (a multiple of
+        comm_entries): one queue atomic per item, so items carry tens of KB.
     combine_rows / combine_block_h: tile of the final combine.
     """
 
@@ -68,6 +70,7 @@ class TileConfig:
     comm_block_h: int = 512
     dispatch_entries: int = 1024
     comm_entries: int = 16
+    reduce_item: int = 64
     comm_block_c: int = 256
     combine_rows: int = 16
     combine_block_h: int = 512
@@ -77,7 +80,8 @@ class TileConfig:
         """Tiny tiles for the interpreter and unit tests."""
         return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
                           num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
-                          comm_block_h=32, dispatch_entries=16, comm_entries=8, comm_block_c=16, combine_rows=8,
+                          comm_block_h=32, dispatch_entries=16, comm_entries=8,
+                          reduce_item=16, comm_block_c=16, combine_rows=8,
                           combine_block_h=32)
 
     def k_step(self, k: int) -> int:
@@ -232,7 +236,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
-        p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"],
+        p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], ws.counter_view()["l0_queue"],
         ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
@@ -250,18 +254,19 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
     el, h, f = w2.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(f)
     p = ws.plan
+    counters = ws.counter_view()
     trace, trace_kw = _trace_args(trace, w2.device)
     l1.layer1_kernel[(grid,)](
         descriptor(ws.h, [tile.block_m, bk]), descriptor(w2.view(el * f, h), [bk, tile.block_n1]),
         ws.out1, f, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
-        p["num_tiles"], ws.counter_view()["split"],
+        p["num_tiles"], counters["split"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
-        ws.counter_view()["l1_done"], ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens,
-        split,
-        ws.timeout, trace,
+        counters["l1_done"], counters["l1_queue"], counters["l1_reduce"], ws.epoch,
+        ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
-        COMM_ENTRIES=tile.comm_entries, COMM_BLOCK_C=tile.comm_block_c,
+        COMM_ENTRIES=tile.comm_entries, COMM_ITEM=tile.reduce_item,
+        COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,

@@ -16,6 +16,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
   before a tile, wait for exactly the sources of its wait set, and of each only for the
   chunk holding the tile's last row: local rows feed the GEMM as soon as they land.
+  Tiles come from a device work queue in the table's order, and a comm block that has
+  pushed its chunks joins it: the split sets how many blocks *start* communicating, no
+  SM is lost to communication for the rest of the call.
 
 The count exchange that precedes the kernel (:func:`exchange_counts_kernel`) is where
 every rank learns the layout of every destination's shared tensor.
@@ -24,10 +27,10 @@ every rank learns the layout of every destination's shared tensor.
 import triton
 import triton.language as tl
 
-from comet.kernels.roles import assign_role
+from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, wait_at_least)
+                                stamp, take, wait_at_least)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
@@ -127,7 +130,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
                   a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                  epoch, err_table, rank, max_tokens, timeout, trace_ptr,
+                  epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                   ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
@@ -136,8 +139,8 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
     striped over the comm programs. Chunks are *published in order*: after copying chunk
     ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
     destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
-    prefix of this rank's rows and a tile waits only for the chunks it reads."""
-    events = 0
+    prefix of this rank's rows and a tile waits only for the chunks it reads. Returns the
+    trace events recorded so far."""
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
         lo = tl.load(send_off + d)
@@ -182,6 +185,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         if (total == 0) & (pid == 0):
             if healthy(err_table, rank, USE_ASM):
                 release(flag, tagged(epoch, 0), "sys")
+    return events
 
 
 @triton.jit
@@ -213,21 +217,26 @@ def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epo
 
 
 @triton.jit
-def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
+def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
-                        flag0, epoch, err_table, rank, timeout, trace_ptr,
+                        flag0, epoch, err_table, rank, timeout, trace_ptr, events,
                         WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
                         USE_ASM: tl.constexpr):
-    """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles."""
+    """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles,
+    taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps):
+    blocks take work items in the scheduler's order whenever they are free, so a block
+    that joins late (a comm block done dispatching) takes the next item, not a fixed
+    share."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(F, BLOCK_N)
+    total = num_tiles * n_blocks
     seen = tl.zeros([W_P2], dtype=tl.int32)
-    events = 0
-    for w in range(pid, num_tiles * n_blocks, n_prog):
+    w = take(queue)
+    while w < total:
         if TRACE:
             start = clock_ns(USE_ASM)
         t, nb = grouped_work(w, num_tiles, n_blocks)
@@ -245,6 +254,7 @@ def layer0_compute_role(pid, n_prog, a_desc, w13_desc, h_ptr, H, F,
                       True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         if TRACE:
             events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS, USE_ASM)
+        w = take(queue)
 
 
 @triton.jit
@@ -256,7 +266,7 @@ def layer0_kernel(
     # GroupGEMM (compute role)
     a0_ptr, a_desc, w13_desc, h_ptr, H, F,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
-    seg_start, seg_rows, pre,
+    seg_start, seg_rows, pre, queue,
     # both; n_comm is read on the device so one captured launch serves every split
     flag0, epoch_ptr, err_table, rank, split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
@@ -272,18 +282,22 @@ def layer0_kernel(
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)
-    if comm:
-        dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
-                      ret_token, ret_rows, ret_weight, ret_count,
-                      a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                      flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
-                      epoch, err_table, rank, max_tokens, timeout, trace_ptr,
-                      WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
-                      COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
-    else:
-        layer0_compute_role(role_pid, n_role, a_desc, w13_desc, h_ptr, H, F,
+    events = tl.full([], 0, tl.int32)
+    if ROLE != ROLE_COMPUTE:
+        if comm:
+            events = dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
+                          ret_token, ret_rows, ret_weight, ret_count,
+                          a0_table, ret_token_table, ret_rows_table, ret_weight_table,
+                          flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                          epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
+                          WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
+                          COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
+    # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
+    # rest of the call); it never holds a tile while a peer waits on its pushes.
+    if ROLE != ROLE_COMM:
+        layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_table,
-                            rank, timeout, trace_ptr, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            rank, timeout, trace_ptr, events, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
                             DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
                             MAX_EVENTS, USE_ASM)

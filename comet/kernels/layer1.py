@@ -7,16 +7,22 @@ along N. The GroupGEMM therefore runs column-wise: column split ``s`` (``BLOCKS_
 column blocks) of every expert's tiles before split ``s + 1``, and the compute blocks count
 finished tiles per split.
 
-Roles:
+Roles (both take work from device queues, counters zeroed when a call opens):
 
-* compute (:func:`layer1_compute_role`) -- the GroupGEMM, counting tiles per split.
-* comm (:func:`reduce_send_role`) -- per split, wait until all its tiles are counted; then
-  for every *return entry* (one token of one source rank, naming the rows of its experts
-  on this rank and their weights) sum ``weight * out1[row]`` in fp32 -- pre-summing the
-  experts a token has on this rank, so one row per (token, rank) crosses the link -- and
-  store it into the source rank's ``comb[this rank, token]``. Sources are visited in ring
-  order from this rank, so at each step every rank writes to a different peer. The last
-  comm block to finish releases ``flag1[this rank] = epoch`` on every source rank.
+* compute (:func:`layer1_compute_role`) -- the GroupGEMM, counting tiles per split; a
+  compute block out of tiles joins the reduce queue.
+* comm (:func:`reduce_send_role`) -- reduce items in split order; an item of split ``s``
+  waits until all of split ``s``'s tiles are counted, then for each of its *return
+  entries* (one token of one source rank, naming the rows of its experts on this rank and
+  their weights) sums ``weight * out1[row]`` in fp32 -- pre-summing the experts a token
+  has on this rank, so one row per (token, rank) crosses the link -- and stores it into the
+  source rank's ``comb[this rank, token]``. Inside a split, sources go in ring order from
+  this rank, so at each step every rank writes to a different peer. The last block to
+  finish releases ``flag1[this rank] = epoch`` on every source rank.
+
+The comm blocks reduce the early splits while the GEMM runs; the reduce of the last
+split runs on every block. With no comm block the kernel is "GEMM, then reduce on the
+whole GPU" in one launch.
 
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
 that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
@@ -25,27 +31,33 @@ that token was sent to, always in rank order 0..W-1: the result does not depend 
 import triton
 import triton.language as tl
 
-from comet.kernels.roles import assign_role
+from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import column_work, gemm_tile
 from comet.kernels.layer0 import TAG
-from comet.kernels.sync import arrive, clock_ns, healthy, release, stamp, wait_at_least
+from comet.kernels.sync import arrive, clock_ns, healthy, release, stamp, take, wait_at_least
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
 SITE_ENTRIES = tl.constexpr(6)
 
+# Trace kinds: a GEMM work item stamps its split, a reduce item TRACE_REDUCE + its split.
+TRACE_REDUCE = tl.constexpr(1 << 16)
+
 
 @triton.jit
-def layer1_compute_role(pid, n_prog, h_desc, w2_desc, out1_ptr, F, H,
+def layer1_compute_role(queue, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-                        trace_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+    """The column-wise GroupGEMM, work items from the queue ``queue`` in split order;
+    returns the trace events recorded so far."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
-    events = 0
-    for w in range(pid, num_tiles * n_blocks, n_prog):
+    total = num_tiles * n_blocks
+    w = take(queue)
+    while w < total:
         if TRACE:
             start = clock_ns(USE_ASM)
         t, nb, split = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
@@ -55,6 +67,8 @@ def layer1_compute_role(pid, n_prog, h_desc, w2_desc, out1_ptr, F, H,
         arrive(split_done + split, "gpu")
         if TRACE:
             events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
+        w = take(queue)
+    return events
 
 
 @triton.jit
@@ -62,70 +76,101 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
                     col0, col1, TOPK: tl.constexpr, ENTRIES: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     """``dst[token] = sum_j weight_j * out1[row_j]`` over columns ``[col0, col1)`` for
-    entries ``[start, end)``; rows of ``-1`` are slots that live on other ranks."""
-    q = start + tl.arange(0, ENTRIES)
-    live = q < end
-    tok = tl.load(recv_token + q, mask=live, other=0).to(tl.int64)
-    for c0 in range(col0, col1, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        cmask = cols[None, :] < col1
-        acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-            wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
-            v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
-                        mask=(row[:, None] >= 0) & cmask, other=0.0)
-            acc += v.to(tl.float32) * wgt[:, None]
-        tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
-                 mask=live[:, None] & cmask)
+    entries ``[start, end)``, ``ENTRIES`` at a time; rows of ``-1`` are slots that live on
+    other ranks."""
+    for e0 in range(start, end, ENTRIES):
+        q = e0 + tl.arange(0, ENTRIES)
+        live = q < end
+        tok = tl.load(recv_token + q, mask=live, other=0).to(tl.int64)
+        for c0 in range(col0, col1, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            cmask = cols[None, :] < col1
+            acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
+                wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
+                v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
+                            mask=(row[:, None] >= 0) & cmask, other=0.0)
+                acc += v.to(tl.float32) * wgt[:, None]
+            tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
+                     mask=live[:, None] & cmask)
 
 
 @triton.jit
-def reduce_send_role(pid, n_prog, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
+def _reduce_item(i, rank, entries, WORLD: tl.constexpr, ITEM: tl.constexpr):
+    """Reduce-queue item ``i`` -> ``(split, source, first entry)``. Items run split by
+    split, inside a split source by source in ring order from this rank (so at each step
+    every rank sends to a different peer), ``ITEM`` entries each."""
+    per_split = 0
+    for o in range(WORLD):
+        per_split += tl.cdiv(tl.load(entries + (rank + o) % WORLD), ITEM)
+    split = i // tl.maximum(per_split, 1)
+    rest = i % tl.maximum(per_split, 1)
+    source = rank
+    first = 0
+    for o in range(WORLD):
+        s = (rank + o) % WORLD
+        n = tl.cdiv(tl.load(entries + s), ITEM)
+        here = (rest >= 0) & (rest < n)
+        source = tl.where(here, s, source)
+        first = tl.where(here, rest * ITEM, first)
+        rest -= n
+    return split, source, first, per_split
+
+
+@triton.jit
+def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
                      flag0, chunks_total, comb_table, comb_ptr, flag1_table, flag1,
                      split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
-                     max_tokens, timeout, trace_ptr,
+                     max_tokens, timeout, trace_ptr, events,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
-                     ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCKS_PER_SPLIT: tl.constexpr, TRACE: tl.constexpr,
-                     MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Reduce the top-k rows of every return entry, split by split, into the sources'
-    ``comb`` buffers (see module doc). A source's return entries travel after its rows in
-    layer0; its flag0 reaching ``chunks_total`` says they all landed."""
+                     ENTRIES: tl.constexpr, ITEM: tl.constexpr, BLOCK_C: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Reduce the top-k rows of every return entry into the sources' ``comb`` buffers
+    (see module doc), items from the reduce queue ``queue``; an item of split ``s`` waits
+    until all of split ``s``'s tiles are counted. A source's return entries travel after
+    its rows in layer0; its flag0 reaching ``chunks_total`` says they all landed. Every
+    block of the launch runs this, and the last one to finish releases ``flag1``."""
     for s in range(WORLD):
         wait_at_least(flag0 + s, epoch.to(tl.int64) * TAG + tl.load(chunks_total + s),
                       err_table, SITE_ENTRIES, s, rank, timeout, "sys", WORLD, USE_ASM)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
-    events = 0
-    for split in range(tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)):
+    n_splits = tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)
+    # A block takes items in increasing order, so it waits for each split at most once.
+    ready_split = tl.full([], -1, tl.int32)
+    ready = healthy(err_table, rank, USE_ASM)
+    i = take(queue)
+    split, source, first, per_split = _reduce_item(i, rank, entries, WORLD, ITEM)
+    while i < n_splits * per_split:
         if TRACE:
             start = clock_ns(USE_ASM)
-        if WAIT:
-            blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
-            ready = wait_at_least(split_done + split, num_tiles * blocks, err_table,
-                                  SITE_SPLIT, split, rank, timeout, "gpu", WORLD, USE_ASM)
-        else:
-            ready = healthy(err_table, rank, USE_ASM)
+        if split > ready_split:
+            if WAIT:
+                blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
+                ready = wait_at_least(split_done + split, num_tiles * blocks, err_table,
+                                      SITE_SPLIT, split, rank, timeout, "gpu", WORLD, USE_ASM)
+            else:
+                ready = healthy(err_table, rank, USE_ASM)
+            ready_split = split
         if ready:
             col0 = split * split_cols
-            col1 = tl.minimum(col0 + split_cols, H)
-            for o in range(WORLD):
-                s = (rank + o) % WORLD
-                n_ent = tl.load(entries + s)
-                dst = tl.load(comb_table + s).to(tl.pointer_type(comb_ptr.dtype.element_ty))
-                dst += rank * max_tokens * H
-                region = s * max_tokens
-                for c in range(pid, tl.cdiv(n_ent, ENTRIES), n_prog):
-                    _reduce_entries(out1_ptr, H, dst, recv_token + region,
-                                    recv_rows + region * TOPK, recv_weight + region * TOPK,
-                                    c * ENTRIES, n_ent, col0, col1, TOPK, ENTRIES, BLOCK_C)
+            dst = tl.load(comb_table + source).to(tl.pointer_type(comb_ptr.dtype.element_ty))
+            region = source * max_tokens
+            _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
+                            recv_rows + region * TOPK, recv_weight + region * TOPK, first,
+                            tl.minimum(first + ITEM, tl.load(entries + source)), col0,
+                            tl.minimum(col0 + split_cols, H), TOPK, ENTRIES, BLOCK_C)
         if TRACE:
-            events = stamp(trace_ptr, events, WORLD + split, split, start, MAX_EVENTS, USE_ASM)
-    # The last comm block to finish tells every source its partial rows are there --
-    # unless the group failed meanwhile: rows skipped after a failure must not look sent.
-    if arrive(done_counter, "sys") == n_prog - 1:
+            events = stamp(trace_ptr, events, split + TRACE_REDUCE, source, start,
+                           MAX_EVENTS, USE_ASM)
+        i = take(queue)
+        split, source, first, per_split = _reduce_item(i, rank, entries, WORLD, ITEM)
+    # The last block to finish tells every source its partial rows are there -- unless
+    # the group failed meanwhile: rows skipped after a failure must not look sent.
+    if arrive(done_counter, "sys") == tl.num_programs(0) - 1:
         if healthy(err_table, rank, USE_ASM):
             for s in range(WORLD):
                 flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
@@ -138,28 +183,35 @@ def layer1_kernel(
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
     recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, epoch_ptr, err_table, rank, max_tokens, split_ptr, timeout_ptr, trace_ptr,
+    done_counter, gemm_queue, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
+    split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
-    COMM_ENTRIES: tl.constexpr, COMM_BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)
-    if comm:
-        reduce_send_role(role_pid, n_role, out1_ptr, H, recv_token, recv_rows, recv_weight,
+    events = tl.full([], 0, tl.int32)
+    if ROLE != ROLE_COMM:
+        if comm == 0:
+            events = layer1_compute_role(gemm_queue, h_desc, w2_desc, out1_ptr, F, H,
+                                         tile_expert, tile_row_start, tile_row_end,
+                                         num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, DOT_PRECISION,
+                                         TRACE, MAX_EVENTS, USE_ASM)
+    # Fused: a compute block out of tiles joins the reduce, so the reduce of the last
+    # splits runs on the whole GPU instead of the comm blocks alone.
+    if ROLE != ROLE_COMPUTE:
+        reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
-                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
-                         max_tokens, timeout, trace_ptr, WAIT, WORLD, TOPK, COMM_ENTRIES,
-                         COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, TRACE, MAX_EVENTS, USE_ASM)
-    else:
-        layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
-                            tile_expert, tile_row_start, tile_row_end, num_tiles_ptr,
-                            split_done, trace_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
-                            BLOCKS_PER_SPLIT, DOT_PRECISION, TRACE, MAX_EVENTS, USE_ASM)
+                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table,
+                         rank, max_tokens, timeout, trace_ptr, events, WAIT, WORLD, TOPK,
+                         COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT,
+                         TRACE, MAX_EVENTS, USE_ASM)
 
 
 @triton.jit

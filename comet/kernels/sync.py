@@ -97,8 +97,9 @@ def stamp(trace_ptr, n, kind, unit, start, MAX_EVENTS: tl.constexpr, USE_ASM: tl
     program's trace row; returns ``n + 1`` (events past ``MAX_EVENTS`` are dropped)."""
     if n < MAX_EVENTS:
         ev = trace_ptr + n * 4
-        tl.store(ev, kind.to(tl.int64))
-        tl.store(ev + 1, unit.to(tl.int64))
+        wide = tl.zeros([], dtype=tl.int64)     # kind/unit may be plain ints (interpreter)
+        tl.store(ev, kind + wide)
+        tl.store(ev + 1, unit + wide)
         tl.store(ev + 2, start)
         tl.store(ev + 3, clock_ns(USE_ASM))
     return n + 1
@@ -224,3 +225,11 @@ def arrive(counter_ptr, SCOPE: tl.constexpr):
     returned value is the same in every thread (a scalar atomic is broadcast)."""
     barrier()
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope=SCOPE)
+
+
+@triton.jit
+def take(queue_ptr):
+    """Next work item of a device work queue (a counter the blocks of one kernel bump;
+    zeroed when a call opens). The same value in every thread: a scalar atomic is done
+    by one thread and broadcast through shared memory, so loops over it stay uniform."""
+    return tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")

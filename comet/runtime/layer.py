@@ -5,9 +5,10 @@ A call (no host synchronisation anywhere):
 1. ``epoch += 1`` and zero the local counters (two tiny device ops);
 2. count exchange through symmetric memory (one program);
 3. routing plan and tile tables (torch ops on the device, fixed capacities);
-4. layer0 kernel: comm blocks push rows, compute blocks run the gated GroupGEMM;
+4. layer0 kernel: comm blocks push rows, compute blocks run the gated GroupGEMM; comm
+   blocks done pushing take GEMM tiles from the same work queue;
 5. layer1 kernel: compute blocks run the column-wise GroupGEMM, comm blocks reduce and
-   send each token's rows home;
+   send each token's rows home; compute blocks out of tiles join the reduce;
 6. combine: each token's partial rows summed in rank order.
 
 ``mode`` exists for the benchmark's decomposition: ``"sequential"`` runs each layer's
@@ -65,11 +66,21 @@ class PhaseTimer:
         return out
 
 
-def _describe(layer: str, role: str, kind: int, world: int) -> str:
-    """Human label of a trace event's ``kind`` (see the stamps in comet.kernels)."""
+#: layer1 trace kinds at or above this are reduce items (kernels.layer1.TRACE_REDUCE).
+TRACE_REDUCE = 1 << 16
+
+
+def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
+    """(role, label) of a trace event's ``kind`` (see the stamps in comet.kernels). Blocks
+    change work during a call (comm blocks join the GEMM, GEMM blocks join the reduce),
+    so the role is that of the unit of work, not of the block that started it."""
     if layer == "layer0":
-        return f"push to rank {kind}" if role == "comm" else f"expert {kind - world} tile"
-    return f"reduce+send split {kind - world}" if role == "comm" else f"tile of split {kind}"
+        if kind < world:
+            return "comm", f"push to rank {kind}"
+        return "compute", f"expert {kind - world} tile"
+    if kind >= TRACE_REDUCE:
+        return "comm", f"reduce+send split {kind - TRACE_REDUCE}"
+    return "compute", f"tile of split {kind}"
 
 
 class _StaticInputs:
@@ -418,13 +429,13 @@ class FusedMoE:
         records = []
         for layer, n_comm in (("layer0", n0), ("layer1", n1)):
             for block in range(self.programs):
-                role = "comm" if block < n_comm else "compute"
                 for kind, unit, start, end in raw[layer][block].tolist():
                     if start < 0:
                         break
+                    role, what = _describe(layer, kind, world)
                     records.append({"block": block, "role": role, "layer": layer,
-                                    "unit": unit, "what": _describe(layer, role, kind, world),
-                                    "start_ns": start, "end_ns": end})
+                                    "unit": unit, "what": what, "start_ns": start,
+                                    "end_ns": end})
         t0 = min((r["start_ns"] for r in records), default=0)
         for r in records:
             r["start_ns"] -= t0
@@ -451,12 +462,15 @@ class FusedMoE:
 
     def _body(self, mode: str, has_comm_blocks: tuple[bool, bool], timer: PhaseTimer) -> None:
         """One call on the staged inputs (``self._static``); see the module docstring.
-        A layer whose split has no comm blocks runs its two roles one after the other."""
+        A layer0 split with no comm blocks runs its two roles as two launches."""
         ws, cfg, tile, s = self.ws, self.cfg, self.tile, self._static
         grid = self.programs
         # The interpreter runs one program at a time: a fused launch would have its comm
         # programs wait for compute programs that have not run, so roles go one by one.
-        fused0, fused1 = (mode == "fused" and n and not L.interpreting() for n in has_comm_blocks)
+        # layer0 needs a comm block to dispatch; layer1 with none is "GEMM, then reduce on
+        # every block" in one launch.
+        fused = mode == "fused" and not L.interpreting()
+        fused0, fused1 = fused and has_comm_blocks[0], fused
         x_addr, y_addr = s.addr[0:1], s.addr[1:2]
         split0, split1 = s.split[0:1], s.split[1:2]
         w13, w2 = self.w13, self.w2

@@ -130,6 +130,10 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
     }
 
 
+#: Local counters of a call, one int32 each, before the per-split tile counts.
+QUEUE_COUNTERS = ("l1_done", "l0_queue", "l1_queue", "l1_reduce")
+
+
 @dataclass
 class Workspace:
     """One rank's view: local tensors for every symmetric buffer, peer tables, and the
@@ -180,10 +184,12 @@ class Workspace:
             t.zero_()
 
     def counter_view(self) -> dict[str, torch.Tensor]:
-        """l1_done: ``[1]`` comm blocks finished in layer1; split: ``[n_splits_max]``
-        tiles finished per column split."""
+        """Each ``[1]`` unless said: l1_done, blocks finished with layer1's reduce;
+        l0_queue / l1_queue, the GEMM work queues of the layers; l1_reduce, layer1's reduce
+        queue; split (``[n_splits_max]``), tiles finished per column split."""
         c = self.counters
-        return {"l1_done": c[:1], "split": c[1:1 + self.n_splits_max]}
+        named = {name: c[i:i + 1] for i, name in enumerate(QUEUE_COUNTERS)}
+        return {**named, "split": c[len(QUEUE_COUNTERS):len(QUEUE_COUNTERS) + self.n_splits_max]}
 
 
 def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
@@ -199,7 +205,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
     rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
     h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
     out1 = torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
-    counters = torch.zeros(1 + tile.n_splits(cfg.hidden_size), dtype=torch.int32,
+    counters = torch.zeros(len(QUEUE_COUNTERS) + tile.n_splits(cfg.hidden_size),
+                           dtype=torch.int32,
                            device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     seq = torch.zeros(world, dtype=torch.int64, device=device)

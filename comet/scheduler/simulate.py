@@ -14,10 +14,13 @@ a random (seeded) order, running one work item at a time:
 * a layer0 compute program may start a tile only once every source of its wait set has
   published the chunk holding the tile's last row from it, and then asserts that *every
   row it reads has arrived* -- the wait is sufficient;
-* a layer1 compute program counts its tile for its column split; a layer1 comm program
-  may reduce a split only when the count is complete, and asserts that every element it
-  reads was computed; the combine waits for every rank's flag and asserts every partial
-  row it sums was delivered.
+* a layer1 compute program counts its tile for its column split; a reduce item may run
+  only when its split's count is complete, and asserts that every element it reads was
+  computed; the combine waits for every rank's flag and asserts every partial row it
+  sums was delivered;
+* GEMM tiles and reduce items come from per-call work queues, as in the kernels: a comm
+  program done dispatching takes layer0 tiles, a layer1 compute program out of tiles
+  takes reduce items, and flag1 is published by the last program to finish.
 
 Several *consecutive calls* run back to back (:func:`simulate_calls`). The symmetric
 buffers persist across calls, as the workspace does, and every element peers write is
@@ -66,6 +69,7 @@ class SimConfig:
     the interleaving, and the protocol variant.
 
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
+    reduce_item: return entries per item of layer1's reduce queue.
     speeds: per-rank weights of the random choice of the next program (None: uniform); a
         large ratio makes one rank run calls ahead of another.
     count_buffers: counts buffers, used by epoch parity (workspace.COUNT_BUFFERS); 1 lets
@@ -82,6 +86,7 @@ class SimConfig:
     group_m: int = 8
     comm_rows: int = 3
     comm_entries: int = 2
+    reduce_item: int = 3
     comm_programs: int = 2
     compute_programs: int = 3
     seed: int = 0
@@ -195,7 +200,16 @@ class _Call:
         self.published = [0] * world        # chunks this rank published to each dest
         h_dim = self.w2.shape[2]
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
-        self.comm1_finished = 0
+        # Work queues (kernels.sync.take): next item of layer0's GEMM, layer1's GEMM and
+        # layer1's reduce; programs finished with the reduce.
+        self.queue = {"l0": 0, "l1": 0, "reduce": 0}
+        self.reduce_finished = 0
+
+    def take(self, queue: str) -> int:
+        """Next item of a work queue (the kernels' atomic counter)."""
+        item = self.queue[queue]
+        self.queue[queue] += 1
+        return item
 
 
 def simulate(xs, topk_ids, topk_weights, w13_shards, w2_shards, max_tokens: int,
@@ -282,10 +296,14 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
                                          max_tokens, cfg)]
         call, fused = rk.call, mode == "fused"
         comm = range(cfg.comm_programs if fused else 0)
-        yield "layer0", ([_dispatch_program(rk, call, ranks, p, cfg) for p in comm]
-                         + [_layer0_program(rk, call, p, fused, cfg) for p in compute])
-        yield "layer1", ([_layer1_program(rk, call, p, cfg) for p in compute]
-                         + [_reduce_program(rk, call, ranks, p, cfg) for p in comm])
+        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, p, cfg),
+                                 _layer0_program(rk, call, fused, cfg)) for p in comm]
+                         + [_layer0_program(rk, call, fused, cfg) for _ in compute])
+        programs = len(comm) + len(compute)
+        yield "layer1", ([_chain(_layer1_program(rk, call, cfg),
+                                 _reduce_program(rk, call, ranks, programs, cfg) if fused
+                                 else iter(())) for _ in compute]
+                         + [_reduce_program(rk, call, ranks, programs, cfg) for _ in comm])
         if fused:
             yield "combine", [_combine_program(rk, call, ranks, outputs[n - 1], cfg)]
         rk.in_call = False
@@ -366,13 +384,20 @@ def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) ->
     return (int(call.pre[s, expert]) + last) // cfg.comm_rows + 1
 
 
-def _layer0_program(rk: _Rank, call: _Call, pid: int, wait: bool, cfg: SimConfig):
-    """layer0 compute role (kernels.layer0.layer0_compute_role). Without ``wait``
-    (compute_only) it runs on whatever rows are in place, so reads are not checked."""
+def _chain(*programs):
+    """One program that runs ``programs`` one after the other (a block changing role)."""
+    for program in programs:
+        yield from program
+
+
+def _layer0_program(rk: _Rank, call: _Call, wait: bool, cfg: SimConfig):
+    """layer0 compute role (kernels.layer0.layer0_compute_role), work items from the
+    call's queue. Without ``wait`` (compute_only) it runs on whatever rows are in place,
+    so reads are not checked."""
     f_dim = call.w2.shape[1]
     n_blocks = _cdiv(f_dim, cfg.block_n0)
     t, n = call.tiles, call.n
-    for w in range(pid, call.num_tiles * n_blocks, cfg.compute_programs):
+    while (w := call.take("l0")) < call.num_tiles * n_blocks:
         tile, nb = grouped_work(w, call.num_tiles, n_blocks, cfg.group_m)
         r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
         if wait:
@@ -393,12 +418,12 @@ def _layer0_program(rk: _Rank, call: _Call, pid: int, wait: bool, cfg: SimConfig
             yield None
 
 
-def _layer1_program(rk: _Rank, call: _Call, pid: int, cfg: SimConfig):
+def _layer1_program(rk: _Rank, call: _Call, cfg: SimConfig):
     """layer1 compute role (kernels.layer1.layer1_compute_role)."""
     h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
     t, n = call.tiles, call.n
-    for w in range(pid, call.num_tiles * n_blocks, cfg.compute_programs):
+    while (w := call.take("l1")) < call.num_tiles * n_blocks:
         tile, nb, split = column_work(w, call.num_tiles, n_blocks, cfg.blocks_per_split)
         r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
         rk.h_tag.check((slice(r0, r1), slice(None)), n,
@@ -410,8 +435,10 @@ def _layer1_program(rk: _Rank, call: _Call, pid: int, cfg: SimConfig):
         yield None
 
 
-def _reduce_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
-    """layer1 comm role (kernels.layer1.reduce_send_role)."""
+def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig):
+    """layer1 reduce (kernels.layer1.reduce_send_role): items from the call's reduce
+    queue, split by split, inside a split source by source in ring order; the last of the
+    layer's ``programs`` to finish publishes flag1."""
     world, n = call.world, call.n
     h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
@@ -421,31 +448,31 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
     for s in range(world):
         rk.ret_tag.check((s, slice(0, call.entries[s])), n,
                          f"rank {rk.r} call {n} reduce, return entries from rank {s}")
-    for split in range(len(call.split_count)):
+    items = [(split, (rk.r + o) % world, q0)
+             for split in range(len(call.split_count)) for o in range(world)
+             for q0 in range(0, call.entries[(rk.r + o) % world], cfg.reduce_item)]
+    while (i := call.take("reduce")) < len(items):
+        split, s, q0 = items[i]
         blocks = min(n_blocks - split * cfg.blocks_per_split, cfg.blocks_per_split)
         target = call.num_tiles * blocks
         yield lambda split=split, target=target: call.split_count[split] >= target
         nb0 = split * cfg.blocks_per_split
         c0, c1 = nb0 * cfg.block_n1, min((nb0 + blocks) * cfg.block_n1, h_dim)
-        for o in range(world):
-            s = (rk.r + o) % world
-            n_ent = call.entries[s]
-            for c in range(pid, _cdiv(n_ent, cfg.comm_entries), cfg.comm_programs):
-                for q in range(c * cfg.comm_entries, min((c + 1) * cfg.comm_entries, n_ent)):
-                    acc = torch.zeros(c1 - c0)
-                    for j, row in enumerate(rk.ret_rows[s, q].tolist()):
-                        if row < 0:
-                            continue
-                        rk.out1_tag.check((row, slice(nb0, nb0 + blocks)), n,
-                                          f"rank {rk.r} call {n} reduced split {split} "
-                                          f"before row {row} was computed")
-                        acc += rk.out1[row, c0:c1] * rk.ret_w[s, q, j]
-                    tok = int(rk.ret_tok[s, q])
-                    ranks[s].comb[rk.r, tok, c0:c1] = acc
-                    ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
-                yield None
-    call.comm1_finished += 1
-    if call.comm1_finished == cfg.comm_programs:
+        for q in range(q0, min(q0 + cfg.reduce_item, call.entries[s])):
+            acc = torch.zeros(c1 - c0)
+            for j, row in enumerate(rk.ret_rows[s, q].tolist()):
+                if row < 0:
+                    continue
+                rk.out1_tag.check((row, slice(nb0, nb0 + blocks)), n,
+                                  f"rank {rk.r} call {n} reduced split {split} "
+                                  f"before row {row} was computed")
+                acc += rk.out1[row, c0:c1] * rk.ret_w[s, q, j]
+            tok = int(rk.ret_tok[s, q])
+            ranks[s].comb[rk.r, tok, c0:c1] = acc
+            ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
+        yield None
+    call.reduce_finished += 1
+    if call.reduce_finished == programs:
         for s in range(world):
             ranks[s].flag1[rk.r] = _done(cfg, n)
 

@@ -1,14 +1,20 @@
-"""Block split: how many of a fused kernel's blocks take the comm role.
+"""Block split: how many of a fused kernel's blocks *start* in the comm role.
 
-The paper's adaptive assignment: comm blocks and compute blocks should finish together.
-With ``n`` of ``P`` blocks communicating,
+Blocks change role during a call (comet.kernels): a layer0 comm block that has pushed its
+rows takes GEMM tiles from the work queue, a layer1 GEMM block out of tiles takes reduce
+items. So a comm block costs the GEMM only the block-time it spends communicating, and
+the split trades that against how early the data moves. With ``n`` of ``P`` blocks,
+``G`` the GEMM time on all ``P`` blocks and ``t_c(n)`` the time ``n`` blocks need to move
+the layer's bytes:
 
-    t_comm(n)    = bytes / min(n * per_block_bw, link_bw)
-    t_compute(n) = flops / (gemm_flops * (P - n) / P)
+* layer0: ``T = max(G + n * t_c(n) / P, t_c(n) + G / W)`` -- the GEMM absorbs the comm
+  blocks' time, and cannot end before the last rows land plus their share of the GEMM;
+  ``n = 0`` runs dispatch and GEMM one after the other: ``t_c(P) + G``.
+* layer1: the GEMM runs on ``P - n`` blocks for ``G * P / (P - n)``; meanwhile the ``n``
+  comm blocks reduce and send what they can of the first ``S - 1`` of ``S`` column
+  splits; what is left goes at the whole GPU's rate after the GEMM.
 
-and the layer costs about ``max(t_comm, t_compute)`` plus the part that cannot overlap
-(the first tiles wait for their rows; the last split's reduce runs after the GEMM). The
-analytic choice minimises the max; ``comet tune`` measures instead and its tables win
+The analytic choice minimises ``T``; ``comet tune`` measures instead and its tables win
 (:mod:`comet.scheduler.tuned`). Inputs are what the host knows without a sync: the
 shape, this rank's token count (from the input's shape) and an assumed uniform routing.
 """
@@ -55,6 +61,8 @@ class LayerWork:
     local_bytes: float
     flops: float
     reduce: bool = False    # layer1's reduce-and-send (slower per block than a copy)
+    world: int = 1          # ranks the rows come from (layer0's last arrivals: 1/world)
+    splits: int = 8         # layer1 column splits (the last one cannot overlap)
 
 
 def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
@@ -67,25 +75,32 @@ def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
     remote = (world - 1) / world
     rows = tokens * top_k
     l0 = LayerWork(rows * remote * hidden * dtype_bytes, rows / world * hidden * dtype_bytes,
-                   2.0 * rows * hidden * 2 * ffn)
+                   2.0 * rows * hidden * 2 * ffn, world=world)
     ranks_per_token = world * (1.0 - (1.0 - 1.0 / world) ** top_k)
     ret_rows = tokens * ranks_per_token
     l1 = LayerWork(ret_rows * remote * hidden * dtype_bytes,
                    ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden,
-                   reduce=True)
+                   reduce=True, world=world)
     return l0, l1
 
 
 def predicted_time(work: LayerWork, n_comm: int, programs: int,
                    machine: MachineModel = MachineModel()) -> float:
-    """Seconds for one fused layer with ``n_comm`` comm blocks out of ``programs``
-    (``n_comm == 0``: communication and GEMM run one after the other)."""
-    gemm_full = work.flops / machine.gemm_flops
-    if n_comm <= 0:
-        return gemm_full + comm_time(work, programs, machine)
-    if n_comm >= programs:
+    """Seconds for one fused layer whose ``n_comm`` of ``programs`` blocks start in the
+    comm role (module doc). ``n_comm == 0``: layer0 runs its roles one after the other,
+    layer1 reduces after the GEMM on every block."""
+    gemm = work.flops / machine.gemm_flops
+    if n_comm >= programs or n_comm < 0:
         return float("inf")
-    return max(comm_time(work, n_comm, machine), gemm_full * programs / (programs - n_comm))
+    if n_comm == 0:
+        return gemm + comm_time(work, programs, machine)
+    t_comm = comm_time(work, n_comm, machine)
+    if not work.reduce:
+        return max(gemm + n_comm * t_comm / programs, t_comm + gemm / work.world)
+    gemm_phase = gemm * programs / (programs - n_comm)
+    overlappable = (work.splits - 1) / work.splits
+    done = min(overlappable, gemm_phase / t_comm)
+    return gemm_phase + (1.0 - done) * comm_time(work, programs, machine)
 
 
 def comm_time(work: LayerWork, n_comm: int, machine: MachineModel = MachineModel()) -> float:
