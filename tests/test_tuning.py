@@ -89,9 +89,11 @@ def test_analytic_split_balances_comm_and_compute():
     n = analytic_split(w0, 132)
     assert 0 <= n <= 66
     assert predicted_time(w0, n, 132) <= predicted_time(w0, 0, 132)
-    # A layer with no GEMM work wants as many comm blocks as the search allows.
+    # A layer with (almost) no GEMM has nothing to hide its communication behind: moving
+    # the rows with every block first is at least as fast as any split.
     comm_only = layer_work(4096, 4, 2, 4096, 16)[0]
-    assert analytic_split(comm_only, 132) > analytic_split(w0, 132)
+    assert predicted_time(comm_only, 0, 132) <= min(predicted_time(comm_only, k, 132)
+                                                    for k in range(1, 67))
 
 
 def test_tune_cli_parses_configs(tmp_path):
@@ -125,3 +127,21 @@ def test_tune_resumes_and_refuses_foreign_tables(tmp_path):
 def test_tune_without_gpu_says_so(capsys):
     assert tune.main(["--config", "mixtral", "--tokens", "16"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_analytic_split_with_no_tokens_and_few_programs():
+    """A rank with no tokens (uneven batches) still gets a split, and it stays in range."""
+    for tokens in (0, 1):
+        for work in layer_work(tokens, 4, 8, 7168, 2048):
+            for programs in (2, 8, 132):
+                assert 0 <= analytic_split(work, programs) <= programs // 2
+
+
+def test_analytic_split_prefers_filling_the_link_among_ties():
+    """Comm blocks join the GEMM when done, so layer0 counts that all keep the GEMM fed
+    cost the same; the choice is then the count that fills the link, not the smallest."""
+    w0, _ = layer_work(16384, 2, 2, 4096, 14336)
+    n = analytic_split(w0, 132)
+    assert n >= 16
+    assert predicted_time(w0, n, 132) <= 1.01 * min(predicted_time(w0, k, 132)
+                                                    for k in range(67))

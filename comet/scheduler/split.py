@@ -12,7 +12,8 @@ the layer's bytes:
   ``n = 0`` runs dispatch and GEMM one after the other: ``t_c(P) + G``.
 * layer1: the GEMM runs on ``P - n`` blocks for ``G * P / (P - n)``; meanwhile the ``n``
   comm blocks reduce and send what they can of the first ``S - 1`` of ``S`` column
-  splits; what is left goes at the whole GPU's rate after the GEMM.
+  splits (at a fraction of their rate: they compete with the GEMM for memory); what is
+  left goes at the whole GPU's rate after the GEMM.
 
 The analytic choice minimises ``T``; ``comet tune`` measures instead and its tables win
 (:mod:`comet.scheduler.tuned`). Inputs are what the host knows without a sync: the
@@ -29,23 +30,28 @@ class MachineModel:
     """Rates the analytic split balances (defaults: measured on 4x H200, NVLink, bf16;
     shared/DESIGN.md).
 
-    per_block_bw: bytes/s one layer0 comm block pushes to peers (16 blocks moved 274 GB/s).
+    per_block_bw: bytes/s one layer0 comm block pushes to peers, as the fused kernel runs
+        it (fitted to the 2x H200 tune sweeps of 2026-11-23; a bare push kernel reached
+        17 GB/s per block).
     reduce_block_bw: bytes/s of partial rows one layer1 comm block reduces and sends
-        (measured on 4x H200: 2 blocks moved ~9.5 GB/s for Mixtral at 16384 tokens per
-        rank; 32 blocks ~97 GB/s for Qwen2-MoE at 16384, i.e. ~3 GB/s per block).
+        (fitted likewise; 4x H200 earlier: ~3 GB/s per block).
     link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
     local_block_bw: bytes/s one comm block copies inside its own GPU (an assumption: about
         twice the remote rate, since a block is bound by its own loads in flight).
     hbm_bw: bytes/s of a whole-GPU copy (read + write; about 3 TB/s on an H100).
     gemm_flops: bf16 GroupGEMM FLOP/s of the whole GPU (torch reached 616-759 TFLOP/s).
+    reduce_overlap: share of its rate a layer1 comm block keeps while the GEMM runs
+        (fitted, 2x H200: 16 comm blocks left Mixtral's reduce tail after the GEMM as
+        long as none did -- the reduce competes with the GEMM for memory).
     """
 
-    per_block_bw: float = 17e9
-    reduce_block_bw: float = 3e9
+    per_block_bw: float = 11e9
+    reduce_block_bw: float = 2.5e9
     link_bw: float = 290e9
     local_block_bw: float = 35e9
     hbm_bw: float = 3e12
     gemm_flops: float = 650e12
+    reduce_overlap: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ def predicted_time(work: LayerWork, n_comm: int, programs: int,
         return max(gemm + n_comm * t_comm / programs, t_comm + gemm / work.world)
     gemm_phase = gemm * programs / (programs - n_comm)
     overlappable = (work.splits - 1) / work.splits
-    done = min(overlappable, gemm_phase / t_comm)
+    t_comm /= machine.reduce_overlap
+    done = min(overlappable, gemm_phase / t_comm) if t_comm > 0 else overlappable
     return gemm_phase + (1.0 - done) * comm_time(work, programs, machine)
 
 
@@ -112,12 +119,24 @@ def comm_time(work: LayerWork, n_comm: int, machine: MachineModel = MachineModel
     return remote + local
 
 
+#: Predicted times within this fraction of the best count as ties (module doc).
+TIE = 0.01
+
+
 def analytic_split(work: LayerWork, programs: int,
                    machine: MachineModel = MachineModel()) -> int:
-    """The ``n_comm`` in ``[0, programs / 2]`` with the smallest :func:`predicted_time`."""
-    best_n, best_t = 0, predicted_time(work, 0, programs, machine)
-    for n in range(1, programs // 2 + 1):
-        t = predicted_time(work, n, programs, machine)
-        if t < best_t:
-            best_n, best_t = n, t
-    return best_n
+    """The ``n_comm`` in ``[0, programs / 2]`` with the smallest :func:`predicted_time`.
+
+    Once comm blocks join the GEMM, every layer0 count between "the rows arrive before
+    the GEMM needs them" and "the link is full" costs about the same block-time, and the
+    model cannot tell them apart; measured (2x H200), the larger counts of that range
+    are as fast or faster (rows land earlier, fewer tiles wait). So among near-ties the
+    count closest to the one that fills the link wins (layer1: the smallest, since its
+    comm blocks leave the GEMM for good)."""
+    times = {n: predicted_time(work, n, programs, machine) for n in range(programs // 2 + 1)}
+    best = min(times.values())
+    ties = [n for n, t in times.items() if t <= best * (1 + TIE)]
+    if work.reduce:
+        return min(ties)
+    fill = machine.link_bw / machine.per_block_bw
+    return min(ties, key=lambda n: (abs(n - fill), n))
