@@ -92,8 +92,8 @@ def test_analytic_split_balances_comm_and_compute():
     # A layer with (almost) no GEMM has nothing to hide its communication behind: moving
     # the rows with every block first is at least as fast as any split.
     comm_only = layer_work(4096, 4, 2, 4096, 16)[0]
-    assert predicted_time(comm_only, 0, 132) <= min(predicted_time(comm_only, k, 132)
-                                                    for k in range(1, 67))
+    assert predicted_time(comm_only, 0, 132) <= 1.01 * min(predicted_time(comm_only, k, 132)
+                                                           for k in range(1, 67))
 
 
 def test_tune_cli_parses_configs(tmp_path):
