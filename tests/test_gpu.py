@@ -201,11 +201,26 @@ def test_timeline_records_both_roles():
     assert roles == {("layer0", "comm"), ("layer0", "compute"), ("layer1", "comm"),
                      ("layer1", "compute")}
     assert all(r["end_ns"] >= r["start_ns"] >= 0 for r in records)
-    # Only the 4 comm blocks push; once done they take GEMM tiles from the queue, and
-    # GEMM blocks out of tiles take reduce items.
     pushes = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "comm")}
-    assert pushes <= set(range(4))
+    assert pushes <= set(range(4)), "only the comm blocks push"
+
+
+def test_blocks_change_role_at_full_size():
+    """Full Mixtral layer, 2048 tokens: the 16 comm blocks finish pushing long before the
+    GEMM ends and take tiles from the queue; GEMM blocks out of tiles take reduce items."""
+    from comet.config import PRESETS
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS["mixtral"].replace(max_tokens=2048)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
+    layer = FusedMoE(cfg, w13, w2, check_errors="sync")
+    x, ids, w = _inputs(layer, "random", g, tokens=2048)
+    records = layer.timeline(x, ids, w, comm_blocks=(16, 16))
+    comm = set(range(16))
     tiles0 = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "compute")}
-    assert tiles0 & set(range(4)), "comm blocks never joined the GEMM"
+    assert tiles0 & comm, "no comm block joined the layer0 GEMM"
     reducers = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer1", "comm")}
-    assert reducers - set(range(4)), "no GEMM block joined the reduce"
+    assert reducers - comm, "no GEMM block joined the layer1 reduce"
+    y = layer(x, ids, w)
+    ref = reference.moe_forward(x, ids, w, w13, w2, round_to=cfg.dtype)
+    assert _rel_err(y, ref) < 2e-2
