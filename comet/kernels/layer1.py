@@ -194,7 +194,7 @@ def layer1_kernel(
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
-    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
+    comm, _, _ = assign_role(split_ptr, ROLE)   # queues, not program ids, hand out work
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMM:
         if comm == 0:
