@@ -215,9 +215,9 @@ class FusedMoE:
         self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
         self._static = _StaticInputs(cfg, self.device)
-        self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}
         self._trace: dict[str, torch.Tensor] | None = None
-        self._compiled: set[tuple[str, bool, bool]] = set()
+        self._compiled: set[tuple[str, bool]] = set()
 
     # ------------------------------------------------------------------ split
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
@@ -366,7 +366,9 @@ class FusedMoE:
         s.ids[:m].copy_(topk_ids)
         s.ids[m:].fill_(-1)
         s.weights[:m].copy_(topk_weights)
-        key = (mode, n0 > 0, n1 > 0)
+        # Only layer0's split changes the launches (0: two launches); layer1 is one launch
+        # for any split, which the kernel reads on the device.
+        key = (mode, n0 > 0)
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled:
@@ -374,7 +376,7 @@ class FusedMoE:
                 self._graphs[key] = self._capture(key)
             self._graphs[key].replay()
         else:
-            self._body(mode, key[1:], timer or PhaseTimer())
+            self._body(mode, key[1], timer or PhaseTimer())
             if graphable:
                 self._compiled.add(key)
         return y
@@ -395,7 +397,7 @@ class FusedMoE:
                    torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
         self.ws.fatal_word[0].fill_(TIMEOUT_CODE)
-        for split in ((1, 1), (0, 0), (1, 0), (0, 1)):
+        for split in ((1, 1), (0, 0)):
             for _ in range(2):
                 self._launch(*nothing, split, mode, None)
         if dev.type == "cuda":
@@ -446,7 +448,7 @@ class FusedMoE:
             r["end_ns"] -= t0
         return records
 
-    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[str, bool]) -> torch.cuda.CUDAGraph:
         """Record one fused call on the static buffers (records; executes nothing, so
         every rank still makes exactly one real call per user call). Not through
         ``torch.cuda.graph``, whose entry synchronises the device: calls in flight wait
@@ -458,13 +460,13 @@ class FusedMoE:
         with torch.cuda.stream(stream):
             graph.capture_begin()
             try:
-                self._body(key[0], key[1:], PhaseTimer())
+                self._body(key[0], key[1], PhaseTimer())
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
-    def _body(self, mode: str, has_comm_blocks: tuple[bool, bool], timer: PhaseTimer) -> None:
+    def _body(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer) -> None:
         """One call on the staged inputs (``self._static``); see the module docstring.
         A layer0 split with no comm blocks runs its two roles as two launches."""
         ws, cfg, tile, s = self.ws, self.cfg, self.tile, self._static
@@ -474,7 +476,7 @@ class FusedMoE:
         # layer0 needs a comm block to dispatch; layer1 with none is "GEMM, then reduce on
         # every block" in one launch.
         fused = mode == "fused" and not L.interpreting()
-        fused0, fused1 = fused and has_comm_blocks[0], fused
+        fused0, fused1 = fused and layer0_comm_blocks, fused
         x_addr, y_addr = s.addr[0:1], s.addr[1:2]
         split0, split1 = s.split[0:1], s.split[1:2]
         w13, w2 = self.w13, self.w2
