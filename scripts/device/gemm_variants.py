@@ -1,0 +1,204 @@
+"""Where the GroupGEMM loses to torch: the same tile body under different tile loops.
+
+Experiment, one GPU. For each preset's EP=4 per-rank GEMM (uniform routing, rows grouped
+by expert), time comet's ``gemm_tile`` (the body both layer kernels use) driven by:
+
+* ``queue``  -- a device work queue (``take``), as the layer kernels do now;
+* ``static`` -- a persistent grid striding over work items (no atomics);
+* ``flat``   -- the same stride loop as ``tl.range(..., flatten=True)``, which lets
+  Triton's pipeliner prefetch the next tile's operands during this tile's epilogue;
+* ``batch``  -- the queue, but one atomic takes ``BATCH`` consecutive items, looped
+  with ``flatten=True`` (epilogue overlap inside a batch, queue between batches);
+* ``grid``   -- one program per work item (no persistence);
+
+against ``torch._grouped_mm`` on the same rows. Prints one JSON line per record and
+writes them to ``$OUT/gemm_variants.json``.
+
+    PYTHONPATH=. python3 scripts/device/gemm_variants.py [--configs qwen2-moe mixtral]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from comet.config import preset
+from comet.kernels.group_gemm import gemm_tile, grouped_work
+from comet.kernels.sync import take
+
+LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4}
+
+
+@triton.jit
+def _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end, num_tiles,
+          n_blocks, K, N, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t, nb = grouped_work(w, num_tiles, n_blocks)
+    expert = tl.load(tile_expert + t)
+    r0 = tl.load(tile_row_start + t)
+    r1 = tl.load(tile_row_end + t)
+    gemm_tile(a_desc, b_desc, c_ptr, N, expert, r0, r1, nb * BLOCK_N, K, N, GATED, N,
+              BLOCK_M, BLOCK_N, BLOCK_K, "tf32")
+
+
+@triton.jit
+def variant_kernel(a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                   num_tiles_ptr, queue, K, N, LOOP: tl.constexpr, BATCH: tl.constexpr,
+                   GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    num_tiles = tl.load(num_tiles_ptr)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    total = num_tiles * n_blocks
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if LOOP == 0:
+        w = take(queue)
+        while w < total:
+            _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+            w = take(queue)
+    elif LOOP == 1:
+        for w in range(pid, total, nprog):
+            _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif LOOP == 2:
+        for w in tl.range(pid, total, nprog, flatten=True):
+            _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif LOOP == 3:
+        base = tl.atomic_add(queue, BATCH, sem="relaxed", scope="gpu")
+        while base < total:
+            for w in tl.range(base, tl.minimum(base + BATCH, total), flatten=True):
+                _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                      num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+            base = tl.atomic_add(queue, BATCH, sem="relaxed", scope="gpu")
+    else:
+        _item(pid, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+              num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def median_us(fn, iters=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def tile_table(counts, block_m):
+    experts, starts, ends = [], [], []
+    row = 0
+    for e, c in enumerate(counts):
+        for r in range(row, row + c, block_m):
+            experts.append(e)
+            starts.append(r)
+            ends.append(min(r + block_m, row + c))
+        row += c
+    dev = "cuda"
+    return (torch.tensor(experts, dtype=torch.int32, device=dev),
+            torch.tensor(starts, dtype=torch.int32, device=dev),
+            torch.tensor(ends, dtype=torch.int32, device=dev))
+
+
+def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
+    """Time one layer's GEMM (``a [R, K]`` rows by expert, ``b [El, K, N']``)."""
+    bm, bn, bk, warps, stages = tile
+    el, k, n_full = b.shape
+    n = n_full // 2 if gated else n_full
+    c = torch.empty(a.shape[0], n, device="cuda", dtype=a.dtype)
+    te, ts, tend = tile_table(counts, bm)
+    num_tiles = torch.tensor([te.numel()], dtype=torch.int32, device="cuda")
+    queue = torch.zeros(1, dtype=torch.int32, device="cuda")
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(b.view(el * k, n_full), [bk, bn])
+    items = te.numel() * triton.cdiv(n, bn)
+    flops = 2.0 * a.shape[0] * k * n_full
+    offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).to(torch.int32)
+    bt = b.transpose(1, 2).contiguous().transpose(1, 2)
+    ref = torch._grouped_mm(a, bt, offs=offs)
+    if gated:
+        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+    t_us = median_us(lambda: torch._grouped_mm(a, bt, offs=offs))
+    recs = []
+    for loop in loops:
+        grid = items if loop == "grid" else sms
+
+        def call():
+            queue.zero_()
+            variant_kernel[(grid,)](a_desc, b_desc, c, te, ts, tend, num_tiles, queue, k, n,
+                                    LOOP=LOOPS[loop], BATCH=batch, GATED=gated, BLOCK_M=bm,
+                                    BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                    num_stages=stages)
+        rec = dict(config=name, layer=layer, loop=loop, tile=list(tile), rows=a.shape[0],
+                   experts=el, K=k, N=n_full, torch_us=t_us,
+                   torch_tflops=flops / t_us / 1e6)
+        try:
+            c.zero_()
+            call()
+            torch.cuda.synchronize()
+            err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+            us = median_us(call)
+            rec.update(us=us, tflops=flops / us / 1e6, ratio=t_us / us, rel_err=err)
+        except Exception as e:   # a variant that does not compile is a result too
+            rec.update(error=repr(e)[:300])
+        print(json.dumps(rec), flush=True)
+        recs.append(rec)
+    return recs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+",
+                    default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--loops", nargs="+", default=list(LOOPS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tile0", default="128,128,64,8,3", help="BM,BN,BK,warps,stages")
+    ap.add_argument("--tile1", default="128,256,64,8,3")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "gemm_variants.json"))
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t0 = tuple(map(int, args.tile0.split(",")))
+    t1 = tuple(map(int, args.tile1.split(",")))
+    recs = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in args.configs:
+        cfg = preset(name)
+        el = cfg.num_experts // args.world
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        rows = args.tokens * cfg.top_k
+        counts = [rows // el + (1 if e < rows % el else 0) for e in range(el)]
+        a = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+        w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).bfloat16()
+        w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).bfloat16()
+        hid = torch.randn(rows, f, device="cuda", generator=g).bfloat16()
+        recs += run_layer(name, "layer0", a, w13, counts, True, t0, sms, args.loops, args.batch)
+        recs += run_layer(name, "layer1", hid, w2, counts, False, t1, sms, args.loops,
+                          args.batch)
+        del a, w13, w2, hid
+    with open(args.out, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                   "world": args.world, "records": recs}, fh, indent=1)
+    print(f"{'config':18s} {'layer':6s} " + " ".join(f"{lp:>7s}" for lp in args.loops)
+          + "   (torch / variant time)")
+    for name in args.configs:
+        for layer in ("layer0", "layer1"):
+            row = {r["loop"]: r for r in recs if r["config"] == name and r["layer"] == layer}
+            print(f"{name:18s} {layer:6s} " + " ".join(
+                f"{row[lp].get('ratio', float('nan')):7.2f}" for lp in args.loops))
+
+
+if __name__ == "__main__":
+    main()
