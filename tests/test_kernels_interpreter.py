@@ -286,3 +286,14 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     c = ws.counter_view()
     n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
+
+
+def test_misaligned_inputs_are_staged_through_an_aligned_copy():
+    # The kernels read the input through its address with 16-byte vectors.
+    flat = torch.randn(1 + 4 * 32)
+    view = flat[1:].view(4, 32)          # 4-byte offset
+    assert view.data_ptr() % L.ADDRESS_ALIGN != 0
+    staged = L.aligned(view)
+    assert staged.data_ptr() % L.ADDRESS_ALIGN == 0 and torch.equal(staged, view)
+    ok = flat[:128].view(4, 32)
+    assert L.aligned(ok) is ok

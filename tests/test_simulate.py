@@ -165,10 +165,10 @@ def test_drift_flags_without_epochs_fail(world):
 
 
 def test_drift_dispatch_flags_without_epochs_fail(monkeypatch):
-    # Even with the exchange intact, a flag0 count left by call N satisfies call N + 1's
+    # Even with the exchange intact, chunk flags left set by call N satisfy call N + 1's
     # tile waits before that call's rows landed.
     from comet.scheduler import simulate as sim
-    monkeypatch.setattr(sim, "_published", lambda cfg, epoch, chunks: chunks)
+    monkeypatch.setattr(sim, "_chunk_flag", lambda cfg, epoch: 1)
     calls, w13, w2, mx = _drift_case(4, 11, n_calls=3)
     with pytest.raises(ScheduleError, match="before its rows arrived"):
         for seed in range(10):

@@ -113,6 +113,16 @@ def _asm() -> bool:
     return not interpreting()
 
 
+#: Bytes the kernels assume an address-held buffer is aligned to (kernels.address).
+ADDRESS_ALIGN = 16
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its address is not :data:`ADDRESS_ALIGN`-byte aligned
+    (a view at an odd offset): the kernels read such buffers with 16-byte vectors."""
+    return t if t.data_ptr() % ADDRESS_ALIGN == 0 else t.clone()
+
+
 def address_of(t: torch.Tensor) -> torch.Tensor:
     """A device int64 holding ``t``'s address (kernels load it, so graphs stay valid)."""
     return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
@@ -232,7 +242,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
         p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
         ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
-        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.seq, cfg.max_tokens,
+        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.flag0.shape[1], cfg.max_tokens,
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
         descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
@@ -260,7 +270,8 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         descriptor(ws.h, [tile.block_m, bk]), descriptor(w2.view(el * f, h), [bk, tile.block_n1]),
         ws.out1, f, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
         p["num_tiles"], counters["split"],
-        ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, p["chunks_total"],
+        ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, ws.flag0.shape[1],
+        p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
         counters["l1_done"], counters["l1_queue"], counters["l1_reduce"], ws.epoch,
         ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout, trace,

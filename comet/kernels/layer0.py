@@ -11,11 +11,13 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   every destination's ``a0`` (remote stores beat remote loads on NVLink), destinations in
   the order ``r, r-1, r-2, ...`` so that, at each step, every rank feeds a different peer
   and each destination receives its sources in the order it consumes them (own rank
-  first). After the rows go the *return entries* layer1 will need. Chunks are published
-  in order, so ``flag0[r]`` on a destination counts the chunks of rank ``r`` that landed.
+  first). After the rows go the *return entries* layer1 will need. Each chunk has its
+  own flag, ``flag0[r, c]`` on the destination, set to the call's epoch once chunk ``c``
+  of rank ``r`` landed: chunks publish independently, no chunk waits for another.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
-  before a tile, wait for exactly the sources of its wait set, and of each only for the
-  chunk holding the tile's last row: local rows feed the GEMM as soon as they land.
+  before a tile, wait for exactly the sources of its wait set, and of each for the
+  chunks up to the one holding the tile's last row: local rows feed the GEMM as soon as
+  they land.
   Tiles come from a device work queue in the table's order, and a comm block that has
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call.
@@ -27,24 +29,18 @@ every rank learns the layout of every destination's shared tensor.
 import triton
 import triton.language as tl
 
+from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, take, wait_at_least)
+                                stamp, take, wait_at_least, wait_chunks)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
 SITE_DISPATCH = tl.constexpr(2)
-SITE_DISPATCH_ORDER = tl.constexpr(5)
 
-# Flags of the dispatch hold epoch * TAG + published chunks (see tagged()).
-TAG = tl.constexpr(1 << 32)
-
-
-@triton.jit
-def _peer(table, rank, like_ptr):
-    """Typed pointer to ``rank``'s copy of a symmetric buffer."""
-    return tl.load(table + rank).to(tl.pointer_type(like_ptr.dtype.element_ty))
+# Chunk flags checked per vector load when a tile or the reduce waits for a run of chunks.
+CHUNK_SCAN = tl.constexpr(32)
 
 
 @triton.jit
@@ -75,11 +71,11 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
         slot = (epoch % COUNT_BUFFERS) * WORLD * ROW + rank * ROW
         if healthy(err_table, rank, USE_ASM):    # a failed rank writes nothing into peers
             for p in range(WORLD):
-                dst = _peer(counts_table, p, totals)
+                dst = pointer_at(counts_table, p, totals)
                 tl.store(dst + slot + offs, row, mask=mask)
             barrier()
             for p in range(WORLD):
-                release(_peer(count_flags_table, p, count_flags) + rank, epoch, "sys")
+                release(pointer_at(count_flags_table, p, count_flags) + rank, epoch, "sys")
     if WAIT:
         for s in range(WORLD):
             wait_at_least(count_flags + s, epoch, err_table, SITE_COUNTS, s, rank, timeout,
@@ -120,27 +116,21 @@ def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weig
 
 
 @triton.jit
-def tagged(epoch, count):
-    """A flag value that orders by (epoch, count): stale epochs compare lower."""
-    return epoch.to(tl.int64) * TAG + count
-
-
-@triton.jit
 def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, chunk_slots,
                   epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                   ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    striped over the comm programs. Chunks are *published in order*: after copying chunk
-    ``c`` a program waits (locally) until chunk ``c - 1`` is published, then sets the
-    destination's ``flag0[r] = tagged(epoch, c + 1)``, so a destination sees a growing
-    prefix of this rank's rows and a tile waits only for the chunks it reads. Returns the
-    trace events recorded so far."""
+    striped over the comm programs; after copying chunk ``c`` a program sets the
+    destination's ``flag0[rank, c] = epoch``. No chunk waits for another to publish: an
+    in-order chain (each chunk published after the previous one) cost one system-scope
+    release round trip per chunk in series, which capped dispatch at ~7 us per chunk
+    whatever the number of comm blocks. Returns the trace events recorded so far."""
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
         lo = tl.load(send_off + d)
@@ -148,14 +138,14 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         n_ent = tl.load(ret_count + d)
         row_chunks = tl.cdiv(hi - lo, ROWS)
         total = row_chunks + tl.cdiv(n_ent, ENTRIES)
-        a0 = _peer(a0_table, d, a0_ptr)
+        a0 = pointer_at(a0_table, d, a0_ptr)
         # This rank's region in the destination's return-entry tables.
         region = rank * max_tokens
-        dst_tok = _peer(ret_token_table, d, recv_token) + region
-        dst_rows = _peer(ret_rows_table, d, recv_rows) + region * TOPK
-        dst_w = _peer(ret_weight_table, d, recv_weight) + region * TOPK
+        dst_tok = pointer_at(ret_token_table, d, recv_token) + region
+        dst_rows = pointer_at(ret_rows_table, d, recv_rows) + region * TOPK
+        dst_w = pointer_at(ret_weight_table, d, recv_weight) + region * TOPK
         src = d * max_tokens
-        flag = _peer(flag0_table, d, flag0) + rank
+        flags = pointer_at(flag0_table, d, flag0) + rank * chunk_slots
         for c in range(pid, total, n_prog):
             if TRACE:
                 start = clock_ns(USE_ASM)
@@ -169,35 +159,27 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
                                   e0, tl.minimum(e0 + ENTRIES, n_ent), TOPK, TOPK_P2,
                                   ENTRY_TILE)
-            # Publish in order, and never after a failure: a chunk skipped because the
-            # group failed must not look delivered.
-            if c > 0:
-                ready = wait_at_least(seq + d, tagged(epoch, c), err_table,
-                                      SITE_DISPATCH_ORDER, d, rank, timeout, "gpu", WORLD,
-                                      USE_ASM)
-            else:
-                ready = healthy(err_table, rank, USE_ASM)
-            if ready:
-                release(flag, tagged(epoch, c + 1), "sys")
-                release(seq + d, tagged(epoch, c + 1), "gpu")
+            # Never publish after a failure: a chunk skipped because the group failed
+            # must not look delivered. (The vote is also the barrier the release needs.)
+            if healthy(err_table, rank, USE_ASM):
+                release(flags + c, epoch, "sys")
             if TRACE:
                 events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
-        if (total == 0) & (pid == 0):
-            if healthy(err_table, rank, USE_ASM):
-                release(flag, tagged(epoch, 0), "sys")
     return events
 
 
 @triton.jit
-def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epoch,
-                err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
+def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, r1, seen,
+                epoch, err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
                 LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Wait until every source in ``wait`` has published the chunk holding its last row
-    in ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many chunks of ``s``
-    are known published, so most tiles cost no flag load at all. It only ever holds
-    waited-for targets, never a raw flag value: every warp must agree on it, or warps
-    would disagree on which tiles wait (see comet.kernels.sync on uniform control flow).
-    ``ok`` is 0 once a wait gave up."""
+    """Wait until every source in ``wait`` has published its chunks up to the one holding
+    its last row in ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many
+    leading chunks of ``s`` are known published, so most tiles cost no flag load at all
+    (waiting for the whole prefix rather than the tile's own chunks keeps that cache a
+    single number; chunks land roughly in order anyway). It only ever holds waited-for
+    counts, never a raw flag value: every warp must agree on it, or warps would disagree
+    on which tiles wait (see comet.kernels.sync on uniform control flow). ``ok`` is 0
+    once a wait gave up."""
     ranks = tl.arange(0, W_P2)
     ok = tl.full([], 1, tl.int32)
     for s in range(WORLD):
@@ -209,8 +191,9 @@ def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epo
             need = (tl.load(pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
             have = tl.sum(tl.where(ranks == s, seen, 0), axis=0)
             if need > have:
-                got = wait_at_least(flag0 + s, tagged(epoch, need), err_table, SITE_DISPATCH,
-                                    s, rank, timeout, "sys", WORLD, USE_ASM)
+                got = wait_chunks(flag0 + s * chunk_slots, have, need, epoch, err_table,
+                                  SITE_DISPATCH, s, rank, timeout, "sys", WORLD, CHUNK_SCAN,
+                                  USE_ASM)
                 ok = ok & got
                 seen = tl.where((ranks == s) & (got != 0), need, seen)
     return seen, ok
@@ -220,7 +203,7 @@ def _await_rows(flag0, seg_start, seg_rows, pre, wait, expert, r0, r1, seen, epo
 def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
-                        flag0, epoch, err_table, rank, timeout, trace_ptr, events,
+                        flag0, chunk_slots, epoch, err_table, rank, timeout, trace_ptr, events,
                         WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
@@ -245,9 +228,10 @@ def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
         r1 = tl.load(tile_row_end + t)
         ready = 1
         if WAIT:
-            seen, ready = _await_rows(flag0, seg_start, seg_rows, pre, tl.load(tile_wait + t),
-                                      expert, r0, r1, seen, epoch, err_table, rank, timeout,
-                                      WORLD, W_P2, LOCAL_EXPERTS, ROWS, USE_ASM)
+            seen, ready = _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre,
+                                      tl.load(tile_wait + t), expert, r0, r1, seen, epoch,
+                                      err_table, rank, timeout, WORLD, W_P2, LOCAL_EXPERTS,
+                                      ROWS, USE_ASM)
             fence_async_proxy(USE_ASM)
         if ready:   # after a failure the call's output is void: skip the GEMMs
             gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
@@ -262,7 +246,7 @@ def layer0_kernel(
     # dispatch (comm role); the input's address is read on the device (graph replays)
     x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
     a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    recv_token, recv_rows, recv_weight, seq, max_tokens,
+    recv_token, recv_rows, recv_weight, chunk_slots, max_tokens,
     # GroupGEMM (compute role)
     a0_ptr, a_desc, w13_desc, h_ptr, H, F,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
@@ -280,7 +264,7 @@ def layer0_kernel(
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
-    x_ptr = tl.load(x_addr).to(tl.pointer_type(a0_ptr.dtype.element_ty))
+    x_ptr = pointer_at(x_addr, 0, a0_ptr)
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
@@ -288,7 +272,8 @@ def layer0_kernel(
             events = dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
                           ret_token, ret_rows, ret_weight, ret_count,
                           a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                          flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0, seq,
+                          flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0,
+                          chunk_slots,
                           epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
                           WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
                           COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
@@ -297,7 +282,8 @@ def layer0_kernel(
     if ROLE != ROLE_COMM:
         layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
-                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, epoch, err_table,
+                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
+                            epoch, err_table,
                             rank, timeout, trace_ptr, events, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
                             DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
                             MAX_EVENTS, USE_ASM)

@@ -31,10 +31,12 @@ that token was sent to, always in rank order 0..W-1: the result does not depend 
 import triton
 import triton.language as tl
 
+from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import column_work, gemm_tile
-from comet.kernels.layer0 import TAG
-from comet.kernels.sync import arrive, clock_ns, healthy, release, stamp, take, wait_at_least
+from comet.kernels.layer0 import CHUNK_SCAN
+from comet.kernels.sync import (arrive, clock_ns, healthy, release, stamp, take, wait_at_least,
+                                wait_chunks)
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
@@ -120,8 +122,8 @@ def _reduce_item(i, rank, entries, WORLD: tl.constexpr, ITEM: tl.constexpr):
 
 @triton.jit
 def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
-                     flag0, chunks_total, comb_table, comb_ptr, flag1_table, flag1,
-                     split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
+                     flag0, chunk_slots, chunks_total, comb_table, comb_ptr, flag1_table,
+                     flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
                      max_tokens, timeout, trace_ptr, events,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
                      ENTRIES: tl.constexpr, ITEM: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -130,11 +132,11 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
     """Reduce the top-k rows of every return entry into the sources' ``comb`` buffers
     (see module doc), items from the reduce queue ``queue``; an item of split ``s`` waits
     until all of split ``s``'s tiles are counted. A source's return entries travel after
-    its rows in layer0; its flag0 reaching ``chunks_total`` says they all landed. Every
+    its rows in layer0: all ``chunks_total`` of its chunk flags set say they landed. Every
     block of the launch runs this, and the last one to finish releases ``flag1``."""
     for s in range(WORLD):
-        wait_at_least(flag0 + s, epoch.to(tl.int64) * TAG + tl.load(chunks_total + s),
-                      err_table, SITE_ENTRIES, s, rank, timeout, "sys", WORLD, USE_ASM)
+        wait_chunks(flag0 + s * chunk_slots, 0, tl.load(chunks_total + s), epoch, err_table,
+                    SITE_ENTRIES, s, rank, timeout, "sys", WORLD, CHUNK_SCAN, USE_ASM)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
@@ -157,7 +159,7 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
             ready_split = split
         if ready:
             col0 = split * split_cols
-            dst = tl.load(comb_table + source).to(tl.pointer_type(comb_ptr.dtype.element_ty))
+            dst = pointer_at(comb_table, source, comb_ptr)
             region = source * max_tokens
             _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
                             recv_rows + region * TOPK, recv_weight + region * TOPK, first,
@@ -173,7 +175,7 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
     if arrive(done_counter, "sys") == tl.num_programs(0) - 1:
         if healthy(err_table, rank, USE_ASM):
             for s in range(WORLD):
-                flag = tl.load(flag1_table + s).to(tl.pointer_type(flag1.dtype.element_ty))
+                flag = pointer_at(flag1_table, s, flag1)
                 release(flag + rank, epoch, "sys")
 
 
@@ -181,7 +183,7 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
 def layer1_kernel(
     h_desc, w2_desc, out1_ptr, F, H,
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-    recv_token, recv_rows, recv_weight, entries, flag0, chunks_total,
+    recv_token, recv_rows, recv_weight, entries, flag0, chunk_slots, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
     done_counter, gemm_queue, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
     split_ptr, timeout_ptr, trace_ptr,
@@ -207,10 +209,10 @@ def layer1_kernel(
     # splits runs on the whole GPU instead of the comm blocks alone.
     if ROLE != ROLE_COMPUTE:
         reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                         entries, flag0, chunks_total, comb_table, comb_ptr, flag1_table,
-                         flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table,
-                         rank, max_tokens, timeout, trace_ptr, events, WAIT, WORLD, TOPK,
-                         COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT,
+                         entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
+                         flag1_table, flag1, split_done, done_counter, num_tiles_ptr, epoch,
+                         err_table, rank, max_tokens, timeout, trace_ptr, events, WAIT, WORLD,
+                         TOPK, COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT,
                          TRACE, MAX_EVENTS, USE_ASM)
 
 
@@ -225,7 +227,7 @@ def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_
     output's address are read on the device, so one captured launch serves every call."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    y_ptr = tl.load(y_addr).to(tl.pointer_type(comb_ptr.dtype.element_ty))
+    y_ptr = pointer_at(y_addr, 0, comb_ptr)
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     num_tokens = tl.load(num_tokens_ptr)

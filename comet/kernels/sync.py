@@ -203,6 +203,32 @@ def wait_at_least(flag_ptr, target, err_table, site, index, rank, timeout,
 
 
 @triton.jit
+def wait_chunks(flags, lo, hi, target, err_table, site, index, rank, timeout,
+                SCOPE: tl.constexpr, WORLD: tl.constexpr, SCAN: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """Spin until ``flags[c] >= target`` for every ``c`` in ``[lo, hi)`` (per-chunk
+    flags, each published on its own). Checks ``SCAN`` flags with one vector of acquire
+    loads, so flags that are already set cost one round trip per ``SCAN``; a flag not yet
+    set is waited for with :func:`wait_at_least`. Returns 1 or 0 in every thread, as
+    :func:`wait_at_least` does, and ends with a block barrier."""
+    ok = tl.full([], 1, tl.int32)
+    for c0 in range(lo, hi, SCAN):
+        if ok != 0:
+            idx = c0 + tl.arange(0, SCAN)
+            live = idx < hi
+            v = _ld_acquire(flags + tl.where(live, idx, lo), SCOPE, USE_ASM)
+            mine = tl.min(((v >= target) | (live == 0)).to(tl.int32), axis=0)
+            if vote_all(mine, USE_ASM) == 0:
+                for c in range(c0, tl.minimum(c0 + SCAN, hi)):
+                    if ok != 0:
+                        ok = wait_at_least(flags + c, target, err_table, site, index, rank,
+                                           timeout, SCOPE, WORLD, USE_ASM)
+    if hi <= lo:
+        barrier()
+    return ok
+
+
+@triton.jit
 def fence_async_proxy(USE_ASM: tl.constexpr):
     """Order this thread's generic-proxy view (the acquire that saw a flag) before the
     async-proxy (TMA) loads that follow: peers wrote the rows with ordinary stores."""

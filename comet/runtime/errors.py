@@ -26,7 +26,6 @@ SITES = {
     2: ("layer0", "dispatched rows (flag0[{index}]) from rank {index}"),
     3: ("layer1", "GroupGEMM tiles of column split {index} (local)"),
     4: ("combine", "partial outputs (flag1[{index}]) from rank {index}"),
-    5: ("layer0", "its own comm block publishing the previous chunk to rank {index} (local)"),
     6: ("layer1", "return entries (flag0[{index}]) from rank {index}"),
 }
 

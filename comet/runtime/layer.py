@@ -358,6 +358,7 @@ class FusedMoE:
         if timeout != self._timeout:
             self.ws.timeout.fill_(timeout)
             self._timeout = timeout
+        x = L.aligned(x)
         s.addr[0].fill_(x.data_ptr())
         s.addr[1].fill_(y.data_ptr())
         s.num_tokens.fill_(m)

@@ -53,6 +53,7 @@ class VirtualEP:
             L.launch_exchange(self.ws[r], cfg, L.PHASE_WAIT)
             L.launch_layout(self.ws[r], cfg, tile)
             L.launch_place(self.ws[r], cfg, topk_ids[r], topk_weights[r])
+        xs = [L.aligned(x) for x in xs]
         x_addr = [L.address_of(x) for x in xs]
         unused = L.split_of(0, self.device)      # roles launched apart: no split to read
         dispatchers = 1 if L.interpreting() else comm_programs

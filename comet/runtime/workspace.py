@@ -52,8 +52,16 @@ class BufferSpec:
     dtype: torch.dtype
 
 
-def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
-    """The buffers peers write into (identical layout on every rank)."""
+def chunk_slots(cfg: MoEConfig, world: int, tile) -> int:
+    """Dispatch chunks one source may send one destination at most (its rows, then its
+    return entries; see comet.kernels.layer0.dispatch_role): the stride of ``flag0``."""
+    rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.top_k) // world
+    return -(-rows_from_one // tile.comm_rows) + -(-cfg.max_tokens // tile.dispatch_entries)
+
+
+def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
+    """The buffers peers write into (identical layout on every rank); ``tile`` sizes the
+    dispatch chunk flags."""
     el = cfg.num_experts // world
     mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
     rows = recv_capacity(world, mx, k)
@@ -65,7 +73,8 @@ def symmetric_specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
         BufferSpec("ret_token", (world, mx), torch.int32),              # return entries by source
         BufferSpec("ret_rows", (world, mx, k), torch.int32),
         BufferSpec("ret_weight", (world, mx, k), torch.float32),
-        BufferSpec("flag0", (world,), torch.int64),                     # chunks landed, by source
+        # [source, chunk]: epoch of the call whose chunk landed
+        BufferSpec("flag0", (world, chunk_slots(cfg, world, tile)), torch.int64),
         BufferSpec("comb", (world, mx, h), cfg.dtype),                  # partial outputs, by expert rank
         BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
@@ -147,7 +156,6 @@ class Workspace:
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
     counters: torch.Tensor    # int32, see counter_view()
     epoch: torch.Tensor       # int64 [1]
-    seq: torch.Tensor         # int64 [W] dispatch chunks published per destination (local)
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
@@ -180,7 +188,7 @@ class Workspace:
         :meth:`comet.runtime.layer.FusedMoE.reset`."""
         for name in ("count_flags", "flag0", "flag1", "error"):
             self.buffers[name].zero_()
-        for t in (self.epoch, self.counters, self.seq):
+        for t in (self.epoch, self.counters):
             t.zero_()
 
     def counter_view(self) -> dict[str, torch.Tensor]:
@@ -209,9 +217,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
                            dtype=torch.int32,
                            device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
-    seq = torch.zeros(world, dtype=torch.int64, device=device)
     timeout = torch.full((1,), timeout_ns(), dtype=torch.int64, device=device)
-    return (h, out1, counters, epoch, seq, timeout,
+    return (h, out1, counters, epoch, timeout,
             plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
 
 
@@ -219,7 +226,7 @@ def allocate_virtual(cfg: MoEConfig, world: int, device, tile) -> list[Workspace
     """W workspaces in one process whose peer tables point at each other: for tests of the
     kernels' cross-rank logic on one device (or the CPU under the Triton interpreter).
     ``tile``: the kernels' :class:`comet.kernels.launch.TileConfig` (sizes the tables)."""
-    specs = symmetric_specs(cfg, world)
+    specs = symmetric_specs(cfg, world, tile)
     offsets, total = _layout(specs)
     storages = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world)]
     bases = [s.data_ptr() for s in storages]
@@ -241,7 +248,7 @@ def allocate_symmetric(cfg: MoEConfig, group, device, tile) -> Workspace:
 
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    specs = symmetric_specs(cfg, world)
+    specs = symmetric_specs(cfg, world, tile)
     offsets, total = _layout(specs)
     storage = symm_mem.empty(total, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(storage, group=group)

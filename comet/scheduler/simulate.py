@@ -9,11 +9,10 @@ a random (seeded) order, running one work item at a time:
   call's epoch parity and publishes ``count_flags``; the layout reads the counts back and
   builds the call's routing plan and tile table from *what it read*;
 * a layer0 comm program pushes a chunk of rows (or return entries) to a destination and
-  publishes it once the previous chunk is published, so the destination's flag for this
-  source counts a prefix of landed chunks;
+  publishes that chunk's own flag (no chunk waits for another);
 * a layer0 compute program may start a tile only once every source of its wait set has
-  published the chunk holding the tile's last row from it, and then asserts that *every
-  row it reads has arrived* -- the wait is sufficient;
+  published every chunk up to the one holding the tile's last row from it, and then
+  asserts that *every row it reads has arrived* -- the wait is sufficient;
 * a layer1 compute program counts its tile for its column split; a reduce item may run
   only when its split's count is complete, and asserts that every element it reads was
   computed; the combine waits for every rank's flag and asserts every partial row it
@@ -53,10 +52,6 @@ from comet.scheduler.plan import build_tile_table, column_work, grouped_work
 #: on whatever rows are in place -- exchange and layout, then no dispatch, no waits, no
 #: reduce, no combine.
 MODES = ("fused", "compute_only")
-
-#: Dispatch flags hold ``epoch * TAG + chunks`` (kernels.layer0.TAG).
-TAG = 1 << 32
-
 
 class ScheduleError(AssertionError):
     """A tile ran before its data, a read saw another call's data, a wait could never be
@@ -114,9 +109,9 @@ def _done(cfg: SimConfig, epoch: int) -> int:
     return epoch if cfg.epoch_flags else 1
 
 
-def _published(cfg: SimConfig, epoch: int, chunks: int) -> int:
-    """Value of a flag0 entry once call ``epoch`` published ``chunks`` chunks."""
-    return epoch * TAG + chunks if cfg.epoch_flags else chunks
+def _chunk_flag(cfg: SimConfig, epoch: int) -> int:
+    """Value of a flag0 chunk flag set by call ``epoch`` (kernels.layer0.dispatch_role)."""
+    return _done(cfg, epoch)
 
 
 class _Tags:
@@ -165,7 +160,7 @@ class _Rank:
         self.ret_rows = torch.full((world, max_tokens, top_k), -1, dtype=torch.int64)
         self.ret_w = torch.zeros(world, max_tokens, top_k)
         self.ret_tag = _Tags("return entries", r, (world, max_tokens))
-        self.flag0 = [0] * world
+        self.flag0 = [{} for _ in range(world)]     # [source][chunk], unset: 0
         self.comb = torch.zeros(world, max_tokens, h_dim)
         self.comb_tag = _Tags("comb", r, (world, max_tokens, n_splits))
         self.flag1 = [0] * world
@@ -197,7 +192,6 @@ class _Call:
         self.chunks_total = [_cdiv(int(pairs[s].sum()), cfg.comm_rows)
                              + _cdiv(int(counts_all[s, r, -1]), cfg.comm_entries)
                              for s in range(world)]
-        self.published = [0] * world        # chunks this rank published to each dest
         h_dim = self.w2.shape[2]
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
         # Work queues (kernels.sync.take): next item of layer0's GEMM, layer1's GEMM and
@@ -339,9 +333,7 @@ def _layout_program(rk: _Rank, n: int, x, ids, wts, w13, w2, max_tokens: int,
 
 def _dispatch_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
     """layer0 comm role of one program (kernels.layer0.dispatch_role): chunks striped over
-    programs, each published after the previous one (so a destination sees a prefix). A
-    destination with no chunks still gets ``flag0 = (epoch, 0)``: the reduce's wait for
-    all chunks must not be satisfied by a flag of an earlier call."""
+    programs, each published on its own flag as soon as it is copied."""
     world, n, s = call.world, call.n, call.send
     for o in range(world):
         d = (rk.r - o) % world
@@ -366,22 +358,22 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
                 dst.ret_rows[rk.r, q] = s.ret_rows[d, q].long()
                 dst.ret_w[rk.r, q] = s.ret_weight[d, q]
                 dst.ret_tag.write((rk.r, q), n, rk.r)
-            yield lambda d=d, c=c: call.published[d] == c
-            call.published[d] = c + 1
-            dst.flag0[rk.r] = _published(cfg, n, c + 1)
-            yield None
-        if total == 0 and pid == 0:
-            dst.flag0[rk.r] = _published(cfg, n, 0)
+            dst.flag0[rk.r][c] = _chunk_flag(cfg, n)
             yield None
 
 
 def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) -> int:
-    """Published chunks of source ``s`` that cover the tile's last row from ``s``
+    """Leading chunks of source ``s`` up to the one holding the tile's last row from ``s``
     (kernels.layer0._await_rows)."""
     o = (s - call.r) % call.world
     seg0 = int(call.seg_start[o, expert])
     last = min(r1, seg0 + int(call.seg_rows[o, expert])) - 1 - seg0
     return (int(call.pre[s, expert]) + last) // cfg.comm_rows + 1
+
+
+def _landed(rk: _Rank, s: int, chunks: int, value: int) -> bool:
+    """Have chunks ``[0, chunks)`` of source ``s`` landed on ``rk`` (flags >= value)?"""
+    return all(rk.flag0[s].get(c, 0) >= value for c in range(chunks))
 
 
 def _chain(*programs):
@@ -403,9 +395,8 @@ def _layer0_program(rk: _Rank, call: _Call, wait: bool, cfg: SimConfig):
         if wait:
             mask = int(t.wait_mask[tile])
             sources = [s for s in range(call.world) if mask >> s & 1]
-            need = {s: _published(cfg, n, _chunks_needed(call, s, e, r1, cfg))
-                    for s in sources}
-            yield lambda: all(rk.flag0[s] >= v for s, v in need.items())
+            need = {s: _chunks_needed(call, s, e, r1, cfg) for s in sources}
+            yield lambda: all(_landed(rk, s, c, _chunk_flag(cfg, n)) for s, c in need.items())
             rk.a0_tag.check(slice(r0, r1), n, f"rank {rk.r} call {n} tile {tile} (rows "
                             f"{r0}:{r1}) ran before its rows arrived; wait set {sources}")
         c0, c1 = nb * cfg.block_n0, min((nb + 1) * cfg.block_n0, f_dim)
@@ -443,8 +434,8 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig
     h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
     # Return entries travel after the rows: all of a source's chunks must have landed.
-    need = [_published(cfg, n, c) for c in call.chunks_total]
-    yield lambda: all(rk.flag0[s] >= need[s] for s in range(world))
+    yield lambda: all(_landed(rk, s, call.chunks_total[s], _chunk_flag(cfg, n))
+                      for s in range(world))
     for s in range(world):
         rk.ret_tag.check((s, slice(0, call.entries[s])), n,
                          f"rank {rk.r} call {n} reduce, return entries from rank {s}")
