@@ -147,6 +147,24 @@ def test_thousand_back_to_back_calls():
     assert int(layer.ws.epoch) == 1000
 
 
+def test_scalar_staging_survives_a_full_ring():
+    # The GPU sleeps while the host makes more calls than the pinned ring of staged
+    # scalars holds: calls past the ring stage with device fills; every output, with its
+    # own token count and input address, must still be right.
+    layer, g = _fused("qwen2-moe", torch.bfloat16, max_tokens=128)
+    x, ids, w = _inputs(layer, "random", g, tokens=64)
+    layer(x, ids, w)
+    torch.cuda.synchronize()
+    inputs = [_inputs(layer, KINDS[i % len(KINDS)], g, tokens=1 + i % 128)
+              for i in range(3 * layer._static.RING)]
+    torch.cuda._sleep(1_000_000_000)
+    outputs = [layer(*args) for args in inputs]
+    layer.check_errors_now()
+    for (x, ids, w), y in zip(inputs, outputs):
+        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        assert _rel_err(y, ref) < 1e-2
+
+
 def test_bad_inputs_raise_before_launch_and_leave_the_layer_usable():
     layer, g = _fused("mixtral", torch.bfloat16, max_tokens=64)
     x, ids, w = _inputs(layer, "random", g, tokens=32)

@@ -129,8 +129,8 @@ def address_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_of(n_comm: int, device) -> torch.Tensor:
-    """A device int32 holding a comm-block count (read by the fused kernels)."""
-    return torch.full((1,), n_comm, dtype=torch.int32, device=device)
+    """A device int64 holding a comm-block count (read by the fused kernels)."""
+    return torch.full((1,), n_comm, dtype=torch.int64, device=device)
 
 
 # ----------------------------------------------------------------------- plan

@@ -85,18 +85,54 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
 
 class _StaticInputs:
     """Fixed-address staging for one call, so a captured graph serves every call:
-    routing padded to ``max_tokens`` with id -1, token count and comm-block split as
-    device scalars, and the input/output addresses (``addr[0]``, ``addr[1]``) read by the
-    kernels on the device."""
+    routing padded to ``max_tokens`` with id -1, and the call's scalars -- input/output
+    addresses (``addr``), token count, comm-block split -- in one int64 device buffer the
+    kernels read.
+
+    The scalars reach the device in one copy from a pinned host ring rather than one fill
+    per scalar: each small device op costs the host ~8-11 us (H100,
+    ``h100-host-cost.json``), and a decode-sized call is host-bound."""
+
+    #: Calls whose scalar copies may be pending at once; a call that finds its ring slot
+    #: still pending stages with device fills instead (the host never waits).
+    RING = 32
 
     def __init__(self, cfg: MoEConfig, device):
         self.ids = torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64,
                               device=device)
         self.weights = torch.zeros(cfg.max_tokens, cfg.top_k, dtype=torch.float32,
                                    device=device)
-        self.num_tokens = torch.zeros(1, dtype=torch.int32, device=device)
-        self.split = torch.zeros(2, dtype=torch.int32, device=device)
-        self.addr = torch.zeros(2, dtype=torch.int64, device=device)
+        self.scalars = torch.zeros(5, dtype=torch.int64, device=device)
+        self.addr = self.scalars[0:2]
+        self.num_tokens = self.scalars[2:3]
+        self.split = self.scalars[3:5]
+        cuda = torch.device(device).type == "cuda"
+        self._ring = (torch.zeros(self.RING, 5, dtype=torch.int64, pin_memory=True)
+                      if cuda else None)
+        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
+        self._next = 0
+
+    def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int) -> None:
+        """Write the call's scalars into :attr:`scalars` (stream-ordered)."""
+        values = [x_addr, y_addr, num_tokens, n0, n1]
+        if self._ring is None:
+            self.scalars.copy_(torch.tensor(values, dtype=torch.int64))
+            return
+        slot = self._next % self.RING
+        pending = self._copied[slot]
+        # Inside a user's graph capture a copy would re-read the ring slot at every
+        # replay; fills capture the values themselves.
+        if torch.cuda.is_current_stream_capturing() or (
+                pending is not None and not pending.query()):
+            for i, v in enumerate(values):
+                self.scalars[i].fill_(v)
+            return
+        self._next += 1
+        self._ring[slot] = torch.tensor(values, dtype=torch.int64)
+        self.scalars.copy_(self._ring[slot], non_blocking=True)
+        if pending is None:
+            pending = self._copied[slot] = torch.cuda.Event()
+        pending.record()
 
 
 def sm_count(device: torch.device) -> int:
@@ -359,11 +395,7 @@ class FusedMoE:
             self.ws.timeout.fill_(timeout)
             self._timeout = timeout
         x = L.aligned(x)
-        s.addr[0].fill_(x.data_ptr())
-        s.addr[1].fill_(y.data_ptr())
-        s.num_tokens.fill_(m)
-        s.split[0].fill_(n0)
-        s.split[1].fill_(n1)
+        s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1)
         s.ids[:m].copy_(topk_ids)
         s.ids[m:].fill_(-1)
         s.weights[:m].copy_(topk_weights)

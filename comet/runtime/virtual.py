@@ -71,7 +71,7 @@ class VirtualEP:
                             comm_programs)
         ys = [torch.empty_like(x) for x in xs]
         for r in ranks:
-            m = torch.full((1,), xs[r].shape[0], dtype=torch.int32, device=self.device)
+            m = torch.full((1,), xs[r].shape[0], dtype=torch.int64, device=self.device)
             L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile, compute_programs)
         for r in ranks:
             raise_if_failed(self.ws[r].fatal_word, r)

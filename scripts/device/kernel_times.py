@@ -1,0 +1,115 @@
+"""Device time of every kernel of one comet call, by kernel, one GPU (profiler).
+
+Experiment: where a call's time goes, kernel by kernel, and what a tile configuration
+changes. A one-rank FusedMoE runs fused calls under torch.profiler; the CUDA time of each
+kernel (plan kernels, layer kernels, combine, torch ops) is averaged per call. With
+``--ep W`` the layer holds E/W experts, which gives one rank of an EP=W layer its GEMM
+shapes (rows per local expert = tokens * top_k * W / E under uniform routing). Under
+torchrun the layer is a real expert-parallel one over all ranks, and each rank reports
+its own kernels (``--modes fused comm_only`` shows what the communication alone costs).
+
+    PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens 128 4096]
+        [--ep 2] [--tiles 128,128,256,8,3 64,64,128,4,4]
+    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/kernel_times.py --modes fused comm_only
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+
+from comet.cli.launch import init_ranks
+from comet.config import preset
+from comet.kernels.launch import TileConfig
+from comet.runtime.layer import FusedMoE
+
+TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages")
+
+
+def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10):
+    base = preset(name)
+    experts = base.num_experts // ep
+    el = experts // world
+    cfg = base.replace(num_experts=experts, top_k=min(base.top_k, experts),
+                       n_group=min(base.n_group, experts), max_tokens=tokens)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).to(cfg.dtype)
+    w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).to(cfg.dtype)
+    layer = FusedMoE(cfg, w13, w2, tile=tile, use_graphs=False)
+    x = torch.randn(tokens, h, device="cuda", dtype=cfg.dtype)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:cfg.top_k]
+                       for _ in range(tokens)])
+    w = torch.rand(ids.shape, device="cuda")
+    for _ in range(3):
+        layer(x, ids, w, mode=mode)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            layer(x, ids, w, mode=mode)
+        torch.cuda.synchronize()
+    layer.check_errors_now()
+    per_kernel = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            per_kernel[e.key[:60]] = e.device_time_total / calls
+    # torch's grouped GEMMs on the same rows (expert-sorted), device time per call.
+    offs = torch.cumsum(torch.bincount(ids.flatten() % el, minlength=el), 0).to(torch.int32)
+    a0 = torch.randn(ids.numel(), h, device="cuda", dtype=cfg.dtype)
+    a1 = torch.randn(ids.numel(), f, device="cuda", dtype=cfg.dtype)
+    b13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    b2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    for _ in range(3):
+        torch._grouped_mm(a0, b13, offs=offs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch._grouped_mm(a0, b13, offs=offs)
+            torch._grouped_mm(a1, b2, offs=offs)
+        torch.cuda.synchronize()
+    torch_us = sum(e.device_time_total for e in prof.key_averages()) / calls
+    rec = dict(config=name, tokens=tokens, ep=ep, mode=mode, world=world,
+               rank=layer.par.rank, torch_gmm_us=torch_us,
+               tile={k: getattr(layer.tile, k) for k in TILE_FIELDS},
+               comm_blocks=list(layer.last_comm_blocks),
+               us_per_call=per_kernel, total_us=sum(per_kernel.values()))
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+",
+                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
+    ap.add_argument("--modes", nargs="+", default=["fused"],
+                    help="FusedMoE modes: fused, sequential, compute_only, comm_only")
+    ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "kernel_times.json"))
+    args = ap.parse_args()
+    tiles = [None] if not args.tiles else [
+        dataclasses.replace(TileConfig(), **dict(zip(TILE_FIELDS, map(int, t.split(",")))))
+        for t in args.tiles]
+    _, world, rank = init_ranks()
+    recs = [run(c, t, args.ep, tile, mode, world) for c in args.configs for t in args.tokens
+            for tile in tiles for mode in args.modes]
+    if rank != 0:
+        return
+    with open(args.out, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh, indent=1)
+    for r in recs:
+        tile = ",".join(str(v) for v in r["tile"].values())
+        k = r["us_per_call"]
+        print(f"{r['config']:18s} {r['tokens']:6d} {r['mode']:12s} {tile:>16s} total {r['total_us']:8.1f} us"
+              f"  layer0 {k.get('layer0_kernel', 0):8.1f}  layer1 {k.get('layer1_kernel', 0):8.1f}"
+              f"  torch gmm {r['torch_gmm_us']:8.1f}")
+        top = sorted(k.items(), key=lambda kv: -kv[1])[:6]
+        print("      " + "  ".join(f"{name.split('<')[0][:28]} {us:.1f}" for name, us in top))
+
+
+if __name__ == "__main__":
+    main()
