@@ -29,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from comet.config import preset
 from comet.kernels.group_gemm import gemm_tile, grouped_work
 from comet.kernels.sync import take
+from gemm_check import median_us   # same folder: scripts/device
 
 LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4}
 
@@ -81,20 +82,6 @@ def variant_kernel(a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_
               num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-def median_us(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def tile_table(counts, block_m):
     experts, starts, ends = [], [], []
     row = 0
@@ -128,7 +115,7 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
     ref = torch._grouped_mm(a, bt, offs=offs)
     if gated:
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-    t_us = median_us(lambda: torch._grouped_mm(a, bt, offs=offs))
+    t_us = median_us(lambda: torch._grouped_mm(a, bt, offs=offs), iters=30)
     recs = []
     for loop in loops:
         grid = items if loop == "grid" else sms
@@ -147,7 +134,7 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
             call()
             torch.cuda.synchronize()
             err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
-            us = median_us(call)
+            us = median_us(call, iters=30)
             rec.update(us=us, tflops=flops / us / 1e6, ratio=t_us / us, rel_err=err)
         except Exception as e:   # a variant that does not compile is a result too
             rec.update(error=repr(e)[:300])
