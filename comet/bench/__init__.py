@@ -7,5 +7,6 @@
 * :mod:`~comet.bench.records` -- the JSON record schema and the derived ratios.
 * :mod:`~comet.bench.report` -- console and markdown tables, the speedup plot.
 * :mod:`~comet.bench.trace` -- per-block timelines as a Chrome/Perfetto trace and a PNG.
-* :mod:`~comet.bench.cutlass_ref` -- hook for a CUTLASS grouped GEMM compute reference.
+* :mod:`~comet.bench.cutlass_ref` -- a CUTLASS Hopper grouped GEMM on the same rows (built
+  with nvcc at first use, loaded with ctypes), the second compute reference.
 """

@@ -193,7 +193,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                                      phase_clock), _LAYER_PHASES["gmm"])
     if cutlass_mm is not None:
         out["cutlass_gmm"] = _Series(timed(_gemm_fn(
-            plans, gmm_rows, w13, w2, lambda a, b, _, offs: cutlass_mm(a, b, offs)),
+            plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
             phase_clock), _LAYER_PHASES["gmm"])
     del gmm_rows
     if st.world > 1:

@@ -232,7 +232,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp)
 
-    cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device)
+    cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device, dtype)
     if cutlass_mm is None:
         notes.append(cutlass_note)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
