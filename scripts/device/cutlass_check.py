@@ -39,6 +39,7 @@ import torch
 
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.config import preset
+from gemm_check import median_us   # same folder: scripts/device
 
 WORLD = 4
 TOL = 1e-2
@@ -74,20 +75,6 @@ def split_rows(total: int, groups: int, kind: str, gen: torch.Generator) -> list
     return [int(c) for c in counts]
 
 
-def median_us(fn, iters: int = 30, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -100,10 +87,10 @@ def check(mm, name: str, layer: str, a: torch.Tensor, b: torch.Tensor, rows: lis
     out = mm(a, b, rows)
     ref = torch._grouped_mm(a, b_kmajor, offs=offs)
     err = rel_err(out, ref)
-    cutlass_us = median_us(lambda: mm(a, b, rows))
-    torch_us = median_us(lambda: torch._grouped_mm(a, b_kmajor, offs=offs))
+    cutlass_us = median_us(lambda: mm(a, b, rows), iters=30)
+    torch_us = median_us(lambda: torch._grouped_mm(a, b_kmajor, offs=offs), iters=30)
     try:
-        torch_nmajor_us = median_us(lambda: torch._grouped_mm(a, b, offs=offs))
+        torch_nmajor_us = median_us(lambda: torch._grouped_mm(a, b, offs=offs), iters=30)
     except RuntimeError as e:   # report, don't hide
         print(f"torch._grouped_mm on N-major B failed: {str(e)[:200]}", file=sys.stderr)
         torch_nmajor_us = None
