@@ -11,8 +11,9 @@ The layer0 epilogue fuses the activation: with ``GATED``, each work item multipl
 the gate columns ``[n, n + BLOCK_N)`` and the up columns ``[F + n, F + n + BLOCK_N)`` of
 W13 and stores ``silu(gate) * up`` -- the activation never makes its own pass over memory.
 
-The same ``gemm_tile`` runs in the stand-alone kernel below (no communication) and in the
-fused layer kernels; only the loop around it and the waits differ.
+The same ``gemm_tile`` runs in both fused layer kernels (and in
+scripts/device/gemm_variants.py, which times it under other tile loops); only the loop
+around it and the waits differ.
 """
 
 import triton

@@ -109,6 +109,8 @@ class _StaticInputs:
         cuda = torch.device(device).type == "cuda"
         self._ring = (torch.zeros(self.RING, 5, dtype=torch.int64, pin_memory=True)
                       if cuda else None)
+        # Written through numpy: no tensor is built per call.
+        self._ring_host = self._ring.numpy() if cuda else None
         self._copied: list[torch.cuda.Event | None] = [None] * self.RING
         self._next = 0
 
@@ -128,7 +130,7 @@ class _StaticInputs:
                 self.scalars[i].fill_(v)
             return
         self._next += 1
-        self._ring[slot] = torch.tensor(values, dtype=torch.int64)
+        self._ring_host[slot] = values
         self.scalars.copy_(self._ring[slot], non_blocking=True)
         if pending is None:
             pending = self._copied[slot] = torch.cuda.Event()
