@@ -16,7 +16,23 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not L.interpreting(),
                                 reason="needs TRITON_INTERPRET=1 on a CPU")
 
 
-def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4):
+def _run_plan(wss, cfg, tile, ids, wts, num_tokens):
+    world = len(wss)
+    for r in range(world):
+        wss[r].begin_call()
+        L.launch_counts(wss[r], cfg, ids[r], num_tokens[r])
+        L.launch_exchange(wss[r], cfg, L.PHASE_PUSH)
+    for r in range(world):
+        L.launch_exchange(wss[r], cfg, L.PHASE_WAIT)
+        L.launch_layout(wss[r], cfg, tile)
+        L.launch_place(wss[r], cfg, ids[r], wts[r], num_tokens[r])
+
+
+def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
+    """Plan one call on the kernels; with ``staged``, the way a layer stages it: after a
+    full-size call (stale tables), the routing padded to ``max_tokens`` rows with real
+    expert ids and NaN weights, and the token count on the device -- the padding must
+    never be read."""
     cfg = MoEConfig(num_experts=world * el, top_k=k, hidden_size=16, intermediate_size=16,
                     dtype=torch.float16, max_tokens=max_tokens)
     g = torch.Generator().manual_seed(seed)
@@ -28,14 +44,22 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4):
     tile = L.TileConfig.small()
     tile = L.TileConfig(**{**tile.__dict__, "block_m": block_m})
     wss = allocate_virtual(cfg, world, DEVICE, tile)
-    for r in range(world):
-        wss[r].begin_call()
-        L.launch_counts(wss[r], cfg, ids[r])
-        L.launch_exchange(wss[r], cfg, L.PHASE_PUSH)
-    for r in range(world):
-        L.launch_exchange(wss[r], cfg, L.PHASE_WAIT)
-        L.launch_layout(wss[r], cfg, tile)
-        L.launch_place(wss[r], cfg, ids[r], wts[r])
+    if not staged:
+        _run_plan(wss, cfg, tile, ids, wts, [None] * world)
+    else:
+        def padded(t, fill):
+            pad = fill((max_tokens - t.shape[0], k)).to(DEVICE, t.dtype)
+            return torch.cat([t, pad])
+        full = [torch.randint(0, world * el, (max_tokens, k), generator=g).to(DEVICE)
+                for _ in range(world)]
+        ones = [torch.ones(max_tokens, k, device=DEVICE) for _ in range(world)]
+        _run_plan(wss, cfg, tile, full, ones, [None] * world)
+        junk_ids = lambda shape: torch.randint(0, world * el, shape, generator=g)
+        nan = lambda shape: torch.full(shape, float("nan"))
+        _run_plan(wss, cfg, tile, [padded(i, junk_ids) for i in ids],
+                  [padded(w, nan) for w in wts],
+                  [torch.tensor([i.shape[0]], device=DEVICE) for i in ids])
+        assert not any(int(ws.input_word[0]) for ws in wss), "padding was read"
     counts = torch.stack([local_counts(i, world, el) for i in ids])
     layout = build_recv_layout(counts)
     return cfg, ids, wts, wss, counts, layout, tile
@@ -44,10 +68,12 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4):
 @pytest.mark.parametrize("world, el, k", [(1, 4, 2), (2, 2, 2), (4, 2, 3), (4, 4, 4),
                                           (8, 1, 2)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_plan_kernels_match_the_spec(world, el, k, kind):
+@pytest.mark.parametrize("staged", [False, True], ids=["exact", "staged"])
+def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
     mx = 9
     cfg, ids, wts, wss, counts, layout, tile = _plan_both(world, el, k, mx, kind,
-                                                          seed=world * 10 + el + len(kind))
+                                                          seed=world * 10 + el + len(kind),
+                                                          staged=staged)
     for r in range(world):
         p = wss[r].plan
         parity = int(wss[r].epoch) % 2                      # epoch 1: the second buffer

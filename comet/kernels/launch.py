@@ -24,7 +24,8 @@ from comet.config import MoEConfig
 from comet.kernels import layer0 as l0
 from comet.kernels import layer1 as l1
 from comet.kernels import plan as kplan
-from comet.runtime.workspace import COUNT_BUFFERS, Workspace, plan_block_tokens
+from comet.runtime.workspace import (COUNT_BUFFERS, LAYOUT_PROGRAMS, Workspace,
+                                     plan_block_tokens)
 
 ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE = 0, 1, 2
 PHASE_PUSH, PHASE_WAIT, PHASE_BOTH = 1, 2, 3
@@ -55,7 +56,10 @@ class TileConfig:
         copy tile of return entries in the dispatch.
     reduce_item: return entries per item of layer1's reduce queue (a multiple of
         comm_entries): one queue atomic per item, so items carry tens of KB.
-    combine_rows / combine_block_h: tile of the final combine.
+    combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure HBM
+        stream: one token row per step at 8 warps, with COMBINE_PROGRAMS_PER_SM programs
+        per SM, moved 2.8 TB/s on an H100; 16 x 512 at 4 warps, one program per SM, 1.0
+        (scripts/device/combine_bw.py).
     """
 
     block_m: int = 128
@@ -72,8 +76,9 @@ class TileConfig:
     comm_entries: int = 16
     reduce_item: int = 64
     comm_block_c: int = 256
-    combine_rows: int = 16
-    combine_block_h: int = 512
+    combine_rows: int = 1
+    combine_block_h: int = 4096
+    combine_warps: int = 8
 
     @staticmethod
     def small() -> "TileConfig":
@@ -82,7 +87,7 @@ class TileConfig:
                           num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
                           comm_block_h=32, dispatch_entries=16, comm_entries=8,
                           reduce_item=16, comm_block_c=16, combine_rows=8,
-                          combine_block_h=32)
+                          combine_block_h=32, combine_warps=4)
 
     def k_step(self, k: int) -> int:
         """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into
@@ -134,18 +139,36 @@ def split_of(n_comm: int, device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- plan
-def launch_counts(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor) -> None:
+#: Tile of the block-count scan: rows per step, columns per program.
+SCAN_ROWS, SCAN_COLS = 64, 64
+
+
+def _token_count(num_tokens: torch.Tensor | None, topk_ids: torch.Tensor) -> dict:
+    """Kernel arguments bounding the plan to the call's tokens: the routing's rows, and
+    the device-held count when the routing sits in a larger staging buffer."""
+    return {"num_tokens_ptr": topk_ids if num_tokens is None else num_tokens,
+            "HAS_NUM_TOKENS": num_tokens is not None}
+
+
+def launch_counts(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
+                  num_tokens: torch.Tensor | None = None) -> None:
     """Per-block routing counts, prefix-summed: ``plan["block_counts"][-1]`` holds this
-    rank's totals (pairs per expert, tokens per destination)."""
+    rank's totals (pairs per expert, tokens per destination). ``num_tokens`` (device,
+    one int64): the call's tokens when ``topk_ids`` has more rows (padding is never read).
+    """
     p, k = ws.plan, cfg.top_k
     bt = plan_block_tokens(k)
     blocks = p["block_counts"].shape[0] - 1
+    cols = cfg.num_experts + ws.world
+    rows = _token_count(num_tokens, topk_ids)
     kplan.count_kernel[(blocks,)](
         topk_ids, p["block_counts"], topk_ids.shape[0], ws.input_word, ws.epoch,
         TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
         LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
-        BINS=_next_pow2(cfg.num_experts + 1), BLOCK_T=bt, num_warps=4)
-    p["block_counts"].cumsum_(0)
+        BINS=_next_pow2(cfg.num_experts + 1), BLOCK_T=bt, num_warps=4, **rows)
+    kplan.scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
+        p["block_counts"], blocks, topk_ids.shape[0], COLS=cols, BLOCK_T=bt,
+        SCAN_ROWS=SCAN_ROWS, SCAN_COLS=SCAN_COLS, num_warps=4, **rows)
 
 
 def launch_exchange(ws: Workspace, cfg: MoEConfig, phase: int = PHASE_BOTH) -> None:
@@ -161,9 +184,9 @@ def launch_exchange(ws: Workspace, cfg: MoEConfig, phase: int = PHASE_BOTH) -> N
 
 
 def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
-    """Offsets and the tile table from the exchanged counts (one program)."""
+    """Offsets and the tile table from the exchanged counts."""
     p, el = ws.plan, cfg.num_experts // ws.world
-    kplan.layout_kernel[(1,)](
+    kplan.layout_kernel[(min(LAYOUT_PROGRAMS, cfg.num_experts),)](
         ws.counts, ws.epoch, ws.rank, p["send_base"], p["dst_base"], p["send_off"],
         p["ret_count"],
         p["seg_start"], p["seg_rows"], p["pre"], p["chunks_total"], p["entries"],
@@ -176,8 +199,9 @@ def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
 
 
 def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> None:
-    """Send list and return entries of this rank (one program per token block)."""
+                 topk_weights: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
+    """Send list and return entries of this rank (one program per token block;
+    ``num_tokens`` as in :func:`launch_counts`)."""
     p, k = ws.plan, cfg.top_k
     blocks = p["block_counts"].shape[0] - 1
     kplan.place_kernel[(blocks,)](
@@ -186,16 +210,17 @@ def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
         p["dest_mask"], topk_ids.shape[0], cfg.max_tokens, ws.input_word, ws.epoch,
         TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
         LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
-        BLOCK_T=plan_block_tokens(k), num_warps=4)
+        BLOCK_T=plan_block_tokens(k), num_warps=4, **_token_count(num_tokens, topk_ids))
 
 
 def launch_plan(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, tile: TileConfig) -> None:
+                topk_weights: torch.Tensor, tile: TileConfig,
+                num_tokens: torch.Tensor | None = None) -> None:
     """The whole plan of one call for one rank (the exchange waits for every peer)."""
-    launch_counts(ws, cfg, topk_ids)
+    launch_counts(ws, cfg, topk_ids, num_tokens)
     launch_exchange(ws, cfg)
     launch_layout(ws, cfg, tile)
-    launch_place(ws, cfg, topk_ids, topk_weights)
+    launch_place(ws, cfg, topk_ids, topk_weights, num_tokens)
 
 
 # ----------------------------------------------------------------------- descriptors
@@ -284,6 +309,13 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         **_cooperative(role, cooperative))
 
 
+#: Combine programs per SM on a GPU of its own: loads in flight, not threads, bound a
+#: stream, and one program per SM left HBM two-thirds idle (combine_bw.py). (Virtual ranks
+#: sharing a GPU launch fewer: a combine spins on its peers' flags, which a peer can only
+#: raise on the SMs left to it.)
+COMBINE_PROGRAMS_PER_SM = 4
+
+
 def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
                    num_tokens: torch.Tensor, tile: TileConfig, grid: int,
                    wait: bool = True) -> None:
@@ -293,8 +325,12 @@ def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
     grid = max(1, min(grid, triton.cdiv(cfg.max_tokens, tile.combine_rows)))
+    block_h = min(tile.combine_block_h, _next_pow2(cfg.hidden_size))
+    # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
+    per_warp = 32 * (ADDRESS_ALIGN // cfg.dtype.itemsize)
+    warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
     l1.combine_kernel[(grid,)](
         ws.comb, ws.flag1, ws.plan["dest_mask"], y_addr, num_tokens, cfg.hidden_size,
         ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, ws.timeout,
-        WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=tile.combine_block_h,
-        USE_ASM=_asm(), num_warps=4)
+        WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=block_h,
+        USE_ASM=_asm(), num_warps=warps)

@@ -222,9 +222,10 @@ def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_
                    WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
     """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order.
-    Persistent: a few programs loop over blocks of ``ROWS`` tokens, so spinning programs
-    never fill the GPU (W virtual ranks share one GPU in tests). The token count and the
-    output's address are read on the device, so one captured launch serves every call."""
+    Persistent: a fixed grid loops over blocks of ``ROWS`` tokens -- several programs per
+    SM on a GPU of its own (a stream needs many loads in flight), few when W virtual ranks
+    share one GPU (spinning programs must not fill it). The token count and the output's
+    address are read on the device, so one captured launch serves every call."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     y_ptr = pointer_at(y_addr, 0, comb_ptr)

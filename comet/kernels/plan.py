@@ -5,15 +5,21 @@ torch (tests hold the two to equality), in three launches instead of about sixty
 call costs microseconds of host time and little GPU time at small token counts:
 
 1. :func:`count_kernel` -- one program per block of tokens: how many (token, slot) pairs
-   of the block go to each expert, and how many of its tokens go to each rank. A cumsum
-   over blocks (torch, one op) turns these into each block's starting offsets and, in the
-   last row, this rank's totals, which the count exchange sends to every peer.
+   of the block go to each expert, and how many of its tokens go to each rank; then
+   :func:`scan_kernel` turns these into each block's starting offsets and, in the last
+   row, this rank's totals, which the count exchange sends to every peer.
 2. :func:`layout_kernel` -- one program, after the exchange: from ``counts_all`` the
    offsets this rank needs as a source (where its rows land on each destination, where
    they sit in its send list) and as a destination (its segments, and the local-first
    tile table with wait sets).
 3. :func:`place_kernel` -- one program per block of tokens: the send list (token, row on
    the destination) and the return entries, at offsets from steps 1 and 2.
+
+Every kernel stops at the call's token count, read on the device when the routing sits in
+a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
+decode-sized call costs what its tokens cost, not what the workspace holds. (Sized for
+``max_tokens``, torch's cumsum over the blocks -- one thread per column, serial over
+rows -- cost 120-450 us per call on an H200 whatever the call's size.)
 
 Pair ``(t, j)`` is slot ``j`` of token ``t``; ids outside ``[0, E)`` mean "no expert".
 Only ``-1`` may say so on purpose: any other id outside ``[0, E)`` is reported in the
@@ -26,6 +32,15 @@ import triton
 import triton.language as tl
 
 from comet.kernels.sync import INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT, record_input_error
+
+
+@triton.jit
+def _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS: tl.constexpr):
+    """Tokens of this call: ``rows`` (the routing's rows), capped by the device-held
+    count when there is one."""
+    if HAS_NUM_TOKENS:
+        rows = tl.minimum(rows, tl.load(num_tokens_ptr).to(tl.int32))
+    return rows
 
 
 @triton.jit
@@ -54,26 +69,50 @@ def _report(bad, t, input_err, code, epoch_ptr, TOPK_P2: tl.constexpr):
 
 
 @triton.jit
-def count_kernel(ids_ptr, block_counts, rows, input_err, epoch_ptr,
+def count_kernel(ids_ptr, block_counts, rows, input_err, epoch_ptr, num_tokens_ptr,
                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                  LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
+                 BLOCK_T: tl.constexpr, HAS_NUM_TOKENS: tl.constexpr):
     """Row ``b + 1`` of ``block_counts [blocks + 1, E + W]``: pairs per expert and tokens
-    per destination rank of token block ``b`` (row 0 stays zero for the cumsum); reports
-    invalid ids."""
+    per destination rank of token block ``b`` (row 0 stays zero for the scan); reports
+    invalid ids. Blocks past the call's tokens write nothing."""
     b = tl.program_id(0)
-    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    e, valid, bad = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
-    _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch_ptr, TOPK_P2)
-    row = block_counts + (b + 1) * (NUM_EXPERTS + WORLD)
-    binned = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (BLOCK_T * TOPK_P2,))
-    hist = tl.histogram(binned, BINS)
-    bins = tl.arange(0, BINS)
-    tl.store(row + bins, hist, mask=bins < NUM_EXPERTS)
-    dest = e // LOCAL_EXPERTS
-    for d in range(WORLD):
-        on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
-        tl.store(row + NUM_EXPERTS + d, tl.sum(on, axis=0))
+    rows = _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS)
+    if b * BLOCK_T < rows:
+        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        e, valid, bad = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
+        _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch_ptr, TOPK_P2)
+        row = block_counts + (b + 1) * (NUM_EXPERTS + WORLD)
+        binned = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (BLOCK_T * TOPK_P2,))
+        hist = tl.histogram(binned, BINS)
+        bins = tl.arange(0, BINS)
+        tl.store(row + bins, hist, mask=bins < NUM_EXPERTS)
+        dest = e // LOCAL_EXPERTS
+        for d in range(WORLD):
+            on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
+            tl.store(row + NUM_EXPERTS + d, tl.sum(on, axis=0))
+
+
+@triton.jit
+def scan_kernel(block_counts, blocks, rows, num_tokens_ptr, COLS: tl.constexpr,
+                BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr,
+                HAS_NUM_TOKENS: tl.constexpr):
+    """Inclusive prefix sum over the counted rows ``1..used`` of ``block_counts`` (one
+    program per ``SCAN_COLS`` columns, ``SCAN_ROWS`` rows per step), so row ``b`` holds
+    what blocks before ``b`` counted; the totals also go to the last row, ``blocks``,
+    which the count exchange reads whatever the call's size."""
+    cols = tl.program_id(0) * SCAN_COLS + tl.arange(0, SCAN_COLS)
+    cmask = cols < COLS
+    used = tl.cdiv(_token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS), BLOCK_T)
+    carry = tl.zeros([SCAN_COLS], dtype=tl.int32)
+    for r0 in range(1, used + 1, SCAN_ROWS):
+        r = r0 + tl.arange(0, SCAN_ROWS)
+        mask = (r[:, None] <= used) & cmask[None, :]
+        ptrs = block_counts + r[:, None] * COLS + cols[None, :]
+        v = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(v, axis=0) + carry[None, :], mask=mask)
+        carry += tl.sum(v, axis=0)
+    tl.store(block_counts + blocks * COLS + cols, carry, mask=cmask)
 
 
 @triton.jit
@@ -92,48 +131,55 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     ret_count ``[W]``; seg_start/seg_rows -- this rank's segments by ring offset ``o``;
     pre -- rows of source ``s`` for experts before ``el``; chunks_total/entries ``[W]`` --
     dispatch chunks and return entries each source sends here; the tile table.
-    ``scratch``: ``3 * W * El`` int32 of working space.
+
+    Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
+    them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
+    among themselves. Filling a cell is a chain of dependent loads and stores (~150 ns),
+    and with 256 cells (256 experts) one program spent ~38 us on an H100. ``scratch``:
+    ``[programs, 5, W * El]`` int32, each program's own copy of what its cells read, so no
+    program reads what another wrote.
     """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    lead = pid == 0
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
     counts_all = counts + (tl.load(epoch_ptr) % COUNT_BUFFERS) * WORLD * WORLD * EL1
     s_idx = tl.arange(0, W_P2)
     el_idx = tl.arange(0, EL_P2)
     grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)
+    w_mask = s_idx < WORLD
 
     # -- as a source: where my pairs land, and my send list ------------------------------
-    mine = tl.load(counts_all + rank * WORLD * EL1 + s_idx[:, None] * EL1 + el_idx[None, :],
-                   mask=grid_mask, other=0)                     # [d, el]
-    flat = tl.reshape(mine, (W_P2 * EL_P2,))
-    base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
-    tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base, mask=grid_mask)
-    per_dest = tl.sum(mine, axis=1)
-    tl.store(send_off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=s_idx < WORLD)
-    tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
-    unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
-                     mask=s_idx < WORLD, other=0)
-    tl.store(ret_count + s_idx, unique, mask=s_idx < WORLD)
-    for d in range(WORLD):
-        # rows of every source s for d's experts: m[s, el]
-        m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
-                    mask=grid_mask, other=0)
-        ex_rows = tl.sum(m, axis=0)
-        ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
-        ring = (s_idx - d + WORLD) % WORLD                     # ring offset of source s
-        before = tl.sum(tl.where((ring < (rank - d + WORLD) % WORLD)[:, None], m, 0), axis=0)
-        tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
-                 mask=el_idx < LOCAL_EXPERTS)
+    if lead:
+        sent = tl.load(counts_all + rank * WORLD * EL1 + s_idx[:, None] * EL1
+                       + el_idx[None, :], mask=grid_mask, other=0)     # [d, el]
+        flat = tl.reshape(sent, (W_P2 * EL_P2,))
+        base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
+        tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base,
+                 mask=grid_mask)
+        per_dest = tl.sum(sent, axis=1)
+        tl.store(send_off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
+        tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
+        unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
+                         mask=w_mask, other=0)
+        tl.store(ret_count + s_idx, unique, mask=w_mask)
+        for d in range(WORLD):
+            # rows of every source s for d's experts: m[s, el]
+            m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
+                        mask=grid_mask, other=0)
+            ex_rows = tl.sum(m, axis=0)
+            ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
+            ring = (s_idx - d + WORLD) % WORLD                     # ring offset of source s
+            before = tl.sum(tl.where((ring < (rank - d + WORLD) % WORLD)[:, None], m, 0),
+                            axis=0)
+            tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
+                     mask=el_idx < LOCAL_EXPERTS)
 
     # -- as a destination: segments, waits and tiles -----------------------------------
     m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + rank * EL1 + el_idx[None, :],
                 mask=grid_mask, other=0)                        # [s, el]
-    tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
-             tl.cumsum(m, axis=1) - m, mask=grid_mask)
     ent = tl.load(counts_all + s_idx * WORLD * EL1 + rank * EL1 + LOCAL_EXPERTS,
-                  mask=s_idx < WORLD, other=0)
-    tl.store(entries + s_idx, ent, mask=s_idx < WORLD)
-    rows_from = tl.sum(m, axis=1)
-    tl.store(chunks_total + s_idx, tl.cdiv(rows_from, COMM_ROWS) + tl.cdiv(ent, COMM_ENTRIES),
-             mask=s_idx < WORLD)
+                  mask=w_mask, other=0)
     o_idx = s_idx                                               # rows of the ring view: o
     src_of_o = (rank + o_idx) % WORLD
     ring_rows = tl.load(counts_all + src_of_o[:, None] * WORLD * EL1 + rank * EL1
@@ -142,9 +188,6 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
     seg_end_rel = tl.cumsum(ring_rows, axis=0)                  # inclusive, within expert
     seg0 = ex_off[None, :] + seg_end_rel - ring_rows
-    tl.store(seg_start + o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], seg0, mask=grid_mask)
-    tl.store(seg_rows + o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], ring_rows,
-             mask=grid_mask)
     # A tile's stage is the ring offset of the segment holding its last row, so stage is
     # non-decreasing along an expert's tiles, and the tiles of expert el with stage <= o
     # are those ending at or before the end of segment o (a closed form, no search).
@@ -155,50 +198,79 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     per_stage = tl.where(grid_mask, upto - before, 0)
     flat = tl.reshape(per_stage, (W_P2 * EL_P2,))
     out_base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
-    tl.store(num_tiles, tl.sum(flat, axis=0))
     cell = o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :]
+    if lead:
+        tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
+                 tl.cumsum(m, axis=1) - m, mask=grid_mask)
+        tl.store(entries + s_idx, ent, mask=w_mask)
+        tl.store(chunks_total + s_idx,
+                 tl.cdiv(tl.sum(m, axis=1), COMM_ROWS) + tl.cdiv(ent, COMM_ENTRIES),
+                 mask=w_mask)
+        tl.store(seg_start + cell, seg0, mask=grid_mask)
+        tl.store(seg_rows + cell, ring_rows, mask=grid_mask)
+        tl.store(num_tiles, tl.sum(flat, axis=0))
     n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
-    tl.store(scratch + cell, before, mask=grid_mask)
-    tl.store(scratch + n_cells + cell, per_stage, mask=grid_mask)
-    tl.store(scratch + 2 * n_cells + cell, out_base, mask=grid_mask)
+    mine = scratch + pid * 5 * n_cells
+    tl.store(mine + cell, before, mask=grid_mask)
+    tl.store(mine + n_cells + cell, per_stage, mask=grid_mask)
+    tl.store(mine + 2 * n_cells + cell, out_base, mask=grid_mask)
+    tl.store(mine + 3 * n_cells + cell, seg0, mask=grid_mask)
+    tl.store(mine + 4 * n_cells + cell, ring_rows, mask=grid_mask)
     tl.debug_barrier()
-    for o in range(WORLD):
-        for el in range(LOCAL_EXPERTS):
-            c = o * LOCAL_EXPERTS + el
-            first = tl.load(scratch + c)
-            count = tl.load(scratch + n_cells + c)
-            dst = tl.load(scratch + 2 * n_cells + c)
-            # segments of expert el, by ring offset
-            seg_o = tl.load(seg_start + o_idx * LOCAL_EXPERTS + el, mask=o_idx < WORLD, other=0)
-            len_o = tl.load(seg_rows + o_idx * LOCAL_EXPERTS + el, mask=o_idx < WORLD, other=0)
-            e_off = tl.load(seg_start + el)
-            e_end = e_off + tl.sum(len_o, axis=0)
-            for c0 in range(0, count, TILE_CHUNK):
-                i = c0 + tl.arange(0, TILE_CHUNK)
-                live = i < count
-                r0 = e_off + (first + i) * BLOCK_M
-                r1 = tl.minimum(r0 + BLOCK_M, e_end)
-                hit = ((seg_o[None, :] < r1[:, None]) & (seg_o[None, :] + len_o[None, :] > r0[:, None])
-                       & (len_o[None, :] > 0))
-                one = tl.full([TILE_CHUNK, W_P2], 1, tl.int64)
-                bits = tl.where(hit, one << src_of_o[None, :].to(tl.int64), 0)
-                tl.store(tile_expert + dst + i, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
-                tl.store(tile_row_start + dst + i, r0, mask=live)
-                tl.store(tile_row_end + dst + i, r1, mask=live)
-                tl.store(tile_wait + dst + i, tl.sum(bits, axis=1), mask=live)
-                tl.store(tile_stage + dst + i, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
+    for c in range(pid, n_cells, n_prog):
+        o = c // LOCAL_EXPERTS
+        el = c % LOCAL_EXPERTS
+        first = tl.load(mine + c)
+        count = tl.load(mine + n_cells + c)
+        dst = tl.load(mine + 2 * n_cells + c)
+        # segments of expert el, by ring offset
+        seg_o = tl.load(mine + 3 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
+                        other=0)
+        len_o = tl.load(mine + 4 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
+                        other=0)
+        e_off = tl.load(mine + 3 * n_cells + el)
+        e_end = e_off + tl.sum(len_o, axis=0)
+        for c0 in range(0, count, TILE_CHUNK):
+            i = c0 + tl.arange(0, TILE_CHUNK)
+            live = i < count
+            r0 = e_off + (first + i) * BLOCK_M
+            r1 = tl.minimum(r0 + BLOCK_M, e_end)
+            hit = ((seg_o[None, :] < r1[:, None]) & (seg_o[None, :] + len_o[None, :] > r0[:, None])
+                   & (len_o[None, :] > 0))
+            one = tl.full([TILE_CHUNK, W_P2], 1, tl.int64)
+            bits = tl.where(hit, one << src_of_o[None, :].to(tl.int64), 0)
+            tl.store(tile_expert + dst + i, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
+            tl.store(tile_row_start + dst + i, r0, mask=live)
+            tl.store(tile_row_end + dst + i, r1, mask=live)
+            tl.store(tile_wait + dst + i, tl.sum(bits, axis=1), mask=live)
+            tl.store(tile_stage + dst + i, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
 
 
 @triton.jit
 def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
                  send_token, send_row, ret_token, ret_rows, ret_weight, dest_mask, rows,
-                 max_tokens, input_err, epoch_ptr,
+                 max_tokens, input_err, epoch_ptr, num_tokens_ptr,
                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr):
+                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 HAS_NUM_TOKENS: tl.constexpr):
     """Send list and return entries of token block ``b`` (see module docstring). ``rows``
-    bounds the ids read; ``max_tokens`` is the tables' capacity. Reports non-finite
-    weights of real pairs."""
+    (capped by the device-held token count) bounds the ids read; ``max_tokens`` is the
+    tables' capacity. Reports non-finite weights of real pairs."""
     b = tl.program_id(0)
+    rows = _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS)
+    if b * BLOCK_T < rows:
+        _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_token,
+                     send_row, ret_token, ret_rows, ret_weight, dest_mask, rows, max_tokens,
+                     input_err, epoch_ptr, b, TOPK, TOPK_P2, NUM_EXPERTS, LOCAL_EXPERTS,
+                     WORLD, BLOCK_T)
+
+
+@triton.jit
+def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_token,
+                 send_row, ret_token, ret_rows, ret_weight, dest_mask, rows, max_tokens,
+                 input_err, epoch_ptr, b, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                 NUM_EXPERTS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
     P: tl.constexpr = BLOCK_T * TOPK_P2
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, TOPK_P2)

@@ -85,7 +85,8 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
 
 class _StaticInputs:
     """Fixed-address staging for one call, so a captured graph serves every call:
-    routing padded to ``max_tokens`` with id -1, and the call's scalars -- input/output
+    routing in ``max_tokens``-row buffers (the plan reads the call's rows only), and the
+    call's scalars -- input/output
     addresses (``addr``), token count, comm-block split -- in one int64 device buffer the
     kernels read.
 
@@ -398,8 +399,7 @@ class FusedMoE:
             self._timeout = timeout
         x = L.aligned(x)
         s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1)
-        s.ids[:m].copy_(topk_ids)
-        s.ids[m:].fill_(-1)
+        s.ids[:m].copy_(topk_ids)     # rows past m are never read (the plan stops at m)
         s.weights[:m].copy_(topk_weights)
         # Only layer0's split changes the launches (0: two launches); layer1 is one launch
         # for any split, which the kernel reads on the device.
@@ -518,7 +518,7 @@ class FusedMoE:
         dev = ws.epoch.device
         with timer.phase("plan", dev):
             ws.begin_call()
-            L.launch_plan(ws, cfg, s.ids, s.weights, tile)
+            L.launch_plan(ws, cfg, s.ids, s.weights, tile, s.num_tokens)
         trace = self._trace or {}
         with timer.phase("layer0", dev):
             if fused0:
@@ -542,4 +542,5 @@ class FusedMoE:
                                     wait=mode != "comm_only")
         with timer.phase("combine", dev):
             if mode != "compute_only":
-                L.launch_combine(ws, cfg, y_addr, s.num_tokens, tile, grid)
+                L.launch_combine(ws, cfg, y_addr, s.num_tokens, tile,
+                                 grid if self._virtual else grid * L.COMBINE_PROGRAMS_PER_SM)

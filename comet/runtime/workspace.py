@@ -94,6 +94,9 @@ def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
 #: Pairs the plan kernels handle per program (a block of whole tokens).
 PLAN_BLOCK_PAIRS = 64
 
+#: Programs that fill the tile table (comet.kernels.plan.layout_kernel), at most.
+LAYOUT_PROGRAMS = 16
+
 
 def plan_block_tokens(top_k: int) -> int:
     """Tokens per program of the plan kernels (``PLAN_BLOCK_PAIRS`` slots, whole tokens)."""
@@ -129,7 +132,7 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
         "tile_wait": torch.zeros(tiles, dtype=torch.int64, device=device),
         "tile_stage": torch.zeros(tiles, **i32),
         "num_tiles": torch.zeros(1, **i32),
-        "scratch": torch.zeros(3 * world * el, **i32),
+        "scratch": torch.zeros(LAYOUT_PROGRAMS * 5 * world * el, **i32),
         "send_token": torch.zeros(mx * k, **i32),
         "send_row": torch.zeros(mx * k, **i32),
         "ret_token": torch.zeros(world, mx, **i32),

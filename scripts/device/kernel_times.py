@@ -9,7 +9,7 @@ torchrun the layer is a real expert-parallel one over all ranks, and each rank r
 its own kernels (``--modes fused comm_only`` shows what the communication alone costs).
 
     PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens 128 4096]
-        [--ep 2] [--tiles 128,128,256,8,3 64,64,128,4,4]
+        [--ep 2] [--tiles 128,128,256,8,3 64,64,128,4,4] [--max-tokens 16384]
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/kernel_times.py --modes fused comm_only
 """
 
@@ -28,12 +28,13 @@ from comet.runtime.layer import FusedMoE
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages")
 
 
-def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10):
+def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None):
     base = preset(name)
     experts = base.num_experts // ep
     el = experts // world
     cfg = base.replace(num_experts=experts, top_k=min(base.top_k, experts),
-                       n_group=min(base.n_group, experts), max_tokens=tokens)
+                       n_group=min(base.n_group, experts),
+                       max_tokens=max(tokens, max_tokens or tokens))
     h, f = cfg.hidden_size, cfg.intermediate_size
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).to(cfg.dtype)
@@ -88,6 +89,8 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="workspace size (default: the call's tokens), as a server sizes it")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "kernel_times.json"))
     args = ap.parse_args()
@@ -95,8 +98,8 @@ def main():
         dataclasses.replace(TileConfig(), **dict(zip(TILE_FIELDS, map(int, t.split(",")))))
         for t in args.tiles]
     _, world, rank = init_ranks()
-    recs = [run(c, t, args.ep, tile, mode, world) for c in args.configs for t in args.tokens
-            for tile in tiles for mode in args.modes]
+    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens)
+            for c in args.configs for t in args.tokens for tile in tiles for mode in args.modes]
     if rank != 0:
         return
     with open(args.out, "w") as fh:
