@@ -73,7 +73,7 @@ class TileConfig:
     comm_copy_rows: int = 32
     comm_block_h: int = 512
     dispatch_entries: int = 1024
-    comm_entries: int = 16
+    comm_entries: int = 64
     reduce_item: int = 64
     comm_block_c: int = 256
     combine_rows: int = 1

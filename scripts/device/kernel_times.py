@@ -28,7 +28,8 @@ from comet.runtime.layer import FusedMoE
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages")
 
 
-def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None):
+def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
+        comm_blocks=None):
     base = preset(name)
     experts = base.num_experts // ep
     el = experts // world
@@ -45,11 +46,11 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
                        for _ in range(tokens)])
     w = torch.rand(ids.shape, device="cuda")
     for _ in range(3):
-        layer(x, ids, w, mode=mode)
+        layer(x, ids, w, mode=mode, comm_blocks=comm_blocks)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            layer(x, ids, w, mode=mode)
+            layer(x, ids, w, mode=mode, comm_blocks=comm_blocks)
         torch.cuda.synchronize()
     layer.check_errors_now()
     per_kernel = {}
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
+    ap.add_argument("--comm-blocks", nargs="+", default=[None], metavar="N0,N1",
+                    help="fixed comm-block splits to time (default: the layer's choice)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="workspace size (default: the call's tokens), as a server sizes it")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
@@ -98,8 +101,10 @@ def main():
         dataclasses.replace(TileConfig(), **dict(zip(TILE_FIELDS, map(int, t.split(",")))))
         for t in args.tiles]
     _, world, rank = init_ranks()
-    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens)
-            for c in args.configs for t in args.tokens for tile in tiles for mode in args.modes]
+    splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
+    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n)
+            for c in args.configs for t in args.tokens for tile in tiles for mode in args.modes
+            for n in splits]
     if rank != 0:
         return
     with open(args.out, "w") as fh:
@@ -107,7 +112,8 @@ def main():
     for r in recs:
         tile = ",".join(str(v) for v in r["tile"].values())
         k = r["us_per_call"]
-        print(f"{r['config']:18s} {r['tokens']:6d} {r['mode']:12s} {tile:>16s} total {r['total_us']:8.1f} us"
+        print(f"{r['config']:18s} {r['tokens']:6d} {r['mode']:12s} {tile:>16s} "
+              f"split {str(r['comm_blocks']):8s} total {r['total_us']:8.1f} us"
               f"  layer0 {k.get('layer0_kernel', 0):8.1f}  layer1 {k.get('layer1_kernel', 0):8.1f}"
               f"  torch gmm {r['torch_gmm_us']:8.1f}")
         top = sorted(k.items(), key=lambda kv: -kv[1])[:6]
