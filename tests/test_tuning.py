@@ -8,6 +8,7 @@ import torch
 
 from comet.cli import tune
 from comet.config import MoEConfig, preset
+from comet.kernels import KERNEL_REVISION
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
 
@@ -145,3 +146,66 @@ def test_analytic_split_prefers_filling_the_link_among_ties():
     assert n >= 16
     assert predicted_time(w0, n, 132) <= 1.01 * min(predicted_time(w0, k, 132)
                                                     for k in range(67))
+
+
+def test_a_stale_table_warns_and_is_ignored(tmp_path):
+    """A table measured on another kernel revision (or before revisions were recorded)."""
+    for revision in (KERNEL_REVISION - 1, None):
+        tuned._load.cache_clear()
+        meta = tuned.expected_meta(CFG, 4, "cpu")
+        meta["kernel_revision"] = revision
+        _write(tmp_path, meta=meta)
+        with pytest.warns(UserWarning, match="stale"):
+            assert tuned.lookup(CFG, 4, 128, None, tmp_path) is None
+
+
+def test_tune_measures_a_stale_table_again(tmp_path, capsys):
+    meta = tuned.expected_meta(CFG, 4, "cpu")
+    path = _write(tmp_path, meta={**meta, "kernel_revision": KERNEL_REVISION - 1})
+    table = tune.load_existing(str(path), meta)
+    assert table == {"meta": meta, "buckets": {}}
+    assert "stale" in capsys.readouterr().err
+
+
+def _cpu_layer(folder):
+    from comet.runtime.layer import FusedMoE
+    cfg = CFG.replace(max_tokens=64)
+    e, h, f = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    return FusedMoE(cfg, torch.zeros(e, h, 2 * f, dtype=cfg.dtype),
+                    torch.zeros(e, f, h, dtype=cfg.dtype), tuned_config_folder=folder)
+
+
+def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
+    """A split beyond this GPU's programs (a hand-edited table) must not raise in a
+    forward: warning, then the analytic choice."""
+    cfg = CFG.replace(max_tokens=64)
+    _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2},
+                                                "64": {"layer0": 500, "layer1": 2}})
+    layer = _cpu_layer(tmp_path)
+    assert layer.select_comm_blocks(32) == (1, 2)
+    with pytest.warns(UserWarning, match="does not fit"):
+        assert layer.select_comm_blocks(64) == layer.analytic_comm_blocks(64)
+
+
+def test_check_report_compares_each_pick_with_the_best():
+    times = {0: (100.0, 50.0), 4: (80.0, 55.0), 16: (90.0, 60.0)}
+    picks = {"tuned": (4, 0), "fixed": (16, 16), "analytic": (0, 4)}
+    rows = tune.check_rows(times, picks)
+    l0, l1, both = rows
+    assert (l0["best"], l1["best"]) == (4, 0)
+    assert l0["tuned_over_best"] == 1.0 and l1["tuned_over_best"] == 1.0
+    assert l0["fixed_us"] == 90.0 and l1["fixed_over_best"] == pytest.approx(1.2)
+    assert both["analytic_us"] == 155.0 and both["best_us"] == 130.0
+    text = tune.format_check([{"tokens": 128, **r} for r in rows],
+                             ["tuned", "fixed", "analytic"])
+    assert "| 128 | layer0 | 80 (4) | 90 (16) | 100 (0) | 80 (4) | 1.000 | 1.125 | 1.250 |" in text
+    assert "| 128 | both | 130 | 150 | 155 | 130 | 1.000 | 1.154 | 1.192 |" in text
+
+
+def test_check_finds_the_table_a_layer_would_load(tmp_path, monkeypatch):
+    env = tmp_path / "env"
+    env.mkdir()
+    assert tune.find_table(CFG, 4, "cpu", str(tmp_path / "none")) is None
+    path = _write(env)
+    monkeypatch.setenv(tuned.ENV_FOLDER, str(env))
+    assert tune.find_table(CFG, 4, "cpu", str(tmp_path / "none")) == str(path)

@@ -7,11 +7,17 @@ fastest. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_na
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
 
+``--check`` re-times the choices of the table a layer would load (``--output-dir``, then
+``$COMET_TUNED_CONFIG_FOLDER``, then the shipped tables), at any token counts -- tuned
+buckets or not -- against every candidate (the exhaustive best), a fixed split of
+``FIXED_SPLIT`` comm blocks and the analytic model, and prints the comparison.
+
 Examples::
 
     comet tune --config mixtral                        # every GPU, default buckets
     comet tune --config-json path/to/config.json --tokens 512 2048
     comet tune --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir my_tables/
+    comet tune --config mixtral --check --tokens 128 3000 8192
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from comet.scheduler import tuned
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_TOKENS = (128, 1024, 4096, 16384)
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+#: The single split ``--check`` compares against (the split before tuning existed).
+FIXED_SPLIT = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-measure buckets already in the file")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true",
+                   help="re-time the table's choices against the exhaustive best, a fixed "
+                        f"split of {FIXED_SPLIT} and the analytic model (writes nothing "
+                        "but a check-*.json report in --output-dir)")
     return p
 
 
@@ -94,18 +106,24 @@ def resolve_config(args, parser) -> MoEConfig:
 
 
 def load_existing(path: str, meta: dict) -> dict:
-    """The table already at ``path`` (to resume / merge), or a fresh one."""
+    """The table already at ``path`` (to resume / merge), or a fresh one. A stale table
+    (older kernels) is replaced; one of another shape is refused."""
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-        tuned.parse_table(data, meta)   # refuse to merge into a table of another shape
+        try:
+            tuned.parse_table(data, meta)
+        except tuned.StaleTableError as e:
+            print(f"{path}: {e}; measuring every bucket again", file=sys.stderr)
+            return {"meta": meta, "buckets": {}}
         return data
     return {"meta": meta, "buckets": {}}
 
 
-def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
-                 rank: int) -> dict:
-    """Layer times per candidate for one bucket; the entry written to the table."""
+def time_candidates(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
+                    rank: int) -> dict[int, tuple[float, float]]:
+    """``{comm blocks: (layer0 us, layer1 us)}`` at ``tokens`` per rank (slowest rank,
+    median), one sweep timing both layers."""
     from comet.runtime.layer import PhaseTimer
     sets = make_input_sets(cfg, "tune", tokens, "uniform", 2, rank, args.seed, device)
     times = {}
@@ -117,6 +135,13 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
                             device=device, make_timer=PhaseTimer)
         series = reduce_over_ranks(series)
         times[n] = (median(series["layer0"]), median(series["layer1"]))
+    return times
+
+
+def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
+                 rank: int) -> dict:
+    """Layer times per candidate for one bucket; the entry written to the table."""
+    times = time_candidates(layer, cfg, tokens, candidates, args, device, rank)
     best0 = min(times, key=lambda n: times[n][0])
     best1 = min(times, key=lambda n: times[n][1])
     return {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print("comet tune measures the fused kernels and needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
-        return _tune(cfg, args, device, world, rank)
+        return (_check if args.check else _tune)(cfg, args, device, world, rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -178,6 +203,93 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                       f"({entry['layer1_us']:.0f} us)")
     if rank == 0:
         print(f"wrote {path}")
+    return 0
+
+
+def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str) -> str | None:
+    """The table a layer would load (first folder of the lookup that has the file)."""
+    name = tuned.file_name(cfg, world, device_name)
+    for f in tuned.search_folders(folder):
+        if (f / name).is_file():
+            return str(f / name)
+    return None
+
+
+def check_rows(times: dict[int, tuple[float, float]], picks: dict[str, tuple[int, int]]
+               ) -> list[dict]:
+    """Per layer (and both together), each pick's time against the exhaustive best."""
+    rows = []
+    for i, layer_name in enumerate(("layer0", "layer1")):
+        best = min(times, key=lambda n: times[n][i])
+        row = {"layer": layer_name, "best": best, "best_us": times[best][i]}
+        for label, pick in picks.items():
+            row[label] = pick[i]
+            row[f"{label}_us"] = times[pick[i]][i]
+            row[f"{label}_over_best"] = times[pick[i]][i] / times[best][i]
+        rows.append(row)
+    both = {"layer": "both", "best_us": rows[0]["best_us"] + rows[1]["best_us"]}
+    for label in picks:
+        both[f"{label}_us"] = rows[0][f"{label}_us"] + rows[1][f"{label}_us"]
+        both[f"{label}_over_best"] = both[f"{label}_us"] / both["best_us"]
+    return rows + [both]
+
+
+def format_check(report: list[dict], labels: list[str]) -> str:
+    """The ``--check`` report as a markdown table."""
+    head = ("| tokens | layer | " + " | ".join(f"{x} (n) us" for x in labels)
+            + " | best (n) us | " + " | ".join(f"{x}/best" for x in labels) + " |")
+    lines = [head, "|" + "---|" * (3 + 2 * len(labels))]
+    for r in report:
+        def cell(label):
+            n = r.get(label)
+            return f"{r[f'{label}_us']:.0f}" + (f" ({n})" if n is not None else "")
+        lines.append(f"| {r['tokens']} | {r['layer']} | "
+                     + " | ".join(cell(x) for x in labels) + f" | {cell('best')} | "
+                     + " | ".join(f"{r[f'{x}_over_best']:.3f}" for x in labels) + " |")
+    return "\n".join(lines)
+
+
+def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
+    from tqdm import tqdm
+
+    from comet.runtime.layer import FusedMoE
+    name = tuned.device_name(device)
+    path = find_table(cfg, world, name, args.output_dir)
+    if path is None:
+        print(f"no table {tuned.file_name(cfg, world, name)} to check (searched "
+              f"{', '.join(map(str, tuned.search_folders(args.output_dir)))})",
+              file=sys.stderr)
+        return 2
+    with open(path) as f:
+        data = json.load(f)
+    table = tuned.parse_table(data)
+    try:
+        tuned.parse_table(data, tuned.expected_meta(cfg, world, name))
+    except tuned.TunedTableError as e:
+        print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
+    w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
+                                  device)
+    layer = FusedMoE(cfg, w13, w2)
+    report = []
+    for tokens in tqdm(args.tokens, desc="comet tune --check", disable=rank != 0):
+        picks = {"tuned": tuned.interpolate(table, tokens),
+                 "fixed": (FIXED_SPLIT, FIXED_SPLIT),
+                 "analytic": layer.analytic_comm_blocks(tokens)}
+        wanted = set(args.candidates) | {n for p in picks.values() for n in p}
+        candidates = sorted(n for n in wanted if 0 <= n < layer.programs)
+        picks = {k: tuple(min(n, layer.programs - 1) for n in v) for k, v in picks.items()}
+        times = time_candidates(layer, cfg, tokens, candidates, args, device, rank)
+        report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
+    if rank == 0:
+        print(f"table: {path}")
+        print(format_check(report, ["tuned", "fixed", "analytic"]))
+        os.makedirs(args.output_dir, exist_ok=True)
+        out = os.path.join(args.output_dir, f"check-E{cfg.num_experts}-H{cfg.hidden_size}-"
+                           f"F{cfg.intermediate_size}-k{cfg.top_k}-ep{world}.json")
+        with open(out, "w") as f:
+            json.dump({"table": path, "meta": data.get("meta"), "device": name,
+                       "iters": args.iters, "rows": report}, f, indent=1)
+        print(f"wrote {out}")
     return 0
 
 

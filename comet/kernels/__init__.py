@@ -1,0 +1,9 @@
+"""The Triton kernels of a comet call (see docs/design.md for the pipeline)."""
+
+#: Revision of the kernels' performance behaviour, stored in every ``comet tune`` table.
+#: A table from another revision is stale (its splits were measured on kernels that have
+#: since changed) and is ignored with a warning. Bump it with any change that moves the
+#: best block split: roles, tiles, comm algorithms, the plan's cost.
+#: 2: per-chunk dispatch flags, 16-byte comm copies (2026-11-23); 3: the plan stops at
+#: the call's tokens, combine at 4 programs/SM, reduce tile 64 x 256.
+KERNEL_REVISION = 3

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -280,12 +281,19 @@ class FusedMoE:
         """Tuned table, else the analytic model (comet/scheduler/split.py)."""
         picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
                               self.tuned_config_folder)
-        if picked is None:
-            c = self.cfg
-            w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
-                                c.intermediate_size, c.dtype.itemsize)
-            picked = (analytic_split(w0, self.programs), analytic_split(w1, self.programs))
-        return picked
+        if picked is not None and not all(0 <= n < self.programs for n in picked):
+            warnings.warn(f"comet: the tuned table's split {picked} at {num_tokens} tokens "
+                          f"does not fit this GPU's {self.programs} programs; using the "
+                          "analytic model", stacklevel=3)
+            picked = None
+        return picked if picked is not None else self.analytic_comm_blocks(num_tokens)
+
+    def analytic_comm_blocks(self, num_tokens: int) -> tuple[int, int]:
+        """(layer0, layer1) comm blocks of the analytic model for ``num_tokens``."""
+        c = self.cfg
+        w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
+                            c.intermediate_size, c.dtype.itemsize)
+        return analytic_split(w0, self.programs), analytic_split(w1, self.programs)
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, mode):

@@ -10,6 +10,10 @@ holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
 
+Every table records the kernel revision it was measured on
+(:data:`comet.kernels.KERNEL_REVISION`); a table of another revision is *stale* and is
+ignored like a malformed one.
+
 Selection uses only what the host knows (this rank's token count, from the input's
 shape): exact bucket, else linear interpolation between the two neighbouring buckets,
 clamped at the ends. A missing or unusable table returns None (the caller falls back to
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from comet.config import MoEConfig
+from comet.kernels import KERNEL_REVISION
 
 log = logging.getLogger("comet")
 
@@ -53,11 +58,15 @@ def file_name(cfg: MoEConfig, world_size: int, device: str) -> str:
 def expected_meta(cfg: MoEConfig, world_size: int, device: str) -> dict:
     return {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
-            "dtype": _DTYPE_NAMES[cfg.dtype]}
+            "dtype": _DTYPE_NAMES[cfg.dtype], "kernel_revision": KERNEL_REVISION}
 
 
 class TunedTableError(ValueError):
     """A tuning file that cannot be used (malformed, wrong keys, another device)."""
+
+
+class StaleTableError(TunedTableError):
+    """A table measured on another revision of the kernels."""
 
 
 def parse_table(data: dict, expect: dict | None = None) -> dict[int, tuple[int, int]]:
@@ -66,6 +75,11 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, tuple[int, 
         raise TunedTableError("expected an object with 'meta' and 'buckets'")
     meta = data["meta"]
     if expect is not None:
+        if "kernel_revision" in expect and meta.get("kernel_revision") != expect[
+                "kernel_revision"]:
+            raise StaleTableError(
+                f"stale: measured on kernel revision {meta.get('kernel_revision')}, these "
+                f"kernels are revision {expect['kernel_revision']} (re-run comet tune)")
         for key, value in expect.items():
             if meta.get(key) != value:
                 raise TunedTableError(f"meta[{key!r}] is {meta.get(key)!r}, expected {value!r}")
