@@ -10,6 +10,10 @@ by expert), time comet's ``gemm_tile`` (the body both layer kernels use) driven 
 * ``batch``  -- the queue, but one atomic takes ``BATCH`` consecutive items, looped
   with ``flatten=True`` (epilogue overlap inside a batch, queue between batches);
 * ``grid``   -- one program per work item (no persistence);
+* ``merged`` -- the queue, with layer0's gate and up columns as one ``BLOCK_M x 2*BLOCK_N``
+  dot: one TMA box ``[BLOCK_K, 2, BLOCK_N]`` over W13 viewed ``[El*K, 2, F]`` (gate and
+  up of the same columns side by side), split in the epilogue -- A is read from shared
+  memory once per K step instead of twice (layer1 has no gate, so it runs ``queue``);
 
 against ``torch._grouped_mm`` on the same rows. Prints one JSON line per record and
 writes them to ``$OUT/gemm_variants.json``.
@@ -31,7 +35,26 @@ from comet.kernels.group_gemm import gemm_tile, grouped_work
 from comet.kernels.sync import take
 from gemm_check import median_us   # same folder: scripts/device
 
-LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4}
+LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4, "merged": 5}
+
+
+@triton.jit
+def gemm_tile_merged(a_desc, b3_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K,
+                     N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``silu(A @ gate) * (A @ up)`` for columns ``[n0, n0 + BLOCK_N)`` as one dot."""
+    b_row = expert * K
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([row_start, k])
+        b = b3_desc.load([b_row + k, 0, n0]).reshape(BLOCK_K, 2 * BLOCK_N)
+        acc = tl.dot(a, b, acc)
+    gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+    h = gate * tl.sigmoid(gate) * up
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < N)
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
+             h.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -47,7 +70,7 @@ def _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end, n
 
 
 @triton.jit
-def variant_kernel(a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+def variant_kernel(a_desc, b_desc, b3_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
                    num_tiles_ptr, queue, K, N, LOOP: tl.constexpr, BATCH: tl.constexpr,
                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
@@ -77,9 +100,17 @@ def variant_kernel(a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_
                 _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
                       num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
             base = tl.atomic_add(queue, BATCH, sem="relaxed", scope="gpu")
-    else:
+    elif LOOP == 4:
         _item(pid, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
               num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        w = take(queue)
+        while w < total:
+            t, nb = grouped_work(w, num_tiles, n_blocks)
+            gemm_tile_merged(a_desc, b3_desc, c_ptr, N, tl.load(tile_expert + t),
+                             tl.load(tile_row_start + t), tl.load(tile_row_end + t),
+                             nb * BLOCK_N, K, N, BLOCK_M, BLOCK_N, BLOCK_K)
+            w = take(queue)
 
 
 def tile_table(counts, block_m):
@@ -108,6 +139,8 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
     queue = torch.zeros(1, dtype=torch.int32, device="cuda")
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(b.view(el * k, n_full), [bk, bn])
+    b3_desc = (TensorDescriptor.from_tensor(b.view(el * k, 2, n), [bk, 2, bn]) if gated
+               else b_desc)
     items = te.numel() * triton.cdiv(n, bn)
     flops = 2.0 * a.shape[0] * k * n_full
     offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).to(torch.int32)
@@ -118,11 +151,14 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
     t_us = median_us(lambda: torch._grouped_mm(a, bt, offs=offs), iters=30)
     recs = []
     for loop in loops:
+        if loop == "merged" and not gated:
+            continue
         grid = items if loop == "grid" else sms
 
         def call():
             queue.zero_()
-            variant_kernel[(grid,)](a_desc, b_desc, c, te, ts, tend, num_tiles, queue, k, n,
+            variant_kernel[(grid,)](a_desc, b_desc, b3_desc, c, te, ts, tend, num_tiles, queue,
+                                    k, n,
                                     LOOP=LOOPS[loop], BATCH=batch, GATED=gated, BLOCK_M=bm,
                                     BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                     num_stages=stages)
@@ -184,7 +220,8 @@ def main():
         for layer in ("layer0", "layer1"):
             row = {r["loop"]: r for r in recs if r["config"] == name and r["layer"] == layer}
             print(f"{name:18s} {layer:6s} " + " ".join(
-                f"{row[lp].get('ratio', float('nan')):7.2f}" for lp in args.loops))
+                f"{row[lp].get('ratio', float('nan')) if lp in row else float('nan'):7.2f}"
+                for lp in args.loops))
 
 
 if __name__ == "__main__":
