@@ -275,9 +275,11 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         picks = {"tuned": tuned.interpolate(table, tokens),
                  "fixed": (FIXED_SPLIT, FIXED_SPLIT),
                  "analytic": layer.analytic_comm_blocks(tokens)}
+        # A pick beyond this GPU's programs runs as the largest split it has (clamped
+        # before the sweep, so every pick is among the timed candidates).
+        picks = {k: tuple(min(n, layer.programs - 1) for n in v) for k, v in picks.items()}
         wanted = set(args.candidates) | {n for p in picks.values() for n in p}
         candidates = sorted(n for n in wanted if 0 <= n < layer.programs)
-        picks = {k: tuple(min(n, layer.programs - 1) for n in v) for k, v in picks.items()}
         times = time_candidates(layer, cfg, tokens, candidates, args, device, rank)
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
