@@ -113,6 +113,21 @@ def variant_kernel(a_desc, b_desc, b3_desc, c_ptr, tile_expert, tile_row_start, 
             w = take(queue)
 
 
+#: Rounds of the paired timing: clocks on these machines drift by ~10% over seconds, so
+#: the variant and torch are timed in alternation and the ratio is taken per round.
+PAIRED_ROUNDS = 5
+
+
+def paired(call, reference):
+    """(median us of ``call``, median over rounds of reference time / call time)."""
+    times, ratios = [], []
+    for _ in range(PAIRED_ROUNDS):
+        us = median_us(call, iters=10, warmup=2)
+        times.append(us)
+        ratios.append(median_us(reference, iters=10, warmup=2) / us)
+    return sorted(times)[len(times) // 2], sorted(ratios)[len(ratios) // 2]
+
+
 def tile_table(counts, block_m):
     experts, starts, ends = [], [], []
     row = 0
@@ -128,8 +143,9 @@ def tile_table(counts, block_m):
             torch.tensor(ends, dtype=torch.int32, device=dev))
 
 
-def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
-    """Time one layer's GEMM (``a [R, K]`` rows by expert, ``b [El, K, N']``)."""
+def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=1):
+    """Time one layer's GEMM (``a [R, K]`` rows by expert, ``b [El, K, N']``) with
+    ``per_sm`` persistent programs per SM."""
     bm, bn, bk, warps, stages = tile
     el, k, n_full = b.shape
     n = n_full // 2 if gated else n_full
@@ -148,12 +164,13 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
     ref = torch._grouped_mm(a, bt, offs=offs)
     if gated:
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-    t_us = median_us(lambda: torch._grouped_mm(a, bt, offs=offs), iters=30)
+    torch_call = lambda: torch._grouped_mm(a, bt, offs=offs)  # noqa: E731
+    t_us = median_us(torch_call, iters=30)
     recs = []
     for loop in loops:
         if loop == "merged" and not gated:
             continue
-        grid = items if loop == "grid" else sms
+        grid = items if loop == "grid" else sms * per_sm
 
         def call():
             queue.zero_()
@@ -162,7 +179,8 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
                                     LOOP=LOOPS[loop], BATCH=batch, GATED=gated, BLOCK_M=bm,
                                     BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                     num_stages=stages)
-        rec = dict(config=name, layer=layer, loop=loop, tile=list(tile), rows=a.shape[0],
+        rec = dict(config=name, layer=layer, loop=loop, tile=list(tile), per_sm=per_sm,
+                   rows=a.shape[0],
                    experts=el, K=k, N=n_full, torch_us=t_us,
                    torch_tflops=flops / t_us / 1e6)
         try:
@@ -170,8 +188,8 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch):
             call()
             torch.cuda.synchronize()
             err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
-            us = median_us(call, iters=30)
-            rec.update(us=us, tflops=flops / us / 1e6, ratio=t_us / us, rel_err=err)
+            us, ratio = paired(call, torch_call)
+            rec.update(us=us, tflops=flops / us / 1e6, ratio=ratio, rel_err=err)
         except Exception as e:   # a variant that does not compile is a result too
             rec.update(error=repr(e)[:300])
         print(json.dumps(rec), flush=True)
@@ -183,45 +201,60 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
                     default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--loops", nargs="+", default=list(LOOPS))
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--tile0", default="128,128,64,8,3", help="BM,BN,BK,warps,stages")
-    ap.add_argument("--tile1", default="128,256,64,8,3")
+    ap.add_argument("--tile0", nargs="+", default=["128,128,64,8,3"],
+                    help="BM,BN,BK,warps,stages (several: each is timed)")
+    ap.add_argument("--tile1", nargs="+", default=["128,256,64,8,3"])
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1],
+                    help="persistent programs per SM (2: two tiles' main loops and "
+                         "epilogues interleave on an SM, where smem and registers allow)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "gemm_variants.json"))
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t0 = tuple(map(int, args.tile0.split(",")))
-    t1 = tuple(map(int, args.tile1.split(",")))
+    tiles0 = [tuple(map(int, t.split(","))) for t in args.tile0]
+    tiles1 = [tuple(map(int, t.split(","))) for t in args.tile1]
     recs = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.configs:
         cfg = preset(name)
         el = cfg.num_experts // args.world
         h, f = cfg.hidden_size, cfg.intermediate_size
-        rows = args.tokens * cfg.top_k
-        counts = [rows // el + (1 if e < rows % el else 0) for e in range(el)]
-        a = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
         w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).bfloat16()
         w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).bfloat16()
-        hid = torch.randn(rows, f, device="cuda", generator=g).bfloat16()
-        recs += run_layer(name, "layer0", a, w13, counts, True, t0, sms, args.loops, args.batch)
-        recs += run_layer(name, "layer1", hid, w2, counts, False, t1, sms, args.loops,
-                          args.batch)
-        del a, w13, w2, hid
+        for tokens in args.tokens:
+            rows = tokens * cfg.top_k
+            counts = [rows // el + (1 if e < rows % el else 0) for e in range(el)]
+            a = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+            hid = torch.randn(rows, f, device="cuda", generator=g).bfloat16()
+            for pps in args.programs_per_sm:
+                for t0 in tiles0:
+                    recs += [dict(r, tokens=tokens) for r in run_layer(
+                        name, "layer0", a, w13, counts, True, t0, sms, args.loops,
+                        args.batch, pps)]
+                for t1 in tiles1:
+                    recs += [dict(r, tokens=tokens) for r in run_layer(
+                        name, "layer1", hid, w2, counts, False, t1, sms, args.loops,
+                        args.batch, pps)]
+            del a, hid
+        del w13, w2
     with open(args.out, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+        json.dump({"device": torch.cuda.get_device_name(),
                    "world": args.world, "records": recs}, fh, indent=1)
-    print(f"{'config':18s} {'layer':6s} " + " ".join(f"{lp:>7s}" for lp in args.loops)
-          + "   (torch / variant time)")
-    for name in args.configs:
-        for layer in ("layer0", "layer1"):
-            row = {r["loop"]: r for r in recs if r["config"] == name and r["layer"] == layer}
-            print(f"{name:18s} {layer:6s} " + " ".join(
-                f"{row[lp].get('ratio', float('nan')) if lp in row else float('nan'):7.2f}"
-                for lp in args.loops))
+    print(f"{'config':18s} {'tokens':>6s} {'layer':6s} {'tile':16s} per_sm " +
+          " ".join(f"{lp:>7s}" for lp in args.loops) + "   (torch / variant time)")
+
+    def key(r):
+        return r["config"], r["tokens"], r["layer"], tuple(r["tile"]), r["per_sm"]
+    for k in dict.fromkeys(map(key, recs)):
+        name, tokens, layer, tile, pps = k
+        row = {r["loop"]: r for r in recs if key(r) == k}
+        print(f"{name:18s} {tokens:6d} {layer:6s} {','.join(map(str, tile)):16s} {pps:6d} "
+              + " ".join(f"{row[lp].get('ratio', float('nan')) if lp in row else float('nan'):7.2f}"
+                         for lp in args.loops))
 
 
 if __name__ == "__main__":

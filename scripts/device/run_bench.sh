@@ -3,6 +3,8 @@
 #   scripts/device/run_bench.sh NPROC [comet bench arguments...]
 # Runs the sweep on NPROC GPUs (default configs and sizes unless arguments say otherwise)
 # and a per-block timeline of one Mixtral call, writing under $OUT (./out if unset):
+# (carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column: its headers are unzipped
+# and the reference built once, ~2 min, before the ranks start)
 # bench-epN-*.json/.md/.png, timeline-epN-*.json/.png and bench.log -- six files, since
 # at most eight come back from the device machines.
 set -uo pipefail
@@ -18,6 +20,12 @@ mkdir -p "$out"
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  wheel=$(ls wheels/nvidia_cutlass-*.whl 2>/dev/null | head -1)
+  if [ -n "$wheel" ] && [ -z "${COMET_CUTLASS_DIR:-}" ]; then
+    hdr=$(mktemp -d)
+    python3 -m zipfile -e "$wheel" "$hdr" && export COMET_CUTLASS_DIR="$hdr/cutlass_library/source"
+    python3 -c 'import torch; from comet.bench.cutlass_ref import load_cutlass_grouped_mm as f; print(f(torch.device("cuda"))[1])'
+  fi
   status=0
   python3 -m comet.cli.bench --nproc "$nproc" --output-dir "$out" "$@" || status=$?
   python3 -m comet.cli.bench --nproc "$nproc" --timeline --config mixtral --output-dir "$out" \
