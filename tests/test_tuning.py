@@ -1,4 +1,4 @@
-"""Tuned block-split tables: lookup, interpolation, bad files; the comet tune CLI on CPU."""
+"""Tuned block-split tables: lookup, nearest bucket, bad files; the comet tune CLI on CPU."""
 
 import json
 import logging
@@ -9,7 +9,7 @@ import torch
 from comet.cli import tune
 from comet.config import MoEConfig, preset
 from comet.kernels import KERNEL_REVISION
-from comet.scheduler import tuned
+from comet.scheduler import search, tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
 
 CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
@@ -34,12 +34,17 @@ def test_file_name_is_vllm_style():
     assert name == "E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json"
 
 
-def test_lookup_exact_interpolated_and_clamped(tmp_path):
+def test_lookup_takes_the_nearest_bucket_in_log_scale(tmp_path):
     _write(tmp_path)
     assert tuned.lookup(CFG, 4, 128, None, tmp_path) == (4, 8)
-    assert tuned.lookup(CFG, 4, 576, None, tmp_path) == (8, 16)      # halfway
-    assert tuned.lookup(CFG, 4, 1, None, tmp_path) == (4, 8)
+    # Geometric midpoint of 128 and 1024 is 362: below it the small bucket, above the
+    # large one; never an interpolated split that was not measured.
+    assert tuned.lookup(CFG, 4, 350, None, tmp_path) == (4, 8)
+    assert tuned.lookup(CFG, 4, 380, None, tmp_path) == (12, 24)
+    assert tuned.lookup(CFG, 4, 576, None, tmp_path) == (12, 24)
+    assert tuned.lookup(CFG, 4, 0, None, tmp_path) == (4, 8)
     assert tuned.lookup(CFG, 4, 10_000, None, tmp_path) == (12, 24)
+    assert tuned.nearest_bucket({128: (1, 1), 512: (2, 2)}, 256) == (2, 2)  # tie: larger
 
 
 def test_user_folder_wins_over_env(tmp_path, monkeypatch):
@@ -209,3 +214,61 @@ def test_check_finds_the_table_a_layer_would_load(tmp_path, monkeypatch):
     path = _write(env)
     monkeypatch.setenv(tuned.ENV_FOLDER, str(env))
     assert tune.find_table(CFG, 4, "cpu", str(tmp_path / "none")) == str(path)
+
+
+def _valley(best0, best1):
+    """A layer time per split with one minimum per layer (what the sweeps measured)."""
+    calls = []
+
+    def evaluate(n):
+        calls.append(n)
+        return 100.0 + abs(n - best0) ** 1.5, 50.0 + 2.0 * abs(n - best1)
+    return evaluate, calls
+
+
+def test_climb_finds_each_layers_best_with_fewer_calls():
+    cands = list(tune.DEFAULT_CANDIDATES)
+    evaluate, calls = _valley(24, 2)
+    timed = search.climb(evaluate, cands, [(10, 0), (10, 0)])
+    assert search.best_splits(timed) == (24, 2)
+    assert len(calls) == len(set(calls)) == len(timed)   # each split timed once
+    assert len(timed) < len(cands)
+
+
+def test_climb_escapes_a_far_off_model_through_the_zero_start():
+    # The model says 48 but layer1 is best at 0, behind a bump at 32 that stops a climb
+    # from 48; the start at 0 still finds it.
+    cands = list(tune.DEFAULT_CANDIDATES)
+
+    def evaluate(n):
+        layer1 = {0: 10.0, 2: 11.0, 32: 30.0, 48: 20.0, 64: 25.0}.get(n, 15.0)
+        return 1.0, layer1
+    timed = search.climb(evaluate, cands, [(48,), (48, 0)])
+    assert search.best_splits(timed)[1] == 0
+
+
+def test_climb_snaps_starts_and_handles_one_candidate():
+    assert search.nearest([0, 4, 8], 6) == 1 and search.nearest([0, 4, 8], 7) == 2
+    assert search.nearest([0, 4, 8], 99) == 2 and search.nearest([0, 4, 8], -3) == 0
+    timed = search.climb(lambda n: (1.0, 2.0), [16], [(3, 0), (40,)])
+    assert timed == {16: (1.0, 2.0)}
+    with pytest.raises(ValueError):
+        search.climb(lambda n: (1.0, 1.0), [], [(0,)])
+
+
+def test_local_search_bucket_entry_records_what_it_timed(monkeypatch):
+    evaluate, calls = _valley(16, 0)
+    monkeypatch.setattr(tune, "bucket_timer", lambda *a: evaluate)
+
+    class Layer:
+        def analytic_comm_blocks(self, tokens):
+            return 12, 4
+    args = tune.build_parser().parse_args(["--config", "mixtral"])
+    entry = tune.sweep_bucket(Layer(), None, 4096, list(tune.DEFAULT_CANDIDATES), args,
+                              None, 0)
+    assert (entry["layer0"], entry["layer1"], entry["search"]) == (16, 0, "local")
+    assert sorted(map(int, entry["sweep_us"])) == sorted(set(calls))
+    args.search = "exhaustive"
+    calls.clear()
+    entry = tune.sweep_bucket(Layer(), None, 4096, [0, 8, 16], args, None, 0)
+    assert calls == [0, 8, 16] and entry["layer0"] == 16

@@ -1,9 +1,11 @@
 """``comet tune``: measure the best block split per shape and write a tuned table.
 
-For a model config and a list of tokens-per-rank buckets, time the fused layer with each
-candidate number of comm blocks (the same count for both layers in one call; each layer
-is a separate kernel, so one sweep times both) and keep, per bucket and layer, the
-fastest. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
+For a model config and a list of tokens-per-rank buckets, time the fused layer at
+candidate numbers of comm blocks (the same count for both layers in one call; each layer
+is a separate kernel, so one call times a candidate for both) and keep, per bucket and
+layer, the fastest. By default the candidates timed are those a hill climb from the
+analytic model's pick and from 0 needs (comet.scheduler.search); ``--search exhaustive``
+times all of them. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
 
@@ -27,6 +29,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +39,11 @@ from comet.bench.inputs import make_expert_weights, make_input_sets
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig
-from comet.scheduler import tuned
+from comet.scheduler import search, tuned
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_TOKENS = (128, 1024, 4096, 16384)
+#: Token buckets from decode to long prefill chunks; a call uses the nearest (log scale).
+DEFAULT_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 #: The single split ``--check`` compares against (the split before tuning existed).
 FIXED_SPLIT = 16
@@ -56,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens-per-rank buckets (default: %(default)s)")
     p.add_argument("--candidates", type=int, nargs="+", default=list(DEFAULT_CANDIDATES),
                    help="comm-block counts to try (0: comm then compute)")
+    p.add_argument("--search", choices=("local", "exhaustive"), default="local",
+                   help="local: hill-climb from the analytic pick and from 0 (a few calls "
+                        "per bucket); exhaustive: every candidate")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -120,33 +127,37 @@ def load_existing(path: str, meta: dict) -> dict:
     return {"meta": meta, "buckets": {}}
 
 
-def time_candidates(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
-                    rank: int) -> dict[int, tuple[float, float]]:
-    """``{comm blocks: (layer0 us, layer1 us)}`` at ``tokens`` per rank (slowest rank,
-    median), one sweep timing both layers."""
+def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int
+                 ) -> Callable[[int], search.Times]:
+    """``fn(comm blocks) -> (layer0 us, layer1 us)`` at ``tokens`` per rank: the slowest
+    rank's median, the same on every rank (collective: every rank calls it alike)."""
     from comet.runtime.layer import PhaseTimer
     sets = make_input_sets(cfg, "tune", tokens, "uniform", 2, rank, args.seed, device)
-    times = {}
-    for n in candidates:
-        def call(i, timer, n=n):
+
+    def timed(n: int) -> search.Times:
+        def call(i, timer):
             s = sets[i]
             layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer)
         series = time_calls(call, n_sets=len(sets), iters=args.iters, warmup=args.warmup,
                             device=device, make_timer=PhaseTimer)
         series = reduce_over_ranks(series)
-        times[n] = (median(series["layer0"]), median(series["layer1"]))
-    return times
+        return median(series["layer0"]), median(series["layer1"])
+    return timed
 
 
 def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
                  rank: int) -> dict:
-    """Layer times per candidate for one bucket; the entry written to the table."""
-    times = time_candidates(layer, cfg, tokens, candidates, args, device, rank)
-    best0 = min(times, key=lambda n: times[n][0])
-    best1 = min(times, key=lambda n: times[n][1])
+    """Layer times of the candidates the search timed for one bucket; the table entry."""
+    timer = bucket_timer(layer, cfg, tokens, args, device, rank)
+    if args.search == "exhaustive":
+        times = {n: timer(n) for n in candidates}
+    else:
+        a0, a1 = layer.analytic_comm_blocks(tokens)
+        times = search.climb(timer, candidates, [(a0, 0), (a1, 0)])
+    best0, best1 = search.best_splits(times)
     return {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
-            "layer1_us": times[best1][1],
-            "sweep_us": {str(n): [round(a, 1), round(b, 1)] for n, (a, b) in times.items()}}
+            "layer1_us": times[best1][1], "search": args.search,
+            "sweep_us": {str(n): [round(a, 1), round(b, 1)] for n, (a, b) in sorted(times.items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +283,7 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     layer = FusedMoE(cfg, w13, w2)
     report = []
     for tokens in tqdm(args.tokens, desc="comet tune --check", disable=rank != 0):
-        picks = {"tuned": tuned.interpolate(table, tokens),
+        picks = {"tuned": tuned.nearest_bucket(table, tokens),
                  "fixed": (FIXED_SPLIT, FIXED_SPLIT),
                  "analytic": layer.analytic_comm_blocks(tokens)}
         # A pick beyond this GPU's programs runs as the largest split it has (clamped
@@ -280,7 +291,8 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         picks = {k: tuple(min(n, layer.programs - 1) for n in v) for k, v in picks.items()}
         wanted = set(args.candidates) | {n for p in picks.values() for n in p}
         candidates = sorted(n for n in wanted if 0 <= n < layer.programs)
-        times = time_candidates(layer, cfg, tokens, candidates, args, device, rank)
+        timer = bucket_timer(layer, cfg, tokens, args, device, rank)
+        times = {n: timer(n) for n in candidates}
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
         print(f"table: {path}")

@@ -15,8 +15,11 @@ Every table records the kernel revision it was measured on
 ignored like a malformed one.
 
 Selection uses only what the host knows (this rank's token count, from the input's
-shape): exact bucket, else linear interpolation between the two neighbouring buckets,
-clamped at the ends. A missing or unusable table returns None (the caller falls back to
+shape): the bucket nearest to it in log scale (buckets are geometric), clamped at the
+ends. Splits are never interpolated: layer time over a split is far from linear (too few
+comm blocks for the rows starve the GEMM), and a split between two good ones can be the
+worst of all -- measured on an H100 (E=64, H=2048, F=1024, top-8, 3000 tokens): buckets
+128 (8 comm blocks) and 4096 (0) interpolated to 2, which took 3.5x the best layer0. A missing or unusable table returns None (the caller falls back to
 the analytic model and logs once); a bad file is reported with a warning, never an
 exception in the middle of a forward.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from functools import lru_cache
@@ -120,19 +124,12 @@ def search_folders(folder: str | os.PathLike | None = None) -> list[Path]:
     return folders
 
 
-def interpolate(table: dict[int, tuple[int, int]], tokens: int) -> tuple[int, int]:
-    """Bucket value at ``tokens``: exact, linear between neighbours, clamped at the ends."""
+def nearest_bucket(table: dict[int, tuple[int, int]], tokens: int) -> tuple[int, int]:
+    """The splits of the bucket nearest to ``tokens`` in log scale (ties: the larger
+    bucket, whose rows are the closer worst case); clamped at the ends."""
     keys = sorted(table)
-    if tokens <= keys[0]:
-        return table[keys[0]]
-    if tokens >= keys[-1]:
-        return table[keys[-1]]
-    hi = next(k for k in keys if k >= tokens)
-    lo = keys[keys.index(hi) - 1]
-    if hi == tokens:
-        return table[hi]
-    frac = (tokens - lo) / (hi - lo)
-    return tuple(round(a + frac * (b - a)) for a, b in zip(table[lo], table[hi]))
+    t = max(tokens, 1)
+    return table[min(keys, key=lambda k: (abs(math.log(k / t)), -k))]
 
 
 _untuned_logged: set = set()
@@ -149,7 +146,7 @@ def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
         if path.is_file():
             table = _load(str(path), expect)
             if table is not None:
-                return interpolate(table, tokens)
+                return nearest_bucket(table, tokens)
     if name not in _untuned_logged:
         _untuned_logged.add(name)
         log.info("comet: no tuned block split for %s; using the analytic model "
