@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+import triton
 
 from comet.config import MoEConfig
 from comet.kernels import launch as L
@@ -102,3 +103,27 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
         assert torch.equal(p["seg_start"].cpu(), layout.seg_off[r].cpu())
         assert torch.equal(p["seg_rows"].cpu(), layout.seg_rows[r].cpu())
         assert torch.equal(p["entries"].cpu(), layout.entries[r].cpu())
+
+
+@pytest.mark.parametrize("tokens, has_count", [(23 * 3, False), (23 * 3 - 2, True), (5, True)])
+def test_scan_carries_across_steps_and_programs(tokens, has_count):
+    """The block-count scan at small constexpr steps, so one call takes several row steps
+    per program and several programs (the launcher's 256 x 16 needs > 4096 token blocks
+    for that): rows past the call's blocks stay as they were, the totals land last."""
+    from comet.kernels.plan import scan_kernel
+    blocks, cols, block_t = 30, 10, 3
+    g = torch.Generator().manual_seed(tokens)
+    counts = torch.randint(0, 5, (blocks + 1, cols), generator=g, dtype=torch.int32)
+    counts[0] = 0
+    bc = counts.clone().to(DEVICE)
+    routing = torch.zeros(tokens if not has_count else tokens + 7, 2, device=DEVICE)
+    n = torch.tensor([tokens], device=DEVICE)
+    scan_kernel[(triton.cdiv(cols, 4),)](bc, blocks, routing.shape[0],
+                                         n if has_count else routing, COLS=cols,
+                                         BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
+                                         HAS_NUM_TOKENS=has_count, num_warps=1)
+    used = -(-tokens // block_t)
+    want = counts.clone()
+    want[1:used + 1] = torch.cumsum(counts[1:used + 1], 0)
+    want[blocks] = counts[1:used + 1].sum(0)
+    assert torch.equal(bc.cpu(), want)
