@@ -30,12 +30,16 @@ class FakeFusedMoE:
     """Stands in for comet.runtime.layer.FusedMoE on the CPU: the baseline's numbers,
     the fused layer's interface (modes, phase timer, block split, timeline)."""
 
+    programs = 8
+
     def __init__(self, cfg, w13, w2, group=None):
         self.w13, self.w2, self.group = w13, w2, group
         self.last_comm_blocks = None
+        self.splits_asked = set()
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
+        self.splits_asked.add(comm_blocks)
         self.last_comm_blocks = (0, 0) if mode == "sequential" else (2, 3)
         y = None
         for name in ("plan", "layer0", "layer1", "combine"):
@@ -134,6 +138,31 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
         assert "matplotlib is not installed" in out
     else:
         assert os.path.exists(path[:-5] + ".png")
+
+
+def test_fixed_splits_hold_the_choice_against_the_best_of_them(tmp_path, capsys, monkeypatch):
+    layers = []
+
+    def build(cfg, w13, w2, group, device):
+        layers.append(FakeFusedMoE(cfg, w13, w2, group))
+        return Fused(layers[-1], lambda: PhaseClock(device)), None
+    monkeypatch.setattr(bench, "_build_fused", build)
+    argv = SMALL + ["--layers", "moe", "--fixed-splits", "0", "2", "99",
+                    "--output-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert {0, 2} <= layers[0].splits_asked and 99 not in layers[0].splits_asked  # > programs
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    [r] = rec.read_json(path)
+    assert set(r["fixed_split_us"]) == {"0", "2"}
+    assert r["best_fixed_us"] == min(r["fixed_split_us"].values())
+    assert r["fixed_split_us"][str(r["best_fixed_split"])] == r["best_fixed_us"]
+    assert r["fused_over_best_fixed"] == pytest.approx(r["fused_us"] / r["best_fixed_us"])
+    assert r["fused_over_sequential"] == pytest.approx(r["fused_us"] / r["sequential_us"])
+    md = open(path[:-5] + ".md").read()
+    assert "b/best fixed" in md and "max b/best fixed split" in md
+    with pytest.raises(SystemExit):
+        bench.main(SMALL + ["--fixed-splits", "-1"])
 
 
 def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused):

@@ -14,6 +14,8 @@ or a per-layer row of a variant that has no layers). Variants:
 * ``sequential_us`` -- comet's kernels with 0 comm blocks: comm, then compute.
 * ``torch_gmm_us`` -- torch's grouped GEMM on the rows this layer multiplies.
 * ``nccl_a2a_us`` -- NCCL ``all_to_all_single`` of the rows this layer moves.
+* ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
+  count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def derive(rec: dict) -> dict:
     speedup: a / b.  speedup_vs_chunked: e / b.  hidden_comm_fraction: see
     :func:`hidden_fraction`.  compute_efficiency: torch grouped GEMM time over (c), i.e.
     comet's GEMM TFLOP/s over torch's on the same rows.  comm_efficiency: NCCL
-    all_to_all time of the same rows over (d).
+    all_to_all time of the same rows over (d).  fused_over_sequential: b over comet's
+    own kernels run one after the other (below 1: the overlap pays).  fused_over_best_fixed:
+    b over the fastest fixed split of the record (the per-call choice against hindsight).
     """
     rec["speedup"] = ratio(rec.get("baseline_us"), rec.get("fused_us"))
     rec["speedup_vs_chunked"] = ratio(rec.get("chunked_us"), rec.get("fused_us"))
@@ -73,6 +77,8 @@ def derive(rec: dict) -> dict:
         rec.get("compute_only_us"), rec.get("comm_only_us"), rec.get("fused_us"))
     rec["compute_efficiency"] = ratio(rec.get("comet_gmm_tflops"), rec.get("torch_gmm_tflops"))
     rec["comm_efficiency"] = ratio(rec.get("nccl_a2a_us"), rec.get("comm_only_us"))
+    rec["fused_over_sequential"] = ratio(rec.get("fused_us"), rec.get("sequential_us"))
+    rec["fused_over_best_fixed"] = ratio(rec.get("fused_us"), rec.get("best_fixed_us"))
     return rec
 
 

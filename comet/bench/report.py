@@ -64,6 +64,10 @@ EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("NCCL a2a us", _num("nccl_a2a_us")),
     ("comm eff", _num("comm_efficiency", "{:.2f}")),
     ("sequential us", _num("sequential_us")),
+    ("b/seq", _num("fused_over_sequential", "{:.2f}")),
+    ("best fixed (n) us", lambda r: "-" if r.get("best_fixed_us") is None else
+     f"{r['best_fixed_us']:.1f} ({r['best_fixed_split']})"),
+    ("b/best fixed", _num("fused_over_best_fixed", "{:.2f}")),
 ]
 
 #: Where the unfused baseline's time goes ("moe" rows), as in shared/DESIGN.md.
@@ -122,6 +126,14 @@ def summary(records: Sequence[dict]) -> list[str]:
             parts.append(f"min hidden {_fmt(min(hidden) if hidden else None)} (target 0.85)")
             eff = [r["compute_efficiency"] for r in b if r["compute_efficiency"] is not None]
             parts.append(f"min compute eff {_fmt(min(eff) if eff else None)} (target 1.0)")
+            seq = [r.get("fused_over_sequential") for r in b]
+            seq = [v for v in seq if v is not None]
+            parts.append(f"max b/sequential {_fmt(max(seq) if seq else None)} (target 0.95)")
+        fixed = [r.get("fused_over_best_fixed") for r in moe if r["routing"] == routing]
+        fixed = [v for v in fixed if v is not None]
+        if fixed:
+            parts.append(f"max b/best fixed split {_fmt(max(fixed))} over "
+                         f"{len(fixed)} records (target 1.0)")
         if small:
             parts.append(f"geomean a/b at 128 tokens/rank "
                          f"{_fmt(geomean(r['speedup'] for r in small))} (target 2.0)")

@@ -71,6 +71,9 @@ class Settings:
     seed: int = 0
     comm_blocks: int | tuple[int, int] | None = None
     chunk_options: tuple[int, ...] = (2, 4)
+    #: Comm-block counts (both layers) the fused layer is also timed at, to hold the
+    #: per-call choice against the best fixed split of each record.
+    fixed_splits: tuple[int, ...] = ()
 
 
 @dataclass
@@ -172,16 +175,20 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
     n_comm = None
     if fused is not None:
-        for mode in FUSED_MODES:
-            def call(i, t, mode=mode):
+        def time_fused(comm_blocks, mode) -> _Series:
+            def call(i, t):
                 return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
-                                   comm_blocks=None if mode == "sequential" else st.comm_blocks,
-                                   mode=mode, timer=t)
+                                   comm_blocks=comm_blocks, mode=mode, timer=t)
             # Phases come from calls with events (eager launches); the whole-call time from
             # calls without, which replay comet's CUDA graph as a user's call would.
             phases = timed(call, fused.make_timer)
             phases["total"] = timed(call)["total"]
-            out[mode] = _Series(phases, _LAYER_PHASES["comet"])
+            return _Series(phases, _LAYER_PHASES["comet"])
+
+        for mode in FUSED_MODES:
+            out[mode] = time_fused(None if mode == "sequential" else st.comm_blocks, mode)
+        for n in fixed_splits(st, fused):
+            out[f"fixed{n}"] = time_fused(n, "fused")
         fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
                     comm_blocks=st.comm_blocks, mode="fused")
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
@@ -237,6 +244,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "comet_gmm_tflops": gmm_tflops("compute_only", _LAYER_PHASES["comet_kernels"]),
             "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
+            **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
             "n_comm": n_comm[0] if n_comm else None,
             "n_comm_per_rank": n_comm,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
@@ -254,6 +262,21 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                 for mode in FUSED_MODES if mode in out} or None
         results.append(rec.derive(r))
     return results
+
+
+def fixed_splits(st: Settings, fused: Fused) -> list[int]:
+    """The fixed splits of ``st`` this layer can run (fewer comm blocks than programs)."""
+    programs = fused.layer.programs
+    return [n for n in st.fixed_splits if 0 <= n < programs]
+
+
+def _fixed_columns(times: dict[int, float | None]) -> dict:
+    """``fixed_split_us`` (by split) and the best of them, for one record."""
+    timed = {n: t for n, t in times.items() if t is not None}
+    best = min(timed, key=timed.get, default=None)
+    return {"fixed_split_us": {str(n): t for n, t in timed.items()} or None,
+            "best_fixed_split": best,
+            "best_fixed_us": timed[best] if best is not None else None}
 
 
 def _gemm_fn(plans, rows, w13, w2, mm):

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--comm-blocks", nargs="+", type=int, default=None, metavar="N",
                    help="fix the block split: one count for both layers or two "
                         "(layer0 layer1); default: comet chooses per call")
+    g.add_argument("--fixed-splits", nargs="+", type=int, default=[], metavar="N",
+                   help="also time the fused layer at each of these comm-block counts (both "
+                        "layers), so every record shows comet's choice against the best "
+                        "fixed split (columns best fixed, b/best fixed); e.g. 0 8 16 32")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -217,6 +221,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     if min(tokens) < 0 or iters < 1 or args.input_sets < 1 or min(args.chunks) < 1:
         parser.error("--tokens must be >= 0; --iters, --input-sets and --chunks >= 1")
+    if any(n < 0 for n in args.fixed_splits):
+        parser.error("--fixed-splits must be >= 0")
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     notes = [] if on_gpu else [NO_GPU_NOTE]
     if on_gpu and iters < 20:
@@ -228,7 +234,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             "command": shlex.join(["comet", "bench", *argv])}
     st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
-                  comm_blocks=_comm_blocks(args.comm_blocks, parser), chunk_options=tuple(args.chunks))
+                  comm_blocks=_comm_blocks(args.comm_blocks, parser),
+                  chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits))
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp)
 
