@@ -5,6 +5,8 @@ real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16
 only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -237,22 +239,19 @@ def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
-    """The fused launches of one rank (the interpreter runs programs in order, so one
-    rank is what it can run fused): layer0 program 0 dispatches and then, from the work
-    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
-    tile and then every reduce item; the others find both queues empty. The trace shows
-    which block did what; the output must still be exact."""
+def _one_rank_fused(tile=None, seed=11):
+    """One rank's fused launches on a grid of 3 with per-block traces: (traces, workspace,
+    tile, hidden size). The output is checked against the reference."""
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=12)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(seed)
     ids = make_ids("random", [12], e, k, g)[0]
     x = torch.randn(12, h, generator=g).half()
     wts = torch.rand(ids.shape, generator=g)
     w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
     w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
-    ep = VirtualEP(cfg, [w13], [w2])
+    ep = VirtualEP(cfg, [w13], [w2], tile)
     ws, tile = ep.ws[0], ep.tile
     ws.begin_call()
     L.launch_plan(ws, cfg, ids, wts, tile)
@@ -270,22 +269,60 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
                                                                 round_to=torch.float16),
                                rtol=2e-2, atol=2e-2)
+    return traces, ws, tile, h, grid
 
-    def kinds(layer, block):
-        ev = traces[layer][block]
-        return ev[ev[:, 0] >= 0, 0].tolist()
 
-    world, reduce_kind = 1, 1 << 16
-    assert set(kinds(0, 0)) >= {0, world}, "layer0 block 0 must push, then take tiles"
-    assert kinds(0, 0).index(world) > kinds(0, 0).index(0)
-    assert kinds(0, 1) == [] and kinds(0, 2) == []
-    l1 = kinds(1, 0)
-    assert any(k < reduce_kind for k in l1) and any(k >= reduce_kind for k in l1)
-    assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
-        i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
+def _kinds(traces, layer, block):
+    ev = traces[layer][block]
+    return ev[ev[:, 0] >= 0, 0].tolist()
+
+
+REDUCE_KIND = 1 << 16
+
+
+def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
+    """The fused launches of one rank (the interpreter runs programs in order, so one
+    rank is what it can run fused): layer0 program 0 dispatches and then, from the work
+    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
+    tile and then every reduce item; the others find both queues empty. The trace shows
+    which block did what; the output must still be exact."""
+    traces, ws, tile, h, grid = _one_rank_fused()
+    world = 1
+    k0 = _kinds(traces, 0, 0)
+    assert set(k0) >= {0, world}, "layer0 block 0 must push, then take tiles"
+    assert k0.index(world) > k0.index(0)
+    assert _kinds(traces, 0, 1) == [] and _kinds(traces, 0, 2) == []
+    l1 = _kinds(traces, 1, 0)
+    assert any(k < REDUCE_KIND for k in l1) and any(k >= REDUCE_KIND for k in l1)
+    assert max(i for i, k in enumerate(l1) if k < REDUCE_KIND) < min(
+        i for i, k in enumerate(l1) if k >= REDUCE_KIND), "GEMM tiles, then reduce items"
     c = ws.counter_view()
     n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
+
+
+def test_reduce_between_tiles_runs_complete_splits_during_the_gemm():
+    """With reduce_between_tiles, block 0 reduces split s as soon as its tiles are all
+    counted, before the GEMM tiles of the splits after it; each item runs once (the
+    queue ends exactly where it does without it) and the output is exact."""
+    tile = dataclasses.replace(L.TileConfig.small(), reduce_between_tiles=True, block_n1=8,
+                               splits=4)
+    traces, ws, tile, h, grid = _one_rank_fused(tile)
+    l1 = _kinds(traces, 1, 0)
+    splits = tile.n_splits(h)
+    assert splits >= 2
+    for s in range(splits - 1):
+        first_reduce = l1.index(REDUCE_KIND + s)
+        later_tiles = [i for i, k in enumerate(l1) if s < k < REDUCE_KIND]
+        assert later_tiles and first_reduce < max(later_tiles), f"split {s} not interleaved"
+        assert all(k < REDUCE_KIND + s or k >= REDUCE_KIND
+                   for k in l1[:first_reduce]), "a reduce item before its split was done"
+    c = ws.counter_view()
+    n_items = int(c["l1_reduce"]) - grid
+    assert n_items == splits * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
+    assert sorted(k - REDUCE_KIND for k in l1 if k >= REDUCE_KIND) == sorted(
+        s for s in range(splits)
+        for _ in range(-(-int(ws.plan["entries"][0]) // tile.reduce_item)))
 
 
 def test_misaligned_inputs_are_staged_through_an_aligned_copy():

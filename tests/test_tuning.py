@@ -272,3 +272,9 @@ def test_local_search_bucket_entry_records_what_it_timed(monkeypatch):
     calls.clear()
     entry = tune.sweep_bucket(Layer(), None, 4096, [0, 8, 16], args, None, 0)
     assert calls == [0, 8, 16] and entry["layer0"] == 16
+
+
+def test_tune_says_how_to_load_a_table_from_an_unsearched_folder(tmp_path, monkeypatch):
+    assert not tune._searched(str(tmp_path))
+    monkeypatch.setenv(tuned.ENV_FOLDER, str(tmp_path))
+    assert tune._searched(str(tmp_path))

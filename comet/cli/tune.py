@@ -214,7 +214,16 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                       f"({entry['layer1_us']:.0f} us)")
     if rank == 0:
         print(f"wrote {path}")
+        if not _searched(args.output_dir):
+            print(f"layers load it with CometMoE(..., tuned_config_folder="
+                  f"{args.output_dir!r}) or {tuned.ENV_FOLDER}={args.output_dir}")
     return 0
+
+
+def _searched(folder: str) -> bool:
+    """Whether a layer built without ``tuned_config_folder`` looks in ``folder``."""
+    target = os.path.realpath(folder)
+    return any(os.path.realpath(f) == target for f in tuned.search_folders())
 
 
 def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str) -> str | None:

@@ -56,6 +56,9 @@ class TileConfig:
         copy tile of return entries in the dispatch.
     reduce_item: return entries per item of layer1's reduce queue (a multiple of
         comm_entries): one queue atomic per item, so items carry tens of KB.
+    reduce_between_tiles: in a fused layer1 launch, compute blocks take the reduce items of
+        complete splits between GEMM tiles (comet.kernels.layer1), so only the last
+        split's reduce is left after the GEMM. Off until measured on the GPU.
     combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure HBM
         stream: one token row per step at 8 warps, with COMBINE_PROGRAMS_PER_SM programs
         per SM, moved 2.8 TB/s on an H100; 16 x 512 at 4 warps, one program per SM, 1.0
@@ -76,6 +79,7 @@ class TileConfig:
     comm_entries: int = 64
     reduce_item: int = 64
     comm_block_c: int = 256
+    reduce_between_tiles: bool = False
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
@@ -307,7 +311,8 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
-        USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        USE_ASM=_asm(), REDUCE_BETWEEN_TILES=tile.reduce_between_tiles and role == ROLE_FUSED,
+        **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **_cooperative(role, cooperative))
 
 
