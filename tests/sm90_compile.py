@@ -11,7 +11,6 @@ on the first failure.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -97,8 +96,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                         trace=trace)
         L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
         L.launch_combine(ws, cfg, L.address_of(x), split, tile, 132)
-        L.launch_layer1(ws, cfg, w2, dataclasses.replace(tile, reduce_between_tiles=True),
-                        L.ROLE_FUSED, split, 132)
     return record_launches(run)
 
 
@@ -137,8 +134,7 @@ def main() -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
             continue
-        extra = " between" if kwargs.get("REDUCE_BETWEEN_TILES") else ""
-        print(f"ok   {name:24s} role={kwargs.get('ROLE', '-')}{extra} smem={k.metadata.shared} "
+        print(f"ok   {name:24s} role={kwargs.get('ROLE', '-')} smem={k.metadata.shared} "
               f"{resource_usage(k)} b16={narrow_accesses(k)} ({time.time() - t0:.1f}s)")
     return 1 if failures else 0
 

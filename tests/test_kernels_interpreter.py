@@ -5,8 +5,6 @@ real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16
 only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -239,7 +237,7 @@ def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def _one_rank_fused(tile=None, seed=11):
+def _one_rank_fused(seed=11):
     """One rank's fused launches on a grid of 3 with per-block traces: (traces, workspace,
     tile, hidden size). The output is checked against the reference."""
     e, k, h, f = SCALED["mixtral"]
@@ -251,7 +249,7 @@ def _one_rank_fused(tile=None, seed=11):
     wts = torch.rand(ids.shape, generator=g)
     w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
     w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
-    ep = VirtualEP(cfg, [w13], [w2], tile)
+    ep = VirtualEP(cfg, [w13], [w2])
     ws, tile = ep.ws[0], ep.tile
     ws.begin_call()
     L.launch_plan(ws, cfg, ids, wts, tile)
@@ -299,30 +297,6 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     c = ws.counter_view()
     n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
-
-
-def test_reduce_between_tiles_runs_complete_splits_during_the_gemm():
-    """With reduce_between_tiles, block 0 reduces split s as soon as its tiles are all
-    counted, before the GEMM tiles of the splits after it; each item runs once (the
-    queue ends exactly where it does without it) and the output is exact."""
-    tile = dataclasses.replace(L.TileConfig.small(), reduce_between_tiles=True, block_n1=8,
-                               splits=4)
-    traces, ws, tile, h, grid = _one_rank_fused(tile)
-    l1 = _kinds(traces, 1, 0)
-    splits = tile.n_splits(h)
-    assert splits >= 2
-    for s in range(splits - 1):
-        first_reduce = l1.index(REDUCE_KIND + s)
-        later_tiles = [i for i, k in enumerate(l1) if s < k < REDUCE_KIND]
-        assert later_tiles and first_reduce < max(later_tiles), f"split {s} not interleaved"
-        assert all(k < REDUCE_KIND + s or k >= REDUCE_KIND
-                   for k in l1[:first_reduce]), "a reduce item before its split was done"
-    c = ws.counter_view()
-    n_items = int(c["l1_reduce"]) - grid
-    assert n_items == splits * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
-    assert sorted(k - REDUCE_KIND for k in l1 if k >= REDUCE_KIND) == sorted(
-        s for s in range(splits)
-        for _ in range(-(-int(ws.plan["entries"][0]) // tile.reduce_item)))
 
 
 def test_misaligned_inputs_are_staged_through_an_aligned_copy():

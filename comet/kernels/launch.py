@@ -44,7 +44,12 @@ class TileConfig:
     block_n0: columns of a layer0 work item, per half (gate and up).
     block_n1: columns of a layer1 work item.
     block_k: K step (shrunk to divide H and F where needed).
-    splits: target number of layer1 column splits (the comm role's unit of waiting).
+    splits: target number of layer1 column splits (the comm role's unit of waiting). The
+        GEMM runs split by split, so every split reads all of layer1's A rows again: 8
+        splits cost qwen2-moe's layer1 29% and phi3.5's 9% at 16384 tokens against 2, and
+        2 is within 0-4% of the best count at 1024-16384 tokens for the four presets (H100,
+        W=1, `h100-kernel-times-layer1-splits-count.json`); fewer splits only leave more of
+        the reduce after the GEMM.
     comm_rows: rows of a dispatch chunk, the unit a destination waits for. Chunks are
         published in order, each publication a remote release that costs a few us and
         runs after the previous one, so a chunk must carry enough bytes to keep the link
@@ -56,9 +61,6 @@ class TileConfig:
         copy tile of return entries in the dispatch.
     reduce_item: return entries per item of layer1's reduce queue (a multiple of
         comm_entries): one queue atomic per item, so items carry tens of KB.
-    reduce_between_tiles: in a fused layer1 launch, compute blocks take the reduce items of
-        complete splits between GEMM tiles (comet.kernels.layer1), so only the last
-        split's reduce is left after the GEMM. Off until measured on the GPU.
     combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure HBM
         stream: one token row per step at 8 warps, with COMBINE_PROGRAMS_PER_SM programs
         per SM, moved 2.8 TB/s on an H100; 16 x 512 at 4 warps, one program per SM, 1.0
@@ -71,7 +73,7 @@ class TileConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    splits: int = 8
+    splits: int = 2
     comm_rows: int = 256
     comm_copy_rows: int = 32
     comm_block_h: int = 512
@@ -79,7 +81,6 @@ class TileConfig:
     comm_entries: int = 64
     reduce_item: int = 64
     comm_block_c: int = 256
-    reduce_between_tiles: bool = False
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
@@ -311,8 +312,7 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
-        USE_ASM=_asm(), REDUCE_BETWEEN_TILES=tile.reduce_between_tiles and role == ROLE_FUSED,
-        **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **_cooperative(role, cooperative))
 
 

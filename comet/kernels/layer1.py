@@ -22,11 +22,7 @@ Roles (both take work from device queues, counters zeroed when a call opens):
 
 The comm blocks reduce the early splits while the GEMM runs; the reduce of the last
 split runs on every block. With no comm block the kernel is "GEMM, then reduce on the
-whole GPU" in one launch. With ``REDUCE_BETWEEN_TILES`` (fused launches), a compute block
-also takes, between two GEMM tiles, the reduce items of splits already complete -- only
-those, never waiting (:func:`comet.kernels.sync.take_below`) -- so the reduce of split
-``s`` runs while the GEMM of later splits does, on whichever blocks are between tiles, and
-only the last split's reduce is left after the GEMM, without giving SMs to comm blocks.
+whole GPU" in one launch.
 
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
 that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
@@ -39,8 +35,8 @@ from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import column_work, gemm_tile
 from comet.kernels.layer0 import CHUNK_SCAN
-from comet.kernels.sync import (all_reached, arrive, clock_ns, healthy, reached, release, stamp,
-                                take, take_below, wait_at_least, wait_chunks)
+from comet.kernels.sync import (arrive, clock_ns, healthy, release, stamp, take, wait_at_least,
+                                wait_chunks)
 
 SITE_SPLIT = tl.constexpr(3)
 SITE_COMBINE = tl.constexpr(4)
@@ -53,26 +49,15 @@ TRACE_REDUCE = tl.constexpr(1 << 16)
 @triton.jit
 def layer1_compute_role(queue, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-                        reduce_queue, recv_token, recv_rows, recv_weight, entries, flag0,
-                        chunk_slots, chunks_total, comb_table, comb_ptr, epoch, err_table,
-                        rank, max_tokens, trace_ptr, events,
-                        REDUCE_BETWEEN_TILES: tl.constexpr, WORLD: tl.constexpr,
-                        TOPK: tl.constexpr, ENTRIES: tl.constexpr, ITEM: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """The column-wise GroupGEMM, work items from the queue ``queue`` in split order
-    (with ``REDUCE_BETWEEN_TILES``, ready reduce items between tiles: see the module
-    doc); returns the trace events recorded so far."""
+    """The column-wise GroupGEMM, work items from the queue ``queue`` in split order;
+    returns the trace events recorded so far."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     total = num_tiles * n_blocks
-    # Between tiles: splits known complete, whether the return entries have landed, and
-    # the item limit at which the reduce queue was last found drained.
-    ready_splits = tl.full([], 0, tl.int32)
-    entries_here = tl.full([], 0, tl.int32)
-    drained_at = tl.full([], 0, tl.int32)
     w = take(queue)
     while w < total:
         if TRACE:
@@ -84,62 +69,8 @@ def layer1_compute_role(queue, h_desc, w2_desc, out1_ptr, F, H,
         arrive(split_done + split, "gpu")
         if TRACE:
             events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
-        # Only splits before the one this block works on can be complete: checking those
-        # alone costs a block about one flag read per split, not one per tile.
-        if REDUCE_BETWEEN_TILES:
-            if ready_splits < split:
-                ready_splits, entries_here, drained_at, events = _reduce_ready(
-                    split, ready_splits, entries_here, drained_at, num_tiles, n_blocks,
-                    split_done, reduce_queue, out1_ptr, H, recv_token, recv_rows,
-                    recv_weight, entries, flag0, chunk_slots, chunks_total, comb_table,
-                    comb_ptr, epoch, err_table, rank, max_tokens, trace_ptr, events, WORLD,
-                    TOPK, ENTRIES, ITEM, BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, TRACE,
-                    MAX_EVENTS, USE_ASM)
         w = take(queue)
     return events
-
-
-@triton.jit
-def _reduce_ready(split, ready_splits, entries_here, drained_at, num_tiles, n_blocks,
-                  split_done, reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                  entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr, epoch,
-                  err_table, rank, max_tokens, trace_ptr, events, WORLD: tl.constexpr,
-                  TOPK: tl.constexpr, ENTRIES: tl.constexpr, ITEM: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCKS_PER_SPLIT: tl.constexpr, TRACE: tl.constexpr,
-                  MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """A compute block between tiles (of split ``split``): count the splits before it
-    that are complete, then run reduce items of complete splits until none is left --
-    never waiting: each check is one read and a vote, and an item is taken only if it is
-    ready. Needs the return entries of every source (checked once they are all there)."""
-    if entries_here == 0:
-        entries_here = healthy(err_table, rank, USE_ASM)
-        for s in range(WORLD):
-            entries_here = entries_here & all_reached(
-                flag0 + s * chunk_slots, 0, tl.load(chunks_total + s), epoch, "sys",
-                CHUNK_SCAN, USE_ASM)
-    advancing = entries_here
-    while (advancing != 0) & (ready_splits < split):
-        blocks = tl.minimum(n_blocks - ready_splits * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
-        advancing = reached(split_done + ready_splits, num_tiles * blocks, "gpu", USE_ASM)
-        ready_splits += advancing
-    _, _, _, per_split = _reduce_item(0, rank, entries, WORLD, ITEM)
-    limit = ready_splits * per_split
-    if (limit > drained_at) & (healthy(err_table, rank, USE_ASM) != 0):
-        i = take_below(reduce_queue, limit)
-        while i >= 0:
-            if TRACE:
-                start = clock_ns(USE_ASM)
-            s_i, source, first, _ = _reduce_item(i, rank, entries, WORLD, ITEM)
-            _reduce_send(s_i, source, first, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                         entries, comb_table, comb_ptr, rank, max_tokens, TOPK, ENTRIES, ITEM,
-                         BLOCK_C, BLOCK_N * BLOCKS_PER_SPLIT)
-            if TRACE:
-                events = stamp(trace_ptr, events, s_i + TRACE_REDUCE, source, start,
-                               MAX_EVENTS, USE_ASM)
-            i = take_below(reduce_queue, limit)
-        drained_at = limit
-    return ready_splits, entries_here, drained_at, events
 
 
 @triton.jit
@@ -165,22 +96,6 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
                 acc += v.to(tl.float32) * wgt[:, None]
             tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
                      mask=live[:, None] & cmask)
-
-
-@triton.jit
-def _reduce_send(split, source, first, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                 entries, comb_table, comb_ptr, rank, max_tokens, TOPK: tl.constexpr,
-                 ENTRIES: tl.constexpr, ITEM: tl.constexpr, BLOCK_C: tl.constexpr,
-                 SPLIT_COLS: tl.constexpr):
-    """One reduce item: entries ``[first, first + ITEM)`` of ``source``, columns of
-    ``split``, reduced into ``source``'s ``comb[this rank]``."""
-    col0 = split * SPLIT_COLS
-    dst = pointer_at(comb_table, source, comb_ptr)
-    region = source * max_tokens
-    _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
-                    recv_rows + region * TOPK, recv_weight + region * TOPK, first,
-                    tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                    tl.minimum(col0 + SPLIT_COLS, H), TOPK, ENTRIES, BLOCK_C)
 
 
 @triton.jit
@@ -224,6 +139,7 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
                     SITE_ENTRIES, s, rank, timeout, "sys", WORLD, CHUNK_SCAN, USE_ASM)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
+    split_cols = BLOCKS_PER_SPLIT * BLOCK_N
     n_splits = tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)
     # A block takes items in increasing order, so it waits for each split at most once.
     ready_split = tl.full([], -1, tl.int32)
@@ -242,9 +158,13 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
                 ready = healthy(err_table, rank, USE_ASM)
             ready_split = split
         if ready:
-            _reduce_send(split, source, first, out1_ptr, H, recv_token, recv_rows,
-                         recv_weight, entries, comb_table, comb_ptr, rank, max_tokens, TOPK,
-                         ENTRIES, ITEM, BLOCK_C, BLOCK_N * BLOCKS_PER_SPLIT)
+            col0 = split * split_cols
+            dst = pointer_at(comb_table, source, comb_ptr)
+            region = source * max_tokens
+            _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
+                            recv_rows + region * TOPK, recv_weight + region * TOPK, first,
+                            tl.minimum(first + ITEM, tl.load(entries + source)), col0,
+                            tl.minimum(col0 + split_cols, H), TOPK, ENTRIES, BLOCK_C)
         if TRACE:
             events = stamp(trace_ptr, events, split + TRACE_REDUCE, source, start,
                            MAX_EVENTS, USE_ASM)
@@ -271,7 +191,7 @@ def layer1_kernel(
     COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
-    MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr, REDUCE_BETWEEN_TILES: tl.constexpr,
+    MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
@@ -280,14 +200,11 @@ def layer1_kernel(
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMM:
         if comm == 0:
-            events = layer1_compute_role(
-                gemm_queue, h_desc, w2_desc, out1_ptr, F, H, tile_expert, tile_row_start,
-                tile_row_end, num_tiles_ptr, split_done, reduce_queue, recv_token, recv_rows,
-                recv_weight, entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
-                epoch, err_table, rank, max_tokens, trace_ptr, events,
-                REDUCE_BETWEEN_TILES, WORLD, TOPK, COMM_ENTRIES,
-                COMM_ITEM, COMM_BLOCK_C, BLOCK_M, BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT,
-                DOT_PRECISION, TRACE, MAX_EVENTS, USE_ASM)
+            events = layer1_compute_role(gemm_queue, h_desc, w2_desc, out1_ptr, F, H,
+                                         tile_expert, tile_row_start, tile_row_end,
+                                         num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, DOT_PRECISION,
+                                         TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a compute block out of tiles joins the reduce, so the reduce of the last
     # splits runs on the whole GPU instead of the comm blocks alone.
     if ROLE != ROLE_COMPUTE:

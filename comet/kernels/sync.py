@@ -203,17 +203,6 @@ def wait_at_least(flag_ptr, target, err_table, site, index, rank, timeout,
 
 
 @triton.jit
-def _set_from(flags, c0, lo, hi, target, SCOPE: tl.constexpr, SCAN: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    """Vote: ``flags[c] >= target`` for every ``c`` in ``[c0, min(c0 + SCAN, hi))``, with
-    one vector of acquire loads (``lo``: any valid index, for the masked lanes)."""
-    idx = c0 + tl.arange(0, SCAN)
-    live = idx < hi
-    v = _ld_acquire(flags + tl.where(live, idx, lo), SCOPE, USE_ASM)
-    return vote_all(tl.min(((v >= target) | (live == 0)).to(tl.int32), axis=0), USE_ASM)
-
-
-@triton.jit
 def wait_chunks(flags, lo, hi, target, err_table, site, index, rank, timeout,
                 SCOPE: tl.constexpr, WORLD: tl.constexpr, SCAN: tl.constexpr,
                 USE_ASM: tl.constexpr):
@@ -225,31 +214,15 @@ def wait_chunks(flags, lo, hi, target, err_table, site, index, rank, timeout,
     ok = tl.full([], 1, tl.int32)
     for c0 in range(lo, hi, SCAN):
         if ok != 0:
-            if _set_from(flags, c0, lo, hi, target, SCOPE, SCAN, USE_ASM) == 0:
+            idx = c0 + tl.arange(0, SCAN)
+            live = idx < hi
+            v = _ld_acquire(flags + tl.where(live, idx, lo), SCOPE, USE_ASM)
+            mine = tl.min(((v >= target) | (live == 0)).to(tl.int32), axis=0)
+            if vote_all(mine, USE_ASM) == 0:
                 for c in range(c0, tl.minimum(c0 + SCAN, hi)):
                     if ok != 0:
                         ok = wait_at_least(flags + c, target, err_table, site, index, rank,
                                            timeout, SCOPE, WORLD, USE_ASM)
-    if hi <= lo:
-        barrier()
-    return ok
-
-
-@triton.jit
-def reached(flag_ptr, target, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """1 in every thread if ``*flag_ptr >= target`` now (one acquire load, a vote), else
-    0: the check of :func:`wait_at_least` without the wait. A block barrier."""
-    return vote_all(_ld_acquire(flag_ptr, SCOPE, USE_ASM) >= target, USE_ASM)
-
-
-@triton.jit
-def all_reached(flags, lo, hi, target, SCOPE: tl.constexpr, SCAN: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """1 in every thread if ``flags[c] >= target`` now for every ``c`` in ``[lo, hi)``,
-    else 0; :func:`wait_chunks` without the wait. A block barrier."""
-    ok = tl.full([], 1, tl.int32)
-    for c0 in range(lo, hi, SCAN):
-        ok = ok & _set_from(flags, c0, lo, hi, target, SCOPE, SCAN, USE_ASM)
     if hi <= lo:
         barrier()
     return ok
@@ -286,18 +259,3 @@ def take(queue_ptr):
     zeroed when a call opens). The same value in every thread: a scalar atomic is done
     by one thread and broadcast through shared memory, so loops over it stay uniform."""
     return tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def take_below(queue_ptr, limit):
-    """Next work item of a queue if it is below ``limit``, else -1 and nothing taken: a
-    block that may not wait (it has other work) takes only items known to be ready.
-    Compare-and-swap on the head the block saw, retried while other blocks move it; the
-    scalar atomics are broadcast, so the result and the loop are block-uniform."""
-    head = tl.atomic_add(queue_ptr, 0, sem="relaxed", scope="gpu")
-    item = tl.full([], -1, tl.int32)
-    while (item < 0) & (head < limit):
-        old = tl.atomic_cas(queue_ptr, head, head + 1, sem="relaxed", scope="gpu")
-        item = tl.where(old == head, head, -1)
-        head = old
-    return item

@@ -292,7 +292,8 @@ class FusedMoE:
         """(layer0, layer1) comm blocks of the analytic model for ``num_tokens``."""
         c = self.cfg
         w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
-                            c.intermediate_size, c.dtype.itemsize)
+                            c.intermediate_size, c.dtype.itemsize,
+                            self.tile.n_splits(c.hidden_size))
         return analytic_split(w0, self.programs), analytic_split(w1, self.programs)
 
     # ------------------------------------------------------------------ checks

@@ -68,12 +68,13 @@ class LayerWork:
     flops: float
     reduce: bool = False    # layer1's reduce-and-send (slower per block than a copy)
     world: int = 1          # ranks the rows come from (layer0's last arrivals: 1/world)
-    splits: int = 8         # layer1 column splits (the last one cannot overlap)
+    splits: int = 2         # layer1 column splits (the last one cannot overlap)
 
 
 def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
-               dtype_bytes: int = 2) -> tuple[LayerWork, LayerWork]:
-    """Expected (layer0, layer1) work under uniform routing for ``tokens`` on this rank.
+               dtype_bytes: int = 2, splits: int = 2) -> tuple[LayerWork, LayerWork]:
+    """Expected (layer0, layer1) work under uniform routing for ``tokens`` on this rank
+    (``splits``: layer1's column splits, ``TileConfig.n_splits``).
 
     layer0 sends each (token, slot) row to the expert's rank; layer1 sends one pre-summed
     row per (token, destination rank), i.e. ``W * (1 - (1 - 1/W)^k)`` rows per token.
@@ -86,7 +87,7 @@ def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
     ret_rows = tokens * ranks_per_token
     l1 = LayerWork(ret_rows * remote * hidden * dtype_bytes,
                    ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden,
-                   reduce=True, world=world)
+                   reduce=True, world=world, splits=splits)
     return l0, l1
 
 

@@ -75,7 +75,6 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
     rec = dict(config=name, tokens=tokens, ep=ep, mode=mode, world=world,
                rank=layer.par.rank, torch_gmm_us=torch_us,
                tile={k: getattr(layer.tile, k) for k in TILE_FIELDS},
-               reduce_between_tiles=layer.tile.reduce_between_tiles,
                comm_blocks=list(layer.last_comm_blocks),
                us_per_call=per_kernel, total_us=sum(per_kernel.values()))
     print(json.dumps(rec), flush=True)
@@ -93,9 +92,6 @@ def main():
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
     ap.add_argument("--comm-blocks", nargs="+", default=[None], metavar="N0,N1",
                     help="fixed comm-block splits to time (default: the layer's choice)")
-    ap.add_argument("--reduce-between-tiles", nargs="+", choices=["off", "on"],
-                    default=["off"], help="layer1 reduce items between GEMM tiles (both: "
-                                          "off on)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="workspace size (default: the call's tokens), as a server sizes it")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
@@ -103,8 +99,7 @@ def main():
     args = ap.parse_args()
     shapes = [{}] if not args.tiles else [
         dict(zip(TILE_FIELDS, map(int, t.split(",")))) for t in args.tiles]
-    tiles = [dataclasses.replace(TileConfig(), **shape, reduce_between_tiles=rbt == "on")
-             for shape in shapes for rbt in args.reduce_between_tiles]
+    tiles = [dataclasses.replace(TileConfig(), **shape) for shape in shapes]
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
     recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n)
@@ -115,8 +110,7 @@ def main():
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh, indent=1)
     for r in recs:
-        tile = ",".join(str(v) for v in r["tile"].values()) + (
-            " +between" if r["reduce_between_tiles"] else "")
+        tile = ",".join(str(v) for v in r["tile"].values())
         k = r["us_per_call"]
         print(f"{r['config']:18s} {r['tokens']:6d} {r['mode']:12s} {tile:>16s} "
               f"split {str(r['comm_blocks']):8s} total {r['total_us']:8.1f} us"
