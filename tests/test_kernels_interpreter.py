@@ -237,13 +237,16 @@ def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def _one_rank_fused(seed=11):
-    """One rank's fused launches on a grid of 3 with per-block traces: (traces, workspace,
-    tile, hidden size). The output is checked against the reference."""
+def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
+    """The fused launches of one rank (the interpreter runs programs in order, so one
+    rank is what it can run fused): layer0 program 0 dispatches and then, from the work
+    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
+    tile and then every reduce item; the others find both queues empty. The trace shows
+    which block did what; the output must still be exact."""
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=12)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(11)
     ids = make_ids("random", [12], e, k, g)[0]
     x = torch.randn(12, h, generator=g).half()
     wts = torch.rand(ids.shape, generator=g)
@@ -267,33 +270,19 @@ def _one_rank_fused(seed=11):
     torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
                                                                 round_to=torch.float16),
                                rtol=2e-2, atol=2e-2)
-    return traces, ws, tile, h, grid
 
+    def kinds(layer, block):
+        ev = traces[layer][block]
+        return ev[ev[:, 0] >= 0, 0].tolist()
 
-def _kinds(traces, layer, block):
-    ev = traces[layer][block]
-    return ev[ev[:, 0] >= 0, 0].tolist()
-
-
-REDUCE_KIND = 1 << 16
-
-
-def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
-    """The fused launches of one rank (the interpreter runs programs in order, so one
-    rank is what it can run fused): layer0 program 0 dispatches and then, from the work
-    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
-    tile and then every reduce item; the others find both queues empty. The trace shows
-    which block did what; the output must still be exact."""
-    traces, ws, tile, h, grid = _one_rank_fused()
-    world = 1
-    k0 = _kinds(traces, 0, 0)
-    assert set(k0) >= {0, world}, "layer0 block 0 must push, then take tiles"
-    assert k0.index(world) > k0.index(0)
-    assert _kinds(traces, 0, 1) == [] and _kinds(traces, 0, 2) == []
-    l1 = _kinds(traces, 1, 0)
-    assert any(k < REDUCE_KIND for k in l1) and any(k >= REDUCE_KIND for k in l1)
-    assert max(i for i, k in enumerate(l1) if k < REDUCE_KIND) < min(
-        i for i, k in enumerate(l1) if k >= REDUCE_KIND), "GEMM tiles, then reduce items"
+    world, reduce_kind = 1, 1 << 16
+    assert set(kinds(0, 0)) >= {0, world}, "layer0 block 0 must push, then take tiles"
+    assert kinds(0, 0).index(world) > kinds(0, 0).index(0)
+    assert kinds(0, 1) == [] and kinds(0, 2) == []
+    l1 = kinds(1, 0)
+    assert any(k < reduce_kind for k in l1) and any(k >= reduce_kind for k in l1)
+    assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
+        i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
     c = ws.counter_view()
     n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
