@@ -20,6 +20,7 @@ from torch import nn
 
 from comet import reference
 from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.weights import gate_up_first
 
 
 class TopKRouter(nn.Module):
@@ -71,7 +72,9 @@ class GatedMLP(nn.Module):
 class LocalExperts(nn.Module):
     """This rank's routed experts in the kernels' layout.
 
-    w13: ``[El, H, 2F]`` (gate columns first, then up); w2: ``[El, F, H]``.
+    w13: ``[El, H, 2F]``, gate and up columns interleaved by blocks
+    (:mod:`comet.weights`; :meth:`gate_up` gives the models' gate-then-up layout);
+    w2: ``[El, F, H]``.
     """
 
     def __init__(self, cfg: MoEConfig, local_experts: int, device=None):
@@ -82,6 +85,11 @@ class LocalExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local_experts, f, h, dtype=cfg.dtype, device=device))
         nn.init.normal_(self.w13, std=h ** -0.5)
         nn.init.normal_(self.w2, std=f ** -0.5)
+
+    def gate_up(self) -> torch.Tensor:
+        """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
+        :mod:`comet.reference` and :mod:`comet.baseline` take."""
+        return gate_up_first(self.w13.detach())
 
 
 class CometMoE(nn.Module):
@@ -240,9 +248,9 @@ class CometMoE(nn.Module):
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
         if self.par.world_size > 1:
             from comet.baseline import ep_moe_forward
-            return ep_moe_forward(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2,
-                                  group=self.group)
-        return reference.moe_forward(x, topk_ids, topk_weights, self.experts.w13,
+            return ep_moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
+                                  self.experts.w2, group=self.group)
+        return reference.moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
                                      self.experts.w2, round_to=x.dtype)
 
     def fused_layer(self):
@@ -250,6 +258,6 @@ class CometMoE(nn.Module):
         if self._fused is None:
             from comet.runtime.layer import FusedMoE
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
-                                   group=self.group,
+                                   group=self.group, w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder)
         return self._fused

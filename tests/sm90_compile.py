@@ -123,6 +123,17 @@ def narrow_accesses(compiled) -> int:
                for w in ("", "L1::evict_last."))
 
 
+def pipelined(name: str, kwargs: dict, shared: int) -> str:
+    """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
+    ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
+    e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM."""
+    if name not in ("layer0_kernel", "layer1_kernel") or kwargs.get("ROLE") == 1:
+        return "-"
+    b_cols = kwargs["BLOCK_N"] * (2 if name == "layer0_kernel" else 1)
+    step = 2 * kwargs["BLOCK_K"] * (kwargs["BLOCK_M"] + b_cols)   # 16-bit operands
+    return "yes" if shared >= kwargs["num_stages"] * step else "no"
+
+
 def main() -> int:
     failures = 0
     for kernel, args, kwargs in fused_launches():
@@ -135,6 +146,7 @@ def main() -> int:
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
             continue
         print(f"ok   {name:24s} role={kwargs.get('ROLE', '-')} smem={k.metadata.shared} "
+              f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
               f"{resource_usage(k)} b16={narrow_accesses(k)} ({time.time() - t0:.1f}s)")
     return 1 if failures else 0
 

@@ -7,6 +7,7 @@ import torch
 from comet import reference
 from comet.config import MoEConfig
 from comet.runtime.errors import CometTimeoutError
+from comet.weights import gate_up_first
 from routings import KINDS, make_ids, make_tokens
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,7 @@ def _inputs(layer, kind, g, tokens=None):
 def test_w1_fused_matches_reference_over_block_splits(name, dtype):
     layer, g = _fused(name, dtype)
     x, ids, w = _inputs(layer, "random", g, tokens=300)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=dtype)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=dtype)
     p = layer.programs
     for n_comm in sorted({0, 1, 7, p // 2, p - 1}):
         y = layer(x, ids, w, comm_blocks=n_comm)
@@ -71,7 +72,7 @@ def test_w1_routings(kind):
     x, ids, w = _inputs(layer, kind, g)
     y = layer(x, ids, w)
     if x.shape[0]:
-        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
         assert _rel_err(y, ref) < 1e-2
 
 
@@ -110,7 +111,7 @@ def test_no_host_sync_and_cuda_graph_replay():
         y = layer(x, ids, w)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
     assert _rel_err(y, ref) < 1e-2
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -125,7 +126,7 @@ def test_no_host_sync_and_cuda_graph_replay():
                                tokens=256)
         x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
         graph.replay()
-        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
         assert _rel_err(y_static, ref) < 1e-2, seed
     layer.check_errors_now()
 
@@ -142,7 +143,7 @@ def test_thousand_back_to_back_calls():
     layer.check_errors_now()
     for x, ids, w, y in calls:
         if x.shape[0]:
-            ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+            ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
             assert _rel_err(y, ref) < 1e-2
     assert int(layer.ws.epoch) == 1000
 
@@ -161,7 +162,7 @@ def test_scalar_staging_survives_a_full_ring():
     outputs = [layer(*args) for args in inputs]
     layer.check_errors_now()
     for (x, ids, w), y in zip(inputs, outputs):
-        ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+        ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
         assert _rel_err(y, ref) < 1e-2
 
 
@@ -182,7 +183,7 @@ def test_bad_inputs_raise_before_launch_and_leave_the_layer_usable():
             layer(*args[:3])
     assert int(layer.ws.epoch) == epoch, "a rejected call must not touch the workspace"
     y = layer(x, ids, w)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.bfloat16)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.bfloat16)
     assert _rel_err(y, ref) < 1e-2
 
 

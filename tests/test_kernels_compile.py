@@ -1,6 +1,6 @@
 """Every kernel compiles for sm_90 (Hopper) with the default tiles -- checked on the CPU
 machine with Triton's own compiler and the ptxas it ships (tests/sm90_compile.py) --
-and no kernel moves rows with 2-byte accesses: copies through addresses loaded on the
+every GEMM loop is software-pipelined, and no kernel moves rows with 2-byte accesses: copies through addresses loaded on the
 device (peer tables, the staged input and output) once did, which capped dispatch, reduce
 and combine bandwidth on the GPU."""
 
@@ -30,5 +30,6 @@ def test_all_kernels_compile_for_sm90():
                    "layer0_kernel", "layer1_kernel", "combine_kernel"):
         assert f"ok   {kernel}" in proc.stdout
     assert "local=0" in proc.stdout and "FAIL" not in proc.stdout
+    assert "pipelined=yes" in proc.stdout and "pipelined=no" not in proc.stdout, proc.stdout
     narrow = [line for line in proc.stdout.splitlines() if " b16=0 " not in line]
     assert not narrow, narrow

@@ -13,6 +13,7 @@ from comet.config import MoEConfig
 from comet.kernels import launch as L
 from comet.runtime.errors import CometTimeoutError, raise_if_failed
 from comet.runtime.virtual import VirtualEP
+from comet.weights import gate_up_first
 from routings import KINDS, make_ids, make_tokens
 
 pytestmark = pytest.mark.skipif(not L.interpreting(),
@@ -185,12 +186,12 @@ def test_bad_routing_is_reported_on_the_device_and_the_layer_stays_usable(bad):
         layer(x, bad_ids, bad_w)
     # The call completed with the slot dropped; the next one is clean and correct.
     y = layer(x, ids, w)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(layer.ws.epoch) == 2
     # -1 is "no expert", not an error.
     y = layer(x, clean_ids, w)
-    ref = reference.moe_forward(x, clean_ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    ref = reference.moe_forward(x, clean_ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -209,7 +210,7 @@ def test_failed_layer_raises_until_reset():
     layer.reset()
     assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
     y = layer(x, ids, w)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     assert epoch == 2 and int(layer.ws.epoch) == 1
 
@@ -233,16 +234,18 @@ def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     layer.preload()
     assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
     y = layer(x, ids, w)
-    ref = reference.moe_forward(x, ids, w, layer.w13, layer.w2, round_to=torch.float16)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     """The fused launches of one rank (the interpreter runs programs in order, so one
     rank is what it can run fused): layer0 program 0 dispatches and then, from the work
-    queue, takes every GEMM tile; in layer1 (no comm block) program 0 takes every GEMM
-    tile and then every reduce item; the others find both queues empty. The trace shows
-    which block did what; the output must still be exact."""
+    queue, takes every GEMM tile, the others find the queue empty; in layer1 (no comm
+    block, one program: its GEMM blocks stride over fixed shares, so a second program's
+    tiles would only run after the first waited for them) the program runs every GEMM
+    tile and then every reduce item. The trace shows which block did what; the output
+    must still be exact."""
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=12)
@@ -259,10 +262,10 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     grid = 3
     traces = [torch.full((grid, L.MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
               for _ in range(2)]
-    L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED,
+    L.launch_layer0(ws, cfg, L.address_of(x), ep.w13[0], tile, L.ROLE_FUSED,
                     L.split_of(1, x.device), grid, trace=traces[0])
-    L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, L.split_of(0, x.device), grid,
-                    trace=traces[1])
+    L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, L.split_of(0, x.device), 1,
+                    trace=traces[1][:1])
     y = torch.empty_like(x)
     L.launch_combine(ws, cfg, L.address_of(y), torch.full((1,), 12, dtype=torch.int32), tile,
                      grid)
@@ -284,7 +287,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
         i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
     c = ws.counter_view()
-    n_items = int(c["l1_reduce"]) - grid    # every program takes one item past the end
+    n_items = int(c["l1_reduce"]) - 1    # the program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from comet import reference
 from comet.config import MoEConfig
 from comet.moe import CometMoE, LocalExperts
+from comet.weights import gate_up_first, interleave_gate_up
 
 
 @dataclass(frozen=True)
@@ -178,23 +179,24 @@ def _linear_to_kernel(gate: torch.Tensor, up: torch.Tensor,
 
 def kernel_weights(experts: nn.Module, layout: ExpertLayout,
                    lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts ``[lo, hi)`` of a transformers experts module as contiguous
-    ``w13 [hi-lo, H, 2F]`` and ``w2 [hi-lo, F, H]`` (gate columns first)."""
+    """Experts ``[lo, hi)`` of a transformers experts module as new contiguous
+    ``w13 [hi-lo, H, 2F]`` (interleaved, :mod:`comet.weights`) and ``w2 [hi-lo, F, H]``."""
     with torch.no_grad():
         if layout.kind == "fused":
             w13, w2 = _fused_to_kernel(experts.gate_up_proj[lo:hi], experts.down_proj[lo:hi],
                                        layout.transposed)
-            return w13.contiguous(), w2.contiguous()
+            return interleave_gate_up(w13), w2.contiguous()
         g, u, d = layout.names
         pairs = [_linear_to_kernel(getattr(m, g).weight, getattr(m, u).weight,
                                    getattr(m, d).weight) for m in experts[lo:hi]]
-        return (torch.stack([p[0] for p in pairs]).contiguous(),
+        return (torch.stack([interleave_gate_up(p[0]) for p in pairs]),
                 torch.stack([p[1] for p in pairs]).contiguous())
 
 
 # --------------------------------------------------------------------------- experts module
 class TransformersExperts(LocalExperts):
-    """This rank's experts (``w13 [El, H, 2F]``, ``w2 [El, F, H]``), checkpointed under the
+    """This rank's experts (``w13 [El, H, 2F]`` interleaved, ``w2 [El, F, H]``; see
+    :class:`comet.moe.LocalExperts`), checkpointed in the models' layout under the
     keys of the transformers experts module they replace.
 
     ``state_dict()`` writes ``gate_up_proj``/``down_proj`` (fused layout; with EP, this
@@ -221,9 +223,10 @@ class TransformersExperts(LocalExperts):
 
     def _checkpoint_entries(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
         f = w2.shape[1]
+        w13 = gate_up_first(w13)   # checkpoints keep the models' layout
         if self.layout.kind == "fused":
             if self.layout.transposed:
-                return {"gate_up_proj": w13.clone(), "down_proj": w2.clone()}
+                return {"gate_up_proj": w13, "down_proj": w2.clone()}
             return {"gate_up_proj": w13.transpose(1, 2).contiguous(),
                     "down_proj": w2.transpose(1, 2).contiguous()}
         g, u, d = self.layout.names
@@ -296,7 +299,7 @@ class TransformersExperts(LocalExperts):
                 f"{tuple(new13.shape)}/{tuple(new2.shape)} in kernel layout, the layer has "
                 f"{tuple(w13.shape)}/{tuple(w2.shape)}")
             return
-        w13.copy_(new13)
+        w13.copy_(interleave_gate_up(new13))
         w2.copy_(new2)
 
     def _load_linear(self, linear, w13, w2, prefix, missing_keys, unexpected_keys) -> None:
@@ -316,7 +319,7 @@ class TransformersExperts(LocalExperts):
                                     if (e, n) not in linear)
                 continue
             a, b = _linear_to_kernel(*parts)
-            w13[i].copy_(a)
+            w13[i].copy_(interleave_gate_up(a))
             w2[i].copy_(b)
 
 

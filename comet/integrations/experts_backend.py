@@ -22,6 +22,7 @@ from torch import nn
 from comet import reference
 from comet.integrations.blocks import expert_layout, expert_sizes
 from comet.moe import CometMoE
+from comet.weights import interleave_gate_up
 
 BACKEND_NAME = "comet"
 
@@ -94,7 +95,7 @@ def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
                      device="meta")
     w13, w2 = _kernel_views(experts)
     with torch.no_grad():
-        layer.experts.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+        layer.experts.w13 = nn.Parameter(interleave_gate_up(w13), requires_grad=False)
         layer.experts.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
     experts.__dict__["_comet_layer"] = (key, layer)
     return layer

@@ -8,39 +8,81 @@ is fp32; the tile is written with ``tl.store`` so that a release can publish it 
 store would still be in flight).
 
 The layer0 epilogue fuses the activation: with ``GATED``, each work item multiplies A by
-the gate columns ``[n, n + BLOCK_N)`` and the up columns ``[F + n, F + n + BLOCK_N)`` of
-W13 and stores ``silu(gate) * up`` -- the activation never makes its own pass over memory.
+the gate and the up columns of its output columns -- side by side in W13's interleaved
+layout (comet.weights), so one dot computes both -- and stores ``silu(gate) * up``: the
+activation never makes its own pass over memory.
 
 The same ``gemm_tile`` runs in both fused layer kernels (and in
 scripts/device/gemm_variants.py, which times it under other tile loops); only the loop
-around it and the waits differ.
+around it and the waits differ. Both loops are flattened (``tl.range(flatten=True)``):
+layer1's blocks stride over the items, layer0's take strided lanes from a queue
+(:func:`strided_take`) because blocks join it late and wait for rows.
 """
 
 import triton
 import triton.language as tl
+
+from comet.kernels.sync import take
 
 # Work-item orders (comet.scheduler.plan documents them for the simulator).
 GROUP_M = tl.constexpr(8)    # m-tiles that share a column block while it sits in L2
 
 
 @triton.jit
-def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K, N,
-              GATED: tl.constexpr, UP_OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``C[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up)."""
+def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
+    """Columns of interleaved W13 (comet.weights) holding gate column ``n0`` and its up
+    column: block ``j`` is ``GATE_UP`` gate columns then as many up columns (fewer in a
+    last partial block)."""
+    j = n0 // GATE_UP
+    gate = j * GATE_UP + n0
+    return gate, gate + tl.minimum(GATE_UP, F - j * GATE_UP)
+
+
+@triton.jit
+def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
+             GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]``; with ``GATED``,
+    ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
+    is one whole interleave block, ``b_desc``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and
+    up are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
+    comet.weights); otherwise two dots on boxes of ``BLOCK_N`` columns."""
     b_row = expert * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
+    if GATED and ONE_DOT:
+        both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
+                          both, input_precision=DOT_PRECISION)
+        gate, up = both.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+        acc = gate * tl.sigmoid(gate) * up
+    elif GATED:
+        gate_col, up_col = gate_up_columns(n0, N, GATE_UP)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        a = a_desc.load([row_start, k])
-        b = b_desc.load([b_row + k, n0])
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            b_up = b_desc.load([b_row + k, UP_OFFSET + n0])
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-    if GATED:
+        for k in range(0, K, BLOCK_K):
+            a = a_desc.load([row_start, k])
+            acc = tl.dot(a, b_desc.load([b_row + k, gate_col]), acc,
+                         input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, b_desc.load([b_row + k, up_col]), acc_up,
+                            input_precision=DOT_PRECISION)
         acc = acc * tl.sigmoid(acc) * acc_up
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
+                         input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K, N,
+              GATED: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """``C[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
+    see :func:`gemm_acc`)."""
+    acc = gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED, GATE_UP, ONE_DOT,
+                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < row_end) & (cols[None, :] < N)
@@ -58,6 +100,21 @@ def grouped_work(w, num_tiles, n_blocks):
     size = tl.minimum(num_tiles - first, GROUP_M)
     within = w % per_group
     return first + within % size, within // size
+
+
+@triton.jit
+def strided_take(queue, programs, items):
+    """Take one *lane* of the work queue: ``items`` work items strided by ``programs``.
+    Take ``q`` is lane ``q % programs`` of round ``q // programs``, which covers
+    ``programs * items`` consecutive items; returns ``(first, end)``: the lane's items are
+    ``first, first + programs, ...`` below ``end``. The items running at once stay one
+    grid-wide window of the order (as with one item per take, so weight blocks are shared
+    in L2), while a lane of several items can run as one flattened loop, which lets the
+    pipeliner load a tile's operands under the previous tile's epilogue. Any block may
+    take any lane: blocks that join late still find work."""
+    q = take(queue)
+    rnd = q // programs
+    return rnd * programs * items + q % programs, (rnd + 1) * programs * items
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from comet.kernels import layer1 as l1
 from comet.kernels import plan as kplan
 from comet.runtime.workspace import (COUNT_BUFFERS, LAYOUT_PROGRAMS, Workspace,
                                      plan_block_tokens)
+from comet.weights import GATE_UP_BLOCK
 
 ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE = 0, 1, 2
 PHASE_PUSH, PHASE_WAIT, PHASE_BOTH = 1, 2, 3
@@ -41,7 +42,8 @@ class TileConfig:
     """Tile sizes and launch shapes of the fused kernels.
 
     block_m: rows of an m-tile (both layers share the tile table).
-    block_n0: columns of a layer0 work item, per half (gate and up).
+    block_n0: columns of a layer0 work item, per half (gate and up); divides
+        comet.weights.GATE_UP_BLOCK, and one dot computes both halves when equal to it.
     block_n1: columns of a layer1 work item.
     block_k: K step (shrunk to divide H and F where needed).
     splits: target number of layer1 column splits (the comm role's unit of waiting). The
@@ -68,7 +70,7 @@ class TileConfig:
     """
 
     block_m: int = 128
-    block_n0: int = 128
+    block_n0: int = GATE_UP_BLOCK
     block_n1: int = 256
     block_k: int = 64
     num_warps: int = 8
@@ -84,6 +86,12 @@ class TileConfig:
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
+
+    def __post_init__(self):
+        # A layer0 tile must not straddle two blocks of the interleaved W13.
+        if GATE_UP_BLOCK % self.block_n0:
+            raise ValueError(f"block_n0 must divide the W13 interleave block "
+                             f"({GATE_UP_BLOCK}), got {self.block_n0}")
 
     @staticmethod
     def small() -> "TileConfig":
@@ -262,12 +270,14 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
                   wait: bool = True, trace: torch.Tensor | None = None,
                   cooperative: bool = True) -> None:
-    """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute).
+    """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute);
+    ``w13`` in the interleaved layout of :mod:`comet.weights`.
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
     int32 with the comm-block count (fused role only)."""
     el, h, f = w13.shape[0], cfg.hidden_size, cfg.intermediate_size
     bk = tile.k_step(h)
+    one_dot = tile.block_n0 == GATE_UP_BLOCK and f % GATE_UP_BLOCK == 0
     p = ws.plan
     trace, trace_kw = _trace_args(trace, w13.device)
     l0.layer0_kernel[(grid,)](
@@ -276,7 +286,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, ws.flag0.shape[1], cfg.max_tokens,
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
-        descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0]), ws.h, h, f,
+        descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0 * (2 if one_dot else 1)]),
+        ws.h, h, f,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], ws.counter_view()["l0_queue"],
         ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
@@ -284,6 +295,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
+        GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0, BLOCK_K=bk,
         DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(), **trace_kw,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
@@ -305,13 +317,14 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, ws.flag0.shape[1],
         p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
-        counters["l1_done"], counters["l1_queue"], counters["l1_reduce"], ws.epoch,
+        counters["l1_done"], counters["l1_reduce"], ws.epoch,
         ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_ITEM=tile.reduce_item,
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
-        BLOCKS_PER_SPLIT=tile.blocks_per_split(h), DOT_PRECISION=_dot_precision(cfg.dtype),
+        BLOCKS_PER_SPLIT=tile.blocks_per_split(h), N_SPLITS=tile.n_splits(h),
+        DOT_PRECISION=_dot_precision(cfg.dtype),
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **_cooperative(role, cooperative))
 

@@ -18,7 +18,8 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   before a tile, wait for exactly the sources of its wait set, and of each for the
   chunks up to the one holding the tile's last row: local rows feed the GEMM as soon as
   they land.
-  Tiles come from a device work queue in the table's order, and a comm block that has
+  Tiles come from a device work queue in the table's order (strided lanes of a few
+  items, :func:`comet.kernels.group_gemm.strided_take`), and a comm block that has
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call.
 
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
-from comet.kernels.group_gemm import gemm_tile, grouped_work
+from comet.kernels.group_gemm import gemm_tile, grouped_work, strided_take
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
                                 stamp, take, wait_at_least, wait_chunks)
 
@@ -199,46 +200,65 @@ def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, 
     return seen, ok
 
 
+#: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
+#: has at least one full round of them (``programs * LANE_ITEMS`` items; below that, one
+#: item per take balances the few items there are). A lane of several items runs as one
+#: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
+#: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
+LANE_ITEMS = tl.constexpr(4)
+
+
 @triton.jit
 def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
                         flag0, chunk_slots, epoch, err_table, rank, timeout, trace_ptr, events,
-                        WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        WAIT: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
                         USE_ASM: tl.constexpr):
     """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles,
-    taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps):
-    blocks take work items in the scheduler's order whenever they are free, so a block
-    that joins late (a comm block done dispatching) takes the next item, not a fixed
-    share."""
+    taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
+    lane at a time (:func:`strided_take`): blocks take work in the scheduler's order
+    whenever they are free, so a block that joins late (a comm block done dispatching)
+    takes the next lane, not a fixed share. A lane's rows are all waited for before its
+    flattened loop starts: the pipeliner issues a tile's loads while the previous tile
+    still runs, so no wait may sit between them."""
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(F, BLOCK_N)
     total = num_tiles * n_blocks
+    programs = tl.num_programs(0)
+    items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
     seen = tl.zeros([W_P2], dtype=tl.int32)
-    w = take(queue)
-    while w < total:
-        if TRACE:
-            start = clock_ns(USE_ASM)
-        t, nb = grouped_work(w, num_tiles, n_blocks)
-        expert = tl.load(tile_expert + t)
-        r0 = tl.load(tile_row_start + t)
-        r1 = tl.load(tile_row_end + t)
+    first, end = strided_take(queue, programs, items)
+    while first < total:
+        end = tl.minimum(end, total)
         ready = 1
         if WAIT:
-            seen, ready = _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre,
-                                      tl.load(tile_wait + t), expert, r0, r1, seen, epoch,
-                                      err_table, rank, timeout, WORLD, W_P2, LOCAL_EXPERTS,
-                                      ROWS, USE_ASM)
+            for w in range(first, end, programs):
+                t, nb = grouped_work(w, num_tiles, n_blocks)
+                seen, ok = _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre,
+                                       tl.load(tile_wait + t), tl.load(tile_expert + t),
+                                       tl.load(tile_row_start + t), tl.load(tile_row_end + t),
+                                       seen, epoch, err_table, rank, timeout, WORLD, W_P2,
+                                       LOCAL_EXPERTS, ROWS, USE_ASM)
+                ready = ready & ok
             fence_async_proxy(USE_ASM)
         if ready:   # after a failure the call's output is void: skip the GEMMs
-            gemm_tile(a_desc, w13_desc, h_ptr, F, expert, r0, r1, nb * BLOCK_N, H, F,
-                      True, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        if TRACE:
-            events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS, USE_ASM)
-        w = take(queue)
+            for w in tl.range(first, end, programs, flatten=True):
+                if TRACE:
+                    start = clock_ns(USE_ASM)
+                t, nb = grouped_work(w, num_tiles, n_blocks)
+                expert = tl.load(tile_expert + t)
+                gemm_tile(a_desc, w13_desc, h_ptr, F, expert, tl.load(tile_row_start + t),
+                          tl.load(tile_row_end + t), nb * BLOCK_N, H, F, True, GATE_UP,
+                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                if TRACE:
+                    events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS,
+                                   USE_ASM)
+        first, end = strided_take(queue, programs, items)
 
 
 @triton.jit
@@ -257,6 +277,7 @@ def layer0_kernel(
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
+    GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     USE_ASM: tl.constexpr,
@@ -284,6 +305,7 @@ def layer0_kernel(
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
                             epoch, err_table,
-                            rank, timeout, trace_ptr, events, WAIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            rank, timeout, trace_ptr, events, WAIT, GATE_UP, ONE_DOT, BLOCK_M,
+                            BLOCK_N, BLOCK_K,
                             DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
                             MAX_EVENTS, USE_ASM)

@@ -7,11 +7,12 @@ along N. The GroupGEMM therefore runs column-wise: column split ``s`` (``BLOCKS_
 column blocks) of every expert's tiles before split ``s + 1``, and the compute blocks count
 finished tiles per split.
 
-Roles (both take work from device queues, counters zeroed when a call opens):
+Roles:
 
-* compute (:func:`layer1_compute_role`) -- the GroupGEMM, counting tiles per split; a
-  compute block out of tiles joins the reduce queue.
-* comm (:func:`reduce_send_role`) -- reduce items in split order; an item of split ``s``
+* compute (:func:`layer1_compute_role`) -- the GroupGEMM, each block striding over the
+  work items, counting tiles per split; a compute block out of tiles joins the reduce.
+* comm (:func:`reduce_send_role`) -- reduce items from a device queue (a counter zeroed
+  when a call opens) in split order; an item of split ``s``
   waits until all of split ``s``'s tiles are counted, then for each of its *return
   entries* (one token of one source rank, naming the rows of its experts on this rank and
   their weights) sums ``weight * out1[row]`` in fp32 -- pre-summing the experts a token
@@ -47,29 +48,43 @@ TRACE_REDUCE = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def layer1_compute_role(queue, h_desc, w2_desc, out1_ptr, F, H,
+def layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
                         trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+                        N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """The column-wise GroupGEMM, work items from the queue ``queue`` in split order;
-    returns the trace events recorded so far."""
+    """The column-wise GroupGEMM in split order, work item ``role_pid + i * n_role`` on
+    this block; returns the trace events recorded so far.
+
+    A static stride, not a queue: the rows are all in place when the kernel starts and
+    comm blocks never join this role, so nothing needs handing out at run time -- and a
+    static loop can be flattened, which lets Triton's pipeliner load the next tile's
+    operands under this tile's epilogue (layer1 5-13% faster than the queue loop for
+    qwen2-moe and deepseek-v3-like at 4096-16384 tokens, H100, ``h100-gemm-strided.json``).
+    """
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
     total = num_tiles * n_blocks
-    w = take(queue)
-    while w < total:
-        if TRACE:
-            start = clock_ns(USE_ASM)
-        t, nb, split = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
-        gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
-                  tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N, F, H,
-                  False, 0, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        arrive(split_done + split, "gpu")
-        if TRACE:
-            events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
-        w = take(queue)
+    per_split = num_tiles * BLOCKS_PER_SPLIT
+    # Unrolled over the splits: a flattened loop nested in a run-time loop is not
+    # flattened by Triton (one pipeline per tile again).
+    for split in tl.static_range(N_SPLITS):
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, total)
+        first = lo + (role_pid - lo % n_role + n_role) % n_role
+        for w in tl.range(first, hi, n_role, flatten=True):
+            if TRACE:
+                start = clock_ns(USE_ASM)
+            t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
+            gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
+                      tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N,
+                      F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            if TRACE:
+                events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
+        # Counted once per split, not per tile: an atomic inside the loop keeps Triton
+        # from pipelining it (one stage of shared memory instead of three).
+        arrive(split_done + split, "gpu", tl.maximum(tl.cdiv(hi - first, n_role), 0))
     return events
 
 
@@ -185,25 +200,27 @@ def layer1_kernel(
     tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
     recv_token, recv_rows, recv_weight, entries, flag0, chunk_slots, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, gemm_queue, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
+    done_counter, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
     split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TRACE: tl.constexpr,
     MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
-    comm, _, _ = assign_role(split_ptr, ROLE)   # queues, not program ids, hand out work
+    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMM:
         if comm == 0:
-            events = layer1_compute_role(gemm_queue, h_desc, w2_desc, out1_ptr, F, H,
+            events = layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                                          tile_expert, tile_row_start, tile_row_end,
                                          num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, DOT_PRECISION,
+                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
+                                         DOT_PRECISION,
                                          TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a compute block out of tiles joins the reduce, so the reduce of the last
     # splits runs on the whole GPU instead of the comm blocks alone.

@@ -21,7 +21,7 @@ def assign_role(split_ptr, ROLE: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if ROLE == ROLE_FUSED:
-        n_comm = tl.load(split_ptr)
+        n_comm = tl.load(split_ptr).to(tl.int32)   # int64 on the host; loops need int32
         comm = pid < n_comm
         n_role = tl.where(comm, n_comm, programs - n_comm)
         role_pid = tl.where(comm, pid, pid - n_comm)

@@ -245,12 +245,12 @@ def release(flag_ptr, value, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def arrive(counter_ptr, SCOPE: tl.constexpr):
-    """Count one finished unit of work after this block's stores; returns the count
-    before this arrival (acq_rel, so the last arriver sees everyone's stores). The
+def arrive(counter_ptr, SCOPE: tl.constexpr, units=1):
+    """Count ``units`` finished units of work after this block's stores; returns the
+    count before this arrival (acq_rel, so the last arriver sees everyone's stores). The
     returned value is the same in every thread (a scalar atomic is broadcast)."""
     barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope=SCOPE)
+    return tl.atomic_add(counter_ptr, units, sem="acq_rel", scope=SCOPE)
 
 
 @triton.jit

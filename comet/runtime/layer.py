@@ -33,6 +33,7 @@ from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_vi
                                     timeout_ns)
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
+from comet.weights import interleave_gate_up
 
 MODES = ("fused", "sequential", "compute_only", "comm_only")
 
@@ -151,8 +152,13 @@ class FusedMoE:
 
     Args:
         cfg: layer shape; ``cfg.max_tokens`` sizes the workspaces.
-        w13: ``[El, H, 2F]`` this rank's experts (gate columns first), CUDA.
+        w13: ``[El, H, 2F]`` this rank's experts, CUDA, in the layout ``w13_layout`` says.
         w2: ``[El, F, H]``.
+        w13_layout: ``"gate_up"`` (all gate columns, then all up columns, as models store
+            them): the layer keeps its own copy in the kernels' interleaved layout, which
+            costs W13's memory again; ``"interleaved"`` (:mod:`comet.weights`, e.g. from
+            :func:`comet.weights.interleave_gate_up_`): used as is, no copy -- what
+            :class:`comet.moe.CometMoE` passes.
         group: expert-parallel process group (None: the world if initialised, else one
             rank). Collective: all ranks construct it together.
         tile: tile configuration (default: Hopper tiles).
@@ -175,10 +181,12 @@ class FusedMoE:
 
     def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, group=None,
                  tile: L.TileConfig | None = None, tuned_config_folder: str | None = None,
-                 check_errors: str = "lazy", use_graphs: bool = True):
+                 check_errors: str = "lazy", use_graphs: bool = True,
+                 w13_layout: str = "gate_up"):
         par = ParallelConfig.from_group(group)
         tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
-        self._validate(cfg, par, w13, w2, check_errors)
+        self._validate(cfg, par, w13, w2, check_errors, w13_layout)
+        w13 = self._kernel_layout(w13, w13_layout)
         if par.world_size == 1:
             ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
         else:
@@ -191,8 +199,8 @@ class FusedMoE:
     def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
                       w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None,
                       programs: int | None = None, tuned_config_folder: str | None = None,
-                      check_errors: str = "lazy", use_graphs: bool = True
-                      ) -> list["FusedMoE"]:
+                      check_errors: str = "lazy", use_graphs: bool = True,
+                      w13_layout: str = "gate_up") -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank
         (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
@@ -214,9 +222,10 @@ class FusedMoE:
         layers = []
         for r in range(world):
             par = ParallelConfig(world, r)
-            cls._validate(cfg, par, w13_shards[r], w2_shards[r], check_errors)
+            cls._validate(cfg, par, w13_shards[r], w2_shards[r], check_errors, w13_layout)
             layer = cls.__new__(cls)
-            layer._setup(cfg, w13_shards[r], w2_shards[r], None, par, spaces[r], tile,
+            layer._setup(cfg, cls._kernel_layout(w13_shards[r], w13_layout), w2_shards[r],
+                         None, par, spaces[r], tile,
                          programs, tuned_config_folder, check_errors, use_graphs, virtual=True)
             if device.type == "cuda":
                 layer.preload()
@@ -224,8 +233,15 @@ class FusedMoE:
         return layers
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, check_errors) -> None:
+    def _kernel_layout(w13: torch.Tensor, layout: str) -> torch.Tensor:
+        return interleave_gate_up(w13) if layout == "gate_up" else w13
+
+    @staticmethod
+    def _validate(cfg, par, w13, w2, check_errors, w13_layout) -> None:
         check_layout(cfg, par)
+        if w13_layout not in ("gate_up", "interleaved"):
+            raise ValueError(f"w13_layout must be 'gate_up' or 'interleaved', got "
+                             f"{w13_layout!r}")
         el = cfg.num_experts // par.world_size
         h, f = cfg.hidden_size, cfg.intermediate_size
         if tuple(w13.shape) != (el, h, 2 * f) or tuple(w2.shape) != (el, f, h):

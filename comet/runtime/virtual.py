@@ -18,12 +18,14 @@ from comet.config import MoEConfig
 from comet.kernels import launch as L
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.workspace import allocate_virtual
+from comet.weights import interleave_gate_up
 
 
 class VirtualEP:
     """Args:
         cfg: layer shape (``num_experts`` divisible by ``world``).
-        w13_shards, w2_shards: per rank ``[El, H, 2F]`` and ``[El, F, H]``.
+        w13_shards, w2_shards: per rank ``[El, H, 2F]`` (gate columns first; kept as the
+            kernels' interleaved copy, :mod:`comet.weights`) and ``[El, F, H]``.
         tile: tile configuration (default: :meth:`TileConfig.small`).
     """
 
@@ -31,7 +33,8 @@ class VirtualEP:
                  w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None):
         self.cfg = cfg
         self.world = len(w13_shards)
-        self.w13, self.w2 = w13_shards, w2_shards
+        self.w13 = [interleave_gate_up(w) for w in w13_shards]
+        self.w2 = w2_shards
         self.device = w13_shards[0].device
         self.tile = tile or L.TileConfig.small()
         self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)

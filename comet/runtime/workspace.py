@@ -143,7 +143,7 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
 
 
 #: Local counters of a call, one int32 each, before the per-split tile counts.
-QUEUE_COUNTERS = ("l1_done", "l0_queue", "l1_queue", "l1_reduce")
+QUEUE_COUNTERS = ("l1_done", "l0_queue", "l1_reduce")
 
 
 @dataclass
@@ -196,8 +196,8 @@ class Workspace:
 
     def counter_view(self) -> dict[str, torch.Tensor]:
         """Each ``[1]`` unless said: l1_done, blocks finished with layer1's reduce;
-        l0_queue / l1_queue, the GEMM work queues of the layers; l1_reduce, layer1's reduce
-        queue; split (``[n_splits_max]``), tiles finished per column split."""
+        l0_queue, layer0's GEMM work queue (layer1's GEMM needs none: its blocks stride
+        over the items); l1_reduce, layer1's reduce queue; split (``[n_splits_max]``), tiles finished per column split."""
         c = self.counters
         named = {name: c[i:i + 1] for i, name in enumerate(QUEUE_COUNTERS)}
         return {**named, "split": c[len(QUEUE_COUNTERS):len(QUEUE_COUNTERS) + self.n_splits_max]}

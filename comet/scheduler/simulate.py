@@ -17,9 +17,11 @@ a random (seeded) order, running one work item at a time:
   only when its split's count is complete, and asserts that every element it reads was
   computed; the combine waits for every rank's flag and asserts every partial row it
   sums was delivered;
-* GEMM tiles and reduce items come from per-call work queues, as in the kernels: a comm
-  program done dispatching takes layer0 tiles, a layer1 compute program out of tiles
-  takes reduce items, and flag1 is published by the last program to finish.
+* layer0 tiles (in lanes of a few, each lane's rows waited for before its first tile) and
+  reduce items come from per-call work queues, layer1 tiles from a static stride, as in
+  the kernels: a comm program done dispatching takes layer0 lanes, a layer1 compute
+  program out of tiles takes reduce items, and flag1 is published by the last program to
+  finish.
 
 Several *consecutive calls* run back to back (:func:`simulate_calls`). The symmetric
 buffers persist across calls, as the workspace does, and every element peers write is
@@ -65,6 +67,7 @@ class SimConfig:
 
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
     reduce_item: return entries per item of layer1's reduce queue.
+    lane_items: work items per take of layer0's queue (kernels.layer0.LANE_ITEMS).
     speeds: per-rank weights of the random choice of the next program (None: uniform); a
         large ratio makes one rank run calls ahead of another.
     count_buffers: counts buffers, used by epoch parity (workspace.COUNT_BUFFERS); 1 lets
@@ -82,6 +85,7 @@ class SimConfig:
     comm_rows: int = 3
     comm_entries: int = 2
     reduce_item: int = 3
+    lane_items: int = 4
     comm_programs: int = 2
     compute_programs: int = 3
     seed: int = 0
@@ -194,9 +198,9 @@ class _Call:
                              for s in range(world)]
         h_dim = self.w2.shape[2]
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
-        # Work queues (kernels.sync.take): next item of layer0's GEMM, layer1's GEMM and
+        # Work queues (kernels.sync.take): next lane of layer0's GEMM, next item of
         # layer1's reduce; programs finished with the reduce.
-        self.queue = {"l0": 0, "l1": 0, "reduce": 0}
+        self.queue = {"l0": 0, "reduce": 0}
         self.reduce_finished = 0
 
     def take(self, queue: str) -> int:
@@ -290,13 +294,13 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
                                          max_tokens, cfg)]
         call, fused = rk.call, mode == "fused"
         comm = range(cfg.comm_programs if fused else 0)
-        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, p, cfg),
-                                 _layer0_program(rk, call, fused, cfg)) for p in comm]
-                         + [_layer0_program(rk, call, fused, cfg) for _ in compute])
         programs = len(comm) + len(compute)
-        yield "layer1", ([_chain(_layer1_program(rk, call, cfg),
+        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, p, cfg),
+                                 _layer0_program(rk, call, fused, programs, cfg)) for p in comm]
+                         + [_layer0_program(rk, call, fused, programs, cfg) for _ in compute])
+        yield "layer1", ([_chain(_layer1_program(rk, call, i, len(compute), cfg),
                                  _reduce_program(rk, call, ranks, programs, cfg) if fused
-                                 else iter(())) for _ in compute]
+                                 else iter(())) for i in compute]
                          + [_reduce_program(rk, call, ranks, programs, cfg) for _ in comm])
         if fused:
             yield "combine", [_combine_program(rk, call, ranks, outputs[n - 1], cfg)]
@@ -382,48 +386,69 @@ def _chain(*programs):
         yield from program
 
 
-def _layer0_program(rk: _Rank, call: _Call, wait: bool, cfg: SimConfig):
-    """layer0 compute role (kernels.layer0.layer0_compute_role), work items from the
-    call's queue. Without ``wait`` (compute_only) it runs on whatever rows are in place,
-    so reads are not checked."""
+def _layer0_program(rk: _Rank, call: _Call, wait: bool, programs: int, cfg: SimConfig):
+    """layer0 compute role (kernels.layer0.layer0_compute_role): lanes of work items from
+    the call's queue (kernels.group_gemm.strided_take over the layer's ``programs``); the
+    rows of every tile of a lane are waited for before its first tile runs. Without
+    ``wait`` (compute_only) it runs on whatever rows are in place, so reads are not
+    checked."""
     f_dim = call.w2.shape[1]
     n_blocks = _cdiv(f_dim, cfg.block_n0)
     t, n = call.tiles, call.n
-    while (w := call.take("l0")) < call.num_tiles * n_blocks:
-        tile, nb = grouped_work(w, call.num_tiles, n_blocks, cfg.group_m)
-        r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
+    total = call.num_tiles * n_blocks
+    items = cfg.lane_items if total >= programs * cfg.lane_items else 1
+    while True:
+        q = call.take("l0")
+        rnd = q // programs
+        first = rnd * programs * items + q % programs
+        if first >= total:
+            return
+        lane = [grouped_work(w, call.num_tiles, n_blocks, cfg.group_m)
+                for w in range(first, min((rnd + 1) * programs * items, total), programs)]
         if wait:
-            mask = int(t.wait_mask[tile])
-            sources = [s for s in range(call.world) if mask >> s & 1]
-            need = {s: _chunks_needed(call, s, e, r1, cfg) for s in sources}
-            yield lambda: all(_landed(rk, s, c, _chunk_flag(cfg, n)) for s, c in need.items())
-            rk.a0_tag.check(slice(r0, r1), n, f"rank {rk.r} call {n} tile {tile} (rows "
-                            f"{r0}:{r1}) ran before its rows arrived; wait set {sources}")
-        c0, c1 = nb * cfg.block_n0, min((nb + 1) * cfg.block_n0, f_dim)
-        a = rk.a0[r0:r1]
-        gate = a @ call.w13[e][:, c0:c1]
-        up = a @ call.w13[e][:, f_dim + c0:f_dim + c1]
-        rk.h[r0:r1, c0:c1] = F.silu(gate) * up
-        rk.h_tag.write((slice(r0, r1), nb), n, rk.r)
-        if not wait:
+            need = {}
+            for tile, _ in lane:
+                mask, e, r1 = int(t.wait_mask[tile]), int(t.expert[tile]), int(t.row_end[tile])
+                for s in (s for s in range(call.world) if mask >> s & 1):
+                    need[s] = max(need.get(s, 0), _chunks_needed(call, s, e, r1, cfg))
+            yield lambda need=need: all(_landed(rk, s, c, _chunk_flag(cfg, n))
+                                        for s, c in need.items())
+        for tile, nb in lane:
+            r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
+            if wait:
+                rk.a0_tag.check(slice(r0, r1), n, f"rank {rk.r} call {n} tile {tile} (rows "
+                                f"{r0}:{r1}) ran before its rows arrived")
+            c0, c1 = nb * cfg.block_n0, min((nb + 1) * cfg.block_n0, f_dim)
+            a = rk.a0[r0:r1]
+            gate = a @ call.w13[e][:, c0:c1]
+            up = a @ call.w13[e][:, f_dim + c0:f_dim + c1]
+            rk.h[r0:r1, c0:c1] = F.silu(gate) * up
+            rk.h_tag.write((slice(r0, r1), nb), n, rk.r)
             yield None
 
 
-def _layer1_program(rk: _Rank, call: _Call, cfg: SimConfig):
-    """layer1 compute role (kernels.layer1.layer1_compute_role)."""
+def _layer1_program(rk: _Rank, call: _Call, role_pid: int, n_role: int, cfg: SimConfig):
+    """layer1 compute role (kernels.layer1.layer1_compute_role): work items ``role_pid +
+    i * n_role`` split by split, the split's tiles counted once its share is done."""
     h_dim = call.w2.shape[2]
     n_blocks = _cdiv(h_dim, cfg.block_n1)
     t, n = call.tiles, call.n
-    while (w := call.take("l1")) < call.num_tiles * n_blocks:
-        tile, nb, split = column_work(w, call.num_tiles, n_blocks, cfg.blocks_per_split)
-        r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
-        rk.h_tag.check((slice(r0, r1), slice(None)), n,
-                       f"rank {rk.r} call {n} layer1 tile {tile} read unfinished h rows")
-        c0, c1 = nb * cfg.block_n1, min((nb + 1) * cfg.block_n1, h_dim)
-        rk.out1[r0:r1, c0:c1] = rk.h[r0:r1] @ call.w2[e][:, c0:c1]
-        rk.out1_tag.write((slice(r0, r1), nb), n, rk.r)
-        call.split_count[split] += 1
-        yield None
+    total = call.num_tiles * n_blocks
+    per_split = call.num_tiles * cfg.blocks_per_split
+    for split in range(_cdiv(n_blocks, cfg.blocks_per_split)):
+        lo, hi = split * per_split, min((split + 1) * per_split, total)
+        done = 0
+        for w in range(lo + (role_pid - lo) % n_role, hi, n_role):
+            tile, nb, _ = column_work(w, call.num_tiles, n_blocks, cfg.blocks_per_split)
+            r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
+            rk.h_tag.check((slice(r0, r1), slice(None)), n,
+                           f"rank {rk.r} call {n} layer1 tile {tile} read unfinished h rows")
+            c0, c1 = nb * cfg.block_n1, min((nb + 1) * cfg.block_n1, h_dim)
+            rk.out1[r0:r1, c0:c1] = rk.h[r0:r1] @ call.w2[e][:, c0:c1]
+            rk.out1_tag.write((slice(r0, r1), nb), n, rk.r)
+            done += 1
+            yield None
+        call.split_count[split] += done
 
 
 def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig):

@@ -3,18 +3,17 @@
 Experiment, one GPU. For each preset's EP=4 per-rank GEMM (uniform routing, rows grouped
 by expert), time comet's ``gemm_tile`` (the body both layer kernels use) driven by:
 
-* ``queue``  -- a device work queue (``take``), as the layer kernels do now;
+* ``queue``  -- a device work queue (``take``), one item per take (the kernels until
+  2026-11-24);
 * ``static`` -- a persistent grid striding over work items (no atomics);
 * ``flat``   -- the same stride loop as ``tl.range(..., flatten=True)``, which lets
-  Triton's pipeliner prefetch the next tile's operands during this tile's epilogue;
+  Triton's pipeliner prefetch the next tile's operands during this tile's epilogue
+  (layer1 now);
 * ``batch``  -- the queue, but one atomic takes ``BATCH`` consecutive items, looped
   with ``flatten=True`` (epilogue overlap inside a batch, queue between batches);
 * ``grid``   -- one program per work item (no persistence);
-* ``merged`` -- the queue, with layer0's gate and up columns as one ``BLOCK_M x 2*BLOCK_N``
-  dot: one TMA box ``[BLOCK_K, 2, BLOCK_N]`` over W13 viewed ``[El*K, 2, F]`` (gate and
-  up of the same columns side by side), split in the epilogue -- A is read from shared
-  memory once per K step instead of twice (layer1 has no gate, so it runs ``queue``);
-
+* ``strided`` -- the queue, one take = ``BATCH`` items strided by the grid, looped with
+  ``flatten=True`` (``strided_take``: layer0 now);
 against ``torch._grouped_mm`` on the same rows. Prints one JSON line per record and
 writes them to ``$OUT/gemm_variants.json``.
 
@@ -31,49 +30,51 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from comet.config import preset
-from comet.kernels.group_gemm import gemm_tile, grouped_work
+from comet.kernels.group_gemm import gemm_acc, gemm_tile, grouped_work, strided_take
 from comet.kernels.sync import take
+from comet.weights import GATE_UP_BLOCK, interleave_gate_up
 from gemm_check import median_us   # same folder: scripts/device
 
-LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4, "merged": 5}
-
-
-@triton.jit
-def gemm_tile_merged(a_desc, b3_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K,
-                     N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``silu(A @ gate) * (A @ up)`` for columns ``[n0, n0 + BLOCK_N)`` as one dot."""
-    b_row = expert * K
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        a = a_desc.load([row_start, k])
-        b = b3_desc.load([b_row + k, 0, n0]).reshape(BLOCK_K, 2 * BLOCK_N)
-        acc = tl.dot(a, b, acc)
-    gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
-    h = gate * tl.sigmoid(gate) * up
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < row_end) & (cols[None, :] < N)
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
-             h.to(c_ptr.dtype.element_ty), mask=mask)
+LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4, "strided": 6}
+#: Epilogues of the ``queue`` loop: masked ``tl.store`` (the kernels'), TMA store through a
+#: per-tile device descriptor, none (the store skipped: what the epilogue costs at most),
+#: twodot (layer0 only: gate and up as two dots of BLOCK_N columns, the kernels before W13
+#: was interleaved; the others run one dot over the interleave block, comet.weights).
+EPILOGUES = {"store": 0, "tma": 1, "none": 2, "twodot": 3}
+GATE_UP = tl.constexpr(GATE_UP_BLOCK)
 
 
 @triton.jit
 def _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end, num_tiles,
           n_blocks, K, N, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr = 0):
     t, nb = grouped_work(w, num_tiles, n_blocks)
     expert = tl.load(tile_expert + t)
     r0 = tl.load(tile_row_start + t)
     r1 = tl.load(tile_row_end + t)
-    gemm_tile(a_desc, b_desc, c_ptr, N, expert, r0, r1, nb * BLOCK_N, K, N, GATED, N,
-              BLOCK_M, BLOCK_N, BLOCK_K, "tf32")
+    one_dot: tl.constexpr = EPILOGUE != 3 and BLOCK_N == GATE_UP
+    if EPILOGUE == 0 or EPILOGUE == 3:
+        gemm_tile(a_desc, b_desc, c_ptr, N, expert, r0, r1, nb * BLOCK_N, K, N, GATED,
+                  GATE_UP, one_dot, BLOCK_M, BLOCK_N, BLOCK_K, "tf32")
+    else:
+        acc = gemm_acc(a_desc, b_desc, expert, r0, nb * BLOCK_N, K, N, GATED, GATE_UP,
+                       one_dot, BLOCK_M, BLOCK_N, BLOCK_K, "tf32")
+        if EPILOGUE == 1:
+            # TMA store through a descriptor bounded by this expert's rows (built on the
+            # device per tile): rows past row_end belong to the next expert's tiles.
+            c_desc = tl.make_tensor_descriptor(c_ptr + r0.to(tl.int64) * N, shape=[r1 - r0, N],
+                                               strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+            c_desc.store([0, nb * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+        elif r1 < 0:   # never true: the GEMM without its store (upper bound of the epilogue)
+            tl.store(c_ptr + tl.arange(0, BLOCK_M)[:, None] * N
+                     + tl.arange(0, BLOCK_N)[None, :], acc.to(c_ptr.dtype.element_ty))
 
 
 @triton.jit
-def variant_kernel(a_desc, b_desc, b3_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+def variant_kernel(a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
                    num_tiles_ptr, queue, K, N, LOOP: tl.constexpr, BATCH: tl.constexpr,
                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr):
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(N, BLOCK_N)
     total = num_tiles * n_blocks
@@ -83,34 +84,33 @@ def variant_kernel(a_desc, b_desc, b3_desc, c_ptr, tile_expert, tile_row_start, 
         w = take(queue)
         while w < total:
             _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
-                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
             w = take(queue)
     elif LOOP == 1:
         for w in range(pid, total, nprog):
             _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
-                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
     elif LOOP == 2:
         for w in tl.range(pid, total, nprog, flatten=True):
             _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
-                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+                  num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
     elif LOOP == 3:
         base = tl.atomic_add(queue, BATCH, sem="relaxed", scope="gpu")
         while base < total:
             for w in tl.range(base, tl.minimum(base + BATCH, total), flatten=True):
                 _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
-                      num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+                      num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
             base = tl.atomic_add(queue, BATCH, sem="relaxed", scope="gpu")
     elif LOOP == 4:
         _item(pid, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
-              num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        w = take(queue)
-        while w < total:
-            t, nb = grouped_work(w, num_tiles, n_blocks)
-            gemm_tile_merged(a_desc, b3_desc, c_ptr, N, tl.load(tile_expert + t),
-                             tl.load(tile_row_start + t), tl.load(tile_row_end + t),
-                             nb * BLOCK_N, K, N, BLOCK_M, BLOCK_N, BLOCK_K)
-            w = take(queue)
+              num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
+    elif LOOP == 6:
+        first, end = strided_take(queue, nprog, BATCH)
+        while first < total:
+            for w in tl.range(first, tl.minimum(end, total), nprog, flatten=True):
+                _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end,
+                      num_tiles, n_blocks, K, N, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EPILOGUE)
+            first, end = strided_take(queue, nprog, BATCH)
 
 
 #: Rounds of the paired timing: clocks on these machines drift by ~10% over seconds, so
@@ -155,8 +155,10 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=
     queue = torch.zeros(1, dtype=torch.int32, device="cuda")
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(b.view(el * k, n_full), [bk, bn])
-    b3_desc = (TensorDescriptor.from_tensor(b.view(el * k, 2, n), [bk, 2, bn]) if gated
-               else b_desc)
+    if gated:   # the kernels' W13 layout: gate and up interleaved by GATE_UP_BLOCK columns
+        bi = interleave_gate_up(b)
+        bi_one = TensorDescriptor.from_tensor(bi.view(el * k, n_full), [bk, 2 * bn])
+        bi_two = TensorDescriptor.from_tensor(bi.view(el * k, n_full), [bk, bn])
     items = te.numel() * triton.cdiv(n, bn)
     flops = 2.0 * a.shape[0] * k * n_full
     offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).to(torch.int32)
@@ -167,19 +169,27 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=
     torch_call = lambda: torch._grouped_mm(a, bt, offs=offs)  # noqa: E731
     t_us = median_us(torch_call, iters=30)
     recs = []
-    for loop in loops:
-        if loop == "merged" and not gated:
+    for variant in loops:
+        loop, _, epilogue = variant.partition("+")
+        base = loop.rstrip("0123456789")
+        items_per_take = int(loop[len(base):]) if loop != base else batch
+        loop = base
+        if epilogue == "twodot" and not gated:
             continue
+        kernel_b = b_desc
+        if gated:
+            kernel_b = bi_two if epilogue == "twodot" or bn != GATE_UP_BLOCK else bi_one
         grid = items if loop == "grid" else sms * per_sm
 
         def call():
             queue.zero_()
-            variant_kernel[(grid,)](a_desc, b_desc, b3_desc, c, te, ts, tend, num_tiles, queue,
+            variant_kernel[(grid,)](a_desc, kernel_b, c, te, ts, tend, num_tiles, queue,
                                     k, n,
-                                    LOOP=LOOPS[loop], BATCH=batch, GATED=gated, BLOCK_M=bm,
-                                    BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                    LOOP=LOOPS[loop], BATCH=items_per_take, GATED=gated, BLOCK_M=bm,
+                                    BLOCK_N=bn, BLOCK_K=bk,
+                                    EPILOGUE=EPILOGUES[epilogue or "store"], num_warps=warps,
                                     num_stages=stages)
-        rec = dict(config=name, layer=layer, loop=loop, tile=list(tile), per_sm=per_sm,
+        rec = dict(config=name, layer=layer, loop=variant, tile=list(tile), per_sm=per_sm,
                    rows=a.shape[0],
                    experts=el, K=k, N=n_full, torch_us=t_us,
                    torch_tflops=flops / t_us / 1e6)
@@ -203,8 +213,11 @@ def main():
                     default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--loops", nargs="+", default=list(LOOPS))
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--loops", nargs="+", default=list(LOOPS),
+                    help="tile loops; LOOP+EPILOGUE for another epilogue of queue or flat "
+                         f"({', '.join(EPILOGUES)}), e.g. queue+tma")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="items per take of the batch loop (batchN in --loops: N)")
     ap.add_argument("--tile0", nargs="+", default=["128,128,64,8,3"],
                     help="BM,BN,BK,warps,stages (several: each is timed)")
     ap.add_argument("--tile1", nargs="+", default=["128,256,64,8,3"])
@@ -214,6 +227,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "gemm_variants.json"))
     args = ap.parse_args()
+    # Device-built descriptors (the tma epilogue) live in global scratch from this hook.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles0 = [tuple(map(int, t.split(","))) for t in args.tile0]
     tiles1 = [tuple(map(int, t.split(","))) for t in args.tile1]
