@@ -6,5 +6,6 @@
 #: best block split: roles, tiles, comm algorithms, the plan's cost.
 #: 2: per-chunk dispatch flags, 16-byte comm copies (2026-11-23); 3: the plan stops at
 #: the call's tokens, combine at 4 programs/SM, reduce tile 64 x 256; 4: 2 layer1 column
-#: splits (was 8).
-KERNEL_REVISION = 4
+#: splits (was 8); 5: flattened GEMM loops (interleaved W13, layer0 lanes, layer1 static
+#: stride).
+KERNEL_REVISION = 5
