@@ -88,7 +88,9 @@ class LocalExperts(nn.Module):
 
     def gate_up(self) -> torch.Tensor:
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
-        :mod:`comet.reference` and :mod:`comet.baseline` take."""
+        :mod:`comet.reference` and :mod:`comet.baseline` take. Not cached: edits through
+        ``w13.data`` leave no trace (no version bump) a cache could check, and the CPU
+        paths that call it are the spec, not the fast path."""
         return gate_up_first(self.w13.detach())
 
 

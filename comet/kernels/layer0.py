@@ -34,7 +34,7 @@ from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work, strided_take
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, take, wait_at_least, wait_chunks)
+                                stamp, wait_at_least, wait_chunks)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
