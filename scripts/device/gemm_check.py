@@ -30,6 +30,39 @@ def grouped_mm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
+#: Calls captured in one CUDA graph by :func:`graphed`.
+GRAPH_CALLS = 10
+
+
+def graphed(call):
+    """``call`` x GRAPH_CALLS captured as one replayable CUDA graph. Its replays time the
+    device alone: a synchronised timer per call (:func:`median_us`) also counts the
+    launch on the host, which for comet's layer kernels (~60 arguments, descriptors built
+    per launch) is 100-450 us more than for a small kernel (H100,
+    ``h100-layer-vs-loop.json``)."""
+    call()   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            call()
+    return graph
+
+
+def graph_us(graph, replays=3):
+    """Median over ``replays`` of the device time per captured call (us)."""
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / GRAPH_CALLS)
+    return sorted(times)[len(times) // 2]
+
+
 def median_us(fn, iters=20, warmup=5):
     for _ in range(warmup):
         fn()

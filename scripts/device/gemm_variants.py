@@ -33,7 +33,7 @@ from comet.config import preset
 from comet.kernels.group_gemm import gemm_acc, gemm_tile, grouped_work, strided_take
 from comet.kernels.sync import take
 from comet.weights import GATE_UP_BLOCK, interleave_gate_up
-from gemm_check import median_us   # same folder: scripts/device
+from gemm_check import graph_us, graphed   # same folder: scripts/device
 
 LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4, "strided": 6}
 #: Epilogues of the ``queue`` loop: masked ``tl.store`` (the kernels'), TMA store through a
@@ -119,12 +119,15 @@ PAIRED_ROUNDS = 5
 
 
 def paired(call, reference):
-    """(median us of ``call``, median over rounds of reference time / call time)."""
+    """(median device us of ``call``, median over rounds of reference time / call time),
+    both replayed from CUDA graphs (gemm_check.graphed). Runs before 2026-11-23's seventh
+    session timed one synchronised call at a time, host launch included."""
+    call_graph, ref_graph = graphed(call), graphed(reference)
     times, ratios = [], []
     for _ in range(PAIRED_ROUNDS):
-        us = median_us(call, iters=10, warmup=2)
+        us = graph_us(call_graph)
         times.append(us)
-        ratios.append(median_us(reference, iters=10, warmup=2) / us)
+        ratios.append(graph_us(ref_graph) / us)
     return sorted(times)[len(times) // 2], sorted(ratios)[len(ratios) // 2]
 
 
@@ -167,7 +170,8 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=
     if gated:
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
     torch_call = lambda: torch._grouped_mm(a, bt, offs=offs)  # noqa: E731
-    t_us = median_us(torch_call, iters=30)
+    t_us = graph_us(graphed(torch_call))
+    weight_bytes = b.numel() * b.element_size()
     recs = []
     for variant in loops:
         loop, _, epilogue = variant.partition("+")
@@ -199,7 +203,10 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=
             torch.cuda.synchronize()
             err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
             us, ratio = paired(call, torch_call)
-            rec.update(us=us, tflops=flops / us / 1e6, ratio=ratio, rel_err=err)
+            # Weight bytes over time: at decode sizes every weight is read once and the
+            # GEMM is bound by HBM, not tensor cores (hbm_bw.py measures the rate).
+            rec.update(us=us, tflops=flops / us / 1e6, weight_tbs=weight_bytes / us / 1e6,
+                       ratio=ratio, rel_err=err)
         except Exception as e:   # a variant that does not compile is a result too
             rec.update(error=repr(e)[:300])
         print(json.dumps(rec), flush=True)

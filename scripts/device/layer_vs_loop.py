@@ -8,8 +8,14 @@ timing: the ratio is torch's time over the candidate's, median of 5 rounds):
 * ``kernel``  -- the layer kernel itself, compute role only (no waits);
 * ``loop``    -- gemm_variants' loop of the same shape (layer0: strided lanes of 4;
   layer1: static flattened stride) over the layer's tables, descriptors and buffers;
+* ``kernel1split`` -- layer1's kernel with one column split (one flattened loop, as
+  ``loop``; the default runs one per split);
 * ``own``     -- the same loop over gemm_variants' own tables on rows sized to the call
   (what the earlier variant runs measured).
+
+Timed as device time (CUDA graph replays, gemm_variants.paired); ``synced_us`` is one
+synchronised call at a time, as gemm_variants timed before: device time plus what the
+launch costs the host.
 
 ``kernel`` vs ``loop`` isolates the kernel code (same data); ``loop`` vs ``own`` isolates
 the data (the plan's tile table, a workspace-sized A). Writes ``$OUT/layer_vs_loop.json``.
@@ -18,6 +24,7 @@ the data (the plan's tile table, a workspace-sized A). Writes ``$OUT/layer_vs_lo
 """
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -27,6 +34,7 @@ from comet.config import preset
 from comet.kernels import launch as L
 from comet.runtime.layer import FusedMoE
 from comet.weights import GATE_UP_BLOCK
+from gemm_check import median_us   # same folder
 from gemm_variants import LOOPS, paired, tile_table, variant_kernel   # same folder
 
 LANE = 4
@@ -85,8 +93,8 @@ def run(name, tokens, ep):
         L.launch_layer0(ws, cfg, s.addr[0:1], w13_kernel, tile, L.ROLE_COMPUTE, s.split[0:1],
                         grid, wait=False)
 
-    def kernel1():
-        L.launch_layer1(ws, cfg, layer.w2, tile, L.ROLE_COMPUTE, s.split[1:2], grid)
+    def kernel1(t=tile):
+        L.launch_layer1(ws, cfg, layer.w2, t, L.ROLE_COMPUTE, s.split[1:2], grid)
 
     h_own = torch.empty(rows, f, device="cuda", dtype=cfg.dtype)
     o_own = torch.empty(rows, h, device="cuda", dtype=cfg.dtype)
@@ -99,6 +107,7 @@ def run(name, tokens, ep):
                             tile, grid)}),
         "layer1": (lambda: torch._grouped_mm(hid, bt2, offs=offs), 2.0 * rows * f * h, {
             "kernel": kernel1,
+            "kernel1split": lambda: kernel1(dataclasses.replace(tile, splits=1)),
             "loop": _variant(ws.h, layer.w2, ws.out1, tables, queue, f, h, "flat", False,
                              tile, grid),
             "own": _variant(hid.clone(), layer.w2, o_own, own, queue, f, h, "flat", False,
@@ -109,7 +118,8 @@ def run(name, tokens, ep):
         for cname, call in cands.items():
             us, ratio = paired(call, ref)
             rec = dict(config=name, tokens=tokens, ep=ep, layer=lname, candidate=cname,
-                       rows=rows, us=us, tflops=flops / us / 1e6, ratio=ratio)
+                       rows=rows, us=us, tflops=flops / us / 1e6, ratio=ratio,
+                       synced_us=median_us(call, iters=10, warmup=2))
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs
@@ -127,13 +137,14 @@ def main():
     recs = [r for c in args.configs for t in args.tokens for r in run(c, t, args.ep)]
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh, indent=1)
+    names = list(dict.fromkeys(r["candidate"] for r in recs))
     print(f"{'config':18s} {'tokens':>6s} {'layer':6s} " + " ".join(
-        f"{c:>7s}" for c in ("kernel", "loop", "own")) + "   (torch / candidate time)")
+        f"{c:>12s}" for c in names) + "   (torch / candidate device time)")
     for key in dict.fromkeys((r["config"], r["tokens"], r["layer"]) for r in recs):
         row = {r["candidate"]: r["ratio"] for r in recs
                if (r["config"], r["tokens"], r["layer"]) == key}
         print(f"{key[0]:18s} {key[1]:6d} {key[2]:6s} "
-              + " ".join(f"{row[c]:7.2f}" for c in ("kernel", "loop", "own")))
+              + " ".join(f"{row.get(c, float('nan')):12.2f}" for c in names))
 
 
 if __name__ == "__main__":
