@@ -160,7 +160,7 @@ def test_fixed_splits_hold_the_choice_against_the_best_of_them(tmp_path, capsys,
     assert r["fused_over_best_fixed"] == pytest.approx(r["fused_us"] / r["best_fixed_us"])
     assert r["fused_over_sequential"] == pytest.approx(r["fused_us"] / r["sequential_us"])
     md = open(path[:-5] + ".md").read()
-    assert "b/best fixed" in md and "max b/best fixed split" in md
+    assert "b/best fixed" in md and "b/best fixed split <= 1 in" in md
     with pytest.raises(SystemExit):
         bench.main(SMALL + ["--fixed-splits", "-1"])
 
@@ -186,6 +186,23 @@ def test_report_from_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "summary: uniform: geomean a/b at >= 4096 tokens/rank 2.00" in out
     assert glob.glob(str(tmp_path / "o" / "bench-*.md"))
+
+
+def test_summary_checks_each_target_record_by_record():
+    records = _synthetic_records()
+    skewed = [rec.derive(dict(r, routing="skewed", fused_us=1600.0 if r["layer"] == "layer1"
+                              else r["fused_us"])) for r in records]
+    uniform, skew = report.summary(records + skewed)[::-1]
+    assert uniform.startswith("uniform: geomean a/b at >= 4096 tokens/rank 2.00")
+    # whole-layer rows at 4096 tokens: fused 1000, sequential 1500, c 900, d 400, NCCL 400
+    assert "b/sequential <= 0.95 in 2/2 (worst 0.67)" in uniform
+    assert "hidden >= 0.85 in 0/2 (worst 0.75)" in uniform
+    assert "comm/NCCL <= 1.25 in 2/2 (worst 1.00)" in uniform
+    assert "torch GEMM/b - (target 0.9)" in uniform            # not measured
+    assert "a/b at <= 128 tokens/rank >= 2 in 2/2 (worst 2.00)" in uniform
+    # skewed: any record slower than sequential counts, per-layer rows included
+    assert "b/sequential, any layer <= 1 in 8/12 (worst 1.07)" in skew
+    assert "hidden" not in skew
 
 
 def test_bad_arguments_are_refused():

@@ -67,7 +67,9 @@ def derive(rec: dict) -> dict:
     speedup: a / b.  speedup_vs_chunked: e / b.  hidden_comm_fraction: see
     :func:`hidden_fraction`.  compute_efficiency: torch grouped GEMM time over (c), i.e.
     comet's GEMM TFLOP/s over torch's on the same rows.  comm_efficiency: NCCL
-    all_to_all time of the same rows over (d).  fused_over_sequential: b over comet's
+    all_to_all time of the same rows over (d); comm_over_nccl its inverse.
+    gmm_over_fused: torch's grouped GEMM time on the layer's rows over b (1: the layer
+    costs no more than its GEMMs).  fused_over_sequential: b over comet's
     own kernels run one after the other (below 1: the overlap pays).  fused_over_best_fixed:
     b over the fastest fixed split of the record (the per-call choice against hindsight).
     """
@@ -77,6 +79,8 @@ def derive(rec: dict) -> dict:
         rec.get("compute_only_us"), rec.get("comm_only_us"), rec.get("fused_us"))
     rec["compute_efficiency"] = ratio(rec.get("comet_gmm_tflops"), rec.get("torch_gmm_tflops"))
     rec["comm_efficiency"] = ratio(rec.get("nccl_a2a_us"), rec.get("comm_only_us"))
+    rec["comm_over_nccl"] = ratio(rec.get("comm_only_us"), rec.get("nccl_a2a_us"))
+    rec["gmm_over_fused"] = ratio(rec.get("torch_gmm_us"), rec.get("fused_us"))
     rec["fused_over_sequential"] = ratio(rec.get("fused_us"), rec.get("sequential_us"))
     rec["fused_over_best_fixed"] = ratio(rec.get("fused_us"), rec.get("best_fixed_us"))
     return rec
