@@ -2,11 +2,12 @@
 # comet bench on a GPU machine, from the repository root with no install:
 #   scripts/device/run_bench.sh NPROC [comet bench arguments...]
 # Runs the sweep on NPROC GPUs (default configs and sizes unless arguments say otherwise)
-# and a per-block timeline of one Mixtral call, writing under $OUT (./out if unset):
+# and a per-block timeline of one 4096-token call of each preset in $TIMELINES (default:
+# the four), writing under $OUT (./out if unset):
 # (carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column: its headers are unzipped
 # and the reference built once, ~2 min, before the ranks start)
-# bench-epN-*.json/.md/.png, timeline-epN-*.json/.png and bench.log -- six files, since
-# at most eight come back from the device machines.
+# bench-epN-*.json/.md/.png, bench.log and timelines.tar (the timelines' JSON and PNG)
+# -- five files, since at most eight come back from the device machines.
 set -uo pipefail
 nproc="${1:?usage: run_bench.sh NPROC [comet bench args...]}"
 shift
@@ -28,7 +29,11 @@ mkdir -p "$out"
   fi
   status=0
   python3 -m comet.cli.bench --nproc "$nproc" --output-dir "$out" "$@" || status=$?
-  python3 -m comet.cli.bench --nproc "$nproc" --timeline --config mixtral --output-dir "$out" \
-    || echo "timeline: not written (exit $?)"
+  mkdir -p "$out/timelines"
+  for c in ${TIMELINES:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
+    python3 -m comet.cli.bench --nproc "$nproc" --timeline --config "$c" \
+      --output-dir "$out/timelines" || echo "timeline $c: not written (exit $?)"
+  done
+  tar -C "$out" -cf "$out/timelines.tar" timelines && rm -r "$out/timelines"
   exit "$status"
 } 2>&1 | tee "$out/bench.log"
