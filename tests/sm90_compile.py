@@ -91,6 +91,11 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         for role in (L.ROLE_FUSED, L.ROLE_COMM, L.ROLE_COMPUTE):
             L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, role, split, 132)
             L.launch_layer1(ws, cfg, w2, tile, role, split, 132)
+        # The decode tile (small calls): its GEMM roles must pipeline too.
+        decode = tile.decode_tile()
+        L.launch_plan(ws, cfg, ids, wts, decode)
+        L.launch_layer0(ws, cfg, L.address_of(x), w13, decode, L.ROLE_FUSED, split, 132)
+        L.launch_layer1(ws, cfg, w2, decode, L.ROLE_FUSED, split, 132)
         trace = torch.zeros(132, L.MAX_TRACE_EVENTS, 4, dtype=torch.int64)
         L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED, split, 132,
                         trace=trace)

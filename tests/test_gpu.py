@@ -243,3 +243,25 @@ def test_blocks_change_role_at_full_size():
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=cfg.dtype)
     assert _rel_err(y, ref) < 2e-2
+
+
+def test_decode_tile_at_full_size_alternating_with_the_default():
+    """One EP=4 rank of Mixtral (2 experts, full size) on one GPU: at 128 tokens layer1 has
+    2 experts x 1 m-tile x 16 column blocks = 32 items, far fewer than SMs, and runs on
+    the decode tile's 128-column blocks; at 2048 tokens on the default 256. Alternating
+    them replays two graphs."""
+    from comet.config import preset
+    from comet.runtime.layer import FusedMoE
+    cfg = preset("mixtral", num_experts=2, max_tokens=2048)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
+    layer = FusedMoE(cfg, w13, w2)
+    small, large = (_inputs(layer, "random", g, tokens=t) for t in (128, 2048))
+    refs = [reference.moe_forward(*inp, gate_up_first(layer.w13), layer.w2,
+                                  round_to=cfg.dtype) for inp in (small, large)]
+    for _ in range(3):
+        for inp, ref, block_n1 in ((small, refs[0], 128), (large, refs[1], 256)):
+            y = layer(*inp)
+            assert layer.last_tile.block_n1 == block_n1
+            assert _rel_err(y, ref) < 1e-2, block_n1
+    layer.check_errors_now()

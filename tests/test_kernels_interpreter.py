@@ -229,6 +229,40 @@ def test_a_timeout_is_written_into_every_peers_error_word():
             raise_if_failed(ep.ws[r].fatal_word, r)
 
 
+def test_small_calls_take_the_decode_tile():
+    """A call whose layer1 work items leave programs idle runs on the decode tile
+    (narrower layer1 column blocks), with the same output; where the default tile keeps
+    every program as busy, it stays. The choice is the host's, per token count."""
+    import dataclasses
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=10)
+    g = torch.Generator().manual_seed(7)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
+    w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
+    x = torch.randn(7, h, generator=g).half()
+    ids = make_ids("random", [7], e, k, g)[0]
+    w = torch.rand(7, k, generator=g)
+    ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
+    tile = dataclasses.replace(L.TileConfig.small(), decode_block_n1=16)
+    # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
+    # program) or 16 of 16 (4 waves, 64 again): the default stays.
+    few = FusedMoE(cfg, w13, w2, tile=tile)
+    assert few.select_tile(7) is few.tile
+    # On 64 programs, one wave either way: 16 columns a program instead of 32.
+    many = FusedMoE(cfg, w13, w2, tile=tile)
+    many.programs = 64
+    assert many.select_tile(7).block_n1 == 16 and many.select_tile(7) is many.select_tile(7)
+    many.preload()
+    for layer in (few, many):
+        for call in range(2):
+            y = layer(x, ids, w, comm_blocks=call)
+            torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert few.last_tile is few.tile and many.last_tile.block_n1 == 16
+    assert many.tile.decode_tile().decode_tile() is None
+
+
 def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     layer, cfg, x, ids, w = _w1_layer()
     layer.preload()

@@ -14,6 +14,7 @@ process under the Triton interpreter.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,13 @@ class TileConfig:
         stream: one token row per step at 8 warps, with COMBINE_PROGRAMS_PER_SM programs
         per SM, moved 2.8 TB/s on an H100; 16 x 512 at 4 warps, one program per SM, 1.0
         (scripts/device/combine_bw.py).
+    decode_block_n1: layer1's column block in calls too small to give layer1 a work
+        item per SM with ``block_n1`` (:meth:`decode_tile`; 0: none). At 128 tokens/rank,
+        EP=4 (H200), Mixtral's layer1 has 2 experts x 1 m-tile x 16 column blocks = 32
+        items for 132 SMs: 138 us against torch's 70; 128-column blocks 116 us (phi3.5-moe
+        72 -> 64, torch 75; ``h200-gemm-decode-ep4.json``). 64-row tiles do better on
+        layer1 alone (79 and 54 us) but share the tile table with layer0, which they slow
+        down by 7-20% (``h200-kernel-times-ep4-decode-64.json``).
     """
 
     block_m: int = 128
@@ -86,12 +94,32 @@ class TileConfig:
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
+    decode_block_n1: int = 128
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
         if GATE_UP_BLOCK % self.block_n0:
             raise ValueError(f"block_n0 must divide the W13 interleave block "
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
+
+    def decode_tile(self) -> "TileConfig | None":
+        """The tile configuration of small calls: this one with layer1's column block
+        ``decode_block_n1`` (everything else unchanged, so both share one workspace and
+        one tile table), or None."""
+        if not self.decode_block_n1 or self.decode_block_n1 == self.block_n1:
+            return None
+        return dataclasses.replace(self, block_n1=self.decode_block_n1, decode_block_n1=0)
+
+    def n_splits_max(self, hidden: int) -> int:
+        """Most layer1 column splits any call may use (sizes the split counters)."""
+        decode = self.decode_tile()
+        return max(self.n_splits(hidden), decode.n_splits(hidden) if decode else 0)
+
+    def layer1_items(self, rows_per_expert: int, local_experts: int, hidden: int) -> int:
+        """layer1's work items (m-tiles x column blocks) when each local expert gets
+        ``rows_per_expert`` rows."""
+        m_tiles = local_experts * -(-rows_per_expert // self.block_m)
+        return m_tiles * -(-hidden // self.block_n1)
 
     @staticmethod
     def small() -> "TileConfig":
@@ -100,7 +128,7 @@ class TileConfig:
                           num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
                           comm_block_h=32, dispatch_entries=16, comm_entries=8,
                           reduce_item=16, comm_block_c=16, combine_rows=8,
-                          combine_block_h=32, combine_warps=4)
+                          combine_block_h=32, combine_warps=4, decode_block_n1=0)
 
     def k_step(self, k: int) -> int:
         """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into

@@ -161,7 +161,8 @@ class FusedMoE:
             :class:`comet.moe.CometMoE` passes.
         group: expert-parallel process group (None: the world if initialised, else one
             rank). Collective: all ranks construct it together.
-        tile: tile configuration (default: Hopper tiles).
+        tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
+            calls too small to fill the GPU their own GEMM tiles (:meth:`select_tile`).
         tuned_config_folder: extra folder of ``comet tune`` tables.
         check_errors: ``"lazy"`` raise a failed call's error at a later call (no sync);
             ``"sync"`` synchronise after every call and raise at once (debugging).
@@ -262,6 +263,9 @@ class FusedMoE:
         self.programs = programs
         self._virtual = virtual
         self.last_comm_blocks: tuple[int, int] | None = None
+        self._decode_tile = tile.decode_tile()
+        self.last_tile: L.TileConfig | None = None
+        self._small: dict[int, bool] = {}
         self._selected: dict[tuple, tuple[int, int]] = {}
         # Host copy of the error words, refreshed after every call without a sync.
         self._pending = (torch.zeros(ws.error.numel(), dtype=torch.int32, pin_memory=True)
@@ -273,7 +277,7 @@ class FusedMoE:
         self._static = _StaticInputs(cfg, self.device)
         self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}
         self._trace: dict[str, torch.Tensor] | None = None
-        self._compiled: set[tuple[str, bool]] = set()
+        self._compiled: set[tuple[str, bool, bool]] = set()
 
     # ------------------------------------------------------------------ split
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
@@ -292,6 +296,29 @@ class FusedMoE:
             if not 0 <= n < self.programs:
                 raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
         return int(n0), int(n1)
+
+    def select_tile(self, num_tokens: int) -> L.TileConfig:
+        """The tile configuration of a call with ``num_tokens`` on this rank: the decode
+        tile (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) when it gives
+        layer1 fewer columns per program -- waves of work items over the programs times
+        the columns of an item -- the rows spread evenly over the experts (every rank
+        sending as many tokens as this one); else the default. So only a GPU the default
+        leaves partly idle changes tiles: Qwen2-MoE at 128 tokens/rank, EP=4, has 120
+        items for 132 SMs, and 240 narrower ones made its layer1 slower (H200,
+        ``h200-kernel-times-ep4-decode.json``). A rank-local choice: tiles change no
+        buffer a peer reads. Remembered per token count."""
+        if self._decode_tile is None:
+            return self.tile
+        if num_tokens not in self._small:
+            c, world = self.cfg, self.par.world_size
+            rows = -(-num_tokens * world * c.top_k // c.num_experts)
+
+            def columns_per_program(t: L.TileConfig) -> int:
+                items = t.layer1_items(rows, c.num_experts // world, c.hidden_size)
+                return -(-items // self.programs) * t.block_n1
+            self._small[num_tokens] = (columns_per_program(self._decode_tile)
+                                       < columns_per_program(self.tile))
+        return self._decode_tile if self._small[num_tokens] else self.tile
 
     def _select(self, num_tokens: int) -> tuple[int, int]:
         """Tuned table, else the analytic model (comet/scheduler/split.py)."""
@@ -406,16 +433,19 @@ class FusedMoE:
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self._failure}") from self._failure
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
-        y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer)
+        decode = self.select_tile(x.shape[0]) is not self.tile
+        y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer, decode)
         self._after_launch()
         return y
 
     def _launch(self, x, topk_ids, topk_weights, split: tuple[int, int], mode: str,
-                timer: PhaseTimer | None) -> torch.Tensor:
-        """Stage the inputs and issue one call's work (graph replay when possible)."""
+                timer: PhaseTimer | None, decode: bool = False) -> torch.Tensor:
+        """Stage the inputs and issue one call's work (graph replay when possible) with
+        the decode tile or the default one."""
         m = x.shape[0]
         n0, n1 = split
         self.last_comm_blocks = (n0, n1)
+        self.last_tile = self._decode_tile if decode else self.tile
         y = torch.empty_like(x)
         s = self._static
         timeout = timeout_ns()
@@ -427,8 +457,8 @@ class FusedMoE:
         s.ids[:m].copy_(topk_ids)     # rows past m are never read (the plan stops at m)
         s.weights[:m].copy_(topk_weights)
         # Only layer0's split changes the launches (0: two launches); layer1 is one launch
-        # for any split, which the kernel reads on the device.
-        key = (mode, n0 > 0)
+        # for any split, which the kernel reads on the device. The tile changes them all.
+        key = (mode, n0 > 0, decode)
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled:
@@ -436,14 +466,14 @@ class FusedMoE:
                 self._graphs[key] = self._capture(key)
             self._graphs[key].replay()
         else:
-            self._body(mode, key[1], timer or PhaseTimer())
+            self._body(mode, key[1], timer or PhaseTimer(), decode)
             if graphable:
                 self._compiled.add(key)
         return y
 
     def preload(self, mode: str = "fused") -> None:
-        """Compile, load and capture the kernels of every block-split variant of ``mode``
-        on this rank alone, before the first call. Local -- nothing reaches a peer -- so
+        """Compile, load and capture the kernels of every block-split and tile variant of
+        ``mode`` on this rank alone, before the first call. Local -- nothing reaches a peer -- so
         it needs no barrier; but not while this layer has a call in flight.
 
         It runs two calls per variant (the first compiles, the second captures the graph)
@@ -457,9 +487,10 @@ class FusedMoE:
                    torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
         self.ws.fatal_word[0].fill_(TIMEOUT_CODE)
-        for split in ((1, 1), (0, 0)):
-            for _ in range(2):
-                self._launch(*nothing, split, mode, None)
+        for decode in (False, True) if self._decode_tile is not None else (False,):
+            for split in ((1, 1), (0, 0)):
+                for _ in range(2):
+                    self._launch(*nothing, split, mode, None, decode)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.ws.error.zero_()
@@ -508,7 +539,7 @@ class FusedMoE:
             r["end_ns"] -= t0
         return records
 
-    def _capture(self, key: tuple[str, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph:
         """Record one fused call on the static buffers (records; executes nothing, so
         every rank still makes exactly one real call per user call). Not through
         ``torch.cuda.graph``, whose entry synchronises the device: calls in flight wait
@@ -520,16 +551,18 @@ class FusedMoE:
         with torch.cuda.stream(stream):
             graph.capture_begin()
             try:
-                self._body(key[0], key[1], PhaseTimer())
+                self._body(key[0], key[1], PhaseTimer(), key[2])
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
-    def _body(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer) -> None:
+    def _body(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer,
+              decode: bool = False) -> None:
         """One call on the staged inputs (``self._static``); see the module docstring.
         A layer0 split with no comm blocks runs its two roles as two launches."""
-        ws, cfg, tile, s = self.ws, self.cfg, self.tile, self._static
+        ws, cfg, s = self.ws, self.cfg, self._static
+        tile = self._decode_tile if decode else self.tile
         grid = self.programs
         # The interpreter runs one program at a time: a fused launch would have its comm
         # programs wait for compute programs that have not run, so roles go one by one.

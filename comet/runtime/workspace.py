@@ -216,13 +216,12 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
     rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
     h = torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
     out1 = torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
-    counters = torch.zeros(len(QUEUE_COUNTERS) + tile.n_splits(cfg.hidden_size),
-                           dtype=torch.int32,
-                           device=device)
+    n_splits = tile.n_splits_max(cfg.hidden_size)
+    counters = torch.zeros(len(QUEUE_COUNTERS) + n_splits, dtype=torch.int32, device=device)
     epoch = torch.zeros(1, dtype=torch.int64, device=device)
     timeout = torch.full((1,), timeout_ns(), dtype=torch.int64, device=device)
     return (h, out1, counters, epoch, timeout,
-            plan_buffers(cfg, world, device, tile.block_m), tile.n_splits(cfg.hidden_size))
+            plan_buffers(cfg, world, device, tile.block_m), n_splits)
 
 
 def allocate_virtual(cfg: MoEConfig, world: int, device, tile) -> list[Workspace]:

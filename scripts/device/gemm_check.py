@@ -126,7 +126,7 @@ def run(name, tokens, world=4, tile=None):
         print("torch._grouped_mm failed:", repr(e)[:300])
         t_us = t_gemm_only = float("nan")
     flops = 2.0 * rows_total * h * 2 * f + 2.0 * rows_total * f * h
-    tile = layer.tile
+    tile = layer.last_tile
     rec = dict(config=name, tokens_per_rank=tokens, rows=rows_total, experts=el,
                tile={k: getattr(tile, k) for k in TILE_FIELDS},
                comet_compute_us=c_us, comet_layer0_us=ph.get("layer0"),

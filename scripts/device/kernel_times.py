@@ -74,7 +74,7 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
     torch_us = sum(e.device_time_total for e in prof.key_averages()) / calls
     rec = dict(config=name, tokens=tokens, ep=ep, mode=mode, world=world,
                rank=layer.par.rank, torch_gmm_us=torch_us,
-               tile={k: getattr(layer.tile, k) for k in TILE_FIELDS},
+               tile={k: getattr(layer.last_tile, k) for k in TILE_FIELDS},
                comm_blocks=list(layer.last_comm_blocks),
                us_per_call=per_kernel, total_us=sum(per_kernel.values()))
     print(json.dumps(rec), flush=True)
@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
+    ap.add_argument("--decode-tile", nargs="+", default=["on"], choices=["on", "off"],
+                    help="off: small calls keep the default tile (TileConfig.decode_tile)")
     ap.add_argument("--comm-blocks", nargs="+", default=[None], metavar="N0,N1",
                     help="fixed comm-block splits to time (default: the layer's choice)")
     ap.add_argument("--max-tokens", type=int, default=None,
@@ -99,7 +101,9 @@ def main():
     args = ap.parse_args()
     shapes = [{}] if not args.tiles else [
         dict(zip(TILE_FIELDS, map(int, t.split(",")))) for t in args.tiles]
-    tiles = [dataclasses.replace(TileConfig(), **shape) for shape in shapes]
+    tiles = [dataclasses.replace(TileConfig(), **shape,
+                                 **({} if d == "on" else {"decode_block_n1": 0}))
+             for shape in shapes for d in args.decode_tile]
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
     recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n)

@@ -71,7 +71,7 @@ def run(name, tokens, ep):
     wts = torch.rand(ids.shape, device="cuda")
     layer(x, ids, wts, mode="compute_only")
     torch.cuda.synchronize()
-    ws, tile, s, grid = layer.ws, layer.tile, layer._static, layer.programs
+    ws, tile, s, grid = layer.ws, layer.last_tile, layer._static, layer.programs
     p = ws.plan
     ws.a0.normal_()
     ws.h.normal_()
