@@ -155,9 +155,10 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
     assert int(layer.ws.epoch) == 2
 
 
-def _w1_layer(seed=5, max_tokens=10):
-    from comet.runtime.layer import FusedMoE
-    e, k, h, f = SCALED["phi3.5-moe"]
+def _w1_inputs(name="phi3.5-moe", seed=5, max_tokens=10):
+    """cfg, weights and a 7-token call of one rank holding all of ``name``'s (scaled)
+    experts, fp16."""
+    e, k, h, f = SCALED[name]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=max_tokens)
     g = torch.Generator().manual_seed(seed)
@@ -166,6 +167,12 @@ def _w1_layer(seed=5, max_tokens=10):
     x = torch.randn(7, h, generator=g).half()
     ids = make_ids("random", [7], e, k, g)[0]
     w = torch.rand(7, k, generator=g)
+    return cfg, w13, w2, x, ids, w
+
+
+def _w1_layer(seed=5, max_tokens=10):
+    from comet.runtime.layer import FusedMoE
+    cfg, w13, w2, x, ids, w = _w1_inputs(seed=seed, max_tokens=max_tokens)
     return FusedMoE(cfg, w13, w2), cfg, x, ids, w
 
 
@@ -235,15 +242,7 @@ def test_small_calls_take_the_decode_tile():
     every program as busy, it stays. The choice is the host's, per token count."""
     import dataclasses
     from comet.runtime.layer import FusedMoE
-    e, k, h, f = SCALED["mixtral"]
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                    dtype=torch.float16, max_tokens=10)
-    g = torch.Generator().manual_seed(7)
-    w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
-    w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
-    x = torch.randn(7, h, generator=g).half()
-    ids = make_ids("random", [7], e, k, g)[0]
-    w = torch.rand(7, k, generator=g)
+    cfg, w13, w2, x, ids, w = _w1_inputs("mixtral", seed=7)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
     tile = dataclasses.replace(L.TileConfig.small(), decode_block_n1=16)
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
