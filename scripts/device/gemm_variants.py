@@ -214,11 +214,16 @@ def run_layer(name, layer, a, b, counts, gated, tile, sms, loops, batch, per_sm=
     return recs
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def preset_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--configs`` (default: the four presets) and ``--tokens`` (per rank)."""
     ap.add_argument("--configs", nargs="+",
                     default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    preset_arguments(ap)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--loops", nargs="+", default=list(LOOPS),
                     help="tile loops; LOOP+EPILOGUE for another epilogue of queue or flat "

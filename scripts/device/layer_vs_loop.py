@@ -35,7 +35,8 @@ from comet.kernels import launch as L
 from comet.runtime.layer import FusedMoE
 from comet.weights import GATE_UP_BLOCK
 from gemm_check import median_us   # same folder
-from gemm_variants import LOOPS, paired, tile_table, variant_kernel   # same folder
+from gemm_variants import (LOOPS, paired, preset_arguments, tile_table,   # same folder
+                           variant_kernel)
 
 LANE = 4
 
@@ -127,9 +128,7 @@ def run(name, tokens, ep):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="+",
-                    default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    preset_arguments(ap)
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "layer_vs_loop.json"))
