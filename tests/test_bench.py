@@ -31,16 +31,18 @@ class FakeFusedMoE:
     the fused layer's interface (modes, phase timer, block split, timeline)."""
 
     programs = 8
+    tile, decode_tile = "default tile", "decode tile"
 
     def __init__(self, cfg, w13, w2, group=None):
         self.w13, self.w2, self.group = w13, w2, group
-        self.last_comm_blocks = None
+        self.last_comm_blocks = self.last_tile = None
         self.splits_asked = set()
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
         self.splits_asked.add(comm_blocks)
         self.last_comm_blocks = (0, 0) if mode == "sequential" else (2, 3)
+        self.last_tile = self.decode_tile if x.shape[0] < 64 else self.tile
         y = None
         for name in ("plan", "layer0", "layer1", "combine"):
             with timer.phase(name) if timer is not None else contextlib.nullcontext():
@@ -124,6 +126,7 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
         for key in ("fused_us", "sequential_us", "compute_only_us", "comm_only_us"):
             assert r[key] > 0
         assert r["n_comm"] == [2, 3]
+        assert r["decode_tile"] is (r["tokens_per_rank"] < 64)
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["fused_us"])
         assert r["hidden_comm_fraction"] == pytest.approx(rec.hidden_fraction(
             r["compute_only_us"], r["comm_only_us"], r["fused_us"]))
@@ -288,6 +291,8 @@ def test_markdown_and_text_tables():
     assert len(lines) == 2 + len(records)
     assert "| mixtral | 128 | uniform | layer0 | 2000.0 | 1000.0 |" in md
     assert "| 16 |" in md and "| 16/24 |" in md         # n_comm per layer and for moe
+    records[-1]["decode_tile"] = True
+    assert "| 16/24d |" in report.markdown_table(records)   # layer1 on the decode tile
     full = report.markdown_report(records, ["a note"])
     for section in ("## Summary", "## Times", "## Compute and communication efficiency",
                     "## Where the unfused baseline spends its time", "- note: a note"):

@@ -36,14 +36,14 @@ def test_file_name_is_vllm_style():
 
 def test_lookup_takes_the_nearest_bucket_in_log_scale(tmp_path):
     _write(tmp_path)
-    assert tuned.lookup(CFG, 4, 128, None, tmp_path) == (4, 8)
+    assert tuned.lookup(CFG, 4, 128, None, tmp_path).splits == (4, 8)
     # Geometric midpoint of 128 and 1024 is 362: below it the small bucket, above the
     # large one; never an interpolated split that was not measured.
-    assert tuned.lookup(CFG, 4, 350, None, tmp_path) == (4, 8)
-    assert tuned.lookup(CFG, 4, 380, None, tmp_path) == (12, 24)
-    assert tuned.lookup(CFG, 4, 576, None, tmp_path) == (12, 24)
-    assert tuned.lookup(CFG, 4, 0, None, tmp_path) == (4, 8)
-    assert tuned.lookup(CFG, 4, 10_000, None, tmp_path) == (12, 24)
+    assert tuned.lookup(CFG, 4, 350, None, tmp_path).splits == (4, 8)
+    assert tuned.lookup(CFG, 4, 380, None, tmp_path).splits == (12, 24)
+    assert tuned.lookup(CFG, 4, 576, None, tmp_path).splits == (12, 24)
+    assert tuned.lookup(CFG, 4, 0, None, tmp_path).splits == (4, 8)
+    assert tuned.lookup(CFG, 4, 10_000, None, tmp_path).splits == (12, 24)
     assert tuned.nearest_bucket({128: (1, 1), 512: (2, 2)}, 256) == (2, 2)  # tie: larger
 
 
@@ -53,8 +53,8 @@ def test_user_folder_wins_over_env(tmp_path, monkeypatch):
     _write(user, buckets={"64": {"layer0": 1, "layer1": 2}})
     _write(env, buckets={"64": {"layer0": 7, "layer1": 7}})
     monkeypatch.setenv(tuned.ENV_FOLDER, str(env))
-    assert tuned.lookup(CFG, 4, 64, None, user) == (1, 2)
-    assert tuned.lookup(CFG, 4, 64, None, None) == (7, 7)
+    assert tuned.lookup(CFG, 4, 64, None, user).splits == (1, 2)
+    assert tuned.lookup(CFG, 4, 64, None, None).splits == (7, 7)
 
 
 def test_untuned_logs_once_and_returns_none(tmp_path, caplog):
@@ -88,6 +88,18 @@ def test_bad_bucket_values_are_refused():
         tuned.parse_table({"meta": meta, "buckets": {"1": {"layer0": "x", "layer1": 2}}}, meta)
     with pytest.raises(tuned.TunedTableError, match="negative"):
         tuned.parse_table({"meta": meta, "buckets": {"1": {"layer0": -1, "layer1": 2}}}, meta)
+    with pytest.raises(tuned.TunedTableError, match="decode_tile"):
+        tuned.parse_table({"meta": meta, "buckets": {
+            "1": {"layer0": 1, "layer1": 2, "decode_tile": "yes"}}}, meta)
+
+
+def test_a_bucket_may_carry_the_layer1_tile(tmp_path):
+    """``decode_tile`` is optional per bucket: tables written before it existed (and
+    layers without a decode tile) keep the rule's choice."""
+    _write(tmp_path, buckets={"128": {"layer0": 4, "layer1": 8, "decode_tile": True},
+                              "1024": {"layer0": 12, "layer1": 24}})
+    assert tuned.lookup(CFG, 4, 128, None, tmp_path) == tuned.Choice(4, 8, True)
+    assert tuned.lookup(CFG, 4, 1024, None, tmp_path).decode_tile is None
 
 
 def test_analytic_split_balances_comm_and_compute():
@@ -172,12 +184,19 @@ def test_tune_measures_a_stale_table_again(tmp_path, capsys):
     assert "stale" in capsys.readouterr().err
 
 
-def _cpu_layer(folder):
+def _cpu_layer(folder, decode_block_n1=0):
+    """A layer of CFG on the CPU (interpreter tiles; with a decode tile of
+    ``decode_block_n1`` columns if nonzero)."""
+    import dataclasses
+
+    from comet.kernels.launch import TileConfig
     from comet.runtime.layer import FusedMoE
     cfg = CFG.replace(max_tokens=64)
     e, h, f = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     return FusedMoE(cfg, torch.zeros(e, h, 2 * f, dtype=cfg.dtype),
-                    torch.zeros(e, f, h, dtype=cfg.dtype), tuned_config_folder=folder)
+                    torch.zeros(e, f, h, dtype=cfg.dtype), tuned_config_folder=folder,
+                    tile=dataclasses.replace(TileConfig.small(),
+                                             decode_block_n1=decode_block_n1))
 
 
 def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
@@ -193,18 +212,20 @@ def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
 
 
 def test_check_report_compares_each_pick_with_the_best():
-    times = {0: (100.0, 50.0), 4: (80.0, 55.0), 16: (90.0, 60.0)}
-    picks = {"tuned": (4, 0), "fixed": (16, 16), "analytic": (0, 4)}
+    times = {(0, False): (100.0, 50.0), (4, False): (80.0, 55.0), (16, False): (90.0, 60.0),
+             (0, True): (101.0, 45.0), (4, True): (81.0, 58.0), (16, True): (91.0, 61.0)}
+    picks = {"tuned": (4, 0, True), "fixed": (16, 16, False), "analytic": (0, 4, False)}
     rows = tune.check_rows(times, picks)
     l0, l1, both = rows
-    assert (l0["best"], l1["best"]) == (4, 0)
-    assert l0["tuned_over_best"] == 1.0 and l1["tuned_over_best"] == 1.0
-    assert l0["fixed_us"] == 90.0 and l1["fixed_over_best"] == pytest.approx(1.2)
-    assert both["analytic_us"] == 155.0 and both["best_us"] == 130.0
+    assert (l0["best"], l1["best"], l1["best_decode_tile"]) == (4, 0, True)
+    assert l0["tuned_over_best"] == 1.0 + 1 / 80 and l1["tuned_over_best"] == 1.0
+    assert l0["fixed_us"] == 90.0 and l1["fixed_over_best"] == pytest.approx(60 / 45)
+    assert both["analytic_us"] == 155.0 and both["best_us"] == 125.0
     text = tune.format_check([{"tokens": 128, **r} for r in rows],
                              ["tuned", "fixed", "analytic"])
-    assert "| 128 | layer0 | 80 (4) | 90 (16) | 100 (0) | 80 (4) | 1.000 | 1.125 | 1.250 |" in text
-    assert "| 128 | both | 130 | 150 | 155 | 130 | 1.000 | 1.154 | 1.192 |" in text
+    assert "| 128 | layer0 | 81 (4d) | 90 (16) | 100 (0) | 80 (4) | 1.012 | 1.125 | 1.250 |" in text
+    assert "| 128 | layer1 | 45 (0d) | 60 (16) | 55 (4) | 45 (0d) |" in text
+    assert "| 128 | both | 126 | 150 | 155 | 125 | 1.008 | 1.200 | 1.240 |" in text
 
 
 def test_check_finds_the_table_a_layer_would_load(tmp_path, monkeypatch):
@@ -256,13 +277,22 @@ def test_climb_snaps_starts_and_handles_one_candidate():
         search.climb(lambda n: (1.0, 1.0), [], [(0,)])
 
 
+class _Layer:
+    """What sweep_bucket asks of a layer, without a decode tile."""
+
+    class tile:
+        @staticmethod
+        def decode_tile():
+            return None
+
+    def analytic_comm_blocks(self, tokens):
+        return 12, 4
+
+
 def test_local_search_bucket_entry_records_what_it_timed(monkeypatch):
     evaluate, calls = _valley(16, 0)
     monkeypatch.setattr(tune, "bucket_timer", lambda *a: evaluate)
-
-    class Layer:
-        def analytic_comm_blocks(self, tokens):
-            return 12, 4
+    Layer = _Layer
     args = tune.build_parser().parse_args(["--config", "mixtral"])
     entry = tune.sweep_bucket(Layer(), None, 4096, list(tune.DEFAULT_CANDIDATES), args,
                               None, 0)
@@ -272,9 +302,68 @@ def test_local_search_bucket_entry_records_what_it_timed(monkeypatch):
     calls.clear()
     entry = tune.sweep_bucket(Layer(), None, 4096, [0, 8, 16], args, None, 0)
     assert calls == [0, 8, 16] and entry["layer0"] == 16
+    assert "decode_tile" not in entry
+
+
+@pytest.mark.parametrize("rule, decode_faster", [(False, True), (False, False),
+                                                 (True, True), (True, False)])
+def test_the_bucket_keeps_the_faster_layer1_tile(monkeypatch, rule, decode_faster):
+    """The split is searched on the rule's tile, layer1 then climbed on the other from
+    the best split; the entry keeps whichever tile was faster, and says so."""
+    timers = {}
+
+    def bucket_timer(layer, cfg, tokens, args, device, rank, decode_tile=None):
+        base, _ = _valley(16, 4)
+        gain = 0.8 if decode_tile == decode_faster else 1.0
+        timers[decode_tile] = []
+
+        def evaluate(n):
+            timers[decode_tile].append(n)
+            t0, t1 = base(n)
+            return t0, t1 * gain
+        return evaluate
+    monkeypatch.setattr(tune, "bucket_timer", bucket_timer)
+
+    class Layer(_Layer):
+        class tile:
+            @staticmethod
+            def decode_tile():
+                return "a decode tile"
+
+        def decode_by_rule(self, tokens):
+            return rule
+    args = tune.build_parser().parse_args(["--config", "mixtral"])
+    entry = tune.sweep_bucket(Layer(), None, 128, list(tune.DEFAULT_CANDIDATES), args, None, 0)
+    assert entry["decode_tile"] is decode_faster and entry["layer1"] == 4
+    assert entry["layer1_us"] == pytest.approx(50.0 * 0.8)
+    # The other tile was climbed for layer1 only, from the best split.
+    assert sorted(timers[not rule]) == [2, 4, 8]
+    assert sorted(map(int, entry["sweep_us_other_tile"])) == [2, 4, 8]
 
 
 def test_tune_says_how_to_load_a_table_from_an_unsearched_folder(tmp_path, monkeypatch):
     assert not tune._searched(str(tmp_path))
     monkeypatch.setenv(tuned.ENV_FOLDER, str(tmp_path))
     assert tune._searched(str(tmp_path))
+
+
+def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path):
+    cfg = CFG.replace(max_tokens=64)
+    _write(tmp_path, cfg=cfg, world=1, buckets={
+        "8": {"layer0": 1, "layer1": 2, "decode_tile": True},
+        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}})
+    layer = _cpu_layer(tmp_path, decode_block_n1=16)
+    decode = layer.tile.decode_tile()
+    assert layer.select_tile(8).block_n1 == decode.block_n1
+    assert layer.select_tile(64) is layer.tile
+    assert layer.select_tile(64, decode_tile=True).block_n1 == decode.block_n1
+    assert layer.select_tile(8, decode_tile=False) is layer.tile
+    untuned = _cpu_layer(tmp_path / "none", decode_block_n1=16)
+    assert (untuned.select_tile(8) is not untuned.tile) == untuned.decode_by_rule(8)
+
+
+def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
+    layer = _cpu_layer(tmp_path)
+    assert layer.select_tile(8) is layer.tile
+    with pytest.raises(ValueError, match="no decode tile"):
+        layer.select_tile(8, decode_tile=True)

@@ -18,14 +18,16 @@ def _num(key: str, fmt: str = "{:.1f}") -> Callable[[dict], str]:
 
 
 def _n_comm(r: dict) -> str:
+    """Comm blocks of the fused call; ``d`` after layer1's: it ran on the decode tile."""
     n = r.get("n_comm")
     if n is None:
         return "-"
+    decode = "d" if r.get("decode_tile") else ""
     if r.get("layer") == "layer0":
         return str(n[0])
     if r.get("layer") == "layer1":
-        return str(n[1])
-    return f"{n[0]}/{n[1]}"
+        return f"{n[1]}{decode}"
+    return f"{n[0]}/{n[1]}{decode}"
 
 
 def _phase(name: str) -> Callable[[dict], str]:

@@ -174,6 +174,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         out[f"chunked{n}"] = _Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
             sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
     n_comm = None
+    decode_tile = None
     if fused is not None:
         def time_fused(comm_blocks, mode) -> _Series:
             def call(i, t):
@@ -192,6 +193,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
                     comm_blocks=st.comm_blocks, mode="fused")
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
+        decode_tile = fused.layer.last_tile is not fused.layer.tile
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
                 for p in plans]
@@ -247,6 +249,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
             "n_comm": n_comm[0] if n_comm else None,
             "n_comm_per_rank": n_comm,
+            "decode_tile": decode_tile,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
             "max_rel_err": checks,
             "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,

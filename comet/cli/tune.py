@@ -5,14 +5,16 @@ candidate numbers of comm blocks (the same count for both layers in one call; ea
 is a separate kernel, so one call times a candidate for both) and keep, per bucket and
 layer, the fastest. By default the candidates timed are those a hill climb from the
 analytic model's pick and from 0 needs (comet.scheduler.search); ``--search exhaustive``
-times all of them. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
+times all of them. Where the layer has a decode tile (narrower layer1 column blocks),
+layer1 is also timed on the tile its rule does not pick, and the faster tile is kept. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
 
 ``--check`` re-times the choices of the table a layer would load (``--output-dir``, then
 ``$COMET_TUNED_CONFIG_FOLDER``, then the shipped tables), at any token counts -- tuned
-buckets or not -- against every candidate (the exhaustive best), a fixed split of
-``FIXED_SPLIT`` comm blocks and the analytic model, and prints the comparison.
+buckets or not -- against every candidate on both layer1 tiles (the exhaustive best), a
+fixed split of ``FIXED_SPLIT`` comm blocks and the analytic model (both on the rule's
+tile), and prints the comparison.
 
 Examples::
 
@@ -127,17 +129,19 @@ def load_existing(path: str, meta: dict) -> dict:
     return {"meta": meta, "buckets": {}}
 
 
-def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int
-                 ) -> Callable[[int], search.Times]:
-    """``fn(comm blocks) -> (layer0 us, layer1 us)`` at ``tokens`` per rank: the slowest
-    rank's median, the same on every rank (collective: every rank calls it alike)."""
+def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
+                 decode_tile: bool | None = None) -> Callable[[int], search.Times]:
+    """``fn(comm blocks) -> (layer0 us, layer1 us)`` at ``tokens`` per rank, on the
+    decode tile or the default one (None: the layer's own choice): the slowest rank's
+    median, the same on every rank (collective: every rank calls it alike)."""
     from comet.runtime.layer import PhaseTimer
     sets = make_input_sets(cfg, "tune", tokens, "uniform", 2, rank, args.seed, device)
 
     def timed(n: int) -> search.Times:
         def call(i, timer):
             s = sets[i]
-            layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer)
+            layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer,
+                  decode_tile=decode_tile)
         series = time_calls(call, n_sets=len(sets), iters=args.iters, warmup=args.warmup,
                             device=device, make_timer=PhaseTimer)
         series = reduce_over_ranks(series)
@@ -145,19 +149,50 @@ def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int
     return timed
 
 
+def tiles_to_time(layer, tokens: int) -> list[bool | None]:
+    """The layer1 tiles a bucket is timed on: the rule's pick first, then the other one
+    (None alone for a layer without a decode tile)."""
+    if layer.tile.decode_tile() is None:
+        return [None]
+    rule = layer.decode_by_rule(tokens)
+    return [rule, not rule]
+
+
+def _sweep(times: dict[int, search.Times]) -> dict[str, list[float]]:
+    return {str(n): [round(a, 1), round(b, 1)] for n, (a, b) in sorted(times.items())}
+
+
 def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args, device,
                  rank: int) -> dict:
-    """Layer times of the candidates the search timed for one bucket; the table entry."""
-    timer = bucket_timer(layer, cfg, tokens, args, device, rank)
+    """Layer times of the candidates the search timed for one bucket; the table entry.
+
+    The split is searched on the layer1 tile the rule picks; where the layer has a decode
+    tile, layer1 is then climbed on the other tile from the best split found, and the
+    faster of the two is kept (``decode_tile`` in the entry): the rule only counts work
+    items, and a narrower tile can lose where items were already plenty."""
+    first, *others = tiles_to_time(layer, tokens)
+    timer = bucket_timer(layer, cfg, tokens, args, device, rank, first)
     if args.search == "exhaustive":
         times = {n: timer(n) for n in candidates}
     else:
         a0, a1 = layer.analytic_comm_blocks(tokens)
         times = search.climb(timer, candidates, [(a0, 0), (a1, 0)])
     best0, best1 = search.best_splits(times)
-    return {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
-            "layer1_us": times[best1][1], "search": args.search,
-            "sweep_us": {str(n): [round(a, 1), round(b, 1)] for n, (a, b) in sorted(times.items())}}
+    entry = {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
+             "layer1_us": times[best1][1], "search": args.search, "sweep_us": _sweep(times)}
+    if not others:
+        return entry
+    entry["decode_tile"] = first
+    other = bucket_timer(layer, cfg, tokens, args, device, rank, others[0])
+    if args.search == "exhaustive":
+        alt = {n: other(n) for n in candidates}
+    else:
+        alt = search.climb(other, candidates, [(), (best1,)])
+    alt1 = search.best_splits(alt)[1]
+    if alt[alt1][1] < entry["layer1_us"]:
+        entry.update(layer1=alt1, layer1_us=alt[alt1][1], decode_tile=others[0])
+    entry["sweep_us_other_tile"] = _sweep(alt)
+    return entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +244,9 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
             with open(path + ".tmp", "w") as f:
                 json.dump(table, f, indent=1)
             os.replace(path + ".tmp", path)
+            tile = " on the decode tile" if entry.get("decode_tile") else ""
             bar.write(f"tokens={tokens}: layer0 {entry['layer0']} comm blocks "
-                      f"({entry['layer0_us']:.0f} us), layer1 {entry['layer1']} "
+                      f"({entry['layer0_us']:.0f} us), layer1 {entry['layer1']}{tile} "
                       f"({entry['layer1_us']:.0f} us)")
     if rank == 0:
         print(f"wrote {path}")
@@ -235,17 +271,23 @@ def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str) -> str
     return None
 
 
-def check_rows(times: dict[int, tuple[float, float]], picks: dict[str, tuple[int, int]]
+#: A pick: (layer0 comm blocks, layer1 comm blocks, decode tile or None).
+Pick = tuple[int, int, bool | None]
+
+
+def check_rows(times: dict[tuple[int, bool | None], search.Times], picks: dict[str, Pick]
                ) -> list[dict]:
-    """Per layer (and both together), each pick's time against the exhaustive best."""
+    """Per layer (and both together), each pick's time against the exhaustive best;
+    ``times`` is keyed by (comm blocks, decode tile)."""
     rows = []
     for i, layer_name in enumerate(("layer0", "layer1")):
-        best = min(times, key=lambda n: times[n][i])
-        row = {"layer": layer_name, "best": best, "best_us": times[best][i]}
+        best = min(times, key=lambda k: times[k][i])
+        row = {"layer": layer_name, "best": best[0], "best_decode_tile": best[1],
+               "best_us": times[best][i]}
         for label, pick in picks.items():
-            row[label] = pick[i]
-            row[f"{label}_us"] = times[pick[i]][i]
-            row[f"{label}_over_best"] = times[pick[i]][i] / times[best][i]
+            t = times[(pick[i], pick[2])][i]
+            row.update({label: pick[i], f"{label}_decode_tile": pick[2], f"{label}_us": t,
+                        f"{label}_over_best": t / times[best][i]})
         rows.append(row)
     both = {"layer": "both", "best_us": rows[0]["best_us"] + rows[1]["best_us"]}
     for label in picks:
@@ -255,14 +297,16 @@ def check_rows(times: dict[int, tuple[float, float]], picks: dict[str, tuple[int
 
 
 def format_check(report: list[dict], labels: list[str]) -> str:
-    """The ``--check`` report as a markdown table."""
+    """The ``--check`` report as a markdown table (``d`` after a split: the decode
+    tile)."""
     head = ("| tokens | layer | " + " | ".join(f"{x} (n) us" for x in labels)
             + " | best (n) us | " + " | ".join(f"{x}/best" for x in labels) + " |")
     lines = [head, "|" + "---|" * (3 + 2 * len(labels))]
     for r in report:
         def cell(label):
             n = r.get(label)
-            return f"{r[f'{label}_us']:.0f}" + (f" ({n})" if n is not None else "")
+            d = "d" if r.get(f"{label}_decode_tile") else ""
+            return f"{r[f'{label}_us']:.0f}" + (f" ({n}{d})" if n is not None else "")
         lines.append(f"| {r['tokens']} | {r['layer']} | "
                      + " | ".join(cell(x) for x in labels) + f" | {cell('best')} | "
                      + " | ".join(f"{r[f'{x}_over_best']:.3f}" for x in labels) + " |")
@@ -292,16 +336,24 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     layer = FusedMoE(cfg, w13, w2)
     report = []
     for tokens in tqdm(args.tokens, desc="comet tune --check", disable=rank != 0):
-        picks = {"tuned": tuned.nearest_bucket(table, tokens),
-                 "fixed": (FIXED_SPLIT, FIXED_SPLIT),
-                 "analytic": layer.analytic_comm_blocks(tokens)}
+        tiles = tiles_to_time(layer, tokens)
+        choice = tuned.nearest_bucket(table, tokens)
+        # The table's tile where it has one and the layer can run it; else the rule's.
+        tuned_tile = (tiles[0] if None in tiles or choice.decode_tile is None
+                      else choice.decode_tile)
+        picks = {"tuned": (*choice.splits, tuned_tile),
+                 "fixed": (FIXED_SPLIT, FIXED_SPLIT, tiles[0]),
+                 "analytic": (*layer.analytic_comm_blocks(tokens), tiles[0])}
         # A pick beyond this GPU's programs runs as the largest split it has (clamped
         # before the sweep, so every pick is among the timed candidates).
-        picks = {k: tuple(min(n, layer.programs - 1) for n in v) for k, v in picks.items()}
-        wanted = set(args.candidates) | {n for p in picks.values() for n in p}
+        picks = {k: (*(min(n, layer.programs - 1) for n in v[:2]), v[2])
+                 for k, v in picks.items()}
+        wanted = set(args.candidates) | {n for p in picks.values() for n in p[:2]}
         candidates = sorted(n for n in wanted if 0 <= n < layer.programs)
-        timer = bucket_timer(layer, cfg, tokens, args, device, rank)
-        times = {n: timer(n) for n in candidates}
+        times = {}
+        for tile in tiles:
+            timer = bucket_timer(layer, cfg, tokens, args, device, rank, tile)
+            times.update({(n, tile): timer(n) for n in candidates})
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
         print(f"table: {path}")

@@ -266,7 +266,7 @@ class FusedMoE:
         self._decode_tile = tile.decode_tile()
         self.last_tile: L.TileConfig | None = None
         self._small: dict[int, bool] = {}
-        self._selected: dict[tuple, tuple[int, int]] = {}
+        self._selected: dict[tuple, tuple[tuple[int, int], bool | None]] = {}
         # Host copy of the error words, refreshed after every call without a sync.
         self._pending = (torch.zeros(ws.error.numel(), dtype=torch.int32, pin_memory=True)
                          if self.device.type == "cuda" else None)
@@ -286,29 +286,38 @@ class FusedMoE:
         if comm_blocks is not None:
             n0, n1 = (comm_blocks, comm_blocks) if isinstance(comm_blocks, int) else comm_blocks
         else:
-            # Remembered per token count: the forward path should not search folders,
-            # query the device name or run the model's loop on every call.
-            key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
-            if key not in self._selected:
-                self._selected[key] = self._select(num_tokens)
-            n0, n1 = self._selected[key]
+            n0, n1 = self._selection(num_tokens)[0]
         for n in (n0, n1):
             if not 0 <= n < self.programs:
                 raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
         return int(n0), int(n1)
 
-    def select_tile(self, num_tokens: int) -> L.TileConfig:
+    def select_tile(self, num_tokens: int, decode_tile: bool | None = None) -> L.TileConfig:
         """The tile configuration of a call with ``num_tokens`` on this rank: the decode
-        tile (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) when it gives
-        layer1 fewer columns per program -- waves of work items over the programs times
-        the columns of an item -- the rows spread evenly over the experts (every rank
-        sending as many tokens as this one); else the default. So only a GPU the default
-        leaves partly idle changes tiles: Qwen2-MoE at 128 tokens/rank, EP=4, has 120
-        items for 132 SMs, and 240 narrower ones made its layer1 slower (H200,
-        ``h200-kernel-times-ep4-decode.json``). A rank-local choice: tiles change no
-        buffer a peer reads. Remembered per token count."""
+        tile (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) or the
+        default. ``decode_tile`` forces one; else a tuned table's ``decode_tile`` for the
+        bucket, else a rule: the decode tile when it gives layer1 fewer columns per
+        program -- waves of work items over the programs times the columns of an item --
+        the rows spread evenly over the experts (every rank sending as many tokens as this
+        one). So by the rule only a GPU the default leaves partly idle changes tiles:
+        Qwen2-MoE at 128 tokens/rank, EP=4, has 120 items for 132 SMs, and 240 narrower
+        ones made its layer1 slower (H200, ``h200-kernel-times-ep4-decode.json``). A
+        rank-local choice: tiles change no buffer a peer reads. Remembered per token
+        count."""
         if self._decode_tile is None:
+            if decode_tile:
+                raise ValueError("decode_tile=True, but this layer's TileConfig has no "
+                                 "decode tile (decode_block_n1 is 0 or block_n1)")
             return self.tile
+        if decode_tile is None:
+            decode_tile = self._selection(num_tokens)[1]
+        if decode_tile is None:
+            decode_tile = self.decode_by_rule(num_tokens)
+        return self._decode_tile if decode_tile else self.tile
+
+    def decode_by_rule(self, num_tokens: int) -> bool:
+        """Whether the rule of :meth:`select_tile` picks the decode tile (a layer with
+        one)."""
         if num_tokens not in self._small:
             c, world = self.cfg, self.par.world_size
             rows = -(-num_tokens * world * c.top_k // c.num_experts)
@@ -318,18 +327,24 @@ class FusedMoE:
                 return -(-items // self.programs) * t.block_n1
             self._small[num_tokens] = (columns_per_program(self._decode_tile)
                                        < columns_per_program(self.tile))
-        return self._decode_tile if self._small[num_tokens] else self.tile
+        return self._small[num_tokens]
 
-    def _select(self, num_tokens: int) -> tuple[int, int]:
-        """Tuned table, else the analytic model (comet/scheduler/split.py)."""
-        picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
-                              self.tuned_config_folder)
-        if picked is not None and not all(0 <= n < self.programs for n in picked):
-            warnings.warn(f"comet: the tuned table's split {picked} at {num_tokens} tokens "
-                          f"does not fit this GPU's {self.programs} programs; using the "
-                          "analytic model", stacklevel=3)
-            picked = None
-        return picked if picked is not None else self.analytic_comm_blocks(num_tokens)
+    def _selection(self, num_tokens: int) -> tuple[tuple[int, int], bool | None]:
+        """(comm blocks, tuned decode-tile flag or None) from a tuned table, else the
+        analytic model's split. Remembered per token count: the forward path should not
+        search folders, query the device name or run the model's loop on every call."""
+        key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
+        if key not in self._selected:
+            picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
+                                  self.tuned_config_folder)
+            if picked is not None and not all(0 <= n < self.programs for n in picked.splits):
+                warnings.warn(f"comet: the tuned table's split {picked.splits} at "
+                              f"{num_tokens} tokens does not fit this GPU's {self.programs} "
+                              "programs; using the analytic model", stacklevel=4)
+                picked = None
+            self._selected[key] = ((picked.splits, picked.decode_tile) if picked is not None
+                                   else (self.analytic_comm_blocks(num_tokens), None))
+        return self._selected[key]
 
     def analytic_comm_blocks(self, num_tokens: int) -> tuple[int, int]:
         """(layer0, layer1) comm blocks of the analytic model for ``num_tokens``."""
@@ -418,9 +433,12 @@ class FusedMoE:
 
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None
-                 ) -> torch.Tensor:
+                 comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None,
+                 decode_tile: bool | None = None) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``.
+
+        ``comm_blocks`` (an int for both layers, or a pair) and ``decode_tile`` override
+        the per-call selection (:meth:`select_comm_blocks`, :meth:`select_tile`).
 
         Every rank of the group must make the same sequence of calls. On a GPU, calls
         without a ``timer`` replay a CUDA graph captured on the second call of the same
@@ -433,7 +451,7 @@ class FusedMoE:
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self._failure}") from self._failure
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
-        decode = self.select_tile(x.shape[0]) is not self.tile
+        decode = self.select_tile(x.shape[0], decode_tile) is not self.tile
         y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer, decode)
         self._after_launch()
         return y

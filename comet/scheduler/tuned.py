@@ -6,7 +6,8 @@ configs::
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
 
 holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
-...}}}``. Folders are searched in order: the ``folder`` argument (``CometMoE(...,
+"decode_tile": true|false, ...}}}`` (``decode_tile`` optional: whether layer1 runs on the
+decode tile, see ``FusedMoE.select_tile``; absent, the layer's rule decides). Folders are searched in order: the ``folder`` argument (``CometMoE(...,
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
 
@@ -33,6 +34,7 @@ import logging
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -67,6 +69,19 @@ def expected_meta(cfg: MoEConfig, world_size: int, device: str) -> dict:
             "dtype": _DTYPE_NAMES[cfg.dtype], "kernel_revision": KERNEL_REVISION}
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One bucket of a table: comm blocks per layer, and the layer1 tile if tuned."""
+
+    layer0: int
+    layer1: int
+    decode_tile: bool | None = None
+
+    @property
+    def splits(self) -> tuple[int, int]:
+        return self.layer0, self.layer1
+
+
 class TunedTableError(ValueError):
     """A tuning file that cannot be used (malformed, wrong keys, another device)."""
 
@@ -75,8 +90,8 @@ class StaleTableError(TunedTableError):
     """A table measured on another revision of the kernels."""
 
 
-def parse_table(data: dict, expect: dict | None = None) -> dict[int, tuple[int, int]]:
-    """Validate a loaded table; returns ``{tokens: (layer0, layer1)}``."""
+def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
+    """Validate a loaded table; returns ``{tokens: Choice}``."""
     if not isinstance(data, dict) or "buckets" not in data or "meta" not in data:
         raise TunedTableError("expected an object with 'meta' and 'buckets'")
     meta = data["meta"]
@@ -99,14 +114,18 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, tuple[int, 
                                   f"({e})") from None
         if t <= 0 or n0 < 0 or n1 < 0:
             raise TunedTableError(f"bucket {tokens!r}: negative or zero values")
-        out[t] = (n0, n1)
+        decode = entry.get("decode_tile")
+        if decode is not None and not isinstance(decode, bool):
+            raise TunedTableError(f"bucket {tokens!r}: 'decode_tile' must be true or false, "
+                                  f"got {decode!r}")
+        out[t] = Choice(n0, n1, decode)
     if not out:
         raise TunedTableError("no buckets")
     return out
 
 
 @lru_cache(maxsize=256)
-def _load(path: str, expect_items: tuple) -> dict[int, tuple[int, int]] | None:
+def _load(path: str, expect_items: tuple) -> dict[int, Choice] | None:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -126,9 +145,9 @@ def search_folders(folder: str | os.PathLike | None = None) -> list[Path]:
     return folders
 
 
-def nearest_bucket(table: dict[int, tuple[int, int]], tokens: int) -> tuple[int, int]:
-    """The splits of the bucket nearest to ``tokens`` in log scale (ties: the larger
-    bucket, whose rows are the closer worst case); clamped at the ends."""
+def nearest_bucket(table: dict[int, Choice], tokens: int) -> Choice:
+    """The bucket nearest to ``tokens`` in log scale (ties: the larger bucket, whose rows
+    are the closer worst case); clamped at the ends."""
     keys = sorted(table)
     t = max(tokens, 1)
     return table[min(keys, key=lambda k: (abs(math.log(k / t)), -k))]
@@ -138,8 +157,8 @@ _untuned_logged: set = set()
 
 
 def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
-           folder: str | os.PathLike | None = None) -> tuple[int, int] | None:
-    """(layer0, layer1) comm blocks for ``tokens`` on this rank, or None when untuned."""
+           folder: str | os.PathLike | None = None) -> Choice | None:
+    """The tuned choice for ``tokens`` on this rank, or None when untuned."""
     dev = device_name(device)
     name = file_name(cfg, world_size, dev)
     expect = tuple(sorted(expected_meta(cfg, world_size, dev).items()))
