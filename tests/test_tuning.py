@@ -367,3 +367,28 @@ def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
     assert layer.select_tile(8) is layer.tile
     with pytest.raises(ValueError, match="no decode tile"):
         layer.select_tile(8, decode_tile=True)
+
+
+@pytest.mark.parametrize("name, world, tokens, programs, decode", [
+    ("mixtral", 4, 128, 132, True),        # 32 items: 128-column blocks fill twice as many SMs
+    ("phi3.5-moe", 4, 128, 132, True),
+    ("qwen2-moe", 4, 128, 132, False),     # 120 items: two waves of narrower ones
+    ("mixtral", 2, 16384, 132, False),     # ragged last wave, but thousands of items
+    ("mixtral", 4, 4096, 132, False),
+])
+def test_the_decode_rule_at_model_sizes(name, world, tokens, programs, decode):
+    """The rule's picks at the presets' sizes: decode only where the default leaves SMs
+    idle and the decode tile uses them (measured both ways: TileConfig.decode_pays)."""
+    from comet.kernels.launch import TileConfig
+    cfg = preset(name)
+    rows = -(-tokens * world * cfg.top_k // cfg.num_experts)
+    assert TileConfig().decode_pays(rows, cfg.num_experts // world, cfg.hidden_size,
+                                    programs) is decode
+
+
+def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
+    # DBRX sizes, EP=1, 3000 tokens: 2304 default items in 17.5 waves, 4608 decode items
+    # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.
+    from comet.kernels.launch import TileConfig
+    assert not TileConfig().decode_pays(750, 16, 6144, 132)
+    assert not TileConfig(decode_block_n1=0).decode_pays(16, 2, 4096, 132)

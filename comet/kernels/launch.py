@@ -121,6 +121,27 @@ class TileConfig:
         m_tiles = local_experts * -(-rows_per_expert // self.block_m)
         return m_tiles * -(-hidden // self.block_n1)
 
+    def decode_pays(self, rows_per_expert: int, local_experts: int, hidden: int,
+                    programs: int) -> bool:
+        """Whether layer1 should run on :meth:`decode_tile`, by a rule (a tuned table
+        overrides it): when this tile gives layer1 fewer work items than ``programs``
+        (part of the GPU idle) *and* the decode tile gives fewer columns per program --
+        waves of items over the programs times the columns of an item.
+
+        Both halves were measured to matter. Columns alone: Qwen2-MoE at 128 tokens/rank,
+        EP=4, has 120 items for 132 SMs, and 240 narrower ones (two waves) made its layer1
+        slower (H200, ``h200-kernel-times-ep4-decode.json``). Waves alone picked the
+        decode tile for large calls whose last wave was ragged, where 128-column tiles
+        cost layer1 1.2-1.5x (H100, EP=1, DBRX sizes at 3000-16384 tokens, OLMoE and
+        Qwen3-30B-A3B at 8192-16384; ``h100-tune-check-ep1-tiles/``)."""
+        decode = self.decode_tile()
+        if decode is None:
+            return False
+        items = self.layer1_items(rows_per_expert, local_experts, hidden)
+        decode_items = decode.layer1_items(rows_per_expert, local_experts, hidden)
+        return (items < programs and -(-decode_items // programs) * decode.block_n1
+                < -(-items // programs) * self.block_n1)
+
     @staticmethod
     def small() -> "TileConfig":
         """Tiny tiles for the interpreter and unit tests."""

@@ -296,14 +296,8 @@ class FusedMoE:
         """The tile configuration of a call with ``num_tokens`` on this rank: the decode
         tile (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) or the
         default. ``decode_tile`` forces one; else a tuned table's ``decode_tile`` for the
-        bucket, else a rule: the decode tile when it gives layer1 fewer columns per
-        program -- waves of work items over the programs times the columns of an item --
-        the rows spread evenly over the experts (every rank sending as many tokens as this
-        one). So by the rule only a GPU the default leaves partly idle changes tiles:
-        Qwen2-MoE at 128 tokens/rank, EP=4, has 120 items for 132 SMs, and 240 narrower
-        ones made its layer1 slower (H200, ``h200-kernel-times-ep4-decode.json``). A
-        rank-local choice: tiles change no buffer a peer reads. Remembered per token
-        count."""
+        bucket, else :meth:`decode_by_rule`. A rank-local choice: tiles change no buffer a
+        peer reads. Remembered per token count."""
         if self._decode_tile is None:
             if decode_tile:
                 raise ValueError("decode_tile=True, but this layer's TileConfig has no "
@@ -316,17 +310,14 @@ class FusedMoE:
         return self._decode_tile if decode_tile else self.tile
 
     def decode_by_rule(self, num_tokens: int) -> bool:
-        """Whether the rule of :meth:`select_tile` picks the decode tile (a layer with
-        one)."""
+        """Whether the untuned choice of :meth:`select_tile` is the decode tile (a layer
+        with one): :meth:`TileConfig.decode_pays` with the rows spread evenly over the
+        experts (every rank sending as many tokens as this one)."""
         if num_tokens not in self._small:
             c, world = self.cfg, self.par.world_size
             rows = -(-num_tokens * world * c.top_k // c.num_experts)
-
-            def columns_per_program(t: L.TileConfig) -> int:
-                items = t.layer1_items(rows, c.num_experts // world, c.hidden_size)
-                return -(-items // self.programs) * t.block_n1
-            self._small[num_tokens] = (columns_per_program(self._decode_tile)
-                                       < columns_per_program(self.tile))
+            self._small[num_tokens] = self.tile.decode_pays(
+                rows, c.num_experts // world, c.hidden_size, self.programs)
         return self._small[num_tokens]
 
     def _selection(self, num_tokens: int) -> tuple[tuple[int, int], bool | None]:
