@@ -29,7 +29,7 @@ TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages")
 
 
 def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
-        comm_blocks=None):
+        comm_blocks=None, decode_tile=None):
     base = preset(name)
     experts = base.num_experts // ep
     el = experts // world
@@ -46,11 +46,11 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
                        for _ in range(tokens)])
     w = torch.rand(ids.shape, device="cuda")
     for _ in range(3):
-        layer(x, ids, w, mode=mode, comm_blocks=comm_blocks)
+        layer(x, ids, w, mode=mode, comm_blocks=comm_blocks, decode_tile=decode_tile)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            layer(x, ids, w, mode=mode, comm_blocks=comm_blocks)
+            layer(x, ids, w, mode=mode, comm_blocks=comm_blocks, decode_tile=decode_tile)
         torch.cuda.synchronize()
     layer.check_errors_now()
     per_kernel = {}
@@ -90,8 +90,9 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
-    ap.add_argument("--decode-tile", nargs="+", default=["on"], choices=["on", "off"],
-                    help="off: small calls keep the default tile (TileConfig.decode_tile)")
+    ap.add_argument("--decode-tile", nargs="+", default=["on"], choices=["on", "off", "force"],
+                    help="on: the layer's choice; off: no decode tile "
+                         "(TileConfig.decode_tile); force: the decode tile in every call")
     ap.add_argument("--comm-blocks", nargs="+", default=[None], metavar="N0,N1",
                     help="fixed comm-block splits to time (default: the layer's choice)")
     ap.add_argument("--max-tokens", type=int, default=None,
@@ -101,14 +102,16 @@ def main():
     args = ap.parse_args()
     shapes = [{}] if not args.tiles else [
         dict(zip(TILE_FIELDS, map(int, t.split(",")))) for t in args.tiles]
-    tiles = [dataclasses.replace(TileConfig(), **shape,
-                                 **({} if d == "on" else {"decode_block_n1": 0}))
+    tiles = [(dataclasses.replace(TileConfig(), **shape,
+                                  **({"decode_block_n1": 0} if d == "off" else {})),
+              True if d == "force" else None)
              for shape in shapes for d in args.decode_tile]
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
-    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n)
-            for c in args.configs for t in args.tokens for tile in tiles for mode in args.modes
-            for n in splits]
+    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n,
+                decode_tile=decode)
+            for c in args.configs for t in args.tokens for tile, decode in tiles
+            for mode in args.modes for n in splits]
     if rank != 0:
         return
     with open(args.out, "w") as fh:
