@@ -6,7 +6,8 @@ is a separate kernel, so one call times a candidate for both) and keep, per buck
 layer, the fastest. By default the candidates timed are those a hill climb from the
 analytic model's pick and from 0 needs (comet.scheduler.search); ``--search exhaustive``
 times all of them. Where the layer has a decode tile (narrower layer1 column blocks),
-layer1 is also timed on the tile its rule does not pick, and the faster tile is kept. The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
+layer1 is also timed on the tile its rule does not pick, and the faster tile is kept.
+The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
 

@@ -1,4 +1,4 @@
-"""Tuned block-split tables written by ``comet tune``, and the per-call lookup.
+"""Tuned tables (block split, layer1 tile) written by ``comet tune``; the per-call lookup.
 
 One JSON file per (shape, expert-parallel size, device, dtype), named like vLLM's fused-MoE
 configs::
@@ -7,7 +7,8 @@ configs::
 
 holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
 "decode_tile": true|false, ...}}}`` (``decode_tile`` optional: whether layer1 runs on the
-decode tile, see ``FusedMoE.select_tile``; absent, the layer's rule decides). Folders are searched in order: the ``folder`` argument (``CometMoE(...,
+decode tile, see ``FusedMoE.select_tile``; absent, the layer's rule decides). Folders
+are searched in order: the ``folder`` argument (``CometMoE(...,
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
 
