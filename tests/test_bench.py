@@ -203,6 +203,13 @@ def test_summary_checks_each_target_record_by_record():
     assert "comm/NCCL <= 1.25 in 2/2 (worst 1.00)" in uniform
     assert "torch GEMM/b - (target 0.9)" in uniform            # not measured
     assert "a/b at <= 128 tokens/rank >= 2 in 2/2 (worst 2.00)" in uniform
+    assert "at the GEMM floor" not in uniform                 # no GEMM time recorded
+    floored = [rec.derive(dict(r, torch_gmm_us=1600.0 if r["tokens_per_rank"] == 128
+                               else 1250.0)) for r in records]
+    line = report.summary(floored)[0]
+    assert "geomean a/b at >= 4096 tokens/rank 2.00 (target 1.5; at the GEMM floor 1.60)" \
+        in line
+    assert "(worst 2.00); at the GEMM floor worst 1.25" in line
     # skewed: any record slower than sequential counts, per-layer rows included
     assert "b/sequential, any layer <= 1 in 8/12 (worst 1.07)" in skew
     assert "hidden" not in skew
@@ -246,6 +253,17 @@ def test_ratios_and_hidden_fraction():
     assert r["hidden_comm_fraction"] == pytest.approx(0.5)
     assert r["compute_efficiency"] == pytest.approx(1.1)
     assert r["comm_efficiency"] == pytest.approx(1.25)
+    assert r["gemm_floor_us"] is None and r["speedup_at_floor"] is None   # no GEMM timed
+
+
+def test_gemm_floor_is_the_fastest_gemm_measured():
+    r = rec.derive(dict(baseline_us=300.0, fused_us=100.0, torch_gmm_us=90.0,
+                        comet_gmm_us=75.0, cutlass_gmm_us=None))
+    assert r["gemm_floor_us"] == 75.0
+    assert r["speedup_at_floor"] == pytest.approx(4.0)
+    r = rec.derive(dict(baseline_us=300.0, torch_gmm_us=90.0, comet_gmm_us=0.0,
+                        cutlass_gmm_us=60.0))
+    assert r["gemm_floor_us"] == 60.0            # a zero time is no measurement
 
 
 def test_reduce_over_ranks_is_identity_on_one_process():

@@ -35,6 +35,9 @@ from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, 
                                 timed_sets)
 from comet.config import MoEConfig
 
+# compute_only after modes that dispatch: its GEMMs then read real rows. On a zeroed
+# workspace they run 15-18% faster (a power-limited GPU clocks higher when the tensor
+# cores' inputs do not toggle; benchmarks/results/2026-11-23/h200-zeros-probe.json).
 FUSED_MODES = ("fused", "sequential", "compute_only", "comm_only")
 
 _LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -245,6 +248,10 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "torch_gmm_tflops": gmm_tflops("torch_gmm"),
             "comet_gmm_tflops": gmm_tflops("compute_only", _LAYER_PHASES["comet_kernels"]),
             "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm"),
+            "comet_gmm_us": (median(out["compute_only"].layer(
+                layer, _LAYER_PHASES["comet_kernels"]))
+                if "compute_only" in out else None),
+            "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
             **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
             "n_comm": n_comm[0] if n_comm else None,

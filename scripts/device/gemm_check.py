@@ -100,6 +100,9 @@ def run(name, tokens, world=4, tile=None):
 
     def comet_compute():
         layer(x, ids, w, mode="compute_only", timer=timer)
+    # Real rows in the shared tensors first: GEMMs on a fresh (zeroed) workspace run
+    # 15-18% faster on a power-limited GPU (h200-zeros-probe.json).
+    layer(x, ids, w, mode="sequential")
     comet_compute()
     c_us = median_us(lambda: comet_compute())
     # per-phase of the last call
@@ -120,8 +123,9 @@ def run(name, tokens, world=4, tile=None):
             return grouped_mm(hh, b2, offs)
         torch_gemms()
         t_us = median_us(torch_gemms)
+        hid = torch.randn(a.shape[0], f, device="cuda", dtype=a.dtype)
         t_gemm_only = median_us(lambda: grouped_mm(a, b13, offs)) + median_us(
-            lambda: grouped_mm(torch.empty(a.shape[0], f, device="cuda", dtype=a.dtype), b2, offs))
+            lambda: grouped_mm(hid, b2, offs))
     except Exception as e:  # report, don't hide
         print("torch._grouped_mm failed:", repr(e)[:300])
         t_us = t_gemm_only = float("nan")
