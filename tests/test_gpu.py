@@ -226,7 +226,8 @@ def test_timeline_records_both_roles():
 
 def test_blocks_change_role_at_full_size():
     """Full Mixtral layer, 2048 tokens: the 16 comm blocks finish pushing long before the
-    GEMM ends and take tiles from the queue; GEMM blocks out of tiles take reduce items."""
+    GEMM ends and take tiles from the queue; GEMM blocks out of tiles take reduce items;
+    layer1's comm blocks run split 0's tiles with everyone, none of the later splits'."""
     from comet.config import PRESETS
     from comet.runtime.layer import FusedMoE
     cfg = PRESETS["mixtral"].replace(max_tokens=2048)
@@ -240,6 +241,9 @@ def test_blocks_change_role_at_full_size():
     assert tiles0 & comm, "no comm block joined the layer0 GEMM"
     reducers = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer1", "comm")}
     assert reducers - comm, "no GEMM block joined the layer1 reduce"
+    tiles1 = [r for r in records if (r["layer"], r["role"]) == ("layer1", "compute")]
+    assert {r["block"] for r in tiles1 if r["what"] == "tile of split 0"} >= comm
+    assert not [r for r in tiles1 if r["block"] in comm and r["what"] != "tile of split 0"]
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=cfg.dtype)
     assert _rel_err(y, ref) < 2e-2

@@ -7,5 +7,6 @@
 #: 2: per-chunk dispatch flags, 16-byte comm copies (2026-11-23); 3: the plan stops at
 #: the call's tokens, combine at 4 programs/SM, reduce tile 64 x 256; 4: 2 layer1 column
 #: splits (was 8); 5: flattened GEMM loops (interleaved W13, layer0 lanes, layer1 static
-#: stride); 6: the decode tile (128-column layer1 blocks for calls that leave SMs idle).
-KERNEL_REVISION = 6
+#: stride); 6: the decode tile (128-column layer1 blocks for calls that leave SMs idle);
+#: 7: layer1's comm blocks run the first column split's GEMM before they reduce.
+KERNEL_REVISION = 7

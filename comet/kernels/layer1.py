@@ -11,6 +11,8 @@ Roles:
 
 * compute (:func:`layer1_compute_role`) -- the GroupGEMM, each block striding over the
   work items, counting tiles per split; a compute block out of tiles joins the reduce.
+  Every block of the grid, comm blocks included, runs split 0 (nothing can be reduced
+  before it is complete); the later splits run on the compute blocks alone.
 * comm (:func:`reduce_send_role`) -- reduce items from a device queue (a counter zeroed
   when a call opens) in split order; an item of split ``s``
   waits until all of split ``s``'s tiles are counted, then for each of its *return
@@ -21,8 +23,8 @@ Roles:
   this rank, so at each step every rank writes to a different peer. The last block to
   finish releases ``flag1[this rank] = epoch`` on every source rank.
 
-The comm blocks reduce the early splits while the GEMM runs; the reduce of the last
-split runs on every block. With no comm block the kernel is "GEMM, then reduce on the
+The comm blocks reduce the early splits while the GEMM of the later ones runs; the reduce
+of the last split runs on every block. With no comm block the kernel is "GEMM, then reduce on the
 whole GPU" in one launch.
 
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
@@ -48,14 +50,19 @@ TRACE_REDUCE = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
+def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
                         trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                         N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """The column-wise GroupGEMM in split order, work item ``role_pid + i * n_role`` on
-    this block; returns the trace events recorded so far.
+    """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
+    Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
+    item can start before it is complete, so a comm block (``comm``) that only waited
+    for it would idle for the first split's whole GEMM -- which cost layer1 its SM share
+    over the whole call (one GPU, Mixtral at EP=2 rank shapes, 16384 tokens: 4 comm
+    blocks +169 us, 16 +574, ``h200-kernel-times-ep2-fused-splits.json``). Later splits
+    run on the compute blocks (``role_pid + i * n_role``) while the comm blocks reduce.
 
     A static stride, not a queue: the rows are all in place when the kernel starts and
     comm blocks never join this role, so nothing needs handing out at run time -- and a
@@ -70,21 +77,29 @@ def layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
     # Unrolled over the splits: a flattened loop nested in a run-time loop is not
     # flattened by Triton (one pipeline per tile again).
     for split in tl.static_range(N_SPLITS):
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, total)
-        first = lo + (role_pid - lo % n_role + n_role) % n_role
-        for w in tl.range(first, hi, n_role, flatten=True):
-            if TRACE:
-                start = clock_ns(USE_ASM)
-            t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
-            gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
-                      tl.load(tile_row_start + t), tl.load(tile_row_end + t), nb * BLOCK_N,
-                      F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            if TRACE:
-                events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
-        # Counted once per split, not per tile: an atomic inside the loop keeps Triton
-        # from pipelining it (one stage of shared memory instead of three).
-        arrive(split_done + split, "gpu", tl.maximum(tl.cdiv(hi - first, n_role), 0))
+        if split == 0:
+            me = tl.program_id(0)
+            stride = tl.num_programs(0)
+        else:
+            me = role_pid
+            stride = n_role
+        if (split == 0) or (comm == 0):
+            lo = split * per_split
+            hi = tl.minimum(lo + per_split, total)
+            first = lo + (me - lo % stride + stride) % stride
+            for w in tl.range(first, hi, stride, flatten=True):
+                if TRACE:
+                    start = clock_ns(USE_ASM)
+                t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
+                gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
+                          tl.load(tile_row_start + t), tl.load(tile_row_end + t),
+                          nb * BLOCK_N, F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOT_PRECISION)
+                if TRACE:
+                    events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
+            # Counted once per split, not per tile: an atomic inside the loop keeps Triton
+            # from pipelining it (one stage of shared memory instead of three).
+            arrive(split_done + split, "gpu", tl.maximum(tl.cdiv(hi - first, stride), 0))
     return events
 
 
@@ -215,15 +230,13 @@ def layer1_kernel(
     comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMM:
-        if comm == 0:
-            events = layer1_compute_role(role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
-                                         tile_expert, tile_row_start, tile_row_end,
-                                         num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
-                                         DOT_PRECISION,
-                                         TRACE, MAX_EVENTS, USE_ASM)
-    # Fused: a compute block out of tiles joins the reduce, so the reduce of the last
-    # splits runs on the whole GPU instead of the comm blocks alone.
+        events = layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
+                                     tile_expert, tile_row_start, tile_row_end,
+                                     num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
+                                     DOT_PRECISION, TRACE, MAX_EVENTS, USE_ASM)
+    # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out of
+    # tiles joins it, so the reduce of the last split runs on the whole GPU.
     if ROLE != ROLE_COMPUTE:
         reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,

@@ -10,10 +10,11 @@ the layer's bytes:
 * layer0: ``T = max(G + n * t_c(n) / P, t_c(n) + G / W)`` -- the GEMM absorbs the comm
   blocks' time, and cannot end before the last rows land plus their share of the GEMM;
   ``n = 0`` runs dispatch and GEMM one after the other: ``t_c(P) + G``.
-* layer1: the GEMM runs on ``P - n`` blocks for ``G * P / (P - n)``; meanwhile the ``n``
-  comm blocks reduce and send what they can of the first ``S - 1`` of ``S`` column
-  splits (at a fraction of their rate: they compete with the GEMM for memory); what is
-  left goes at the whole GPU's rate after the GEMM.
+* layer1: the first of ``S`` column splits runs on all ``P`` blocks (``G / S``: nothing
+  can be reduced before it is complete), the other ``S - 1`` on ``P - n`` blocks for
+  ``G (S - 1) / S * P / (P - n)``; meanwhile the ``n`` comm blocks reduce and send what
+  they can of the first ``S - 1`` splits (at a fraction of their rate: they compete with
+  the GEMM for memory); what is left goes at the whole GPU's rate after the GEMM.
 
 The analytic choice minimises ``T``; ``comet tune`` measures instead and its tables win
 (:mod:`comet.scheduler.tuned`). Inputs are what the host knows without a sync: the
@@ -104,11 +105,11 @@ def predicted_time(work: LayerWork, n_comm: int, programs: int,
     t_comm = comm_time(work, n_comm, machine)
     if not work.reduce:
         return max(gemm + n_comm * t_comm / programs, t_comm + gemm / work.world)
-    gemm_phase = gemm * programs / (programs - n_comm)
     overlappable = (work.splits - 1) / work.splits
+    window = gemm * overlappable * programs / (programs - n_comm)
     t_comm /= machine.reduce_overlap
-    done = min(overlappable, gemm_phase / t_comm) if t_comm > 0 else overlappable
-    return gemm_phase + (1.0 - done) * comm_time(work, programs, machine)
+    done = min(overlappable, window / t_comm) if t_comm > 0 else overlappable
+    return gemm / work.splits + window + (1.0 - done) * comm_time(work, programs, machine)
 
 
 def comm_time(work: LayerWork, n_comm: int, machine: MachineModel = MachineModel()) -> float:
@@ -133,7 +134,7 @@ def analytic_split(work: LayerWork, programs: int,
     model cannot tell them apart; measured (2x H200), the larger counts of that range
     are as fast or faster (rows land earlier, fewer tiles wait). So among near-ties the
     count closest to the one that fills the link wins (layer1: the smallest, since its
-    comm blocks leave the GEMM for good)."""
+    comm blocks leave the GEMM after its first split)."""
     times = {n: predicted_time(work, n, programs, machine) for n in range(programs // 2 + 1)}
     best = min(times.values())
     ties = [n for n, t in times.items() if t <= best * (1 + TIE)]
