@@ -17,21 +17,10 @@ import os
 
 import torch
 
+from hbm_bw import timed_us   # same folder
+
 # (local experts, rows, K, N)
 SHAPES = ((4, 32768, 4096, 28672), (128, 131072, 7168, 4096), (4, 32768, 14336, 4096))
-
-
-def mean_us(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
 
 
 def main():
@@ -41,7 +30,9 @@ def main():
         b = (torch.randn(experts, n, k, device="cuda") * k ** -0.5).bfloat16().transpose(1, 2)
         for name, a in (("randn", torch.randn(rows, k, device="cuda").bfloat16()),
                         ("zeros", torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16))):
-            us = mean_us(lambda: torch._grouped_mm(a, b, offs=offs))
+            for _ in range(2):                 # the clock settles under load
+                torch._grouped_mm(a, b, offs=offs)
+            us = timed_us(lambda: torch._grouped_mm(a, b, offs=offs))
             records.append(dict(experts=experts, rows=rows, K=k, N=n, a=name, us=us,
                                 tflops=2 * rows * k * n / us / 1e6))
             print(records[-1], flush=True)
