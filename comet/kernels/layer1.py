@@ -24,8 +24,8 @@ Roles:
   finish releases ``flag1[this rank] = epoch`` on every source rank.
 
 The comm blocks reduce the early splits while the GEMM of the later ones runs; the reduce
-of the last split runs on every block. With no comm block the kernel is "GEMM, then reduce on the
-whole GPU" in one launch.
+of the last split runs on every block. With no comm block the kernel is "GEMM, then
+reduce on the whole GPU" in one launch.
 
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
 that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
@@ -65,7 +65,7 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
     run on the compute blocks (``role_pid + i * n_role``) while the comm blocks reduce.
 
     A static stride, not a queue: the rows are all in place when the kernel starts and
-    comm blocks never join this role, so nothing needs handing out at run time -- and a
+    which blocks run a split is fixed, so nothing needs handing out at run time -- and a
     static loop can be flattened, which lets Triton's pipeliner load the next tile's
     operands under this tile's epilogue (layer1 5-13% faster than the queue loop for
     qwen2-moe and deepseek-v3-like at 4096-16384 tokens, H100, ``h100-gemm-strided.json``).
