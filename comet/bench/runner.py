@@ -224,8 +224,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
                    default=None)
 
-        def med(variant, layer=layer):
-            return out[variant].median(layer) if variant in out else None
+        def med(variant, phases=None, layer=layer):
+            return median(out[variant].layer(layer, phases)) if variant in out else None
 
         def gmm_tflops(variant, phases=None, layer=layer):
             times = out[variant].layer(layer, phases) if variant in out else None
@@ -248,9 +248,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "torch_gmm_tflops": gmm_tflops("torch_gmm"),
             "comet_gmm_tflops": gmm_tflops("compute_only", _LAYER_PHASES["comet_kernels"]),
             "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm"),
-            "comet_gmm_us": (median(out["compute_only"].layer(
-                layer, _LAYER_PHASES["comet_kernels"]))
-                if "compute_only" in out else None),
+            "comet_gmm_us": med("compute_only", _LAYER_PHASES["comet_kernels"]),
             "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
             **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),

@@ -10,33 +10,22 @@
 # what is left of DEADLINE_S; to go on in the next call, untar the returned folder into
 # the working tree, pass it as TUNE_DIR and the shapes still to do as SHAPES (the
 # tables resume bucket by bucket).
-set -uo pipefail
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=60
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
-dir=${TUNE_DIR:-$OUT/tune_check}
-mkdir -p "$OUT" "$dir"
+TUNE_OUT_DIR=${TUNE_DIR:-$OUT/tune_check} TUNE_TAR=$OUT/tune_check.tar
+export TQDM_MININTERVAL=60
+# shellcheck source=scripts/device/tune_steps.sh
+source "$(dirname "$0")/tune_steps.sh"
 shapes=(
   "--experts 64 --topk 8 --hidden 2048 --ffn 1024"     # 0: OLMoE-1B-7B
   "--experts 128 --topk 8 --hidden 2048 --ffn 768"     # 1: Qwen3-30B-A3B
   "--experts 16 --topk 4 --hidden 6144 --ffn 10752"    # 2: DBRX
 )
-deadline=$((SECONDS + ${DEADLINE_S:-560}))
-status=0
-step() {   # one comet tune command within the deadline, then the tar
-  local left=$((deadline - SECONDS))
-  if [ "$left" -le 10 ]; then
-    echo "tune_check: no time left for: $*"; status=124; return
-  fi
-  timeout "$left" python3 -m comet.cli.tune "$@" --output-dir "$dir" || status=$?
-  tar -C "$dir" -cf "$OUT/tune_check.tar" .
-}
 {
   for i in ${SHAPES:-0 1 2}; do
     # shellcheck disable=SC2086  # a shape is a list of arguments
-    step ${shapes[$i]} "$@"
+    tune_step ${shapes[$i]} "$@"
     # shellcheck disable=SC2086
-    step ${shapes[$i]} --check --tokens 128 3000 8192 "$@"
+    tune_step ${shapes[$i]} --check --tokens 128 3000 8192 "$@"
   done
   exit "$status"
 } 2>&1 | tee "$OUT/tune_check.log"

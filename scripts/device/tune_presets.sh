@@ -8,23 +8,15 @@
 # `comet tune` writes its table after every bucket, so a cut run still returns the
 # buckets it finished. To resume, untar the returned tables into a folder of the working
 # tree and pass it as TUNE_DIR (comet tune merges into an existing table).
-set -uo pipefail
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
-dir=${TUNE_DIR:-$OUT/tune}
-mkdir -p "$OUT" "$dir"
-deadline=$((SECONDS + ${DEADLINE_S:-560}))
-status=0
-for c in ${CONFIGS:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
-  left=$((deadline - SECONDS))
-  if [ "$left" -le 10 ]; then
-    echo "tune_presets: no time left for $c" | tee -a "$OUT/tune.log"; status=124; break
-  fi
-  timeout "$left" python3 -m comet.cli.tune --config "$c" --output-dir "$dir" "$@" 2>&1 \
-    | tee -a "$OUT/tune.log"
-  rc=${PIPESTATUS[0]}
-  [ "$rc" -ne 0 ] && status=$rc
-  tar -C "$dir" -cf "$OUT/tune.tar" .
-done
-exit "$status"
+TUNE_OUT_DIR=${TUNE_DIR:-$OUT/tune} TUNE_TAR=$OUT/tune.tar
+export TQDM_MININTERVAL=30
+# shellcheck source=scripts/device/tune_steps.sh
+source "$(dirname "$0")/tune_steps.sh"
+{
+  for c in ${CONFIGS:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
+    tune_step --config "$c" "$@"
+  done
+  exit "$status"
+} 2>&1 | tee -a "$OUT/tune.log"
+exit "${PIPESTATUS[0]}"
