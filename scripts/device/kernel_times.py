@@ -9,7 +9,7 @@ torchrun the layer is a real expert-parallel one over all ranks, and each rank r
 its own kernels (``--modes fused comm_only`` shows what the communication alone costs).
 
     PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens 128 4096]
-        [--ep 2] [--tiles 128,128,256,8,3 64,64,128,4,4] [--max-tokens 16384]
+        [--ep 2] [--tiles 128,128,256,8,3 128,128,256,8,3,4] [--max-tokens 16384]
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/kernel_times.py --modes fused comm_only
 """
 
@@ -25,7 +25,8 @@ from comet.config import preset
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 
-TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages")
+#: ``--tiles`` fields, in order; the last (layer1's column splits) may be left out.
+TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages", "splits")
 
 
 def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
@@ -93,7 +94,7 @@ def main():
     ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
-    ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES")
+    ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES[,SPLITS]")
     ap.add_argument("--decode-tile", nargs="+", default=["on"], choices=["on", "off", "force"],
                     help="on: the layer's choice; off: no decode tile "
                          "(TileConfig.decode_tile); force: the decode tile in every call")
