@@ -14,11 +14,12 @@ All three compute the same function; tests hold them to it.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
-from comet import reference
+from comet import custom_op, reference
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.weights import gate_up_first
 
@@ -90,8 +91,9 @@ class LocalExperts(nn.Module):
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
         :mod:`comet.reference` and :mod:`comet.baseline` take. Not cached: edits through
         ``w13.data`` leave no trace (no version bump) a cache could check, and the CPU
-        paths that call it are the spec, not the fast path."""
-        return gate_up_first(self.w13.detach())
+        paths that call it are the spec, not the fast path. Differentiable: gradients of
+        the CPU paths reach ``w13``."""
+        return gate_up_first(self.w13)
 
 
 class CometMoE(nn.Module):
@@ -140,6 +142,7 @@ class CometMoE(nn.Module):
             self.shared_expert = None
             self.shared_expert_gate = None
         self._fused = None
+        self._op_key = custom_op.register(self)
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, **kwargs) -> "CometMoE":
@@ -200,8 +203,11 @@ class CometMoE(nn.Module):
                 raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
             if topk_ids.device != x.device or topk_weights.device != x.device:
                 raise ValueError("topk_ids and topk_weights must be on the input's device")
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            if not capturing and topk_ids.numel():
+            # Not while a graph is captured or compiled: there the values do not exist yet
+            # (the kernels still check them on the device and a later call raises).
+            deferred = (torch.compiler.is_compiling()
+                        or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+            if not deferred and topk_ids.numel():
                 # One host read per call with user-supplied ids: bad ids must fail here,
                 # not inside a kernel. Router-computed ids never need it.
                 lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -245,8 +251,27 @@ class CometMoE(nn.Module):
                         topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` (contiguous) for routing the caller vouches for:
         no host check of the ids (ids outside ``[0, E)`` count as "no expert").
-        Returns ``[M, H]``."""
+        Returns ``[M, H]``. Under ``torch.compile`` without autograd (inference) this is
+        one opaque op (:mod:`comet.custom_op`); with autograd the CPU paths are traced as
+        they are, so their gradients still flow."""
+        if torch.compiler.is_compiling() and not self._needs_grad(x, topk_weights):
+            return custom_op.routed_experts(x, topk_ids, topk_weights, self._op_key)
+        return self.eager_experts_forward(x, topk_ids, topk_weights)
+
+    def _needs_grad(self, x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, topk_weights, self.experts.w13, self.experts.w2))
+
+    def eager_experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                              topk_weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`experts_forward` itself: the fused layer on CUDA, the unfused baseline
+        or the reference on the CPU."""
         if x.is_cuda:
+            if self._needs_grad(x, topk_weights):
+                warnings.warn("comet: the fused CUDA kernels have no backward; no gradient "
+                              "reaches the routed experts or the router through this call "
+                              "(run inference under torch.no_grad() or torch.inference_mode())",
+                              stacklevel=3)
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
         if self.par.world_size > 1:
             from comet.baseline import ep_moe_forward

@@ -131,6 +131,29 @@ def test_no_host_sync_and_cuda_graph_replay():
     layer.check_errors_now()
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_fullgraph(mode):
+    """A CometMoE compiled whole (inductor; with reduce-overhead, inside inductor's own
+    CUDA graphs, where the layer records its launches into the user's capture) matches
+    eager mode call after call; with autograd on it warns that nothing flows back."""
+    from comet import CometMoE
+    e, k, h, f = SCALED["mixtral"]
+    torch.manual_seed(0)
+    moe = CometMoE(e, k, h, f, dtype=torch.bfloat16, max_tokens=256, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, mode=mode)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for tokens in (256, 256, 100, 256):
+            x = torch.randn(tokens, h, generator=g, device="cuda").to(torch.bfloat16)
+            want = moe(x)
+            got = compiled(x).clone()
+            assert _rel_err(got, want.float()) < 1e-2, tokens
+    moe.fused_layer().check_errors_now()
+    with pytest.warns(UserWarning, match="no backward"):
+        moe(torch.randn(8, h, device="cuda").to(torch.bfloat16))
+
+
 def test_thousand_back_to_back_calls():
     layer, g = _fused("phi3.5-moe", torch.bfloat16, max_tokens=128)
     layer.check_errors = "lazy"

@@ -155,6 +155,20 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
     assert int(layer.ws.epoch) == 2
 
 
+def test_a_layer_built_under_inference_mode_serves_calls_outside_it():
+    """A server warms up under torch.inference_mode(); the layer's state (workspace,
+    staging, counters) must still take in-place updates from calls made outside it."""
+    from comet.runtime.layer import FusedMoE
+    cfg, w13, w2, x, ids, w = _w1_inputs()
+    with torch.inference_mode():
+        layer = FusedMoE(cfg, w13, w2)
+        inside = layer(x, ids, w)
+    with torch.no_grad():
+        outside = layer(x, ids, w)
+    torch.testing.assert_close(outside, inside)
+    assert int(layer.ws.epoch) == 2
+
+
 def _w1_inputs(name="phi3.5-moe", seed=5, max_tokens=10):
     """cfg, weights and a 7-token call of one rank holding all of ``name``'s (scaled)
     experts, fp16."""

@@ -231,3 +231,60 @@ def test_group_size_not_dividing_experts():
         assert layer.local_experts == 2 and layer.par.world_size == 3
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- torch.compile
+def test_cpu_gradients_reach_every_parameter():
+    layer = _layer()
+    layer(_x()).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_inference_is_one_graph(backend):
+    """Under no_grad the routed experts are one opaque op: fullgraph compiles (the
+    layer's own Python has data-dependent shapes that would break the graph)."""
+    layer = _layer()
+    x = _x()
+    ids = torch.randint(0, E, (10, K), generator=torch.Generator().manual_seed(2))
+    w = torch.rand(10, K, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, want_ids = layer(x), layer(x, ids, w)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend=backend)
+        torch.testing.assert_close(compiled(x), want)
+        torch.testing.assert_close(compiled(_x(tokens=3)), layer(_x(tokens=3)))
+        routed = torch.compile(lambda a, i, g: layer(a, i, g), fullgraph=True, backend=backend)
+        torch.testing.assert_close(routed(x, ids, w), want_ids)
+
+
+def test_compiled_training_keeps_the_gradients():
+    """With autograd on, the CPU paths are traced as written (graph breaks allowed) so
+    that the gradients are those of eager mode."""
+    eager, compiled_layer = _layer(), _layer()
+    x = _x()
+    eager(x).square().sum().backward()
+    torch._dynamo.reset()
+    torch.compile(compiled_layer, backend="aot_eager")(x).square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled_layer.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_the_op_passes_torch_library_checks():
+    from comet import custom_op
+    layer = _layer()
+    x = _x()
+    ids = torch.randint(0, E, (10, K), generator=torch.Generator().manual_seed(2))
+    w = torch.rand(10, K, generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(custom_op.routed_experts, (x, ids, w, layer._op_key))
+
+
+def test_a_graph_that_outlived_its_layer_says_so():
+    from comet import custom_op
+    key = _layer()._op_key   # the layer is gone once this line is done
+    import gc
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        custom_op.routed_experts(_x(), torch.zeros(10, K, dtype=torch.int64),
+                                 torch.ones(10, K), key)

@@ -187,14 +187,18 @@ class FusedMoE:
         par = ParallelConfig.from_group(group)
         tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
         self._validate(cfg, par, w13, w2, check_errors, w13_layout)
-        w13 = self._kernel_layout(w13, w13_layout)
-        if par.world_size == 1:
-            ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
-        else:
-            ws = allocate_symmetric(cfg, group, w13.device, tile)
-        programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
-        self._setup(cfg, w13, w2, group, par, ws, tile, programs, tuned_config_folder,
-                    check_errors, use_graphs)
+        # State the calls update in place must not be inference tensors, or a layer first
+        # built under torch.inference_mode() (a server's warm-up) fails every later call
+        # made outside it.
+        with torch.inference_mode(False):
+            w13 = self._kernel_layout(w13, w13_layout)
+            if par.world_size == 1:
+                ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
+            else:
+                ws = allocate_symmetric(cfg, group, w13.device, tile)
+            programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
+            self._setup(cfg, w13, w2, group, par, ws, tile, programs, tuned_config_folder,
+                        check_errors, use_graphs)
 
     @classmethod
     def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
@@ -219,15 +223,17 @@ class FusedMoE:
         tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
         if programs is None:
             programs = max(1, (sm_count(device) if device.type == "cuda" else 4 * world) // world)
-        spaces = allocate_virtual(cfg, world, device, tile)
+        with torch.inference_mode(False):   # see __init__
+            spaces = allocate_virtual(cfg, world, device, tile)
         layers = []
         for r in range(world):
             par = ParallelConfig(world, r)
             cls._validate(cfg, par, w13_shards[r], w2_shards[r], check_errors, w13_layout)
             layer = cls.__new__(cls)
-            layer._setup(cfg, cls._kernel_layout(w13_shards[r], w13_layout), w2_shards[r],
-                         None, par, spaces[r], tile,
-                         programs, tuned_config_folder, check_errors, use_graphs, virtual=True)
+            with torch.inference_mode(False):
+                layer._setup(cfg, cls._kernel_layout(w13_shards[r], w13_layout),
+                             w2_shards[r], None, par, spaces[r], tile, programs,
+                             tuned_config_folder, check_errors, use_graphs, virtual=True)
             if device.type == "cuda":
                 layer.preload()
             layers.append(layer)
