@@ -60,6 +60,16 @@ def reduce_layer_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
 
 
 @triton.jit
+def _weighted_rows(out1, H, rows, wgt, q, live, j, cols, cmask, TOPK: tl.constexpr):
+    """``weight * out1[row]`` of top-k slot ``j`` of entries ``q``, columns ``cols``, fp32."""
+    row = tl.load(rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
+    wj = tl.load(wgt + q * TOPK + j, mask=live, other=0.0)
+    v = tl.load(out1 + row[:, None] * H + cols[None, :], mask=(row[:, None] >= 0) & cmask,
+                other=0.0)
+    return v.to(tl.float32) * wj[:, None]
+
+
+@triton.jit
 def reduce_flat_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
                        TOPK: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr,
                        ITEM: tl.constexpr, STAGES: tl.constexpr):
@@ -76,11 +86,7 @@ def reduce_flat_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
             t = tl.load(tok + q, mask=live, other=0).to(tl.int64)
             acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
             for j in tl.static_range(TOPK):
-                row = tl.load(rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-                wj = tl.load(wgt + q * TOPK + j, mask=live, other=0.0)
-                v = tl.load(out1 + row[:, None] * H + cols[None, :],
-                            mask=(row[:, None] >= 0) & cmask, other=0.0)
-                acc += v.to(tl.float32) * wj[:, None]
+                acc += _weighted_rows(out1, H, rows, wgt, q, live, j, cols, cmask, TOPK)
             tl.store(dst + t[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
                      mask=live[:, None] & cmask)
         i = take(queue)
@@ -103,11 +109,8 @@ def reduce_slot_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
             live = q < end
             cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
             cmask = cols[None, :] < H
-            row = tl.load(rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-            wj = tl.load(wgt + q * TOPK + j, mask=live, other=0.0)
-            v = tl.load(out1 + row[:, None] * H + cols[None, :],
-                        mask=(row[:, None] >= 0) & cmask, other=0.0)
-            acc = tl.where(j == 0, 0.0, acc) + v.to(tl.float32) * wj[:, None]
+            acc = tl.where(j == 0, 0.0, acc) + _weighted_rows(out1, H, rows, wgt, q, live, j,
+                                                              cols, cmask, TOPK)
             if j == TOPK - 1:
                 t = tl.load(tok + q, mask=live, other=0).to(tl.int64)
                 tl.store(dst + t[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
