@@ -95,6 +95,19 @@ def test_logits_match_fp32(family, fp32_models):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_patched_models_compile_whole_for_inference(family, fp32_models):
+    """Each patched block's routed experts are one op to torch.compile: the whole model
+    compiles with fullgraph=True and gives the eager logits."""
+    _, patched = fp32_models[family]
+    ids = _tokens()
+    with torch.no_grad():
+        want = _logits(patched, ids)
+        torch._dynamo.reset()
+        compiled = torch.compile(patched, fullgraph=True, backend="eager")
+        torch.testing.assert_close(_logits(compiled, ids), want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_match_bf16(family):
     """Each patched block, fed exactly the input its original saw inside the model."""
     model = build_tiny_model(family, dtype=torch.bfloat16)
