@@ -144,6 +144,12 @@ class CometMoE(nn.Module):
         self._fused = None
         self._op_key = custom_op.register(self)
 
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, unpickling) is a layer of its own: give it its own key,
+        # or a graph compiled from the copy would run the original.
+        super().__setstate__(state)
+        self._op_key = custom_op.register(self)
+
     @classmethod
     def from_config(cls, cfg: MoEConfig, **kwargs) -> "CometMoE":
         """Build from a :class:`MoEConfig`; ``kwargs`` are the non-config arguments."""

@@ -280,6 +280,19 @@ def test_the_op_passes_torch_library_checks():
     torch.library.opcheck(custom_op.routed_experts, (x, ids, w, layer._op_key))
 
 
+def test_a_copied_layer_compiles_to_itself():
+    import copy
+    layer = _layer()
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.experts.w2.mul_(2.0)
+        x = _x()
+        torch._dynamo.reset()
+        got = torch.compile(twin, fullgraph=True, backend="eager")(x)
+        torch.testing.assert_close(got, twin(x))
+        assert not torch.allclose(got, layer(x))
+
+
 def test_a_graph_that_outlived_its_layer_says_so():
     from comet import custom_op
     key = _layer()._op_key   # the layer is gone once this line is done
