@@ -70,6 +70,15 @@ def _weighted_rows(out1, H, rows, wgt, q, live, j, cols, cmask, TOPK: tl.constex
 
 
 @triton.jit
+def _tile(start, end, tile, n_c, H, ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Entries ``q`` and columns ``cols`` of tile ``tile`` of an item (entry tiles major,
+    ``n_c`` column tiles each), with their masks."""
+    q = start + (tile // n_c) * ENTRIES + tl.arange(0, ENTRIES)
+    cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return q, q < end, cols, cols[None, :] < H
+
+
+@triton.jit
 def reduce_flat_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
                        TOPK: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr,
                        ITEM: tl.constexpr, STAGES: tl.constexpr):
@@ -79,10 +88,7 @@ def reduce_flat_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
         start, end = _item_range(i, n_entries, ITEM)
         n_e = tl.cdiv(end - start, ENTRIES)
         for w in tl.range(0, n_e * n_c, num_stages=STAGES):
-            q = start + (w // n_c) * ENTRIES + tl.arange(0, ENTRIES)
-            live = q < end
-            cols = (w % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-            cmask = cols[None, :] < H
+            q, live, cols, cmask = _tile(start, end, w, n_c, H, ENTRIES, BLOCK_C)
             t = tl.load(tok + q, mask=live, other=0).to(tl.int64)
             acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
             for j in tl.static_range(TOPK):
@@ -104,11 +110,7 @@ def reduce_slot_kernel(out1, H, dst, tok, rows, wgt, n_entries, queue,
         acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
         for w in tl.range(0, n_e * n_c * TOPK, num_stages=STAGES):
             j = w % TOPK
-            tile = w // TOPK
-            q = start + (tile // n_c) * ENTRIES + tl.arange(0, ENTRIES)
-            live = q < end
-            cols = (tile % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-            cmask = cols[None, :] < H
+            q, live, cols, cmask = _tile(start, end, w // TOPK, n_c, H, ENTRIES, BLOCK_C)
             acc = tl.where(j == 0, 0.0, acc) + _weighted_rows(out1, H, rows, wgt, q, live, j,
                                                               cols, cmask, TOPK)
             if j == TOPK - 1:
