@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["DispatchPlan", "plan_dispatch", "grouped_mm", "ep_moe_forward",
+__all__ = ["DispatchPlan", "plan_dispatch", "grouped_mm", "all_to_all_rows", "ep_moe_forward",
            "chunked_ep_moe_forward"]
 
 
@@ -185,12 +185,14 @@ def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torc
         return torch.empty_like(out).index_copy_(0, plan.perm, out)
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], world: int,
-                group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], world: int,
+                    group) -> torch.Tensor:
+    """NCCL/gloo ``all_to_all_single`` of the rows (dim 0) of ``x``: ``in_splits[d]`` rows
+    go to rank ``d``, ``out_splits[s]`` come from rank ``s``; ``x`` itself with one rank."""
     if world == 1:
         return x
-    out = x.new_empty(sum(out_splits), x.shape[1])
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -245,10 +247,10 @@ def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     with _phase(timer, "gather"):
         rows = x.index_select(0, torch.div(plan.order, k, rounding_mode="floor"))
     with _phase(timer, "dispatch"):
-        recv_rows = _all_to_all(rows, plan.recv_splits, plan.send_splits, world, group)
+        recv_rows = all_to_all_rows(rows, plan.recv_splits, plan.send_splits, world, group)
     out = _experts(recv_rows, plan, w13_local, w2_local, timer)
     with _phase(timer, "combine"):
-        back = _all_to_all(out, plan.send_splits, plan.recv_splits, world, group)
+        back = all_to_all_rows(out, plan.send_splits, plan.recv_splits, world, group)
     with _phase(timer, "reduce"):
         return _topk_reduce(back, plan.order, topk_weights)
 
@@ -290,9 +292,9 @@ def chunked_ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor,
     else:
         backs = []
         for c, p in enumerate(plans):
-            recv_rows = _all_to_all(rows[c], p.recv_splits, p.send_splits, world, group)
+            recv_rows = all_to_all_rows(rows[c], p.recv_splits, p.send_splits, world, group)
             out = _experts(recv_rows, p, w13_local, w2_local)
-            backs.append(_all_to_all(out, p.send_splits, p.recv_splits, world, group))
+            backs.append(all_to_all_rows(out, p.send_splits, p.recv_splits, world, group))
     y = torch.empty(m, x.shape[1], dtype=torch.float32, device=x.device)
     for c in range(chunks):
         y[bounds[c]:bounds[c + 1]] = _topk_reduce(backs[c], plans[c].order,

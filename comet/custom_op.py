@@ -1,13 +1,16 @@
 """The routed experts of a :class:`~comet.moe.CometMoE` as one opaque torch op, for
-``torch.compile``.
+``torch.compile`` and for autograd.
 
 Inside a compiled region Dynamo would otherwise trace the layer's Python: the host-side
 staging of a fused call (a pinned ring written through numpy, graph replays, caches) and,
 on the CPU paths, data-dependent shapes -- each a graph break, and ``fullgraph=True``
 fails. As ``torch.ops.comet.routed_experts`` the whole call is one node: the compiler
 sees an output shaped like the input and never looks inside, the way vLLM hands its fused
-MoE to the compiler. Eager calls do not go through the op (the dispatcher costs the
-host time a decode-sized call cannot spare).
+MoE to the compiler. Eager inference calls do not go through the op (the dispatcher
+costs the host time a decode-sized call cannot spare); calls that need gradients do, in
+eager mode too: the op's registered backward is :mod:`comet.backward`, itself an opaque op
+(``torch.ops.comet.routed_experts_backward``) so that a compiled training step keeps it
+whole.
 
 A compiled graph holds a string, not the module: each layer registers under a key, kept
 in a weak map so that deleting the model frees it.
@@ -41,13 +44,51 @@ def _module(key: str) -> torch.nn.Module:
 
 @torch.library.custom_op("comet::routed_experts", mutates_args=())
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   layer: str) -> torch.Tensor:
+                   w13: torch.Tensor, w2: torch.Tensor, layer: str) -> torch.Tensor:
     """``[M, H]`` routed-expert output of the :class:`~comet.moe.CometMoE` registered as
     ``layer`` (:meth:`~comet.moe.CometMoE.eager_experts_forward`, with the layer's own
-    block-split choice). Collective like the layer: every rank of its group calls it."""
-    return _module(layer).eager_experts_forward(x, topk_ids, topk_weights)
+    block-split choice). ``w13`` and ``w2`` are the layer's expert weights, passed so the
+    op's gradients can name them. Collective like the layer: every rank of its group
+    calls it."""
+    with torch.no_grad():
+        # In x's dtype, as the fake says (the CPU paths return fp32; the fused one x's).
+        return _module(layer).eager_experts_forward(x, topk_ids, topk_weights).to(x.dtype)
 
 
 @routed_experts.register_fake
-def _(x, topk_ids, topk_weights, layer):
+def _(x, topk_ids, topk_weights, w13, w2, layer):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("comet::routed_experts_backward", mutates_args=())
+def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                            topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            layer: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`
+    (:func:`comet.backward.routed_experts_backward` over the layer's group)."""
+    from comet.backward import routed_experts_backward as run
+    return run(dy, x, topk_ids, topk_weights, w13, w2, _module(layer).group,
+               layout="interleaved")
+
+
+@routed_experts_backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w13, w2, layer):
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13),
+            torch.empty_like(w2))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w13, w2, layer = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2)
+    ctx.layer = layer
+
+
+def _backward(ctx, dy):
+    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+    dx, d_weights, dw13, dw2 = routed_experts_backward(dy.contiguous(), x, topk_ids,
+                                                       topk_weights, w13, w2, ctx.layer)
+    return dx, None, d_weights, dw13, dw2, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup_context)

@@ -14,7 +14,6 @@ All three compute the same function; tests hold them to it.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -257,11 +256,19 @@ class CometMoE(nn.Module):
                         topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` (contiguous) for routing the caller vouches for:
         no host check of the ids (ids outside ``[0, E)`` count as "no expert").
-        Returns ``[M, H]``. Under ``torch.compile`` without autograd (inference) this is
-        one opaque op (:mod:`comet.custom_op`); with autograd the CPU paths are traced as
-        they are, so their gradients still flow."""
-        if torch.compiler.is_compiling() and not self._needs_grad(x, topk_weights):
-            return custom_op.routed_experts(x, topk_ids, topk_weights, self._op_key)
+        Returns ``[M, H]``.
+
+        Inference calls run :meth:`eager_experts_forward` directly, or under
+        ``torch.compile`` as one opaque op (:mod:`comet.custom_op`). A call that needs
+        gradients on the fused CUDA path or over several ranks goes through that op in
+        eager mode too: its backward (:mod:`comet.backward`) gives ``x``, the routing
+        weights (so the router) and this rank's expert weights their gradients. On a
+        single CPU rank the reference is differentiable as written."""
+        needs_grad = self._needs_grad(x, topk_weights)
+        if ((needs_grad and (x.is_cuda or self.par.world_size > 1))
+                or (torch.compiler.is_compiling() and not needs_grad)):
+            return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
+                                            self.experts.w2, self._op_key)
         return self.eager_experts_forward(x, topk_ids, topk_weights)
 
     def _needs_grad(self, x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
@@ -270,14 +277,9 @@ class CometMoE(nn.Module):
 
     def eager_experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:
-        """:meth:`experts_forward` itself: the fused layer on CUDA, the unfused baseline
-        or the reference on the CPU."""
+        """:meth:`experts_forward` itself, without autograd: the fused layer on CUDA, the
+        unfused baseline or the reference on the CPU."""
         if x.is_cuda:
-            if self._needs_grad(x, topk_weights):
-                warnings.warn("comet: the fused CUDA kernels have no backward; no gradient "
-                              "reaches the routed experts or the router through this call "
-                              "(run inference under torch.no_grad() or torch.inference_mode())",
-                              stacklevel=3)
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
         if self.par.world_size > 1:
             from comet.baseline import ep_moe_forward

@@ -23,6 +23,7 @@ from comet import reference  # noqa: E402
 from comet.config import MoEConfig  # noqa: E402
 from comet.runtime.errors import CometTimeoutError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
+from comet.weights import interleave_gate_up  # noqa: E402
 from routings import KINDS, make_ids, make_tokens  # noqa: E402
 
 SCALED = {
@@ -91,6 +92,56 @@ def check_correctness(results, quick, configs):
             log(f"ok correctness {name} {dtype} splits={splits} worst={worst:.2e}")
             del layer
             torch.cuda.empty_cache()
+
+
+def check_training(results, configs):
+    """CometMoE over the group, one training step with routing passed in: each rank's
+    gradients of x, the routing weights and its own experts as autograd of the fp32 spec
+    over every rank's tokens (comet.backward over NCCL)."""
+    from comet import CometMoE
+    from comet.weights import gate_up_first
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name in configs:
+        e, k, h, f = SCALED[name]
+        cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                        dtype=torch.bfloat16, max_tokens=512)
+        w13, w2 = global_weights(cfg, 11)
+        el = e // world
+        mine = slice(rank * el, (rank + 1) * el)
+        moe = CometMoE(e, k, h, f, dtype=torch.bfloat16, max_tokens=512, device="cuda",
+                       group=dist.group.WORLD)
+        with torch.no_grad():
+            moe.experts.w13.copy_(interleave_gate_up(w13[mine]))
+            moe.experts.w2.copy_(w2[mine])
+        worst = 0.0
+        for kind in ("random", "zero_token_rank", "skewed"):
+            xs, ids, ws = all_inputs(cfg, world, kind, seed=hash((name, kind, "train")) % 1000)
+            g = torch.Generator(device="cuda").manual_seed(5)
+            dys = [torch.randn(x.shape, generator=g, device="cuda").to(x.dtype) for x in xs]
+            moe.zero_grad()
+            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+            (moe(x, ids[rank], w).float() * dys[rank].float()).sum().backward()
+            f13, f2 = w13.float().requires_grad_(), w2.float().requires_grad_()
+            fx = [t.float().requires_grad_() for t in xs]
+            fw = [t.clone().requires_grad_() for t in ws]
+            loss = (f13.sum() + f2.sum()) * 0
+            for r in range(world):
+                loss = loss + (reference.moe_forward(fx[r], ids[r], fw[r], f13, f2)
+                               * dys[r].float()).sum()
+            loss.backward()
+            pairs = [(moe.experts.w2.grad, f2.grad[mine]),
+                     (gate_up_first(moe.experts.w13.grad), f13.grad[mine])]
+            if x.shape[0]:
+                pairs += [(x.grad, fx[rank].grad), (w.grad, fw[rank].grad)]
+            for got, want in pairs:
+                err = rel_err(got, want)
+                worst = max(worst, err)
+                assert err < 2e-2, (name, kind, err)
+        results.append({"check": "training", "config": name, "worst_rel_err": worst})
+        log(f"ok training {name} worst={worst:.2e}")
+        moe.fused_layer().check_errors_now()
+        del moe
+        torch.cuda.empty_cache()
 
 
 def check_back_to_back_graph_and_sync(results, calls):
@@ -225,6 +276,7 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     results = []
     check_correctness(results, args.quick, args.configs)
+    check_training(results, args.configs)
     layer = check_back_to_back_graph_and_sync(results, args.calls)
     check_missing_rank(results, layer)
     check_reset_after_failure(results, layer)

@@ -72,6 +72,7 @@ def compile_launch(kernel, args, kwargs):
 def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.config import MoEConfig
     from comet.kernels import launch as L
+    from comet.kernels.act_backward import act_backward
     from comet.runtime.workspace import allocate_virtual
 
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
@@ -101,6 +102,10 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                         trace=trace)
         L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
         L.launch_combine(ws, cfg, L.address_of(x), split, tile, 132)
+        # The backward's activation kernel (training), both W13 layouts.
+        for interleaved in (True, False):
+            act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),
+                         torch.zeros(64), interleaved=interleaved)
     return record_launches(run)
 
 

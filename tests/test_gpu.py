@@ -135,7 +135,7 @@ def test_no_host_sync_and_cuda_graph_replay():
 def test_torch_compile_fullgraph(mode):
     """A CometMoE compiled whole (inductor; with reduce-overhead, inside inductor's own
     CUDA graphs, where the layer records its launches into the user's capture) matches
-    eager mode call after call; with autograd on it warns that nothing flows back."""
+    eager mode call after call; a compiled training step gives eager mode's gradients."""
     from comet import CometMoE
     e, k, h, f = SCALED["mixtral"]
     torch.manual_seed(0)
@@ -150,8 +150,65 @@ def test_torch_compile_fullgraph(mode):
             got = compiled(x).clone()
             assert _rel_err(got, want.float()) < 1e-2, tokens
     moe.fused_layer().check_errors_now()
-    with pytest.warns(UserWarning, match="no backward"):
-        moe(torch.randn(8, h, device="cuda").to(torch.bfloat16))
+    x = torch.randn(200, h, generator=g, device="cuda").to(torch.bfloat16)
+    grads = []
+    for step in (moe, compiled):
+        moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        step(xi).float().square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in moe.parameters()])
+    for want, got in zip(*grads):
+        assert _rel_err(got, want.float()) < 1e-2
+
+
+def _spec_step(moe, x, dy):
+    """Gradients of <dy, moe(x)> by autograd of the spec in fp32, with moe's weights and
+    its routing: the logits carry the layer's bf16 values (so the same experts win every
+    near tie) and fp32 gradients."""
+    gate = moe.gate.weight.detach().float().requires_grad_()
+    w13 = gate_up_first(moe.experts.w13.detach()).float().requires_grad_()
+    w2 = moe.experts.w2.detach().float().requires_grad_()
+    xf = x.detach().float().requires_grad_()
+    exact = xf @ gate.t()
+    logits = exact + ((x @ moe.gate.weight.detach().t()).float() - exact).detach()
+    weights, ids = reference.route(logits, moe.cfg, None)
+    y = reference.moe_forward(xf, ids, weights, w13, w2)
+    (y * dy.float()).sum().backward()
+    return xf.grad, gate.grad, w13.grad, w2.grad
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_training_step_matches_autograd_of_the_spec(name):
+    """A CometMoE on the GPU trains: the fused forward, then comet.backward, give x, the
+    router and the experts the gradients autograd of the fp32 spec gives (within bf16);
+    the next inference call is still right."""
+    from comet import CometMoE
+    e, k, h, f = SCALED[name]
+    torch.manual_seed(0)
+    moe = CometMoE(e, k, h, f, dtype=torch.bfloat16, max_tokens=512, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in (512, 37, 0):
+        moe.zero_grad()
+        x = torch.randn(tokens, h, generator=g, device="cuda").to(torch.bfloat16)
+        dy = torch.randn(tokens, h, generator=g, device="cuda").to(torch.bfloat16)
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y.float() * dy.float()).sum().backward()
+        if tokens == 0:
+            assert xi.grad.shape == x.shape and not moe.experts.w2.grad.any()
+            continue
+        dx, dgate, d13, d2 = _spec_step(moe, x, dy)
+        assert _rel_err(xi.grad, dx) < 2e-2, (name, tokens)
+        assert _rel_err(moe.gate.weight.grad, dgate) < 3e-2, (name, tokens)
+        assert _rel_err(gate_up_first(moe.experts.w13.grad), d13) < 2e-2, (name, tokens)
+        assert _rel_err(moe.experts.w2.grad, d2) < 2e-2, (name, tokens)
+    with torch.no_grad():
+        x = torch.randn(300, h, generator=g, device="cuda").to(torch.bfloat16)
+        logits, w, ids = moe.gate(x)
+        ref = reference.moe_forward(x, ids, w, gate_up_first(moe.experts.w13), moe.experts.w2,
+                                    round_to=torch.bfloat16)
+        assert _rel_err(moe(x), ref) < 1e-2
+    moe.fused_layer().check_errors_now()
 
 
 def test_thousand_back_to_back_calls():

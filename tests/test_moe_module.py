@@ -277,7 +277,8 @@ def test_the_op_passes_torch_library_checks():
     x = _x()
     ids = torch.randint(0, E, (10, K), generator=torch.Generator().manual_seed(2))
     w = torch.rand(10, K, generator=torch.Generator().manual_seed(3))
-    torch.library.opcheck(custom_op.routed_experts, (x, ids, w, layer._op_key))
+    torch.library.opcheck(custom_op.routed_experts,
+                            (x, ids, w, layer.experts.w13, layer.experts.w2, layer._op_key))
 
 
 def test_a_copied_layer_compiles_to_itself():
@@ -295,9 +296,11 @@ def test_a_copied_layer_compiles_to_itself():
 
 def test_a_graph_that_outlived_its_layer_says_so():
     from comet import custom_op
-    key = _layer()._op_key   # the layer is gone once this line is done
+    layer = _layer()
+    key, w13, w2 = layer._op_key, layer.experts.w13.detach(), layer.experts.w2.detach()
+    del layer
     import gc
     gc.collect()
     with pytest.raises(RuntimeError, match="no longer exists"):
         custom_op.routed_experts(_x(), torch.zeros(10, K, dtype=torch.int64),
-                                 torch.ones(10, K), key)
+                                 torch.ones(10, K), w13, w2, key)

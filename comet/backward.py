@@ -1,0 +1,164 @@
+"""The backward of the routed experts, expert-parallel: what training through
+:class:`~comet.moe.CometMoE` runs after its fused forward.
+
+The fused forward keeps nothing for the backward (its workspace is the next call's), so
+the backward starts from the layer's inputs, as activation checkpointing does, and runs
+the unfused expert-parallel pipeline of :mod:`comet.baseline` in reverse::
+
+    plan the dispatch (one host sync) -> all_to_all of each pair's (x, dy) row and weight
+    -> recompute gate/up = x @ W13 (the one forward GEMM the backward needs)
+    -> dh = (dy @ W2^T) * weight, dW2 = h^T (weight * dy), d weight = <dy @ W2^T, h>
+    -> d gate, d up through SiLU(gate) * up
+    -> dx rows = d(gate, up) @ W13^T, dW13 = x^T d(gate, up)
+    -> all_to_all of dx rows and d weight back -> sum each token's rows
+
+Five GEMMs per expert (one recomputed, four of the backward), two exchanges each way,
+memory for one layer's rows at a time. The layer1 output itself is never recomputed:
+``<dy, h @ W2> = <dy @ W2^T, h>`` gives the routing weights' gradient from ``dy @ W2^T``,
+which the backward needs anyway. Nothing here is overlapped yet (the forward's comm-role
+kernels are forward-only); on a GPU the GEMMs are ``torch._grouped_mm``.
+
+W13's columns stay in whatever layout they are in (the kernels' interleaved gate/up
+blocks, :mod:`comet.weights`, or gate-then-up): d(gate, up) is written back through the
+same column views, so ``dW13`` comes out in W13's own layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from comet.baseline import (DispatchPlan, _world, all_to_all_rows, grouped_mm,
+                            plan_dispatch)
+from comet.weights import GATE_UP_BLOCK
+
+__all__ = ["routed_experts_backward", "grouped_weight_grad", "act_backward_torch"]
+
+#: W13 column layouts :func:`routed_experts_backward` takes.
+LAYOUTS = ("interleaved", "gate_up")
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
+                        offs: torch.Tensor) -> torch.Tensor:
+    """``[El, K, N]``: for each expert, its rows of ``a [R, K]`` transposed times its rows
+    of ``b [R, N]`` (the weight gradient of :func:`comet.baseline.grouped_mm`); experts
+    with no rows get zeros."""
+    el, kdim, n = len(expert_rows), a.shape[1], b.shape[1]
+    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and a.shape[0]:
+        out = torch._grouped_mm(a.t(), b, offs=offs)
+        empty = [e for e, r in enumerate(expert_rows) if r == 0]
+        if empty:   # a group with no rows is not written by every torch version
+            out[empty] = 0
+        return out
+    out = a.new_zeros(el, kdim, n)
+    start = 0
+    for e, r in enumerate(expert_rows):
+        if r:
+            torch.mm(a[start:start + r].t(), b[start:start + r], out=out[e])
+        start += r
+    return out
+
+
+def _gate_up_views(t: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(gate, up) column views of ``t [R, 2F]`` in ``layout``, in the order of the F
+    columns: concatenating the gates (or the ups) gives ``[R, F]`` in column order."""
+    f = t.shape[1] // 2
+    if layout == "gate_up":
+        return [(t[:, :f], t[:, f:])]
+    q, r = divmod(f, GATE_UP_BLOCK)
+    full = t[:, :2 * q * GATE_UP_BLOCK].unflatten(1, (q, 2, GATE_UP_BLOCK))
+    views = [(full[:, :, 0, :], full[:, :, 1, :])] if q else []
+    if r:
+        tail = t[:, 2 * q * GATE_UP_BLOCK:]
+        views.append((tail[:, :r], tail[:, r:]))
+    return views
+
+
+def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
+                       layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`comet.kernels.act_backward.act_backward` in torch ops (the CPU path, and the
+    spec the kernel is tested against)."""
+    dtype = gu.dtype
+    dgu = torch.empty_like(gu)
+    h_parts, d_weight = [], torch.zeros(gu.shape[0], dtype=torch.float32, device=gu.device)
+    col = 0
+    for (g, u), (dg_out, du_out) in zip(_gate_up_views(gu, layout), _gate_up_views(dgu, layout)):
+        g, u = g.float(), u.float()
+        width = g.shape[1:].numel()
+        dhu = dh_u[:, col:col + width].float().view_as(g)
+        col += width
+        sig = torch.sigmoid(g)
+        act = g * sig
+        # h as the forward stored it: rounded to the model dtype before the second GEMM.
+        h = (act * u).to(dtype)
+        h_parts.append(h.flatten(1))
+        d_weight += (dhu * h.float()).flatten(1).sum(1)
+        dh = dhu * weight.view(-1, *([1] * (g.dim() - 1)))
+        dg_out.copy_(dh * u * sig * (1 + g * (1 - sig)))
+        du_out.copy_(dh * act)
+    h = torch.cat(h_parts, dim=1) if len(h_parts) > 1 else h_parts[0]
+    return dgu, h, d_weight
+
+
+def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan, layout: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local experts' part, rows grouped by expert: ``xg, dyg [R, H]`` (model dtype),
+    ``wg [R]`` fp32 -> ``(dx rows [R, H], d weight [R] fp32, dW13, dW2)``."""
+    rows, offs = plan.expert_rows, plan.offs
+    gu = grouped_mm(xg, w13, rows, offs)                       # recomputed
+    dh_u = grouped_mm(dyg, w2.transpose(1, 2), rows, offs)     # dy @ W2^T, [R, F]
+    if gu.is_cuda:
+        from comet.kernels.act_backward import act_backward
+        dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved")
+    else:
+        dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout)
+    d_out = (dyg.float() * wg.unsqueeze(1)).to(xg.dtype)
+    dw2 = grouped_weight_grad(h, d_out, rows, offs)
+    dxg = grouped_mm(dgu, w13.transpose(1, 2), rows, offs)
+    dw13 = grouped_weight_grad(xg, dgu, rows, offs)
+    return dxg, d_weight, dw13, dw2
+
+
+def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                            topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            group=None, *, layout: str = "interleaved"
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the routed experts' output (collective over ``group``).
+
+    Args:
+        dy: ``[M, H]`` gradient of the output (any float dtype; sent in ``x``'s dtype).
+        x: ``[M, H]`` this rank's tokens; topk_ids, topk_weights: ``[M, k]`` (ids outside
+            ``[0, E)`` are "no expert" and get a zero weight gradient).
+        w13: ``[El, H, 2F]`` this rank's experts, columns in ``layout``; w2: ``[El, F, H]``.
+        group: the expert-parallel group (every rank calls this, as in the forward).
+
+    Returns:
+        ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13 like w13,
+        dW2 like w2)``; the weight gradients are this rank's experts' own.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    world, _ = _world(group)
+    m, k = topk_ids.shape
+    hidden, dtype = x.shape[1], x.dtype
+    plan = plan_dispatch(topk_ids, w2.shape[0], group)
+    token = torch.div(plan.order, k, rounding_mode="floor")
+    pair_rows = torch.cat([x, dy.to(dtype)], dim=1).index_select(0, token)
+    pair_weights = topk_weights.reshape(-1).float().index_select(0, plan.order)
+    recv = all_to_all_rows(pair_rows, plan.recv_splits, plan.send_splits, world, group)
+    recv_w = all_to_all_rows(pair_weights, plan.recv_splits, plan.send_splits, world, group)
+    grouped = recv.index_select(0, plan.perm)
+    dxg, d_wg, dw13, dw2 = _expert_backward(grouped[:, :hidden], grouped[:, hidden:],
+                                            recv_w.index_select(0, plan.perm), w13, w2,
+                                            plan, layout)
+    dx_recv = torch.empty_like(dxg).index_copy_(0, plan.perm, dxg)
+    dw_recv = torch.empty_like(d_wg).index_copy_(0, plan.perm, d_wg)
+    dx_rows = all_to_all_rows(dx_recv, plan.send_splits, plan.recv_splits, world, group)
+    dw_pairs = all_to_all_rows(dw_recv, plan.send_splits, plan.recv_splits, world, group)
+    dx = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    dx.index_add_(0, token, dx_rows.float())
+    d_weights = torch.zeros(m * k, dtype=torch.float32, device=x.device)
+    d_weights.index_copy_(0, plan.order, dw_pairs)
+    return (dx.to(dtype), d_weights.view(m, k).to(topk_weights.dtype),
+            dw13.to(w13.dtype), dw2.to(w2.dtype))

@@ -1,0 +1,200 @@
+"""Training through comet: the expert-parallel backward (comet.backward) and the op's
+registered autograd against autograd of the spec, on one rank and over gloo."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from comet import CometMoE, reference
+from comet.backward import grouped_weight_grad, routed_experts_backward
+from comet.weights import interleave_gate_up
+
+K, H = 2, 32
+
+
+def _problem(tokens, experts, ffn, seed, drop=0, forbid=()):
+    """Every rank's (x, ids, weights, dy) and the full W13 (gate-up) and W2, fp32."""
+    g = torch.Generator().manual_seed(seed)
+    per_rank = []
+    for m in tokens:
+        scores = torch.rand(m, experts, generator=g)
+        if forbid:
+            scores[:, list(forbid)] = -1.0
+        ids = scores.topk(K, dim=1).indices
+        if drop and m:
+            ids[torch.randint(m, (drop,), generator=g), torch.randint(K, (drop,), generator=g)] = -1
+        per_rank.append((torch.randn(m, H, generator=g), ids, torch.rand(m, K, generator=g),
+                         torch.randn(m, H, generator=g)))
+    w13 = torch.randn(experts, H, 2 * ffn, generator=g) * H ** -0.5
+    w2 = torch.randn(experts, ffn, H, generator=g) * ffn ** -0.5
+    return per_rank, w13, w2
+
+
+def _spec_grads(per_rank, w13, w2):
+    """Autograd of sum_r <dy_r, moe_forward(x_r)> with every expert on one process."""
+    w13 = w13.clone().requires_grad_()
+    w2 = w2.clone().requires_grad_()
+    xs, ws = [], []
+    loss = (w13.sum() + w2.sum()) * 0     # a graph even when no rank has tokens
+    for x, ids, w, dy in per_rank:
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xs.append(x), ws.append(w)
+        loss = loss + (reference.moe_forward(x, ids, w, w13, w2) * dy).sum()
+    loss.backward()
+    grad = lambda t: torch.zeros_like(t) if t.grad is None else t.grad   # noqa: E731
+    return [grad(x) for x in xs], [grad(w) for w in ws], w13.grad, w2.grad
+
+
+CASES = [
+    dict(tokens=[7, 12, 3, 9], experts=8, ffn=160, seed=1),              # 1 block + a tail
+    dict(tokens=[0, 11, 5, 0], experts=8, ffn=48, seed=2),               # idle ranks; tail only
+    dict(tokens=[9, 4, 6, 8], experts=8, ffn=256, seed=3, forbid=(1,)),  # an expert with no rows
+    dict(tokens=[10, 3, 8, 5], experts=4, ffn=160, seed=5, drop=4),      # -1 ids
+]
+
+
+def _check(world, rank, group=None):
+    for case in CASES:
+        case = dict(case, tokens=case["tokens"][:world])
+        per_rank, w13, w2 = _problem(**case)
+        want_dx, want_dw, want_13, want_2 = _spec_grads(per_rank, w13, w2)
+        el = w13.shape[0] // world
+        mine = slice(rank * el, (rank + 1) * el)
+        x, ids, w, dy = per_rank[rank]
+        for layout in ("gate_up", "interleaved"):
+            w13_mine = w13[mine] if layout == "gate_up" else interleave_gate_up(w13[mine])
+            dx, dw, d13, d2 = routed_experts_backward(dy, x, ids, w, w13_mine, w2[mine],
+                                                      group, layout=layout)
+            want13 = want_13[mine] if layout == "gate_up" else interleave_gate_up(want_13[mine])
+            msg = f"{case} {layout} rank {rank}"
+            torch.testing.assert_close(dx, want_dx[rank], atol=1e-5, rtol=1e-5, msg=msg)
+            torch.testing.assert_close(dw, want_dw[rank], atol=1e-5, rtol=1e-5, msg=msg)
+            torch.testing.assert_close(d13, want13, atol=1e-5, rtol=1e-5, msg=msg)
+            torch.testing.assert_close(d2, want_2[mine], atol=1e-5, rtol=1e-5, msg=msg)
+
+
+def _module_check(world, rank, group):
+    """A CometMoE over the group trained one step: every gradient as the full layer's."""
+    alone = [dist.new_group([r]) for r in range(world)]     # collective: every rank makes all
+    torch.manual_seed(0)
+    full = CometMoE(8, K, H, 160, dtype=torch.float32, group=alone[rank])   # every expert
+    torch.manual_seed(0)
+    sharded = CometMoE(8, K, H, 160, dtype=torch.float32, group=group)
+    el = sharded.local_experts
+    with torch.no_grad():
+        sharded.gate.weight.copy_(full.gate.weight)
+        sharded.experts.w13.copy_(full.experts.w13[rank * el:(rank + 1) * el])
+        sharded.experts.w2.copy_(full.experts.w2[rank * el:(rank + 1) * el])
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(m, H, generator=g) for m in (9, 14, 5, 7)[:world]]
+    x = xs[rank].clone().requires_grad_()
+    sharded(x).square().sum().backward()
+    # Expert weights: every rank's tokens; the router and x: this rank's own.
+    x_full = torch.cat(xs).requires_grad_()
+    full(x_full).square().sum().backward()
+    start = sum(m.shape[0] for m in xs[:rank])
+    torch.testing.assert_close(x.grad, x_full.grad[start:start + xs[rank].shape[0]],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sharded.experts.w13.grad,
+                               full.experts.w13.grad[rank * el:(rank + 1) * el],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(sharded.experts.w2.grad,
+                               full.experts.w2.grad[rank * el:(rank + 1) * el],
+                               atol=1e-4, rtol=1e-4)
+    router = full.gate.weight.grad.clone()
+    full.zero_grad()
+    full(xs[rank]).square().sum().backward()
+    torch.testing.assert_close(sharded.gate.weight.grad, full.gate.weight.grad,
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(router, full.gate.weight.grad)   # the two references differ
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        _check(world, rank)
+        _module_check(world, rank, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_rank_matches_autograd_of_the_spec():
+    _check(1, 0)
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gloo_ranks_match_autograd_of_the_spec(world):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, f"{d}/init"), nprocs=world, join=True)
+
+
+def test_grouped_weight_grad_is_per_expert_a_transposed_b():
+    g = torch.Generator().manual_seed(0)
+    rows = [3, 0, 5, 1]
+    a, b = torch.randn(9, 16, generator=g), torch.randn(9, 24, generator=g)
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    got = grouped_weight_grad(a, b, rows, offs)
+    starts = [0] + offs.tolist()
+    for e in range(len(rows)):
+        want = a[starts[e]:starts[e + 1]].t() @ b[starts[e]:starts[e + 1]]
+        torch.testing.assert_close(got[e], want)
+    assert not got[1].any()
+
+
+def test_the_op_backward_is_the_layers_gradient():
+    """The op's registered autograd (what the fused CUDA path runs) on a CPU layer, against
+    autograd of the layer's reference path."""
+    from comet import custom_op
+    torch.manual_seed(0)
+    layer = CometMoE(8, K, H, 160, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, H, generator=g)
+    ids = torch.rand(11, 8, generator=g).topk(K, dim=1).indices
+    w = torch.rand(11, K, generator=g)
+    dy = torch.randn(11, H, generator=g)
+    grads = []
+    for through_op in (False, True):
+        layer.zero_grad()
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if through_op:
+            y = custom_op.routed_experts(xi, ids, wi, layer.experts.w13, layer.experts.w2,
+                                         layer._op_key)
+        else:
+            y = layer.experts_forward(xi, ids, wi)
+        (y * dy).sum().backward()
+        grads.append([xi.grad, wi.grad, layer.experts.w13.grad, layer.experts.w2.grad])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_layout_is_refused():
+    per_rank, w13, w2 = _problem([4], 4, 48, 0)
+    x, ids, w, dy = per_rank[0]
+    with pytest.raises(ValueError, match="layout"):
+        routed_experts_backward(dy, x, ids, w, w13, w2, layout="up_gate")
+
+
+@pytest.mark.parametrize("layout,ffn", [("interleaved", 320), ("interleaved", 48),
+                                        ("interleaved", 256), ("gate_up", 200)])
+def test_the_activation_kernel_matches_its_torch_form(layout, ffn):
+    """comet.kernels.act_backward (Triton; the interpreter on a CPU) against the torch
+    ops it replaces, with ragged rows and a partial last gate/up block."""
+    from comet.backward import act_backward_torch
+    from comet.kernels.act_backward import act_backward
+    g = torch.Generator().manual_seed(ffn)
+    # On a GPU machine Triton is not interpreting: the kernel needs device tensors.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in (torch.float32, torch.float16):
+        gu = torch.randn(21, 2 * ffn, generator=g).to(dev, dtype)
+        dh_u = torch.randn(21, ffn, generator=g).to(dev, dtype)
+        w = torch.rand(21, generator=g).to(dev)
+        got = act_backward(gu, dh_u, w, interleaved=layout == "interleaved")
+        want = act_backward_torch(gu, dh_u, w, layout)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol)
