@@ -9,11 +9,14 @@ token count:
 * ``torch``: :func:`comet.baseline.ep_moe_forward` on one rank (sort, gather,
   ``torch._grouped_mm``, SiLU*up, ``torch._grouped_mm``, top-k reduce) with autograd:
   forward, then backward (torch's own grouped-GEMM backward);
+* ``torch ckpt``: the same under ``torch.utils.checkpoint`` (what a model that keeps only
+  the layer's inputs, as comet does, pays with torch: the forward runs twice);
 * ``comet``: ``CometMoE.experts_forward``: the fused forward, then
   :mod:`comet.backward` (recompute of gate/up, four grouped GEMMs).
 
 Times (CUDA events, L2 flushed, median): the inference forward of each, and the whole
-step (forward with autograd + backward). Gradients of x, the routing weights, W13 and
+step (forward with autograd + backward). Memory: what each forward leaves allocated for
+its backward (besides its output), the activation memory a model pays per MoE layer. Gradients of x, the routing weights, W13 and
 W2 from the two are compared on the first input set (relative Frobenius error).
 
     PYTHONPATH=. python3 scripts/device/train_step.py [--configs ...] [--tokens 1024 4096]
@@ -25,6 +28,7 @@ import json
 import os
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from comet import CometMoE
 from comet.baseline import ep_moe_forward
@@ -90,6 +94,13 @@ def run(name, tokens, ep, iters, warmup, profile=None):
         clear([x, w, w13, w2])
         ep_moe_forward(x, sets[i].topk_ids, w, w13, w2).backward(dys[i])
 
+    def torch_ckpt_step(i, _):
+        # Activation checkpointing: the memory comet keeps (inputs only), torch's way.
+        x, w = leaves[i]
+        clear([x, w, w13, w2])
+        checkpoint(ep_moe_forward, x, sets[i].topk_ids, w, w13, w2,
+                   use_reentrant=False).backward(dys[i])
+
     def comet_fwd(i, _):
         with torch.no_grad():
             moe.experts_forward(sets[i].x, sets[i].topk_ids, sets[i].topk_weights)
@@ -100,16 +111,30 @@ def run(name, tokens, ep, iters, warmup, profile=None):
 
     rec = dict(config=name, ep=ep, tokens=tokens, experts=experts)
     for label, fn in (("comet_fwd", comet_fwd), ("torch_fwd", torch_fwd),
-                      ("comet_step", comet_step), ("torch_step", torch_step)):
+                      ("comet_step", comet_step), ("torch_step", torch_step),
+                      ("torch_ckpt_step", torch_ckpt_step)):
         series = time_calls(fn, n_sets=N_SETS, iters=iters, warmup=warmup, device=dev,
                             flush=flush)
         rec[f"{label}_us"] = median(series["total"])
+    # Memory the autograd graph keeps from the forward to the backward (set 0).
+    for label, forward in (("comet", lambda x, w: moe.experts_forward(x, sets[0].topk_ids, w)),
+                           ("torch", lambda x, w: ep_moe_forward(x, sets[0].topk_ids, w, w13,
+                                                                 w2))):
+        x, w = leaves[0]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = forward(x, w)
+        torch.cuda.synchronize()
+        rec[f"{label}_saved_mib"] = (torch.cuda.memory_allocated() - before
+                                     - y.numel() * y.element_size()) / 2 ** 20
+        del y
     if profile:
         _profile(f"{name} {tokens} comet step", comet_step, profile)
         _profile(f"{name} {tokens} torch step", torch_step, profile)
     rec["comet_bwd_us"] = rec["comet_step_us"] - rec["comet_fwd_us"]
     rec["torch_bwd_us"] = rec["torch_step_us"] - rec["torch_fwd_us"]
     rec["step_speedup"] = rec["torch_step_us"] / rec["comet_step_us"]
+    rec["ckpt_step_speedup"] = rec["torch_ckpt_step_us"] / rec["comet_step_us"]
     # Gradients of both on set 0.
     comet_step(0, None)
     x, w = leaves[0]
@@ -138,7 +163,8 @@ def main():
     a = p.parse_args()
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=[])
     print(f"{'config':18} {'tokens':>6} {'comet fwd':>10} {'torch fwd':>10} "
-          f"{'comet step':>11} {'torch step':>11} {'speedup':>8}  grad rel err")
+          f"{'comet step':>11} {'torch step':>11} {'speedup':>8} {'ckpt':>6} {'saved MiB':>15}  "
+          "grad rel err")
     for name in a.configs:
         for tokens in a.tokens:
             rec = run(name, tokens, a.ep, a.iters, a.warmup, a.profile)
@@ -146,7 +172,9 @@ def main():
             err = " ".join(f"{k} {v:.1e}" for k, v in rec["grad_rel_err"].items())
             print(f"{name:18} {tokens:6d} {rec['comet_fwd_us']:10.0f} {rec['torch_fwd_us']:10.0f} "
                   f"{rec['comet_step_us']:11.0f} {rec['torch_step_us']:11.0f} "
-                  f"{rec['step_speedup']:8.2f}  {err}", flush=True)
+                  f"{rec['step_speedup']:8.2f} {rec['ckpt_step_speedup']:6.2f} "
+                  f"{rec['comet_saved_mib']:7.0f}/"
+                  f"{rec['torch_saved_mib']:<7.0f}  {err}", flush=True)
             torch.cuda.empty_cache()
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
