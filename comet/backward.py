@@ -101,10 +101,13 @@ def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tenso
 
 
 def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
-                     w13: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan, layout: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     w13: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan, layout: str,
+                     weight_grads: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                torch.Tensor | None]:
     """The local experts' part, rows grouped by expert: ``xg, dyg [R, H]`` (model dtype),
-    ``wg [R]`` fp32 -> ``(dx rows [R, H], d weight [R] fp32, dW13, dW2)``."""
+    ``wg [R]`` fp32 -> ``(dx rows [R, H], d weight [R] fp32, dW13, dW2)``; the expert
+    weights' gradients only with ``weight_grads`` (two of the five GEMMs)."""
     rows, offs = plan.expert_rows, plan.offs
     gu = grouped_mm(xg, w13, rows, offs)                       # recomputed
     dh_u = grouped_mm(dyg, w2.transpose(1, 2), rows, offs)     # dy @ W2^T, [R, F]
@@ -113,17 +116,21 @@ def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
         dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved")
     else:
         dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout)
+    dxg = grouped_mm(dgu, w13.transpose(1, 2), rows, offs)
+    if not weight_grads:
+        return dxg, d_weight, None, None
     d_out = (dyg.float() * wg.unsqueeze(1)).to(xg.dtype)
     dw2 = grouped_weight_grad(h, d_out, rows, offs)
-    dxg = grouped_mm(dgu, w13.transpose(1, 2), rows, offs)
     dw13 = grouped_weight_grad(xg, dgu, rows, offs)
     return dxg, d_weight, dw13, dw2
 
 
 def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            group=None, *, layout: str = "interleaved"
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                            group=None, *, layout: str = "interleaved",
+                            weight_grads: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                       torch.Tensor | None]:
     """Gradients of the routed experts' output (collective over ``group``).
 
     Args:
@@ -132,10 +139,13 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
             ``[0, E)`` are "no expert" and get a zero weight gradient).
         w13: ``[El, H, 2F]`` this rank's experts, columns in ``layout``; w2: ``[El, F, H]``.
         group: the expert-parallel group (every rank calls this, as in the forward).
+        weight_grads: also compute ``dW13`` and ``dW2`` (off for frozen experts; the
+            exchanges are the same either way, so ranks may differ in it).
 
     Returns:
         ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13 like w13,
-        dW2 like w2)``; the weight gradients are this rank's experts' own.
+        dW2 like w2)``; the weight gradients are this rank's experts' own (None without
+        ``weight_grads``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -151,7 +161,7 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
     grouped = recv.index_select(0, plan.perm)
     dxg, d_wg, dw13, dw2 = _expert_backward(grouped[:, :hidden], grouped[:, hidden:],
                                             recv_w.index_select(0, plan.perm), w13, w2,
-                                            plan, layout)
+                                            plan, layout, weight_grads)
     dx_recv = torch.empty_like(dxg).index_copy_(0, plan.perm, dxg)
     dw_recv = torch.empty_like(d_wg).index_copy_(0, plan.perm, d_wg)
     dx_rows = all_to_all_rows(dx_recv, plan.send_splits, plan.recv_splits, world, group)
@@ -160,5 +170,6 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
     dx.index_add_(0, token, dx_rows.float())
     d_weights = torch.zeros(m * k, dtype=torch.float32, device=x.device)
     d_weights.index_copy_(0, plan.order, dw_pairs)
-    return (dx.to(dtype), d_weights.view(m, k).to(topk_weights.dtype),
-            dw13.to(w13.dtype), dw2.to(w2.dtype))
+    if weight_grads:
+        dw13, dw2 = dw13.to(w13.dtype), dw2.to(w2.dtype)
+    return dx.to(dtype), d_weights.view(m, k).to(topk_weights.dtype), dw13, dw2

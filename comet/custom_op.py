@@ -63,19 +63,27 @@ def _(x, topk_ids, topk_weights, w13, w2, layer):
 @torch.library.custom_op("comet::routed_experts_backward", mutates_args=())
 def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            layer: str
+                            layer: str, weight_grads: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`
-    (:func:`comet.backward.routed_experts_backward` over the layer's group)."""
+    (:func:`comet.backward.routed_experts_backward` over the layer's group); without
+    ``weight_grads`` (frozen experts) the last two are empty and not computed."""
     from comet.backward import routed_experts_backward as run
-    return run(dy, x, topk_ids, topk_weights, w13, w2, _module(layer).group,
-               layout="interleaved")
+    dx, d_weights, dw13, dw2 = run(dy, x, topk_ids, topk_weights, w13, w2,
+                                   _module(layer).group, layout="interleaved",
+                                   weight_grads=weight_grads)
+    if not weight_grads:
+        dw13, dw2 = w13.new_empty(0), w2.new_empty(0)
+    return dx, d_weights, dw13, dw2
 
 
 @routed_experts_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, layer):
-    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13),
-            torch.empty_like(w2))
+def _(dy, x, topk_ids, topk_weights, w13, w2, layer, weight_grads):
+    if weight_grads:
+        return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13),
+                torch.empty_like(w2))
+    return (torch.empty_like(x), torch.empty_like(topk_weights), w13.new_empty(0),
+            w2.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -86,8 +94,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
+    weight_grads = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
     dx, d_weights, dw13, dw2 = routed_experts_backward(dy.contiguous(), x, topk_ids,
-                                                       topk_weights, w13, w2, ctx.layer)
+                                                       topk_weights, w13, w2, ctx.layer,
+                                                       weight_grads)
+    if not weight_grads:
+        dw13 = dw2 = None
     return dx, None, d_weights, dw13, dw2, None
 
 

@@ -198,3 +198,30 @@ def test_the_activation_kernel_matches_its_torch_form(layout, ffn):
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **tol)
+
+
+def test_frozen_experts_skip_their_gradients():
+    """Experts with requires_grad off: x and the router still get theirs (the same as
+    with trainable experts), the experts none, and the weight GEMMs are not run."""
+    from unittest import mock
+
+    import comet.backward as bw
+    torch.manual_seed(0)
+    layer = CometMoE(8, K, H, 160, dtype=torch.float32)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(4))
+    ids = torch.rand(9, 8, generator=torch.Generator().manual_seed(5)).topk(K, dim=1).indices
+    w = torch.rand(9, K, generator=torch.Generator().manual_seed(6))
+    from comet import custom_op
+    grads = []
+    for frozen in (False, True):
+        layer.zero_grad(set_to_none=True)
+        layer.experts.requires_grad_(not frozen)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with mock.patch.object(bw, "grouped_weight_grad", wraps=bw.grouped_weight_grad) as spy:
+            custom_op.routed_experts(xi, ids, wi, layer.experts.w13, layer.experts.w2,
+                                     layer._op_key).square().sum().backward()
+        assert spy.call_count == (0 if frozen else 2)
+        grads.append((xi.grad, wi.grad))
+    assert layer.experts.w13.grad is None and layer.experts.w2.grad is None
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want)
