@@ -28,10 +28,18 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, gate0, up0, col0, width, F,
-           stride_gu, stride_dhu, BLOCK_F: tl.constexpr):
-    """One block of ``width`` columns: gate columns from ``gate0``, up from ``up0``, h and
-    dh_u columns from ``col0``; returns the block's share of the weight gradient."""
+def _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, col0, width, F,
+           stride_gu, stride_dhu, INTERLEAVED: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Columns ``[col0, col0 + width)`` of F, one gate/up block; returns the block's share
+    of the weight gradient. Interleaved, the block's gates start at ``2 * col0`` and its
+    ups ``width`` later (the last, partial block included: :mod:`comet.weights`);
+    otherwise all gates come first, then all ups."""
+    if INTERLEAVED:
+        gate0 = 2 * col0
+        up0 = gate0 + width
+    else:
+        gate0 = col0
+        up0 = F + col0
     c = tl.arange(0, BLOCK_F)
     ok = row_ok[:, None] & (c < width)[None, :]
     gate_at = r64[:, None] * stride_gu + (gate0 + c)[None, :]
@@ -62,27 +70,13 @@ def act_backward_kernel(gu_ptr, dhu_ptr, weight_ptr, dgu_ptr, h_ptr, dweight_ptr
     w = tl.load(weight_ptr + r, mask=row_ok, other=0.0)
     d_weight = tl.zeros([BLOCK_R], dtype=tl.float32)
     full = F // GATE_UP
-    # Interleaved: [gate b | up b] per full block, then the last F % GATE_UP gate columns,
-    # then as many up columns (comet.weights); otherwise all gates, then all ups.
     for b in range(0, full):
-        if INTERLEAVED:
-            gate0 = b * (2 * GATE_UP)
-            up0 = gate0 + GATE_UP
-        else:
-            gate0 = b * GATE_UP
-            up0 = F + gate0
-        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, gate0, up0,
-                           b * GATE_UP, GATE_UP, F, stride_gu, stride_dhu, GATE_UP)
+        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, b * GATE_UP,
+                           GATE_UP, F, stride_gu, stride_dhu, INTERLEAVED, GATE_UP)
     tail = F - full * GATE_UP
     if tail > 0:
-        if INTERLEAVED:
-            gate0 = 2 * full * GATE_UP
-            up0 = gate0 + tail
-        else:
-            gate0 = full * GATE_UP
-            up0 = F + gate0
-        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, gate0, up0,
-                           full * GATE_UP, tail, F, stride_gu, stride_dhu, GATE_UP)
+        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, full * GATE_UP,
+                           tail, F, stride_gu, stride_dhu, INTERLEAVED, GATE_UP)
     tl.store(dweight_ptr + r, d_weight, mask=row_ok)
 
 
