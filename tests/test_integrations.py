@@ -383,6 +383,27 @@ def test_comet_experts_backend(family, fp32_models):
     torch.testing.assert_close(_logits(switched, ids), _logits(model, ids), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not EXPERTS_BACKEND_REGISTERED,
+                    reason="this transformers has no experts-implementation registry (4.x)")
+def test_experts_backend_says_once_that_its_copy_gets_no_gradient():
+    """On CUDA the backend runs a kernel-layout copy of the weights: a training call warns
+    once per experts module (the check itself runs anywhere)."""
+    import warnings
+
+    from comet.integrations.experts_backend import warn_if_experts_train
+    model = build_tiny_model("qwen3_moe")
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")][:2]
+    with pytest.warns(UserWarning, match="no gradient"):
+        warn_if_experts_train(experts[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_experts_train(experts[0])             # once per module
+        with torch.no_grad():
+            warn_if_experts_train(experts[1])         # inference: nothing to say
+        experts[1].requires_grad_(False)
+        warn_if_experts_train(experts[1])             # frozen experts: nothing lost
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)

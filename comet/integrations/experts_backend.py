@@ -15,6 +15,8 @@ which keeps a kernel-layout copy of the experts' weights, refreshed when they ch
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,6 +69,7 @@ def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
         self.__dict__["_comet_checked"] = True
     ids = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)
     if hidden_states.is_cuda:
+        warn_if_experts_train(self)
         layer = _local_layer(self, hidden_states.shape[0], top_k_index.shape[-1])
         out = layer.experts_forward(hidden_states.contiguous(), ids, top_k_weights.float())
     else:
@@ -74,6 +77,18 @@ def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
         out = reference.moe_forward(hidden_states, ids, top_k_weights, w13, w2,
                                     round_to=hidden_states.dtype)
     return out.to(hidden_states.dtype)
+
+
+def warn_if_experts_train(experts: nn.Module) -> None:
+    """Warn (once per module) when a call would train ``experts`` through the fused layer:
+    its weights are a kernel-layout copy, so x and the routing weights get gradients and
+    the transformers parameters none."""
+    if (torch.is_grad_enabled() and experts.gate_up_proj.requires_grad
+            and "_comet_warned" not in experts.__dict__):
+        experts.__dict__["_comet_warned"] = True
+        warnings.warn("comet experts backend: the fused layer runs on a kernel-layout copy "
+                      "of the expert weights, so they get no gradient here; to train the "
+                      "experts, use comet.patch_model (docs/training.md)", stacklevel=3)
 
 
 def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
