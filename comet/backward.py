@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from comet.baseline import (DispatchPlan, _world, all_to_all_rows, grouped_mm,
                             plan_dispatch)
-from comet.weights import GATE_UP_BLOCK
+from comet.weights import gate_up_views
 
 __all__ = ["routed_experts_backward", "grouped_weight_grad", "act_backward_torch"]
 
@@ -62,16 +62,10 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int]
 def _gate_up_views(t: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(gate, up) column views of ``t [R, 2F]`` in ``layout``, in the order of the F
     columns: concatenating the gates (or the ups) gives ``[R, F]`` in column order."""
-    f = t.shape[1] // 2
     if layout == "gate_up":
+        f = t.shape[1] // 2
         return [(t[:, :f], t[:, f:])]
-    q, r = divmod(f, GATE_UP_BLOCK)
-    full = t[:, :2 * q * GATE_UP_BLOCK].unflatten(1, (q, 2, GATE_UP_BLOCK))
-    views = [(full[:, :, 0, :], full[:, :, 1, :])] if q else []
-    if r:
-        tail = t[:, 2 * q * GATE_UP_BLOCK:]
-        views.append((tail[:, :r], tail[:, r:]))
-    return views
+    return gate_up_views(t)
 
 
 def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,

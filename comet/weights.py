@@ -42,14 +42,29 @@ def interleave_gate_up(w13: torch.Tensor, block: int = GATE_UP_BLOCK) -> torch.T
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def gate_up_first(w13: torch.Tensor, block: int = GATE_UP_BLOCK) -> torch.Tensor:
-    """Interleaved ``[..., 2F]`` -> gate-up ``[..., 2F]`` (a new contiguous tensor)."""
+def gate_up_views(w13: torch.Tensor, block: int = GATE_UP_BLOCK
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(gate, up) views of interleaved ``[..., 2F]``, in column order: the full blocks as
+    ``[..., q, block]`` (when there are any), then the partial last block as ``[..., r]``
+    (when ``block`` does not divide ``F``). Writing through them fills the layout."""
     f = w13.shape[-1] // 2
     q, r = _split(f, block)
-    full = w13[..., :2 * q * block].unflatten(-1, (q, 2, block))
-    tail = w13[..., 2 * q * block:]
-    gate = torch.cat([full[..., 0, :].flatten(-2), tail[..., :r]], dim=-1)
-    up = torch.cat([full[..., 1, :].flatten(-2), tail[..., r:]], dim=-1)
+    views = []
+    if q:
+        full = w13[..., :2 * q * block].unflatten(-1, (q, 2, block))
+        views.append((full[..., 0, :], full[..., 1, :]))
+    if r:
+        tail = w13[..., 2 * q * block:]
+        views.append((tail[..., :r], tail[..., r:]))
+    return views
+
+
+def gate_up_first(w13: torch.Tensor, block: int = GATE_UP_BLOCK) -> torch.Tensor:
+    """Interleaved ``[..., 2F]`` -> gate-up ``[..., 2F]`` (a new contiguous tensor)."""
+    last = w13.dim() - 1      # flattening from here merges a full block's two last dims
+    views = gate_up_views(w13, block)
+    gate = torch.cat([g.flatten(last) for g, _ in views], dim=-1)
+    up = torch.cat([u.flatten(last) for _, u in views], dim=-1)
     return torch.cat([gate, up], dim=-1).contiguous()
 
 
