@@ -26,7 +26,6 @@ same column views, so ``dW13`` comes out in W13's own layout.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from comet.baseline import (DispatchPlan, _world, all_to_all_rows, grouped_mm,
                             plan_dispatch)

@@ -1,13 +1,11 @@
 """Training through comet: the expert-parallel backward (comet.backward) and the op's
 registered autograd against autograd of the spec, on one rank and over gloo."""
 
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import gloo_ranks
 from comet import CometMoE, reference
 from comet.backward import grouped_weight_grad, routed_experts_backward
 from comet.weights import interleave_gate_up
@@ -112,14 +110,9 @@ def _module_check(world, rank, group):
     assert not torch.allclose(router, full.gate.weight.grad)   # the two references differ
 
 
-def _worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        _check(world, rank)
-        _module_check(world, rank, dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+def _check_over_gloo(world, rank):
+    _check(world, rank, dist.group.WORLD)
+    _module_check(world, rank, dist.group.WORLD)
 
 
 def test_single_rank_matches_autograd_of_the_spec():
@@ -129,8 +122,7 @@ def test_single_rank_matches_autograd_of_the_spec():
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_ranks_match_autograd_of_the_spec(world):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, f"{d}/init"), nprocs=world, join=True)
+    gloo_ranks.spawn(_check_over_gloo, world)
 
 
 def test_grouped_weight_grad_is_per_expert_a_transposed_b():

@@ -1,12 +1,10 @@
 """The unfused and chunked EP baselines against the spec, on one rank and over gloo."""
 
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import gloo_ranks
 from comet import reference
 from comet.baseline import (chunked_ep_moe_forward, ep_moe_forward, grouped_mm,
                             plan_dispatch)
@@ -69,23 +67,13 @@ def _check_all(world, rank, group=None):
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
-def _worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        _check_all(world, rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_single_rank_matches_reference():
     _check_all(1, 0)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_ranks_match_reference(world):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, f"{d}/init"), nprocs=world, join=True)
+    gloo_ranks.spawn(_check_all, world)
 
 
 def test_grouped_mm_loop_matches_per_expert_matmul():
