@@ -65,13 +65,20 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                             layer: str, weight_grads: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`
-    (:func:`comet.backward.routed_experts_backward` over the layer's group); without
-    ``weight_grads`` (frozen experts) the last two are empty and not computed."""
-    from comet.backward import routed_experts_backward as run
-    dx, d_weights, dw13, dw2 = run(dy, x, topk_ids, topk_weights, w13, w2,
-                                   _module(layer).group, layout="interleaved",
-                                   weight_grads=weight_grads)
+    """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`: on CUDA the fused
+    layer's (:meth:`comet.runtime.layer.FusedMoE.backward`) where the layer's
+    ``fused_backward`` says so, else :func:`comet.backward.routed_experts_backward`
+    over the layer's group; without ``weight_grads`` (frozen experts) the last two are
+    empty and not computed."""
+    module = _module(layer)
+    if x.is_cuda and getattr(module, "fused_backward", False):
+        dx, d_weights, dw13, dw2 = module.fused_layer().backward(
+            dy, x, topk_ids, topk_weights, weight_grads=weight_grads,
+            comm_blocks=module.comm_blocks)
+    else:
+        from comet.backward import routed_experts_backward as run
+        dx, d_weights, dw13, dw2 = run(dy, x, topk_ids, topk_weights, w13, w2, module.group,
+                                       layout="interleaved", weight_grads=weight_grads)
     if not weight_grads:
         dw13, dw2 = w13.new_empty(0), w2.new_empty(0)
     return dx, d_weights, dw13, dw2

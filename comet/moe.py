@@ -109,6 +109,14 @@ class CometMoE(nn.Module):
             the analytic model).
         tuned_config_folder: extra folder of ``comet tune`` tables (wins over the
             shipped ones and ``COMET_TUNED_CONFIG_FOLDER``).
+        fused_backward: on CUDA, train through the fused kernels' backward
+            (:mod:`comet.runtime.backward`: exchanges overlapped with the GEMMs, no host
+            sync); False: the unfused one (:mod:`comet.backward`, NCCL all_to_alls and
+            torch's grouped GEMMs), which is also the CPU path. None (default): fused
+            on a one-rank group, unfused across GPUs -- the fused backward passes on one
+            GPU and with virtual ranks, but failed its first two-GPU check (2x H200,
+            docs/training.md), so ``True`` is refused on a group of several ranks
+            until that is resolved.
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
@@ -121,7 +129,8 @@ class CometMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, *, group=None, device=None,
                  comm_blocks: int | tuple[int, int] | None = None,
-                 tuned_config_folder: str | None = None, **kwargs):
+                 tuned_config_folder: str | None = None,
+                 fused_backward: bool | None = None, **kwargs):
         super().__init__()
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
@@ -130,6 +139,11 @@ class CometMoE(nn.Module):
         self.cfg, self.par, self.group = cfg, par, group
         self.comm_blocks = comm_blocks
         self.tuned_config_folder = tuned_config_folder
+        if fused_backward and par.world_size > 1:
+            raise ValueError("fused_backward=True is not yet verified on a group of several "
+                             "ranks (see docs/training.md); leave it None for the unfused "
+                             "backward there")
+        self.fused_backward = par.world_size == 1 if fused_backward is None else fused_backward
         self.gate = TopKRouter(cfg, device=device)
         self.experts = LocalExperts(cfg, par.local_experts(cfg), device=device)
         if cfg.num_shared_experts:
@@ -261,7 +275,8 @@ class CometMoE(nn.Module):
         Inference calls run :meth:`eager_experts_forward` directly, or under
         ``torch.compile`` as one opaque op (:mod:`comet.custom_op`). A call that needs
         gradients on the fused CUDA path or over several ranks goes through that op in
-        eager mode too: its backward (:mod:`comet.backward`) gives ``x``, the routing
+        eager mode too: its backward (:mod:`comet.runtime.backward` on CUDA,
+        :mod:`comet.backward` on the CPU) gives ``x``, the routing
         weights (so the router) and this rank's expert weights their gradients. On a
         single CPU rank the reference is differentiable as written."""
         needs_grad = self._needs_grad(x, topk_weights)

@@ -94,53 +94,108 @@ def check_correctness(results, quick, configs):
             torch.cuda.empty_cache()
 
 
+TRAINING_KINDS = ("random", "zero_token_rank", "skewed")
+
+
+def _training_problem(name):
+    """(cfg, full W13 (gate-up first), full W2, this rank's expert slice)."""
+    e, k, h, f = SCALED[name]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.bfloat16, max_tokens=512)
+    w13, w2 = global_weights(cfg, 11)
+    el = e // dist.get_world_size()
+    rank = dist.get_rank()
+    return cfg, w13, w2, slice(rank * el, (rank + 1) * el)
+
+
+def _training_inputs(cfg, name, kind):
+    """Every rank's (x, ids, weights, dy) of one training step."""
+    xs, ids, ws = all_inputs(cfg, dist.get_world_size(), kind,
+                             seed=hash((name, kind, "train")) % 1000)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    return xs, ids, ws, [torch.randn(x.shape, generator=g, device="cuda").to(x.dtype)
+                         for x in xs]
+
+
+def _spec_grads(xs, ids, ws, dys, w13, w2, mine):
+    """Autograd of the fp32 spec over every rank's tokens: (this rank's dx, its d
+    weights, dW13 and dW2 of its experts)."""
+    rank = dist.get_rank()
+    f13, f2 = w13.float().requires_grad_(), w2.float().requires_grad_()
+    fx = [t.float().requires_grad_() for t in xs]
+    fw = [t.clone().requires_grad_() for t in ws]
+    loss = (f13.sum() + f2.sum()) * 0
+    for r in range(len(xs)):
+        loss = loss + (reference.moe_forward(fx[r], ids[r], fw[r], f13, f2)
+                       * dys[r].float()).sum()
+    loss.backward()
+    return fx[rank].grad, fw[rank].grad, f13.grad[mine], f2.grad[mine]
+
+
+def _compare(worst, got, want, has_tokens):
+    """Fold the relative errors of (dx, d weights, dW13 gate-up first, dW2) into
+    ``worst`` (dx and d weights only when the rank has tokens)."""
+    keys = ("dx", "d_weights", "dw13", "dw2")
+    for key, a, b in zip(keys, got, want):
+        if has_tokens or key in ("dw13", "dw2"):
+            worst[key] = max(worst.get(key, 0.0), rel_err(a, b))
+
+
 def check_training(results, configs):
     """CometMoE over the group, one training step with routing passed in: each rank's
     gradients of x, the routing weights and its own experts as autograd of the fp32 spec
-    over every rank's tokens (comet.backward over NCCL)."""
+    over every rank's tokens (the unfused backward, comet.backward, over NCCL: what a
+    CometMoE on several ranks trains with)."""
     from comet import CometMoE
     from comet.weights import gate_up_first
-    world, rank = dist.get_world_size(), dist.get_rank()
     for name in configs:
+        cfg, w13, w2, mine = _training_problem(name)
         e, k, h, f = SCALED[name]
-        cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                        dtype=torch.bfloat16, max_tokens=512)
-        w13, w2 = global_weights(cfg, 11)
-        el = e // world
-        mine = slice(rank * el, (rank + 1) * el)
         moe = CometMoE(e, k, h, f, dtype=torch.bfloat16, max_tokens=512, device="cuda",
                        group=dist.group.WORLD)
         with torch.no_grad():
             moe.experts.w13.copy_(interleave_gate_up(w13[mine]))
             moe.experts.w2.copy_(w2[mine])
-        worst = 0.0
-        for kind in ("random", "zero_token_rank", "skewed"):
-            xs, ids, ws = all_inputs(cfg, world, kind, seed=hash((name, kind, "train")) % 1000)
-            g = torch.Generator(device="cuda").manual_seed(5)
-            dys = [torch.randn(x.shape, generator=g, device="cuda").to(x.dtype) for x in xs]
+        worst = {}
+        for kind in TRAINING_KINDS:
+            xs, ids, ws, dys = _training_inputs(cfg, name, kind)
+            rank = dist.get_rank()
             moe.zero_grad()
             x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
             (moe(x, ids[rank], w).float() * dys[rank].float()).sum().backward()
-            f13, f2 = w13.float().requires_grad_(), w2.float().requires_grad_()
-            fx = [t.float().requires_grad_() for t in xs]
-            fw = [t.clone().requires_grad_() for t in ws]
-            loss = (f13.sum() + f2.sum()) * 0
-            for r in range(world):
-                loss = loss + (reference.moe_forward(fx[r], ids[r], fw[r], f13, f2)
-                               * dys[r].float()).sum()
-            loss.backward()
-            pairs = [(moe.experts.w2.grad, f2.grad[mine]),
-                     (gate_up_first(moe.experts.w13.grad), f13.grad[mine])]
-            if x.shape[0]:
-                pairs += [(x.grad, fx[rank].grad), (w.grad, fw[rank].grad)]
-            for got, want in pairs:
-                err = rel_err(got, want)
-                worst = max(worst, err)
-                assert err < 2e-2, (name, kind, err)
-        results.append({"check": "training", "config": name, "worst_rel_err": worst})
-        log(f"ok training {name} worst={worst:.2e}")
+            got = (x.grad, w.grad, gate_up_first(moe.experts.w13.grad), moe.experts.w2.grad)
+            _compare(worst, got, _spec_grads(xs, ids, ws, dys, w13, w2, mine), x.shape[0] > 0)
         moe.fused_layer().check_errors_now()
+        results.append({"check": "training", "config": name, "worst_rel_err": worst})
+        log(f"training {name} worst={worst}")
+        assert max(worst.values()) < 2e-2, (name, worst)
         del moe
+        torch.cuda.empty_cache()
+
+
+def check_fused_backward(results, configs):
+    """FusedMoE.backward (comet.runtime.backward) over the group after a forward, against
+    autograd of the fp32 spec. Error words are read *before* gradients are compared, so
+    a timed-out exchange shows as such rather than as wrong numbers."""
+    from comet.runtime.layer import FusedMoE
+    from comet.weights import gate_up_first
+    rank = dist.get_rank()
+    for name in configs:
+        cfg, w13, w2, mine = _training_problem(name)
+        layer = FusedMoE(cfg, w13[mine].contiguous(), w2[mine].contiguous(),
+                         group=dist.group.WORLD, check_errors="sync")
+        worst = {}
+        for kind in TRAINING_KINDS:
+            xs, ids, ws, dys = _training_inputs(cfg, name, kind)
+            layer(xs[rank], ids[rank], ws[rank])
+            dx, dw, d13, d2 = layer.backward(dys[rank], xs[rank], ids[rank], ws[rank])
+            layer.check_errors_now()
+            _compare(worst, (dx, dw, gate_up_first(d13), d2),
+                     _spec_grads(xs, ids, ws, dys, w13, w2, mine), xs[rank].shape[0] > 0)
+        results.append({"check": "fused_backward", "config": name, "worst_rel_err": worst})
+        log(f"fused backward {name} worst={worst}")
+        assert max(worst.values()) < 2e-2, (name, worst)
+        del layer
         torch.cuda.empty_cache()
 
 
@@ -280,6 +335,7 @@ def main():
     layer = check_back_to_back_graph_and_sync(results, args.calls)
     check_missing_rank(results, layer)
     check_reset_after_failure(results, layer)
+    check_fused_backward(results, args.configs)
     if dist.get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": dist.get_world_size(),

@@ -73,6 +73,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.config import MoEConfig
     from comet.kernels import launch as L
     from comet.kernels.act_backward import act_backward
+    from comet.runtime.backward import BackwardCall, GradBuffers
     from comet.runtime.workspace import allocate_virtual
 
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
@@ -106,6 +107,11 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),
                          torch.zeros(64), interleaved=interleaved)
+        # The fused backward: every kernel variant of its phases, fused and by role.
+        bufs = GradBuffers.allocate(cfg, world, "cpu")
+        for fused in (True, False):
+            BackwardCall(ws, cfg, tile, w13, w2, bufs, x, x, ids[:10], wts[:10], (4, 4), 132,
+                         fused=fused).run()
     return record_launches(run)
 
 
@@ -139,7 +145,8 @@ def pipelined(name: str, kwargs: dict, shared: int) -> str:
     e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM."""
     if name not in ("layer0_kernel", "layer1_kernel") or kwargs.get("ROLE") == 1:
         return "-"
-    b_cols = kwargs["BLOCK_N"] * (2 if name == "layer0_kernel" else 1)
+    gate_up = name == "layer0_kernel" and kwargs["GATED"]   # gate and up columns per tile
+    b_cols = kwargs["BLOCK_N"] * (2 if gate_up else 1)
     step = 2 * kwargs["BLOCK_K"] * (kwargs["BLOCK_M"] + b_cols)   # 16-bit operands
     return "yes" if shared >= kwargs["num_stages"] * step else "no"
 

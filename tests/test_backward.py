@@ -217,3 +217,96 @@ def test_frozen_experts_skip_their_gradients():
     assert layer.experts.w13.grad is None and layer.experts.w2.grad is None
     for want, got in zip(*grads):
         torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- the fused backward
+def _fused_config(experts, ffn, world_tokens):
+    from comet.config import MoEConfig
+    return MoEConfig(num_experts=experts, top_k=K, hidden_size=H, intermediate_size=ffn,
+                     dtype=torch.float32, max_tokens=max(16, max(world_tokens)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fused_backward_of_virtual_ranks_matches_the_spec(world):
+    """comet.runtime.backward on the fused kernels (the Triton interpreter, every rank's
+    phases in lockstep): dx, the routing weights' and every rank's expert weights'
+    gradients as autograd of the spec -- idle ranks, an expert with no rows, -1 ids."""
+    from comet.runtime.virtual import VirtualEP
+    for case in CASES:
+        case = dict(case, tokens=case["tokens"][:world])
+        per_rank, w13, w2 = _problem(**case)
+        want_dx, want_dw, want_13, want_2 = _spec_grads(per_rank, w13, w2)
+        el = w13.shape[0] // world
+        cfg = _fused_config(w13.shape[0], w2.shape[1], case["tokens"])
+        ep = VirtualEP(cfg, [w13[r * el:(r + 1) * el] for r in range(world)],
+                       [w2[r * el:(r + 1) * el] for r in range(world)])
+        xs, ids, ws, dys = (list(t) for t in zip(*per_rank))
+        ep.forward(xs, ids, ws)     # the backward reuses a workspace a forward left behind
+        for r, (dx, dw, d13, d2) in enumerate(ep.backward(dys, xs, ids, ws)):
+            mine = slice(r * el, (r + 1) * el)
+            msg = f"{case} rank {r}"
+            torch.testing.assert_close(dx, want_dx[r], atol=1e-4, rtol=1e-4, msg=msg)
+            torch.testing.assert_close(dw, want_dw[r], atol=1e-4, rtol=1e-4, msg=msg)
+            torch.testing.assert_close(d13, interleave_gate_up(want_13[mine]), atol=1e-4,
+                                       rtol=1e-4, msg=msg)
+            torch.testing.assert_close(d2, want_2[mine], atol=1e-4, rtol=1e-4, msg=msg)
+
+
+def test_fused_backward_frozen_experts_and_back_to_back_calls():
+    """Without weight gradients only dx and d weights come back (and match); calls
+    after it -- forward and backward -- are still right (epochs, staging, pair slots)."""
+    from comet.runtime.virtual import VirtualEP
+    case = dict(CASES[3], tokens=CASES[3]["tokens"][:2])
+    per_rank, w13, w2 = _problem(**case)
+    want_dx, want_dw, _, want_2 = _spec_grads(per_rank, w13, w2)
+    cfg = _fused_config(w13.shape[0], w2.shape[1], case["tokens"])
+    el = w13.shape[0] // 2
+    ep = VirtualEP(cfg, [w13[:el], w13[el:]], [w2[:el], w2[el:]])
+    xs, ids, ws, dys = (list(t) for t in zip(*per_rank))
+    frozen = ep.backward(dys, xs, ids, ws, weight_grads=False)
+    again = ep.backward(dys, xs, ids, ws)
+    for r in range(2):
+        assert frozen[r][2] is None and frozen[r][3] is None
+        for got in (frozen[r], again[r]):
+            torch.testing.assert_close(got[0], want_dx[r], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got[1], want_dw[r], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again[r][3], want_2[r * el:(r + 1) * el], atol=1e-4,
+                                   rtol=1e-4)
+    assert all(int(ws_.epoch) == 4 for ws_ in ep.ws)
+
+
+def test_fused_layer_backward_on_one_rank_stages_the_routing():
+    """FusedMoE.backward (one rank, the interpreter): routing staged into the layer's
+    max_tokens buffers, bad shapes refused before any kernel runs."""
+    from comet.runtime.layer import FusedMoE
+    per_rank, w13, w2 = _problem(tokens=[9], experts=8, ffn=48, seed=7)
+    want_dx, want_dw, want_13, want_2 = _spec_grads(per_rank, w13, w2)
+    x, ids, w, dy = per_rank[0]
+    layer = FusedMoE(_fused_config(8, 48, [16]), w13, w2)
+    with pytest.raises(ValueError, match="dy must be"):
+        layer.backward(dy[:3], x, ids, w)
+    epoch = int(layer.ws.epoch)
+    assert epoch == 0
+    dx, dw, d13, d2 = layer.backward(dy, x, ids, w)
+    torch.testing.assert_close(dx, want_dx[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw, want_dw[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(d13, interleave_gate_up(want_13), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(d2, want_2, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_empty_kernel_zeroes_only_experts_without_rows():
+    from comet.kernels.grad_rows import zero_empty_kernel
+    out = torch.randn(4, 3, 50)
+    keep = out.clone()
+    ends = torch.tensor([5, 5, 9, 9], dtype=torch.int32)     # experts 1 and 3 got no rows
+    zero_empty_kernel[(3,)](out, ends, 150, LOCAL_EXPERTS=4, BLOCK=32)
+    assert not out[1].any() and not out[3].any()
+    torch.testing.assert_close(out[0], keep[0])
+    torch.testing.assert_close(out[2], keep[2])
+
+
+def test_the_fused_backward_is_the_default_on_one_rank_only():
+    moe = CometMoE(num_experts=4, top_k=2, hidden_size=H, intermediate_size=16)
+    assert moe.fused_backward is True
+    assert CometMoE(num_experts=4, top_k=2, hidden_size=H, intermediate_size=16,
+                    fused_backward=False).fused_backward is False

@@ -8,6 +8,10 @@ and the row's routing weight ``w``::
     dg, du  = w * dh_u * u * SiLU'(g),  w * dh_u * SiLU(g)
     d w     = sum_j dh_u * h                   (the routing weight's gradient, fp32)
 
+The fused backward (comet.runtime.backward) runs it on its capacity-sized row buffers with
+the row count read on the device (no host sync), and stores ``w * h`` -- what ``dW2``
+needs -- instead of ``h``.
+
 As separate torch ops this is about ten passes over ``[R, F]`` fp32 temporaries (a third
 of a training step's device time for Phi-3.5-MoE, H100); here each element is read and
 written once, in registers.
@@ -29,9 +33,10 @@ NUM_WARPS = 4
 
 @triton.jit
 def _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, col0, width, F,
-           stride_gu, stride_dhu, INTERLEAVED: tl.constexpr, BLOCK_F: tl.constexpr):
+           stride_gu, stride_dhu, INTERLEAVED: tl.constexpr, BLOCK_F: tl.constexpr,
+           SCALE_H: tl.constexpr):
     """Columns ``[col0, col0 + width)`` of F, one gate/up block; returns the block's share
-    of the weight gradient. Interleaved, the block's gates start at ``2 * col0`` and its
+    of the weight gradient; stores ``h`` (``w * h`` with ``SCALE_H``). Interleaved, the block's gates start at ``2 * col0`` and its
     ups ``width`` later (the last, partial block included: :mod:`comet.weights`);
     otherwise all gates come first, then all ups."""
     if INTERLEAVED:
@@ -51,7 +56,11 @@ def _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, col0, width, F,
     sig = tl.sigmoid(g)
     act = g * sig
     h = (act * u).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + r64[:, None] * F + (col0 + c)[None, :], h, mask=ok)
+    if SCALE_H:
+        stored = (h.to(tl.float32) * w[:, None]).to(h_ptr.dtype.element_ty)
+    else:
+        stored = h
+    tl.store(h_ptr + r64[:, None] * F + (col0 + c)[None, :], stored, mask=ok)
     dh = dhu * w[:, None]
     tl.store(dgu_ptr + gate_at, (dh * u * sig * (1 + g * (1 - sig))).to(
         dgu_ptr.dtype.element_ty), mask=ok)
@@ -61,23 +70,31 @@ def _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, col0, width, F,
 
 @triton.jit
 def act_backward_kernel(gu_ptr, dhu_ptr, weight_ptr, dgu_ptr, h_ptr, dweight_ptr,
-                        rows, F, stride_gu, stride_dhu,
+                        rows, rows_ptr, F, stride_gu, stride_dhu,
                         INTERLEAVED: tl.constexpr, GATE_UP: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = r < rows
-    r64 = r.to(tl.int64)
-    w = tl.load(weight_ptr + r, mask=row_ok, other=0.0)
-    d_weight = tl.zeros([BLOCK_R], dtype=tl.float32)
+                        BLOCK_R: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr,
+                        SCALE_H: tl.constexpr):
+    """Row blocks strided over the programs; ``ROWS_ON_DEVICE``: the row count is
+    ``rows_ptr[0]``, else ``rows``."""
+    if ROWS_ON_DEVICE:
+        rows = tl.load(rows_ptr)
     full = F // GATE_UP
-    for b in range(0, full):
-        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, b * GATE_UP,
-                           GATE_UP, F, stride_gu, stride_dhu, INTERLEAVED, GATE_UP)
     tail = F - full * GATE_UP
-    if tail > 0:
-        d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, full * GATE_UP,
-                           tail, F, stride_gu, stride_dhu, INTERLEAVED, GATE_UP)
-    tl.store(dweight_ptr + r, d_weight, mask=row_ok)
+    for blk in range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0)):
+        r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = r < rows
+        r64 = r.to(tl.int64)
+        w = tl.load(weight_ptr + r64, mask=row_ok, other=0.0)
+        d_weight = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for b in range(0, full):
+            d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w, b * GATE_UP,
+                               GATE_UP, F, stride_gu, stride_dhu, INTERLEAVED, GATE_UP,
+                               SCALE_H)
+        if tail > 0:
+            d_weight += _block(gu_ptr, dhu_ptr, dgu_ptr, h_ptr, r64, row_ok, w,
+                               full * GATE_UP, tail, F, stride_gu, stride_dhu, INTERLEAVED,
+                               GATE_UP, SCALE_H)
+        tl.store(dweight_ptr + r64, d_weight, mask=row_ok)
 
 
 def act_backward(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
@@ -90,7 +107,21 @@ def act_backward(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
     d_weight = torch.empty(rows, dtype=torch.float32, device=gu.device)
     if rows:
         act_backward_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
-            gu, dh_u, weight.contiguous(), dgu, h, d_weight, rows, f, gu.stride(0),
+            gu, dh_u, weight.contiguous(), dgu, h, d_weight, rows, d_weight, f, gu.stride(0),
             dh_u.stride(0), INTERLEAVED=interleaved, GATE_UP=GATE_UP_BLOCK,
-            BLOCK_R=BLOCK_ROWS, num_warps=NUM_WARPS)
+            BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=False, SCALE_H=False, num_warps=NUM_WARPS)
     return dgu, h, d_weight
+
+
+def act_backward_rows(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
+                      rows: torch.Tensor, dgu: torch.Tensor, hw: torch.Tensor,
+                      d_weight: torch.Tensor, programs: int) -> None:
+    """The fused backward's form, into given buffers: the first ``rows[0]`` (device int32)
+    rows of ``gu [cap, 2F]`` (interleaved), ``dh_u [cap, F]``, ``weight [cap]`` ->
+    ``dgu`` (may be ``gu`` itself: each element is read before it is written, by the same
+    thread), ``hw = w * h [cap, F]``, ``d_weight [cap]``; on ``programs`` programs."""
+    f = dh_u.shape[1]
+    act_backward_kernel[(max(1, programs),)](
+        gu, dh_u, weight, dgu, hw, d_weight, 0, rows, f, gu.stride(0), dh_u.stride(0),
+        INTERLEAVED=True, GATE_UP=GATE_UP_BLOCK, BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=True,
+        SCALE_H=True, num_warps=NUM_WARPS)

@@ -12,6 +12,11 @@ the gate and the up columns of its output columns -- side by side in W13's inter
 layout (comet.weights), so one dot computes both -- and stores ``silu(gate) * up``: the
 activation never makes its own pass over memory.
 
+With ``TRANS_B`` (plain tiles only) B is read transposed: ``b_desc`` views the weights as
+``[El * N, K]`` and a tile multiplies by ``B[expert]^T`` -- the backward's GEMMs
+(``dy @ W2^T``, ``d(gate, up) @ W13^T``) on the weights as they are stored, the way
+wgmma reads a K-major B tile from shared memory anyway.
+
 The same ``gemm_tile`` runs in both fused layer kernels (and in
 scripts/device/gemm_variants.py, which times it under other tile loops); only the loop
 around it and the waits differ. Both loops are flattened (``tl.range(flatten=True)``):
@@ -41,12 +46,14 @@ def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
 @triton.jit
 def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
              GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             TRANS_B: tl.constexpr = False):
     """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]``; with ``GATED``,
     ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
     is one whole interleave block, ``b_desc``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and
     up are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
-    comet.weights); otherwise two dots on boxes of ``BLOCK_N`` columns."""
+    comet.weights); otherwise two dots on boxes of ``BLOCK_N`` columns. ``TRANS_B``:
+    ``A @ B[expert]^T`` with ``b_desc`` over ``[El * N, K]`` (box ``[BLOCK_N, BLOCK_K]``)."""
     b_row = expert * K
     if GATED and ONE_DOT:
         both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -66,6 +73,11 @@ def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
             acc_up = tl.dot(a, b_desc.load([b_row + k, up_col]), acc_up,
                             input_precision=DOT_PRECISION)
         acc = acc * tl.sigmoid(acc) * acc_up
+    elif TRANS_B:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([expert * N + n0, k]).T,
+                         acc, input_precision=DOT_PRECISION)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -78,11 +90,11 @@ def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
 def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K, N,
               GATED: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TRANS_B: tl.constexpr = False):
     """``C[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
-    see :func:`gemm_acc`)."""
+    or B transposed, see :func:`gemm_acc`)."""
     acc = gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED, GATE_UP, ONE_DOT,
-                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B)
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < row_end) & (cols[None, :] < N)

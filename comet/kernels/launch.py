@@ -318,25 +318,35 @@ def _cooperative(role: int, cooperative: bool) -> dict:
 def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
                   wait: bool = True, trace: torch.Tensor | None = None,
-                  cooperative: bool = True) -> None:
+                  cooperative: bool = True, *, out: torch.Tensor | None = None,
+                  transposed: bool = False) -> None:
     """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute);
     ``w13`` in the interleaved layout of :mod:`comet.weights`.
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
-    int32 with the comm-block count (fused role only)."""
-    el, h, f = w13.shape[0], cfg.hidden_size, cfg.intermediate_size
+    int32 with the comm-block count (fused role only).
+
+    With ``out`` (``[rows, N]``, the backward's): a plain GEMM of the dispatched rows into
+    ``out`` instead, no activation -- ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for
+    ``w [El, N, H]`` with ``transposed``; on layer1's column block."""
+    el, h = w13.shape[0], cfg.hidden_size
     bk = tile.k_step(h)
-    one_dot = tile.block_n0 == GATE_UP_BLOCK and f % GATE_UP_BLOCK == 0
     p = ws.plan
     trace, trace_kw = _trace_args(trace, w13.device)
+    if out is None:
+        n, c, block_n = cfg.intermediate_size, ws.h, tile.block_n0
+        one_dot = block_n == GATE_UP_BLOCK and n % GATE_UP_BLOCK == 0
+        b = descriptor(w13.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
+    else:
+        n, c, block_n, one_dot = out.shape[1], out, tile.block_n1, False
+        b = (descriptor(w13.view(el * n, h), [block_n, bk]) if transposed
+             else descriptor(w13.view(el * h, n), [bk, block_n]))
     l0.layer0_kernel[(grid,)](
         x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
         p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
         ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, ws.flag0.shape[1], cfg.max_tokens,
-        ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
-        descriptor(w13.view(el * h, 2 * f), [bk, tile.block_n0 * (2 if one_dot else 1)]),
-        ws.h, h, f,
+        ws.a0, descriptor(ws.a0, [tile.block_m, bk]), b, c, h, n,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], ws.counter_view()["l0_queue"],
         ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
@@ -344,36 +354,53 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
-        GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n0, BLOCK_K=bk,
+        GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
+        BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,
         DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(), **trace_kw,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
 
 
 def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,
                   role: int, split: torch.Tensor, grid: int, wait: bool = True,
-                  trace: torch.Tensor | None = None, cooperative: bool = True) -> None:
-    """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank."""
-    el, h, f = w2.shape[0], cfg.hidden_size, cfg.intermediate_size
-    bk = tile.k_step(f)
+                  trace: torch.Tensor | None = None, cooperative: bool = True, *,
+                  a: torch.Tensor | None = None, pair_src: torch.Tensor | None = None
+                  ) -> None:
+    """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank.
+
+    With ``a`` (``[rows, K]``, the backward's ``d(gate, up)``): the GEMM is ``a @ w2^T``
+    for ``w2 [El, H, K]`` (W13 as stored) and the reduce an unweighted sum; ``pair_src``
+    (``[rows]`` fp32) then also goes home, one scalar per (token, slot), into the
+    sources' ``pair_grad``."""
+    el, h = w2.shape[0], cfg.hidden_size
     p = ws.plan
     counters = ws.counter_view()
     trace, trace_kw = _trace_args(trace, w2.device)
+    backward = a is not None
+    if not backward:
+        a, k = ws.h, cfg.intermediate_size
+        bk = tile.k_step(k)
+        b = descriptor(w2.view(el * k, h), [bk, tile.block_n1])
+    else:
+        k = a.shape[1]
+        bk = tile.k_step(k)
+        b = descriptor(w2.view(el * h, k), [tile.block_n1, bk])
+    pairs = pair_src is not None
     l1.layer1_kernel[(grid,)](
-        descriptor(ws.h, [tile.block_m, bk]), descriptor(w2.view(el * f, h), [bk, tile.block_n1]),
-        ws.out1, f, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
+        descriptor(a, [tile.block_m, bk]), b, ws.out1, k, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
         p["num_tiles"], counters["split"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, ws.flag0.shape[1],
         p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
         counters["l1_done"], counters["l1_reduce"], ws.epoch,
-        ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout, trace,
+        ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout,
+        pair_src if pairs else ws.pair_grad, ws.peer_ptrs["pair_grad"], ws.pair_grad, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_ITEM=tile.reduce_item,
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
         BLOCKS_PER_SPLIT=tile.blocks_per_split(h), N_SPLITS=tile.n_splits(h),
-        DOT_PRECISION=_dot_precision(cfg.dtype),
+        DOT_PRECISION=_dot_precision(cfg.dtype), TRANS_B=backward,
+        WEIGHTED=not backward, PAIRS=pairs,
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **_cooperative(role, cooperative))
 

@@ -1,5 +1,9 @@
 """layer0: dispatch -> GroupGEMM(W13) -> SiLU(gate) * up, in one persistent kernel.
 
+The backward (comet.runtime.backward) runs the same kernel twice more, as plain GEMMs
+with no activation: dispatch x and recompute ``gate/up = a0 @ W13``, then dispatch dy and
+compute ``a0 @ W2^T``.
+
 Shared tensor: ``a0 [rows, H]``, the token rows this rank receives, laid out by
 :mod:`comet.routing` (expert, then source in ring order, then token). It is decomposed
 along M: a GEMM tile needs only its own rows, so it can start as soon as the sources in
@@ -209,17 +213,20 @@ LANE_ITEMS = tl.constexpr(4)
 
 
 @triton.jit
-def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
+def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
                         flag0, chunk_slots, epoch, err_table, rank, timeout, trace_ptr, events,
-                        WAIT: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
+                        WAIT: tl.constexpr, GATED: tl.constexpr, TRANS_B: tl.constexpr,
+                        GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
                         USE_ASM: tl.constexpr):
-    """GroupGEMM ``h = silu(a0 @ W13_gate) * (a0 @ W13_up)`` over the local-first tiles,
+    """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
+    for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
+    output columns -- over the local-first tiles,
     taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
     lane at a time (:func:`strided_take`): blocks take work in the scheduler's order
     whenever they are free, so a block that joins late (a comm block done dispatching)
@@ -227,7 +234,7 @@ def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
     flattened loop starts: the pipeliner issues a tile's loads while the previous tile
     still runs, so no wait may sit between them."""
     num_tiles = tl.load(num_tiles_ptr)
-    n_blocks = tl.cdiv(F, BLOCK_N)
+    n_blocks = tl.cdiv(N, BLOCK_N)
     total = num_tiles * n_blocks
     programs = tl.num_programs(0)
     items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
@@ -252,9 +259,9 @@ def layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
                     start = clock_ns(USE_ASM)
                 t, nb = grouped_work(w, num_tiles, n_blocks)
                 expert = tl.load(tile_expert + t)
-                gemm_tile(a_desc, w13_desc, h_ptr, F, expert, tl.load(tile_row_start + t),
-                          tl.load(tile_row_end + t), nb * BLOCK_N, H, F, True, GATE_UP,
-                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                gemm_tile(a_desc, w_desc, c_ptr, N, expert, tl.load(tile_row_start + t),
+                          tl.load(tile_row_end + t), nb * BLOCK_N, K, N, GATED, GATE_UP,
+                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B)
                 if TRACE:
                     events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS,
                                    USE_ASM)
@@ -267,8 +274,8 @@ def layer0_kernel(
     x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
     a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
     recv_token, recv_rows, recv_weight, chunk_slots, max_tokens,
-    # GroupGEMM (compute role)
-    a0_ptr, a_desc, w13_desc, h_ptr, H, F,
+    # GroupGEMM (compute role): K = H, N output columns (F when GATED)
+    a0_ptr, a_desc, w_desc, c_ptr, K, N,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
     seg_start, seg_rows, pre, queue,
     # both; n_comm is read on the device so one captured launch serves every split
@@ -277,7 +284,7 @@ def layer0_kernel(
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
-    GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
+    GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     USE_ASM: tl.constexpr,
@@ -290,7 +297,7 @@ def layer0_kernel(
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
         if comm:
-            events = dispatch_role(role_pid, n_role, x_ptr, H, send_token, send_row, send_off,
+            events = dispatch_role(role_pid, n_role, x_ptr, K, send_token, send_row, send_off,
                           ret_token, ret_rows, ret_weight, ret_count,
                           a0_table, ret_token_table, ret_rows_table, ret_weight_table,
                           flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0,
@@ -301,11 +308,12 @@ def layer0_kernel(
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        layer0_compute_role(queue, a_desc, w13_desc, h_ptr, H, F,
+        layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
                             epoch, err_table,
-                            rank, timeout, trace_ptr, events, WAIT, GATE_UP, ONE_DOT, BLOCK_M,
+                            rank, timeout, trace_ptr, events, WAIT, GATED, TRANS_B, GATE_UP,
+                            ONE_DOT, BLOCK_M,
                             BLOCK_N, BLOCK_K,
                             DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
                             MAX_EVENTS, USE_ASM)

@@ -27,6 +27,11 @@ The comm blocks reduce the early splits while the GEMM of the later ones runs; t
 of the last split runs on every block. With no comm block the kernel is "GEMM, then
 reduce on the whole GPU" in one launch.
 
+The backward (comet.runtime.backward) runs the same kernel on ``d(gate, up) @ W13^T``
+(``TRANS_B``): the reduce then sums a token's rows unweighted (the routing weights are
+already in ``d(gate, up)``) and, with ``PAIRS``, also returns each (token, slot)'s
+routing-weight gradient, one fp32 per row, into the source's ``pair_grad``.
+
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
 that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
 """
@@ -54,7 +59,8 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
                         trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                        N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+                        N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        TRANS_B: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
@@ -94,7 +100,7 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                 gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
                           tl.load(tile_row_start + t), tl.load(tile_row_end + t),
                           nb * BLOCK_N, F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION)
+                          DOT_PRECISION, TRANS_B)
                 if TRACE:
                     events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
             # Counted once per split, not per tile: an atomic inside the loop keeps Triton
@@ -104,26 +110,44 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
 
 
 @triton.jit
+def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexpr):
+    """``pair_dst[token, j] = pair_src[row_j]`` for the slots of entries ``q`` held here."""
+    for j in tl.static_range(TOPK):
+        row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1)
+        held = row >= 0
+        v = tl.load(pair_src + row.to(tl.int64), mask=held, other=0.0)
+        tl.store(pair_dst + tok * TOPK + j, v, mask=held)
+
+
+@triton.jit
 def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start, end,
-                    col0, col1, TOPK: tl.constexpr, ENTRIES: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
-    """``dst[token] = sum_j weight_j * out1[row_j]`` over columns ``[col0, col1)`` for
-    entries ``[start, end)``, ``ENTRIES`` at a time; rows of ``-1`` are slots that live on
-    other ranks."""
+                    col0, col1, pair_src, pair_dst, TOPK: tl.constexpr,
+                    ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, WEIGHTED: tl.constexpr,
+                    PAIRS: tl.constexpr):
+    """``dst[token] = sum_j weight_j * out1[row_j]`` (``WEIGHTED``, else the plain sum)
+    over columns ``[col0, col1)`` for entries ``[start, end)``, ``ENTRIES`` at a time;
+    rows of ``-1`` are slots that live on other ranks. With ``PAIRS``, the items of the
+    first columns also return each held slot's scalar (:func:`_return_pairs`)."""
     for e0 in range(start, end, ENTRIES):
         q = e0 + tl.arange(0, ENTRIES)
         live = q < end
         tok = tl.load(recv_token + q, mask=live, other=0).to(tl.int64)
+        if PAIRS:
+            if col0 == 0:
+                _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK)
         for c0 in range(col0, col1, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             cmask = cols[None, :] < col1
             acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
             for j in tl.static_range(TOPK):
                 row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-                wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
                 v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
                             mask=(row[:, None] >= 0) & cmask, other=0.0)
-                acc += v.to(tl.float32) * wgt[:, None]
+                if WEIGHTED:
+                    wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
+                    acc += v.to(tl.float32) * wgt[:, None]
+                else:
+                    acc += v.to(tl.float32)
             tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
                      mask=live[:, None] & cmask)
 
@@ -154,10 +178,11 @@ def _reduce_item(i, rank, entries, WORLD: tl.constexpr, ITEM: tl.constexpr):
 def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
                      flag0, chunk_slots, chunks_total, comb_table, comb_ptr, flag1_table,
                      flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
-                     max_tokens, timeout, trace_ptr, events,
+                     max_tokens, timeout, pair_src, pair_table, pair_ptr, trace_ptr, events,
                      WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
                      ENTRIES: tl.constexpr, ITEM: tl.constexpr, BLOCK_C: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     WEIGHTED: tl.constexpr, PAIRS: tl.constexpr,
                      TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Reduce the top-k rows of every return entry into the sources' ``comb`` buffers
     (see module doc), items from the reduce queue ``queue``; an item of split ``s`` waits
@@ -194,7 +219,9 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
             _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
                             recv_rows + region * TOPK, recv_weight + region * TOPK, first,
                             tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                            tl.minimum(col0 + split_cols, H), TOPK, ENTRIES, BLOCK_C)
+                            tl.minimum(col0 + split_cols, H), pair_src,
+                            pointer_at(pair_table, source, pair_ptr), TOPK, ENTRIES,
+                            BLOCK_C, WEIGHTED, PAIRS)
         if TRACE:
             events = stamp(trace_ptr, events, split + TRACE_REDUCE, source, start,
                            MAX_EVENTS, USE_ASM)
@@ -216,11 +243,12 @@ def layer1_kernel(
     recv_token, recv_rows, recv_weight, entries, flag0, chunk_slots, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
     done_counter, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
-    split_ptr, timeout_ptr, trace_ptr,
+    split_ptr, timeout_ptr, pair_src, pair_table, pair_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TRANS_B: tl.constexpr, WEIGHTED: tl.constexpr, PAIRS: tl.constexpr,
     TRACE: tl.constexpr,
     MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
@@ -234,16 +262,17 @@ def layer1_kernel(
                                      tile_expert, tile_row_start, tile_row_end,
                                      num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
                                      BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
-                                     DOT_PRECISION, TRACE, MAX_EVENTS, USE_ASM)
+                                     DOT_PRECISION, TRANS_B, TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out of
     # tiles joins it, so the reduce of the last split runs on the whole GPU.
     if ROLE != ROLE_COMPUTE:
         reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
                          entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
                          flag1_table, flag1, split_done, done_counter, num_tiles_ptr, epoch,
-                         err_table, rank, max_tokens, timeout, trace_ptr, events, WAIT, WORLD,
-                         TOPK, COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT,
-                         TRACE, MAX_EVENTS, USE_ASM)
+                         err_table, rank, max_tokens, timeout, pair_src, pair_table, pair_ptr,
+                         trace_ptr, events, WAIT, WORLD, TOPK, COMM_ENTRIES, COMM_ITEM,
+                         COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, WEIGHTED, PAIRS, TRACE,
+                         MAX_EVENTS, USE_ASM)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import torch
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
+from comet.runtime.backward import BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
 from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
                                     timeout_ns)
@@ -205,7 +206,8 @@ class FusedMoE:
                       w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None,
                       programs: int | None = None, tuned_config_folder: str | None = None,
                       check_errors: str = "lazy", use_graphs: bool = True,
-                      w13_layout: str = "gate_up") -> list["FusedMoE"]:
+                      w13_layout: str = "gate_up", backward: bool = False
+                      ) -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank
         (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
@@ -213,7 +215,8 @@ class FusedMoE:
         cannot make peer calls while the device waits to load a module. ``programs``
         (default: the SM count over W) is each rank's grid, so every rank's spinning kernel
         fits on the GPU beside the others' (launched without the cooperative attribute,
-        which would not let them share it). Other arguments as for the constructor."""
+        which would not let them share it). ``backward``: preload the backward's kernels
+        too (:meth:`backward`). Other arguments as for the constructor."""
         world = len(w13_shards)
         device = w13_shards[0].device
         if world > 1 and check_errors == "sync":
@@ -235,7 +238,7 @@ class FusedMoE:
                              w2_shards[r], None, par, spaces[r], tile, programs,
                              tuned_config_folder, check_errors, use_graphs, virtual=True)
             if device.type == "cuda":
-                layer.preload()
+                layer.preload(backward=backward)
             layers.append(layer)
         return layers
 
@@ -284,6 +287,7 @@ class FusedMoE:
         self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}
         self._trace: dict[str, torch.Tensor] | None = None
         self._compiled: set[tuple[str, bool, bool]] = set()
+        self._grad: GradBuffers | None = None     # the backward's scratch, on first use
 
     # ------------------------------------------------------------------ split
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
@@ -453,6 +457,12 @@ class FusedMoE:
         self._after_launch()
         return y
 
+    def _refresh_timeout(self) -> None:
+        timeout = timeout_ns()
+        if timeout != self._timeout:
+            self.ws.timeout.fill_(timeout)
+            self._timeout = timeout
+
     def _launch(self, x, topk_ids, topk_weights, split: tuple[int, int], mode: str,
                 timer: PhaseTimer | None, decode: bool = False) -> torch.Tensor:
         """Stage the inputs and issue one call's work (graph replay when possible) with
@@ -463,10 +473,7 @@ class FusedMoE:
         self.last_tile = self._decode_tile if decode else self.tile
         y = torch.empty_like(x)
         s = self._static
-        timeout = timeout_ns()
-        if timeout != self._timeout:
-            self.ws.timeout.fill_(timeout)
-            self._timeout = timeout
+        self._refresh_timeout()
         x = L.aligned(x)
         s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1)
         s.ids[:m].copy_(topk_ids)     # rows past m are never read (the plan stops at m)
@@ -486,9 +493,52 @@ class FusedMoE:
                 self._compiled.add(key)
         return y
 
-    def preload(self, mode: str = "fused") -> None:
+    # ------------------------------------------------------------------ backward
+    def backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, weight_grads: bool = True, comm_blocks=None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                            torch.Tensor | None]:
+        """Gradients of the call ``y = self(x, topk_ids, topk_weights)`` given ``dy =
+        dL/dy [M, H]``, on the fused kernels (:mod:`comet.runtime.backward`): the
+        dispatches of ``x`` and ``dy`` and the return of the ``dx`` rows overlap the
+        GEMMs as in the forward. Collective, like a call.
+
+        Returns ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13
+        [El, H, 2F] in this layer's interleaved layout, dW2 [El, F, H])``; the weight
+        gradients are None without ``weight_grads`` (frozen experts: two GEMMs fewer,
+        the same exchanges). ``comm_blocks`` as for a call (default: the call's own)."""
+        self._check(x, topk_ids, topk_weights, "fused")
+        if tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
+            raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "
+                             f"{list(dy.shape)} on {dy.device}")
+        if self._failure is not None:
+            raise CometError("comet: this layer failed in an earlier call and its workspace "
+                             "is unusable until reset() is called on every rank (or the "
+                             f"layer is re-created): {self._failure}") from self._failure
+        call = self._backward_call(dy, x, topk_ids, topk_weights, weight_grads,
+                                   self.select_comm_blocks(x.shape[0], comm_blocks)).run()
+        self._after_launch()
+        return call.dx, call.d_weights.to(topk_weights.dtype), call.dw13, call.dw2
+
+    def _backward_call(self, dy, x, topk_ids, topk_weights, weight_grads: bool,
+                       split: tuple[int, int]) -> BackwardCall:
+        if self._grad is None:
+            with torch.inference_mode(False):
+                self._grad = GradBuffers.allocate(self.cfg, self.par.world_size, self.device)
+        self._refresh_timeout()
+        self.last_comm_blocks = split
+        return BackwardCall(
+            self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
+            L.aligned(dy.to(x.dtype).contiguous()), L.aligned(x),
+            topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(),
+            split, self.programs, fused=not L.interpreting(), cooperative=not self._virtual,
+            weight_grads=weight_grads, staged_ids=self._static.ids,
+            staged_weights=self._static.weights)
+
+    def preload(self, mode: str = "fused", backward: bool = False) -> None:
         """Compile, load and capture the kernels of every block-split and tile variant of
-        ``mode`` on this rank alone, before the first call. Local -- nothing reaches a peer -- so
+        ``mode`` on this rank alone, before the first call (with ``backward``, compile
+        and load the backward's too). Local -- nothing reaches a peer -- so
         it needs no barrier; but not while this layer has a call in flight.
 
         It runs two calls per variant (the first compiles, the second captures the graph)
@@ -506,6 +556,9 @@ class FusedMoE:
             for split in ((1, 1), (0, 0)):
                 for _ in range(2):
                     self._launch(*nothing, split, mode, None, decode)
+        if backward:
+            for split in ((1, 1), (0, 0)):
+                self._backward_call(nothing[0], *nothing, True, split).run()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.ws.error.zero_()

@@ -16,6 +16,7 @@ import torch
 
 from comet.config import MoEConfig
 from comet.kernels import launch as L
+from comet.runtime.backward import BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
@@ -80,7 +81,48 @@ class VirtualEP:
             raise_if_failed(self.ws[r].fatal_word, r)
         return ys
 
+    def backward(self, dys: list[torch.Tensor], xs: list[torch.Tensor],
+                 topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                 programs: int = 3, weight_grads: bool = True) -> list[tuple]:
+        """Every rank's ``(dx, d topk_weights, dW13 (interleaved), dW2)`` of
+        :meth:`forward` (:mod:`comet.runtime.backward`), phase by phase across ranks."""
+        if not hasattr(self, "_grad"):
+            self._grad = [GradBuffers.allocate(self.cfg, self.world, self.device)
+                          for _ in range(self.world)]
+        calls = [BackwardCall(self.ws[r], self.cfg, self.tile, self.w13[r], self.w2[r],
+                              self._grad[r], L.aligned(dys[r].to(xs[r].dtype).contiguous()),
+                              L.aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
+                              topk_weights[r].float().contiguous(), (0, 0), programs,
+                              fused=False, cooperative=False, weight_grads=weight_grads)
+                 for r in range(self.world)]
+        for step in zip(*(c.phases() for c in calls)):
+            for phase in step:
+                phase()
+        for r in range(self.world):
+            raise_if_failed(self.ws[r].fatal_word, r)
+        return [(c.dx, c.d_weights, c.dw13, c.dw2) for c in calls]
 
+
+
+
+def _on_streams(layers, streams, delay_cycles, return_exceptions, call) -> list:
+    """``call(r, layer)`` for every rank on its own stream (after its delay); every rank's
+    call is made even if an earlier one raised, then the first exception is raised (or,
+    with ``return_exceptions``, returned in that rank's place)."""
+    out = []
+    for r, layer in enumerate(layers):
+        with torch.cuda.stream(streams[r]):
+            if delay_cycles and delay_cycles[r]:
+                torch.cuda._sleep(int(delay_cycles[r]))
+            try:
+                out.append(call(r, layer))
+            except Exception as e:  # noqa: BLE001 -- handed back or re-raised below
+                out.append(e)
+    if not return_exceptions:
+        for item in out:
+            if isinstance(item, Exception):
+                raise item
+    return out
 
 
 def concurrent_forward(layers, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
@@ -97,17 +139,20 @@ def concurrent_forward(layers, xs: list[torch.Tensor], topk_ids: list[torch.Tens
     earlier rank's raised (ranks must make the same calls); then, like
     ``asyncio.gather``, the first exception is raised, or with ``return_exceptions`` the
     failed ranks' entries are their exceptions."""
-    out = []
-    for r, layer in enumerate(layers):
-        with torch.cuda.stream(streams[r]):
-            if delay_cycles and delay_cycles[r]:
-                torch.cuda._sleep(int(delay_cycles[r]))
-            try:
-                out.append(layer(xs[r], topk_ids[r], topk_weights[r], comm_blocks=comm_blocks))
-            except Exception as e:  # noqa: BLE001 -- handed back or re-raised below
-                out.append(e)
-    if not return_exceptions:
-        for item in out:
-            if isinstance(item, Exception):
-                raise item
-    return out
+    return _on_streams(layers, streams, delay_cycles, return_exceptions,
+                       lambda r, layer: layer(xs[r], topk_ids[r], topk_weights[r],
+                                              comm_blocks=comm_blocks))
+
+
+def concurrent_backward(layers, dys: list[torch.Tensor], xs: list[torch.Tensor],
+                        topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                        streams: list[torch.cuda.Stream], comm_blocks=None,
+                        delay_cycles: list[int] | None = None,
+                        return_exceptions: bool = False) -> list:
+    """:meth:`FusedMoE.backward <comet.runtime.layer.FusedMoE.backward>` of every rank,
+    as :func:`concurrent_forward` makes calls (the layers must have been preloaded with
+    ``backward=True``)."""
+    return _on_streams(layers, streams, delay_cycles, return_exceptions,
+                       lambda r, layer: layer.backward(dys[r], xs[r], topk_ids[r],
+                                                       topk_weights[r],
+                                                       comm_blocks=comm_blocks))

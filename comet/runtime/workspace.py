@@ -77,6 +77,8 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
         BufferSpec("flag0", (world, chunk_slots(cfg, world, tile)), torch.int64),
         BufferSpec("comb", (world, mx, h), cfg.dtype),                  # partial outputs, by expert rank
         BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
+        # the backward's per-(token, slot) scalar (routing-weight gradient), by token
+        BufferSpec("pair_grad", (mx, k), torch.float32),
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]

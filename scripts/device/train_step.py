@@ -11,8 +11,11 @@ token count:
   forward, then backward (torch's own grouped-GEMM backward);
 * ``torch ckpt``: the same under ``torch.utils.checkpoint`` (what a model that keeps only
   the layer's inputs, as comet does, pays with torch: the forward runs twice);
-* ``comet``: ``CometMoE.experts_forward``: the fused forward, then
-  :mod:`comet.backward` (recompute of gate/up, four grouped GEMMs).
+* ``comet``: ``CometMoE.experts_forward``: the fused forward, then the fused backward
+  (:mod:`comet.runtime.backward`: the forward's kernels again, recomputing gate/up);
+* ``comet unfused bwd``: the same forward, then the unfused backward
+  (``fused_backward=False``, :mod:`comet.backward`: a host sync, all_to_alls and
+  torch's grouped GEMMs).
 
 Times (CUDA events, L2 flushed, median): the inference forward of each, and the whole
 step (forward with autograd + backward). Memory: what each forward leaves allocated for
@@ -89,6 +92,13 @@ def run(name, tokens, ep, iters, warmup, profile=None):
         clear([x, w, *comet_params])
         moe.experts_forward(x, sets[i].topk_ids, w).backward(dys[i])
 
+    def comet_unfused_step(i, _):
+        moe.fused_backward = False
+        try:
+            comet_step(i, _)
+        finally:
+            moe.fused_backward = True
+
     def torch_step(i, _):
         x, w = leaves[i]
         clear([x, w, w13, w2])
@@ -111,7 +121,8 @@ def run(name, tokens, ep, iters, warmup, profile=None):
 
     rec = dict(config=name, ep=ep, tokens=tokens, experts=experts)
     for label, fn in (("comet_fwd", comet_fwd), ("torch_fwd", torch_fwd),
-                      ("comet_step", comet_step), ("torch_step", torch_step),
+                      ("comet_step", comet_step), ("comet_unfused_step", comet_unfused_step),
+                      ("torch_step", torch_step),
                       ("torch_ckpt_step", torch_ckpt_step)):
         series = time_calls(fn, n_sets=N_SETS, iters=iters, warmup=warmup, device=dev,
                             flush=flush)
@@ -130,10 +141,12 @@ def run(name, tokens, ep, iters, warmup, profile=None):
         del y
     if profile:
         _profile(f"{name} {tokens} comet step", comet_step, profile)
+        _profile(f"{name} {tokens} comet step, unfused backward", comet_unfused_step, profile)
         _profile(f"{name} {tokens} torch step", torch_step, profile)
     rec["comet_bwd_us"] = rec["comet_step_us"] - rec["comet_fwd_us"]
     rec["torch_bwd_us"] = rec["torch_step_us"] - rec["torch_fwd_us"]
     rec["step_speedup"] = rec["torch_step_us"] / rec["comet_step_us"]
+    rec["fused_bwd_speedup"] = rec["comet_unfused_step_us"] / rec["comet_step_us"]
     rec["ckpt_step_speedup"] = rec["torch_ckpt_step_us"] / rec["comet_step_us"]
     # Gradients of both on set 0.
     comet_step(0, None)
@@ -163,7 +176,8 @@ def main():
     a = p.parse_args()
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=[])
     print(f"{'config':18} {'tokens':>6} {'comet fwd':>10} {'torch fwd':>10} "
-          f"{'comet step':>11} {'torch step':>11} {'speedup':>8} {'ckpt':>6} {'saved MiB':>15}  "
+          f"{'comet step':>11} {'unfused bwd':>11} {'torch step':>11} {'speedup':>8} "
+          f"{'ckpt':>6} {'saved MiB':>15}  "
           "grad rel err")
     for name in a.configs:
         for tokens in a.tokens:
@@ -171,7 +185,8 @@ def main():
             out["records"].append(rec)
             err = " ".join(f"{k} {v:.1e}" for k, v in rec["grad_rel_err"].items())
             print(f"{name:18} {tokens:6d} {rec['comet_fwd_us']:10.0f} {rec['torch_fwd_us']:10.0f} "
-                  f"{rec['comet_step_us']:11.0f} {rec['torch_step_us']:11.0f} "
+                  f"{rec['comet_step_us']:11.0f} {rec['comet_unfused_step_us']:11.0f} "
+                  f"{rec['torch_step_us']:11.0f} "
                   f"{rec['step_speedup']:8.2f} {rec['ckpt_step_speedup']:6.2f} "
                   f"{rec['comet_saved_mib']:7.0f}/"
                   f"{rec['torch_saved_mib']:<7.0f}  {err}", flush=True)

@@ -1,0 +1,239 @@
+"""The backward of the routed experts on the fused kernels: Comet's overlap for training.
+
+The backward has the forward's two shapes again, so it runs the forward's kernels:
+
+* ``dy @ W2^T`` needs ``dy`` at the experts' ranks -- a dispatch followed by a GEMM,
+  decomposed along M like layer0 (:func:`comet.kernels.layer0.layer0_kernel` with a
+  transposed B);
+* ``d(gate, up) @ W13^T`` leaves one row per (token, expert) to be summed at the token's
+  home -- a GEMM followed by a reduce, decomposed along N like layer1
+  (:func:`comet.kernels.layer1.layer1_kernel`, unweighted, returning each slot's
+  routing-weight gradient with the rows).
+
+Nothing is kept from the forward (its workspace is the next call's), so ``gate/up`` is
+recomputed, as with activation checkpointing: a third layer0 call dispatches ``x`` and
+computes ``x @ W13``. One rank's backward is two workspace *calls* (each opened by the
+count exchange, the handshake that lets a call reuse buffers peers write into):
+
+    call 1: plan -> layer0(x): gate/up = a0 @ W13 -> each row's weight, keep the x rows
+    call 2: layer0(dy): dh = a0 @ W2^T -> SiLU-gate backward (dgu, w*h, d weight)
+            -> dW2 = (w*h)^T dy, dW13 = x^T dgu (local grouped GEMMs)
+            -> layer1(dgu @ W13^T): reduce + send dx rows and d weight home -> combine
+
+Every exchange is inside a fused kernel, bounded and checked like the forward's, and
+nothing waits on the host: the call's row counts stay on the device (the helpers of
+:mod:`comet.kernels.grad_rows` and the activation kernel read them there).
+
+Memory: the call's rows live in capacity-sized buffers (:class:`GradBuffers`, allocated at
+the first backward): recomputed gate/up, then ``d(gate, up)`` in place (``[cap, 2F]``),
+``w * h`` (``[cap, F]``), two fp32 scalars per row; the x rows are kept in the workspace's
+layer1 buffer and ``dy @ W2^T`` goes to its layer0 output, which the backward does not
+otherwise use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from comet.config import MoEConfig
+from comet.kernels import grad_rows
+from comet.kernels import launch as L
+from comet.kernels.act_backward import act_backward_rows
+from comet.routing import recv_capacity
+from comet.runtime.workspace import Workspace
+
+#: Programs of the row helpers per SM (streams of loads; see COMBINE_PROGRAMS_PER_SM).
+ROW_PROGRAMS_PER_SM = 4
+
+
+@dataclass
+class GradBuffers:
+    """One rank's scratch of the fused backward (capacity rows, reused by every call)."""
+
+    gu: torch.Tensor       # [cap, 2F] recomputed gate/up, then d(gate, up) in place
+    hw: torch.Tensor       # [cap, F] w * h, the left operand of dW2
+    w_row: torch.Tensor    # [cap] fp32 routing weight of each row
+    dw_row: torch.Tensor   # [cap] fp32 its gradient
+
+    @classmethod
+    def allocate(cls, cfg: MoEConfig, world: int, device) -> "GradBuffers":
+        cap = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+        f = cfg.intermediate_size
+        return cls(torch.empty(cap, 2 * f, dtype=cfg.dtype, device=device),
+                   torch.empty(cap, f, dtype=cfg.dtype, device=device),
+                   torch.zeros(cap, dtype=torch.float32, device=device),
+                   torch.zeros(cap, dtype=torch.float32, device=device))
+
+
+def expert_ends(ws: Workspace) -> torch.Tensor:
+    """int32 ``[El]``: one past each local expert's last row in the layer0 shared tensor
+    (rows are grouped by expert, sources in ring order inside: the last ring segment
+    ends the expert). Device ops on the plan; no sync."""
+    return (ws.plan["seg_start"][-1] + ws.plan["seg_rows"][-1]).to(torch.int32)
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[El, K, N]``: per expert, its rows of ``a [cap, K]`` transposed times its rows of
+    ``b [cap, N]`` (rows past ``ends[-1]`` are not read). Experts with no rows are left
+    to :func:`zero_empty`."""
+    if a.is_cuda:
+        return torch._grouped_mm(a.t(), b, offs=ends)
+    from comet.backward import grouped_weight_grad as by_rows
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return by_rows(a[:int(ends[-1])], b[:int(ends[-1])], counts, ends)
+
+
+@dataclass
+class BackwardCall:
+    """One rank's backward of one forward call, as phases (see the module docstring).
+
+    :meth:`phases` lists them; a rank on its own GPU runs them back to back, while the
+    virtual-rank driver runs each phase on every rank before the next (the Triton
+    interpreter runs one program at a time, so a consumer must find its producers done).
+    The results are in :attr:`dx`, :attr:`d_weights`, :attr:`dw13`, :attr:`dw2` once the
+    phases ran.
+    """
+
+    ws: Workspace
+    cfg: MoEConfig
+    tile: L.TileConfig
+    w13: torch.Tensor          # [El, H, 2F] interleaved (comet.weights)
+    w2: torch.Tensor           # [El, F, H]
+    bufs: GradBuffers
+    dy: torch.Tensor           # [M, H] model dtype, contiguous, aligned
+    x: torch.Tensor
+    topk_ids: torch.Tensor     # [M, k] int64
+    topk_weights: torch.Tensor  # [M, k] fp32
+    split: tuple[int, int]     # comm blocks of the layer0-shaped and layer1-shaped calls
+    grid: int                  # programs of the fused kernels
+    fused: bool                # roles in one launch (False: one launch per role)
+    cooperative: bool = True
+    weight_grads: bool = True
+    #: ``[max_tokens, k]`` buffers the routing is staged into for the plan (which then
+    #: reads the call's rows only): the plan kernels' arguments stay the same for every
+    #: token count, so a call never compiles a new specialization -- whose module load
+    #: would wait for the device to go idle while this rank's kernels wait for peers.
+    staged_ids: torch.Tensor | None = None
+    staged_weights: torch.Tensor | None = None
+
+    def __post_init__(self):
+        dev = self.x.device
+        m = self.x.shape[0]
+        self.dx = torch.empty_like(self.x)
+        self.d_weights = self.dw13 = self.dw2 = None
+        self._addr = {name: L.address_of(t) for name, t in
+                      (("x", self.x), ("dy", self.dy), ("dx", self.dx))}
+        self._split = [L.split_of(n, dev) for n in self.split]
+        self._m = torch.full((1,), m, dtype=torch.int64, device=dev)
+        if self.staged_ids is None:
+            self._ids, self._weights, self._num_tokens = self.topk_ids, self.topk_weights, None
+        else:
+            self.staged_ids[:m].copy_(self.topk_ids)
+            self.staged_weights[:m].copy_(self.topk_weights)
+            self._ids, self._weights = self.staged_ids, self.staged_weights
+            self._num_tokens = self._m
+        self._ends: torch.Tensor | None = None   # expert_ends(), once the plan ran
+        self._row_programs = max(1, self.grid * (1 if not self.cooperative
+                                                 else ROW_PROGRAMS_PER_SM))
+
+    # ------------------------------------------------------------------ phases
+    def phases(self) -> list[Callable[[], None]]:
+        return [self._open_plan, self._plan,
+                *self._layer0("x", self.w13, self.bufs.gu, transposed=False),
+                self._keep_rows, self._open, self._wait_open,
+                *self._layer0("dy", self.w2, self.ws.h, transposed=True),
+                self._local, *self._layer1(), self._combine, self._finish]
+
+    def _open_plan(self) -> None:
+        self.ws.begin_call()
+        # Slots with no expert are written by nobody: zero, before any peer may write
+        # (they write after this call's handshake). A memset, like the copy that reads
+        # the result: no elementwise kernel whose first load (on the first real call --
+        # on an empty preload call it launches nothing) would wait for an idle device.
+        self.ws.pair_grad[:self.x.shape[0]].zero_()
+        L.launch_counts(self.ws, self.cfg, self._ids, self._num_tokens)
+        L.launch_exchange(self.ws, self.cfg, L.PHASE_PUSH)
+
+    def _plan(self) -> None:
+        L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
+        L.launch_layout(self.ws, self.cfg, self.tile)
+        L.launch_place(self.ws, self.cfg, self._ids, self._weights, self._num_tokens)
+
+    def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor,
+                transposed: bool) -> list[Callable[[], None]]:
+        """Dispatch ``src`` rows and GEMM them into ``out`` (a phase per role unless
+        fused; a fused launch needs a comm block, as in the forward)."""
+        addr, split = self._addr[src], self._split[0]
+
+        def run(role: int) -> None:
+            L.launch_layer0(self.ws, self.cfg, addr, w, self.tile, role, split, self.grid,
+                            cooperative=self.cooperative, out=out, transposed=transposed)
+        if self.fused and self.split[0] > 0:
+            return [lambda: run(L.ROLE_FUSED)]
+        return [lambda: run(L.ROLE_COMM), lambda: run(L.ROLE_COMPUTE)]
+
+    def _keep_rows(self) -> None:
+        """Each row's routing weight; the x rows into layer1's buffer (unused until the
+        last GEMM) before the dispatch of dy overwrites the shared tensor."""
+        ws, cfg = self.ws, self.cfg
+        self._ends = expert_ends(ws)
+        rows = self._ends[-1:]
+        k = cfg.top_k
+        grad_rows.row_weights_kernel[(max(1, self._row_programs // ws.world), ws.world)](
+            ws.ret_rows, ws.ret_weight, ws.plan["entries"], self.bufs.w_row, cfg.max_tokens,
+            TOPK=k, TOPK_P2=L._next_pow2(k), BLOCK=grad_rows.ENTRY_BLOCK, num_warps=4)
+        if self.weight_grads:
+            grad_rows.copy_rows_kernel[(self._row_programs,)](
+                ws.a0, ws.out1, rows, cfg.hidden_size, ROWS=grad_rows.COPY_ROWS,
+                COLS=min(grad_rows.COPY_COLS, L._next_pow2(cfg.hidden_size)), num_warps=4)
+
+    def _open(self) -> None:
+        # Same routing, same plan: only the handshake (and the epoch) is new.
+        self.ws.begin_call()
+        L.launch_exchange(self.ws, self.cfg, L.PHASE_PUSH)
+
+    def _wait_open(self) -> None:
+        L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
+
+    def _local(self) -> None:
+        """SiLU-gate backward on this rank's rows, then the expert weights' gradients
+        (rows grouped by expert: the dispatched dy rows are still in the shared tensor,
+        the x rows in layer1's buffer)."""
+        ws, b = self.ws, self.bufs
+        act_backward_rows(b.gu, ws.h, b.w_row, self._ends[-1:], b.gu, b.hw, b.dw_row,
+                          self._row_programs)
+        if self.weight_grads:
+            self.dw2 = grouped_weight_grad(b.hw, ws.a0, self._ends)
+            self.dw13 = grouped_weight_grad(ws.out1, b.gu, self._ends)
+
+    def _layer1(self) -> list[Callable[[], None]]:
+        def run(role: int) -> None:
+            L.launch_layer1(self.ws, self.cfg, self.w13, self.tile, role, self._split[1],
+                            self.grid, cooperative=self.cooperative, a=self.bufs.gu,
+                            pair_src=self.bufs.dw_row)
+        if self.fused:
+            return [lambda: run(L.ROLE_FUSED)]
+        return [lambda: run(L.ROLE_COMPUTE), lambda: run(L.ROLE_COMM)]
+
+    def _combine(self) -> None:
+        grid = self.grid * (L.COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
+        L.launch_combine(self.ws, self.cfg, self._addr["dx"], self._m, self.tile, grid)
+        self.d_weights = self.ws.pair_grad[:self.x.shape[0]].clone()
+
+    def _finish(self) -> None:
+        """Zero the weight gradients of experts that got no rows (on the device)."""
+        if not self.weight_grads:
+            return
+        el = self.w2.shape[0]
+        for dw in (self.dw13, self.dw2):
+            grad_rows.zero_empty_kernel[(self._row_programs,)](
+                dw, self._ends, dw[0].numel(), LOCAL_EXPERTS=el, BLOCK=grad_rows.ZERO_BLOCK,
+                num_warps=4)
+
+    def run(self) -> "BackwardCall":
+        for phase in self.phases():
+            phase()
+        return self
