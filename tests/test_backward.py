@@ -305,6 +305,31 @@ def test_zero_empty_kernel_zeroes_only_experts_without_rows():
     torch.testing.assert_close(out[2], keep[2])
 
 
+def test_row_weights_wait_for_the_calls_entries():
+    """A row's weight is read only once its source's chunk flags (rows, then the return
+    entries) reached the call's epoch: layer0's GEMM waits for rows only, and the entries
+    still there may be another call's. A source whose flags lag is given up on -- the
+    wait is recorded (site 7) and nothing of it is written."""
+    from comet.kernels.grad_rows import row_weights_kernel
+    from comet.kernels.launch import _asm
+    world, mx, slots, epoch = 2, 4, 3, 5
+    rows = torch.full((world, mx, K), -1, dtype=torch.int32)
+    rows[0, 0], rows[1, 0] = torch.tensor([0, 1]), torch.tensor([2, 3])
+    weight = torch.arange(world * mx * K, dtype=torch.float32).view(world, mx, K) + 1
+    flag0 = torch.zeros(world, slots, dtype=torch.int64)
+    flag0[0, :2] = epoch            # source 0: both chunks landed; source 1: one of two
+    flag0[1, 0] = epoch
+    error = torch.zeros(world, 8, dtype=torch.int32)
+    err_table = torch.tensor([error[r].data_ptr() for r in range(world)])
+    w_row = torch.zeros(4)
+    row_weights_kernel[(1, world)](
+        rows, weight, torch.ones(world, dtype=torch.int32), w_row, mx, flag0, slots,
+        torch.tensor([2, 2], dtype=torch.int32), torch.tensor([epoch]), err_table, 0,
+        torch.tensor([10**9]), WORLD=world, TOPK=K, TOPK_P2=K, BLOCK=4, USE_ASM=_asm())
+    torch.testing.assert_close(w_row, torch.tensor([1.0, 2.0, 0.0, 0.0]))
+    assert error[0, :4].tolist() == [1, 7, 1, 0]       # timeout, site, source, rank
+
+
 def test_the_fused_backward_is_the_default_on_one_rank_only():
     moe = CometMoE(num_experts=4, top_k=2, hidden_size=H, intermediate_size=16)
     assert moe.fused_backward is True

@@ -4,7 +4,10 @@ have the worst-case capacity; the call's rows are known only to the device).
 
 * :func:`row_weights_kernel` -- each row's routing weight, from the return entries the
   dispatch delivered (one entry per source token names its rows here and their weights):
-  the backward needs it per row, the forward only per entry.
+  the backward needs it per row, the forward only per entry. The entries travel after
+  the rows, and layer0's GEMM waits for rows only: a source's entries are read once all
+  its chunk flags say they landed (else the previous call's entries, another batch's
+  routing under a pipeline schedule, would be read).
 * :func:`copy_rows_kernel` -- keep the dispatched ``x`` rows (for ``dW13``) before the
   dispatch of ``dy`` reuses the shared tensor.
 * :func:`zero_empty_kernel` -- zero the weight gradients of experts that got no rows
@@ -14,6 +17,13 @@ have the worst-case capacity; the call's rows are known only to the device).
 
 import triton
 import triton.language as tl
+
+from comet.kernels.sync import wait_chunks
+
+#: Wait site of the entry wait (comet.runtime.errors.SITES).
+SITE_ROW_ENTRIES = tl.constexpr(7)
+#: Chunk flags checked per vector load (as layer0's CHUNK_SCAN).
+CHUNK_SCAN = tl.constexpr(32)
 
 #: Entries per step of :func:`row_weights_kernel`.
 ENTRY_BLOCK = 128
@@ -25,11 +35,18 @@ ZERO_BLOCK = 4096
 
 @triton.jit
 def row_weights_kernel(recv_rows, recv_weight, entries, w_row, max_tokens,
-                       TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK: tl.constexpr):
+                       flag0, chunk_slots, chunks_total, epoch_ptr, err_table, rank,
+                       timeout_ptr, WORLD: tl.constexpr, TOPK: tl.constexpr,
+                       TOPK_P2: tl.constexpr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
     """``w_row[rows[s, q, j]] = weight[s, q, j]`` for every held slot of every entry of
-    source ``s = program_id(1)``; programs of axis 0 stride over its entries."""
+    source ``s = program_id(1)``, once its ``chunks_total[s]`` chunk flags (rows, then
+    entries) reached the call's epoch; programs of axis 0 stride over its entries. A
+    wait that gives up writes nothing (the error word reports it)."""
     s = tl.program_id(1)
-    n = tl.load(entries + s)
+    ok = wait_chunks(flag0 + s * chunk_slots, 0, tl.load(chunks_total + s), tl.load(epoch_ptr),
+                     err_table, SITE_ROW_ENTRIES, s, rank, tl.load(timeout_ptr), "sys",
+                     WORLD, CHUNK_SCAN, USE_ASM)
+    n = tl.where(ok != 0, tl.load(entries + s), 0)
     j = tl.arange(0, TOPK_P2)
     for q0 in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         q = q0 + tl.arange(0, BLOCK)

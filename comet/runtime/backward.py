@@ -176,15 +176,19 @@ class BackwardCall:
         return [lambda: run(L.ROLE_COMM), lambda: run(L.ROLE_COMPUTE)]
 
     def _keep_rows(self) -> None:
-        """Each row's routing weight; the x rows into layer1's buffer (unused until the
-        last GEMM) before the dispatch of dy overwrites the shared tensor."""
+        """Each row's routing weight (once this call's return entries landed); the x rows
+        into layer1's buffer (unused until the last GEMM) before the dispatch of dy
+        overwrites the shared tensor."""
         ws, cfg = self.ws, self.cfg
         self._ends = expert_ends(ws)
         rows = self._ends[-1:]
         k = cfg.top_k
         grad_rows.row_weights_kernel[(max(1, self._row_programs // ws.world), ws.world)](
             ws.ret_rows, ws.ret_weight, ws.plan["entries"], self.bufs.w_row, cfg.max_tokens,
-            TOPK=k, TOPK_P2=L._next_pow2(k), BLOCK=grad_rows.ENTRY_BLOCK, num_warps=4)
+            ws.flag0, ws.flag0.shape[1], ws.plan["chunks_total"], ws.epoch,
+            ws.peer_ptrs["error"], ws.rank, ws.timeout, WORLD=ws.world, TOPK=k,
+            TOPK_P2=L._next_pow2(k), BLOCK=grad_rows.ENTRY_BLOCK, USE_ASM=L._asm(),
+            num_warps=4)
         if self.weight_grads:
             grad_rows.copy_rows_kernel[(self._row_programs,)](
                 ws.a0, ws.out1, rows, cfg.hidden_size, ROWS=grad_rows.COPY_ROWS,

@@ -20,13 +20,14 @@ import torch
 #: Fatal word code of a failed wait (comet.kernels.sync.ERR_TIMEOUT).
 TIMEOUT_CODE = 1
 
-#: Wait sites (kernels/layer0.py, kernels/layer1.py): name, what was awaited.
+#: Wait sites (kernels/layer0.py, kernels/layer1.py, kernels/grad_rows.py): name, what was awaited.
 SITES = {
     1: ("exchange", "routing counts (count_flags[{index}]) from rank {index}"),
     2: ("layer0", "dispatched rows (flag0[{index}]) from rank {index}"),
     3: ("layer1", "GroupGEMM tiles of column split {index} (local)"),
     4: ("combine", "partial outputs (flag1[{index}]) from rank {index}"),
     6: ("layer1", "return entries (flag0[{index}]) from rank {index}"),
+    7: ("backward", "return entries (flag0[{index}]) from rank {index}"),
 }
 
 #: Input error codes (comet.kernels.sync.INPUT_*).
