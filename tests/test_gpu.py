@@ -131,6 +131,34 @@ def test_no_host_sync_and_cuda_graph_replay():
     layer.check_errors_now()
 
 
+def test_a_failed_graph_capture_falls_back_to_eager_calls():
+    """A capture that fails (here: made to) warns once; that variant's calls then run
+    eagerly and stay right, and the call that tried to capture is not lost."""
+    from unittest import mock
+
+    import comet.runtime.layer as layer_mod
+    layer, g = _fused("mixtral", torch.bfloat16)
+
+    class Broken(torch.cuda.CUDAGraph):
+        def capture_begin(self, *args, **kwargs):
+            raise RuntimeError("capture invalidated (test)")
+
+    with mock.patch.object(layer_mod.torch.cuda, "CUDAGraph", Broken):
+        for call in range(4):
+            x, ids, w = _inputs(layer, "random", g, tokens=256)
+            if call == 1:
+                with pytest.warns(RuntimeWarning, match="capture .* failed"):
+                    y = layer(x, ids, w)
+            else:
+                y = layer(x, ids, w)
+            ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
+                                        round_to=torch.bfloat16)
+            assert _rel_err(y, ref) < 1e-2, call
+    assert list(layer._graphs.values()) == [None]
+    assert int(layer.ws.epoch) == 4
+    layer.check_errors_now()
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_torch_compile_fullgraph(mode):
     """A CometMoE compiled whole (inductor; with reduce-overhead, inside inductor's own

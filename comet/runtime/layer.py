@@ -284,7 +284,7 @@ class FusedMoE:
         self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
         self._static = _StaticInputs(cfg, self.device)
-        self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph | None] = {}
         self._trace: dict[str, torch.Tensor] | None = None
         self._compiled: set[tuple[str, bool, bool]] = set()
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
@@ -483,9 +483,9 @@ class FusedMoE:
         key = (mode, n0 > 0, decode)
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
-        if graphable and key in self._compiled:
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(key)
+        if graphable and key in self._compiled and key not in self._graphs:
+            self._graphs[key] = self._capture(key)
+        if graphable and self._graphs.get(key) is not None:
             self._graphs[key].replay()
         else:
             self._body(mode, key[1], timer or PhaseTimer(), decode)
@@ -607,21 +607,32 @@ class FusedMoE:
             r["end_ns"] -= t0
         return records
 
-    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph | None:
         """Record one fused call on the static buffers (records; executes nothing, so
         every rank still makes exactly one real call per user call). Not through
         ``torch.cuda.graph``, whose entry synchronises the device: calls in flight wait
         for peers' next calls, which a host blocked here would never make (virtual ranks
-        sharing a device), and a hidden host sync does not belong in a forward anyway."""
+        sharing a device), and a hidden host sync does not belong in a forward anyway.
+
+        Thread-local capture: another host thread's unsafe call during the capture (a
+        DataLoader's pinned allocation, a peer virtual rank loading a kernel module) would
+        invalidate a global-mode one. Should the capture fail anyway, the variant runs
+        eagerly from then on (None), with a warning: no call is lost, since a capture
+        executes nothing."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            try:
-                self._body(key[0], key[1], PhaseTimer(), key[2])
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._body(key[0], key[1], PhaseTimer(), key[2])
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:       # torch.AcceleratorError and Triton's launch error
+            warnings.warn(f"comet: CUDA graph capture of {key} failed ({e}); this variant "
+                          "runs without a graph", RuntimeWarning, stacklevel=3)
+            return None
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
