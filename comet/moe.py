@@ -111,12 +111,8 @@ class CometMoE(nn.Module):
             shipped ones and ``COMET_TUNED_CONFIG_FOLDER``).
         fused_backward: on CUDA, train through the fused kernels' backward
             (:mod:`comet.runtime.backward`: exchanges overlapped with the GEMMs, no host
-            sync); False: the unfused one (:mod:`comet.backward`, NCCL all_to_alls and
-            torch's grouped GEMMs), which is also the CPU path. None (default): fused
-            on a one-rank group, unfused across GPUs -- the fused backward passes on one
-            GPU and with virtual ranks, but failed its first two-GPU check (2x H200,
-            docs/training.md), so ``True`` is refused on a group of several ranks
-            until that is resolved.
+            sync; the default); False: the unfused one (:mod:`comet.backward`, NCCL
+            all_to_alls and torch's grouped GEMMs), which is also the CPU path.
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
@@ -130,7 +126,7 @@ class CometMoE(nn.Module):
                  intermediate_size: int, *, group=None, device=None,
                  comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None,
-                 fused_backward: bool | None = None, **kwargs):
+                 fused_backward: bool = True, **kwargs):
         super().__init__()
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
@@ -139,11 +135,7 @@ class CometMoE(nn.Module):
         self.cfg, self.par, self.group = cfg, par, group
         self.comm_blocks = comm_blocks
         self.tuned_config_folder = tuned_config_folder
-        if fused_backward and par.world_size > 1:
-            raise ValueError("fused_backward=True is not yet verified on a group of several "
-                             "ranks (see docs/training.md); leave it None for the unfused "
-                             "backward there")
-        self.fused_backward = par.world_size == 1 if fused_backward is None else fused_backward
+        self.fused_backward = fused_backward
         self.gate = TopKRouter(cfg, device=device)
         self.experts = LocalExperts(cfg, par.local_experts(cfg), device=device)
         if cfg.num_shared_experts:

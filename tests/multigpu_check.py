@@ -149,12 +149,13 @@ def _compare(worst, got, want, has_tokens):
 
 
 def check_training(results, configs):
-    """CometMoE over the group, one training step with routing passed in: each rank's
-    gradients of x, the routing weights and its own experts as autograd of the fp32 spec
-    over every rank's tokens (the unfused backward, comet.backward, over NCCL: what a
-    CometMoE on several ranks trains with)."""
+    """CometMoE over the group, one training step with routing passed in, through each
+    backward (the default fused one, comet.runtime.backward; the unfused one,
+    comet.backward over NCCL): each rank's gradients of x, the routing weights and its
+    own experts as autograd of the fp32 spec over every rank's tokens."""
     from comet import CometMoE
     from comet.weights import gate_up_first
+    rank = dist.get_rank()
     for name in configs:
         cfg, w13, w2, mine = _training_problem(name)
         e, k, h, f = SCALED[name]
@@ -163,19 +164,24 @@ def check_training(results, configs):
         with torch.no_grad():
             moe.experts.w13.copy_(interleave_gate_up(w13[mine]))
             moe.experts.w2.copy_(w2[mine])
-        worst = {}
-        for kind in TRAINING_KINDS:
-            xs, ids, ws, dys = _training_inputs(cfg, name, kind)
-            rank = dist.get_rank()
-            moe.zero_grad()
-            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
-            (moe(x, ids[rank], w).float() * dys[rank].float()).sum().backward()
-            got = (x.grad, w.grad, gate_up_first(moe.experts.w13.grad), moe.experts.w2.grad)
-            _compare(worst, got, _spec_grads(xs, ids, ws, dys, w13, w2, mine), x.shape[0] > 0)
-        moe.fused_layer().check_errors_now()
-        results.append({"check": "training", "config": name, "worst_rel_err": worst})
-        log(f"training {name} worst={worst}")
-        assert max(worst.values()) < 2e-2, (name, worst)
+        for fused in (True, False):
+            moe.fused_backward = fused
+            worst = {}
+            for kind in TRAINING_KINDS:
+                xs, ids, ws, dys = _training_inputs(cfg, name, kind)
+                moe.zero_grad()
+                x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+                (moe(x, ids[rank], w).float() * dys[rank].float()).sum().backward()
+                moe.fused_layer().check_errors_now()
+                got = (x.grad, w.grad, gate_up_first(moe.experts.w13.grad),
+                       moe.experts.w2.grad)
+                _compare(worst, got, _spec_grads(xs, ids, ws, dys, w13, w2, mine),
+                         x.shape[0] > 0)
+            backward = "fused" if fused else "unfused"
+            results.append({"check": "training", "config": name, "backward": backward,
+                            "worst_rel_err": worst})
+            log(f"training {name} ({backward} backward) worst={worst}")
+            assert max(worst.values()) < 2e-2, (name, backward, worst)
         del moe
         torch.cuda.empty_cache()
 

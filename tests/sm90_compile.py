@@ -73,7 +73,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.config import MoEConfig
     from comet.kernels import launch as L
     from comet.kernels.act_backward import act_backward
-    from comet.runtime.backward import BackwardCall, GradBuffers
+    from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
+    from comet.runtime.staging import StagedScalars
     from comet.runtime.workspace import allocate_virtual
 
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
@@ -109,9 +110,11 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                          torch.zeros(64), interleaved=interleaved)
         # The fused backward: every kernel variant of its phases, fused and by role.
         bufs = GradBuffers.allocate(cfg, world, "cpu")
+        staged = (torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64),
+                  torch.zeros(cfg.max_tokens, cfg.top_k), StagedScalars(BACKWARD_SCALARS, "cpu"))
         for fused in (True, False):
-            BackwardCall(ws, cfg, tile, w13, w2, bufs, x, x, ids[:10], wts[:10], (4, 4), 132,
-                         fused=fused).run()
+            BackwardCall(ws, cfg, tile, w13, w2, bufs, *staged, 132, fused=fused,
+                         layer0_comm=True).start(x, x, ids[:10], wts[:10], (4, 4)).run()
     return record_launches(run)
 
 

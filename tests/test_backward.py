@@ -330,7 +330,7 @@ def test_row_weights_wait_for_the_calls_entries():
     assert error[0, :4].tolist() == [1, 7, 1, 0]       # timeout, site, source, rank
 
 
-def test_the_fused_backward_is_the_default_on_one_rank_only():
+def test_the_fused_backward_is_the_default():
     moe = CometMoE(num_experts=4, top_k=2, hidden_size=H, intermediate_size=16)
     assert moe.fused_backward is True
     assert CometMoE(num_experts=4, top_k=2, hidden_size=H, intermediate_size=16,

@@ -239,6 +239,35 @@ def test_training_step_matches_autograd_of_the_spec(name):
     moe.fused_layer().check_errors_now()
 
 
+def test_backward_graph_replays_keep_every_calls_gradients():
+    """FusedMoE.backward back to back (W=1): the variant's device-only segments are
+    captured on its second call and replayed after; every call's gradients -- taken
+    after all calls ran, so a replay that wrote into an earlier call's tensors would
+    show -- match autograd of the fp32 spec, for changing token counts."""
+    layer, g = _fused("qwen2-moe", torch.bfloat16)
+    w13, w2 = gate_up_first(layer.w13).float(), layer.w2.float()
+    calls = []
+    for tokens in (200, 384, 17, 0, 256, 1):
+        x, ids, w = _inputs(layer, "random", g, tokens=tokens)
+        dy = torch.randn(tokens, layer.cfg.hidden_size, generator=g, device="cuda").to(x.dtype)
+        layer(x, ids, w)
+        calls.append((x, ids, w, dy, layer.backward(dy, x, ids, w, comm_blocks=(1, 1))))
+    layer.check_errors_now()
+    assert isinstance(layer._backward_graphs[(True, True)], list)
+    for x, ids, w, dy, got in calls:
+        f13, f2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+        fx, fw = x.float().requires_grad_(), w.clone().requires_grad_()
+        (reference.moe_forward(fx, ids, fw, f13, f2) * dy.float()).sum().backward()
+        dx, dw, d13, d2 = got
+        m = x.shape[0]
+        if m:
+            assert _rel_err(dx, fx.grad) < 2e-2, m
+            assert _rel_err(dw, fw.grad) < 2e-2, m
+        assert dx.shape == x.shape and dw.shape == w.shape
+        assert _rel_err(gate_up_first(d13), f13.grad) < 2e-2 if m else not d13.any()
+        assert _rel_err(d2, f2.grad) < 2e-2 if m else not d2.any()
+
+
 def test_thousand_back_to_back_calls():
     layer, g = _fused("phi3.5-moe", torch.bfloat16, max_tokens=128)
     layer.check_errors = "lazy"

@@ -43,6 +43,7 @@ from comet.kernels import grad_rows
 from comet.kernels import launch as L
 from comet.kernels.act_backward import act_backward_rows
 from comet.routing import recv_capacity
+from comet.runtime.staging import StagedScalars
 from comet.runtime.workspace import Workspace
 
 #: Programs of the row helpers per SM (streams of loads; see COMBINE_PROGRAMS_PER_SM).
@@ -86,15 +87,23 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) ->
     return by_rows(a[:int(ends[-1])], b[:int(ends[-1])], counts, ends)
 
 
+#: Scalars a backward call stages (:class:`comet.runtime.staging.StagedScalars`):
+#: addresses of x, dy and dx, the token count, the comm blocks of the two layer shapes.
+BACKWARD_SCALARS = 6
+
+
 @dataclass
 class BackwardCall:
-    """One rank's backward of one forward call, as phases (see the module docstring).
+    """One rank's backward of a forward call, as phases (see the module docstring).
 
-    :meth:`phases` lists them; a rank on its own GPU runs them back to back, while the
-    virtual-rank driver runs each phase on every rank before the next (the Triton
-    interpreter runs one program at a time, so a consumer must find its producers done).
-    The results are in :attr:`dx`, :attr:`d_weights`, :attr:`dw13`, :attr:`dw2` once the
-    phases ran.
+    Built once per variant (whether the layer0-shaped launches are fused, whether weight
+    gradients are wanted) and reused: :meth:`start` stages a call's inputs at fixed
+    addresses, so the device-only segments of :meth:`segments` can be captured once and
+    replayed. :meth:`phases` lists every phase in order; a rank on its own GPU runs them
+    back to back (or replays the captured segments), while the virtual-rank driver runs
+    each phase on every rank before the next (the Triton interpreter runs one program at
+    a time, so a consumer must find its producers done). The results are in :attr:`dx`,
+    :attr:`d_weights`, :attr:`dw13`, :attr:`dw2` once the phases ran.
     """
 
     ws: Workspace
@@ -103,64 +112,77 @@ class BackwardCall:
     w13: torch.Tensor          # [El, H, 2F] interleaved (comet.weights)
     w2: torch.Tensor           # [El, F, H]
     bufs: GradBuffers
-    dy: torch.Tensor           # [M, H] model dtype, contiguous, aligned
-    x: torch.Tensor
-    topk_ids: torch.Tensor     # [M, k] int64
-    topk_weights: torch.Tensor  # [M, k] fp32
-    split: tuple[int, int]     # comm blocks of the layer0-shaped and layer1-shaped calls
-    grid: int                  # programs of the fused kernels
-    fused: bool                # roles in one launch (False: one launch per role)
-    cooperative: bool = True
-    weight_grads: bool = True
     #: ``[max_tokens, k]`` buffers the routing is staged into for the plan (which then
     #: reads the call's rows only): the plan kernels' arguments stay the same for every
     #: token count, so a call never compiles a new specialization -- whose module load
     #: would wait for the device to go idle while this rank's kernels wait for peers.
-    staged_ids: torch.Tensor | None = None
-    staged_weights: torch.Tensor | None = None
+    staged_ids: torch.Tensor
+    staged_weights: torch.Tensor
+    scalars: StagedScalars     # BACKWARD_SCALARS values
+    grid: int                  # programs of the fused kernels
+    fused: bool                # roles in one launch (False: one launch per role)
+    layer0_comm: bool          # the layer0-shaped launches have comm blocks (fused)
+    cooperative: bool = True
+    weight_grads: bool = True
 
     def __post_init__(self):
-        dev = self.x.device
-        m = self.x.shape[0]
-        self.dx = torch.empty_like(self.x)
-        self.d_weights = self.dw13 = self.dw2 = None
-        self._addr = {name: L.address_of(t) for name, t in
-                      (("x", self.x), ("dy", self.dy), ("dx", self.dx))}
-        self._split = [L.split_of(n, dev) for n in self.split]
-        self._m = torch.full((1,), m, dtype=torch.int64, device=dev)
-        if self.staged_ids is None:
-            self._ids, self._weights, self._num_tokens = self.topk_ids, self.topk_weights, None
-        else:
-            self.staged_ids[:m].copy_(self.topk_ids)
-            self.staged_weights[:m].copy_(self.topk_weights)
-            self._ids, self._weights = self.staged_ids, self.staged_weights
-            self._num_tokens = self._m
+        v = self.scalars.values
+        self._addr = {"x": v[0:1], "dy": v[1:2], "dx": v[2:3]}
+        self._m, self._split = v[3:4], (v[4:5], v[5:6])
+        self._rows = 0
+        self._inputs: tuple = ()
+        self.dx = self.d_weights = self.dw13 = self.dw2 = None
         self._ends: torch.Tensor | None = None   # expert_ends(), once the plan ran
         self._row_programs = max(1, self.grid * (1 if not self.cooperative
                                                  else ROW_PROGRAMS_PER_SM))
 
+    def start(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, split: tuple[int, int]) -> "BackwardCall":
+        """Stage one call: ``dy``, ``x`` ``[M, H]`` (model dtype, contiguous, aligned),
+        ``topk_ids`` int64 and ``topk_weights`` fp32 ``[M, k]``; ``split`` the comm
+        blocks of the two layer shapes. Allocates :attr:`dx`."""
+        m = x.shape[0]
+        self._rows = m
+        self._inputs = (dy, x)         # alive until the call's kernels were issued
+        self.dx = torch.empty_like(x)
+        self.d_weights = self.dw13 = self.dw2 = None
+        self.staged_ids[:m].copy_(topk_ids)
+        self.staged_weights[:m].copy_(topk_weights)
+        self.scalars.stage([x.data_ptr(), dy.data_ptr(), self.dx.data_ptr(), m, *split])
+        return self
+
     # ------------------------------------------------------------------ phases
+    def segments(self) -> list[tuple[bool, list[Callable[[], None]]]]:
+        """``(device_only, phases)`` in order. A device-only segment reads and writes
+        fixed addresses only (a CUDA graph can replay it); the others make the tensors
+        handed to the caller (weight gradients, routing-weight gradients)."""
+        return [(True, [self._open_plan, self._plan,
+                        *self._layer0("x", self.w13, self.bufs.gu, transposed=False),
+                        self._keep_rows, self._open, self._wait_open,
+                        *self._layer0("dy", self.w2, self.ws.h, transposed=True),
+                        self._act]),
+                (False, [self._weight_grads]),
+                (True, [*self._layer1(), self._combine]),
+                (False, [self._finish])]
+
     def phases(self) -> list[Callable[[], None]]:
-        return [self._open_plan, self._plan,
-                *self._layer0("x", self.w13, self.bufs.gu, transposed=False),
-                self._keep_rows, self._open, self._wait_open,
-                *self._layer0("dy", self.w2, self.ws.h, transposed=True),
-                self._local, *self._layer1(), self._combine, self._finish]
+        return [phase for _, phases in self.segments() for phase in phases]
 
     def _open_plan(self) -> None:
         self.ws.begin_call()
         # Slots with no expert are written by nobody: zero, before any peer may write
-        # (they write after this call's handshake). A memset, like the copy that reads
-        # the result: no elementwise kernel whose first load (on the first real call --
-        # on an empty preload call it launches nothing) would wait for an idle device.
-        self.ws.pair_grad[:self.x.shape[0]].zero_()
-        L.launch_counts(self.ws, self.cfg, self._ids, self._num_tokens)
+        # (they write after this call's handshake). All max_tokens rows (a memset of a
+        # fixed size, so graphs serve every token count) -- and a memset, not an
+        # elementwise kernel whose first load (on the first real call -- on an empty
+        # preload call it launches nothing) would wait for an idle device.
+        self.ws.pair_grad.zero_()
+        L.launch_counts(self.ws, self.cfg, self.staged_ids, self._m)
         L.launch_exchange(self.ws, self.cfg, L.PHASE_PUSH)
 
     def _plan(self) -> None:
         L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
         L.launch_layout(self.ws, self.cfg, self.tile)
-        L.launch_place(self.ws, self.cfg, self._ids, self._weights, self._num_tokens)
+        L.launch_place(self.ws, self.cfg, self.staged_ids, self.staged_weights, self._m)
 
     def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor,
                 transposed: bool) -> list[Callable[[], None]]:
@@ -171,7 +193,7 @@ class BackwardCall:
         def run(role: int) -> None:
             L.launch_layer0(self.ws, self.cfg, addr, w, self.tile, role, split, self.grid,
                             cooperative=self.cooperative, out=out, transposed=transposed)
-        if self.fused and self.split[0] > 0:
+        if self.fused and self.layer0_comm:
             return [lambda: run(L.ROLE_FUSED)]
         return [lambda: run(L.ROLE_COMM), lambda: run(L.ROLE_COMPUTE)]
 
@@ -202,16 +224,18 @@ class BackwardCall:
     def _wait_open(self) -> None:
         L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
 
-    def _local(self) -> None:
-        """SiLU-gate backward on this rank's rows, then the expert weights' gradients
-        (rows grouped by expert: the dispatched dy rows are still in the shared tensor,
-        the x rows in layer1's buffer)."""
-        ws, b = self.ws, self.bufs
-        act_backward_rows(b.gu, ws.h, b.w_row, self._ends[-1:], b.gu, b.hw, b.dw_row,
+    def _act(self) -> None:
+        """SiLU-gate backward on this rank's rows (in place: d(gate, up); w * h; d w)."""
+        b = self.bufs
+        act_backward_rows(b.gu, self.ws.h, b.w_row, self._ends[-1:], b.gu, b.hw, b.dw_row,
                           self._row_programs)
+
+    def _weight_grads(self) -> None:
+        """The expert weights' gradients (rows grouped by expert: the dispatched dy rows
+        are still in the shared tensor, the x rows in layer1's buffer)."""
         if self.weight_grads:
-            self.dw2 = grouped_weight_grad(b.hw, ws.a0, self._ends)
-            self.dw13 = grouped_weight_grad(ws.out1, b.gu, self._ends)
+            self.dw2 = grouped_weight_grad(self.bufs.hw, self.ws.a0, self._ends)
+            self.dw13 = grouped_weight_grad(self.ws.out1, self.bufs.gu, self._ends)
 
     def _layer1(self) -> list[Callable[[], None]]:
         def run(role: int) -> None:
@@ -225,10 +249,12 @@ class BackwardCall:
     def _combine(self) -> None:
         grid = self.grid * (L.COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
         L.launch_combine(self.ws, self.cfg, self._addr["dx"], self._m, self.tile, grid)
-        self.d_weights = self.ws.pair_grad[:self.x.shape[0]].clone()
 
     def _finish(self) -> None:
-        """Zero the weight gradients of experts that got no rows (on the device)."""
+        """The routing weights' gradients; zero the weight gradients of experts that got
+        no rows (on the device)."""
+        self.d_weights = self.ws.pair_grad[:self._rows].clone()
+        self._inputs = ()
         if not self.weight_grads:
             return
         el = self.w2.shape[0]

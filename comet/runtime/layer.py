@@ -23,13 +23,15 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import launch as L
-from comet.runtime.backward import BackwardCall, GradBuffers
+from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
+from comet.runtime.staging import StagedScalars, StaticInputs
 from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
                                     timeout_ns)
 from comet.scheduler import tuned
@@ -84,61 +86,6 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
     if kind >= TRACE_REDUCE:
         return "comm", f"reduce+send split {kind - TRACE_REDUCE}"
     return "compute", f"tile of split {kind}"
-
-
-class _StaticInputs:
-    """Fixed-address staging for one call, so a captured graph serves every call:
-    routing in ``max_tokens``-row buffers (the plan reads the call's rows only), and the
-    call's scalars -- input/output
-    addresses (``addr``), token count, comm-block split -- in one int64 device buffer the
-    kernels read.
-
-    The scalars reach the device in one copy from a pinned host ring rather than one fill
-    per scalar: each small device op costs the host ~8-11 us (H100,
-    ``h100-host-cost.json``), and a decode-sized call is host-bound."""
-
-    #: Calls whose scalar copies may be pending at once; a call that finds its ring slot
-    #: still pending stages with device fills instead (the host never waits).
-    RING = 32
-
-    def __init__(self, cfg: MoEConfig, device):
-        self.ids = torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64,
-                              device=device)
-        self.weights = torch.zeros(cfg.max_tokens, cfg.top_k, dtype=torch.float32,
-                                   device=device)
-        self.scalars = torch.zeros(5, dtype=torch.int64, device=device)
-        self.addr = self.scalars[0:2]
-        self.num_tokens = self.scalars[2:3]
-        self.split = self.scalars[3:5]
-        cuda = torch.device(device).type == "cuda"
-        self._ring = (torch.zeros(self.RING, 5, dtype=torch.int64, pin_memory=True)
-                      if cuda else None)
-        # Written through numpy: no tensor is built per call.
-        self._ring_host = self._ring.numpy() if cuda else None
-        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
-        self._next = 0
-
-    def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int) -> None:
-        """Write the call's scalars into :attr:`scalars` (stream-ordered)."""
-        values = [x_addr, y_addr, num_tokens, n0, n1]
-        if self._ring is None:
-            self.scalars.copy_(torch.tensor(values, dtype=torch.int64))
-            return
-        slot = self._next % self.RING
-        pending = self._copied[slot]
-        # Inside a user's graph capture a copy would re-read the ring slot at every
-        # replay; fills capture the values themselves.
-        if torch.cuda.is_current_stream_capturing() or (
-                pending is not None and not pending.query()):
-            for i, v in enumerate(values):
-                self.scalars[i].fill_(v)
-            return
-        self._next += 1
-        self._ring_host[slot] = values
-        self.scalars.copy_(self._ring[slot], non_blocking=True)
-        if pending is None:
-            pending = self._copied[slot] = torch.cuda.Event()
-        pending.record()
 
 
 def sm_count(device: torch.device) -> int:
@@ -283,11 +230,15 @@ class FusedMoE:
         self._input_reported = 0                   # epoch of the last input error raised
         self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
-        self._static = _StaticInputs(cfg, self.device)
+        self._static = StaticInputs(cfg, self.device)
         self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph | None] = {}
         self._trace: dict[str, torch.Tensor] | None = None
         self._compiled: set[tuple[str, bool, bool]] = set()
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
+        self._backward_scalars: StagedScalars | None = None
+        self._backward_calls: dict[tuple[bool, bool], BackwardCall] = {}
+        self._backward_graphs: dict[tuple[bool, bool], list | None] = {}
+        self._backward_compiled: set[tuple[bool, bool]] = set()
 
     # ------------------------------------------------------------------ split
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
@@ -484,7 +435,8 @@ class FusedMoE:
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled and key not in self._graphs:
-            self._graphs[key] = self._capture(key)
+            self._graphs[key] = self._record(
+                lambda: self._body(key[0], key[1], PhaseTimer(), key[2]), key)
         if graphable and self._graphs.get(key) is not None:
             self._graphs[key].replay()
         else:
@@ -515,25 +467,67 @@ class FusedMoE:
             raise CometError("comet: this layer failed in an earlier call and its workspace "
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self._failure}") from self._failure
-        call = self._backward_call(dy, x, topk_ids, topk_weights, weight_grads,
-                                   self.select_comm_blocks(x.shape[0], comm_blocks)).run()
+        split = self.select_comm_blocks(x.shape[0], comm_blocks)
+        self._refresh_timeout()
+        self.last_comm_blocks = split
+        call = self._backward_variant(split[0] > 0, weight_grads).start(
+            L.aligned(dy.to(x.dtype).contiguous()), L.aligned(x),
+            topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(), split)
+        self._run_backward(call)
         self._after_launch()
         return call.dx, call.d_weights.to(topk_weights.dtype), call.dw13, call.dw2
 
-    def _backward_call(self, dy, x, topk_ids, topk_weights, weight_grads: bool,
-                       split: tuple[int, int]) -> BackwardCall:
-        if self._grad is None:
+    def _backward_variant(self, layer0_comm: bool, weight_grads: bool) -> BackwardCall:
+        """The backward of one launch variant, built on first use (with the backward's
+        scratch): its phases read the staged scalars, so it serves every call."""
+        key = (layer0_comm, weight_grads)
+        if key not in self._backward_calls:
             with torch.inference_mode(False):
-                self._grad = GradBuffers.allocate(self.cfg, self.par.world_size, self.device)
-        self._refresh_timeout()
-        self.last_comm_blocks = split
-        return BackwardCall(
-            self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
-            L.aligned(dy.to(x.dtype).contiguous()), L.aligned(x),
-            topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(),
-            split, self.programs, fused=not L.interpreting(), cooperative=not self._virtual,
-            weight_grads=weight_grads, staged_ids=self._static.ids,
-            staged_weights=self._static.weights)
+                if self._grad is None:
+                    self._grad = GradBuffers.allocate(self.cfg, self.par.world_size,
+                                                      self.device)
+                if self._backward_scalars is None:
+                    self._backward_scalars = StagedScalars(BACKWARD_SCALARS, self.device)
+            self._backward_calls[key] = BackwardCall(
+                self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
+                self._static.ids, self._static.weights, self._backward_scalars,
+                self.programs, fused=not L.interpreting(), layer0_comm=layer0_comm,
+                cooperative=not self._virtual, weight_grads=weight_grads)
+        return self._backward_calls[key]
+
+    def _run_backward(self, call: BackwardCall) -> None:
+        """Issue a started call: its device-only segments replayed from CUDA graphs
+        captured on the variant's second call (the first compiles), the rest eager --
+        the weight-gradient GEMMs and the d-weights copy make the caller's tensors, which
+        a graph would overwrite at its next replay."""
+        key = (call.layer0_comm, call.weight_grads)
+        graphable = (self.use_graphs and self.device.type == "cuda"
+                     and not torch.cuda.is_current_stream_capturing())
+        if graphable and key in self._backward_compiled and key not in self._backward_graphs:
+            self._backward_graphs[key] = self._capture_segments(call, key)
+        graphs = self._backward_graphs.get(key) if graphable else None
+        for i, (device_only, phases) in enumerate(call.segments()):
+            if device_only and graphs is not None:
+                graphs[i].replay()
+            else:
+                for phase in phases:
+                    phase()
+        if graphable:
+            self._backward_compiled.add(key)
+
+    def _capture_segments(self, call: BackwardCall, key) -> list | None:
+        """One graph per device-only segment of ``call`` (None in the others' places);
+        None if any capture failed."""
+        graphs = []
+        for device_only, phases in call.segments():
+            graph = None
+            if device_only:
+                graph = self._record(lambda phases=phases: [phase() for phase in phases],
+                                     ("backward", *key))
+                if graph is None:
+                    return None
+            graphs.append(graph)
+        return graphs
 
     def preload(self, mode: str = "fused", backward: bool = False) -> None:
         """Compile, load and capture the kernels of every block-split and tile variant of
@@ -558,7 +552,9 @@ class FusedMoE:
                     self._launch(*nothing, split, mode, None, decode)
         if backward:
             for split in ((1, 1), (0, 0)):
-                self._backward_call(nothing[0], *nothing, True, split).run()
+                for _ in range(2):
+                    self._run_backward(self._backward_variant(split[0] > 0, True).start(
+                        nothing[0], *nothing, split))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.ws.error.zero_()
@@ -607,9 +603,10 @@ class FusedMoE:
             r["end_ns"] -= t0
         return records
 
-    def _capture(self, key: tuple[str, bool, bool]) -> torch.cuda.CUDAGraph | None:
-        """Record one fused call on the static buffers (records; executes nothing, so
-        every rank still makes exactly one real call per user call). Not through
+    def _record(self, body: Callable[[], object], key: tuple) -> torch.cuda.CUDAGraph | None:
+        """Record ``body`` -- one call's launches on the static buffers -- into a graph
+        (records; executes nothing, so every rank still makes exactly one real call per
+        user call). Not through
         ``torch.cuda.graph``, whose entry synchronises the device: calls in flight wait
         for peers' next calls, which a host blocked here would never make (virtual ranks
         sharing a device), and a hidden host sync does not belong in a forward anyway.
@@ -626,7 +623,7 @@ class FusedMoE:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._body(key[0], key[1], PhaseTimer(), key[2])
+                    body()
                 finally:
                     graph.capture_end()
         except RuntimeError as e:       # torch.AcceleratorError and Triton's launch error

@@ -16,8 +16,9 @@ import torch
 
 from comet.config import MoEConfig
 from comet.kernels import launch as L
-from comet.runtime.backward import BackwardCall, GradBuffers
+from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
+from comet.runtime.staging import StagedScalars
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
 
@@ -89,11 +90,18 @@ class VirtualEP:
         if not hasattr(self, "_grad"):
             self._grad = [GradBuffers.allocate(self.cfg, self.world, self.device)
                           for _ in range(self.world)]
-        calls = [BackwardCall(self.ws[r], self.cfg, self.tile, self.w13[r], self.w2[r],
-                              self._grad[r], L.aligned(dys[r].to(xs[r].dtype).contiguous()),
-                              L.aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
-                              topk_weights[r].float().contiguous(), (0, 0), programs,
-                              fused=False, cooperative=False, weight_grads=weight_grads)
+        cfg, dev = self.cfg, self.device
+        calls = [BackwardCall(self.ws[r], cfg, self.tile, self.w13[r], self.w2[r],
+                              self._grad[r],
+                              torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64,
+                                         device=dev),
+                              torch.zeros(cfg.max_tokens, cfg.top_k, device=dev),
+                              StagedScalars(BACKWARD_SCALARS, dev), programs, fused=False,
+                              layer0_comm=False, cooperative=False,
+                              weight_grads=weight_grads).start(
+                                  L.aligned(dys[r].to(xs[r].dtype).contiguous()),
+                                  L.aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
+                                  topk_weights[r].float().contiguous(), (0, 0))
                  for r in range(self.world)]
         for step in zip(*(c.phases() for c in calls)):
             for phase in step:

@@ -1,0 +1,83 @@
+"""Fixed-address staging of a call's inputs, so that one captured CUDA graph serves every
+call of a layer.
+
+The kernels never take a call's sizes or addresses as launch arguments: the routing goes
+into ``max_tokens``-row buffers (the plan reads the call's rows only, given the token
+count on the device), and the call's scalars -- input and output addresses, token count,
+block split -- into one small int64 device buffer the kernels load. The forward stages
+five scalars (:class:`StaticInputs`), the backward six (:mod:`comet.runtime.backward`).
+
+The scalars reach the device in one copy from a pinned host ring rather than one fill per
+scalar: each small device op costs the host ~8-11 us (H100, ``h100-host-cost.json``), and
+a decode-sized call is host-bound.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from comet.config import MoEConfig
+
+
+class StagedScalars:
+    """``n`` int64 scalars on the device (:attr:`values`, a fixed address), written per
+    call by :meth:`stage` in one stream-ordered copy."""
+
+    #: Calls whose scalar copies may be pending at once; a call that finds its ring slot
+    #: still pending stages with device fills instead (the host never waits).
+    RING = 32
+
+    def __init__(self, n: int, device):
+        self.values = torch.zeros(n, dtype=torch.int64, device=device)
+        cuda = torch.device(device).type == "cuda"
+        self._ring = (torch.zeros(self.RING, n, dtype=torch.int64, pin_memory=True)
+                      if cuda else None)
+        # Written through numpy: no tensor is built per call.
+        self._ring_host = self._ring.numpy() if cuda else None
+        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
+        self._next = 0
+
+    def stage(self, values: Sequence[int]) -> None:
+        """Write ``values`` into :attr:`values` (stream-ordered; no host wait)."""
+        if self._ring is None:
+            self.values.copy_(torch.tensor(values, dtype=torch.int64))
+            return
+        slot = self._next % self.RING
+        pending = self._copied[slot]
+        # Inside a user's graph capture a copy would re-read the ring slot at every
+        # replay; fills capture the values themselves.
+        if torch.cuda.is_current_stream_capturing() or (
+                pending is not None and not pending.query()):
+            for i, v in enumerate(values):
+                self.values[i].fill_(v)
+            return
+        self._next += 1
+        self._ring_host[slot] = values
+        self.values.copy_(self._ring[slot], non_blocking=True)
+        if pending is None:
+            pending = self._copied[slot] = torch.cuda.Event()
+        pending.record()
+
+
+class StaticInputs:
+    """A forward call's staging: routing rows (:attr:`ids`, :attr:`weights`, ``[max_tokens,
+    k]``) and scalars ``(x address, y address, tokens, layer0 split, layer1 split)``, with
+    the views the kernels take (:attr:`addr`, :attr:`num_tokens`, :attr:`split`).
+    The backward stages its routing into the same rows (it follows its forward)."""
+
+    RING = StagedScalars.RING
+
+    def __init__(self, cfg: MoEConfig, device):
+        self.ids = torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64,
+                              device=device)
+        self.weights = torch.zeros(cfg.max_tokens, cfg.top_k, dtype=torch.float32,
+                                   device=device)
+        self._scalars = StagedScalars(5, device)
+        s = self._scalars.values
+        self.addr, self.num_tokens, self.split = s[0:2], s[2:3], s[3:5]
+
+    def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int) -> None:
+        """Write the call's scalars (stream-ordered)."""
+        self._scalars.stage([x_addr, y_addr, num_tokens, n0, n1])
