@@ -151,6 +151,14 @@ class BackwardCall:
         self.scalars.stage([x.data_ptr(), dy.data_ptr(), self.dx.data_ptr(), m, *split])
         return self
 
+    def results(self, weights_dtype: torch.dtype) -> tuple:
+        """``(dx, d topk_weights in weights_dtype, dW13, dW2)`` of the call that ran, handed
+        over: the variant keeps no reference to them (a held weight gradient is as large
+        as the experts' weights)."""
+        out = (self.dx, self.d_weights.to(weights_dtype), self.dw13, self.dw2)
+        self.dx = self.d_weights = self.dw13 = self.dw2 = None
+        return out
+
     # ------------------------------------------------------------------ phases
     def segments(self) -> list[tuple[bool, list[Callable[[], None]]]]:
         """``(device_only, phases)`` in order. A device-only segment reads and writes

@@ -475,7 +475,7 @@ class FusedMoE:
             topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(), split)
         self._run_backward(call)
         self._after_launch()
-        return call.dx, call.d_weights.to(topk_weights.dtype), call.dw13, call.dw2
+        return call.results(topk_weights.dtype)
 
     def _backward_variant(self, layer0_comm: bool, weight_grads: bool) -> BackwardCall:
         """The backward of one launch variant, built on first use (with the backward's

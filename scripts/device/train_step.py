@@ -64,12 +64,14 @@ def _profile(label, fn, path):
         fh.write(f"== {label} (3 calls)\n{table}\n")
 
 
-def run(name, tokens, ep, iters, warmup, profile=None):
+def run(name, tokens, ep, iters, warmup, profile=None, backward_graphs=True):
     base = preset(name)
     experts = base.num_experts // ep
     cfg = base.replace(num_experts=experts, top_k=min(base.top_k, experts),
                        n_group=min(base.n_group, experts), max_tokens=tokens)
     moe = CometMoE.from_config(cfg, device="cuda")
+    if not backward_graphs:        # experiment: the fused backward's launches all eager
+        moe.fused_layer()._capture_segments = lambda call, key: None
     dev = torch.device("cuda")
     sets = make_input_sets(cfg, name, tokens, "uniform", N_SETS, 0, 0, dev)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -169,6 +171,8 @@ def main():
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-backward-graphs", action="store_true",
+                   help="issue the fused backward's launches eagerly (no CUDA graphs)")
     p.add_argument("--profile", default=None,
                    help="also write each step's kernels (torch.profiler table) to this file")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
@@ -181,7 +185,8 @@ def main():
           "grad rel err")
     for name in a.configs:
         for tokens in a.tokens:
-            rec = run(name, tokens, a.ep, a.iters, a.warmup, a.profile)
+            rec = run(name, tokens, a.ep, a.iters, a.warmup, a.profile,
+                      backward_graphs=not a.no_backward_graphs)
             out["records"].append(rec)
             err = " ".join(f"{k} {v:.1e}" for k, v in rec["grad_rel_err"].items())
             print(f"{name:18} {tokens:6d} {rec['comet_fwd_us']:10.0f} {rec['torch_fwd_us']:10.0f} "
