@@ -43,7 +43,7 @@ from comet.weights import gate_up_first
 N_SETS = 2
 
 
-def _rel(a, b):
+def rel_frobenius(a, b):
     """Relative Frobenius error, a slice at a time (DeepSeek-V3's W13 in fp32 is 22 GB)."""
     num = den = 0.0
     for x, y in zip(a.flatten(0, -2).split(1 << 14), b.flatten(0, -2).split(1 << 14)):
@@ -159,7 +159,7 @@ def run(name, tokens, ep, iters, warmup, profile=None, backward_graphs=True):
     want = [x.grad, w.grad, w13.grad, w2.grad]
     moe.zero_grad(set_to_none=True)
     rec["grad_rel_err"] = dict(zip(("x", "topk_weights", "w13", "w2"),
-                                   (_rel(a, b) for a, b in zip(got, want))))
+                                   (rel_frobenius(a, b) for a, b in zip(got, want))))
     moe.fused_layer().check_errors_now()
     return rec
 

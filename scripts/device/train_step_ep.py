@@ -34,20 +34,12 @@ from comet import CometMoE
 from comet.bench.inputs import make_input_sets
 from comet.bench.timing import L2Flush, median, reduce_over_ranks, time_calls
 from comet.config import PRESETS, preset
+from train_step import rel_frobenius   # this script's folder is on sys.path
 
 #: Input sets the timing loop rotates through.
 N_SETS = 2
 #: Largest host delay (s) a rank is held back by before a step of the drift rounds.
 MAX_DRIFT_S = 3e-3
-
-
-def _rel(a, b):
-    """Relative Frobenius error, a slice at a time (large expert weights in fp32)."""
-    num = den = 0.0
-    for x, y in zip(a.flatten(0, -2).split(1 << 14), b.flatten(0, -2).split(1 << 14)):
-        num += (x.float() - y.float()).square().sum().item()
-        den += y.float().square().sum().item()
-    return (num / max(den, 1e-24)) ** 0.5
 
 
 def _worst_over_ranks(errs: dict[str, float]) -> dict[str, float]:
@@ -85,7 +77,7 @@ def run(name, tokens, rounds, iters, warmup, seed):
         got = [t.clone() for t in step(s.x, s.topk_ids, s.topk_weights, dy, fused=True)]
         want = step(s.x, s.topk_ids, s.topk_weights, dy, fused=False)
         for key, a, b in zip(worst, got, want):
-            worst[key] = max(worst[key], _rel(a, b))
+            worst[key] = max(worst[key], rel_frobenius(a, b))
     moe.fused_layer().check_errors_now()
     torch.cuda.synchronize()
     rec = dict(config=name, ep=world, tokens=tokens, rounds=rounds,
