@@ -1,6 +1,9 @@
 """Fused kernels on one GPU (marker gpu): W=1 through FusedMoE, W=2/4 through the
 virtual-rank driver (the same compiled role kernels, producers launched first)."""
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -156,6 +159,71 @@ def test_a_failed_graph_capture_falls_back_to_eager_calls():
             assert _rel_err(y, ref) < 1e-2, call
     assert list(layer._graphs.values()) == [None]
     assert int(layer.ws.epoch) == 4
+    layer.check_errors_now()
+
+
+def _graph_in_a_reference_cycle():
+    """Unreachable garbage that only the cyclic collector frees, holding a recorded graph
+    (like an earlier layer that nothing refers to any more)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    buf = torch.zeros(16, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        buf.add_(1)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    cycle = {"graph": graph, "buf": buf}
+    cycle["self"] = cycle
+
+
+@pytest.mark.parametrize("collector", ["off while recording", "left on"])
+def test_garbage_collection_during_a_capture(collector):
+    """A collection inside a capture that frees a graph from this thread invalidates the
+    capture (destroying a graph is not permitted while capturing): seen at random in the
+    GPU suite as a variant running without its graph. Here a collection falls due inside
+    the recorded body (threshold 1, then allocations); the layer records with the
+    collector off, and "left on" shows the failure that prevents -- after which the
+    device's random ops must still work (the failed capture left the default generator
+    in capture mode: every later ``torch.rand`` raised)."""
+    import gc
+    from unittest import mock
+
+    import comet.runtime.layer as layer_mod
+    layer, g = _fused("mixtral", torch.bfloat16)
+    x, ids, w = _inputs(layer, "random", g, tokens=256)
+    layer(x, ids, w)                                   # first call: eager
+    plan = layer_mod.L.launch_plan
+
+    def plan_then_collection_due(*args, **kwargs):
+        gc.set_threshold(1)
+        _ = [[] for _ in range(8)]                     # container allocations: gen0 is due
+        return plan(*args, **kwargs)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(10**6)                            # no collection before the capture
+    _graph_in_a_reference_cycle()
+    try:
+        with contextlib.ExitStack() as stack:
+            caught = stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
+            stack.enter_context(mock.patch.object(layer_mod.L, "launch_plan",
+                                                  plan_then_collection_due))
+            if collector == "left on":
+                stack.enter_context(mock.patch.object(gc, "disable", lambda: None))
+            y = layer(x, ids, w)                       # second call: captures
+    finally:
+        gc.set_threshold(*threshold)
+    failed = [c for c in caught if "capture" in str(c.message)]
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
+                                round_to=torch.bfloat16)
+    assert _rel_err(y, ref) < 1e-2
+    assert len(layer._graphs) == 1
+    if collector == "left on":
+        assert failed and list(layer._graphs.values()) == [None]
+    else:
+        assert not failed and None not in layer._graphs.values()
+    torch.rand(1, device="cuda")     # a failed capture must not leave the RNG capturing
     layer.check_errors_now()
 
 

@@ -392,3 +392,28 @@ def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     from comet.kernels.launch import TileConfig
     assert not TileConfig().decode_pays(750, 16, 6144, 132)
     assert not TileConfig(decode_block_n1=0).decode_pays(16, 2, 4096, 132)
+
+
+SHIPPED_TABLES = sorted(tuned.SHIPPED.glob("*.json"))
+HOPPER_SMS = 132                     # H100 SXM and H200: a split must leave GEMM blocks
+
+
+def test_tables_are_shipped_for_the_presets():
+    """H200 tables ship for every preset (world size 2 so far) and are found by default."""
+    names = {p.name for p in SHIPPED_TABLES}
+    for name in ("mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"):
+        assert tuned.file_name(preset(name), 2, "NVIDIA_H200") in names, name
+
+
+@pytest.mark.parametrize("path", SHIPPED_TABLES, ids=lambda p: p.name)
+def test_each_shipped_table_is_current_and_matches_its_name(path):
+    """A shipped table must load for the shape its name gives, on these kernels: a kernel
+    change (new KERNEL_REVISION) makes every table stale -- re-tune or remove them."""
+    meta = json.loads(path.read_text())["meta"]
+    cfg = MoEConfig(num_experts=meta["E"], top_k=meta["top_k"], hidden_size=meta["H"],
+                    intermediate_size=meta["F"], dtype=torch.bfloat16)
+    assert tuned.file_name(cfg, meta["world_size"], meta["device_name"]) == path.name
+    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"])
+    table = tuned.parse_table(json.loads(path.read_text()), expect)
+    assert sorted(table) == [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert all(max(c.layer0, c.layer1) < HOPPER_SMS for c in table.values())

@@ -19,6 +19,7 @@ already in place without waiting; ``"comm_only"`` moves the data without GEMMs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 import warnings
@@ -94,6 +95,30 @@ def sm_count(device: torch.device) -> int:
     return topology.sm_count(device.index if device.index is not None
                              else torch.cuda.current_device())
 
+
+
+def _end_rng_capture(device: torch.device) -> bool:
+    """Take the device's default RNG out of capture mode after a failed capture; False
+    if that did not work either.
+
+    ``CUDAGraph.capture_begin`` puts the default CUDA generator in capture mode and only a
+    successful ``capture_end`` takes it out: after a capture that failed, every later
+    random op on the device (``torch.rand``, ``nn.init``) raises "Offset increment outside
+    graph capture". One tiny capture that succeeds ends that mode."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    scratch = torch.zeros(1, device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                scratch.add_(1)
+            finally:
+                graph.capture_end()
+    except RuntimeError:
+        return False
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return True
 
 class FusedMoE:
     """The routed-expert part of an MoE layer on the fused kernels (one rank's view).
@@ -615,10 +640,17 @@ class FusedMoE:
         DataLoader's pinned allocation, a peer virtual rank loading a kernel module) would
         invalidate a global-mode one. Should the capture fail anyway, the variant runs
         eagerly from then on (None), with a warning: no call is lost, since a capture
-        executes nothing."""
+        executes nothing.
+
+        The garbage collector is off while recording: a collection that frees an
+        unreachable object holding a CUDA graph (an earlier layer in a reference cycle)
+        destroys that graph from this thread, which a capture does not permit -- the
+        capture was invalidated that way, at random, inside a test run."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        gc_was_on = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -627,9 +659,14 @@ class FusedMoE:
                 finally:
                     graph.capture_end()
         except RuntimeError as e:       # torch.AcceleratorError and Triton's launch error
+            rng = ("" if _end_rng_capture(self.device) else "; the device's default RNG "
+                   "may be left in capture mode (random ops on it raise)")
             warnings.warn(f"comet: CUDA graph capture of {key} failed ({e}); this variant "
-                          "runs without a graph", RuntimeWarning, stacklevel=3)
+                          f"runs without a graph{rng}", RuntimeWarning, stacklevel=3)
             return None
+        finally:
+            if gc_was_on:
+                gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
