@@ -417,3 +417,46 @@ def test_each_shipped_table_is_current_and_matches_its_name(path):
     table = tuned.parse_table(json.loads(path.read_text()), expect)
     assert sorted(table) == [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert all(max(c.layer0, c.layer1) < HOPPER_SMS for c in table.values())
+
+
+def test_a_split_is_timed_on_every_routing_of_the_mix(monkeypatch):
+    """bucket_timer times each routing (the slowest rank's median) and returns the mean:
+    a split that ties on uniform routing but loses on a hot expert is not chosen."""
+    timed_on = []
+    cost = {"uniform": {0: (100.0, 50.0), 32: (99.0, 50.0)},
+            "skewed": {0: (120.0, 60.0), 32: (140.0, 60.0)}}
+
+    def make_input_sets(cfg, name, tokens, routing, n, rank, seed, device):
+        from types import SimpleNamespace
+        return [SimpleNamespace(x=routing, topk_ids=None, topk_weights=None)] * n
+
+    monkeypatch.setattr(tune, "make_input_sets", make_input_sets)
+    args = tune.build_parser().parse_args(["--config", "mixtral"])
+    assert args.routings == ["uniform", "skewed"]
+
+    class Layer:
+        def __call__(self, x, ids, weights, comm_blocks, timer, decode_tile):
+            timed_on.append((x, comm_blocks))
+            timer.seen = (x, comm_blocks)
+
+    def fake_time_calls(call, n_sets, iters, warmup, device, make_timer):
+        timer = type("T", (), {})()
+        call(0, timer)
+        routing, n = timer.seen
+        t0, t1 = cost[routing][n]
+        return {"layer0": [t0], "layer1": [t1]}
+    monkeypatch.setattr(tune, "time_calls", fake_time_calls)
+    monkeypatch.setattr(tune, "reduce_over_ranks", lambda series: series)
+    timer = tune.bucket_timer(Layer(), None, 4096, args, None, 0)
+    assert timer(0) == (110.0, 55.0) and timer(32) == (119.5, 55.0)
+    assert [r for r, _ in timed_on] == ["uniform", "skewed"] * 2
+    args.routings = ["uniform"]
+    assert tune.bucket_timer(Layer(), None, 4096, args, None, 0)(32) == (99.0, 50.0)
+
+
+def test_resuming_with_another_routing_mix_measures_again(tmp_path, capsys):
+    meta = tuned.expected_meta(CFG, 4, "cpu")
+    path = _write(tmp_path)                        # no "routings": a uniform-only table
+    assert set(tune.load_existing(str(path), meta, ["uniform"])["buckets"]) == {"128", "1024"}
+    assert tune.load_existing(str(path), meta, ["uniform", "skewed"])["buckets"] == {}
+    assert "measuring every bucket again" in capsys.readouterr().err

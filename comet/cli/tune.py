@@ -5,8 +5,11 @@ candidate numbers of comm blocks (the same count for both layers in one call; ea
 is a separate kernel, so one call times a candidate for both) and keep, per bucket and
 layer, the fastest. By default the candidates timed are those a hill climb from the
 analytic model's pick and from 0 needs (comet.scheduler.search); ``--search exhaustive``
-times all of them. Where the layer has a decode tile (narrower layer1 column blocks),
-layer1 is also timed on the tile its rule does not pick, and the faster tile is kept.
+times all of them. Each candidate is timed on every routing of ``--routings`` (default:
+the benchmark's uniform and skewed) and judged by their mean: a call's routing lives on
+the device, so one split must serve the mix. Where the layer has a decode tile (narrower
+layer1 column blocks), layer1 is also timed on the tile its rule does not pick, and the
+faster tile is kept.
 The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from comet import __version__
-from comet.bench.inputs import make_expert_weights, make_input_sets
+from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig
@@ -66,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", choices=("local", "exhaustive"), default="local",
                    help="local: hill-climb from the analytic pick and from 0 (a few calls "
                         "per bucket); exhaustive: every candidate")
+    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
+                   help="routings a split is timed on; it is chosen for their mean time "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -115,9 +121,14 @@ def resolve_config(args, parser) -> MoEConfig:
         parser.error(str(err))
 
 
-def load_existing(path: str, meta: dict) -> dict:
+#: What a table without ``meta["routings"]`` was timed on (tables before the mix).
+LEGACY_ROUTINGS = ["uniform"]
+
+
+def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> dict:
     """The table already at ``path`` (to resume / merge), or a fresh one. A stale table
-    (older kernels) is replaced; one of another shape is refused."""
+    (older kernels) or one timed on another routing mix is replaced; one of another
+    shape is refused."""
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
@@ -126,6 +137,11 @@ def load_existing(path: str, meta: dict) -> dict:
         except tuned.StaleTableError as e:
             print(f"{path}: {e}; measuring every bucket again", file=sys.stderr)
             return {"meta": meta, "buckets": {}}
+        had = data["meta"].get("routings", LEGACY_ROUTINGS)
+        if routings is not None and sorted(had) != sorted(routings):
+            print(f"{path}: timed on routings {had}, now {routings}; measuring every "
+                  "bucket again", file=sys.stderr)
+            return {"meta": meta, "buckets": {}}
         return data
     return {"meta": meta, "buckets": {}}
 
@@ -133,20 +149,27 @@ def load_existing(path: str, meta: dict) -> dict:
 def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
                  decode_tile: bool | None = None) -> Callable[[int], search.Times]:
     """``fn(comm blocks) -> (layer0 us, layer1 us)`` at ``tokens`` per rank, on the
-    decode tile or the default one (None: the layer's own choice): the slowest rank's
-    median, the same on every rank (collective: every rank calls it alike)."""
+    decode tile or the default one (None: the layer's own choice): per routing of
+    ``args.routings`` the slowest rank's median, then their mean -- one split for the
+    routing mix, since a call's routing is on the device and selection never waits for
+    it. The same on every rank (collective: every rank calls it alike)."""
     from comet.runtime.layer import PhaseTimer
-    sets = make_input_sets(cfg, "tune", tokens, "uniform", 2, rank, args.seed, device)
+    mix = [make_input_sets(cfg, "tune", tokens, routing, 2, rank, args.seed, device)
+           for routing in args.routings]
 
     def timed(n: int) -> search.Times:
-        def call(i, timer):
-            s = sets[i]
-            layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer,
-                  decode_tile=decode_tile)
-        series = time_calls(call, n_sets=len(sets), iters=args.iters, warmup=args.warmup,
-                            device=device, make_timer=PhaseTimer)
-        series = reduce_over_ranks(series)
-        return median(series["layer0"]), median(series["layer1"])
+        per_routing = []
+        for sets in mix:
+            def call(i, timer, sets=sets):
+                s = sets[i]
+                layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer,
+                      decode_tile=decode_tile)
+            series = time_calls(call, n_sets=len(sets), iters=args.iters,
+                                warmup=args.warmup, device=device, make_timer=PhaseTimer)
+            series = reduce_over_ranks(series)
+            per_routing.append((median(series["layer0"]), median(series["layer1"])))
+        return (sum(t[0] for t in per_routing) / len(mix),
+                sum(t[1] for t in per_routing) / len(mix))
     return timed
 
 
@@ -227,7 +250,7 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     name = tuned.device_name(device)
     meta = tuned.expected_meta(cfg, world, name)
     path = os.path.join(args.output_dir, tuned.file_name(cfg, world, name))
-    table = load_existing(path, meta)
+    table = load_existing(path, meta, args.routings)
     w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
                                   device)
     layer = FusedMoE(cfg, w13, w2)
@@ -239,7 +262,8 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         table["buckets"][str(tokens)] = entry
         table["meta"].update(comet_version=__version__,
                              date=datetime.date.today().isoformat(),
-                             candidates=candidates, iters=args.iters)
+                             candidates=candidates, iters=args.iters,
+                             routings=args.routings)
         if rank == 0:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(path + ".tmp", "w") as f:
@@ -364,7 +388,8 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                            f"F{cfg.intermediate_size}-k{cfg.top_k}-ep{world}.json")
         with open(out, "w") as f:
             json.dump({"table": path, "meta": data.get("meta"), "device": name,
-                       "iters": args.iters, "rows": report}, f, indent=1)
+                       "iters": args.iters, "routings": args.routings, "rows": report},
+                      f, indent=1)
         print(f"wrote {out}")
     return 0
 
