@@ -5,9 +5,10 @@ candidate numbers of comm blocks (the same count for both layers in one call; ea
 is a separate kernel, so one call times a candidate for both) and keep, per bucket and
 layer, the fastest. By default the candidates timed are those a hill climb from the
 analytic model's pick and from 0 needs (comet.scheduler.search); ``--search exhaustive``
-times all of them. Each candidate is timed on every routing of ``--routings`` (default:
-the benchmark's uniform and skewed) and judged by their mean: a call's routing lives on
-the device, so one split must serve the mix. Where the layer has a decode tile (narrower
+times all of them. With ``--routings uniform skewed`` each candidate is timed on both
+of the benchmark's routings and judged by their mean: a call's routing lives on the
+device, so one split must serve the mix (default: uniform only; the mix has not yet been
+measured to pick better, see docs/tuning.md). Where the layer has a decode tile (narrower
 layer1 column blocks), layer1 is also timed on the tile its rule does not pick, and the
 faster tile is kept.
 The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", choices=("local", "exhaustive"), default="local",
                    help="local: hill-climb from the analytic pick and from 0 (a few calls "
                         "per bucket); exhaustive: every candidate")
-    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS),
+    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=["uniform"],
                    help="routings a split is timed on; it is chosen for their mean time "
                         "(default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
