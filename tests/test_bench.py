@@ -143,6 +143,36 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
         assert os.path.exists(path[:-5] + ".png")
 
 
+def test_whole_layer_records_hold_every_variant_to_calls_without_phase_events(
+        tmp_path, capsys, fake_fused, monkeypatch):
+    """A phase-timed iteration starts on a rested GPU (parked in a sleep), which runs a
+    long call faster on a power-limited GPU: "moe" records take every variant's whole-call
+    time -- comet's and the references' -- from iterations without phase events; GEMM
+    TFLOP/s stay phase against phase, and comet's GEMM alone has no whole-call time."""
+    from comet.bench import runner
+    real = runner.time_calls
+    WHOLE_US = 1000.0
+
+    def time_calls(fn, **kw):
+        series = real(fn, **kw)
+        if kw.get("make_timer") is None:
+            series["total"] = [WHOLE_US] * len(series["total"])
+        return series
+    monkeypatch.setattr(runner, "time_calls", time_calls)
+    argv = SMALL + ["--layers", "layer0", "moe", "--output-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    layer0, moe = rec.read_json(path)
+    for key in ("baseline_us", "fused_us", "sequential_us", "compute_only_us",
+                "torch_gmm_us"):
+        assert moe[key] == WHOLE_US, key
+        assert layer0[key] != WHOLE_US, key
+    assert moe["comet_gmm_us"] is None and layer0["comet_gmm_us"] > 0
+    assert moe["gemm_floor_us"] == WHOLE_US          # torch's, the one GEMM timed whole
+    flops = moe["gemm_tflop_per_rank"] * 1e12
+    assert moe["torch_gmm_tflops"] != pytest.approx(rec.tflops(flops, WHOLE_US))
+
+
 def test_fixed_splits_hold_the_choice_against_the_best_of_them(tmp_path, capsys, monkeypatch):
     layers = []
 

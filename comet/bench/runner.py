@@ -14,13 +14,21 @@ torch GEMM     gemm0                                                gemm1
 NCCL a2a       dispatch                                             combine
 =============  ===================================================  ========================
 
-"moe" is the whole call (for the GEMM and a2a references: both phases). The baseline's
-whole-call time is taken in separate iterations without phase events, which would add host
-work to a pipeline that is host-bound at small token counts.
+"moe" is the whole call, of every variant timed in separate iterations without phase
+events: a phase-timed iteration parks the GPU in a sleep first (see comet.bench.timing),
+and on these power-limited GPUs a call that starts rested runs faster -- comet's own
+compute-only call took 15685 us as its phases' sum and 17934 us back to back (mixtral,
+16384 tokens/rank, 2x H200, bench-ep2-20261123-200954). So the layer and its references
+(torch's and CUTLASS's GEMMs, NCCL) are held against each other in one regime. The
+baseline's phase events would also add host work to a pipeline that is host-bound at
+small token counts. GEMM TFLOP/s, a GEMM-against-GEMM ratio, come from the phases (both
+sides rested), and comet's GEMM alone has no whole-call time (``comet_gmm_us`` is None in
+"moe" records).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,10 +52,15 @@ _LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
     "baseline": {"layer0": ("route", "counts", "gather", "dispatch", "permute", "gemm0", "act"),
                  "layer1": ("gemm1", "unpermute", "combine", "reduce")},
     "comet": {"layer0": ("plan", "layer0"), "layer1": ("layer1", "combine")},
-    # The GEMM kernels alone, for TFLOP/s: torch's grouped GEMM is timed without routing.
-    "comet_kernels": {"layer0": ("layer0",), "layer1": ("layer1",), "moe": ("layer0", "layer1")},
-    "gmm": {"layer0": ("gemm0",), "layer1": ("gemm1",), "moe": ("gemm0", "gemm1")},
-    "a2a": {"layer0": ("dispatch",), "layer1": ("combine",), "moe": ("dispatch", "combine")},
+    # The GEMM kernels alone: torch's grouped GEMM is timed without routing.
+    "comet_kernels": {"layer0": ("layer0",), "layer1": ("layer1",)},
+    "gmm": {"layer0": ("gemm0",), "layer1": ("gemm1",)},
+    "a2a": {"layer0": ("dispatch",), "layer1": ("combine",)},
+}
+#: For TFLOP/s only: "moe" as the sum of the two GEMM phases, on both sides.
+_RATE_PHASES = {
+    "comet_kernels": {**_LAYER_PHASES["comet_kernels"], "moe": ("layer0", "layer1")},
+    "gmm": {**_LAYER_PHASES["gmm"], "moe": ("gemm0", "gemm1")},
 }
 
 #: Baseline phases summed into the breakdown columns (shared/DESIGN.md's table).
@@ -167,6 +180,11 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     def phase_clock():
         return PhaseClock(dev)
 
+    def reference(fn, phases) -> _Series:
+        series = timed(fn, phase_clock)
+        series["total"] = timed(fn)["total"]
+        return _Series(series, phases)
+
     out: dict[str, _Series] = {}
     # The whole-call time of the baseline comes from calls without phase events: its
     # small-token regime is host-bound, and ~20 event records would add to it.
@@ -201,16 +219,15 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                  torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
                 for p in plans]
 
-    out["torch_gmm"] = _Series(timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
-                                     phase_clock), _LAYER_PHASES["gmm"])
+    out["torch_gmm"] = reference(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
+                                 _LAYER_PHASES["gmm"])
     if cutlass_mm is not None:
-        out["cutlass_gmm"] = _Series(timed(_gemm_fn(
+        out["cutlass_gmm"] = reference(_gemm_fn(
             plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
-            phase_clock), _LAYER_PHASES["gmm"])
+            _LAYER_PHASES["gmm"])
     del gmm_rows
     if st.world > 1:
-        out["nccl"] = _Series(timed(_a2a_fn(sets, plans, group), phase_clock),
-                              _LAYER_PHASES["a2a"])
+        out["nccl"] = reference(_a2a_fn(sets, plans, group), _LAYER_PHASES["a2a"])
 
     flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
     order = timed_sets(st.n_sets, st.iters, st.warmup)
@@ -245,10 +262,11 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "chunked_chunks": best,
             **{f"chunked{n}_us": chunked[n] for n in st.chunk_options},
             "torch_gmm_us": med("torch_gmm"),
-            "torch_gmm_tflops": gmm_tflops("torch_gmm"),
-            "comet_gmm_tflops": gmm_tflops("compute_only", _LAYER_PHASES["comet_kernels"]),
-            "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm"),
-            "comet_gmm_us": med("compute_only", _LAYER_PHASES["comet_kernels"]),
+            "torch_gmm_tflops": gmm_tflops("torch_gmm", _RATE_PHASES["gmm"]),
+            "comet_gmm_tflops": gmm_tflops("compute_only", _RATE_PHASES["comet_kernels"]),
+            "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm", _RATE_PHASES["gmm"]),
+            "comet_gmm_us": (med("compute_only", _LAYER_PHASES["comet_kernels"])
+                             if layer != "moe" else None),
             "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
             **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
@@ -287,14 +305,19 @@ def _fixed_columns(times: dict[int, float | None]) -> dict:
             "best_fixed_us": timed[best] if best is not None else None}
 
 
+def _phase(timer, name: str):
+    """``timer.phase(name)``, or nothing in an iteration timed without phases."""
+    return contextlib.nullcontext() if timer is None else timer.phase(name)
+
+
 def _gemm_fn(plans, rows, w13, w2, mm):
     """The layer's two grouped GEMMs alone, on rows laid out as the layer's (``rows[i]``:
     random ``[R, H]`` and ``[R, F]`` inputs of set ``i``)."""
     def fn(i, t):
         p, (a0, a1) = plans[i], rows[i]
-        with t.phase("gemm0"):
+        with _phase(t, "gemm0"):
             mm(a0, w13, p.expert_rows, p.offs)
-        with t.phase("gemm1"):
+        with _phase(t, "gemm1"):
             mm(a1, w2, p.expert_rows, p.offs)
     return fn
 
@@ -308,9 +331,9 @@ def _a2a_fn(sets: list[InputSet], plans, group):
 
     def fn(i, t):
         p, (send, recv, back) = plans[i], bufs[i]
-        with t.phase("dispatch"):
+        with _phase(t, "dispatch"):
             dist.all_to_all_single(recv, send, p.recv_splits, p.send_splits, group=group)
-        with t.phase("combine"):
+        with _phase(t, "combine"):
             dist.all_to_all_single(back, recv, p.send_splits, p.recv_splits, group=group)
     return fn
 
