@@ -7,12 +7,17 @@ only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from comet import reference
 from comet.config import MoEConfig
 from comet.kernels import launch as L
+from comet.kernels.group_gemm import lane_shape, strided_take
 from comet.runtime.errors import CometTimeoutError, raise_if_failed
 from comet.runtime.virtual import VirtualEP
+from comet.scheduler.plan import lane_of_take
+from comet.scheduler.plan import lane_shape as lane_shape_py
 from comet.weights import gate_up_first
 from routings import KINDS, make_ids, make_tokens
 
@@ -347,3 +352,31 @@ def test_misaligned_inputs_are_staged_through_an_aligned_copy():
     assert staged.data_ptr() % L.ADDRESS_ALIGN == 0 and torch.equal(staged, view)
     ok = flat[:128].view(4, 32)
     assert L.aligned(ok) is ok
+
+
+@triton.jit
+def _record_takes(queue, out, total, programs, LANE_ITEMS: tl.constexpr,
+                  HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
+                  MAX_TAKES: tl.constexpr):
+    items, head, lanes_end = lane_shape(total, programs, LANE_ITEMS, HEAD_ROUNDS,
+                                        TAIL_ROUNDS)
+    for i in range(MAX_TAKES):
+        first, end = strided_take(queue, programs, items, head, lanes_end)
+        tl.store(out + 2 * i, first)
+        tl.store(out + 2 * i + 1, end)
+
+
+@pytest.mark.parametrize("total,programs,head,tail", [
+    (0, 4, 1, 1), (3, 4, 1, 1), (37, 4, 1, 1), (100, 7, 1, 1), (100, 7, 0, 0),
+    (100, 7, 2, 0), (100, 7, 0, 2), (16, 4, 0, 0)])
+def test_the_layer0_queue_kernel_matches_its_mirror(total, programs, head, tail):
+    """strided_take/lane_shape (what layer0's GEMM blocks run) hand out the takes of
+    comet.scheduler.plan.lane_of_take, the order the simulator checks."""
+    lane_items, takes = 4, 60
+    out = torch.full((2 * takes,), -1, dtype=torch.int32)
+    _record_takes[(1,)](torch.zeros(1, dtype=torch.int32), out, total, programs,
+                        LANE_ITEMS=lane_items, HEAD_ROUNDS=head, TAIL_ROUNDS=tail,
+                        MAX_TAKES=takes)
+    shape = lane_shape_py(total, programs, lane_items, head, tail)
+    expect = [lane_of_take(q, programs, *shape) for q in range(takes)]
+    assert [tuple(p) for p in out.view(-1, 2).tolist()] == expect

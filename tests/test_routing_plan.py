@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from comet import reference
 from comet.routing import build_recv_layout, build_send_plan, local_counts, recv_capacity
-from comet.scheduler.plan import build_tile_table, column_work, grouped_work
+from comet.scheduler.plan import (build_tile_table, column_work, grouped_work, lane_of_take,
+                                  lane_shape)
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -134,3 +135,38 @@ def test_layer1_order_is_column_major(num_tiles, n_blocks, per_split):
     assert splits == sorted(splits), "all tiles of split s before split s + 1"
     for t, b, s in items:
         assert b // per_split == s
+
+
+def layer0_takes(total, programs, lane_items, head_rounds, tail_rounds):
+    """Every take of layer0's queue until it runs dry, as lists of item indices."""
+    shape = lane_shape(total, programs, lane_items, head_rounds, tail_rounds)
+    takes, q = [], 0
+    while True:
+        first, end = lane_of_take(q, programs, *shape)
+        if first >= total:
+            return takes
+        takes.append(list(range(first, min(end, total), programs)))
+        q += 1
+
+
+@given(st.integers(0, 3000), st.integers(1, 140), st.sampled_from([1, 4]),
+       st.integers(0, 2), st.integers(0, 2))
+@settings(max_examples=200, deadline=None)
+def test_layer0_queue_hands_out_every_item_once(total, programs, lane_items, head, tail):
+    takes = layer0_takes(total, programs, lane_items, head, tail)
+    flat = sorted(w for t in takes for w in t)
+    assert flat == list(range(total)), "every item exactly once, and nothing past the end"
+    firsts = [t[0] for t in takes]
+    assert firsts == sorted(firsts), "takes follow the table's order"
+    # Items taken at once stay one window of the order (weight blocks shared in L2): the
+    # takes of one round of the grid span at most a round of lanes.
+    for i in range(0, len(takes), programs):
+        window = [w for t in takes[i:i + programs] for w in t]
+        assert max(window) - min(window) < programs * lane_items
+    if total >= programs * (lane_items + head + tail):
+        # The head: each block's first take is one item of the first round, so it waits
+        # for the rows of one round, not of a lane reaching ``lane_items`` rounds ahead.
+        assert all(len(t) == 1 and t[0] < head * programs for t in takes[:head * programs])
+        # The tail: the last round (at least) goes one item per take.
+        assert all(len(t) == 1 for t in takes[-tail * programs:] if tail)
+        assert max(len(t) for t in takes) == lane_items

@@ -115,18 +115,46 @@ def grouped_work(w, num_tiles, n_blocks):
 
 
 @triton.jit
-def strided_take(queue, programs, items):
-    """Take one *lane* of the work queue: ``items`` work items strided by ``programs``.
-    Take ``q`` is lane ``q % programs`` of round ``q // programs``, which covers
-    ``programs * items`` consecutive items; returns ``(first, end)``: the lane's items are
-    ``first, first + programs, ...`` below ``end``. The items running at once stay one
-    grid-wide window of the order (as with one item per take, so weight blocks are shared
-    in L2), while a lane of several items can run as one flattened loop, which lets the
-    pipeliner load a tile's operands under the previous tile's epilogue. Any block may
-    take any lane: blocks that join late still find work."""
+def lane_shape(total, programs, LANE_ITEMS: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
+               TAIL_ROUNDS: tl.constexpr):
+    """How a queue of ``total`` work items is cut into takes (mirrored by
+    :func:`comet.scheduler.plan.lane_shape`): ``(items, head, lanes_end)``. Items
+    ``[0, head)`` and ``[lanes_end, total)`` go one per take; the rounds in between are
+    lanes of ``items`` (``LANE_ITEMS`` once there is a whole round of them, else 1).
+
+    One-item takes at the ends: the first take of every block waits for the rows of its
+    whole lane, and a lane of four reaches four rounds into the table -- past the first
+    round of dispatch chunks (deepseek-v3-like at 4096 tokens/rank, EP=2: the GEMM
+    started 237 us into the call, two chunk copies); and the last lanes end unevenly, up
+    to a lane (four tiles) apart, while layer1 waits for the slowest
+    (``timeline-ep2-*-20261123-2113*``: 13-184 us between the median block's end and the
+    last's)."""
+    items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
+    head = tl.minimum(HEAD_ROUNDS * programs, total)
+    rounds = tl.maximum(total - head - TAIL_ROUNDS * programs, 0) // (programs * items)
+    return items, head, head + rounds * programs * items
+
+
+@triton.jit
+def strided_take(queue, programs, items, head, lanes_end):
+    """Take from the work queue: one item below ``head`` and from ``lanes_end`` on
+    (:func:`lane_shape`), else one *lane*: ``items`` work items strided by ``programs``.
+    Lane take ``q`` is lane ``q % programs`` of round ``q // programs``, which covers
+    ``programs * items`` consecutive items. Returns ``(first, end)``: the take's items
+    are ``first, first + programs, ...`` below ``end``. The items running at once stay
+    one grid-wide window of the order (as with one item per take, so weight blocks are
+    shared in L2), while a lane of several items can run as one flattened loop, which
+    lets the pipeliner load a tile's operands under the previous tile's epilogue. Any
+    block may take any lane: blocks that join late still find work."""
     q = take(queue)
-    rnd = q // programs
-    return rnd * programs * items + q % programs, (rnd + 1) * programs * items
+    lane_takes = (lanes_end - head) // items
+    r = q - head
+    rnd = r // programs
+    in_lanes = (r >= 0) & (r < lane_takes)
+    single = tl.where(r < 0, q, lanes_end + r - lane_takes)
+    first = tl.where(in_lanes, head + rnd * programs * items + r % programs, single)
+    end = tl.where(in_lanes, head + (rnd + 1) * programs * items, single + 1)
+    return first, end
 
 
 @triton.jit

@@ -53,12 +53,14 @@ class TileConfig:
         2 is within 0-4% of the best count at 1024-16384 tokens for the four presets (H100,
         W=1, `h100-kernel-times-layer1-splits-count.json`); fewer splits only leave more of
         the reduce after the GEMM.
-    comm_rows: rows of a dispatch chunk, the unit a destination waits for. Chunks are
-        published in order, each publication a remote release that costs a few us and
-        runs after the previous one, so a chunk must carry enough bytes to keep the link
-        busy: measured on 4x H200 with 32-row chunks of a 2048-wide bf16 model, dispatch
-        moved only ~27 GB/s per rank (one chunk per ~5 us).
+    comm_rows: rows of a dispatch chunk, the unit a destination waits for (each chunk
+        has its own flag). The first GEMM tiles wait for the first round of chunks, one
+        chunk copy by one comm block (256 rows: 36-118 us for the presets at 4096
+        tokens/rank, EP=2 timelines); each chunk also costs one remote release.
     comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+    lane_head_rounds / lane_tail_rounds: rounds (one item per program) of layer0's work
+        queue handed out one item per take at its start and its end, the rest in lanes
+        of ``kernels.layer0.LANE_ITEMS`` (:func:`kernels.group_gemm.lane_shape`).
     dispatch_entries: return entries per dispatch chunk (same reason as comm_rows).
     comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns); also the
         copy tile of return entries in the dispatch.
@@ -87,6 +89,8 @@ class TileConfig:
     comm_rows: int = 256
     comm_copy_rows: int = 32
     comm_block_h: int = 512
+    lane_head_rounds: int = 1
+    lane_tail_rounds: int = 1
     dispatch_entries: int = 1024
     comm_entries: int = 64
     reduce_item: int = 64
@@ -356,7 +360,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
         GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        DOT_PRECISION=_dot_precision(cfg.dtype), USE_ASM=_asm(), **trace_kw,
+        DOT_PRECISION=_dot_precision(cfg.dtype), HEAD_ROUNDS=tile.lane_head_rounds,
+        TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
-from comet.kernels.group_gemm import gemm_tile, grouped_work, strided_take
+from comet.kernels.group_gemm import gemm_tile, grouped_work, lane_shape, strided_take
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
                                 stamp, wait_at_least, wait_chunks)
 
@@ -221,6 +221,7 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                         GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
                         USE_ASM: tl.constexpr):
@@ -228,7 +229,8 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
     for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
     output columns -- over the local-first tiles,
     taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
-    lane at a time (:func:`strided_take`): blocks take work in the scheduler's order
+    lane at a time (:func:`strided_take`; ``HEAD_ROUNDS`` and ``TAIL_ROUNDS`` rounds of
+    single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`): blocks take work in the scheduler's order
     whenever they are free, so a block that joins late (a comm block done dispatching)
     takes the next lane, not a fixed share. A lane's rows are all waited for before its
     flattened loop starts: the pipeliner issues a tile's loads while the previous tile
@@ -237,9 +239,10 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
     n_blocks = tl.cdiv(N, BLOCK_N)
     total = num_tiles * n_blocks
     programs = tl.num_programs(0)
-    items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
+    items, head, lanes_end = lane_shape(total, programs, LANE_ITEMS, HEAD_ROUNDS,
+                                        TAIL_ROUNDS)
     seen = tl.zeros([W_P2], dtype=tl.int32)
-    first, end = strided_take(queue, programs, items)
+    first, end = strided_take(queue, programs, items, head, lanes_end)
     while first < total:
         end = tl.minimum(end, total)
         ready = 1
@@ -265,7 +268,7 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                 if TRACE:
                     events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS,
                                    USE_ASM)
-        first, end = strided_take(queue, programs, items)
+        first, end = strided_take(queue, programs, items, head, lanes_end)
 
 
 @triton.jit
@@ -286,8 +289,8 @@ def layer0_kernel(
     COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
     GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
+    TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
@@ -311,9 +314,7 @@ def layer0_kernel(
         layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
-                            epoch, err_table,
-                            rank, timeout, trace_ptr, events, WAIT, GATED, TRANS_B, GATE_UP,
-                            ONE_DOT, BLOCK_M,
-                            BLOCK_N, BLOCK_K,
-                            DOT_PRECISION, WORLD, W_P2, LOCAL_EXPERTS, COMM_ROWS, TRACE,
-                            MAX_EVENTS, USE_ASM)
+                            epoch, err_table, rank, timeout, trace_ptr, events, WAIT, GATED,
+                            TRANS_B, GATE_UP, ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DOT_PRECISION, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
+                            LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM)

@@ -110,6 +110,32 @@ def grouped_work(w: int, num_tiles: int, n_blocks: int, group_m: int) -> tuple[i
     return first + within % size, within // size
 
 
+def lane_shape(total: int, programs: int, lane_items: int, head_rounds: int,
+               tail_rounds: int) -> tuple[int, int, int]:
+    """How layer0's queue of ``total`` work items is cut into takes: ``(items, head,
+    lanes_end)`` -- one item per take below ``head`` and from ``lanes_end`` on, lanes of
+    ``items`` in between. Mirrored by ``kernels.group_gemm.lane_shape`` (which says why)."""
+    items = lane_items if total >= programs * lane_items else 1
+    head = min(head_rounds * programs, total)
+    rounds = max(total - head - tail_rounds * programs, 0) // (programs * items)
+    return items, head, head + rounds * programs * items
+
+
+def lane_of_take(q: int, programs: int, items: int, head: int,
+                 lanes_end: int) -> tuple[int, int]:
+    """Take ``q`` of layer0's queue -> ``(first, end)``: its items are ``first, first +
+    programs, ...`` below ``end``. Mirrored by ``kernels.group_gemm.strided_take``."""
+    lane_takes = (lanes_end - head) // items
+    r = q - head
+    if r < 0:
+        return q, q + 1
+    if r < lane_takes:
+        rnd = r // programs
+        return head + rnd * programs * items + r % programs, head + (rnd + 1) * programs * items
+    first = lanes_end + r - lane_takes
+    return first, first + 1
+
+
 def column_work(w: int, num_tiles: int, n_blocks: int,
                 blocks_per_split: int) -> tuple[int, int, int]:
     """layer1 work item ``w`` -> (tile index, column block, column split).

@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from comet.routing import build_recv_layout, build_send_plan, local_counts, recv_capacity
-from comet.scheduler.plan import build_tile_table, column_work, grouped_work
+from comet.scheduler.plan import (build_tile_table, column_work, grouped_work, lane_of_take,
+                                  lane_shape)
 
 #: Modes of a call (comet.runtime.layer.MODES): the fused layer, or the benchmark's GEMMs
 #: on whatever rows are in place -- exchange and layout, then no dispatch, no waits, no
@@ -68,6 +69,8 @@ class SimConfig:
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
     reduce_item: return entries per item of layer1's reduce queue.
     lane_items: work items per take of layer0's queue (kernels.layer0.LANE_ITEMS).
+    lane_head_rounds / lane_tail_rounds: rounds of one-item takes at the queue's ends
+        (kernels.launch.TileConfig).
     speeds: per-rank weights of the random choice of the next program (None: uniform); a
         large ratio makes one rank run calls ahead of another.
     count_buffers: counts buffers, used by epoch parity (workspace.COUNT_BUFFERS); 1 lets
@@ -86,6 +89,8 @@ class SimConfig:
     comm_entries: int = 2
     reduce_item: int = 3
     lane_items: int = 4
+    lane_head_rounds: int = 1
+    lane_tail_rounds: int = 1
     comm_programs: int = 2
     compute_programs: int = 3
     seed: int = 0
@@ -396,15 +401,14 @@ def _layer0_program(rk: _Rank, call: _Call, wait: bool, programs: int, cfg: SimC
     n_blocks = _cdiv(f_dim, cfg.block_n0)
     t, n = call.tiles, call.n
     total = call.num_tiles * n_blocks
-    items = cfg.lane_items if total >= programs * cfg.lane_items else 1
+    shape = lane_shape(total, programs, cfg.lane_items, cfg.lane_head_rounds,
+                       cfg.lane_tail_rounds)
     while True:
-        q = call.take("l0")
-        rnd = q // programs
-        first = rnd * programs * items + q % programs
+        first, end = lane_of_take(call.take("l0"), programs, *shape)
         if first >= total:
             return
         lane = [grouped_work(w, call.num_tiles, n_blocks, cfg.group_m)
-                for w in range(first, min((rnd + 1) * programs * items, total), programs)]
+                for w in range(first, min(end, total), programs)]
         if wait:
             need = {}
             for tile, _ in lane:

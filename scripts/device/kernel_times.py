@@ -9,7 +9,8 @@ torchrun the layer is a real expert-parallel one over all ranks, and each rank r
 its own kernels (``--modes fused comm_only`` shows what the communication alone costs).
 
     PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens 128 4096]
-        [--ep 2] [--tiles 128,128,256,8,3 128,128,256,8,3,4] [--max-tokens 16384]
+        [--ep 2] [--tiles 128,128,256,8,3 128,128,256,8,3,4 comm_rows=64,lane_tail_rounds=0]
+        [--max-tokens 16384]
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/kernel_times.py --modes fused comm_only
 """
 
@@ -27,6 +28,16 @@ from comet.runtime.layer import FusedMoE
 
 #: ``--tiles`` fields, in order; the last (layer1's column splits) may be left out.
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages", "splits")
+#: TileConfig fields recorded with every result (besides TILE_FIELDS).
+RECORDED = ("comm_rows", "lane_head_rounds", "lane_tail_rounds")
+
+
+def parse_tile(text: str) -> dict:
+    """``--tiles`` entry: values of TILE_FIELDS in order, or ``field=value`` pairs of any
+    TileConfig field, comma separated."""
+    if "=" in text:
+        return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+    return dict(zip(TILE_FIELDS, map(int, text.split(","))))
 
 
 def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
@@ -79,7 +90,7 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
     torch_us = sum(e.device_time_total for e in prof.key_averages()) / calls
     rec = dict(config=name, tokens=tokens, ep=ep, mode=mode, world=world,
                rank=layer.par.rank, torch_gmm_us=torch_us,
-               tile={k: getattr(layer.last_tile, k) for k in TILE_FIELDS},
+               tile={k: getattr(layer.last_tile, k) for k in TILE_FIELDS + RECORDED},
                comm_blocks=list(layer.last_comm_blocks),
                us_per_call=per_kernel, total_us=sum(per_kernel.values()))
     print(json.dumps(rec), flush=True)
@@ -94,27 +105,28 @@ def main():
     ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
-    ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,WARPS,STAGES[,SPLITS]")
+    ap.add_argument("--tiles", nargs="+", default=None,
+                    metavar="BM,BN0,BN1,WARPS,STAGES[,SPLITS] or FIELD=V[,FIELD=V]")
     ap.add_argument("--decode-tile", nargs="+", default=["on"], choices=["on", "off", "force"],
                     help="on: the layer's choice; off: no decode tile "
                          "(TileConfig.decode_tile); force: the decode tile in every call")
     ap.add_argument("--comm-blocks", nargs="+", default=[None], metavar="N0,N1",
                     help="fixed comm-block splits to time (default: the layer's choice)")
+    ap.add_argument("--calls", type=int, default=10, help="profiled calls per record")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="workspace size (default: the call's tokens), as a server sizes it")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "kernel_times.json"))
     args = ap.parse_args()
-    shapes = [{}] if not args.tiles else [
-        dict(zip(TILE_FIELDS, map(int, t.split(",")))) for t in args.tiles]
+    shapes = [{}] if not args.tiles else [parse_tile(t) for t in args.tiles]
     tiles = [(dataclasses.replace(TileConfig(), **shape,
                                   **({"decode_block_n1": 0} if d == "off" else {})),
               True if d == "force" else None)
              for shape in shapes for d in args.decode_tile]
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
-    recs = [run(c, t, args.ep, tile, mode, world, max_tokens=args.max_tokens, comm_blocks=n,
-                decode_tile=decode)
+    recs = [run(c, t, args.ep, tile, mode, world, calls=args.calls,
+                max_tokens=args.max_tokens, comm_blocks=n, decode_tile=decode)
             for c in args.configs for t in args.tokens for tile, decode in tiles
             for mode in args.modes for n in splits]
     if rank != 0:
