@@ -8,5 +8,6 @@
 #: the call's tokens, combine at 4 programs/SM, reduce tile 64 x 256; 4: 2 layer1 column
 #: splits (was 8); 5: flattened GEMM loops (interleaved W13, layer0 lanes, layer1 static
 #: stride); 6: the decode tile (128-column layer1 blocks for calls that leave SMs idle);
-#: 7: layer1's comm blocks run the first column split's GEMM before they reduce.
-KERNEL_REVISION = 7
+#: 7: layer1's comm blocks run the first column split's GEMM before they reduce; 8: the
+#: last round of layer0's work queue goes one item per take.
+KERNEL_REVISION = 8
