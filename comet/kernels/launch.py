@@ -62,8 +62,8 @@ class TileConfig:
         queue handed out one item per take at its start and its end, the rest in lanes
         of ``kernels.layer0.LANE_ITEMS`` (:func:`kernels.group_gemm.lane_shape`). Paired
         whole calls against lanes to the end (H100, EP=2 rank shapes, 24 comm blocks,
-        ``h100-paired-lanes-ep2.json``): a tail round makes qwen2-moe at 4096 tokens
-        6.7% faster, the other presets within 1.5% at 4096 and 16384; a head round on
+        ``h100-paired-lanes-ep2.json``): a tail round takes qwen2-moe at 4096 tokens
+        6.7% less time, the other presets within 1.5% at 4096 and 16384; a head round on
         top of it does not pay there (deepseek-v3-like at 4096 2.6% slower), so it is off.
     dispatch_entries: return entries per dispatch chunk (same reason as comm_rows).
     comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns); also the
