@@ -370,10 +370,13 @@ def test_plots_when_matplotlib_is_there(tmp_path):
 def test_chrome_trace_is_valid_and_complete(tmp_path):
     timelines = {0: _synthetic_timeline(blocks=4, n_comm=1),
                  1: _synthetic_timeline(blocks=4, n_comm=2, t0=7_000_000)}
-    path = trace.write_trace(timelines, str(tmp_path / "t.json"), {"config": "mixtral"})
+    path = str(tmp_path / "t.json")
+    written = trace.write_trace(timelines, path, {"config": "mixtral"})
     data = json.load(open(path))
+    assert data == json.loads(json.dumps(written))
     events = data["traceEvents"]
-    assert data["otherData"] == {"config": "mixtral"}
+    assert data["otherData"]["config"] == "mixtral"
+    assert set(data["otherData"]["where_time_goes"]) == {"0", "1"}
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == sum(len(v) for v in timelines.values())
     for rank in (0, 1):
@@ -387,3 +390,25 @@ def test_chrome_trace_is_valid_and_complete(tmp_path):
              if e["ph"] == "M" and e["name"] == "thread_name"}
     assert names[(1, 1)] == "block 1 (layer0:comm, layer1:comm)"
     assert names[(0, 3)] == "block 3 (layer0:compute, layer1:compute)"
+
+
+def test_where_time_goes_reads_the_milestones_of_a_trace(tmp_path, capsys):
+    """A hand-built call: 2 blocks; block 0 dispatches 0-100 us then joins layer0's GEMM,
+    block 1 waits for rows until 40 us; layer0 ends at 500 and 620 (median 560), layer1's
+    GEMM runs 630-900 and block 0 reduces until 960."""
+    def unit(block, role, layer, start, end):
+        return dict(block=block, role=role, layer=layer, unit=0,
+                    start_ns=int(start * 1e3), end_ns=int(end * 1e3))
+    entries = [unit(0, "comm", "layer0", 0, 100), unit(0, "compute", "layer0", 100, 500),
+               unit(1, "compute", "layer0", 40, 620),
+               unit(0, "compute", "layer1", 630, 880), unit(1, "compute", "layer1", 630, 900),
+               unit(0, "comm", "layer1", 900, 960)]
+    m = trace.where_time_goes(trace.chrome_trace({3: entries}))[3]
+    assert m == pytest.approx(dict(gemm_start_us=40, dispatch_end_us=100, layer0_tail_us=60,
+                                   layer1_gap_us=10, reduce_tail_us=60, end_us=960,
+                                   packed_gemm_us=(400 + 580 + 250 + 270) / 2))
+    path = str(tmp_path / "t.json")
+    trace.write_trace({3: entries}, path)
+    assert trace.main([path]) == 0
+    out = capsys.readouterr().out
+    assert "gemm_start" in out and "reduce_tail_us:" in out and " 960.0" in out

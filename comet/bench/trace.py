@@ -8,12 +8,19 @@ guaranteed to agree, so ranks are not aligned with each other.
 
 Open the trace at https://ui.perfetto.dev or chrome://tracing: one process per rank, one
 track per thread block, comm and compute units named (and coloured) apart per layer.
+
+:func:`where_time_goes` reads a trace back into the milestones of each rank's call (when
+the GEMM starts, how unevenly layer0's blocks end, layer1's reduce after its GEMM) and
+the time a perfectly packed GEMM would take; ``python -m comet.bench.trace FILE...``
+prints them for saved traces.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 
 #: chrome://tracing's reserved colour names (Perfetto colours by event name instead).
@@ -56,12 +63,15 @@ def chrome_trace(timelines: Timelines, metadata: dict | None = None) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": metadata or {}}
 
 
-def write_trace(timelines: Timelines, path: str, metadata: dict | None = None) -> str:
-    """Write :func:`chrome_trace` to ``path`` (JSON); returns the path."""
+def write_trace(timelines: Timelines, path: str, metadata: dict | None = None) -> dict:
+    """Write :func:`chrome_trace` to ``path`` (JSON), with :func:`where_time_goes` in its
+    ``otherData``; returns the trace written."""
+    chrome = chrome_trace(timelines, metadata)
+    chrome["otherData"] = {**chrome["otherData"], "where_time_goes": where_time_goes(chrome)}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(chrome_trace(timelines, metadata), f)
-    return path
+        json.dump(chrome, f)
+    return chrome
 
 
 def plot_timeline(timelines: Timelines, path: str, title: str = "") -> tuple[str | None, str]:
@@ -103,3 +113,78 @@ def plot_timeline(timelines: Timelines, path: str, title: str = "") -> tuple[str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path, f"timeline plot written to {path}"
+
+
+#: Milestones of :func:`where_time_goes`, in the order they are printed, and what they are
+#: (microseconds; times since the rank's first stamp).
+MILESTONES = {
+    "gemm_start_us": "first layer0 GEMM unit starts (the wait for the first rows)",
+    "dispatch_end_us": "last layer0 comm unit ends",
+    "layer0_tail_us": "layer0's last block ends this long after its median block",
+    "layer1_gap_us": "layer1's first unit starts this long after layer0's last ends",
+    "reduce_tail_us": "layer1's last unit ends this long after its last GEMM unit",
+    "end_us": "the rank's last stamp",
+    "packed_gemm_us": "all GEMM units' time over the blocks that ran them: the call with "
+                      "no wait, no tail and no communication left over",
+}
+
+
+def where_time_goes(trace: Mapping) -> dict[int, dict[str, float]]:
+    """Per rank, the :data:`MILESTONES` of one call's trace (the dict
+    :func:`chrome_trace` builds, or a trace file loaded back)."""
+    spans: dict[int, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            spans.setdefault(e["pid"], []).append(e)
+    out = {}
+    for rank, events in sorted(spans.items()):
+        def of(role, layer):
+            return [e for e in events if e["args"]["role"] == role and e["args"]["layer"] == layer]
+
+        gemm0, comm0 = of("compute", "layer0"), of("comm", "layer0")
+        gemm1 = of("compute", "layer1")
+        layer1 = gemm1 + of("comm", "layer1")
+        end = lambda es: max((e["ts"] + e["dur"] for e in es), default=0.0)  # noqa: E731
+        block_end: dict[int, float] = {}
+        for e in gemm0:
+            block_end[e["tid"]] = max(block_end.get(e["tid"], 0.0), e["ts"] + e["dur"])
+        gemm = gemm0 + gemm1
+        blocks = len({e["tid"] for e in gemm})
+        out[rank] = {
+            "gemm_start_us": min((e["ts"] for e in gemm0), default=0.0),
+            "dispatch_end_us": end(comm0),
+            "layer0_tail_us": (end(gemm0) - statistics.median(block_end.values())
+                               if block_end else 0.0),
+            "layer1_gap_us": (min(e["ts"] for e in layer1) - end(gemm0)
+                              if layer1 and gemm0 else 0.0),
+            "reduce_tail_us": max(end(layer1) - end(gemm1), 0.0),
+            "end_us": end(events),
+            "packed_gemm_us": sum(e["dur"] for e in gemm) / max(blocks, 1),
+        }
+    return out
+
+
+def format_where_time_goes(summary: Mapping[int, Mapping[str, float]]) -> str:
+    """The milestones as a table, one row per rank, and what each column means."""
+    cols = list(MILESTONES)
+    lines = ["rank " + " ".join(f"{c[:-3]:>15s}" for c in cols)]
+    for rank, m in sorted(summary.items()):
+        lines.append(f"{rank:4d} " + " ".join(f"{m[c]:15.1f}" for c in cols))
+    lines += [f"  {c}: {what}" for c, what in MILESTONES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m comet.bench.trace",
+                                 description="Where the time of a traced call goes "
+                                             "(comet bench --timeline's JSON files).")
+    ap.add_argument("traces", nargs="+", help="timeline-*.json files")
+    args = ap.parse_args(argv)
+    for path in args.traces:
+        with open(path) as f:
+            print(f"{path}\n{format_where_time_goes(where_time_goes(json.load(f)))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

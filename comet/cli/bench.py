@@ -308,7 +308,9 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp) -> int:
     base = os.path.join(args.output_dir or ".", stem)
     title = (f"{name}, {tokens} tokens/rank, {routing}, {meta['layout']} on {meta['device']}, "
              f"comm blocks {list(fused.layer.last_comm_blocks)}")
-    print(f"wrote {trace.write_trace(timelines, base + '.json', {**meta, 'title': title})}")
+    written = trace.write_trace(timelines, base + ".json", {**meta, "title": title})
+    print(f"wrote {base}.json")
+    print(trace.format_where_time_goes(written["otherData"]["where_time_goes"]))
     if not args.no_plot:
         print(trace.plot_timeline(timelines, base + ".png", title)[1])
     return 0
