@@ -40,8 +40,10 @@ def parse_tile(text: str) -> dict:
     return dict(zip(TILE_FIELDS, map(int, text.split(","))))
 
 
-def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
-        comm_blocks=None, decode_tile=None):
+def rank_layer_inputs(name, tokens, ep=1, world=1, max_tokens=None, generator=None):
+    """``(cfg, experts, w13, w2)`` of one rank: preset ``name`` with ``1/ep`` of its
+    experts (one rank of EP=ep's GEMM shapes when ``world`` is 1), this rank's share of
+    them as random weights, a workspace for ``max(tokens, max_tokens)`` tokens."""
     base = preset(name)
     experts = base.num_experts // ep
     el = experts // world
@@ -49,9 +51,17 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
                        n_group=min(base.n_group, experts),
                        max_tokens=max(tokens, max_tokens or tokens))
     h, f = cfg.hidden_size, cfg.intermediate_size
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = generator or torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).to(cfg.dtype)
     w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).to(cfg.dtype)
+    return cfg, experts, w13, w2
+
+
+def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
+        comm_blocks=None, decode_tile=None):
+    cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    el = w13.shape[0]
     layer = FusedMoE(cfg, w13, w2, tile=tile, use_graphs=False)
     x = torch.randn(tokens, h, device="cuda", dtype=cfg.dtype)
     ids = torch.stack([torch.randperm(experts, device="cuda")[:cfg.top_k]

@@ -28,14 +28,9 @@ import torch
 import torch.distributed as dist
 
 from comet.cli.launch import init_ranks
-from comet.config import preset
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
-
-
-def parse_tile(text: str) -> dict:
-    """``field=value[,field=value]`` of TileConfig fields."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+from kernel_times import parse_tile, rank_layer_inputs    # this folder is on sys.path
 
 
 def time_batch(layer, x, ids, w, calls, comm_blocks, world):
@@ -54,16 +49,9 @@ def time_batch(layer, x, ids, w, calls, comm_blocks, world):
 
 
 def run(name, tokens, variants, ep, world, rank, rounds, calls, comm_blocks, max_tokens):
-    base = preset(name)
-    experts = base.num_experts // ep
-    el = experts // world
-    cfg = base.replace(num_experts=experts, top_k=min(base.top_k, experts),
-                       n_group=min(base.n_group, experts),
-                       max_tokens=max(tokens, max_tokens or tokens))
-    h, f = cfg.hidden_size, cfg.intermediate_size
     g = torch.Generator(device="cuda").manual_seed(rank)
-    w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).to(cfg.dtype)
-    w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).to(cfg.dtype)
+    cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens, g)
+    h = cfg.hidden_size
     layers = [FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(), **v))
               for v in variants]
     x = torch.randn(tokens, h, device="cuda", dtype=cfg.dtype, generator=g)
