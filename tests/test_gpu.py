@@ -428,6 +428,14 @@ def test_timeline_records_both_roles():
     assert all(r["end_ns"] >= r["start_ns"] >= 0 for r in records)
     pushes = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "comm")}
     assert pushes <= set(range(4)), "only the comm blocks push"
+    # layer1 with no comm block (the tables' usual choice) is traced as it runs: every
+    # block's GEMM tiles come before its reduce items.
+    records = layer.timeline(x, ids, w, comm_blocks=(4, 0))
+    assert list(layer.last_comm_blocks) == [4, 0]
+    for block in range(layer.programs):
+        kinds = [r["role"] for r in records if r["layer"] == "layer1" and r["block"] == block]
+        assert kinds == sorted(kinds, key=lambda k: k == "comm"), f"block {block}: {kinds}"
+    assert {r["role"] for r in records if r["layer"] == "layer1"} == {"comm", "compute"}
 
 
 def test_blocks_change_role_at_full_size():

@@ -591,10 +591,11 @@ class FusedMoE:
         """One fused call with every block stamping the start and end of each unit of
         work (global timer, ns). Returns records ``{block, role, layer, unit, what,
         start_ns, end_ns}``, times relative to the earliest stamp. Collective, like any
-        call (two calls, in fact: the first compiles). Both layers run fused (at least
-        one comm block each)."""
+        call (two calls, in fact: the first compiles). layer0 runs fused with at least
+        one comm block (with none it is two untraced launches); layer1 keeps the chosen
+        split, 0 included (every block runs the GEMM, then the reduce)."""
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
-        n0, n1 = max(n0, 1), max(n1, 1)
+        n0 = max(n0, 1)
         shape = (self.programs, L.MAX_TRACE_EVENTS, 4)
         self._trace = {name: torch.full(shape, -1, dtype=torch.int64, device=self.device)
                        for name in ("layer0", "layer1")}
