@@ -129,6 +129,11 @@ MILESTONES = {
 }
 
 
+def _end(events: Sequence[Mapping]) -> float:
+    """When the last of ``events`` ends (0 for none)."""
+    return max((e["ts"] + e["dur"] for e in events), default=0.0)
+
+
 def where_time_goes(trace: Mapping) -> dict[int, dict[str, float]]:
     """Per rank, the :data:`MILESTONES` of one call's trace (the dict
     :func:`chrome_trace` builds, or a trace file loaded back)."""
@@ -144,7 +149,6 @@ def where_time_goes(trace: Mapping) -> dict[int, dict[str, float]]:
         gemm0, comm0 = of("compute", "layer0"), of("comm", "layer0")
         gemm1 = of("compute", "layer1")
         layer1 = gemm1 + of("comm", "layer1")
-        end = lambda es: max((e["ts"] + e["dur"] for e in es), default=0.0)  # noqa: E731
         block_end: dict[int, float] = {}
         for e in gemm0:
             block_end[e["tid"]] = max(block_end.get(e["tid"], 0.0), e["ts"] + e["dur"])
@@ -152,13 +156,13 @@ def where_time_goes(trace: Mapping) -> dict[int, dict[str, float]]:
         blocks = len({e["tid"] for e in gemm})
         out[rank] = {
             "gemm_start_us": min((e["ts"] for e in gemm0), default=0.0),
-            "dispatch_end_us": end(comm0),
-            "layer0_tail_us": (end(gemm0) - statistics.median(block_end.values())
+            "dispatch_end_us": _end(comm0),
+            "layer0_tail_us": (_end(gemm0) - statistics.median(block_end.values())
                                if block_end else 0.0),
-            "layer1_gap_us": (min(e["ts"] for e in layer1) - end(gemm0)
+            "layer1_gap_us": (min(e["ts"] for e in layer1) - _end(gemm0)
                               if layer1 and gemm0 else 0.0),
-            "reduce_tail_us": max(end(layer1) - end(gemm1), 0.0),
-            "end_us": end(events),
+            "reduce_tail_us": max(_end(layer1) - _end(gemm1), 0.0),
+            "end_us": _end(events),
             "packed_gemm_us": sum(e["dur"] for e in gemm) / max(blocks, 1),
         }
     return out

@@ -96,7 +96,6 @@ def sm_count(device: torch.device) -> int:
                              else torch.cuda.current_device())
 
 
-
 def _end_rng_capture(device: torch.device) -> bool:
     """Take the device's default RNG out of capture mode after a failed capture; False
     if that did not work either.
@@ -119,6 +118,7 @@ def _end_rng_capture(device: torch.device) -> bool:
         return False
     torch.cuda.current_stream(device).wait_stream(stream)
     return True
+
 
 class FusedMoE:
     """The routed-expert part of an MoE layer on the fused kernels (one rank's view).

@@ -70,7 +70,8 @@ class SimConfig:
     reduce_item: return entries per item of layer1's reduce queue.
     lane_items: work items per take of layer0's queue (kernels.layer0.LANE_ITEMS).
     lane_head_rounds / lane_tail_rounds: rounds of one-item takes at the queue's ends
-        (kernels.launch.TileConfig).
+        (kernels.launch.TileConfig; a head round here although the kernels' default has
+        none, so the schedules checked cover both kinds of take at the queue's start).
     speeds: per-rank weights of the random choice of the next program (None: uniform); a
         large ratio makes one rank run calls ahead of another.
     count_buffers: counts buffers, used by epoch parity (workspace.COUNT_BUFFERS); 1 lets
