@@ -103,11 +103,9 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
         assert torch.equal(p["seg_start"].cpu(), layout.seg_off[r].cpu())
         assert torch.equal(p["seg_rows"].cpu(), layout.seg_rows[r].cpu())
         assert torch.equal(p["entries"].cpu(), layout.entries[r].cpu())
-        # Chunks each source sends here: its rows in chunks of its own size (small ones
-        # from this rank itself), then its return entries.
-        rows_from = counts[:, r, :-1].sum(1).tolist()
+        rows_from = counts[:, r, :-1].sum(1).tolist()       # chunks of rows, then entries
         assert p["chunks_total"].tolist() == [
-            -(-rows_from[s] // tile.chunk_rows(s, r))
+            -(-rows_from[s] // tile.comm_rows)
             + -(-int(layout.entries[r][s]) // tile.dispatch_entries) for s in range(world)]
 
 

@@ -2,7 +2,6 @@
 simulate_calls() runs consecutive calls on drifting ranks and must never let one call read
 another call's data."""
 
-import dataclasses
 import pytest
 import torch
 
@@ -75,23 +74,6 @@ def test_simulate_catches_waiting_for_one_chunk_too_few(monkeypatch):
     with pytest.raises(ScheduleError, match="before its rows arrived"):
         for seed in range(8):
             simulate(xs, ids, wts, w13, w2, mx, SimConfig(seed=seed, comm_rows=2))
-
-
-def test_simulate_catches_local_rows_waited_for_in_peer_chunks(monkeypatch):
-    # Local rows travel in smaller chunks than a peer's: a tile that counts its local
-    # chunks at the peers' size waits for too few of them.
-    from comet.scheduler import simulate as sim
-    real = sim._chunks_needed
-
-    def peer_sized(call, s, expert, r1, cfg):
-        return real(call, s, expert, r1, dataclasses.replace(cfg, comm_local_rows=cfg.comm_rows))
-
-    monkeypatch.setattr(sim, "_chunks_needed", peer_sized)
-    xs, ids, wts, w13, w2, mx = _case(2, "skewed", seed=14)
-    with pytest.raises(ScheduleError, match="before its rows arrived"):
-        for seed in range(8):
-            simulate(xs, ids, wts, w13, w2, mx,
-                     SimConfig(seed=seed, comm_rows=4, comm_local_rows=1))
 
 
 def _drift_case(world, seed, n_calls, el=2, top_k=2, hidden=16, ffn=16, max_tokens=9):

@@ -57,13 +57,6 @@ class TileConfig:
         has its own flag). The first GEMM tiles wait for the first round of chunks, one
         chunk copy by one comm block (256 rows: 36-118 us for the presets at 4096
         tokens/rank, EP=2 timelines); each chunk also costs one remote release.
-    comm_local_rows: rows of a dispatch chunk into this rank's own shared tensor. The
-        local rows are the ones the local-first tile order needs first, and one comm
-        block copies a chunk at ~30 GB/s (an SM's loads in flight, not HBM, bound it:
-        ``h100-dispatch-bw-*.json``), so a 256-row chunk of 14 KB rows kept every GEMM
-        block waiting ~237 us (deepseek-v3-like, 4096 tokens/rank, EP=2). Smaller local
-        chunks spread the first rows over all comm blocks; their flags stay on this GPU
-        (a GPU-scope release, no link round trip), so more of them cost little.
     comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
     lane_head_rounds / lane_tail_rounds: rounds (one item per program) of layer0's work
         queue handed out one item per take at its start and its end, the rest in lanes
@@ -98,7 +91,6 @@ class TileConfig:
     num_stages: int = 3
     splits: int = 2
     comm_rows: int = 256
-    comm_local_rows: int = 32
     comm_copy_rows: int = 32
     comm_block_h: int = 512
     lane_head_rounds: int = 0
@@ -162,16 +154,10 @@ class TileConfig:
     def small() -> "TileConfig":
         """Tiny tiles for the interpreter and unit tests."""
         return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
-                          num_stages=1, splits=2, comm_rows=16, comm_local_rows=8,
-                          comm_copy_rows=8,
+                          num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
                           comm_block_h=32, dispatch_entries=16, comm_entries=8,
                           reduce_item=16, comm_block_c=16, combine_rows=8,
                           combine_block_h=32, combine_warps=4, decode_block_n1=0)
-
-    def chunk_rows(self, source: int, rank: int) -> int:
-        """Rows of a dispatch chunk that ``source`` sends ``rank``
-        (:attr:`comm_local_rows` into its own shared tensor, else :attr:`comm_rows`)."""
-        return self.comm_local_rows if source == rank else self.comm_rows
 
     def k_step(self, k: int) -> int:
         """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into
@@ -280,7 +266,7 @@ def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
         p["tile_stage"], p["num_tiles"], p["scratch"],
         WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         EL_P2=_next_pow2(el), COUNT_BUFFERS=COUNT_BUFFERS, BLOCK_M=tile.block_m,
-        COMM_ROWS=tile.comm_rows, COMM_LOCAL_ROWS=tile.comm_local_rows,
+        COMM_ROWS=tile.comm_rows,
         COMM_ENTRIES=tile.dispatch_entries, TILE_CHUNK=64, num_warps=4)
 
 
@@ -374,7 +360,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
-        COMM_LOCAL_ROWS=tile.comm_local_rows, COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
+        COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
         GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,

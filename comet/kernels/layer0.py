@@ -127,12 +127,11 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   a0_ptr, recv_token, recv_rows, recv_weight, flag0, chunk_slots,
                   epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  ROWS: tl.constexpr, LOCAL_ROWS: tl.constexpr, COPY_ROWS: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
+                  ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                  ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    striped over the comm programs (``LOCAL_ROWS`` rows into this rank's own ``a0``,
-    ``ROWS`` into a peer's); after copying chunk ``c`` a program sets the
+    striped over the comm programs; after copying chunk ``c`` a program sets the
     destination's ``flag0[rank, c] = epoch``. No chunk waits for another to publish: an
     in-order chain (each chunk published after the previous one) cost one system-scope
     release round trip per chunk in series, which capped dispatch at ~7 us per chunk
@@ -142,8 +141,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
         lo = tl.load(send_off + d)
         hi = tl.load(send_off + d + 1)
         n_ent = tl.load(ret_count + d)
-        rows = tl.where(o == 0, LOCAL_ROWS, ROWS)
-        row_chunks = tl.cdiv(hi - lo, rows)
+        row_chunks = tl.cdiv(hi - lo, ROWS)
         total = row_chunks + tl.cdiv(n_ent, ENTRIES)
         a0 = pointer_at(a0_table, d, a0_ptr)
         # This rank's region in the destination's return-entry tables.
@@ -158,8 +156,8 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                 start = clock_ns(USE_ASM)
             if healthy(err_table, rank, USE_ASM):
                 if c < row_chunks:
-                    _push_rows(x_ptr, a0, send_token, send_row, lo + c * rows,
-                               tl.minimum(lo + (c + 1) * rows, hi), H, COPY_ROWS, BLOCK_H)
+                    _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS,
+                               tl.minimum(lo + (c + 1) * ROWS, hi), H, COPY_ROWS, BLOCK_H)
                 else:
                     e0 = (c - row_chunks) * ENTRIES
                     _push_entries(ret_token + src, ret_rows + src * TOPK,
@@ -169,10 +167,7 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
             # Never publish after a failure: a chunk skipped because the group failed
             # must not look delivered. (The vote is also the barrier the release needs.)
             if healthy(err_table, rank, USE_ASM):
-                if o == 0:      # its readers are on this GPU
-                    release(flags + c, epoch, "gpu")
-                else:
-                    release(flags + c, epoch, "sys")
+                release(flags + c, epoch, "sys")
             if TRACE:
                 events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
     return events
@@ -181,11 +176,9 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
 @triton.jit
 def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, r1, seen,
                 epoch, err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
-                LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, LOCAL_ROWS: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    """Wait until every source in ``wait`` has published its chunks (``LOCAL_ROWS`` rows
-    each from this rank, ``ROWS`` from a peer) up to the one holding its last row in
-    ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many
+                LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Wait until every source in ``wait`` has published its chunks up to the one holding
+    its last row in ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many
     leading chunks of ``s`` are known published, so most tiles cost no flag load at all
     (waiting for the whole prefix rather than the tile's own chunks keeps that cache a
     single number; chunks land roughly in order anyway). It only ever holds waited-for
@@ -200,8 +193,7 @@ def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, 
             seg0 = tl.load(seg_start + o * LOCAL_EXPERTS + expert)
             seg1 = seg0 + tl.load(seg_rows + o * LOCAL_EXPERTS + expert)
             last = tl.minimum(r1, seg1) - 1 - seg0
-            need = ((tl.load(pre + s * LOCAL_EXPERTS + expert) + last)
-                    // tl.where(s == rank, LOCAL_ROWS, ROWS) + 1)
+            need = (tl.load(pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
             have = tl.sum(tl.where(ranks == s, seen, 0), axis=0)
             if need > have:
                 got = wait_chunks(flag0 + s * chunk_slots, have, need, epoch, err_table,
@@ -231,8 +223,8 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                        ROWS: tl.constexpr, LOCAL_ROWS: tl.constexpr, TRACE: tl.constexpr,
-                        MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+                        ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+                        USE_ASM: tl.constexpr):
     """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
     for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
     output columns -- over the local-first tiles,
@@ -261,7 +253,7 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                                        tl.load(tile_wait + t), tl.load(tile_expert + t),
                                        tl.load(tile_row_start + t), tl.load(tile_row_end + t),
                                        seen, epoch, err_table, rank, timeout, WORLD, W_P2,
-                                       LOCAL_EXPERTS, ROWS, LOCAL_ROWS, USE_ASM)
+                                       LOCAL_EXPERTS, ROWS, USE_ASM)
                 ready = ready & ok
             fence_async_proxy(USE_ASM)
         if ready:   # after a failure the call's output is void: skip the GEMMs
@@ -293,8 +285,7 @@ def layer0_kernel(
     flag0, epoch_ptr, err_table, rank, split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-    COMM_ROWS: tl.constexpr, COMM_LOCAL_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr,
-    COMM_BLOCK_H: tl.constexpr,
+    COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
     GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -315,8 +306,7 @@ def layer0_kernel(
                           flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0,
                           chunk_slots,
                           epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
-                          WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_LOCAL_ROWS, COMM_COPY_ROWS,
-                          COMM_BLOCK_H,
+                          WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
                           COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
@@ -327,5 +317,4 @@ def layer0_kernel(
                             epoch, err_table, rank, timeout, trace_ptr, events, WAIT, GATED,
                             TRANS_B, GATE_UP, ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
                             DOT_PRECISION, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
-                            LOCAL_EXPERTS, COMM_ROWS, COMM_LOCAL_ROWS, TRACE, MAX_EVENTS,
-                            USE_ASM)
+                            LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM)

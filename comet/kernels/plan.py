@@ -121,8 +121,7 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
                   tile_expert, tile_row_start, tile_row_end, tile_wait, tile_stage, num_tiles,
                   scratch, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                   EL_P2: tl.constexpr, COUNT_BUFFERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  COMM_ROWS: tl.constexpr, COMM_LOCAL_ROWS: tl.constexpr,
-                  COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
+                  COMM_ROWS: tl.constexpr, COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
@@ -204,9 +203,8 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
         tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
                  tl.cumsum(m, axis=1) - m, mask=grid_mask)
         tl.store(entries + s_idx, ent, mask=w_mask)
-        chunk_rows = tl.where(s_idx == rank, COMM_LOCAL_ROWS, COMM_ROWS)
         tl.store(chunks_total + s_idx,
-                 tl.cdiv(tl.sum(m, axis=1), chunk_rows) + tl.cdiv(ent, COMM_ENTRIES),
+                 tl.cdiv(tl.sum(m, axis=1), COMM_ROWS) + tl.cdiv(ent, COMM_ENTRIES),
                  mask=w_mask)
         tl.store(seg_start + cell, seg0, mask=grid_mask)
         tl.store(seg_rows + cell, ring_rows, mask=grid_mask)

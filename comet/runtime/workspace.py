@@ -56,8 +56,7 @@ def chunk_slots(cfg: MoEConfig, world: int, tile) -> int:
     """Dispatch chunks one source may send one destination at most (its rows, then its
     return entries; see comet.kernels.layer0.dispatch_role): the stride of ``flag0``."""
     rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.top_k) // world
-    rows_per_chunk = min(tile.comm_rows, tile.comm_local_rows)
-    return -(-rows_from_one // rows_per_chunk) + -(-cfg.max_tokens // tile.dispatch_entries)
+    return -(-rows_from_one // tile.comm_rows) + -(-cfg.max_tokens // tile.dispatch_entries)
 
 
 def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:

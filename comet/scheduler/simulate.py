@@ -68,7 +68,6 @@ class SimConfig:
 
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
     reduce_item: return entries per item of layer1's reduce queue.
-    comm_rows / comm_local_rows: rows of a dispatch chunk to a peer / to the rank itself.
     lane_items: work items per take of layer0's queue (kernels.layer0.LANE_ITEMS).
     lane_head_rounds / lane_tail_rounds: rounds of one-item takes at the queue's ends
         (kernels.launch.TileConfig; a head round here although the kernels' default has
@@ -88,7 +87,6 @@ class SimConfig:
     blocks_per_split: int = 2
     group_m: int = 8
     comm_rows: int = 3
-    comm_local_rows: int = 2
     comm_entries: int = 2
     reduce_item: int = 3
     lane_items: int = 4
@@ -201,7 +199,7 @@ class _Call:
         self.pre = torch.cumsum(pairs, dim=1) - pairs
         self.seg_start = layout.seg_off[r].to(torch.int64)              # [o, el]
         self.seg_rows = layout.seg_rows[r].to(torch.int64)
-        self.chunks_total = [_cdiv(int(pairs[s].sum()), _chunk_rows(cfg, s, r))
+        self.chunks_total = [_cdiv(int(pairs[s].sum()), cfg.comm_rows)
                              + _cdiv(int(counts_all[s, r, -1]), cfg.comm_entries)
                              for s in range(world)]
         h_dim = self.w2.shape[2]
@@ -352,12 +350,11 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
         dst = ranks[d]
         lo, hi = int(s.send_off[d]), int(s.send_off[d + 1])
         n_ent = int(s.ret_count[d])
-        rows_per_chunk = _chunk_rows(cfg, rk.r, d)
-        row_chunks = _cdiv(hi - lo, rows_per_chunk)
+        row_chunks = _cdiv(hi - lo, cfg.comm_rows)
         total = row_chunks + _cdiv(n_ent, cfg.comm_entries)
         for c in range(pid, total, cfg.comm_programs):
             if c < row_chunks:
-                i = torch.arange(lo + c * rows_per_chunk, min(lo + (c + 1) * rows_per_chunk, hi))
+                i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
                 rows = s.send_row[i].long()
                 if bool((dst.a0_tag.epoch[rows] == n).any()):
                     raise ScheduleError(f"rank {rk.r} call {n} overwrote rows of rank {d} "
@@ -381,13 +378,7 @@ def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) ->
     o = (s - call.r) % call.world
     seg0 = int(call.seg_start[o, expert])
     last = min(r1, seg0 + int(call.seg_rows[o, expert])) - 1 - seg0
-    return (int(call.pre[s, expert]) + last) // _chunk_rows(cfg, s, call.r) + 1
-
-
-def _chunk_rows(cfg: SimConfig, source: int, dest: int) -> int:
-    """Rows of a dispatch chunk from ``source`` to ``dest``
-    (kernels.launch.TileConfig.chunk_rows)."""
-    return cfg.comm_local_rows if source == dest else cfg.comm_rows
+    return (int(call.pre[s, expert]) + last) // cfg.comm_rows + 1
 
 
 def _landed(rk: _Rank, s: int, chunks: int, value: int) -> bool:
