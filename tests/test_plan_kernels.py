@@ -93,7 +93,8 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
             assert torch.equal(p["ret_weight"][d, :q].cpu(), spec.ret_weight[d, :q].cpu())
         m = ids[r].shape[0]
         assert torch.equal(p["dest_mask"][:m].cpu(), spec.dest_mask[:m].cpu())
-        tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m)
+        tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m,
+                                 tile.local_head_tiles)
         nt = int(tiles.num_tiles)
         assert int(p["num_tiles"]) == nt
         for name, ref in (("tile_expert", tiles.expert), ("tile_row_start", tiles.row_start),

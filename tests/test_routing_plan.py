@@ -95,14 +95,14 @@ def test_rows_land_where_the_spec_says(case):
 
 
 @SETTINGS
-@given(routings(), st.sampled_from([1, 2, 4]))
-def test_layer0_tiles(case, block_m):
+@given(routings(), st.sampled_from([1, 2, 4]), st.sampled_from([0, 1, 3, 1000]))
+def test_layer0_tiles(case, block_m, head_tiles):
     world, el, top_k, max_tokens, ids, g = case
     counts, layout, _, _ = _plans(world, el, max_tokens, ids, g)
     cap = recv_capacity(world, max_tokens, top_k)
     for d in range(world):
         spec = reference.ep_receive_order(ids, d, el)
-        t = build_tile_table(layout, d, cap, block_m)
+        t = build_tile_table(layout, d, cap, block_m, head_tiles)
         n = int(t.num_tiles)
         covered = torch.zeros(len(spec.token), dtype=torch.int64)
         stages = []
@@ -118,7 +118,14 @@ def test_layer0_tiles(case, block_m):
             assert int(t.stage[i]) == stage
             stages.append(stage)
         assert (covered == 1).all(), "every output row in exactly one tile"
-        assert stages == sorted(stages), "local-first order"
+        # Order: the first head_tiles local-only tiles, then everything else by row (an
+        # expert's tiles side by side, whatever their sources).
+        head = min(head_tiles, stages.count(0))
+        starts = [int(t.row_start[i]) for i in range(n)]
+        assert stages[:head] == [0] * head, "the head holds local rows only"
+        local_starts = sorted(r for r, s in zip(starts, stages) if s == 0)
+        assert starts[:head] == local_starts[:head], "the first local tiles, in row order"
+        assert starts[head:] == sorted(starts[head:]), "expert-major after the head"
         # Work items: every (tile, column block) exactly once; groups keep the order.
         for n_blocks in (1, 3):
             seen = [grouped_work(w, n, n_blocks, 8) for w in range(n * n_blocks)]

@@ -9,5 +9,6 @@
 #: splits (was 8); 5: flattened GEMM loops (interleaved W13, layer0 lanes, layer1 static
 #: stride); 6: the decode tile (128-column layer1 blocks for calls that leave SMs idle);
 #: 7: layer1's comm blocks run the first column split's GEMM before they reduce; 8: the
-#: last round of layer0's work queue goes one item per take.
-KERNEL_REVISION = 8
+#: last round of layer0's work queue goes one item per take; 9: the tile table runs
+#: expert-major after a local head, and the dispatch feeds every destination abreast.
+KERNEL_REVISION = 9

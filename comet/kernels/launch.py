@@ -58,6 +58,10 @@ class TileConfig:
         chunk copy by one comm block (256 rows: 36-118 us for the presets at 4096
         tokens/rank, EP=2 timelines); each chunk also costs one remote release.
     comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+    local_head_tiles: m-tiles of this rank's own rows that open layer0's tile table, ahead
+        of the expert-major rest (comet.scheduler.plan): work for the GEMM blocks while
+        the first remote rows are in flight. Each expert in the head has its weights
+        read once more (its remote tiles come later).
     lane_head_rounds / lane_tail_rounds: rounds (one item per program) of layer0's work
         queue handed out one item per take at its start and its end, the rest in lanes
         of ``kernels.layer0.LANE_ITEMS`` (:func:`kernels.group_gemm.lane_shape`). Paired
@@ -93,6 +97,7 @@ class TileConfig:
     comm_rows: int = 256
     comm_copy_rows: int = 32
     comm_block_h: int = 512
+    local_head_tiles: int = 16
     lane_head_rounds: int = 0
     lane_tail_rounds: int = 1
     dispatch_entries: int = 1024
@@ -155,8 +160,8 @@ class TileConfig:
         """Tiny tiles for the interpreter and unit tests."""
         return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
                           num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
-                          comm_block_h=32, dispatch_entries=16, comm_entries=8,
-                          reduce_item=16, comm_block_c=16, combine_rows=8,
+                          comm_block_h=32, local_head_tiles=2, dispatch_entries=16,
+                          comm_entries=8, reduce_item=16, comm_block_c=16, combine_rows=8,
                           combine_block_h=32, combine_warps=4, decode_block_n1=0)
 
     def k_step(self, k: int) -> int:
@@ -267,7 +272,8 @@ def launch_layout(ws: Workspace, cfg: MoEConfig, tile: TileConfig) -> None:
         WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         EL_P2=_next_pow2(el), COUNT_BUFFERS=COUNT_BUFFERS, BLOCK_M=tile.block_m,
         COMM_ROWS=tile.comm_rows,
-        COMM_ENTRIES=tile.dispatch_entries, TILE_CHUNK=64, num_warps=4)
+        COMM_ENTRIES=tile.dispatch_entries, TILE_CHUNK=64, HEAD_TILES=tile.local_head_tiles,
+        num_warps=4)
 
 
 def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
@@ -341,6 +347,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
     bk = tile.k_step(h)
     p = ws.plan
     trace, trace_kw = _trace_args(trace, w13.device)
+    counters = ws.counter_view()
     if out is None:
         n, c, block_n = cfg.intermediate_size, ws.h, tile.block_n0
         one_dot = block_n == GATE_UP_BLOCK and n % GATE_UP_BLOCK == 0
@@ -356,7 +363,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.ret_token, ws.ret_rows, ws.ret_weight, ws.flag0.shape[1], cfg.max_tokens,
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]), b, c, h, n,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
-        p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], ws.counter_view()["l0_queue"],
+        p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], counters["l0_queue"],
+        counters["l0_dispatch"],
         ws.flag0, ws.epoch, ws.peer_ptrs["error"], ws.rank, split, ws.timeout, trace,
         ROLE=role, WAIT=wait, WORLD=ws.world, W_P2=_next_pow2(ws.world), LOCAL_EXPERTS=el,
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,

@@ -12,13 +12,16 @@ its wait set have delivered.
 Roles (program ids below ``n_comm`` communicate, the rest compute):
 
 * comm (:func:`dispatch_role`) -- *push*: this rank writes its token rows straight into
-  every destination's ``a0`` (remote stores beat remote loads on NVLink), destinations in
-  the order ``r, r-1, r-2, ...`` so that, at each step, every rank feeds a different peer
-  and each destination receives its sources in the order it consumes them (own rank
-  first). After the rows go the *return entries* layer1 will need. Each chunk has its
+  every destination's ``a0`` (remote stores beat remote loads on NVLink), every
+  destination abreast: chunk ``c`` of each destination before chunk ``c + 1`` of any, so
+  each destination receives every source's rows in expert order, the order its
+  expert-major tiles consume them (destinations in ring order ``r, r-1, ...`` inside a
+  round, so that every rank feeds a different peer). After a destination's rows go the
+  *return entries* layer1 will need. Each chunk has its
   own flag, ``flag0[r, c]`` on the destination, set to the call's epoch once chunk ``c``
   of rank ``r`` landed: chunks publish independently, no chunk waits for another.
-* compute (:func:`layer0_compute_role`) -- the GroupGEMM over the local-first tile table;
+* compute (:func:`layer0_compute_role`) -- the GroupGEMM over the tile table (a local
+  head, then expert-major: comet.scheduler.plan);
   before a tile, wait for exactly the sources of its wait set, and of each for the
   chunks up to the one holding the tile's last row: local rows feed the GEMM as soon as
   they land.
@@ -38,7 +41,7 @@ from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
 from comet.kernels.group_gemm import gemm_tile, grouped_work, lane_shape, strided_take
 from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, wait_at_least, wait_chunks)
+                                stamp, take, wait_at_least, wait_chunks)
 
 # Wait sites, reported in the error word (comet.runtime.errors.SITES).
 SITE_COUNTS = tl.constexpr(1)
@@ -121,7 +124,7 @@ def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weig
 
 
 @triton.jit
-def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
+def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
                   a0_ptr, recv_token, recv_rows, recv_weight, flag0, chunk_slots,
@@ -131,27 +134,38 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                   ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    striped over the comm programs; after copying chunk ``c`` a program sets the
-    destination's ``flag0[rank, c] = epoch``. No chunk waits for another to publish: an
+    the comm programs take from the dispatch queue ``queue``: take ``g`` is chunk
+    ``g // W`` of the destination at ring offset ``g % W`` (all destinations abreast,
+    see the module doc; a queue rather than a fixed stride, so that when destinations
+    have unequal chunk counts every program still shares the work of the longest);
+    after copying chunk ``c`` a program sets the destination's
+    ``flag0[rank, c] = epoch``. No chunk waits for another to publish: an
     in-order chain (each chunk published after the previous one) cost one system-scope
     release round trip per chunk in series, which capped dispatch at ~7 us per chunk
     whatever the number of comm blocks. Returns the trace events recorded so far."""
+    # This rank's region in a destination's return-entry tables.
+    region = rank * max_tokens
+    rounds = 0
     for o in range(WORLD):
         d = (rank - o + WORLD) % WORLD
+        chunks = (tl.cdiv(tl.load(send_off + d + 1) - tl.load(send_off + d), ROWS)
+                  + tl.cdiv(tl.load(ret_count + d), ENTRIES))
+        rounds = tl.maximum(rounds, chunks)
+    g = take(queue)
+    while g < rounds * WORLD:
+        c = g // WORLD
+        d = (rank - g % WORLD + WORLD) % WORLD
         lo = tl.load(send_off + d)
         hi = tl.load(send_off + d + 1)
         n_ent = tl.load(ret_count + d)
         row_chunks = tl.cdiv(hi - lo, ROWS)
-        total = row_chunks + tl.cdiv(n_ent, ENTRIES)
-        a0 = pointer_at(a0_table, d, a0_ptr)
-        # This rank's region in the destination's return-entry tables.
-        region = rank * max_tokens
-        dst_tok = pointer_at(ret_token_table, d, recv_token) + region
-        dst_rows = pointer_at(ret_rows_table, d, recv_rows) + region * TOPK
-        dst_w = pointer_at(ret_weight_table, d, recv_weight) + region * TOPK
-        src = d * max_tokens
-        flags = pointer_at(flag0_table, d, flag0) + rank * chunk_slots
-        for c in range(pid, total, n_prog):
+        if c < row_chunks + tl.cdiv(n_ent, ENTRIES):
+            a0 = pointer_at(a0_table, d, a0_ptr)
+            dst_tok = pointer_at(ret_token_table, d, recv_token) + region
+            dst_rows = pointer_at(ret_rows_table, d, recv_rows) + region * TOPK
+            dst_w = pointer_at(ret_weight_table, d, recv_weight) + region * TOPK
+            src = d * max_tokens
+            flags = pointer_at(flag0_table, d, flag0) + rank * chunk_slots
             if TRACE:
                 start = clock_ns(USE_ASM)
             if healthy(err_table, rank, USE_ASM):
@@ -164,12 +178,13 @@ def dispatch_role(pid, n_prog, x_ptr, H, send_token, send_row, send_off,
                                   ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
                                   e0, tl.minimum(e0 + ENTRIES, n_ent), TOPK, TOPK_P2,
                                   ENTRY_TILE)
-            # Never publish after a failure: a chunk skipped because the group failed
-            # must not look delivered. (The vote is also the barrier the release needs.)
-            if healthy(err_table, rank, USE_ASM):
-                release(flags + c, epoch, "sys")
-            if TRACE:
-                events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
+                # Never publish after a failure: a chunk skipped because the group failed
+                # must not look delivered. (The vote is also the barrier the release needs.)
+                if healthy(err_table, rank, USE_ASM):
+                    release(flags + c, epoch, "sys")
+                if TRACE:
+                    events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
+        g = take(queue)
     return events
 
 
@@ -280,7 +295,7 @@ def layer0_kernel(
     # GroupGEMM (compute role): K = H, N output columns (F when GATED)
     a0_ptr, a_desc, w_desc, c_ptr, K, N,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
-    seg_start, seg_rows, pre, queue,
+    seg_start, seg_rows, pre, queue, dispatch_queue,
     # both; n_comm is read on the device so one captured launch serves every split
     flag0, epoch_ptr, err_table, rank, split_ptr, timeout_ptr, trace_ptr,
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
@@ -296,18 +311,18 @@ def layer0_kernel(
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
     x_ptr = pointer_at(x_addr, 0, a0_ptr)
-    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
+    comm, _, _ = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
         if comm:
-            events = dispatch_role(role_pid, n_role, x_ptr, K, send_token, send_row, send_off,
-                          ret_token, ret_rows, ret_weight, ret_count,
-                          a0_table, ret_token_table, ret_rows_table, ret_weight_table,
-                          flag0_table, a0_ptr, recv_token, recv_rows, recv_weight, flag0,
-                          chunk_slots,
-                          epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
-                          WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H,
-                          COMM_ENTRIES, COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
+            events = dispatch_role(dispatch_queue, x_ptr, K, send_token, send_row, send_off,
+                                   ret_token, ret_rows, ret_weight, ret_count, a0_table,
+                                   ret_token_table, ret_rows_table, ret_weight_table,
+                                   flag0_table, a0_ptr, recv_token, recv_rows, recv_weight,
+                                   flag0, chunk_slots, epoch, err_table, rank, max_tokens,
+                                   timeout, trace_ptr, events, WORLD, TOPK, TOPK_P2,
+                                   COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H, COMM_ENTRIES,
+                                   COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:

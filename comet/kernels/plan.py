@@ -33,6 +33,9 @@ import triton.language as tl
 
 from comet.kernels.sync import INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT, record_input_error
 
+#: Per-cell tables each layout program keeps in its scratch (layout_kernel).
+LAYOUT_SCRATCH = tl.constexpr(7)
+
 
 @triton.jit
 def _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS: tl.constexpr):
@@ -121,7 +124,8 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
                   tile_expert, tile_row_start, tile_row_end, tile_wait, tile_stage, num_tiles,
                   scratch, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                   EL_P2: tl.constexpr, COUNT_BUFFERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  COMM_ROWS: tl.constexpr, COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr):
+                  COMM_ROWS: tl.constexpr, COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr,
+                  HEAD_TILES: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
@@ -130,14 +134,16 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     this rank's send list / first row in ``d``'s shared tensor; send_off ``[W + 1]``;
     ret_count ``[W]``; seg_start/seg_rows -- this rank's segments by ring offset ``o``;
     pre -- rows of source ``s`` for experts before ``el``; chunks_total/entries ``[W]`` --
-    dispatch chunks and return entries each source sends here; the tile table.
+    dispatch chunks and return entries each source sends here; the tile table, in the
+    order of :func:`comet.scheduler.plan.build_tile_table` (``HEAD_TILES`` stage-0 tiles,
+    then expert-major).
 
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
     them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
     among themselves. Filling a cell is a chain of dependent loads and stores (~150 ns),
     and with 256 cells (256 experts) one program spent ~38 us on an H100. ``scratch``:
-    ``[programs, 5, W * El]`` int32, each program's own copy of what its cells read, so no
-    program reads what another wrote.
+    ``[programs, LAYOUT_SCRATCH, W * El]`` int32, each program's own copy of what its
+    cells read, so no program reads what another wrote.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -196,8 +202,15 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     upto = tl.where(seg_end_rel >= ex_rows[None, :], tiles_el, seg_end_rel // BLOCK_M)
     before = tl.where(seg_start_rel >= ex_rows[None, :], tiles_el, seg_start_rel // BLOCK_M)
     per_stage = tl.where(grid_mask, upto - before, 0)
-    flat = tl.reshape(per_stage, (W_P2 * EL_P2,))
-    out_base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
+    # Table order (comet.scheduler.plan): the first HEAD_TILES stage-0 tiles, by expert;
+    # then the rest expert-major -- cells (el, o), o after o within an expert.
+    local = tl.sum(tl.where(o_idx[:, None] == 0, per_stage, 0), axis=0)       # [el]
+    head_base = tl.cumsum(local, axis=0) - local
+    head_in = tl.where(o_idx[:, None] == 0,
+                       tl.minimum(tl.maximum(HEAD_TILES - head_base, 0), local)[None, :], 0)
+    rest = tl.reshape(tl.trans(per_stage - head_in), (EL_P2 * W_P2,))
+    rest_base = tl.trans(tl.reshape(tl.cumsum(rest, axis=0) - rest, (EL_P2, W_P2)))
+    rest_base += tl.minimum(HEAD_TILES, tl.sum(local, axis=0))
     cell = o_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :]
     if lead:
         tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
@@ -208,27 +221,32 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
                  mask=w_mask)
         tl.store(seg_start + cell, seg0, mask=grid_mask)
         tl.store(seg_rows + cell, ring_rows, mask=grid_mask)
-        tl.store(num_tiles, tl.sum(flat, axis=0))
+        tl.store(num_tiles, tl.sum(tl.sum(per_stage, axis=1), axis=0))
     n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
-    mine = scratch + pid * 5 * n_cells
+    mine = scratch + pid * LAYOUT_SCRATCH * n_cells
     tl.store(mine + cell, before, mask=grid_mask)
     tl.store(mine + n_cells + cell, per_stage, mask=grid_mask)
-    tl.store(mine + 2 * n_cells + cell, out_base, mask=grid_mask)
-    tl.store(mine + 3 * n_cells + cell, seg0, mask=grid_mask)
-    tl.store(mine + 4 * n_cells + cell, ring_rows, mask=grid_mask)
+    tl.store(mine + 2 * n_cells + cell, tl.broadcast_to(head_base[None, :], (W_P2, EL_P2)),
+             mask=grid_mask)
+    tl.store(mine + 3 * n_cells + cell, head_in, mask=grid_mask)
+    tl.store(mine + 4 * n_cells + cell, rest_base, mask=grid_mask)
+    tl.store(mine + 5 * n_cells + cell, seg0, mask=grid_mask)
+    tl.store(mine + 6 * n_cells + cell, ring_rows, mask=grid_mask)
     tl.debug_barrier()
     for c in range(pid, n_cells, n_prog):
         o = c // LOCAL_EXPERTS
         el = c % LOCAL_EXPERTS
         first = tl.load(mine + c)
         count = tl.load(mine + n_cells + c)
-        dst = tl.load(mine + 2 * n_cells + c)
+        head_at = tl.load(mine + 2 * n_cells + c)
+        in_head = tl.load(mine + 3 * n_cells + c)
+        rest_at = tl.load(mine + 4 * n_cells + c)
         # segments of expert el, by ring offset
-        seg_o = tl.load(mine + 3 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
+        seg_o = tl.load(mine + 5 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
                         other=0)
-        len_o = tl.load(mine + 4 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
+        len_o = tl.load(mine + 6 * n_cells + o_idx * LOCAL_EXPERTS + el, mask=w_mask,
                         other=0)
-        e_off = tl.load(mine + 3 * n_cells + el)
+        e_off = tl.load(mine + 5 * n_cells + el)
         e_end = e_off + tl.sum(len_o, axis=0)
         for c0 in range(0, count, TILE_CHUNK):
             i = c0 + tl.arange(0, TILE_CHUNK)
@@ -239,11 +257,12 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
                    & (len_o[None, :] > 0))
             one = tl.full([TILE_CHUNK, W_P2], 1, tl.int64)
             bits = tl.where(hit, one << src_of_o[None, :].to(tl.int64), 0)
-            tl.store(tile_expert + dst + i, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
-            tl.store(tile_row_start + dst + i, r0, mask=live)
-            tl.store(tile_row_end + dst + i, r1, mask=live)
-            tl.store(tile_wait + dst + i, tl.sum(bits, axis=1), mask=live)
-            tl.store(tile_stage + dst + i, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
+            dst = tl.where(i < in_head, head_at + i, rest_at + i - in_head)
+            tl.store(tile_expert + dst, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
+            tl.store(tile_row_start + dst, r0, mask=live)
+            tl.store(tile_row_end + dst, r1, mask=live)
+            tl.store(tile_wait + dst, tl.sum(bits, axis=1), mask=live)
+            tl.store(tile_stage + dst, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
 
 
 @triton.jit

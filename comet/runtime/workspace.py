@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comet.config import MoEConfig
+from comet.kernels.plan import LAYOUT_SCRATCH
 from comet.routing import recv_capacity
 
 _ALIGN = 256  # bytes: keeps every buffer 16-byte vector- and TMA-aligned
@@ -134,7 +135,7 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
         "tile_wait": torch.zeros(tiles, dtype=torch.int64, device=device),
         "tile_stage": torch.zeros(tiles, **i32),
         "num_tiles": torch.zeros(1, **i32),
-        "scratch": torch.zeros(LAYOUT_PROGRAMS * 5 * world * el, **i32),
+        "scratch": torch.zeros(LAYOUT_PROGRAMS * LAYOUT_SCRATCH.value * world * el, **i32),
         "send_token": torch.zeros(mx * k, **i32),
         "send_row": torch.zeros(mx * k, **i32),
         "ret_token": torch.zeros(world, mx, **i32),
@@ -145,7 +146,7 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
 
 
 #: Local counters of a call, one int32 each, before the per-split tile counts.
-QUEUE_COUNTERS = ("l1_done", "l0_queue", "l1_reduce")
+QUEUE_COUNTERS = ("l1_done", "l0_queue", "l1_reduce", "l0_dispatch")
 
 
 @dataclass
@@ -199,7 +200,8 @@ class Workspace:
     def counter_view(self) -> dict[str, torch.Tensor]:
         """Each ``[1]`` unless said: l1_done, blocks finished with layer1's reduce;
         l0_queue, layer0's GEMM work queue (layer1's GEMM needs none: its blocks stride
-        over the items); l1_reduce, layer1's reduce queue; split (``[n_splits_max]``), tiles finished per column split."""
+        over the items); l1_reduce, layer1's reduce queue; l0_dispatch, layer0's dispatch
+        chunk queue; split (``[n_splits_max]``), tiles finished per column split."""
         c = self.counters
         named = {name: c[i:i + 1] for i, name in enumerate(QUEUE_COUNTERS)}
         return {**named, "split": c[len(QUEUE_COUNTERS):len(QUEUE_COUNTERS) + self.n_splits_max]}

@@ -68,6 +68,7 @@ class SimConfig:
 
     blocks_per_split: layer1 column blocks per split (the comm role's unit of waiting).
     reduce_item: return entries per item of layer1's reduce queue.
+    local_head_tiles: stage-0 tiles ahead of the expert-major rest of the tile table.
     lane_items: work items per take of layer0's queue (kernels.layer0.LANE_ITEMS).
     lane_head_rounds / lane_tail_rounds: rounds of one-item takes at the queue's ends
         (kernels.launch.TileConfig; a head round here although the kernels' default has
@@ -87,6 +88,7 @@ class SimConfig:
     blocks_per_split: int = 2
     group_m: int = 8
     comm_rows: int = 3
+    local_head_tiles: int = 2
     comm_entries: int = 2
     reduce_item: int = 3
     lane_items: int = 4
@@ -191,7 +193,7 @@ class _Call:
         self.r, self.n, self.world = r, n, world
         self.x, self.w13, self.w2 = x.float(), w13.float(), w2.float()
         self.send = build_send_plan(ids, wts, counts_all, layout, r, max_tokens)
-        self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m)
+        self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m, cfg.local_head_tiles)
         self.num_tiles = int(self.tiles.num_tiles)
         self.entries = layout.entries[r].tolist()
         # Receiver tables the kernel uses to find the chunk holding a row (layout_kernel).
@@ -205,8 +207,8 @@ class _Call:
         h_dim = self.w2.shape[2]
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
         # Work queues (kernels.sync.take): next lane of layer0's GEMM, next item of
-        # layer1's reduce; programs finished with the reduce.
-        self.queue = {"l0": 0, "reduce": 0}
+        # layer1's reduce, next dispatch chunk; programs finished with the reduce.
+        self.queue = {"l0": 0, "reduce": 0, "dispatch": 0}
         self.reduce_finished = 0
 
     def take(self, queue: str) -> int:
@@ -301,8 +303,8 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
         call, fused = rk.call, mode == "fused"
         comm = range(cfg.comm_programs if fused else 0)
         programs = len(comm) + len(compute)
-        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, p, cfg),
-                                 _layer0_program(rk, call, fused, programs, cfg)) for p in comm]
+        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, cfg),
+                                 _layer0_program(rk, call, fused, programs, cfg)) for _ in comm]
                          + [_layer0_program(rk, call, fused, programs, cfg) for _ in compute])
         yield "layer1", ([_chain(_layer1_program(rk, call, i, len(compute), cfg),
                                  _reduce_program(rk, call, ranks, programs, cfg) if fused
@@ -341,18 +343,24 @@ def _layout_program(rk: _Rank, n: int, x, ids, wts, w13, w2, max_tokens: int,
     yield None
 
 
-def _dispatch_program(rk: _Rank, call: _Call, ranks, pid: int, cfg: SimConfig):
-    """layer0 comm role of one program (kernels.layer0.dispatch_role): chunks striped over
-    programs, each published on its own flag as soon as it is copied."""
+def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
+    """layer0 comm role of one program (kernels.layer0.dispatch_role): chunks from the
+    dispatch queue, chunk ``g // W`` of the destination at ring offset ``g % W``, each
+    published on its own flag as soon as it is copied."""
     world, n, s = call.world, call.n, call.send
-    for o in range(world):
-        d = (rk.r - o) % world
+
+    def chunks(d):
+        rows = _cdiv(int(s.send_off[d + 1] - s.send_off[d]), cfg.comm_rows)
+        return rows, rows + _cdiv(int(s.ret_count[d]), cfg.comm_entries)
+
+    rounds = max(chunks(d)[1] for d in range(world))
+    while (g := call.take("dispatch")) < rounds * world:
+        c, d = g // world, (rk.r - g % world) % world
         dst = ranks[d]
         lo, hi = int(s.send_off[d]), int(s.send_off[d + 1])
         n_ent = int(s.ret_count[d])
-        row_chunks = _cdiv(hi - lo, cfg.comm_rows)
-        total = row_chunks + _cdiv(n_ent, cfg.comm_entries)
-        for c in range(pid, total, cfg.comm_programs):
+        row_chunks, total = chunks(d)
+        if c < total:
             if c < row_chunks:
                 i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
                 rows = s.send_row[i].long()
