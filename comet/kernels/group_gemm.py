@@ -106,7 +106,8 @@ def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, 
 def grouped_work(w, num_tiles, n_blocks):
     """layer0 order: groups of ``GROUP_M`` consecutive m-tiles sweep the column blocks
     together (so a weight block is read once per group from L2), groups in table order
-    (which is the scheduler's local-first order). Returns (tile, column block)."""
+    (the scheduler's order: a local head, then expert-major -- so a group's m-tiles are
+    mostly one expert's, sharing its weight block). Returns (tile, column block)."""
     per_group = GROUP_M * n_blocks
     first = (w // per_group) * GROUP_M
     size = tl.minimum(num_tiles - first, GROUP_M)

@@ -242,7 +242,7 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                         USE_ASM: tl.constexpr):
     """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
     for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
-    output columns -- over the local-first tiles,
+    output columns -- over the tiles in the table's order (comet.scheduler.plan),
     taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
     lane at a time (:func:`strided_take`; ``HEAD_ROUNDS`` and ``TAIL_ROUNDS`` rounds of
     single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`): blocks take work in the scheduler's order

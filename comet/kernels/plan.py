@@ -10,8 +10,8 @@ call costs microseconds of host time and little GPU time at small token counts:
    row, this rank's totals, which the count exchange sends to every peer.
 2. :func:`layout_kernel` -- one program, after the exchange: from ``counts_all`` the
    offsets this rank needs as a source (where its rows land on each destination, where
-   they sit in its send list) and as a destination (its segments, and the local-first
-   tile table with wait sets).
+   they sit in its send list) and as a destination (its segments, and the tile table
+   with wait sets).
 3. :func:`place_kernel` -- one program per block of tokens: the send list (token, row on
    the destination) and the return entries, at offsets from steps 1 and 2.
 

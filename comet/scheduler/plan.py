@@ -114,7 +114,7 @@ def grouped_work(w: int, num_tiles: int, n_blocks: int, group_m: int) -> tuple[i
 
     Groups of ``group_m`` consecutive tiles of the table sweep the column blocks together
     (a weight block is then read once per group while it sits in L2); groups follow the
-    table's local-first order. Mirrored by ``kernels.group_gemm.grouped_work``.
+    table's order. Mirrored by ``kernels.group_gemm.grouped_work``.
     """
     per_group = group_m * n_blocks
     first = (w // per_group) * group_m
