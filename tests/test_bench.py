@@ -2,6 +2,7 @@
 
 import contextlib
 import glob
+import gzip
 import importlib
 import json
 import os
@@ -206,6 +207,13 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused):
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(_synthetic_timeline(blocks=6, n_comm=2))
     assert "comm blocks [2, 3]" in data["otherData"]["title"]
+    # The milestones read back the same from the gzipped copy the results folders keep.
+    from comet.bench import trace
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        dst.write(src.read())
+    assert trace.main([path]) == 0 and trace.main([path + ".gz"]) == 0
+    plain, packed = capsys.readouterr().out.split(path + ".gz\n")
+    assert plain.rsplit(path + "\n", 1)[1] == packed and "gemm_start" in packed
 
 
 def test_timeline_without_gpu_says_why(capsys):

@@ -18,6 +18,7 @@ prints them for saved traces.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -182,12 +183,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m comet.bench.trace",
                                  description="Where the time of a traced call goes "
                                              "(comet bench --timeline's JSON files).")
-    ap.add_argument("traces", nargs="+", help="timeline-*.json files")
+    ap.add_argument("traces", nargs="+", help="timeline-*.json files (or .json.gz)")
     args = ap.parse_args(argv)
     for path in args.traces:
-        with open(path) as f:
-            print(f"{path}\n{format_where_time_goes(where_time_goes(json.load(f)))}")
+        print(f"{path}\n{format_where_time_goes(where_time_goes(read_trace(path)))}")
     return 0
+
+
+def read_trace(path: str | os.PathLike) -> dict:
+    """A trace written by :func:`write_trace`, plain or gzipped (``.gz``: how the traces
+    committed under benchmarks/results are stored -- a 4096-token trace is 3-6 MB of
+    JSON; Perfetto opens either)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
