@@ -48,6 +48,19 @@ def time_batch(layer, x, ids, w, calls, comm_blocks, world):
     return float(t)
 
 
+def paired_rounds(run_batch, n_variants, rounds):
+    """``run_batch(i)`` for every variant ``i``, round after round, the variants in a
+    rotating order: ``(times per variant, median over rounds of each variant's time over
+    variant 0's in the same round)``."""
+    times = [[] for _ in range(n_variants)]
+    for r in range(rounds):
+        for i in [(i + r) % n_variants for i in range(n_variants)]:
+            times[i].append(run_batch(i))
+    ratios = [statistics.median(t / b for t, b in zip(times[i], times[0]))
+              for i in range(n_variants)]
+    return times, ratios
+
+
 def run(name, tokens, variants, ep, world, rank, rounds, calls, comm_blocks, max_tokens):
     g = torch.Generator(device="cuda").manual_seed(rank)
     cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens, g)
@@ -61,15 +74,11 @@ def run(name, tokens, variants, ep, world, rank, rounds, calls, comm_blocks, max
         for _ in range(3):
             layer(x, ids, w, comm_blocks=comm_blocks)
     torch.cuda.synchronize()
-    times = [[] for _ in variants]
-    for r in range(rounds):
-        order = [(i + r) % len(variants) for i in range(len(variants))]
-        for i in order:
-            times[i].append(time_batch(layers[i], x, ids, w, calls, comm_blocks, world))
+    times, ratios = paired_rounds(
+        lambda i: time_batch(layers[i], x, ids, w, calls, comm_blocks, world),
+        len(variants), rounds)
     for layer in layers:
         layer.check_errors_now()
-    ratios = [statistics.median(t / b for t, b in zip(times[i], times[0]))
-              for i in range(len(variants))]
     rec = dict(config=name, tokens=tokens, ep=ep, world=world, rounds=rounds, calls=calls,
                comm_blocks=list(layers[0].last_comm_blocks),
                variants=variants, median_us=[statistics.median(t) for t in times],
@@ -78,26 +87,32 @@ def run(name, tokens, variants, ep, world, rank, rounds, calls, comm_blocks, max
         print(f"{name:18s} {tokens:6d} " + "  ".join(
             f"{json.dumps(v) if v else 'default'}: {statistics.median(t):8.1f} us "
             f"({q:.3f})" for v, t, q in zip(variants, times, ratios)), flush=True)
-    del layers
+    layers.clear()
     torch.cuda.empty_cache()
     return rec
 
 
-def main():
+def paired_args(name: str, tokens: list[int], ep: int, rounds: int, calls: int):
+    """The arguments every paired experiment takes (what to run, how often, where the
+    JSON goes: ``$OUT/<name>.json``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
                     default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
+    ap.add_argument("--tokens", type=int, nargs="+", default=tokens)
+    ap.add_argument("--ep", type=int, default=ep, help="experts of one rank of EP=ep")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--calls", type=int, default=calls, help="back-to-back calls per batch")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), f"{name}.json"))
+    return ap
+
+
+def main():
+    ap = paired_args("paired_tiles", [4096], 1, 15, 10)
     ap.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=V[,FIELD=V]",
                     help="variants timed against the default TileConfig")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per batch")
     ap.add_argument("--comm-blocks", default=None, metavar="N0,N1",
                     help="a fixed split for every variant (default: the layer's choice)")
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                  "paired_tiles.json"))
     args = ap.parse_args()
     _, world, rank = init_ranks()
     variants = [{}] + [parse_tile(t) for t in args.tiles]

@@ -24,9 +24,7 @@ the median of per-round ratios to expert-major is the answer.
         --configs deepseek-v3-like mixtral --tokens 4096 16384
 """
 
-import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -34,6 +32,7 @@ import torch
 from comet.kernels import launch as L
 from comet.runtime.layer import FusedMoE
 from kernel_times import rank_layer_inputs    # this folder is on sys.path
+from paired_tiles import paired_args, paired_rounds
 
 _build_layout = L.launch_layout
 
@@ -93,34 +92,22 @@ def run(name, tokens, ep, stages, rounds, calls):
         for _ in range(3):
             layer(x, ids, w, mode="compute_only")
     torch.cuda.synchronize()
-    times = [[] for _ in variants]
-    for r in range(rounds):
-        for i in [(i + r) % len(variants) for i in range(len(variants))]:
-            times[i].append(time_batch(layers[i], x, ids, w, calls))
-    ratios = [statistics.median(t / b for t, b in zip(times[i], times[0]))
-              for i in range(len(variants))]
+    times, ratios = paired_rounds(lambda i: time_batch(layers[i], x, ids, w, calls),
+                                  len(variants), rounds)
     rec = dict(config=name, tokens=tokens, ep=ep, variants=["expert-major"] + [
         f"stages={s}" for s in stages], median_us=[statistics.median(t) for t in times],
         ratio_to_first=ratios, us=times)
     print(f"{name:18s} {tokens:6d} " + "  ".join(
         f"{v}: {m:8.1f} us ({q:.3f})" for v, m, q in
         zip(rec["variants"], rec["median_us"], ratios)), flush=True)
-    del layers
+    layers.clear()
     torch.cuda.empty_cache()
     return rec
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", nargs="+",
-                    default=["deepseek-v3-like", "qwen2-moe", "phi3.5-moe", "mixtral"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--ep", type=int, default=2, help="experts of one rank of EP=ep")
+    ap = paired_args("tile_order", [4096, 16384], 2, 10, 8)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--calls", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
-                                                  "tile_order.json"))
     args = ap.parse_args()
     L.launch_layout = _staged_layout
     recs = [run(c, t, args.ep, args.stages, args.rounds, args.calls)
