@@ -124,6 +124,14 @@ def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weig
 
 
 @triton.jit
+def _chunks_to(d, send_off, ret_count, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
+    """``(row chunks, all chunks)`` this rank sends destination ``d``: its rows, then
+    its return entries."""
+    rows = tl.cdiv(tl.load(send_off + d + 1) - tl.load(send_off + d), ROWS)
+    return rows, rows + tl.cdiv(tl.load(ret_count + d), ENTRIES)
+
+
+@triton.jit
 def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
@@ -146,11 +154,8 @@ def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
     # This rank's region in a destination's return-entry tables.
     region = rank * max_tokens
     rounds = 0
-    for o in range(WORLD):
-        d = (rank - o + WORLD) % WORLD
-        chunks = (tl.cdiv(tl.load(send_off + d + 1) - tl.load(send_off + d), ROWS)
-                  + tl.cdiv(tl.load(ret_count + d), ENTRIES))
-        rounds = tl.maximum(rounds, chunks)
+    for d in range(WORLD):
+        rounds = tl.maximum(rounds, _chunks_to(d, send_off, ret_count, ROWS, ENTRIES)[1])
     g = take(queue)
     while g < rounds * WORLD:
         c = g // WORLD
@@ -158,8 +163,8 @@ def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
         lo = tl.load(send_off + d)
         hi = tl.load(send_off + d + 1)
         n_ent = tl.load(ret_count + d)
-        row_chunks = tl.cdiv(hi - lo, ROWS)
-        if c < row_chunks + tl.cdiv(n_ent, ENTRIES):
+        row_chunks, chunks = _chunks_to(d, send_off, ret_count, ROWS, ENTRIES)
+        if c < chunks:
             a0 = pointer_at(a0_table, d, a0_ptr)
             dst_tok = pointer_at(ret_token_table, d, recv_token) + region
             dst_rows = pointer_at(ret_rows_table, d, recv_rows) + region * TOPK
