@@ -122,9 +122,10 @@ class SendPlan:
     """This rank as a source. Capacities: ``P = max_tokens * top_k`` pairs, ``Mx =
     max_tokens`` tokens; entries past the live counts are padding.
 
-    send_token:  ``[P]`` token of the i-th row pushed, rows ordered by (dest, expert,
-                 token, slot).
+    send_pair:   ``[P]`` pair ``t * k + j`` (token ``t``, slot ``j``) of the i-th row
+                 pushed, rows ordered by (dest, expert, token, slot).
     send_row:    ``[P]`` row it lands on in the destination's shared tensor.
+    send_weight: ``[P]`` fp32 routing weight of that pair (0 where not finite).
     send_off:    ``[W + 1]`` rows for destination ``d`` are ``send_off[d]:send_off[d+1]``.
     ret_token:   ``[W, Mx]`` return entry ``q`` for destination ``d``: the token.
     ret_rows:    ``[W, Mx, k]`` rows of the destination's shared tensor holding that
@@ -133,16 +134,20 @@ class SendPlan:
     ret_count:   ``[W]`` live return entries per destination.
     dest_mask:   ``[Mx, W]`` int32, 1 where token ``t`` was sent to ``d``; the final combine
                  sums exactly these partial results, in rank order.
+    pair_live:   ``[Mx, k]`` int32, 1 where ``(t, j)`` is a real pair; with layer1's scatter
+                 epilogue the final combine sums exactly these rows, in slot order.
     """
 
-    send_token: torch.Tensor
+    send_pair: torch.Tensor
     send_row: torch.Tensor
+    send_weight: torch.Tensor
     send_off: torch.Tensor
     ret_token: torch.Tensor
     ret_rows: torch.Tensor
     ret_weight: torch.Tensor
     ret_count: torch.Tensor
     dest_mask: torch.Tensor
+    pair_live: torch.Tensor
 
 
 def build_send_plan(
@@ -185,10 +190,13 @@ def build_send_plan(
     valid_sorted = sorted_e < num_experts
     row_sorted = torch.where(valid_sorted, base + pos_sorted, torch.full_like(pos_sorted, -1))
 
-    send_token = torch.zeros(cap_pairs, dtype=torch.int32, device=dev)
+    send_pair = torch.zeros(cap_pairs, dtype=torch.int32, device=dev)
     send_row = torch.full((cap_pairs,), -1, dtype=torch.int32, device=dev)
-    send_token[: m * k] = torch.div(perm, k, rounding_mode="floor").to(torch.int32)
+    send_weight = torch.zeros(cap_pairs, dtype=torch.float32, device=dev)
+    send_pair[: m * k] = perm.to(torch.int32)
     send_row[: m * k] = row_sorted.to(torch.int32)
+    w_flat = topk_weights.float().reshape(-1)
+    send_weight[: m * k] = torch.where(torch.isfinite(w_flat), w_flat, 0.0)[perm]
     per_dest = pair_counts.view(world, el_count).sum(dim=1)
     send_off = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
                           torch.cumsum(per_dest, 0)]).to(torch.int32)
@@ -220,13 +228,17 @@ def build_send_plan(
 
     dest_mask = torch.zeros(max_tokens, world, dtype=torch.int32, device=dev)
     dest_mask[:m] = mask
+    pair_live = torch.zeros(max_tokens, k, dtype=torch.int32, device=dev)
+    pair_live[:m] = (e2 < num_experts).to(torch.int32)
     return SendPlan(
-        send_token=send_token,
+        send_pair=send_pair,
         send_row=send_row,
+        send_weight=send_weight,
         send_off=send_off,
         ret_token=ret_token.view(world, max_tokens + 1)[:, :max_tokens].contiguous(),
         ret_rows=ret_rows.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
         ret_weight=ret_weight.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
         ret_count=mask.sum(dim=0, dtype=torch.int32),
         dest_mask=dest_mask,
+        pair_live=pair_live,
     )

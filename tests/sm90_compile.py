@@ -11,6 +11,7 @@ on the first failure.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -104,6 +105,16 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                         trace=trace)
         L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
         L.launch_combine(ws, cfg, L.address_of(x), split, tile, 132)
+        # layer1's scatter epilogue: the dispatch with row homes, the GEMM that sends, the
+        # combine over slots (the store to per-row peer addresses must be 16-byte wide).
+        scatter = dataclasses.replace(tile, layer1_scatter=True)
+        wss = allocate_virtual(cfg, world, "cpu", scatter)[0]
+        L.launch_plan(wss, cfg, ids, wts, scatter)
+        for role in (L.ROLE_FUSED, L.ROLE_COMM):
+            L.launch_layer0(wss, cfg, L.address_of(x), w13, scatter, role, split, 132,
+                            row_home=True)
+        L.launch_layer1(wss, cfg, w2, scatter, L.ROLE_COMPUTE, split, 132, scatter=True)
+        L.launch_combine(wss, cfg, L.address_of(x), split, scatter, 132, scatter=True)
         # The backward's activation kernel (training), both W13 layouts.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),

@@ -69,6 +69,32 @@ def test_w1_fused_matches_reference_over_block_splits(name, dtype):
         assert _rel_err(y, ref) < 1e-2, (name, dtype, n_comm)
 
 
+def test_w1_scatter_epilogue_over_token_counts():
+    """One rank scattering to itself, the fused kernels and graph replays: the combine
+    must sum only this call's live slots (pair_out keeps older calls' rows)."""
+    import dataclasses
+    from comet.kernels.launch import TileConfig
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = SCALED["deepseek-v3-like"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.bfloat16, max_tokens=384)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13, w2 = _weights(e, h, f, cfg.dtype, g)
+    layer = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(), layer1_scatter=True))
+    for kind, tokens, drop in (("random", 384, False), ("random", 200, True),
+                               ("random", 7, False), ("one_expert", 300, False),
+                               ("skewed", 384, True)):
+        x, ids, w = _inputs(layer, kind, g, tokens=tokens)
+        if drop:        # slots with no expert: their pair_out rows stay from older calls
+            ids[::3, 0] = -1
+        y = layer(x, ids, w, comm_blocks=(8, 8))
+        assert layer.last_comm_blocks == (8, 0)
+        ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
+                                    round_to=cfg.dtype)
+        assert _rel_err(y, ref) < 1e-2, (kind, tokens)
+    layer.check_errors_now()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_w1_routings(kind):
     layer, g = _fused("qwen2-moe", torch.bfloat16)
@@ -79,9 +105,11 @@ def test_w1_routings(kind):
         assert _rel_err(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["reduce", "scatter"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))
-def test_virtual_ranks_bf16(world, name):
+def test_virtual_ranks_bf16(world, name, scatter):
+    import dataclasses
     from comet.kernels.launch import TileConfig
     from comet.runtime.virtual import VirtualEP
     e, k, h, f = SCALED[name]
@@ -89,7 +117,8 @@ def test_virtual_ranks_bf16(world, name):
                     dtype=torch.bfloat16, max_tokens=256)
     g = torch.Generator(device="cuda").manual_seed(world)
     shards = [_weights(e // world, h, f, torch.bfloat16, g) for _ in range(world)]
-    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], TileConfig())
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards],
+                   dataclasses.replace(TileConfig(), layer1_scatter=scatter))
     for kind in KINDS:
         cg = torch.Generator().manual_seed(len(kind))
         ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 256, cg), e, k, cg)]

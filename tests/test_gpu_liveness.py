@@ -57,13 +57,20 @@ def _streams(world):
     return [torch.cuda.Stream() for _ in range(world)]
 
 
-@pytest.mark.parametrize("name, world", [("mixtral", 4), ("mixtral", 2), ("qwen2-moe", 4),
-                                         ("phi3.5-moe", 4), ("deepseek-v3-like", 4)])
-def test_drift_concurrent_virtual_ranks_full_size(name, world):
-    """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked."""
+@pytest.mark.parametrize("name, world, scatter", [
+    ("mixtral", 4, False), ("mixtral", 2, False), ("qwen2-moe", 4, False),
+    ("phi3.5-moe", 4, False), ("deepseek-v3-like", 4, False),
+    ("mixtral", 2, True), ("deepseek-v3-like", 4, True)])
+def test_drift_concurrent_virtual_ranks_full_size(name, world, scatter):
+    """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked.
+    ``scatter``: layer1's epilogue writes into peers' pair_out while a fast peer may
+    already be in its next call."""
+    import dataclasses
+    from comet.kernels.launch import TileConfig
     from comet.runtime.virtual import concurrent_forward
     max_tokens = 384
-    cfg, layers, w13, w2 = _group(name, world, max_tokens)
+    cfg, layers, w13, w2 = _group(name, world, max_tokens,
+                                  tile=dataclasses.replace(TileConfig(), layer1_scatter=scatter))
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     kinds = ["random", "skewed", "one_expert"]
@@ -90,7 +97,8 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world):
         ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
         for y, r in zip(ys, ref):
             worst = max(worst, _rel_err(y, r))
-    print(f"{name} W={world}: 220 concurrent calls in {elapsed:.1f}s, worst rel err {worst:.2e}")
+    print(f"{name} W={world} scatter={scatter}: 220 concurrent calls in {elapsed:.1f}s, "
+          f"worst rel err {worst:.2e}")
     assert worst < 2e-2
     assert all(int(layer.ws.epoch) == 220 for layer in layers)
 

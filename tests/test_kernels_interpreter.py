@@ -5,6 +5,8 @@ real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16
 only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -69,6 +71,39 @@ def test_configs_fp16(world, name):
 def test_routings_fp32_world4(kind):
     ys, expect, _ = _run(4, "mixtral", kind, torch.float32, seed=len(kind))
     _close(ys, expect, torch.float32)
+
+
+SCATTER = dataclasses.replace(L.TileConfig.small(), layer1_scatter=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(SCALED))
+def test_layer1_scatter_epilogue(world, name):
+    """Each row's weighted output goes straight home; the combine sums its slots."""
+    ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=SCATTER)
+    _close(ys, expect, torch.float16)
+    assert all("pair_out" in ws.buffers for ws in ep.ws)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer1_scatter_routings_fp32(kind):
+    """Dropped slots (-1), tokens with no expert, everything on one rank: a slot that
+    is not a real pair adds nothing, though its pair_out row holds an older call's."""
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=12)
+    g = torch.Generator().manual_seed(len(kind))
+    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(4)]
+    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(4)]
+    ep = VirtualEP(cfg, w13, w2, SCATTER)
+    for ws in ep.ws:                    # stale rows a masked slot must not pick up
+        ws.pair_out.fill_(1e3)
+    for call in range(2):
+        ids = make_ids(kind, make_tokens(kind, 4, 12, g), e, k, g)
+        xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+        wts = [torch.rand(i.shape, generator=g) for i in ids]
+        ys = ep.forward(xs, ids, wts)
+        _close(ys, reference.ep_forward(xs, ids, wts, w13, w2), torch.float32)
 
 
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])

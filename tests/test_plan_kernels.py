@@ -83,8 +83,9 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
         spec = build_send_plan(ids[r], wts[r], counts, layout, r, mx)
         assert torch.equal(p["send_off"].cpu(), spec.send_off.cpu())
         n = int(spec.send_off[-1])
-        assert torch.equal(p["send_token"][:n].cpu(), spec.send_token[:n].cpu())
+        assert torch.equal(p["send_pair"][:n].cpu(), spec.send_pair[:n].cpu())
         assert torch.equal(p["send_row"][:n].cpu(), spec.send_row[:n].cpu())
+        assert torch.equal(p["send_weight"][:n].cpu(), spec.send_weight[:n].cpu())
         assert torch.equal(p["ret_count"].cpu(), spec.ret_count.cpu())
         for d in range(world):
             q = int(spec.ret_count[d])
@@ -93,6 +94,7 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
             assert torch.equal(p["ret_weight"][d, :q].cpu(), spec.ret_weight[d, :q].cpu())
         m = ids[r].shape[0]
         assert torch.equal(p["dest_mask"][:m].cpu(), spec.dest_mask[:m].cpu())
+        assert torch.equal(p["pair_live"][:m].cpu(), spec.pair_live[:m].cpu())
         tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m,
                                  tile.local_head_tiles)
         nt = int(tiles.num_tiles)

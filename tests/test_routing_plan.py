@@ -75,7 +75,7 @@ def test_rows_land_where_the_spec_says(case):
             for i in range(lo, hi):
                 row = int(plan.send_row[i])
                 assert row not in landed, "two rows pushed to one slot"
-                landed[row] = (s, int(plan.send_token[i]))
+                landed[row] = (s, int(plan.send_pair[i]) // top_k)
         assert landed == {r: (int(spec.source[r]), int(spec.token[r])) for r in range(n)}
         # Return entries name exactly the rows (and weights) of each token's slots on d.
         for s, plan in enumerate(sends):

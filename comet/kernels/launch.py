@@ -78,6 +78,14 @@ class TileConfig:
         stream: one token row per step at 8 warps, with COMBINE_PROGRAMS_PER_SM programs
         per SM, moved 2.8 TB/s on an H100; 16 x 512 at 4 warps, one program per SM, 1.0
         (scripts/device/combine_bw.py).
+    layer1_scatter: layer1's epilogue writes each output row, weighted, straight into its
+        token's home (``pair_out`` of the token's rank, one row per slot), and the final
+        combine sums a token's ``top_k`` rows -- instead of the column-split reduce role
+        that sums a token's rows on each expert rank and sends one row per (token, rank)
+        after its split's GEMM. No reduce pass and no reduce tail; more bytes cross the
+        link when a token has several experts on one rank (top-k > W), and the combine
+        reads top-k rows per token instead of W. Only fused calls use it (the sequential
+        and single-part modes keep the reduce, so they stay the decomposition of a call).
     decode_block_n1: layer1's column block in calls too small to give layer1 a work
         item per SM with ``block_n1`` (:meth:`decode_tile`; 0: none). At 128 tokens/rank,
         EP=4 (H200), Mixtral's layer1 has 2 experts x 1 m-tile x 16 column blocks = 32
@@ -108,6 +116,7 @@ class TileConfig:
     combine_block_h: int = 4096
     combine_warps: int = 8
     decode_block_n1: int = 128
+    layer1_scatter: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -284,8 +293,9 @@ def launch_place(ws: Workspace, cfg: MoEConfig, topk_ids: torch.Tensor,
     blocks = p["block_counts"].shape[0] - 1
     kplan.place_kernel[(blocks,)](
         topk_ids, topk_weights, p["block_counts"], p["send_base"], p["dst_base"],
-        p["send_token"], p["send_row"], p["ret_token"], p["ret_rows"], p["ret_weight"],
-        p["dest_mask"], topk_ids.shape[0], cfg.max_tokens, ws.input_word, ws.epoch,
+        p["send_pair"], p["send_row"], p["send_weight"], p["ret_token"], p["ret_rows"],
+        p["ret_weight"], p["dest_mask"], p["pair_live"], topk_ids.shape[0], cfg.max_tokens,
+        ws.input_word, ws.epoch,
         TOPK=k, TOPK_P2=_next_pow2(k), NUM_EXPERTS=cfg.num_experts,
         LOCAL_EXPERTS=cfg.num_experts // ws.world, WORLD=ws.world,
         BLOCK_T=plan_block_tokens(k), num_warps=4, **_token_count(num_tokens, topk_ids))
@@ -329,13 +339,29 @@ def _cooperative(role: int, cooperative: bool) -> dict:
 
 
 # ----------------------------------------------------------------------- layers
+def _home_tables(ws: Workspace, scatter: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peer tables of ``row_home`` and ``row_weight`` (stand-ins the kernels never read
+    when the layer has no scatter epilogue)."""
+    if not scatter:
+        return ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"]
+    return ws.peer_ptrs["row_home"], ws.peer_ptrs["row_weight"]
+
+
+def _home_maps(ws: Workspace, scatter: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``row_home`` and ``row_weight`` (or stand-ins, as above)."""
+    if not scatter:
+        return ws.ret_rows, ws.ret_weight
+    return ws.row_home, ws.row_weight
+
+
 def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
                   wait: bool = True, trace: torch.Tensor | None = None,
                   cooperative: bool = True, *, out: torch.Tensor | None = None,
-                  transposed: bool = False) -> None:
+                  transposed: bool = False, row_home: bool = False) -> None:
     """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute);
-    ``w13`` in the interleaved layout of :mod:`comet.weights`.
+    ``w13`` in the interleaved layout of :mod:`comet.weights`. ``row_home``: the dispatch
+    also sends each row's home and weight (for layer1's scatter epilogue).
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
     int32 with the comm-block count (fused role only).
@@ -357,10 +383,12 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         b = (descriptor(w13.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w13.view(el * h, n), [bk, block_n]))
     l0.layer0_kernel[(grid,)](
-        x_addr, p["send_token"], p["send_row"], p["send_off"], p["ret_token"], p["ret_rows"],
-        p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"], ws.peer_ptrs["ret_token"],
-        ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"], ws.peer_ptrs["flag0"],
-        ws.ret_token, ws.ret_rows, ws.ret_weight, ws.flag0.shape[1], cfg.max_tokens,
+        x_addr, p["send_pair"], p["send_row"], p["send_weight"], p["send_off"],
+        p["ret_token"], p["ret_rows"], p["ret_weight"], p["ret_count"], ws.peer_ptrs["a0"],
+        ws.peer_ptrs["ret_token"], ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"],
+        ws.peer_ptrs["flag0"], *_home_tables(ws, row_home),
+        ws.ret_token, ws.ret_rows, ws.ret_weight, *_home_maps(ws, row_home),
+        ws.flag0.shape[1], cfg.max_tokens,
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]), b, c, h, n,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], counters["l0_queue"],
@@ -370,7 +398,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         TOPK=cfg.top_k, TOPK_P2=_next_pow2(cfg.top_k), COMM_ROWS=tile.comm_rows,
         COMM_COPY_ROWS=tile.comm_copy_rows, COMM_BLOCK_H=tile.comm_block_h,
         COMM_ENTRIES=tile.dispatch_entries, COMM_ENTRY_TILE=tile.comm_entries,
-        GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
+        ROW_HOME=row_home, GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK, ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,
         DOT_PRECISION=_dot_precision(cfg.dtype), HEAD_ROUNDS=tile.lane_head_rounds,
         TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw,
@@ -380,9 +408,11 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
 def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,
                   role: int, split: torch.Tensor, grid: int, wait: bool = True,
                   trace: torch.Tensor | None = None, cooperative: bool = True, *,
-                  a: torch.Tensor | None = None, pair_src: torch.Tensor | None = None
-                  ) -> None:
-    """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank.
+                  a: torch.Tensor | None = None, pair_src: torch.Tensor | None = None,
+                  scatter: bool = False) -> None:
+    """GroupGEMM(W2) + top-k reduce + send to the sources, for one rank. With
+    ``scatter`` (:attr:`TileConfig.layer1_scatter`): the GroupGEMM alone on every block
+    of the grid, its epilogue sending each row home (``role`` and ``split`` unused).
 
     With ``a`` (``[rows, K]``, the backward's ``d(gate, up)``): the GEMM is ``a @ w2^T``
     for ``w2 [El, H, K]`` (W13 as stored) and the reduce an unweighted sum; ``pair_src``
@@ -402,20 +432,27 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         bk = tile.k_step(k)
         b = descriptor(w2.view(el * h, k), [tile.block_n1, bk])
     pairs = pair_src is not None
+    # The scatter epilogue needs no column splits (nothing waits for one): one split
+    # reads layer1's A rows once.
+    per_split = -(-h // tile.block_n1) if scatter else tile.blocks_per_split(h)
+    out_table, pair_out = ((ws.peer_ptrs["pair_out"], ws.pair_out) if scatter
+                           else (ws.peer_ptrs["comb"], ws.comb))
     l1.layer1_kernel[(grid,)](
-        descriptor(a, [tile.block_m, bk]), b, ws.out1, k, h, p["tile_expert"], p["tile_row_start"], p["tile_row_end"],
+        descriptor(a, [tile.block_m, bk]), b, ws.out1, k, h, p["tile_expert"],
+        p["tile_row_start"], p["tile_row_end"],
         p["num_tiles"], counters["split"],
         ws.ret_token, ws.ret_rows, ws.ret_weight, p["entries"], ws.flag0, ws.flag0.shape[1],
         p["chunks_total"],
         ws.peer_ptrs["comb"], ws.comb, ws.peer_ptrs["flag1"], ws.flag1,
         counters["l1_done"], counters["l1_reduce"], ws.epoch,
         ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, split, ws.timeout,
-        pair_src if pairs else ws.pair_grad, ws.peer_ptrs["pair_grad"], ws.pair_grad, trace,
-        ROLE=role, WAIT=wait, WORLD=ws.world, TOPK=cfg.top_k,
+        pair_src if pairs else ws.pair_grad, ws.peer_ptrs["pair_grad"], ws.pair_grad,
+        *_home_maps(ws, scatter), out_table, pair_out, trace,
+        ROLE=role, WAIT=wait, SCATTER=scatter, WORLD=ws.world, TOPK=cfg.top_k,
         COMM_ENTRIES=tile.comm_entries, COMM_ITEM=tile.reduce_item,
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
-        BLOCKS_PER_SPLIT=tile.blocks_per_split(h), N_SPLITS=tile.n_splits(h),
+        BLOCKS_PER_SPLIT=per_split, N_SPLITS=1 if scatter else tile.n_splits(h),
         DOT_PRECISION=_dot_precision(cfg.dtype), TRANS_B=backward,
         WEIGHTED=not backward, PAIRS=pairs,
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -431,10 +468,10 @@ COMBINE_PROGRAMS_PER_SM = 4
 
 def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
                    num_tokens: torch.Tensor, tile: TileConfig, grid: int,
-                   wait: bool = True) -> None:
-    """Sum the partial rows sent back by every rank into the output whose address is in
-    ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``), on at most
-    ``grid`` programs."""
+                   wait: bool = True, scatter: bool = False) -> None:
+    """Sum the partial rows sent back by every rank (``scatter``: the weighted rows of
+    every slot) into the output whose address is in ``y_addr`` (``[M, H]``, ``M`` in the
+    device scalar ``num_tokens``), on at most ``grid`` programs."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
     grid = max(1, min(grid, triton.cdiv(cfg.max_tokens, tile.combine_rows)))
@@ -442,8 +479,14 @@ def launch_combine(ws: Workspace, cfg: MoEConfig, y_addr: torch.Tensor,
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
     per_warp = 32 * (ADDRESS_ALIGN // cfg.dtype.itemsize)
     warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
+    if scatter:     # pair_out [Mx, k, H]: part j of token t is row t * k + j
+        parts, live, n_parts, strides = (ws.pair_out, ws.plan["pair_live"], cfg.top_k,
+                                         (1, cfg.top_k))
+    else:           # comb [W, Mx, H]: part d of token t is row d * Mx + t
+        parts, live, n_parts, strides = (ws.comb, ws.plan["dest_mask"], ws.world,
+                                         (cfg.max_tokens, 1))
     l1.combine_kernel[(grid,)](
-        ws.comb, ws.flag1, ws.plan["dest_mask"], y_addr, num_tokens, cfg.hidden_size,
-        ws.epoch, ws.peer_ptrs["error"], ws.rank, cfg.max_tokens, ws.timeout,
-        WAIT=wait, WORLD=ws.world, ROWS=tile.combine_rows, BLOCK_H=block_h,
+        parts, ws.flag1, live, y_addr, num_tokens, cfg.hidden_size, *strides,
+        ws.epoch, ws.peer_ptrs["error"], ws.rank, ws.timeout,
+        WAIT=wait, WORLD=ws.world, PARTS=n_parts, ROWS=tile.combine_rows, BLOCK_H=block_h,
         USE_ASM=_asm(), num_warps=warps)

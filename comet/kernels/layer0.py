@@ -16,8 +16,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   destination abreast: chunk ``c`` of each destination before chunk ``c + 1`` of any, so
   each destination receives every source's rows in expert order, the order its
   expert-major tiles consume them (destinations in ring order ``r, r-1, ...`` inside a
-  round, so that every rank feeds a different peer). After a destination's rows go the
-  *return entries* layer1 will need. Each chunk has its
+  round, so that every rank feeds a different peer). With layer1's scatter epilogue each
+  row also carries where its layer1 output goes (``row_home``, ``row_weight``). After a
+  destination's rows go the *return entries* layer1's reduce will need. Each chunk has its
   own flag, ``flag0[r, c]`` on the destination, set to the call's epoch once chunk ``c``
   of rank ``r`` landed: chunks publish independently, no chunk waits for another.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the tile table (a local
@@ -91,15 +92,24 @@ def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
 
 
 @triton.jit
-def _push_rows(x_ptr, dst, send_token, send_row, start, end, H,
-               COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Copy token rows ``send_token[start:end]`` of x into rows ``send_row[...]`` of dst,
-    ``COPY_ROWS`` x ``BLOCK_H`` at a time."""
+def _push_rows(x_ptr, dst, send_pair, send_row, send_weight, dst_home, dst_weight,
+               home_base, start, end, H, TOPK: tl.constexpr, COPY_ROWS: tl.constexpr,
+               BLOCK_H: tl.constexpr, ROW_HOME: tl.constexpr):
+    """Copy the token rows of pairs ``send_pair[start:end]`` of x into rows
+    ``send_row[...]`` of dst, ``COPY_ROWS`` x ``BLOCK_H`` at a time. With ``ROW_HOME``,
+    also tell the destination where each row's layer1 output goes and with what weight:
+    ``dst_home[row] = home_base + pair`` (this rank's slot in every rank's ``pair_out``
+    numbering) and ``dst_weight[row]`` -- a few bytes per row, published by the same
+    chunk flag as the row itself."""
     for r0 in range(start, end, COPY_ROWS):
         i = r0 + tl.arange(0, COPY_ROWS)
         live = i < end
-        tok = tl.load(send_token + i, mask=live, other=0).to(tl.int64)
+        pair = tl.load(send_pair + i, mask=live, other=0)
+        tok = (pair // TOPK).to(tl.int64)
         row = tl.load(send_row + i, mask=live, other=0).to(tl.int64)
+        if ROW_HOME:
+            tl.store(dst_home + row, home_base + pair, mask=live)
+            tl.store(dst_weight + row, tl.load(send_weight + i, mask=live), mask=live)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mask = live[:, None] & (cols[None, :] < H)
@@ -132,14 +142,15 @@ def _chunks_to(d, send_off, ret_count, ROWS: tl.constexpr, ENTRIES: tl.constexpr
 
 
 @triton.jit
-def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
+def dispatch_role(queue, x_ptr, H, send_pair, send_row, send_weight, send_off,
                   ret_token, ret_rows, ret_weight, ret_count,
                   a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  a0_ptr, recv_token, recv_rows, recv_weight, flag0, chunk_slots,
+                  home_table, home_weight_table, a0_ptr, recv_token, recv_rows, recv_weight,
+                  row_home, row_weight, flag0, chunk_slots,
                   epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
                   WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                  ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr,
+                  ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr, ROW_HOME: tl.constexpr,
                   TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """Push this rank's rows, then its return entries, to every destination, in chunks
     the comm programs take from the dispatch queue ``queue``: take ``g`` is chunk
@@ -175,8 +186,14 @@ def dispatch_role(queue, x_ptr, H, send_token, send_row, send_off,
                 start = clock_ns(USE_ASM)
             if healthy(err_table, rank, USE_ASM):
                 if c < row_chunks:
-                    _push_rows(x_ptr, a0, send_token, send_row, lo + c * ROWS,
-                               tl.minimum(lo + (c + 1) * ROWS, hi), H, COPY_ROWS, BLOCK_H)
+                    home, home_weight = row_home, row_weight
+                    if ROW_HOME:
+                        home = pointer_at(home_table, d, row_home)
+                        home_weight = pointer_at(home_weight_table, d, row_weight)
+                    _push_rows(x_ptr, a0, send_pair, send_row, send_weight, home,
+                               home_weight, rank * max_tokens * TOPK, lo + c * ROWS,
+                               tl.minimum(lo + (c + 1) * ROWS, hi), H, TOPK, COPY_ROWS,
+                               BLOCK_H, ROW_HOME)
                 else:
                     e0 = (c - row_chunks) * ENTRIES
                     _push_entries(ret_token + src, ret_rows + src * TOPK,
@@ -294,9 +311,10 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
 @triton.jit
 def layer0_kernel(
     # dispatch (comm role); the input's address is read on the device (graph replays)
-    x_addr, send_token, send_row, send_off, ret_token, ret_rows, ret_weight, ret_count,
-    a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    recv_token, recv_rows, recv_weight, chunk_slots, max_tokens,
+    x_addr, send_pair, send_row, send_weight, send_off, ret_token, ret_rows, ret_weight,
+    ret_count, a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
+    home_table, home_weight_table, recv_token, recv_rows, recv_weight, row_home, row_weight,
+    chunk_slots, max_tokens,
     # GroupGEMM (compute role): K = H, N output columns (F when GATED)
     a0_ptr, a_desc, w_desc, c_ptr, K, N,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
@@ -306,7 +324,7 @@ def layer0_kernel(
     ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
     LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
-    COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr,
+    COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr, ROW_HOME: tl.constexpr,
     GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
@@ -320,14 +338,16 @@ def layer0_kernel(
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
         if comm:
-            events = dispatch_role(dispatch_queue, x_ptr, K, send_token, send_row, send_off,
-                                   ret_token, ret_rows, ret_weight, ret_count, a0_table,
-                                   ret_token_table, ret_rows_table, ret_weight_table,
-                                   flag0_table, a0_ptr, recv_token, recv_rows, recv_weight,
-                                   flag0, chunk_slots, epoch, err_table, rank, max_tokens,
-                                   timeout, trace_ptr, events, WORLD, TOPK, TOPK_P2,
-                                   COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H, COMM_ENTRIES,
-                                   COMM_ENTRY_TILE, TRACE, MAX_EVENTS, USE_ASM)
+            events = dispatch_role(dispatch_queue, x_ptr, K, send_pair, send_row,
+                                   send_weight, send_off, ret_token, ret_rows, ret_weight,
+                                   ret_count, a0_table, ret_token_table, ret_rows_table,
+                                   ret_weight_table, flag0_table, home_table,
+                                   home_weight_table, a0_ptr, recv_token, recv_rows,
+                                   recv_weight, row_home, row_weight, flag0, chunk_slots,
+                                   epoch, err_table, rank, max_tokens, timeout, trace_ptr,
+                                   events, WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS,
+                                   COMM_BLOCK_H, COMM_ENTRIES, COMM_ENTRY_TILE, ROW_HOME,
+                                   TRACE, MAX_EVENTS, USE_ASM)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:

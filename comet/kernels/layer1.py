@@ -41,7 +41,7 @@ import triton.language as tl
 
 from comet.kernels.address import pointer_at
 from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
-from comet.kernels.group_gemm import column_work, gemm_tile
+from comet.kernels.group_gemm import column_work, gemm_acc, gemm_tile
 from comet.kernels.layer0 import CHUNK_SCAN
 from comet.kernels.sync import (arrive, clock_ns, healthy, release, stamp, take, wait_at_least,
                                 wait_chunks)
@@ -57,10 +57,11 @@ TRACE_REDUCE = tl.constexpr(1 << 16)
 @triton.jit
 def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                         tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
+                        row_home, row_weight, pair_table, pair_out, slots,
                         trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
                         N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        TRANS_B: tl.constexpr, TRACE: tl.constexpr,
+                        TRANS_B: tl.constexpr, SCATTER: tl.constexpr, TRACE: tl.constexpr,
                         MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
     """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
@@ -75,6 +76,9 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
     static loop can be flattened, which lets Triton's pipeliner load the next tile's
     operands under this tile's epilogue (layer1 5-13% faster than the queue loop for
     qwen2-moe and deepseek-v3-like at 4096-16384 tokens, H100, ``h100-gemm-strided.json``).
+
+    ``SCATTER``: each tile goes straight to its tokens' homes (:func:`scatter_home`)
+    instead of into ``out1``.
     """
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(H, BLOCK_N)
@@ -97,16 +101,58 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
                 if TRACE:
                     start = clock_ns(USE_ASM)
                 t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
-                gemm_tile(h_desc, w2_desc, out1_ptr, H, tl.load(tile_expert + t),
-                          tl.load(tile_row_start + t), tl.load(tile_row_end + t),
-                          nb * BLOCK_N, F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION, TRANS_B)
+                expert = tl.load(tile_expert + t)
+                row_start = tl.load(tile_row_start + t)
+                row_end = tl.load(tile_row_end + t)
+                if SCATTER:
+                    acc = gemm_acc(h_desc, w2_desc, expert, row_start, nb * BLOCK_N, F, H,
+                                   False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   DOT_PRECISION)
+                    scatter_home(acc, row_home, row_weight, pair_table, pair_out, slots,
+                                 row_start, row_end, nb * BLOCK_N, H, BLOCK_M, BLOCK_N)
+                else:
+                    gemm_tile(h_desc, w2_desc, out1_ptr, H, expert, row_start, row_end,
+                              nb * BLOCK_N, F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                              DOT_PRECISION, TRANS_B)
                 if TRACE:
                     events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
             # Counted once per split, not per tile: an atomic inside the loop keeps Triton
             # from pipelining it (one stage of shared memory instead of three).
             arrive(split_done + split, "gpu", tl.maximum(tl.cdiv(hi - first, stride), 0))
     return events
+
+
+@triton.jit
+def scatter_home(acc, row_home, row_weight, pair_table, pair_out, slots, row_start, row_end,
+                 n0, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scatter epilogue: row ``r`` of the fp32 tile ``acc`` (rows ``row_start..``,
+    columns ``n0..``), times its routing weight, into its token's home --
+    ``pair_out[t, j]`` on rank ``s``, where ``row_home[r] = s * slots + t * TOPK + j``
+    (pushed with the row by the dispatch). Stores to a peer's memory are posted: the
+    tile's data crosses the link while the GEMM goes on, with no reduce pass and no
+    block waiting for a column split."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    live = rows < row_end
+    home = tl.load(row_home + rows, mask=live, other=0)
+    weight = tl.load(row_weight + rows, mask=live, other=0.0)
+    row_ptr = pointer_at(pair_table, home // slots, pair_out) + (home % slots).to(tl.int64) * H
+    cols = n0 + tl.arange(0, BLOCK_N)
+    tl.store(row_ptr[:, None] + cols[None, :],
+             (acc * weight[:, None]).to(pair_out.dtype.element_ty),
+             mask=live[:, None] & (cols[None, :] < H))
+
+
+@triton.jit
+def _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank,
+                     WORLD: tl.constexpr, USE_ASM: tl.constexpr):
+    """The last block of the launch to get here tells every source its rows of this
+    call are there (``flag1[this rank] = epoch`` on each) -- unless the group failed
+    meanwhile: rows skipped after a failure must not look sent."""
+    if arrive(done_counter, "sys") == tl.num_programs(0) - 1:
+        if healthy(err_table, rank, USE_ASM):
+            for s in range(WORLD):
+                flag = pointer_at(flag1_table, s, flag1)
+                release(flag + rank, epoch, "sys")
 
 
 @triton.jit
@@ -227,13 +273,8 @@ def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, ent
                            MAX_EVENTS, USE_ASM)
         i = take(queue)
         split, source, first, per_split = _reduce_item(i, rank, entries, WORLD, ITEM)
-    # The last block to finish tells every source its partial rows are there -- unless
-    # the group failed meanwhile: rows skipped after a failure must not look sent.
-    if arrive(done_counter, "sys") == tl.num_programs(0) - 1:
-        if healthy(err_table, rank, USE_ASM):
-            for s in range(WORLD):
-                flag = pointer_at(flag1_table, s, flag1)
-                release(flag + rank, epoch, "sys")
+    _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank, WORLD,
+                     USE_ASM)
 
 
 @triton.jit
@@ -243,8 +284,10 @@ def layer1_kernel(
     recv_token, recv_rows, recv_weight, entries, flag0, chunk_slots, chunks_total,
     comb_table, comb_ptr, flag1_table, flag1,
     done_counter, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
-    split_ptr, timeout_ptr, pair_src, pair_table, pair_ptr, trace_ptr,
-    ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
+    split_ptr, timeout_ptr, pair_src, pair_table, pair_ptr,
+    row_home, row_weight, out_table, pair_out, trace_ptr,
+    ROLE: tl.constexpr, WAIT: tl.constexpr, SCATTER: tl.constexpr,
+    WORLD: tl.constexpr, TOPK: tl.constexpr,
     COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -255,39 +298,56 @@ def layer1_kernel(
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
-    comm, n_role, role_pid = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
-    if ROLE != ROLE_COMM:
-        events = layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
-                                     tile_expert, tile_row_start, tile_row_end,
-                                     num_tiles_ptr, split_done, trace_ptr, events, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
-                                     DOT_PRECISION, TRANS_B, TRACE, MAX_EVENTS, USE_ASM)
-    # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out of
-    # tiles joins it, so the reduce of the last split runs on the whole GPU.
-    if ROLE != ROLE_COMPUTE:
-        reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                         entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
-                         flag1_table, flag1, split_done, done_counter, num_tiles_ptr, epoch,
-                         err_table, rank, max_tokens, timeout, pair_src, pair_table, pair_ptr,
-                         trace_ptr, events, WAIT, WORLD, TOPK, COMM_ENTRIES, COMM_ITEM,
-                         COMM_BLOCK_C, BLOCK_N, BLOCKS_PER_SPLIT, WEIGHTED, PAIRS, TRACE,
-                         MAX_EVENTS, USE_ASM)
+    if SCATTER:
+        # No comm role: the epilogue sends, every block runs the GEMM.
+        events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), h_desc,
+                                     w2_desc, out1_ptr, F, H, tile_expert, tile_row_start,
+                                     tile_row_end, num_tiles_ptr, split_done, row_home,
+                                     row_weight, out_table, pair_out, max_tokens * TOPK,
+                                     trace_ptr, events, BLOCK_M, BLOCK_N, BLOCK_K,
+                                     BLOCKS_PER_SPLIT, N_SPLITS, DOT_PRECISION, False, True,
+                                     TRACE, MAX_EVENTS, USE_ASM)
+        _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank, WORLD,
+                         USE_ASM)
+    else:
+        comm, n_role, role_pid = assign_role(split_ptr, ROLE)
+        if ROLE != ROLE_COMM:
+            events = layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr,
+                                         F, H, tile_expert, tile_row_start, tile_row_end,
+                                         num_tiles_ptr, split_done, row_home, row_weight,
+                                         out_table, pair_out, 0, trace_ptr, events, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
+                                         DOT_PRECISION, TRANS_B, False, TRACE, MAX_EVENTS,
+                                         USE_ASM)
+        # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out
+        # of tiles joins it, so the reduce of the last split runs on the whole GPU.
+        if ROLE != ROLE_COMPUTE:
+            reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
+                             entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
+                             flag1_table, flag1, split_done, done_counter, num_tiles_ptr,
+                             epoch, err_table, rank, max_tokens, timeout, pair_src,
+                             pair_table, pair_ptr, trace_ptr, events, WAIT, WORLD, TOPK,
+                             COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N,
+                             BLOCKS_PER_SPLIT, WEIGHTED, PAIRS, TRACE, MAX_EVENTS, USE_ASM)
 
 
 @triton.jit
-def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_ptr,
-                   err_table, rank, max_tokens, timeout_ptr,
-                   WAIT: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
-    """``y[t] = sum_{d in 0..W-1, t sent to d} comb[d, t]`` in fp32, fixed rank order.
+def combine_kernel(parts_ptr, flag1, part_live, y_addr, num_tokens_ptr, H, part_stride,
+                   token_stride, epoch_ptr, err_table, rank, timeout_ptr,
+                   WAIT: tl.constexpr, WORLD: tl.constexpr, PARTS: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
+    """``y[t] = sum_{i < PARTS, part_live[t, i]} parts[i * part_stride + t * token_stride]``
+    in fp32, in the fixed order of ``i``: the result does not depend on timing. The parts
+    are the ranks' partial rows (``comb [W, Mx, H]``, after the reduce) or the slots'
+    weighted rows (``pair_out [Mx, k, H]``, after the scatter epilogue).
     Persistent: a fixed grid loops over blocks of ``ROWS`` tokens -- several programs per
     SM on a GPU of its own (a stream needs many loads in flight), few when W virtual ranks
     share one GPU (spinning programs must not fill it). The token count and the output's
     address are read on the device, so one captured launch serves every call."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    y_ptr = pointer_at(y_addr, 0, comb_ptr)
+    y_ptr = pointer_at(y_addr, 0, parts_ptr)
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
     num_tokens = tl.load(num_tokens_ptr)
@@ -304,10 +364,11 @@ def combine_kernel(comb_ptr, flag1, dest_mask, y_addr, num_tokens_ptr, H, epoch_
                 cols = h0 + tl.arange(0, BLOCK_H)
                 cmask = live[:, None] & (cols[None, :] < H)
                 acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-                for d in range(WORLD):
-                    sent = tl.load(dest_mask + rows * WORLD + d, mask=live, other=0) != 0
-                    v = tl.load(comb_ptr + (d * max_tokens + rows[:, None]).to(tl.int64) * H
-                                + cols[None, :], mask=cmask & sent[:, None], other=0.0)
+                for i in range(PARTS):
+                    sent = tl.load(part_live + rows * PARTS + i, mask=live, other=0) != 0
+                    part = (i * part_stride + rows[:, None] * token_stride).to(tl.int64)
+                    v = tl.load(parts_ptr + part * H + cols[None, :],
+                                mask=cmask & sent[:, None], other=0.0)
                     acc += v.to(tl.float32)
                 tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
                          acc.to(y_ptr.dtype.element_ty), mask=cmask)

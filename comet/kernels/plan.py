@@ -12,8 +12,8 @@ call costs microseconds of host time and little GPU time at small token counts:
    offsets this rank needs as a source (where its rows land on each destination, where
    they sit in its send list) and as a destination (its segments, and the tile table
    with wait sets).
-3. :func:`place_kernel` -- one program per block of tokens: the send list (token, row on
-   the destination) and the return entries, at offsets from steps 1 and 2.
+3. :func:`place_kernel` -- one program per block of tokens: the send list (pair, row on
+   the destination, weight) and the return entries, at offsets from steps 1 and 2.
 
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
@@ -267,8 +267,8 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
 
 @triton.jit
 def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
-                 send_token, send_row, ret_token, ret_rows, ret_weight, dest_mask, rows,
-                 max_tokens, input_err, epoch_ptr, num_tokens_ptr,
+                 send_pair, send_row, send_weight, ret_token, ret_rows, ret_weight,
+                 dest_mask, pair_live, rows, max_tokens, input_err, epoch_ptr, num_tokens_ptr,
                  TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                  LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr,
                  HAS_NUM_TOKENS: tl.constexpr):
@@ -278,16 +278,17 @@ def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
     b = tl.program_id(0)
     rows = _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS)
     if b * BLOCK_T < rows:
-        _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_token,
-                     send_row, ret_token, ret_rows, ret_weight, dest_mask, rows, max_tokens,
-                     input_err, epoch_ptr, b, TOPK, TOPK_P2, NUM_EXPERTS, LOCAL_EXPERTS,
-                     WORLD, BLOCK_T)
+        _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_pair,
+                     send_row, send_weight, ret_token, ret_rows, ret_weight, dest_mask,
+                     pair_live, rows, max_tokens, input_err, epoch_ptr, b, TOPK, TOPK_P2,
+                     NUM_EXPERTS, LOCAL_EXPERTS, WORLD, BLOCK_T)
 
 
 @triton.jit
-def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_token,
-                 send_row, ret_token, ret_rows, ret_weight, dest_mask, rows, max_tokens,
-                 input_err, epoch_ptr, b, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_pair,
+                 send_row, send_weight, ret_token, ret_rows, ret_weight, dest_mask,
+                 pair_live, rows, max_tokens, input_err, epoch_ptr, b,
+                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                  NUM_EXPERTS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr,
                  BLOCK_T: tl.constexpr):
     P: tl.constexpr = BLOCK_T * TOPK_P2
@@ -306,15 +307,17 @@ def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_t
     pos = tl.load(row + e_safe, mask=valid, other=0) + rank_in
     dst_row = tl.load(dst_base + dest * LOCAL_EXPERTS + el, mask=valid, other=0) + pos
     idx = tl.load(send_base + dest * LOCAL_EXPERTS + el, mask=valid, other=0) + pos
-    tok = tl.broadcast_to(t[:, None], (BLOCK_T, TOPK_P2))
-    tl.store(send_token + idx, tok, mask=valid)
+    pair = t[:, None] * TOPK + j[None, :]
+    tl.store(send_pair + idx, pair, mask=valid)
     tl.store(send_row + idx, dst_row, mask=valid)
-    w = tl.load(weights_ptr + t[:, None].to(tl.int64) * TOPK + j[None, :],
-                mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(weights_ptr + pair.to(tl.int64), mask=valid, other=0.0).to(tl.float32)
     finite = (w == w) & (tl.abs(w) != float("inf"))
     _report(valid & ~finite, t, input_err, INPUT_BAD_WEIGHT, epoch_ptr, TOPK_P2)
     w = tl.where(finite, w, 0.0)      # the slot then adds nothing, as "no expert" would
+    tl.store(send_weight + idx, w, mask=valid)
     live_t = t < max_tokens
+    tl.store(pair_live + pair, valid.to(tl.int32),
+             mask=live_t[:, None] & (t[:, None] < rows) & (j[None, :] < TOPK))
     for d in range(WORLD):
         on = valid & (dest == d)
         any_d = tl.max(on.to(tl.int32), axis=1)

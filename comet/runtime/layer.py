@@ -8,8 +8,10 @@ A call (no host synchronisation anywhere):
 4. layer0 kernel: comm blocks push rows, compute blocks run the gated GroupGEMM; comm
    blocks done pushing take GEMM tiles from the same work queue;
 5. layer1 kernel: compute blocks run the column-wise GroupGEMM, comm blocks reduce and
-   send each token's rows home; compute blocks out of tiles join the reduce;
-6. combine: each token's partial rows summed in rank order.
+   send each token's rows home; compute blocks out of tiles join the reduce -- or, with
+   ``TileConfig.layer1_scatter``, every block runs the GroupGEMM and its epilogue writes
+   each weighted row straight into its token's home;
+6. combine: each token's partial rows summed in rank order (slot order after a scatter).
 
 ``mode`` exists for the benchmark's decomposition: ``"sequential"`` runs each layer's
 roles one after the other (0 comm blocks); ``"compute_only"`` runs the GEMMs on rows
@@ -445,6 +447,8 @@ class FusedMoE:
         the decode tile or the default one."""
         m = x.shape[0]
         n0, n1 = split
+        if self.tile.layer1_scatter and mode == "fused":
+            n1 = 0      # layer1 has no comm role then: its epilogue sends
         self.last_comm_blocks = (n0, n1)
         self.last_tile = self._decode_tile if decode else self.tile
         y = torch.empty_like(x)
@@ -684,6 +688,7 @@ class FusedMoE:
         # every block" in one launch.
         fused = mode == "fused" and not L.interpreting()
         fused0, fused1 = fused and layer0_comm_blocks, fused
+        scatter = tile.layer1_scatter and mode == "fused"
         x_addr, y_addr = s.addr[0:1], s.addr[1:2]
         split0, split1 = s.split[0:1], s.split[1:2]
         w13, w2 = self.w13, self.w2
@@ -695,15 +700,20 @@ class FusedMoE:
         with timer.phase("layer0", dev):
             if fused0:
                 L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_FUSED, split0, grid,
-                                trace=trace.get("layer0"), cooperative=not self._virtual)
+                                trace=trace.get("layer0"), cooperative=not self._virtual,
+                                row_home=scatter)
             else:
                 if mode != "compute_only":
-                    L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMM, split0, grid)
+                    L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMM, split0, grid,
+                                    row_home=scatter)
                 if mode != "comm_only":
                     L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMPUTE, split0, grid,
                                     wait=mode != "compute_only")
         with timer.phase("layer1", dev):
-            if fused1:
+            if scatter:
+                L.launch_layer1(ws, cfg, w2, tile, L.ROLE_COMPUTE, split1, grid,
+                                trace=trace.get("layer1"), scatter=True)
+            elif fused1:
                 L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split1, grid,
                                 trace=trace.get("layer1"), cooperative=not self._virtual)
             else:
@@ -715,4 +725,5 @@ class FusedMoE:
         with timer.phase("combine", dev):
             if mode != "compute_only":
                 L.launch_combine(ws, cfg, y_addr, s.num_tokens, tile,
-                                 grid if self._virtual else grid * L.COMBINE_PROGRAMS_PER_SM)
+                                 grid if self._virtual else grid * L.COMBINE_PROGRAMS_PER_SM,
+                                 scatter=scatter)

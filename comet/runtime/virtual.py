@@ -44,11 +44,13 @@ class VirtualEP:
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
                 compute_programs: int = 3) -> list[torch.Tensor]:
-        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``).
+        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``); layer1 as the
+        tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce).
 
         Under the interpreter the dispatch runs on one program: its chunks are published
         in order, and a later chunk on program 0 would wait for a program not yet run."""
         cfg, tile, ranks = self.cfg, self.tile, range(self.world)
+        scatter = tile.layer1_scatter
         for ws in self.ws:
             ws.begin_call()
         for r in ranks:
@@ -64,20 +66,22 @@ class VirtualEP:
         dispatchers = 1 if L.interpreting() else comm_programs
         for r in ranks:
             L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMM,
-                            unused, dispatchers)
+                            unused, dispatchers, row_home=scatter)
         for r in ranks:
             L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMPUTE,
                             unused, compute_programs)
         for r in ranks:
             L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMPUTE, unused,
-                            compute_programs)
+                            compute_programs, scatter=scatter)
         for r in ranks:
-            L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMM, unused,
-                            comm_programs)
+            if not scatter:
+                L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMM, unused,
+                                comm_programs)
         ys = [torch.empty_like(x) for x in xs]
         for r in ranks:
             m = torch.full((1,), xs[r].shape[0], dtype=torch.int64, device=self.device)
-            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile, compute_programs)
+            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile, compute_programs,
+                             scatter=scatter)
         for r in ranks:
             raise_if_failed(self.ws[r].fatal_word, r)
         return ys

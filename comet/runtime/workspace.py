@@ -62,7 +62,7 @@ def chunk_slots(cfg: MoEConfig, world: int, tile) -> int:
 
 def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
     """The buffers peers write into (identical layout on every rank); ``tile`` sizes the
-    dispatch chunk flags."""
+    dispatch chunk flags and says whether layer1 scatters its rows home."""
     el = cfg.num_experts // world
     mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
     rows = recv_capacity(world, mx, k)
@@ -80,9 +80,23 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
         BufferSpec("flag1", (world,), torch.int64),                     # combine data done, by rank
         # the backward's per-(token, slot) scalar (routing-weight gradient), by token
         BufferSpec("pair_grad", (mx, k), torch.float32),
+        *_scatter_specs(cfg, rows, tile),
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
+
+
+def _scatter_specs(cfg: MoEConfig, rows: int, tile) -> list[BufferSpec]:
+    """Buffers of layer1's scatter epilogue (``tile.layer1_scatter``), else none: where
+    each received row's layer1 output goes (``row_home``: its source's slot ``s * Mx * k
+    + t * k + j``) and its weight, both pushed with the row; and the weighted output
+    rows by (token, slot), written by the ranks that hold the slots' experts."""
+    if not tile.layer1_scatter:
+        return []
+    mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
+    return [BufferSpec("row_home", (rows,), torch.int32),
+            BufferSpec("row_weight", (rows,), torch.float32),
+            BufferSpec("pair_out", (mx, k, h), cfg.dtype)]
 
 
 def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
@@ -136,12 +150,14 @@ def plan_buffers(cfg: MoEConfig, world: int, device, block_m: int) -> dict[str, 
         "tile_stage": torch.zeros(tiles, **i32),
         "num_tiles": torch.zeros(1, **i32),
         "scratch": torch.zeros(LAYOUT_PROGRAMS * LAYOUT_SCRATCH.value * world * el, **i32),
-        "send_token": torch.zeros(mx * k, **i32),
+        "send_pair": torch.zeros(mx * k, **i32),
         "send_row": torch.zeros(mx * k, **i32),
+        "send_weight": torch.zeros(mx * k, dtype=torch.float32, device=device),
         "ret_token": torch.zeros(world, mx, **i32),
         "ret_rows": torch.zeros(world, mx, k, **i32),
         "ret_weight": torch.zeros(world, mx, k, dtype=torch.float32, device=device),
         "dest_mask": torch.zeros(mx, world, **i32),
+        "pair_live": torch.zeros(mx, k, **i32),
     }
 
 

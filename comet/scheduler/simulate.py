@@ -190,7 +190,7 @@ class _Call:
                  cfg: SimConfig):
         r, world = rk.r, rk.world
         layout = build_recv_layout(counts_all)
-        self.r, self.n, self.world = r, n, world
+        self.r, self.n, self.world, self.top_k = r, n, world, ids.shape[1]
         self.x, self.w13, self.w2 = x.float(), w13.float(), w2.float()
         self.send = build_send_plan(ids, wts, counts_all, layout, r, max_tokens)
         self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m, cfg.local_head_tiles)
@@ -367,7 +367,7 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
                 if bool((dst.a0_tag.epoch[rows] == n).any()):
                     raise ScheduleError(f"rank {rk.r} call {n} overwrote rows of rank {d} "
                                         f"written in the same call")
-                dst.a0[rows] = call.x[s.send_token[i].long()]
+                dst.a0[rows] = call.x[s.send_pair[i].long() // call.top_k]
                 dst.a0_tag.write(rows, n, rk.r)
             else:
                 q = torch.arange((c - row_chunks) * cfg.comm_entries,

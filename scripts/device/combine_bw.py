@@ -58,9 +58,10 @@ def run(tokens, hidden, world, sms):
         grid = min(sms * per_sm, -(-tokens // rows))
 
         def call():
-            l1.combine_kernel[(grid,)](comb, zero, mask, y_addr, n, hidden, zero64, zero, 0,
-                                       tokens, zero64, WAIT=False, WORLD=world, ROWS=rows,
-                                       BLOCK_H=block_h, USE_ASM=True, num_warps=warps)
+            l1.combine_kernel[(grid,)](comb, zero, mask, y_addr, n, hidden, tokens, 1,
+                                       zero64, zero, 0, zero64, WAIT=False, WORLD=world,
+                                       PARTS=world, ROWS=rows, BLOCK_H=block_h,
+                                       USE_ASM=True, num_warps=warps)
         call()
         err = (y.float() - ref.float()).abs().max().item()
         us = timed_us(call)
