@@ -34,14 +34,21 @@ def _rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
 
 
-def _fused(name, dtype, max_tokens=384):
+def _reduce_tile():
+    """The default tiles with layer1 as GEMM, then the reduce role (not the scatter)."""
+    import dataclasses
+    from comet.kernels.launch import TileConfig
+    return dataclasses.replace(TileConfig(), layer1_scatter=False)
+
+
+def _fused(name, dtype, max_tokens=384, tile=None):
     from comet.runtime.layer import FusedMoE
     e, k, h, f = SCALED[name]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f, dtype=dtype,
                     max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = _weights(e, h, f, dtype, g)
-    return FusedMoE(cfg, w13, w2, check_errors="sync"), g
+    return FusedMoE(cfg, w13, w2, tile=tile, check_errors="sync"), g
 
 
 def _inputs(layer, kind, g, tokens=None):
@@ -72,15 +79,14 @@ def test_w1_fused_matches_reference_over_block_splits(name, dtype):
 def test_w1_scatter_epilogue_over_token_counts():
     """One rank scattering to itself, the fused kernels and graph replays: the combine
     must sum only this call's live slots (pair_out keeps older calls' rows)."""
-    import dataclasses
-    from comet.kernels.launch import TileConfig
     from comet.runtime.layer import FusedMoE
     e, k, h, f = SCALED["deepseek-v3-like"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.bfloat16, max_tokens=384)
     g = torch.Generator(device="cuda").manual_seed(5)
     w13, w2 = _weights(e, h, f, cfg.dtype, g)
-    layer = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(), layer1_scatter=True))
+    layer = FusedMoE(cfg, w13, w2)
+    assert layer.tile.layer1_scatter
     for kind, tokens, drop in (("random", 384, False), ("random", 200, True),
                                ("random", 7, False), ("one_expert", 300, False),
                                ("skewed", 384, True)):
@@ -109,7 +115,6 @@ def test_w1_routings(kind):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))
 def test_virtual_ranks_bf16(world, name, scatter):
-    import dataclasses
     from comet.kernels.launch import TileConfig
     from comet.runtime.virtual import VirtualEP
     e, k, h, f = SCALED[name]
@@ -118,7 +123,7 @@ def test_virtual_ranks_bf16(world, name, scatter):
     g = torch.Generator(device="cuda").manual_seed(world)
     shards = [_weights(e // world, h, f, torch.bfloat16, g) for _ in range(world)]
     ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards],
-                   dataclasses.replace(TileConfig(), layer1_scatter=scatter))
+                   TileConfig() if scatter else _reduce_tile())
     for kind in KINDS:
         cg = torch.Generator().manual_seed(len(kind))
         ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 256, cg), e, k, cg)]
@@ -447,7 +452,7 @@ def test_missing_peer_times_out_quickly(monkeypatch):
 
 
 def test_timeline_records_both_roles():
-    layer, g = _fused("mixtral", torch.bfloat16)
+    layer, g = _fused("mixtral", torch.bfloat16, tile=_reduce_tile())
     x, ids, w = _inputs(layer, "random", g, tokens=256)
     layer(x, ids, w)
     records = layer.timeline(x, ids, w, comm_blocks=4)
@@ -465,18 +470,23 @@ def test_timeline_records_both_roles():
         kinds = [r["role"] for r in records if r["layer"] == "layer1" and r["block"] == block]
         assert kinds == sorted(kinds, key=lambda k: k == "comm"), f"block {block}: {kinds}"
     assert {r["role"] for r in records if r["layer"] == "layer1"} == {"comm", "compute"}
+    # The default layer1 scatters from its epilogue: no comm role at all.
+    layer, g = _fused("mixtral", torch.bfloat16)
+    records = layer.timeline(x, ids, w, comm_blocks=4)
+    assert {r["role"] for r in records if r["layer"] == "layer1"} == {"compute"}
 
 
 def test_blocks_change_role_at_full_size():
-    """Full Mixtral layer, 2048 tokens: the 16 comm blocks finish pushing long before the
-    GEMM ends and take tiles from the queue; GEMM blocks out of tiles take reduce items;
+    """Full Mixtral layer, 2048 tokens, layer1 with the reduce role: the 16 comm blocks
+    finish pushing long before the GEMM ends and take tiles from the queue; GEMM blocks
+    out of tiles take reduce items;
     layer1's comm blocks run split 0's tiles with everyone, none of the later splits'."""
     from comet.config import PRESETS
     from comet.runtime.layer import FusedMoE
     cfg = PRESETS["mixtral"].replace(max_tokens=2048)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
-    layer = FusedMoE(cfg, w13, w2, check_errors="sync")
+    layer = FusedMoE(cfg, w13, w2, tile=_reduce_tile(), check_errors="sync")
     x, ids, w = _inputs(layer, "random", g, tokens=2048)
     records = layer.timeline(x, ids, w, comm_blocks=(16, 16))
     comm = set(range(16))

@@ -73,20 +73,21 @@ def test_routings_fp32_world4(kind):
     _close(ys, expect, torch.float32)
 
 
-SCATTER = dataclasses.replace(L.TileConfig.small(), layer1_scatter=True)
+#: layer1 as GEMM, then the reduce role (the default tile scatters from the epilogue;
+#: the reduce serves the sequential mode and the backward, and was the fused default).
+REDUCE = dataclasses.replace(L.TileConfig.small(), layer1_scatter=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))
-def test_layer1_scatter_epilogue(world, name):
-    """Each row's weighted output goes straight home; the combine sums its slots."""
-    ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=SCATTER)
+def test_configs_fp16_layer1_reduce(world, name):
+    ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=REDUCE)
     _close(ys, expect, torch.float16)
-    assert all("pair_out" in ws.buffers for ws in ep.ws)
+    assert not any("pair_out" in ws.buffers for ws in ep.ws)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_layer1_scatter_routings_fp32(kind):
+def test_scatter_sums_only_real_pairs(kind):
     """Dropped slots (-1), tokens with no expert, everything on one rank: a slot that
     is not a real pair adds nothing, though its pair_out row holds an older call's."""
     e, k, h, f = SCALED["mixtral"]
@@ -95,11 +96,13 @@ def test_layer1_scatter_routings_fp32(kind):
     g = torch.Generator().manual_seed(len(kind))
     w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(4)]
     w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(4)]
-    ep = VirtualEP(cfg, w13, w2, SCATTER)
+    ep = VirtualEP(cfg, w13, w2)
+    assert ep.tile.layer1_scatter
     for ws in ep.ws:                    # stale rows a masked slot must not pick up
         ws.pair_out.fill_(1e3)
     for call in range(2):
         ids = make_ids(kind, make_tokens(kind, 4, 12, g), e, k, g)
+        ids[0][::2, 0] = -1
         xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
         wts = [torch.rand(i.shape, generator=g) for i in ids]
         ys = ep.forward(xs, ids, wts)
@@ -109,7 +112,7 @@ def test_layer1_scatter_routings_fp32(kind):
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])
 def test_comm_program_counts(comm_programs):
     ys, expect, _ = _run(2, "qwen2-moe", "skewed", torch.float16, seed=comm_programs,
-                         comm_programs=comm_programs, compute_programs=2)
+                         comm_programs=comm_programs, compute_programs=2, tile=REDUCE)
     _close(ys, expect, torch.float16)
 
 

@@ -281,6 +281,8 @@ class _Layer:
     """What sweep_bucket asks of a layer, without a decode tile."""
 
     class tile:
+        layer1_scatter = False
+
         @staticmethod
         def decode_tile():
             return None
@@ -326,6 +328,8 @@ def test_the_bucket_keeps_the_faster_layer1_tile(monkeypatch, rule, decode_faste
 
     class Layer(_Layer):
         class tile:
+            layer1_scatter = False
+
             @staticmethod
             def decode_tile():
                 return "a decode tile"
@@ -339,6 +343,38 @@ def test_the_bucket_keeps_the_faster_layer1_tile(monkeypatch, rule, decode_faste
     # The other tile was climbed for layer1 only, from the best split.
     assert sorted(timers[not rule]) == [2, 4, 8]
     assert sorted(map(int, entry["sweep_us_other_tile"])) == [2, 4, 8]
+
+
+def test_a_scattering_layer1_has_no_split_to_search(monkeypatch):
+    """With the scatter epilogue layer1's split is ignored: only layer0 climbs, the
+    entry's layer1 is 0, and the other layer1 tile is timed once, at layer0's best."""
+    timers = {}
+
+    def bucket_timer(layer, cfg, tokens, args, device, rank, decode_tile=None):
+        base, _ = _valley(16, 4)
+        timers[decode_tile] = []
+
+        def evaluate(n):
+            timers[decode_tile].append(n)
+            return base(n)[0], 50.0 if decode_tile else 60.0
+        return evaluate
+    monkeypatch.setattr(tune, "bucket_timer", bucket_timer)
+
+    class Layer(_Layer):
+        class tile:
+            layer1_scatter = True
+
+            @staticmethod
+            def decode_tile():
+                return "a decode tile"
+
+        def decode_by_rule(self, tokens):
+            return False
+    args = tune.build_parser().parse_args(["--config", "mixtral"])
+    entry = tune.sweep_bucket(Layer(), None, 128, list(tune.DEFAULT_CANDIDATES), args, None, 0)
+    assert (entry["layer0"], entry["layer1"], entry["decode_tile"]) == (16, 0, True)
+    assert entry["layer1_us"] == 50.0 and timers[True] == [16]
+    assert sorted(set(timers[False])) == sorted(map(int, entry["sweep_us"]))
 
 
 def test_tune_says_how_to_load_a_table_from_an_unsearched_folder(tmp_path, monkeypatch):

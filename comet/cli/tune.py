@@ -197,25 +197,33 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
     items, and a narrower tile can lose where items were already plenty."""
     first, *others = tiles_to_time(layer, tokens)
     timer = bucket_timer(layer, cfg, tokens, args, device, rank, first)
+    # With the scatter epilogue layer1 has no comm role (its split is ignored): only
+    # layer0's split and layer1's tile are searched, and layer1's entry is 0.
+    scatter = layer.tile.layer1_scatter
     if args.search == "exhaustive":
         times = {n: timer(n) for n in candidates}
     else:
         a0, a1 = layer.analytic_comm_blocks(tokens)
-        times = search.climb(timer, candidates, [(a0, 0), (a1, 0)])
+        times = search.climb(timer, candidates, [(a0, 0), () if scatter else (a1, 0)])
     best0, best1 = search.best_splits(times)
-    entry = {"layer0": best0, "layer1": best1, "layer0_us": times[best0][0],
+    if scatter:
+        best1 = best0       # any call timed layer1; the one of layer0's best is kept
+    entry = {"layer0": best0, "layer1": 0 if scatter else best1, "layer0_us": times[best0][0],
              "layer1_us": times[best1][1], "search": args.search, "sweep_us": _sweep(times)}
     if not others:
         return entry
     entry["decode_tile"] = first
     other = bucket_timer(layer, cfg, tokens, args, device, rank, others[0])
-    if args.search == "exhaustive":
+    if scatter:
+        alt = {best1: other(best1)}
+    elif args.search == "exhaustive":
         alt = {n: other(n) for n in candidates}
     else:
         alt = search.climb(other, candidates, [(), (best1,)])
     alt1 = search.best_splits(alt)[1]
     if alt[alt1][1] < entry["layer1_us"]:
-        entry.update(layer1=alt1, layer1_us=alt[alt1][1], decode_tile=others[0])
+        entry.update(layer1=0 if scatter else alt1, layer1_us=alt[alt1][1],
+                     decode_tile=others[0])
     entry["sweep_us_other_tile"] = _sweep(alt)
     return entry
 

@@ -11,4 +11,4 @@
 #: 7: layer1's comm blocks run the first column split's GEMM before they reduce; 8: the
 #: last round of layer0's work queue goes one item per take; 9: the tile table runs
 #: expert-major after a local head, and the dispatch feeds every destination abreast.
-KERNEL_REVISION = 9
+KERNEL_REVISION = 10

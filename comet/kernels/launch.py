@@ -116,7 +116,7 @@ class TileConfig:
     combine_block_h: int = 4096
     combine_warps: int = 8
     decode_block_n1: int = 128
-    layer1_scatter: bool = False
+    layer1_scatter: bool = True
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -432,9 +432,6 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         bk = tile.k_step(k)
         b = descriptor(w2.view(el * h, k), [tile.block_n1, bk])
     pairs = pair_src is not None
-    # The scatter epilogue needs no column splits (nothing waits for one): one split
-    # reads layer1's A rows once.
-    per_split = -(-h // tile.block_n1) if scatter else tile.blocks_per_split(h)
     out_table, pair_out = ((ws.peer_ptrs["pair_out"], ws.pair_out) if scatter
                            else (ws.peer_ptrs["comb"], ws.comb))
     l1.layer1_kernel[(grid,)](
@@ -452,7 +449,7 @@ def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileCon
         COMM_ENTRIES=tile.comm_entries, COMM_ITEM=tile.reduce_item,
         COMM_BLOCK_C=tile.comm_block_c,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n1, BLOCK_K=bk,
-        BLOCKS_PER_SPLIT=per_split, N_SPLITS=1 if scatter else tile.n_splits(h),
+        BLOCKS_PER_SPLIT=tile.blocks_per_split(h), N_SPLITS=tile.n_splits(h),
         DOT_PRECISION=_dot_precision(cfg.dtype), TRANS_B=backward,
         WEIGHTED=not backward, PAIRS=pairs,
         USE_ASM=_asm(), **trace_kw, num_warps=tile.num_warps, num_stages=tile.num_stages,

@@ -597,7 +597,8 @@ class FusedMoE:
         start_ns, end_ns}``, times relative to the earliest stamp. Collective, like any
         call (two calls, in fact: the first compiles). layer0 runs fused with at least
         one comm block (with none it is two untraced launches); layer1 keeps the chosen
-        split, 0 included (every block runs the GEMM, then the reduce)."""
+        split, 0 included (every block runs the GEMM, then the reduce) -- or, with the
+        scatter epilogue, has no comm role (every block runs the GEMM, which sends)."""
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
         n0 = max(n0, 1)
         shape = (self.programs, L.MAX_TRACE_EVENTS, 4)
