@@ -4,7 +4,8 @@ It holds the router, this rank's share of the routed experts and the optional sh
 expert, and runs the layer one of three ways:
 
 * fused (CUDA, Triton): :class:`comet.runtime.layer.FusedMoE` -- dispatch and layer0
-  GroupGEMM in one persistent kernel, layer1 GroupGEMM with reduce and combine in another;
+  GroupGEMM in one persistent kernel, layer1 GroupGEMM sending its rows home in another,
+  then the combine;
 * unfused over a process group on the CPU: :mod:`comet.baseline` (all_to_all + torch);
 * single process on the CPU: :mod:`comet.reference`, the spec itself.
 

@@ -326,12 +326,14 @@ class FusedMoE:
         return self._selected[key]
 
     def analytic_comm_blocks(self, num_tokens: int) -> tuple[int, int]:
-        """(layer0, layer1) comm blocks of the analytic model for ``num_tokens``."""
+        """(layer0, layer1) comm blocks of the analytic model for ``num_tokens`` (layer1:
+        0 with the scatter epilogue, which has no comm role)."""
         c = self.cfg
         w0, w1 = layer_work(num_tokens, self.par.world_size, c.top_k, c.hidden_size,
                             c.intermediate_size, c.dtype.itemsize,
                             self.tile.n_splits(c.hidden_size))
-        return analytic_split(w0, self.programs), analytic_split(w1, self.programs)
+        n1 = 0 if self.tile.layer1_scatter else analytic_split(w1, self.programs)
+        return analytic_split(w0, self.programs), n1
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, mode):
