@@ -291,6 +291,21 @@ class _Layer:
         return 12, 4
 
 
+def _decode_layer(rule: bool, scatter: bool = False):
+    """A layer with a decode tile, which its rule picks when ``rule``."""
+    class Layer(_Layer):
+        class tile:
+            layer1_scatter = scatter
+
+            @staticmethod
+            def decode_tile():
+                return "a decode tile"
+
+        def decode_by_rule(self, tokens):
+            return rule
+    return Layer()
+
+
 def test_local_search_bucket_entry_records_what_it_timed(monkeypatch):
     evaluate, calls = _valley(16, 0)
     monkeypatch.setattr(tune, "bucket_timer", lambda *a: evaluate)
@@ -326,18 +341,9 @@ def test_the_bucket_keeps_the_faster_layer1_tile(monkeypatch, rule, decode_faste
         return evaluate
     monkeypatch.setattr(tune, "bucket_timer", bucket_timer)
 
-    class Layer(_Layer):
-        class tile:
-            layer1_scatter = False
-
-            @staticmethod
-            def decode_tile():
-                return "a decode tile"
-
-        def decode_by_rule(self, tokens):
-            return rule
     args = tune.build_parser().parse_args(["--config", "mixtral"])
-    entry = tune.sweep_bucket(Layer(), None, 128, list(tune.DEFAULT_CANDIDATES), args, None, 0)
+    entry = tune.sweep_bucket(_decode_layer(rule), None, 128, list(tune.DEFAULT_CANDIDATES),
+                              args, None, 0)
     assert entry["decode_tile"] is decode_faster and entry["layer1"] == 4
     assert entry["layer1_us"] == pytest.approx(50.0 * 0.8)
     # The other tile was climbed for layer1 only, from the best split.
@@ -360,18 +366,9 @@ def test_a_scattering_layer1_has_no_split_to_search(monkeypatch):
         return evaluate
     monkeypatch.setattr(tune, "bucket_timer", bucket_timer)
 
-    class Layer(_Layer):
-        class tile:
-            layer1_scatter = True
-
-            @staticmethod
-            def decode_tile():
-                return "a decode tile"
-
-        def decode_by_rule(self, tokens):
-            return False
     args = tune.build_parser().parse_args(["--config", "mixtral"])
-    entry = tune.sweep_bucket(Layer(), None, 128, list(tune.DEFAULT_CANDIDATES), args, None, 0)
+    entry = tune.sweep_bucket(_decode_layer(False, scatter=True), None, 128,
+                              list(tune.DEFAULT_CANDIDATES), args, None, 0)
     assert (entry["layer0"], entry["layer1"], entry["decode_tile"]) == (16, 0, True)
     assert entry["layer1_us"] == 50.0 and timers[True] == [16]
     assert sorted(set(timers[False])) == sorted(map(int, entry["sweep_us"]))
