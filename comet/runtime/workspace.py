@@ -244,6 +244,16 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile):
             plan_buffers(cfg, world, device, tile.block_m), n_splits)
 
 
+def workspace_bytes(cfg: MoEConfig, world: int, tile) -> int:
+    """Device memory one rank's workspace takes: the symmetric allocation (peers write
+    into it) and the local scratch and plan tables. Sized by ``cfg.max_tokens`` for the
+    worst routing (every token of every rank on this rank's experts): a model should
+    build its layers with the largest call it makes, not more."""
+    _, symmetric = _layout(symmetric_specs(cfg, world, tile))
+    *tensors, plan, _ = _local_scratch(cfg, world, "meta", tile)
+    return symmetric + sum(t.nbytes for t in (*tensors, *plan.values()))
+
+
 def allocate_virtual(cfg: MoEConfig, world: int, device, tile) -> list[Workspace]:
     """W workspaces in one process whose peer tables point at each other: for tests of the
     kernels' cross-rank logic on one device (or the CPU under the Triton interpreter).
