@@ -24,13 +24,14 @@ def _case(world, kind, seed, el=2, top_k=2, hidden=16, ffn=16, max_tokens=9):
     return xs, ids, wts, w13, w2, max_tokens
 
 
+@pytest.mark.parametrize("scatter", [True, False], ids=["scatter", "reduce"])
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", KINDS)
-def test_simulate_matches_reference(world, kind):
+def test_simulate_matches_reference(world, kind, scatter):
     xs, ids, wts, w13, w2, mx = _case(world, kind, seed=world * 31 + len(kind))
     expect = reference.ep_forward(xs, ids, wts, w13, w2)
     for seed in range(2):
-        got = simulate(xs, ids, wts, w13, w2, mx, SimConfig(seed=seed))
+        got = simulate(xs, ids, wts, w13, w2, mx, SimConfig(seed=seed, layer1_scatter=scatter))
         for g, e in zip(got, expect):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
@@ -106,11 +107,13 @@ def _assert_calls_match(result, calls, modes, w13, w2):
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scatter", [True, False], ids=["scatter", "reduce"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("seed", range(3))
-def test_drift_consecutive_fused_calls_match_reference(world, seed):
+def test_drift_consecutive_fused_calls_match_reference(world, seed, scatter):
     calls, w13, w2, mx = _drift_case(world, seed, n_calls=len(KINDS))
-    cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, seed % world))
+    cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, seed % world),
+                    layer1_scatter=scatter)
     result = simulate_calls(calls, w13, w2, mx, cfg)
     _assert_calls_match(result, calls, ["fused"] * len(calls), w13, w2)
     # Call N + 1 of the fast rank overlapped call N of a slow one -- and the fast rank
@@ -174,3 +177,17 @@ def test_drift_dispatch_flags_without_epochs_fail(monkeypatch):
         for seed in range(10):
             cfg = SimConfig(seed=seed, speeds=_one_fast_rank(4, 0))
             simulate_calls(calls, w13, w2, mx, cfg)
+
+
+def test_scatter_published_by_the_first_program_to_finish_fails(monkeypatch):
+    # flag1 must wait for every layer1 program's rows: set by the first program done,
+    # the home's combine sums slots another program has not written yet (or wrote in
+    # the previous call).
+    from comet.scheduler import simulate as sim
+    real = sim._finish_layer1
+    monkeypatch.setattr(sim, "_finish_layer1", lambda rk, call, ranks, programs, cfg:
+                        real(rk, call, ranks, call.reduce_finished + 1, cfg))
+    calls, w13, w2, mx = _drift_case(4, 12, n_calls=3)
+    with pytest.raises(ScheduleError, match="combine, rows of its tokens' slots"):
+        for seed in range(10):
+            simulate_calls(calls, w13, w2, mx, SimConfig(seed=seed))

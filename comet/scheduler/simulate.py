@@ -16,7 +16,11 @@ a random (seeded) order, running one work item at a time:
 * a layer1 compute program counts its tile for its column split; a reduce item may run
   only when its split's count is complete, and asserts that every element it reads was
   computed; the combine waits for every rank's flag and asserts every partial row it
-  sums was delivered;
+  sums was delivered -- or, with the scatter epilogue (``SimConfig.layer1_scatter``, the
+  kernels' default), every program of layer1 computes tiles and writes each row,
+  weighted, into its token's home ``pair_out`` (found through the ``row_home`` the
+  dispatch delivered with the row, which it asserts is this call's), and the combine
+  asserts every slot it sums was written by this call;
 * layer0 tiles (in lanes of a few, each lane's rows waited for before its first tile) and
   reduce items come from per-call work queues, layer1 tiles from a static stride, as in
   the kernels: a comm program done dispatching takes layer0 lanes, a layer1 compute
@@ -80,6 +84,8 @@ class SimConfig:
     epoch_flags: flags carry the epoch of the call that set them; False models flags that
         hold only a chunk count or "done", so a value left by an earlier call satisfies a
         later call's wait.
+    layer1_scatter: fused calls run layer1 with the scatter epilogue (no reduce role;
+        kernels.launch.TileConfig.layer1_scatter).
     """
 
     block_m: int = 4
@@ -100,6 +106,7 @@ class SimConfig:
     speeds: tuple[float, ...] | None = None
     count_buffers: int = 2
     epoch_flags: bool = True
+    layer1_scatter: bool = True
 
 
 @dataclass
@@ -180,6 +187,13 @@ class _Rank:
         self.h_tag = _Tags("h", r, (rows, _cdiv(f_dim, cfg.block_n0)))
         self.out1 = torch.zeros(rows, h_dim)
         self.out1_tag = _Tags("out1", r, (rows, _cdiv(h_dim, cfg.block_n1)))
+        # The scatter epilogue's: where each received row goes (pushed with the row) and
+        # the weighted rows of this rank's tokens, by (token, slot, column block).
+        self.row_home = torch.zeros(rows, dtype=torch.int64)
+        self.row_w = torch.zeros(rows)
+        self.home_tag = _Tags("row_home", r, (rows,))
+        self.pair_out = torch.zeros(max_tokens, top_k, h_dim)
+        self.pair_tag = _Tags("pair_out", r, (max_tokens, top_k, _cdiv(h_dim, cfg.block_n1)))
 
 
 class _Call:
@@ -191,6 +205,7 @@ class _Call:
         r, world = rk.r, rk.world
         layout = build_recv_layout(counts_all)
         self.r, self.n, self.world, self.top_k = r, n, world, ids.shape[1]
+        self.slots = max_tokens * self.top_k      # one rank's pair_out rows
         self.x, self.w13, self.w2 = x.float(), w13.float(), w2.float()
         self.send = build_send_plan(ids, wts, counts_all, layout, r, max_tokens)
         self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m, cfg.local_head_tiles)
@@ -306,12 +321,17 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
         yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, cfg),
                                  _layer0_program(rk, call, fused, programs, cfg)) for _ in comm]
                          + [_layer0_program(rk, call, fused, programs, cfg) for _ in compute])
-        yield "layer1", ([_chain(_layer1_program(rk, call, i, len(compute), cfg),
-                                 _reduce_program(rk, call, ranks, programs, cfg) if fused
-                                 else iter(())) for i in compute]
-                         + [_reduce_program(rk, call, ranks, programs, cfg) for _ in comm])
+        scatter = fused and cfg.layer1_scatter
+        if scatter:
+            yield "layer1", [_scatter_program(rk, call, ranks, i, programs, cfg)
+                             for i in range(programs)]
+        else:
+            yield "layer1", ([_chain(_layer1_program(rk, call, i, len(compute), cfg),
+                                     _reduce_program(rk, call, ranks, programs, cfg) if fused
+                                     else iter(())) for i in compute]
+                             + [_reduce_program(rk, call, ranks, programs, cfg) for _ in comm])
         if fused:
-            yield "combine", [_combine_program(rk, call, ranks, outputs[n - 1], cfg)]
+            yield "combine", [_combine_program(rk, call, ranks, outputs[n - 1], cfg, scatter)]
         rk.in_call = False
 
 
@@ -367,8 +387,13 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
                 if bool((dst.a0_tag.epoch[rows] == n).any()):
                     raise ScheduleError(f"rank {rk.r} call {n} overwrote rows of rank {d} "
                                         f"written in the same call")
-                dst.a0[rows] = call.x[s.send_pair[i].long() // call.top_k]
+                pair = s.send_pair[i].long()
+                dst.a0[rows] = call.x[pair // call.top_k]
                 dst.a0_tag.write(rows, n, rk.r)
+                if cfg.layer1_scatter:
+                    dst.row_home[rows] = rk.r * call.slots + pair
+                    dst.row_w[rows] = s.send_weight[i]
+                    dst.home_tag.write(rows, n, rk.r)
             else:
                 q = torch.arange((c - row_chunks) * cfg.comm_entries,
                                  min((c - row_chunks + 1) * cfg.comm_entries, n_ent))
@@ -464,6 +489,42 @@ def _layer1_program(rk: _Rank, call: _Call, role_pid: int, n_role: int, cfg: Sim
         call.split_count[split] += done
 
 
+def _scatter_program(rk: _Rank, call: _Call, ranks, pid: int, programs: int,
+                     cfg: SimConfig):
+    """layer1 with the scatter epilogue (kernels.layer1.scatter_home): work items ``pid +
+    i * programs`` in column_work order, each tile's rows times their weights into their
+    homes' ``pair_out``; the last of the ``programs`` to finish publishes flag1."""
+    n = call.n
+    h_dim = call.w2.shape[2]
+    n_blocks = _cdiv(h_dim, cfg.block_n1)
+    t = call.tiles
+    for w in range(pid, call.num_tiles * n_blocks, programs):
+        tile, nb, _ = column_work(w, call.num_tiles, n_blocks, cfg.blocks_per_split)
+        r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
+        rk.h_tag.check((slice(r0, r1), slice(None)), n,
+                       f"rank {rk.r} call {n} layer1 tile {tile} read unfinished h rows")
+        rk.home_tag.check(slice(r0, r1), n,
+                          f"rank {rk.r} call {n} layer1 tile {tile}: row homes of another call")
+        c0, c1 = nb * cfg.block_n1, min((nb + 1) * cfg.block_n1, h_dim)
+        out = rk.h[r0:r1] @ call.w2[e][:, c0:c1]
+        for row, value in zip(range(r0, r1), out):
+            s, slot = divmod(int(rk.row_home[row]), call.slots)
+            tok, j = divmod(slot, call.top_k)
+            ranks[s].pair_out[tok, j, c0:c1] = value * rk.row_w[row]
+            ranks[s].pair_tag.write((tok, j, nb), n, rk.r)
+        yield None
+    _finish_layer1(rk, call, ranks, programs, cfg)
+
+
+def _finish_layer1(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig) -> None:
+    """A layer1 program is done: the last of the layer's ``programs`` publishes flag1 on
+    every rank (kernels.layer1._release_sources)."""
+    call.reduce_finished += 1
+    if call.reduce_finished == programs:
+        for s in range(call.world):
+            ranks[s].flag1[rk.r] = _done(cfg, call.n)
+
+
 def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig):
     """layer1 reduce (kernels.layer1.reduce_send_role): items from the call's reduce
     queue, split by split, inside a split source by source in ring order; the last of the
@@ -500,17 +561,23 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig
             ranks[s].comb[rk.r, tok, c0:c1] = acc
             ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
         yield None
-    call.reduce_finished += 1
-    if call.reduce_finished == programs:
-        for s in range(world):
-            ranks[s].flag1[rk.r] = _done(cfg, n)
+    _finish_layer1(rk, call, ranks, programs, cfg)
 
 
-def _combine_program(rk: _Rank, call: _Call, ranks, outputs, cfg: SimConfig):
-    """kernels.layer1.combine_kernel: sum partial rows in rank order."""
+def _combine_program(rk: _Rank, call: _Call, ranks, outputs, cfg: SimConfig,
+                     scatter: bool = False):
+    """kernels.layer1.combine_kernel: sum partial rows in rank order (``scatter``: the
+    weighted rows of the token's real pairs, in slot order)."""
     world, n = call.world, call.n
     yield lambda: all(f >= _done(cfg, n) for f in rk.flag1)
     m = call.x.shape[0]
+    if scatter:
+        live = call.send.pair_live[:m].bool()
+        tokens, slots = live.nonzero(as_tuple=True)
+        rk.pair_tag.check((tokens, slots), n,
+                          f"rank {rk.r} call {n} combine, rows of its tokens' slots")
+        outputs[rk.r] = (rk.pair_out[:m] * live[:, :, None]).sum(dim=1)
+        return
     mask = call.send.dest_mask[:m].bool()
     y = torch.zeros(m, call.x.shape[1])
     for d in range(world):
