@@ -7,7 +7,7 @@ along N. The GroupGEMM therefore runs column-wise: column split ``s`` (``BLOCKS_
 column blocks) of every expert's tiles before split ``s + 1``, and the compute blocks count
 finished tiles per split.
 
-Roles:
+Roles (without ``SCATTER``):
 
 * compute (:func:`layer1_compute_role`) -- the GroupGEMM, each block striding over the
   work items, counting tiles per split; a compute block out of tiles joins the reduce.
@@ -27,13 +27,21 @@ The comm blocks reduce the early splits while the GEMM of the later ones runs; t
 of the last split runs on every block. With no comm block the kernel is "GEMM, then
 reduce on the whole GPU" in one launch.
 
+``SCATTER`` (the forward's default, ``TileConfig.layer1_scatter``) moves the top-k sum
+past the communication: ``out1`` is never stored; every block runs the GroupGEMM and its
+epilogue (:func:`scatter_home`) writes each row, weighted, into ``pair_out[t, j]`` on
+the token's rank, which makes the shared tensor independent along M as well
+(docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the last
+block to finish releases ``flag1`` as above.
+
 The backward (comet.runtime.backward) runs the same kernel on ``d(gate, up) @ W13^T``
 (``TRANS_B``): the reduce then sums a token's rows unweighted (the routing weights are
 already in ``d(gate, up)``) and, with ``PAIRS``, also returns each (token, slot)'s
 routing-weight gradient, one fp32 per row, into the source's ``pair_grad``.
 
 :func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
-that token was sent to, always in rank order 0..W-1: the result does not depend on timing.
+that token was sent to, always in rank order 0..W-1 (after a scatter: the token's real
+slots in slot order): the result does not depend on timing.
 """
 
 import triton
