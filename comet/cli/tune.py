@@ -206,16 +206,16 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
         a0, a1 = layer.analytic_comm_blocks(tokens)
         times = search.climb(timer, candidates, [(a0, 0), () if scatter else (a1, 0)])
     best0, best1 = search.best_splits(times)
-    if scatter:
-        best1 = best0       # any call timed layer1; the one of layer0's best is kept
+    # Scattering, every call timed layer1 alike: the one of layer0's best is kept.
+    timed1 = best0 if scatter else best1
     entry = {"layer0": best0, "layer1": 0 if scatter else best1, "layer0_us": times[best0][0],
-             "layer1_us": times[best1][1], "search": args.search, "sweep_us": _sweep(times)}
+             "layer1_us": times[timed1][1], "search": args.search, "sweep_us": _sweep(times)}
     if not others:
         return entry
     entry["decode_tile"] = first
     other = bucket_timer(layer, cfg, tokens, args, device, rank, others[0])
     if scatter:
-        alt = {best1: other(best1)}
+        alt = {timed1: other(timed1)}
     elif args.search == "exhaustive":
         alt = {n: other(n) for n in candidates}
     else:

@@ -437,6 +437,11 @@ class FusedMoE:
         self._after_launch()
         return y
 
+    def _scatters(self, mode: str) -> bool:
+        """Whether a call in ``mode`` runs layer1 with the scatter epilogue (fused calls
+        only: the other modes keep the reduce, the decomposition of a call)."""
+        return self.tile.layer1_scatter and mode == "fused"
+
     def _refresh_timeout(self) -> None:
         timeout = timeout_ns()
         if timeout != self._timeout:
@@ -449,7 +454,7 @@ class FusedMoE:
         the decode tile or the default one."""
         m = x.shape[0]
         n0, n1 = split
-        if self.tile.layer1_scatter and mode == "fused":
+        if self._scatters(mode):
             n1 = 0      # layer1 has no comm role then: its epilogue sends
         self.last_comm_blocks = (n0, n1)
         self.last_tile = self._decode_tile if decode else self.tile
@@ -691,7 +696,7 @@ class FusedMoE:
         # every block" in one launch.
         fused = mode == "fused" and not L.interpreting()
         fused0, fused1 = fused and layer0_comm_blocks, fused
-        scatter = tile.layer1_scatter and mode == "fused"
+        scatter = self._scatters(mode)
         x_addr, y_addr = s.addr[0:1], s.addr[1:2]
         split0, split1 = s.split[0:1], s.split[1:2]
         w13, w2 = self.w13, self.w2
