@@ -106,6 +106,7 @@ class PeerCopies:
                  dtype: torch.dtype, group=None):
         import torch.distributed._symmetric_memory as symm_mem
 
+        group = group if group is not None else dist.group.WORLD
         world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         block = torch.tensor(max(send_splits + recv_splits), device="cuda")
         dist.all_reduce(block, op=dist.ReduceOp.MAX, group=group)
