@@ -37,7 +37,7 @@ def round_times(gemm=1000.0, comm=200.0, both=1100.0, fused=1150.0, seq=1250.0,
                 c=1020.0, d=210.0, cd=1120.0):
     return {"gemm": gemm, "nccl": comm, "ce": comm / 2, "gemm+nccl": both,
             "gemm+ce": gemm + comm / 4, "fused": fused, "sequential": seq,
-            "compute_only": c, "comm_only": d, "c||d": cd}
+            "compute_only": c, "comm_only": d, "c||d": cd, "c+ce": c + comm / 8}
 
 
 def test_derived_reads_each_pair_from_its_own_variants():
@@ -46,6 +46,7 @@ def test_derived_reads_each_pair_from_its_own_variants():
     assert r["ceiling_ce"] == pytest.approx(0.5)          # (1000 + 100 - 1050) / 100
     assert r["ceiling_comet"] == pytest.approx(110 / 210)
     assert r["comet_hidden"] == pytest.approx(80 / 210)
+    assert r["ceiling_comet_ce"] == pytest.approx(0.75)   # (1020 + 100 - 1045) / 100
     assert r["fused_over_sequential"] == pytest.approx(1150 / 1250)
     assert r["gemm_stretch_nccl"] == pytest.approx(1.1)
     assert r["gemm_stretch_ce"] == pytest.approx(1.05)

@@ -21,7 +21,8 @@ In the same rounds comet's own calls (``fused``, ``sequential``, ``compute_only`
 ``comm_only``: its CUDA graphs) give its hidden fraction ``(c + d - b) / min(c, d)``, and
 ``c||d`` -- a second layer's ``comm_only`` call beside the first layer's
 ``compute_only`` call, the same two-stream start -- gives the ceiling of comet's own two
-halves with no dependency between them.
+halves with no dependency between them; ``c+ce`` the copy-engine copies beside comet's
+compute-only call.
 
 Every variant runs ``--calls`` back-to-back calls per batch, timed with CUDA events, the
 variants in a rotating order round after round (``paired_tiles.paired_rounds``); the
@@ -50,7 +51,7 @@ from paired_tiles import paired_args, paired_rounds
 
 COMET_MODES = ("fused", "sequential", "compute_only", "comm_only")
 #: Variants, in the order of the JSON's ``median_us``.
-VARIANTS = ("gemm", "nccl", "ce", "gemm+nccl", "gemm+ce") + COMET_MODES + ("c||d",)
+VARIANTS = ("gemm", "nccl", "ce", "gemm+nccl", "gemm+ce") + COMET_MODES + ("c||d", "c+ce")
 
 
 def hidden(alone_a: float, alone_b: float, together: float) -> float:
@@ -65,6 +66,7 @@ def derived(t: dict[str, float]) -> dict[str, float]:
         "ceiling_nccl": hidden(t["gemm"], t["nccl"], t["gemm+nccl"]),
         "ceiling_ce": hidden(t["gemm"], t["ce"], t["gemm+ce"]),
         "ceiling_comet": hidden(t["compute_only"], t["comm_only"], t["c||d"]),
+        "ceiling_comet_ce": hidden(t["compute_only"], t["ce"], t["c+ce"]),
         "comet_hidden": hidden(t["compute_only"], t["comm_only"], t["fused"]),
         "fused_over_sequential": t["fused"] / t["sequential"],
         "gemm_stretch_nccl": t["gemm+nccl"] / t["gemm"],
@@ -192,6 +194,8 @@ def run(name: str, tokens: int, ep: int, world: int, rank: int, rounds: int,
            **{m: (lambda m=m: layers[0](x, ids, w, mode=m)) for m in COMET_MODES},
            "c||d": together(lambda: layers[1](x, ids, w, mode="comm_only"),
                             lambda: layers[0](x, ids, w, mode="compute_only"),
+                            comm_stream, gemm_stream),
+           "c+ce": together(ce, lambda: layers[0](x, ids, w, mode="compute_only"),
                             comm_stream, gemm_stream)}
     for fn in fns.values():
         fn()
@@ -210,7 +214,8 @@ def run(name: str, tokens: int, ep: int, world: int, rank: int, rounds: int,
         m = rec["median_us"]
         print(f"{name:18s} {tokens:6d}  gemm {m['gemm']:8.1f} nccl {m['nccl']:7.1f} "
               f"ce {m['ce']:7.1f} | ceiling nccl {rec['ceiling_nccl']:5.2f} "
-              f"ce {rec['ceiling_ce']:5.2f} comet c||d {rec['ceiling_comet']:5.2f} | "
+              f"ce {rec['ceiling_ce']:5.2f} comet c||d {rec['ceiling_comet']:5.2f} "
+              f"c+ce {rec['ceiling_comet_ce']:5.2f} | "
               f"comet hidden {rec['comet_hidden']:5.2f} "
               f"b/seq {rec['fused_over_sequential']:.3f}", flush=True)
     layers.clear()
