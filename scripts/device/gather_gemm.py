@@ -14,10 +14,12 @@ SiLU-and-up epilogue) with A through
 * ``gather`` -- ``tl.load`` of ``x_recv`` rows through ``row_src`` (each expert's rows
   sorted by source row, as a sender's pairs are);
 
-in the same persistent grouped loop, against ``torch._grouped_mm`` on the sorted rows,
-timed paired (``gemm_variants.paired``), and checks both give the same output.
+in the same persistent grouped loop (``--gather-tiles``: other tiles for the gather),
+against ``torch._grouped_mm`` on the sorted rows, all timed in alternation round after
+round (ratios taken per round), and checks every gather gives TMA's output.
 
-    PYTHONPATH=. python3 scripts/device/gather_gemm.py [--configs mixtral] [--tokens 4096]
+    PYTHONPATH=. python3 scripts/device/gather_gemm.py [--configs mixtral] [--tokens 4096] \\
+        [--gather-tiles 128,128,64,8,4 64,128,64,4,4]
 """
 
 import argparse
@@ -79,11 +81,13 @@ def layer0_gemm(a_desc, a_ptr, row_src, b_desc, c_ptr, tile_expert, tile_row_sta
                  out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def run(name, tokens, world, sms, g):
+def run(name, tokens, world, sms, g, gather_tiles):
     cfg, tile = preset(name), TileConfig()
     el = cfg.num_experts // world
     h, f = cfg.hidden_size, cfg.intermediate_size
-    bm, bn, bk = tile.block_m, tile.block_n0, tile.block_k
+    tma_tile = (tile.block_m, tile.block_n0, tile.block_k, tile.num_warps, tile.num_stages)
+    variants = {"tma": tma_tile, "gather": tma_tile,
+                **{"gather@" + ",".join(map(str, t)): t for t in gather_tiles}}
     rows = tokens * cfg.top_k
     counts = [rows // el + (1 if e < rows % el else 0) for e in range(el)]
     w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).bfloat16()
@@ -92,38 +96,43 @@ def run(name, tokens, world, sms, g):
     row_src = torch.cat([torch.randperm(world * tokens, device="cuda", generator=g)[:c].sort()
                          .values for c in counts]).to(torch.int32)
     a0 = x_recv[row_src.long()]
-    te, ts, tend = tile_table(counts, bm)
-    num_tiles = te.numel()
-    a_desc = TensorDescriptor.from_tensor(a0, [bm, bk])
     wi = interleave_gate_up(w13)
-    b_desc = TensorDescriptor.from_tensor(wi.view(el * h, 2 * f), [bk, 2 * bn])
-    outs = {v: torch.empty(rows, f, device="cuda", dtype=torch.bfloat16)
-            for v in ("tma", "gather")}
+    outs = {v: torch.empty(rows, f, device="cuda", dtype=torch.bfloat16) for v in variants}
 
     def call(v):
+        bm, bn, bk, warps, stages = variants[v]
+        te, ts, tend = tile_table(counts, bm)
+        a_desc = TensorDescriptor.from_tensor(a0, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(wi.view(el * h, 2 * f), [bk, 2 * bn])
         return lambda: layer0_gemm[(sms,)](a_desc, x_recv, row_src, b_desc, outs[v], te, ts,
-                                           tend, num_tiles, h, f, GATHER=v == "gather",
+                                           tend, te.numel(), h, f, GATHER=v != "tma",
                                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                           num_warps=tile.num_warps,
-                                           num_stages=tile.num_stages)
+                                           num_warps=warps, num_stages=stages)
     offs = torch.cumsum(torch.tensor(counts, device="cuda"), 0).to(torch.int32)
     bt = w13.transpose(1, 2).contiguous().transpose(1, 2)
-    graphs = {"torch": graphed(lambda: torch._grouped_mm(a0, bt, offs=offs)),
-              **{v: graphed(call(v)) for v in outs}}
+    graphs = {"torch": graphed(lambda: torch._grouped_mm(a0, bt, offs=offs))}
+    errors = {}
+    for v in variants:
+        try:
+            graphs[v] = graphed(call(v))
+        except Exception as e:    # a tile that does not fit is a result too
+            errors[v] = repr(e)[:300]
     torch.cuda.synchronize()
-    same = torch.equal(outs["tma"], outs["gather"])
+    same = {v: torch.equal(outs["tma"], outs[v]) for v in graphs if v not in ("torch", "tma")}
     times = {v: [] for v in graphs}
     for _ in range(PAIRED_ROUNDS):
         for v, gr in graphs.items():
             times[v].append(graph_us(gr))
     med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
-    ratio = sorted(a / b for a, b in zip(times["gather"], times["tma"]))[PAIRED_ROUNDS // 2]
+    over_tma = {v: sorted(a / b for a, b in zip(times[v], times["tma"]))[PAIRED_ROUNDS // 2]
+                for v in times if v not in ("torch", "tma")}
     flops = 2.0 * rows * h * 2 * f
     rec = dict(config=name, tokens=tokens, world=world, rows=rows, experts=el,
-               tile=[bm, bn, bk, tile.num_warps, tile.num_stages], us=med,
+               tiles={v: list(t) for v, t in variants.items()}, us=med,
                tflops={v: flops / t / 1e6 for v, t in med.items()},
-               gather_over_tma=ratio, outputs_equal=same, rounds=times)
-    print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
+               over_tma=over_tma, outputs_equal_tma=same, errors=errors, rounds=times)
+    print(json.dumps({k: v for k, v in rec.items() if k not in ("rounds", "tiles")}),
+          flush=True)
     return rec
 
 
@@ -131,12 +140,15 @@ def main():
     ap = argparse.ArgumentParser()
     preset_arguments(ap)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--gather-tiles", nargs="*", default=[], metavar="BM,BN,BK,W,S",
+                    help="more tiles for the gather variant (BN: the W13 interleave block)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "gather_gemm.json"))
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
-    recs = [run(c, t, args.world, sms, g) for c in args.configs for t in args.tokens]
+    tiles = [tuple(map(int, t.split(","))) for t in args.gather_tiles]
+    recs = [run(c, t, args.world, sms, g, tiles) for c in args.configs for t in args.tokens]
     with open(args.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh, indent=1)
 
