@@ -115,6 +115,10 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                             row_home=True)
         L.launch_layer1(wss, cfg, w2, scatter, L.ROLE_COMPUTE, split, 132, scatter=True)
         L.launch_combine(wss, cfg, L.address_of(x), split, scatter, 132, scatter=True)
+        # layer0 with its A rows gathered through an index (TileConfig.a_gather).
+        gather = dataclasses.replace(tile, a_gather=True)
+        L.launch_plan(ws, cfg, ids, wts, gather)
+        L.launch_layer0(ws, cfg, L.address_of(x), w13, gather, L.ROLE_FUSED, split, 132)
         # The backward's activation kernel (training), both W13 layouts.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),

@@ -86,6 +86,28 @@ def test_configs_fp16_layer1_reduce(world, name):
     assert not any("pair_out" in ws.buffers for ws in ep.ws)
 
 
+def test_layer0_reads_its_rows_through_an_index():
+    """``TileConfig.a_gather``: layer0's gated one-dot tiles load A with ``tl.load``
+    through a row index instead of a TMA box, and the layer's output does not change."""
+    from comet.weights import GATE_UP_BLOCK
+    tile = dataclasses.replace(L.TileConfig.small(), block_n0=GATE_UP_BLOCK, a_gather=True)
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=GATE_UP_BLOCK,
+                    dtype=torch.float16, max_tokens=12)
+    g = torch.Generator().manual_seed(3)
+    ids = make_ids("random", make_tokens("random", 2, cfg.max_tokens, g), 4, 2, g)
+    xs = [torch.randn(i.shape[0], 32, generator=g).half() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    w13 = [(torch.randn(2, 32, 2 * GATE_UP_BLOCK, generator=g) * 32 ** -0.5).half()
+           for _ in range(2)]
+    w2 = [(torch.randn(2, GATE_UP_BLOCK, 32, generator=g) * GATE_UP_BLOCK ** -0.5).half()
+          for _ in range(2)]
+    L._identity_rows.cache_clear()
+    ys = VirtualEP(cfg, w13, w2, tile).forward(xs, ids, wts, 2, 3)
+    assert L._identity_rows.cache_info().misses >= 1      # the gathered load ran
+    _close(ys, reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16),
+           torch.float16)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_scatter_sums_only_real_pairs(kind):
     """Dropped slots (-1), tokens with no expert, everything on one rank: a slot that

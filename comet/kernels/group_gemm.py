@@ -47,19 +47,33 @@ def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
 def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
              GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             TRANS_B: tl.constexpr = False):
+             TRANS_B: tl.constexpr = False, a_ptr=None, a_index=None, row_end=0,
+             A_GATHER: tl.constexpr = False):
     """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]``; with ``GATED``,
     ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
     is one whole interleave block, ``b_desc``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and
     up are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
     comet.weights); otherwise two dots on boxes of ``BLOCK_N`` columns. ``TRANS_B``:
-    ``A @ B[expert]^T`` with ``b_desc`` over ``[El * N, K]`` (box ``[BLOCK_N, BLOCK_K]``)."""
+    ``A @ B[expert]^T`` with ``b_desc`` over ``[El * N, K]`` (box ``[BLOCK_N, BLOCK_K]``).
+
+    ``A_GATHER`` (gated one-dot tiles only; an experiment, ``TileConfig.a_gather``): A's
+    rows are ``a_ptr[a_index[row]]`` read with ``tl.load`` (rows from ``row_end`` on read
+    row 0, masked at the store), not a TMA box -- the load a dispatch by copy engines
+    would need, since those can broadcast token rows but not place them."""
     b_row = expert * K
     if GATED and ONE_DOT:
         both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
-                          both, input_precision=DOT_PRECISION)
+        if A_GATHER:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            src = tl.load(a_index + rows, mask=rows < row_end, other=0).to(tl.int64)
+            a_rows = a_ptr + src[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+            for k in range(0, K, BLOCK_K):
+                both = tl.dot(tl.load(a_rows + k), b_desc.load([b_row + k, 2 * n0]), both,
+                              input_precision=DOT_PRECISION)
+        else:
+            for k in range(0, K, BLOCK_K):
+                both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
+                              both, input_precision=DOT_PRECISION)
         gate, up = both.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
         acc = gate * tl.sigmoid(gate) * up
     elif GATED:
@@ -90,11 +104,13 @@ def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
 def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K, N,
               GATED: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TRANS_B: tl.constexpr = False):
+              DOT_PRECISION: tl.constexpr, TRANS_B: tl.constexpr = False, a_ptr=None,
+              a_index=None, A_GATHER: tl.constexpr = False):
     """``C[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
-    or B transposed, see :func:`gemm_acc`)."""
+    or B transposed, or A gathered: see :func:`gemm_acc`)."""
     acc = gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED, GATE_UP, ONE_DOT,
-                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B)
+                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B, a_ptr, a_index,
+                   row_end, A_GATHER)
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < row_end) & (cols[None, :] < N)

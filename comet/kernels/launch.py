@@ -13,8 +13,9 @@ process under the Triton interpreter.
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,11 @@ class TileConfig:
         72 -> 64, torch 75; ``h200-gemm-decode-ep4.json``). 64-row tiles do better on
         layer1 alone (79 and 54 us) but share the tile table with layer0, which they slow
         down by 7-20% (``h200-kernel-times-ep4-decode-64.json``).
+    a_gather: an experiment, off by default: layer0's gated GEMM reads its A rows with
+        ``tl.load`` through a row index (here each row itself) instead of a TMA box --
+        what a dispatch by copy engines would need (they can broadcast token rows to the
+        peers, a size the host knows, but not place each pair's row), so its cost is
+        the price of that dispatch (``scripts/device/paired_tiles.py --tiles a_gather=1``).
     """
 
     block_m: int = 128
@@ -117,6 +123,7 @@ class TileConfig:
     combine_warps: int = 8
     decode_block_n1: int = 128
     layer1_scatter: bool = True
+    a_gather: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -378,7 +385,9 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         n, c, block_n = cfg.intermediate_size, ws.h, tile.block_n0
         one_dot = block_n == GATE_UP_BLOCK and n % GATE_UP_BLOCK == 0
         b = descriptor(w13.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
+        gather = tile.a_gather and one_dot
     else:
+        gather = False
         n, c, block_n, one_dot = out.shape[1], out, tile.block_n1, False
         b = (descriptor(w13.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w13.view(el * h, n), [bk, block_n]))
@@ -389,7 +398,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.peer_ptrs["flag0"], *_home_tables(ws, row_home),
         ws.ret_token, ws.ret_rows, ws.ret_weight, *_home_maps(ws, row_home),
         ws.flag0.shape[1], cfg.max_tokens,
-        ws.a0, descriptor(ws.a0, [tile.block_m, bk]), b, c, h, n,
+        ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
+        _identity_rows(ws.a0.shape[0], ws.a0.device) if gather else ws.a0, b, c, h, n,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
         p["num_tiles"], p["seg_start"], p["seg_rows"], p["pre"], counters["l0_queue"],
         counters["l0_dispatch"],
@@ -402,8 +412,14 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,
         DOT_PRECISION=_dot_precision(cfg.dtype), HEAD_ROUNDS=tile.lane_head_rounds,
-        TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw,
+        TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw, A_GATHER=gather,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
+
+
+@functools.lru_cache(maxsize=8)
+def _identity_rows(rows: int, device: torch.device) -> torch.Tensor:
+    """``arange(rows)`` as int32: ``TileConfig.a_gather``'s index (each row itself)."""
+    return torch.arange(rows, dtype=torch.int32, device=device)
 
 
 def launch_layer1(ws: Workspace, cfg: MoEConfig, w2: torch.Tensor, tile: TileConfig,

@@ -250,7 +250,7 @@ LANE_ITEMS = tl.constexpr(4)
 
 
 @triton.jit
-def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
+def layer0_compute_role(queue, a_desc, a_ptr, a_index, w_desc, c_ptr, K, N,
                         tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
                         seg_start, seg_rows, pre,
                         flag0, chunk_slots, epoch, err_table, rank, timeout, trace_ptr, events,
@@ -261,7 +261,7 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                         HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
                         WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
-                        USE_ASM: tl.constexpr):
+                        USE_ASM: tl.constexpr, A_GATHER: tl.constexpr):
     """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
     for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
     output columns -- over the tiles in the table's order (comet.scheduler.plan),
@@ -301,7 +301,8 @@ def layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
                 expert = tl.load(tile_expert + t)
                 gemm_tile(a_desc, w_desc, c_ptr, N, expert, tl.load(tile_row_start + t),
                           tl.load(tile_row_end + t), nb * BLOCK_N, K, N, GATED, GATE_UP,
-                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B)
+                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B,
+                          a_ptr, a_index, A_GATHER)
                 if TRACE:
                     events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS,
                                    USE_ASM)
@@ -316,7 +317,7 @@ def layer0_kernel(
     home_table, home_weight_table, recv_token, recv_rows, recv_weight, row_home, row_weight,
     chunk_slots, max_tokens,
     # GroupGEMM (compute role): K = H, N output columns (F when GATED)
-    a0_ptr, a_desc, w_desc, c_ptr, K, N,
+    a0_ptr, a_desc, a_index, w_desc, c_ptr, K, N,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
     seg_start, seg_rows, pre, queue, dispatch_queue,
     # both; n_comm is read on the device so one captured launch serves every split
@@ -329,6 +330,7 @@ def layer0_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
     TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
+    A_GATHER: tl.constexpr = False,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
@@ -351,10 +353,10 @@ def layer0_kernel(
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        layer0_compute_role(queue, a_desc, w_desc, c_ptr, K, N,
+        layer0_compute_role(queue, a_desc, a0_ptr, a_index, w_desc, c_ptr, K, N,
                             tile_expert, tile_row_start, tile_row_end, tile_wait,
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
                             epoch, err_table, rank, timeout, trace_ptr, events, WAIT, GATED,
                             TRANS_B, GATE_UP, ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
                             DOT_PRECISION, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
-                            LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM)
+                            LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM, A_GATHER)
