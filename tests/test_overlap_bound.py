@@ -62,3 +62,12 @@ def test_summarise_takes_ratios_within_rounds_then_the_median():
     s = ob.summarise(times)
     assert s["ceiling_nccl"] == pytest.approx(0.5)        # median of 0.5, 0.5, 0.0
     assert s["fused_over_sequential"] == pytest.approx(1150 / 1250)
+
+
+def test_power_cell_reads_the_first_gpu_or_says_nothing():
+    gpu = {"power.draw": {"median": 652.4, "mean": 650.0},
+           "clocks.sm": {"median": 1755.0, "mean": 1750.0}}
+    assert ob.power_cell({"0": gpu, "1": {}}) == "652W/1755"
+    assert ob.power_cell({"1": gpu}) == "652W/1755"
+    assert ob.power_cell({}) == "-"
+    assert ob.power_cell({"0": {"power.draw": None}}) == "-"

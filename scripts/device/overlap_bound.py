@@ -33,12 +33,18 @@ drift of the clocks cancels.
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/overlap_bound.py \\
         --configs mixtral --tokens 4096 --rounds 5
 
+With ``--power S``, every variant then also runs back to back for S seconds while one
+nvidia-smi process samples every GPU (``power_probe.Sampler``): each record gets the
+board power, SM clock and power-cap fraction of each variant's window -- what the
+copies, NCCL's kernels and comet's comm role each draw alone and beside the GEMMs.
+
 Needs two ranks or more (one rank has nothing to communicate). Rank 0 prints one line per
 (config, tokens) and writes ``$OUT/overlap_bound.json``.
 """
 
 import json
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +54,7 @@ from comet.cli.launch import init_ranks
 from comet.runtime.layer import FusedMoE
 from kernel_times import rank_layer_inputs    # this folder is on sys.path
 from paired_tiles import paired_args, paired_rounds
+from power_probe import Sampler, window_stats
 
 COMET_MODES = ("fused", "sequential", "compute_only", "comm_only")
 #: Variants, in the order of the JSON's ``median_us``.
@@ -156,8 +163,20 @@ def batch_time(fn, calls: int) -> float:
     return float(t)
 
 
+def power_windows(fns: dict, medians: dict[str, float], seconds: float) -> dict:
+    """Each variant back to back for ``seconds`` (the same number of calls on every rank):
+    ``{variant: [start, end]}`` in ``time.time()``'s clock, for the sampler."""
+    windows = {}
+    for v in VARIANTS:
+        calls = max(1, round(seconds * 1e6 / medians[v]))
+        t0 = time.time()
+        batch_time(fns[v], calls)
+        windows[v] = [t0, time.time()]
+    return windows
+
+
 def run(name: str, tokens: int, ep: int, world: int, rank: int, rounds: int,
-        calls: int) -> dict:
+        calls: int, power_s: float = 0.0) -> dict:
     g = torch.Generator(device="cuda").manual_seed(rank)
     cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, None, g)
     el, h, f = w13.shape[0], cfg.hidden_size, cfg.intermediate_size
@@ -203,12 +222,15 @@ def run(name: str, tokens: int, ep: int, world: int, rank: int, rounds: int,
     kinds = copy_kind(ce)
     times, _ = paired_rounds(lambda i: batch_time(fns[VARIANTS[i]], calls), len(VARIANTS),
                              rounds)
+    medians = {v: statistics.median(t) for v, t in zip(VARIANTS, times)}
+    windows = power_windows(fns, medians, power_s) if power_s else None
     for layer in layers:
         layer.check_errors_now()
     rec = dict(config=name, tokens=tokens, world=world, rounds=rounds, calls=calls,
+               power_windows=windows,
                comm_blocks=list(layers[0].last_comm_blocks), ce_device_work=kinds,
                variants=list(VARIANTS),
-               median_us={v: statistics.median(t) for v, t in zip(VARIANTS, times)},
+               median_us=medians,
                **summarise(times), us=times)
     if rank == 0:
         m = rec["median_us"]
@@ -225,16 +247,38 @@ def run(name: str, tokens: int, ep: int, world: int, rank: int, rounds: int,
 
 def main():
     ap = paired_args("overlap_bound", [4096, 16384], 1, 7, 8)
+    ap.add_argument("--power", type=float, default=0.0, metavar="S",
+                    help="also run each variant S seconds under nvidia-smi sampling")
+    ap.add_argument("--interval-ms", type=int, default=20, help="nvidia-smi sampling period")
     args = ap.parse_args()
     _, world, rank = init_ranks()
     if world < 2:
         raise SystemExit("overlap_bound.py needs two ranks or more (torchrun)")
-    recs = [run(c, t, args.ep, world, rank, args.rounds, args.calls)
-            for c in args.configs for t in args.tokens]
-    if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh,
-                      indent=1)
+    notes = []
+    sampler = Sampler(args.interval_ms, notes) if args.power and rank == 0 else None
+    try:
+        recs = [run(c, t, args.ep, world, rank, args.rounds, args.calls, args.power)
+                for c in args.configs for t in args.tokens]
+    finally:
+        samples = sampler and sampler.stop()
+    if rank != 0:
+        return
+    for r in recs:
+        if samples and r["power_windows"]:
+            r["power"] = {v: window_stats(samples, *w) for v, w in r["power_windows"].items()}
+            print(f"{r['config']:18s} {r['tokens']:6d}  " + "  ".join(
+                f"{v} {power_cell(p)}" for v, p in r["power"].items()), flush=True)
+    with open(args.out, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "records": recs, "notes": notes},
+                  fh, indent=1)
+
+
+def power_cell(gpus: dict) -> str:
+    """``"<W>W/<MHz>"`` of the first GPU's window (medians), for the printed line."""
+    g = gpus.get("0") or next(iter(gpus.values()), None)
+    if not g or not g.get("power.draw"):
+        return "-"
+    return f"{g['power.draw']['median']:.0f}W/{g['clocks.sm']['median']:.0f}"
 
 
 if __name__ == "__main__":
