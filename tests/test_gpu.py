@@ -522,3 +522,25 @@ def test_decode_tile_at_full_size_alternating_with_the_default():
             assert layer.last_tile.block_n1 == block_n1
             assert _rel_err(y, ref) < 1e-2, block_n1
     layer.check_errors_now()
+
+
+def test_gathered_a_rows_match_the_tma_box_at_full_size():
+    """``TileConfig.a_gather`` (layer0's A through a row index and ``tl.load``, the load a
+    copy-engine dispatch would need) gives the TMA box's output bit for bit: the same
+    rows, the same dot order. One EP=4 rank of Mixtral, 2048 tokens, replayed calls."""
+    import dataclasses
+    from comet.config import preset
+    from comet.kernels.launch import TileConfig
+    from comet.runtime.layer import FusedMoE
+    cfg = preset("mixtral", num_experts=2, max_tokens=2048)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
+    tma = FusedMoE(cfg, w13, w2)
+    gather = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(), a_gather=True))
+    x, ids, w = _inputs(tma, "random", g, tokens=2048)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(tma.w13), tma.w2, round_to=cfg.dtype)
+    for _ in range(3):
+        y = gather(x, ids, w)
+        assert torch.equal(y, tma(x, ids, w))
+        assert _rel_err(y, ref) < 1e-2
+    gather.check_errors_now()
