@@ -32,18 +32,19 @@ class FakeFusedMoE:
     the fused layer's interface (modes, phase timer, block split, timeline)."""
 
     programs = 8
-    tile, decode_tile = "default tile", "decode tile"
 
     def __init__(self, cfg, w13, w2, group=None):
         self.w13, self.w2, self.group = w13, w2, group
-        self.last_comm_blocks = self.last_tile = None
+        self.last_comm_blocks = None
+        self.last_decode, self.last_tile_overrides = False, {}
         self.splits_asked = set()
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
         self.splits_asked.add(comm_blocks)
         self.last_comm_blocks = (0, 0) if mode == "sequential" else (2, 3)
-        self.last_tile = self.decode_tile if x.shape[0] < 64 else self.tile
+        self.last_decode = x.shape[0] < 64
+        self.last_tile_overrides = {"group_m": 16} if x.shape[0] >= 64 else {}
         y = None
         for name in ("plan", "layer0", "layer1", "combine"):
             with timer.phase(name) if timer is not None else contextlib.nullcontext():
@@ -128,6 +129,7 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
             assert r[key] > 0
         assert r["n_comm"] == [2, 3]
         assert r["decode_tile"] is (r["tokens_per_rank"] < 64)
+        assert r["tile_overrides"] == ({} if r["tokens_per_rank"] < 64 else {"group_m": 16})
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["fused_us"])
         assert r["hidden_comm_fraction"] == pytest.approx(rec.hidden_fraction(
             r["compute_only_us"], r["comm_only_us"], r["fused_us"]))

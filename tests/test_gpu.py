@@ -544,3 +544,28 @@ def test_gathered_a_rows_match_the_tma_box_at_full_size():
         assert torch.equal(y, tma(x, ids, w))
         assert _rel_err(y, ref) < 1e-2
     gather.check_errors_now()
+
+
+def test_tile_fields_change_the_order_not_the_result():
+    """The per-call tile fields (layer0's group of m-tiles, the local head) reorder work
+    only: calls alternating between them and the layer's own give the same output bit
+    for bit, each variant replayed from its own graph. One EP=2 rank of Mixtral (4
+    experts, 16 m-tiles each at 2048 tokens: more than one group of 8)."""
+    from comet.config import preset
+    from comet.runtime.layer import FusedMoE
+    cfg = preset("mixtral", num_experts=4, max_tokens=2048)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
+    layer = FusedMoE(cfg, w13, w2)
+    x, ids, w = _inputs(layer, "random", g, tokens=2048)
+    ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
+                                round_to=cfg.dtype)
+    y0 = layer(x, ids, w, tile_overrides={})
+    assert _rel_err(y0, ref) < 1e-2
+    for _ in range(3):
+        for overrides in ({"group_m": 16}, {"local_head_tiles": 0},
+                          {"group_m": 3, "local_head_tiles": 5}, {}):
+            y = layer(x, ids, w, tile_overrides=overrides)
+            assert layer.last_tile_overrides == overrides
+            assert torch.equal(y, y0), overrides
+    layer.check_errors_now()

@@ -102,6 +102,47 @@ def test_a_bucket_may_carry_the_layer1_tile(tmp_path):
     assert tuned.lookup(CFG, 4, 1024, None, tmp_path).decode_tile is None
 
 
+def test_a_bucket_may_set_tile_fields(tmp_path):
+    """``tile`` is optional per bucket and names per-call tile fields; the layer runs a
+    bucket's calls with them (and a call may override them), other buckets keep the
+    layer's own TileConfig, and every variant is among those a preload compiles."""
+    cfg = CFG.replace(max_tokens=64)
+    _write(tmp_path, cfg=cfg, world=1, buckets={
+        "8": {"layer0": 1, "layer1": 2, "decode_tile": True,
+              "tile": {"group_m": 16, "local_head_tiles": 0}},
+        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}})
+    assert tuned.lookup(cfg, 1, 8, None, tmp_path).tile == (("group_m", 16),
+                                                           ("local_head_tiles", 0))
+    layer = _cpu_layer(tmp_path, decode_block_n1=16)
+    small = layer.select_tile(8)
+    assert (small.group_m, small.local_head_tiles, small.block_n1) == (16, 0, 16)
+    assert layer.select_tile(64) is layer.tile
+    assert layer.select_tile(8, tile_overrides={}).block_n1 == 16      # still decode
+    assert layer.select_tile(8, tile_overrides={}).group_m == layer.tile.group_m
+    assert layer.select_tile(64, tile_overrides={"group_m": 4}).group_m == 4
+    assert layer.select_tile(8) is small                                 # built once
+    variants = layer.tile_variants()
+    assert layer.tile in variants and small in variants and len(variants) == 4
+    with pytest.raises(ValueError, match="not a per-call tile field"):
+        layer.select_tile(64, tile_overrides={"block_m": 64})
+
+
+@pytest.mark.parametrize("tile, why", [
+    ({"block_m": 64}, "not a per-call tile field"),
+    ({"group_m": 0}, "integer >= 1"),
+    ({"local_head_tiles": True}, "integer >= 0"),
+    ({"group_m": 8.0}, "integer >= 1"),
+    ([16], "must be an object"),
+])
+def test_bad_tile_fields_warn_and_fall_back(tmp_path, tile, why):
+    """A table whose bucket sets a field that is not per-call (one that sizes buffers),
+    or a bad value, is ignored as a whole with a warning: the layer runs the analytic
+    split on its own tiles, never fails a call."""
+    _write(tmp_path, buckets={"128": {"layer0": 4, "layer1": 8, "tile": tile}})
+    with pytest.warns(UserWarning, match=why):
+        assert tuned.lookup(CFG, 4, 128, None, tmp_path) is None
+
+
 def test_analytic_split_balances_comm_and_compute():
     w0, w1 = layer_work(4096, 4, 2, 4096, 14336)
     n = analytic_split(w0, 132)
@@ -212,9 +253,11 @@ def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
 
 
 def test_check_report_compares_each_pick_with_the_best():
-    times = {(0, False): (100.0, 50.0), (4, False): (80.0, 55.0), (16, False): (90.0, 60.0),
-             (0, True): (101.0, 45.0), (4, True): (81.0, 58.0), (16, True): (91.0, 61.0)}
-    picks = {"tuned": (4, 0, True), "fixed": (16, 16, False), "analytic": (0, 4, False)}
+    times = {(0, False, ()): (100.0, 50.0), (4, False, ()): (80.0, 55.0),
+             (16, False, ()): (90.0, 60.0), (0, True, ()): (101.0, 45.0),
+             (4, True, ()): (81.0, 58.0), (16, True, ()): (91.0, 61.0)}
+    picks = {"tuned": (4, 0, True, ()), "fixed": (16, 16, False, ()),
+             "analytic": (0, 4, False, ())}
     rows = tune.check_rows(times, picks)
     l0, l1, both = rows
     assert (l0["best"], l1["best"], l1["best_decode_tile"]) == (4, 0, True)
@@ -226,6 +269,20 @@ def test_check_report_compares_each_pick_with_the_best():
     assert "| 128 | layer0 | 81 (4d) | 90 (16) | 100 (0) | 80 (4) | 1.012 | 1.125 | 1.250 |" in text
     assert "| 128 | layer1 | 45 (0d) | 60 (16) | 55 (4) | 45 (0d) |" in text
     assert "| 128 | both | 126 | 150 | 155 | 125 | 1.008 | 1.200 | 1.240 |" in text
+
+
+def test_check_counts_the_tables_tile_fields_among_the_candidates():
+    """A pick with tile fields is timed with them at its split; such a time can be the
+    best, and the report marks the pick (``*``) and names its fields."""
+    g16 = (("group_m", 16),)
+    times = {(4, None, ()): (80.0, 50.0), (8, None, ()): (85.0, 52.0),
+             (4, None, g16): (76.0, 50.0)}
+    rows = tune.check_rows(times, {"tuned": (4, 4, None, g16), "fixed": (8, 8, None, ())})
+    l0 = rows[0]
+    assert l0["best_tile"] == {"group_m": 16} and l0["tuned_over_best"] == 1.0
+    assert l0["tuned_tile"] == {"group_m": 16} and l0["fixed_tile"] == {}
+    text = tune.format_check([{"tokens": 4096, **r} for r in rows], ["tuned", "fixed"])
+    assert "| 4096 | layer0 | 76 (4*) | 85 (8) | 76 (4*) |" in text
 
 
 def test_check_finds_the_table_a_layer_would_load(tmp_path, monkeypatch):
@@ -351,6 +408,34 @@ def test_the_bucket_keeps_the_faster_layer1_tile(monkeypatch, rule, decode_faste
     assert sorted(map(int, entry["sweep_us_other_tile"])) == [2, 4, 8]
 
 
+@pytest.mark.parametrize("gain, kept", [(0.95, True), (0.995, False)])
+def test_the_bucket_keeps_a_tile_candidate_only_if_it_clearly_pays(monkeypatch, gain, kept):
+    """search_tile times the layer's own tile fields and each candidate at the entry's
+    split and layer1 tile; a candidate replaces them only when the call is TILE_MARGIN
+    faster with it."""
+    timed = []
+
+    def bucket_timer(layer, cfg, tokens, args, device, rank, decode_tile=None,
+                     tile_overrides=None):
+        def evaluate(split):
+            timed.append((split, decode_tile, tune.tile_label(tile_overrides)))
+            f = gain if tile_overrides == {"group_m": 16} else 1.0
+            return 100.0 * f, 50.0 * f
+        return evaluate
+    monkeypatch.setattr(tune, "bucket_timer", bucket_timer)
+    args = tune.build_parser().parse_args(["--config", "mixtral"])
+    entry = {"layer0": 24, "layer1": 0, "layer0_us": 99.0, "layer1_us": 49.0,
+             "decode_tile": True}
+    entry = tune.search_tile(None, None, 4096, entry, args, None, 0)
+    labels = ["default"] + [tune.tile_label(c) for c in tune.TILE_CANDIDATES]
+    assert timed == [((24, 0), True, label) for label in labels]
+    assert list(entry["tile_sweep_us"]) == labels
+    if kept:
+        assert entry["tile"] == {"group_m": 16} and entry["layer0_us"] == 95.0
+    else:
+        assert "tile" not in entry and entry["layer0_us"] == 99.0
+
+
 def test_a_scattering_layer1_has_no_split_to_search(monkeypatch):
     """With the scatter epilogue layer1's split is ignored: only layer0 climbs, the
     entry's layer1 is 0, and the other layer1 tile is timed once, at layer0's best."""
@@ -468,7 +553,9 @@ def test_a_split_is_timed_on_every_routing_of_the_mix(monkeypatch):
                                            "skewed"])
 
     class Layer:
-        def __call__(self, x, ids, weights, comm_blocks, timer, decode_tile):
+        def __call__(self, x, ids, weights, comm_blocks, timer, decode_tile, tile_overrides):
+            # Explicit tile fields: what is timed never depends on installed tables.
+            assert tile_overrides == {}
             timed_on.append((x, comm_blocks))
             timer.seen = (x, comm_blocks)
 

@@ -18,16 +18,18 @@ def _num(key: str, fmt: str = "{:.1f}") -> Callable[[dict], str]:
 
 
 def _n_comm(r: dict) -> str:
-    """Comm blocks of the fused call; ``d`` after layer1's: it ran on the decode tile."""
+    """Comm blocks of the fused call; ``d`` after layer1's: it ran on the decode tile;
+    then the tile fields a tuned bucket set (``group_m=16``)."""
     n = r.get("n_comm")
     if n is None:
         return "-"
     decode = "d" if r.get("decode_tile") else ""
+    tile = "".join(f" {k}={v}" for k, v in sorted((r.get("tile_overrides") or {}).items()))
     if r.get("layer") == "layer0":
-        return str(n[0])
+        return f"{n[0]}{tile}"
     if r.get("layer") == "layer1":
         return f"{n[1]}{decode}"
-    return f"{n[0]}/{n[1]}{decode}"
+    return f"{n[0]}/{n[1]}{decode}{tile}"
 
 
 def _phase(name: str) -> Callable[[dict], str]:

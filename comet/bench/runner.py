@@ -196,6 +196,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
     n_comm = None
     decode_tile = None
+    tile_overrides = None
     if fused is not None:
         def time_fused(comm_blocks, mode) -> _Series:
             def call(i, t):
@@ -214,7 +215,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
                     comm_blocks=st.comm_blocks, mode="fused")
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
-        decode_tile = fused.layer.last_tile is not fused.layer.tile
+        decode_tile = fused.layer.last_decode
+        tile_overrides = fused.layer.last_tile_overrides
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
                 for p in plans]
@@ -273,6 +275,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "n_comm": n_comm[0] if n_comm else None,
             "n_comm_per_rank": n_comm,
             "decode_tile": decode_tile,
+            "tile_overrides": tile_overrides,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
             "max_rel_err": checks,
             "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,

@@ -10,16 +10,20 @@ of the benchmark's routings and judged by their mean: a call's routing lives on 
 device, so one split must serve the mix (default: uniform only; the mix has not yet been
 measured to pick better, see docs/tuning.md). Where the layer has a decode tile (narrower
 layer1 column blocks), layer1 is also timed on the tile its rule does not pick, and the
-faster tile is kept.
+faster tile is kept. Then, at the chosen split and layer1 tile, the per-call tile fields
+(:data:`comet.kernels.TUNABLE_TILE_FIELDS`: layer0's group of m-tiles, the local head of
+the tile table) are timed at the values of ``TILE_CANDIDATES``; one is kept (``tile`` in
+the bucket) only if the call is ``TILE_MARGIN`` faster with it than with the layer's own.
 The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
 dtype=...json`` (see comet.scheduler.tuned), written after every bucket: an interrupted
 sweep resumes where it stopped, and an existing file is merged into.
 
 ``--check`` re-times the choices of the table a layer would load (``--output-dir``, then
 ``$COMET_TUNED_CONFIG_FOLDER``, then the shipped tables), at any token counts -- tuned
-buckets or not -- against every candidate on both layer1 tiles (the exhaustive best), a
-fixed split of ``FIXED_SPLIT`` comm blocks and the analytic model (both on the rule's
-tile), and prints the comparison.
+buckets or not -- against every candidate on both layer1 tiles (the exhaustive best; the
+table's own tile fields are timed at its split and count among the candidates), a fixed
+split of ``FIXED_SPLIT`` comm blocks and the analytic model (both on the rule's tile and
+the layer's own tile fields), and prints the comparison.
 
 Examples::
 
@@ -54,6 +58,15 @@ DEFAULT_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 #: The single split ``--check`` compares against (the split before tuning existed).
 FIXED_SPLIT = 16
+#: Per-call tile fields timed per bucket at the chosen split, beside the layer's own.
+#: A group of 16 m-tiles read an expert's W13 half as often at 16384 tokens/rank
+#: (mixtral: 1-2.6% faster calls, H100 and H200), no local head paid at 4096 tokens in
+#: fused EP=2 calls (2-3%, 2x H200): each where the other does not (docs/tuning.md).
+TILE_CANDIDATES = ({"group_m": 16}, {"local_head_tiles": 0},
+                   {"group_m": 16, "local_head_tiles": 0})
+#: How much faster (fraction of the call) a tile candidate must be to be kept: below
+#: that, timing noise would pick among equals.
+TILE_MARGIN = 0.01
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,9 +161,12 @@ def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> d
 
 
 def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
-                 decode_tile: bool | None = None) -> Callable[[int], search.Times]:
+                 decode_tile: bool | None = None, tile_overrides: dict | None = None
+                 ) -> Callable[[int], search.Times]:
     """``fn(comm blocks) -> (layer0 us, layer1 us)`` at ``tokens`` per rank, on the
-    decode tile or the default one (None: the layer's own choice): per routing of
+    decode tile or the default one (None: the layer's own choice) and with the per-call
+    tile fields ``tile_overrides`` (default: the layer's TileConfig, never a table's --
+    what is timed must not depend on the tables already installed): per routing of
     ``args.routings`` the slowest rank's median, then their mean -- one split for the
     routing mix, since a call's routing is on the device and selection never waits for
     it. The same on every rank (collective: every rank calls it alike)."""
@@ -164,7 +180,7 @@ def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
             def call(i, timer, sets=sets):
                 s = sets[i]
                 layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=n, timer=timer,
-                      decode_tile=decode_tile)
+                      decode_tile=decode_tile, tile_overrides=tile_overrides or {})
             series = time_calls(call, n_sets=len(sets), iters=args.iters,
                                 warmup=args.warmup, device=device, make_timer=PhaseTimer)
             series = reduce_over_ranks(series)
@@ -228,6 +244,31 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
     return entry
 
 
+def tile_label(overrides: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "default"
+
+
+def search_tile(layer, cfg: MoEConfig, tokens: int, entry: dict, args, device,
+                rank: int) -> dict:
+    """Time ``TILE_CANDIDATES`` at the entry's split and layer1 tile, beside the layer's
+    own tile fields timed again there (so drift since the split search cannot favour a
+    candidate); keep the fastest (``tile`` in the entry) if it beats the layer's own by
+    ``TILE_MARGIN`` of the call. Returns the entry, with ``tile_sweep_us``."""
+    decode = entry.get("decode_tile")
+    split = (entry["layer0"], entry["layer1"])
+    sweep = {}
+    for overrides in ({}, *TILE_CANDIDATES):
+        timer = bucket_timer(layer, cfg, tokens, args, device, rank, decode, overrides)
+        sweep[tile_label(overrides)] = (overrides, timer(split))
+    total = {k: sum(t) for k, (_, t) in sweep.items()}
+    best = min(total, key=total.get)
+    if total[best] < (1 - TILE_MARGIN) * total["default"]:
+        overrides, (l0, l1) = sweep[best]
+        entry.update(tile=overrides, layer0_us=l0, layer1_us=l1)
+    entry["tile_sweep_us"] = {k: [round(a, 1), round(b, 1)] for k, (_, (a, b)) in sweep.items()}
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -268,6 +309,7 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} ep={world}", disable=rank != 0)
     for tokens in bar:
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
+        entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
         table["buckets"][str(tokens)] = entry
         table["meta"].update(comet_version=__version__,
                              date=datetime.date.today().isoformat(),
@@ -278,10 +320,11 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
             with open(path + ".tmp", "w") as f:
                 json.dump(table, f, indent=1)
             os.replace(path + ".tmp", path)
-            tile = " on the decode tile" if entry.get("decode_tile") else ""
+            decode = " on the decode tile" if entry.get("decode_tile") else ""
+            tile = f", tile {tile_label(entry['tile'])}" if entry.get("tile") else ""
             bar.write(f"tokens={tokens}: layer0 {entry['layer0']} comm blocks "
-                      f"({entry['layer0_us']:.0f} us), layer1 {entry['layer1']}{tile} "
-                      f"({entry['layer1_us']:.0f} us)")
+                      f"({entry['layer0_us']:.0f} us), layer1 {entry['layer1']}{decode} "
+                      f"({entry['layer1_us']:.0f} us){tile}")
     if rank == 0:
         print(f"wrote {path}")
         if not _searched(args.output_dir):
@@ -305,22 +348,25 @@ def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str) -> str
     return None
 
 
-#: A pick: (layer0 comm blocks, layer1 comm blocks, decode tile or None).
-Pick = tuple[int, int, bool | None]
+#: A pick: (layer0 comm blocks, layer1 comm blocks, decode tile or None, tile fields as
+#: sorted (name, value) pairs).
+Pick = tuple[int, int, bool | None, tuple[tuple[str, int], ...]]
+#: What ``--check`` timed: (comm blocks, decode tile or None, tile fields) -> layer times.
+CheckTimes = dict[tuple[int, bool | None, tuple[tuple[str, int], ...]], search.Times]
 
 
-def check_rows(times: dict[tuple[int, bool | None], search.Times], picks: dict[str, Pick]
-               ) -> list[dict]:
+def check_rows(times: CheckTimes, picks: dict[str, Pick]) -> list[dict]:
     """Per layer (and both together), each pick's time against the exhaustive best;
-    ``times`` is keyed by (comm blocks, decode tile)."""
+    ``times`` is keyed by (comm blocks, decode tile, tile fields)."""
     rows = []
     for i, layer_name in enumerate(("layer0", "layer1")):
         best = min(times, key=lambda k: times[k][i])
         row = {"layer": layer_name, "best": best[0], "best_decode_tile": best[1],
-               "best_us": times[best][i]}
+               "best_tile": dict(best[2]), "best_us": times[best][i]}
         for label, pick in picks.items():
-            t = times[(pick[i], pick[2])][i]
-            row.update({label: pick[i], f"{label}_decode_tile": pick[2], f"{label}_us": t,
+            t = times[(pick[i], pick[2], pick[3])][i]
+            row.update({label: pick[i], f"{label}_decode_tile": pick[2],
+                        f"{label}_tile": dict(pick[3]), f"{label}_us": t,
                         f"{label}_over_best": t / times[best][i]})
         rows.append(row)
     both = {"layer": "both", "best_us": rows[0]["best_us"] + rows[1]["best_us"]}
@@ -332,7 +378,7 @@ def check_rows(times: dict[tuple[int, bool | None], search.Times], picks: dict[s
 
 def format_check(report: list[dict], labels: list[str]) -> str:
     """The ``--check`` report as a markdown table (``d`` after a split: the decode
-    tile)."""
+    tile; ``*`` after it: the pick sets tile fields, listed in the JSON report)."""
     head = ("| tokens | layer | " + " | ".join(f"{x} (n) us" for x in labels)
             + " | best (n) us | " + " | ".join(f"{x}/best" for x in labels) + " |")
     lines = [head, "|" + "---|" * (3 + 2 * len(labels))]
@@ -340,6 +386,7 @@ def format_check(report: list[dict], labels: list[str]) -> str:
         def cell(label):
             n = r.get(label)
             d = "d" if r.get(f"{label}_decode_tile") else ""
+            d += "*" if r.get(f"{label}_tile") else ""
             return f"{r[f'{label}_us']:.0f}" + (f" ({n}{d})" if n is not None else "")
         lines.append(f"| {r['tokens']} | {r['layer']} | "
                      + " | ".join(cell(x) for x in labels) + f" | {cell('best')} | "
@@ -375,19 +422,25 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         # The table's tile where it has one and the layer can run it; else the rule's.
         tuned_tile = (tiles[0] if None in tiles or choice.decode_tile is None
                       else choice.decode_tile)
-        picks = {"tuned": (*choice.splits, tuned_tile),
-                 "fixed": (FIXED_SPLIT, FIXED_SPLIT, tiles[0]),
-                 "analytic": (*layer.analytic_comm_blocks(tokens), tiles[0])}
+        picks = {"tuned": (*choice.splits, tuned_tile, choice.tile),
+                 "fixed": (FIXED_SPLIT, FIXED_SPLIT, tiles[0], ()),
+                 "analytic": (*layer.analytic_comm_blocks(tokens), tiles[0], ())}
         # A pick beyond this GPU's programs runs as the largest split it has (clamped
         # before the sweep, so every pick is among the timed candidates).
-        picks = {k: (*(min(n, layer.programs - 1) for n in v[:2]), v[2])
+        picks = {k: (*(min(n, layer.programs - 1) for n in v[:2]), *v[2:])
                  for k, v in picks.items()}
         wanted = set(args.candidates) | {n for p in picks.values() for n in p[:2]}
         candidates = sorted(n for n in wanted if 0 <= n < layer.programs)
-        times = {}
+        times: CheckTimes = {}
         for tile in tiles:
             timer = bucket_timer(layer, cfg, tokens, args, device, rank, tile)
-            times.update({(n, tile): timer(n) for n in candidates})
+            times.update({(n, tile, ()): timer(n) for n in candidates})
+        if choice.tile:     # the table's tile fields, at its own split
+            pick = picks["tuned"]
+            timer = bucket_timer(layer, cfg, tokens, args, device, rank, pick[2],
+                                 dict(pick[3]))
+            for n in sorted(set(pick[:2])):
+                times[(n, pick[2], pick[3])] = timer(n)
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
         print(f"table: {path}")

@@ -12,3 +12,19 @@
 #: last round of layer0's work queue goes one item per take; 9: the tile table runs
 #: expert-major after a local head, and the dispatch feeds every destination abreast.
 KERNEL_REVISION = 10
+
+#: TileConfig fields a tuned table may set per token bucket (``comet tune`` searches them
+#: once the block split is chosen), with the smallest valid value of each. They change
+#: only the order in which a rank runs its own work -- no buffer size, nothing a peer
+#: reads -- so each call may use its own.
+TUNABLE_TILE_FIELDS = {"group_m": 1, "local_head_tiles": 0}
+
+
+def tile_field_error(name: str, value) -> str | None:
+    """Why ``name = value`` cannot be a per-call tile choice, or None if it can."""
+    if name not in TUNABLE_TILE_FIELDS:
+        return f"{name!r} is not a per-call tile field (those are {sorted(TUNABLE_TILE_FIELDS)})"
+    low = TUNABLE_TILE_FIELDS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return f"tile field {name!r} must be an integer >= {low}, got {value!r}"
+    return None

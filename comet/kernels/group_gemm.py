@@ -29,10 +29,6 @@ import triton.language as tl
 
 from comet.kernels.sync import take
 
-# Work-item orders (comet.scheduler.plan documents them for the simulator).
-GROUP_M = tl.constexpr(8)    # m-tiles that share a column block while it sits in L2
-
-
 @triton.jit
 def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
     """Columns of interleaved W13 (comet.weights) holding gate column ``n0`` and its up
@@ -119,7 +115,7 @@ def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, 
 
 
 @triton.jit
-def grouped_work(w, num_tiles, n_blocks):
+def grouped_work(w, num_tiles, n_blocks, GROUP_M: tl.constexpr):
     """layer0 order: groups of ``GROUP_M`` consecutive m-tiles sweep the column blocks
     together (so a weight block is read once per group from L2), groups in table order
     (the scheduler's order: a local head, then expert-major -- so a group's m-tiles are

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from comet.config import MoEConfig
+from comet.kernels import tile_field_error
 from comet.kernels import layer0 as l0
 from comet.kernels import layer1 as l1
 from comet.kernels import plan as kplan
@@ -59,10 +61,21 @@ class TileConfig:
         chunk copy by one comm block (256 rows: 36-118 us for the presets at 4096
         tokens/rank, EP=2 timelines); each chunk also costs one remote release.
     comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+    group_m: m-tiles of layer0's table that sweep the column blocks together
+        (:func:`kernels.group_gemm.grouped_work`): each group reads its experts' weight
+        blocks once, so an expert's W13 comes from HBM once per group of its m-tiles,
+        while the group's A rows must stay in L2. Mixtral at EP=2 rank shapes, 16384
+        tokens/rank (64 m-tiles per expert): layer0 read 9.5 GB from HBM with 8, 7.7
+        with 16, 12.7 with 32 (H100, ncu); compute-only calls with 16 took 0.97x (H100)
+        and 0.99x (H200) the time, phi3.5-moe 0.99x; no change at 4096 tokens, and
+        qwen2-moe (4 m-tiles per expert: a group of 16 spans four experts' weights) up
+        to 1.01x slower (``benchmarks/results/2026-11-25``). Per token bucket a tuned
+        table may set it (:data:`comet.kernels.TUNABLE_TILE_FIELDS`).
     local_head_tiles: m-tiles of this rank's own rows that open layer0's tile table, ahead
         of the expert-major rest (comet.scheduler.plan): work for the GEMM blocks while
         the first remote rows are in flight. Each expert in the head has its weights
-        read once more (its remote tiles come later).
+        read once more (its remote tiles come later). Tunable per bucket, like group_m
+        (none paid at 4096 tokens/rank, 16 at 16384, in fused EP=2 calls).
     lane_head_rounds / lane_tail_rounds: rounds (one item per program) of layer0's work
         queue handed out one item per take at its start and its end, the rest in lanes
         of ``kernels.layer0.LANE_ITEMS`` (:func:`kernels.group_gemm.lane_shape`). Paired
@@ -111,6 +124,7 @@ class TileConfig:
     comm_rows: int = 256
     comm_copy_rows: int = 32
     comm_block_h: int = 512
+    group_m: int = 8
     local_head_tiles: int = 16
     lane_head_rounds: int = 0
     lane_tail_rounds: int = 1
@@ -130,6 +144,15 @@ class TileConfig:
         if GATE_UP_BLOCK % self.block_n0:
             raise ValueError(f"block_n0 must divide the W13 interleave block "
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
+
+    def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
+        """This configuration with some :data:`comet.kernels.TUNABLE_TILE_FIELDS` set (a
+        tuned table's per-bucket choice, or a call's override); ValueError for any other
+        field or a value below the field's minimum."""
+        for name, value in overrides.items():
+            if (why := tile_field_error(name, value)) is not None:
+                raise ValueError(why)
+        return dataclasses.replace(self, **overrides) if overrides else self
 
     def decode_tile(self) -> "TileConfig | None":
         """The tile configuration of small calls: this one with layer1's column block
@@ -411,7 +434,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ROW_HOME=row_home, GATED=out is None, TRANS_B=transposed, GATE_UP=GATE_UP_BLOCK,
         ONE_DOT=one_dot,
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        DOT_PRECISION=_dot_precision(cfg.dtype), HEAD_ROUNDS=tile.lane_head_rounds,
+        DOT_PRECISION=_dot_precision(cfg.dtype), GROUP_M=tile.group_m,
+        HEAD_ROUNDS=tile.lane_head_rounds,
         TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw, A_GATHER=gather,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
 

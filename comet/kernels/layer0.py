@@ -258,8 +258,8 @@ def layer0_compute_role(queue, a_desc, a_ptr, a_index, w_desc, c_ptr, K, N,
                         GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
-                        WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
+                        GROUP_M: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
+                        TAIL_ROUNDS: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
                         ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
                         USE_ASM: tl.constexpr, A_GATHER: tl.constexpr):
     """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
@@ -285,7 +285,7 @@ def layer0_compute_role(queue, a_desc, a_ptr, a_index, w_desc, c_ptr, K, N,
         ready = 1
         if WAIT:
             for w in range(first, end, programs):
-                t, nb = grouped_work(w, num_tiles, n_blocks)
+                t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
                 seen, ok = _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre,
                                        tl.load(tile_wait + t), tl.load(tile_expert + t),
                                        tl.load(tile_row_start + t), tl.load(tile_row_end + t),
@@ -297,7 +297,7 @@ def layer0_compute_role(queue, a_desc, a_ptr, a_index, w_desc, c_ptr, K, N,
             for w in tl.range(first, end, programs, flatten=True):
                 if TRACE:
                     start = clock_ns(USE_ASM)
-                t, nb = grouped_work(w, num_tiles, n_blocks)
+                t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
                 expert = tl.load(tile_expert + t)
                 gemm_tile(a_desc, w_desc, c_ptr, N, expert, tl.load(tile_row_start + t),
                           tl.load(tile_row_end + t), nb * BLOCK_N, K, N, GATED, GATE_UP,
@@ -328,8 +328,8 @@ def layer0_kernel(
     COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr, ROW_HOME: tl.constexpr,
     GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_ROUNDS: tl.constexpr, TAIL_ROUNDS: tl.constexpr,
-    TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
+    TAIL_ROUNDS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
     A_GATHER: tl.constexpr = False,
 ):
     epoch = tl.load(epoch_ptr)
@@ -358,5 +358,5 @@ def layer0_kernel(
                             num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
                             epoch, err_table, rank, timeout, trace_ptr, events, WAIT, GATED,
                             TRANS_B, GATE_UP, ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_PRECISION, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
+                            DOT_PRECISION, GROUP_M, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
                             LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM, A_GATHER)

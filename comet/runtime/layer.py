@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.kernels import TUNABLE_TILE_FIELDS
 from comet.kernels import launch as L
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
@@ -137,7 +138,9 @@ class FusedMoE:
         group: expert-parallel process group (None: the world if initialised, else one
             rank). Collective: all ranks construct it together.
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
-            calls too small to fill the GPU their own GEMM tiles (:meth:`select_tile`).
+            calls too small to fill the GPU their own GEMM tiles, and a tuned table may
+            set its :data:`comet.kernels.TUNABLE_TILE_FIELDS` per token bucket
+            (:meth:`select_tile`).
         tuned_config_folder: extra folder of ``comet tune`` tables.
         check_errors: ``"lazy"`` raise a failed call's error at a later call (no sync);
             ``"sync"`` synchronise after every call and raise at once (debugging).
@@ -246,10 +249,11 @@ class FusedMoE:
         self.programs = programs
         self._virtual = virtual
         self.last_comm_blocks: tuple[int, int] | None = None
-        self._decode_tile = tile.decode_tile()
+        self._variants: dict[tuple, tuple[L.TileConfig, L.TileConfig | None]] = {}
         self.last_tile: L.TileConfig | None = None
+        self.last_decode = False
         self._small: dict[int, bool] = {}
-        self._selected: dict[tuple, tuple[tuple[int, int], bool | None]] = {}
+        self._selected: dict[tuple, tuned.Choice] = {}
         # Host copy of the error words, refreshed after every call without a sync.
         self._pending = (torch.zeros(ws.error.numel(), dtype=torch.int32, pin_memory=True)
                          if self.device.type == "cuda" else None)
@@ -258,9 +262,9 @@ class FusedMoE:
         self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
         self._static = StaticInputs(cfg, self.device)
-        self._graphs: dict[tuple[str, bool, bool], torch.cuda.CUDAGraph | None] = {}
+        self._graphs: dict[tuple[str, bool, L.TileConfig], torch.cuda.CUDAGraph | None] = {}
         self._trace: dict[str, torch.Tensor] | None = None
-        self._compiled: set[tuple[str, bool, bool]] = set()
+        self._compiled: set[tuple[str, bool, L.TileConfig]] = set()
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
         self._backward_scalars: StagedScalars | None = None
         self._backward_calls: dict[tuple[bool, bool], BackwardCall] = {}
@@ -274,28 +278,60 @@ class FusedMoE:
         if comm_blocks is not None:
             n0, n1 = (comm_blocks, comm_blocks) if isinstance(comm_blocks, int) else comm_blocks
         else:
-            n0, n1 = self._selection(num_tokens)[0]
+            n0, n1 = self._selection(num_tokens).splits
         for n in (n0, n1):
             if not 0 <= n < self.programs:
                 raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
         return int(n0), int(n1)
 
-    def select_tile(self, num_tokens: int, decode_tile: bool | None = None) -> L.TileConfig:
-        """The tile configuration of a call with ``num_tokens`` on this rank: the decode
-        tile (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) or the
-        default. ``decode_tile`` forces one; else a tuned table's ``decode_tile`` for the
+    def select_tile(self, num_tokens: int, decode_tile: bool | None = None,
+                    tile_overrides: dict[str, int] | None = None) -> L.TileConfig:
+        """The tile configuration of a call with ``num_tokens`` on this rank: the layer's
+        TileConfig with the tunable fields a tuned table sets for the bucket
+        (``tile_overrides`` replaces those), on the decode tile
+        (:meth:`TileConfig.decode_tile`, narrower layer1 column blocks) or not --
+        ``decode_tile`` forces that choice; else the table's ``decode_tile`` for the
         bucket, else :meth:`decode_by_rule`. A rank-local choice: tiles change no buffer a
         peer reads. Remembered per token count."""
-        if self._decode_tile is None:
+        picked = self._selection(num_tokens)
+        base, decode = self._variant(picked.tile if tile_overrides is None
+                                     else tuple(sorted(tile_overrides.items())))
+        if decode is None:
             if decode_tile:
                 raise ValueError("decode_tile=True, but this layer's TileConfig has no "
                                  "decode tile (decode_block_n1 is 0 or block_n1)")
-            return self.tile
+            return base
         if decode_tile is None:
-            decode_tile = self._selection(num_tokens)[1]
+            decode_tile = picked.decode_tile
         if decode_tile is None:
             decode_tile = self.decode_by_rule(num_tokens)
-        return self._decode_tile if decode_tile else self.tile
+        return decode if decode_tile else base
+
+    def _variant(self, overrides: tuple[tuple[str, int], ...]
+                 ) -> tuple[L.TileConfig, L.TileConfig | None]:
+        """(the layer's TileConfig with ``overrides``, its decode tile or None), built
+        once per set of overrides (a ValueError names a field that is not tunable)."""
+        if overrides not in self._variants:
+            base = self.tile.with_overrides(dict(overrides))
+            self._variants[overrides] = (base, base.decode_tile())
+        return self._variants[overrides]
+
+    def tile_variants(self) -> list[L.TileConfig]:
+        """Every tile configuration a call may select: the layer's, the tuned table's
+        per-bucket ones, and the decode tile of each."""
+        table = tuned.load_table(self.cfg, self.par.world_size, self.device,
+                                 self.tuned_config_folder)
+        picks = {()} | {c.tile for c in (table or {}).values()}
+        return [t for o in sorted(picks) for t in self._variant(o) if t is not None]
+
+    @property
+    def last_tile_overrides(self) -> dict[str, int]:
+        """The tunable tile fields in which the last call's tile differed from the
+        layer's TileConfig (a tuned bucket's choice, or the call's override)."""
+        if self.last_tile is None:
+            return {}
+        return {k: getattr(self.last_tile, k) for k in TUNABLE_TILE_FIELDS
+                if getattr(self.last_tile, k) != getattr(self.tile, k)}
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`select_tile` is the decode tile (a layer
@@ -308,10 +344,11 @@ class FusedMoE:
                 rows, c.num_experts // world, c.hidden_size, self.programs)
         return self._small[num_tokens]
 
-    def _selection(self, num_tokens: int) -> tuple[tuple[int, int], bool | None]:
-        """(comm blocks, tuned decode-tile flag or None) from a tuned table, else the
-        analytic model's split. Remembered per token count: the forward path should not
-        search folders, query the device name or run the model's loop on every call."""
+    def _selection(self, num_tokens: int) -> tuned.Choice:
+        """The tuned table's bucket (comm blocks, decode-tile flag or None, tile fields),
+        else the analytic model's split and nothing else. Remembered per token count: the
+        forward path should not search folders, query the device name or run the model's
+        loop on every call."""
         key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
         if key not in self._selected:
             picked = tuned.lookup(self.cfg, self.par.world_size, num_tokens, self.device,
@@ -321,8 +358,8 @@ class FusedMoE:
                               f"{num_tokens} tokens does not fit this GPU's {self.programs} "
                               "programs; using the analytic model", stacklevel=4)
                 picked = None
-            self._selected[key] = ((picked.splits, picked.decode_tile) if picked is not None
-                                   else (self.analytic_comm_blocks(num_tokens), None))
+            self._selected[key] = (picked if picked is not None
+                                   else tuned.Choice(*self.analytic_comm_blocks(num_tokens)))
         return self._selected[key]
 
     def analytic_comm_blocks(self, num_tokens: int) -> tuple[int, int]:
@@ -415,10 +452,12 @@ class FusedMoE:
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None,
-                 decode_tile: bool | None = None) -> torch.Tensor:
+                 decode_tile: bool | None = None,
+                 tile_overrides: dict[str, int] | None = None) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``.
 
-        ``comm_blocks`` (an int for both layers, or a pair) and ``decode_tile`` override
+        ``comm_blocks`` (an int for both layers, or a pair), ``decode_tile`` and
+        ``tile_overrides`` (values of :data:`comet.kernels.TUNABLE_TILE_FIELDS`) override
         the per-call selection (:meth:`select_comm_blocks`, :meth:`select_tile`).
 
         Every rank of the group must make the same sequence of calls. On a GPU, calls
@@ -432,8 +471,8 @@ class FusedMoE:
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self._failure}") from self._failure
         n0, n1 = self.select_comm_blocks(x.shape[0], comm_blocks)
-        decode = self.select_tile(x.shape[0], decode_tile) is not self.tile
-        y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer, decode)
+        tile = self.select_tile(x.shape[0], decode_tile, tile_overrides)
+        y = self._launch(x, topk_ids, topk_weights, (n0, n1), mode, timer, tile)
         self._after_launch()
         return y
 
@@ -449,15 +488,16 @@ class FusedMoE:
             self._timeout = timeout
 
     def _launch(self, x, topk_ids, topk_weights, split: tuple[int, int], mode: str,
-                timer: PhaseTimer | None, decode: bool = False) -> torch.Tensor:
-        """Stage the inputs and issue one call's work (graph replay when possible) with
-        the decode tile or the default one."""
+                timer: PhaseTimer | None, tile: L.TileConfig) -> torch.Tensor:
+        """Stage the inputs and issue one call's work (graph replay when possible) on
+        ``tile``."""
         m = x.shape[0]
         n0, n1 = split
         if self._scatters(mode):
             n1 = 0      # layer1 has no comm role then: its epilogue sends
         self.last_comm_blocks = (n0, n1)
-        self.last_tile = self._decode_tile if decode else self.tile
+        self.last_tile = tile
+        self.last_decode = tile.block_n1 != self.tile.block_n1
         y = torch.empty_like(x)
         s = self._static
         self._refresh_timeout()
@@ -467,7 +507,7 @@ class FusedMoE:
         s.weights[:m].copy_(topk_weights)
         # Only layer0's split changes the launches (0: two launches); layer1 is one launch
         # for any split, which the kernel reads on the device. The tile changes them all.
-        key = (mode, n0 > 0, decode)
+        key = (mode, n0 > 0, tile)
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled and key not in self._graphs:
@@ -476,7 +516,7 @@ class FusedMoE:
         if graphable and self._graphs.get(key) is not None:
             self._graphs[key].replay()
         else:
-            self._body(mode, key[1], timer or PhaseTimer(), decode)
+            self._body(mode, key[1], timer or PhaseTimer(), tile)
             if graphable:
                 self._compiled.add(key)
         return y
@@ -582,10 +622,10 @@ class FusedMoE:
                    torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
         self.ws.fatal_word[0].fill_(TIMEOUT_CODE)
-        for decode in (False, True) if self._decode_tile is not None else (False,):
+        for tile in self.tile_variants():
             for split in ((1, 1), (0, 0)):
                 for _ in range(2):
-                    self._launch(*nothing, split, mode, None, decode)
+                    self._launch(*nothing, split, mode, None, tile)
         if backward:
             for split in ((1, 1), (0, 0)):
                 for _ in range(2):
@@ -684,11 +724,10 @@ class FusedMoE:
         return graph
 
     def _body(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer,
-              decode: bool = False) -> None:
+              tile: L.TileConfig) -> None:
         """One call on the staged inputs (``self._static``); see the module docstring.
         A layer0 split with no comm blocks runs its two roles as two launches."""
         ws, cfg, s = self.ws, self.cfg, self._static
-        tile = self._decode_tile if decode else self.tile
         grid = self.programs
         # The interpreter runs one program at a time: a fused launch would have its comm
         # programs wait for compute programs that have not run, so roles go one by one.

@@ -1,4 +1,4 @@
-"""Tuned tables (block split, layer1 tile) written by ``comet tune``; the per-call lookup.
+"""Tuned tables (block split, tile) written by ``comet tune``; the per-call lookup.
 
 One JSON file per (shape, expert-parallel size, device, dtype), named like vLLM's fused-MoE
 configs::
@@ -6,8 +6,11 @@ configs::
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
 
 holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
-"decode_tile": true|false, ...}}}`` (``decode_tile`` optional: whether layer1 runs on the
-decode tile, see ``FusedMoE.select_tile``; absent, the layer's rule decides). Folders
+"decode_tile": true|false, "tile": {"group_m": 16}, ...}}}``. Optional per bucket:
+``decode_tile`` (whether layer1 runs on the decode tile, see ``FusedMoE.select_tile``;
+absent, the layer's rule decides) and ``tile`` (values of the
+:data:`comet.kernels.TUNABLE_TILE_FIELDS` that differ from the layer's TileConfig;
+absent, none do). Folders
 are searched in order: the ``folder`` argument (``CometMoE(...,
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 from comet.config import MoEConfig
-from comet.kernels import KERNEL_REVISION
+from comet.kernels import KERNEL_REVISION, tile_field_error
 
 log = logging.getLogger("comet")
 
@@ -72,15 +75,30 @@ def expected_meta(cfg: MoEConfig, world_size: int, device: str) -> dict:
 
 @dataclass(frozen=True)
 class Choice:
-    """One bucket of a table: comm blocks per layer, and the layer1 tile if tuned."""
+    """One bucket of a table: comm blocks per layer, the layer1 tile if tuned, and the
+    tile fields the bucket sets (``(name, value)`` pairs, sorted)."""
 
     layer0: int
     layer1: int
     decode_tile: bool | None = None
+    tile: tuple[tuple[str, int], ...] = ()
 
     @property
     def splits(self) -> tuple[int, int]:
         return self.layer0, self.layer1
+
+
+def parse_tile(tokens: str, tile) -> tuple[tuple[str, int], ...]:
+    """A bucket's ``tile`` entry as sorted ``(field, value)`` pairs; TunedTableError
+    unless it maps :data:`comet.kernels.TUNABLE_TILE_FIELDS` to values in range."""
+    if tile is None:
+        return ()
+    if not isinstance(tile, dict):
+        raise TunedTableError(f"bucket {tokens!r}: 'tile' must be an object, got {tile!r}")
+    for name, value in tile.items():
+        if (why := tile_field_error(name, value)) is not None:
+            raise TunedTableError(f"bucket {tokens!r}: {why}")
+    return tuple(sorted(tile.items()))
 
 
 class TunedTableError(ValueError):
@@ -119,7 +137,7 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
         if decode is not None and not isinstance(decode, bool):
             raise TunedTableError(f"bucket {tokens!r}: 'decode_tile' must be true or false, "
                                   f"got {decode!r}")
-        out[t] = Choice(n0, n1, decode)
+        out[t] = Choice(n0, n1, decode, parse_tile(tokens, entry.get("tile")))
     if not out:
         raise TunedTableError("no buckets")
     return out
@@ -157,9 +175,10 @@ def nearest_bucket(table: dict[int, Choice], tokens: int) -> Choice:
 _untuned_logged: set = set()
 
 
-def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
-           folder: str | os.PathLike | None = None) -> Choice | None:
-    """The tuned choice for ``tokens`` on this rank, or None when untuned."""
+def load_table(cfg: MoEConfig, world_size: int, device=None,
+               folder: str | os.PathLike | None = None) -> dict[int, Choice] | None:
+    """The table a layer of this shape uses (``{tokens: Choice}``), or None when untuned
+    (logged once per shape)."""
     dev = device_name(device)
     name = file_name(cfg, world_size, dev)
     expect = tuple(sorted(expected_meta(cfg, world_size, dev).items()))
@@ -168,9 +187,16 @@ def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
         if path.is_file():
             table = _load(str(path), expect)
             if table is not None:
-                return nearest_bucket(table, tokens)
+                return table
     if name not in _untuned_logged:
         _untuned_logged.add(name)
         log.info("comet: no tuned block split for %s; using the analytic model "
                  "(run `comet tune` for this shape)", name)
     return None
+
+
+def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
+           folder: str | os.PathLike | None = None) -> Choice | None:
+    """The tuned choice for ``tokens`` on this rank, or None when untuned."""
+    table = load_table(cfg, world_size, device, folder)
+    return None if table is None else nearest_bucket(table, tokens)

@@ -38,6 +38,8 @@ from comet.weights import interleave_gate_up
 from gemm_check import graph_us, graphed   # same folder: scripts/device
 from gemm_variants import PAIRED_ROUNDS, preset_arguments, tile_table
 
+GROUP_M = tl.constexpr(TileConfig.group_m)
+
 
 @triton.jit
 def gathered_gate_up(a_ptr, row_src, row_start, row_end, b_desc, b_row, n0, K,
@@ -60,7 +62,7 @@ def layer0_gemm(a_desc, a_ptr, row_src, b_desc, c_ptr, tile_expert, tile_row_sta
     n_blocks = tl.cdiv(N, BLOCK_N)
     total = num_tiles * n_blocks
     for w in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
-        t, nb = grouped_work(w, num_tiles, n_blocks)
+        t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
         expert = tl.load(tile_expert + t)
         r0 = tl.load(tile_row_start + t)
         r1 = tl.load(tile_row_end + t)

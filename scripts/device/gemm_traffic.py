@@ -71,7 +71,7 @@ def number(text: str) -> float | None:
 
 def summarise(path: str) -> list[dict]:
     """ncu's raw CSV (a header row, a units row, one row per kernel) -> one dict per
-    kernel with the KEEP counters, plus bytes per FLOP-free ratios left to the reader."""
+    kernel with the KEEP counters."""
     with open(path) as fh:
         text = fh.read()
     start = text.find('"ID"')

@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from comet.config import preset
+from comet.kernels.launch import TileConfig
 from comet.kernels.group_gemm import gemm_acc, gemm_tile, grouped_work, strided_take
 from comet.kernels.sync import take
 from comet.weights import GATE_UP_BLOCK, interleave_gate_up
@@ -42,13 +43,14 @@ LOOPS = {"queue": 0, "static": 1, "flat": 2, "batch": 3, "grid": 4, "strided": 6
 #: was interleaved; the others run one dot over the interleave block, comet.weights).
 EPILOGUES = {"store": 0, "tma": 1, "none": 2, "twodot": 3}
 GATE_UP = tl.constexpr(GATE_UP_BLOCK)
+GROUP_M = tl.constexpr(TileConfig.group_m)
 
 
 @triton.jit
 def _item(w, a_desc, b_desc, c_ptr, tile_expert, tile_row_start, tile_row_end, num_tiles,
           n_blocks, K, N, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr = 0):
-    t, nb = grouped_work(w, num_tiles, n_blocks)
+    t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
     expert = tl.load(tile_expert + t)
     r0 = tl.load(tile_row_start + t)
     r1 = tl.load(tile_row_end + t)
