@@ -39,6 +39,7 @@ import torch
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 from kernel_times import parse_tile, rank_layer_inputs    # this folder is on sys.path
+from paired_tiles import batch_us
 from power_probe import Sampler, board_limits, window_stats
 
 #: GPU sleep before each rested call: long enough for the SM clock to recover from the
@@ -46,16 +47,6 @@ from power_probe import Sampler, board_limits, window_stats
 #: host to have issued the whole call before the start event (comet's call stages its
 #: inputs on the host: timed from an idle GPU, it measured the host).
 REST_CYCLES = 40_000_000
-
-
-def batch_us(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
 
 
 def rested_us(fn, calls: int) -> float:

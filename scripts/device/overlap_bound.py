@@ -53,7 +53,7 @@ from comet.baseline import grouped_mm, plan_dispatch
 from comet.cli.launch import init_ranks
 from comet.runtime.layer import FusedMoE
 from kernel_times import rank_layer_inputs    # this folder is on sys.path
-from paired_tiles import paired_args, paired_rounds
+from paired_tiles import batch_us, paired_args, paired_rounds, slowest_rank
 from power_probe import Sampler, window_stats
 
 COMET_MODES = ("fused", "sequential", "compute_only", "comm_only")
@@ -152,15 +152,7 @@ def copy_kind(fn) -> list[str]:
 def batch_time(fn, calls: int) -> float:
     """Microseconds per call of ``calls`` back-to-back calls, the slowest rank's."""
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    t = torch.tensor([start.elapsed_time(end) * 1e3 / calls], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return slowest_rank(batch_us(fn, calls), dist.get_world_size())
 
 
 def power_windows(fns: dict, medians: dict[str, float], seconds: float) -> dict:

@@ -33,19 +33,31 @@ from comet.runtime.layer import FusedMoE
 from kernel_times import parse_tile, rank_layer_inputs    # this folder is on sys.path
 
 
-def time_batch(layer, x, ids, w, calls, comm_blocks, world):
-    if world > 1:
-        dist.barrier()
+def batch_us(fn, calls: int) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls of ``fn`` (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
-        layer(x, ids, w, comm_blocks=comm_blocks)
+        fn()
     end.record()
     end.synchronize()
-    t = torch.tensor([start.elapsed_time(end) * 1e3 / calls], device="cuda")
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def slowest_rank(us: float, world: int) -> float:
+    """The largest of every rank's ``us`` (collective when ``world > 1``)."""
+    if world == 1:
+        return us
+    t = torch.tensor([us], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def time_batch(layer, x, ids, w, calls, comm_blocks, world):
+    if world > 1:
+        dist.barrier()
+    us = batch_us(lambda: layer(x, ids, w, comm_blocks=comm_blocks), calls)
+    return slowest_rank(us, world)
 
 
 def paired_rounds(run_batch, n_variants, rounds):
