@@ -29,6 +29,7 @@ import triton.language as tl
 
 from comet.kernels.sync import take
 
+
 @triton.jit
 def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
     """Columns of interleaved W13 (comet.weights) holding gate column ``n0`` and its up

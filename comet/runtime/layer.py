@@ -251,7 +251,6 @@ class FusedMoE:
         self.last_comm_blocks: tuple[int, int] | None = None
         self._variants: dict[tuple, tuple[L.TileConfig, L.TileConfig | None]] = {}
         self.last_tile: L.TileConfig | None = None
-        self.last_decode = False
         self._small: dict[int, bool] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
         # Host copy of the error words, refreshed after every call without a sync.
@@ -323,6 +322,11 @@ class FusedMoE:
                                  self.tuned_config_folder)
         picks = {()} | {c.tile for c in (table or {}).values()}
         return [t for o in sorted(picks) for t in self._variant(o) if t is not None]
+
+    @property
+    def last_decode(self) -> bool:
+        """Whether the last call's layer1 ran on the decode tile."""
+        return self.last_tile is not None and self.last_tile.block_n1 != self.tile.block_n1
 
     @property
     def last_tile_overrides(self) -> dict[str, int]:
@@ -497,7 +501,6 @@ class FusedMoE:
             n1 = 0      # layer1 has no comm role then: its epilogue sends
         self.last_comm_blocks = (n0, n1)
         self.last_tile = tile
-        self.last_decode = tile.block_n1 != self.tile.block_n1
         y = torch.empty_like(x)
         s = self._static
         self._refresh_timeout()

@@ -95,7 +95,9 @@ def main():
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--tiles", nargs="+", default=[])
     ap.add_argument("--summarise", metavar="NCU_CSV", help="summarise a profile, run nothing")
-    args = ap.parse_args()
+    # energy_probe.py's own options (rounds, seconds...) may come along: energy.sh passes
+    # the probe's arguments on, so both profile the same variants.
+    args, _ = ap.parse_known_args()
     if args.summarise:
         for k in summarise(args.summarise):
             print(json.dumps(k))
