@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from comet import reference  # noqa: E402
 from comet.config import MoEConfig  # noqa: E402
+from comet.kernels.launch import TileConfig  # noqa: E402
 from comet.runtime.errors import CometTimeoutError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
 from comet.weights import interleave_gate_up  # noqa: E402
@@ -71,17 +72,23 @@ def rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
 
 
+#: Dispatch variants every correctness check runs: the push, and the copy engines'.
+DISPATCHES = {"push": TileConfig(), "copy": TileConfig(copy_dispatch=True)}
+
+
 def check_correctness(results, quick, configs):
     world, rank = dist.get_world_size(), dist.get_rank()
     for name in configs:
         e, k, h, f = SCALED[name]
-        for dtype in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)):
+        dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
+        for dtype, dispatch in ((d, v) for d in dtypes for v in DISPATCHES):
             cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                             dtype=dtype, max_tokens=512)
             w13, w2 = global_weights(cfg, 7)
             el = e // world
             layer = FusedMoE(cfg, w13[rank * el:(rank + 1) * el].contiguous(),
-                             w2[rank * el:(rank + 1) * el].contiguous(), check_errors="sync")
+                             w2[rank * el:(rank + 1) * el].contiguous(), check_errors="sync",
+                             tile=DISPATCHES[dispatch])
             p = layer.programs
             splits = [0, 1, 16, p - 1] if quick else [0, 1, 8, 24, p // 2, p - 1]
             worst = 0.0
@@ -93,10 +100,11 @@ def check_correctness(results, quick, configs):
                     y = layer(xs[rank], ids[rank], ws[rank], comm_blocks=n)
                     err = rel_err(y, ref)
                     worst = max(worst, err)
-                    assert err < 1e-2, (name, dtype, kind, n, err)
+                    assert err < 1e-2, (name, dtype, dispatch, kind, n, err)
             results.append({"check": "correctness", "config": name, "dtype": str(dtype),
-                            "splits": splits, "kinds": list(KINDS), "worst_rel_err": worst})
-            log(f"ok correctness {name} {dtype} splits={splits} worst={worst:.2e}")
+                            "dispatch": dispatch, "splits": splits, "kinds": list(KINDS),
+                            "worst_rel_err": worst})
+            log(f"ok correctness {name} {dtype} {dispatch} splits={splits} worst={worst:.2e}")
             del layer
             torch.cuda.empty_cache()
 

@@ -115,6 +115,12 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                             row_home=True)
         L.launch_layer1(wss, cfg, w2, scatter, L.ROLE_COMPUTE, split, 132, scatter=True)
         L.launch_combine(wss, cfg, L.address_of(x), split, scatter, 132, scatter=True)
+        # layer0's dispatch by copy engines: the placing comm role (TileConfig.copy_dispatch).
+        copy = dataclasses.replace(scatter, copy_dispatch=True)
+        wsc = allocate_virtual(cfg, world, "cpu", copy)[0]
+        L.launch_plan(wsc, cfg, ids, wts, copy)
+        for role in (L.ROLE_FUSED, L.ROLE_COMM):
+            L.launch_layer0(wsc, cfg, L.address_of(x), w13, copy, role, split, 132, copy=True)
         # layer0 with its A rows gathered through an index (TileConfig.a_gather).
         gather = dataclasses.replace(tile, a_gather=True)
         L.launch_plan(ws, cfg, ids, wts, gather)

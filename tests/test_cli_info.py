@@ -193,11 +193,11 @@ def test_check_raises_named_cuda_errors():
         pytest.skip("cuda-python is not installed")
     rt = topology.cuda_runtime()
     ok, bad = rt.cudaError_t.cudaSuccess, rt.cudaError_t.cudaErrorInvalidValue
-    assert topology._check(rt, "call", (ok, 7)) == 7
-    assert topology._check(rt, "call", (ok,)) is None
-    assert topology._check(rt, "call", (ok, 1, 2)) == (1, 2)
+    assert topology.checked(rt, "call", (ok, 7)) == 7
+    assert topology.checked(rt, "call", (ok,)) is None
+    assert topology.checked(rt, "call", (ok, 1, 2)) == (1, 2)
     with pytest.raises(topology.CudaError, match="cudaFoo failed: cudaErrorInvalidValue") as e:
-        topology._check(rt, "cudaFoo", (bad, None))
+        topology.checked(rt, "cudaFoo", (bad, None))
     assert e.value.name == "cudaErrorInvalidValue"
 
 

@@ -111,10 +111,11 @@ def test_w1_routings(kind):
         assert _rel_err(y, ref) < 1e-2
 
 
-@pytest.mark.parametrize("scatter", [False, True], ids=["reduce", "scatter"])
+@pytest.mark.parametrize("variant", ["reduce", "scatter", "copy"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))
-def test_virtual_ranks_bf16(world, name, scatter):
+def test_virtual_ranks_bf16(world, name, variant):
+    import dataclasses
     from comet.kernels.launch import TileConfig
     from comet.runtime.virtual import VirtualEP
     e, k, h, f = SCALED[name]
@@ -122,8 +123,9 @@ def test_virtual_ranks_bf16(world, name, scatter):
                     dtype=torch.bfloat16, max_tokens=256)
     g = torch.Generator(device="cuda").manual_seed(world)
     shards = [_weights(e // world, h, f, torch.bfloat16, g) for _ in range(world)]
-    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards],
-                   TileConfig() if scatter else _reduce_tile())
+    tile = {"reduce": _reduce_tile(), "scatter": TileConfig(),
+            "copy": dataclasses.replace(TileConfig(), copy_dispatch=True)}[variant]
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], tile)
     for kind in KINDS:
         cg = torch.Generator().manual_seed(len(kind))
         ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 256, cg), e, k, cg)]
@@ -569,3 +571,52 @@ def test_tile_fields_change_the_order_not_the_result():
             assert layer.last_tile_overrides == overrides
             assert torch.equal(y, y0), overrides
     layer.check_errors_now()
+
+
+def test_copy_dispatch_matches_the_push_at_full_size():
+    """``TileConfig.copy_dispatch`` at full Mixtral sizes, EP=2 on two virtual ranks
+    called concurrently, back to back (graph replays, ranks drifting apart): bit for bit
+    the pushing layer's output (the same rows land in the same places)."""
+    import dataclasses
+    from comet.config import preset
+    from comet.kernels.launch import TileConfig
+    from comet.runtime.layer import VIRTUAL_COPY_SMS, FusedMoE
+    from comet.runtime.virtual import concurrent_forward
+    cfg = preset("mixtral", max_tokens=2048)
+    world, el = 2, cfg.num_experts // 2
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shards = [_weights(el, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
+              for _ in range(world)]
+    w13, w2 = [s[0] for s in shards], [s[1] for s in shards]
+    copy = FusedMoE.virtual_group(cfg, w13, w2,
+                                  tile=dataclasses.replace(TileConfig(), copy_dispatch=True))
+    # The push group on the copy group's grid: its calls run beside the copy group's
+    # and must leave the same-GPU copies their SMs too.
+    push = FusedMoE.virtual_group(cfg, w13, w2, programs=copy[0].programs)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    calls, results = [], []
+    for call in range(12):
+        kind = KINDS[call % len(KINDS)]
+        cg = torch.Generator().manual_seed(call)
+        ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 2048, cg),
+                                          cfg.num_experts, cfg.top_k, cg)]
+        xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g, device="cuda")
+              .to(cfg.dtype) for i in ids]
+        ws = [torch.softmax(torch.rand(i.shape, generator=g, device="cuda"), -1) for i in ids]
+        calls.append((kind, xs, ids, ws))
+    torch.cuda.synchronize()
+    for i, (kind, xs, ids, ws) in enumerate(calls):
+        delays = [0, 100_000 * (i % 4)]
+        results.append((concurrent_forward(push, xs, ids, ws, streams, comm_blocks=16,
+                                           delay_cycles=delays),
+                        concurrent_forward(copy, xs, ids, ws, streams,
+                                           comm_blocks=(16, 24)[i % 2],
+                                           delay_cycles=delays[::-1])))
+    torch.cuda.synchronize()
+    for layer in push + copy:
+        layer.check_errors_now()
+    for (kind, *_), (expect, got) in zip(calls, results):
+        for y, e in zip(got, expect):
+            assert torch.equal(y, e), kind
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert copy[0].programs == (sms - VIRTUAL_COPY_SMS) // world

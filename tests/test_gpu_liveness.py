@@ -57,20 +57,27 @@ def _streams(world):
     return [torch.cuda.Stream() for _ in range(world)]
 
 
-@pytest.mark.parametrize("name, world, scatter", [
-    ("mixtral", 4, True), ("mixtral", 2, True), ("qwen2-moe", 4, True),
-    ("phi3.5-moe", 4, True), ("deepseek-v3-like", 4, True),
-    ("mixtral", 2, False), ("deepseek-v3-like", 4, False)])
-def test_drift_concurrent_virtual_ranks_full_size(name, world, scatter):
+#: Tile variants of the drift test: the default (layer1's scatter epilogue), layer1's
+#: reduce role, layer0's dispatch by copy engines.
+VARIANTS = {"scatter": {}, "reduce": {"layer1_scatter": False}, "copy": {"copy_dispatch": True}}
+
+
+@pytest.mark.parametrize("name, world, variant", [
+    ("mixtral", 4, "scatter"), ("mixtral", 2, "scatter"), ("qwen2-moe", 4, "scatter"),
+    ("phi3.5-moe", 4, "scatter"), ("deepseek-v3-like", 4, "scatter"),
+    ("mixtral", 2, "reduce"), ("deepseek-v3-like", 4, "reduce"),
+    ("mixtral", 2, "copy"), ("qwen2-moe", 4, "copy"), ("deepseek-v3-like", 4, "copy")])
+def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked.
     ``scatter`` (the default): layer1's epilogue writes into peers' pair_out while a fast
-    peer may already be in its next call; without it, layer1's reduce role."""
+    peer may already be in its next call; ``reduce``: layer1's reduce role; ``copy``:
+    hosts copy inputs into peers that may still be placing the previous call's."""
     import dataclasses
     from comet.kernels.launch import TileConfig
     from comet.runtime.virtual import concurrent_forward
     max_tokens = 384
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), layer1_scatter=scatter))
+                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     kinds = ["random", "skewed", "one_expert"]
@@ -97,7 +104,7 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world, scatter):
         ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
         for y, r in zip(ys, ref):
             worst = max(worst, _rel_err(y, r))
-    print(f"{name} W={world} scatter={scatter}: 220 concurrent calls in {elapsed:.1f}s, "
+    print(f"{name} W={world} {variant}: 220 concurrent calls in {elapsed:.1f}s, "
           f"worst rel err {worst:.2e}")
     assert worst < 2e-2
     assert all(int(layer.ws.epoch) == 220 for layer in layers)
@@ -173,6 +180,31 @@ def test_skipped_call_is_an_error_on_every_rank(short_timeout):
     torch.cuda.synchronize()
     assert time.time() - started < short_timeout + 2
     _expect_timeout_everywhere(layers, started, budget_s=short_timeout + 2 + 5)
+    _reset_and_check(layers, cfg, w13, w2, world, streams)
+
+
+def test_copies_that_never_come_are_an_error_on_every_rank(short_timeout, monkeypatch):
+    """Copy dispatch: rank 1's host issues no copies in call 1. Rank 0's placing comm
+    blocks give up on rank 1's flag, and rank 1 learns of it from rank 0; after a reset
+    the group serves calls again."""
+    import dataclasses
+    from comet.kernels.launch import TileConfig
+    from comet.runtime.copy_dispatch import CopySender
+    world = 2
+    cfg, layers, w13, w2 = _group("mixtral", world, 128,
+                                  tile=dataclasses.replace(TileConfig(), copy_dispatch=True))
+    streams = _streams(world)
+    real = CopySender.send
+
+    def lost(self, x, num_tokens):
+        if self.ws.rank != 1:
+            real(self, x, num_tokens)
+
+    monkeypatch.setattr(CopySender, "send", lost)
+    started = time.time()
+    _one_call(layers, cfg, world, 4, streams)
+    _expect_timeout_everywhere(layers, started, budget_s=short_timeout + 2 + 5)
+    monkeypatch.setattr(CopySender, "send", real)
     _reset_and_check(layers, cfg, w13, w2, world, streams)
 
 

@@ -108,6 +108,48 @@ def test_layer0_reads_its_rows_through_an_index():
            torch.float16)
 
 
+#: layer0's dispatch by copy engines: each rank's host copies its input and send list to
+#: its peers, whose comm programs place the rows (comet.runtime.copy_dispatch).
+COPY = dataclasses.replace(L.TileConfig.small(), copy_dispatch=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(SCALED))
+def test_configs_fp16_copy_dispatch(world, name):
+    ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 11, tile=COPY)
+    _close(ys, expect, torch.float16)
+    # Every peer's copies landed and were flagged with this call's epoch.
+    for ws in ep.ws:
+        peers = [s for s in range(world) if s != ws.rank]
+        assert ws.copy_flags[peers].tolist() == [1] * len(peers)
+
+
+def test_copy_dispatch_back_to_back_with_every_routing():
+    """Three ranks (two peers abreast in the placing order), calls of every routing kind
+    (ranks without tokens, tokens without experts, everything on one rank) on one
+    workspace: no call places an older call's rows."""
+    world, e, k, h, f = 3, 12, 4, 32, 16
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=12)
+    g = torch.Generator().manual_seed(1)
+    w13 = [torch.randn(4, h, 2 * f, generator=g) * 0.2 for _ in range(world)]
+    w2 = [torch.randn(4, f, h, generator=g) * 0.2 for _ in range(world)]
+    ep = VirtualEP(cfg, w13, w2, COPY)
+    for call, kind in enumerate(KINDS):
+        ids = make_ids(kind, make_tokens(kind, world, 12, g), e, k, g)
+        ids[1][::3, -1] = -1
+        xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+        wts = [torch.rand(i.shape, generator=g) for i in ids]
+        ys = ep.forward(xs, ids, wts, comm_programs=3)
+        _close(ys, reference.ep_forward(xs, ids, wts, w13, w2), torch.float32)
+        assert all(ws.copy_flags[(ws.rank + 1) % world] == call + 1 for ws in ep.ws)
+
+
+def test_copy_dispatch_needs_the_scatter_epilogue():
+    with pytest.raises(ValueError, match="layer1_scatter"):
+        dataclasses.replace(COPY, layer1_scatter=False)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_scatter_sums_only_real_pairs(kind):
     """Dropped slots (-1), tokens with no expert, everything on one rank: a slot that
@@ -157,9 +199,9 @@ def test_back_to_back_calls_reuse_the_workspace():
     assert int(ep.ws[0].epoch) == 3
 
 
-def test_missing_peer_is_a_clear_error():
-    """Rank 1 never dispatches: rank 0's GroupGEMM gives up and names the missing rank."""
-    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
+def _plan_rank0_of_two(ep):
+    """Both ranks of a W=2 group open a call and exchange counts; rank 0 alone builds its
+    plan. Returns rank 0's workspace and the address of its input."""
     cfg, tile = ep.cfg, ep.tile
     g = torch.Generator().manual_seed(9)
     ids = [torch.tensor([[0, 5], [6, 7]]), torch.tensor([[1, 4]])]
@@ -174,11 +216,31 @@ def test_missing_peer_is_a_clear_error():
     L.launch_exchange(ws, cfg, L.PHASE_WAIT)
     L.launch_layout(ws, cfg, tile)
     L.launch_place(ws, cfg, ids[0], wts[0])
-    x_addr, unused = L.address_of(xs[0]), L.split_of(0, "cpu")
-    L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMM, unused, 1)
-    L.launch_layer0(ws, cfg, x_addr, ep.w13[0], tile, L.ROLE_COMPUTE, unused, 2)
+    return ws, L.address_of(xs[0])
+
+
+def test_missing_peer_is_a_clear_error():
+    """Rank 1 never dispatches: rank 0's GroupGEMM gives up and names the missing rank."""
+    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
+    ws, x_addr = _plan_rank0_of_two(ep)
+    unused = L.split_of(0, "cpu")
+    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMM, unused, 1)
+    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMPUTE, unused, 2)
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
         raise_if_failed(ws.fatal_word, 0)
+
+
+def test_copies_that_never_land_are_a_clear_error():
+    """Copy dispatch: rank 1's host never copies to rank 0, so rank 0's placing comm
+    program gives up on rank 1's flag and names it; nothing of rank 1 is placed."""
+    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=5, tile=COPY)
+    ws, x_addr = _plan_rank0_of_two(ep)
+    flags_before = ws.flag0[1].clone()
+    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMM, L.split_of(0, "cpu"),
+                    1, copy=True)
+    with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
+        raise_if_failed(ws.fatal_word, 0)
+    assert torch.equal(ws.flag0[1], flags_before)
 
 
 def test_exchange_timeout_names_the_peer():
@@ -218,6 +280,20 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
         ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(layer.ws.epoch) == 2
+
+
+def test_fused_layer_w1_copy_dispatch_on_cpu():
+    """FusedMoE's copy-dispatch call (plan, copies, layers, join) on one rank: its comm
+    programs place its own rows; every split, both modes that differ (fused places,
+    sequential pushes) give the reference's output."""
+    from comet.runtime.layer import FusedMoE
+    cfg, w13, w2, x, ids, w = _w1_inputs()
+    layer = FusedMoE(cfg, w13, w2, tile=COPY)
+    ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
+    for comm_blocks, mode in [(1, "fused"), (0, "fused"), (2, "fused"), (1, "sequential")]:
+        y = layer(x, ids, w, comm_blocks=comm_blocks, mode=mode)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert int(layer.ws.epoch) == 4
 
 
 def test_a_layer_built_under_inference_mode_serves_calls_outside_it():

@@ -30,3 +30,21 @@ def test_the_scatter_epilogue_costs_one_row_per_slot():
     extra = workspace_bytes(cfg, 2, TileConfig()) - workspace_bytes(cfg, 2, reduce)
     pair_out = cfg.max_tokens * cfg.top_k * cfg.hidden_size * 2
     assert pair_out <= extra < pair_out + 4 * 8 * 1024   # + row_home, row_weight per row
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_copy_dispatch_costs_every_sources_input(world):
+    """``copy_dispatch``: a copy of every rank's whole input (and send list) per rank;
+    the peer views a host copies into are every rank's own buffers."""
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=96,
+                    dtype=torch.bfloat16, max_tokens=512)
+    copy = dataclasses.replace(TileConfig(), copy_dispatch=True)
+    extra = workspace_bytes(cfg, world, copy) - workspace_bytes(cfg, world, TileConfig())
+    rows = world * cfg.max_tokens * cfg.hidden_size * 2
+    send_list = world * cfg.max_tokens * cfg.top_k * 12
+    assert rows + send_list <= extra < rows + send_list + 6 * 256 + 8 * world * (world + 2)
+    spaces = allocate_virtual(cfg, world, "cpu", copy)
+    for ws in spaces:
+        assert [p["x_recv"].data_ptr() for p in ws.peers] == \
+            [s.x_recv.data_ptr() for s in spaces]
+    assert "x_recv" not in allocate_virtual(cfg, world, "cpu", TileConfig())[0].buffers

@@ -112,6 +112,19 @@ class TileConfig:
         what a dispatch by copy engines would need (they can broadcast token rows to the
         peers, a size the host knows, but not place each pair's row), so its cost is
         the price of that dispatch (``scripts/device/paired_tiles.py --tiles a_gather=1``).
+    copy_dispatch: layer0's dispatch by the copy engines (fused calls; needs
+        ``layer1_scatter``): each rank's host sends its whole input and its send list to
+        every peer with ``cudaMemcpyAsync`` (a size it knows: tokens x H) and then the
+        call's epoch as the peer's flag, and the comm blocks *place* rows -- from this
+        rank's input and the copies that landed, into the shared tensor, a local HBM
+        copy -- instead of pushing each pair's row over NVLink
+        (:func:`comet.kernels.layer0.place_role`, :mod:`comet.runtime.copy_dispatch`).
+        Why: on 2x H200 copies by the copy engines hid 0.75-1.03 of their time beside
+        the power-capped GEMMs, SM-driven communication 0.36 or less for qwen2-moe
+        (docs/benchmarks.md, "How much communication can overlap hide"); and a token
+        crosses the link once per peer instead of once per pair (top-k 4 and 8 at EP=2:
+        2x and 4x fewer bytes; top-k 2 at EP=4: 2x more). Costs the workspace
+        ``W x max_tokens x H`` more, and the other modes keep the push.
     """
 
     block_m: int = 128
@@ -138,12 +151,18 @@ class TileConfig:
     decode_block_n1: int = 128
     layer1_scatter: bool = True
     a_gather: bool = False
+    copy_dispatch: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
         if GATE_UP_BLOCK % self.block_n0:
             raise ValueError(f"block_n0 must divide the W13 interleave block "
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
+        # The placing side sends no return entries: only the scatter epilogue does
+        # without them.
+        if self.copy_dispatch and not self.layer1_scatter:
+            raise ValueError("copy_dispatch needs layer1_scatter (the reduce role reads "
+                             "return entries, which only the pushing dispatch sends)")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`comet.kernels.TUNABLE_TILE_FIELDS` set (a
@@ -384,14 +403,27 @@ def _home_maps(ws: Workspace, scatter: bool) -> tuple[torch.Tensor, torch.Tensor
     return ws.row_home, ws.row_weight
 
 
+def _copy_buffers(ws: Workspace, copy: bool) -> tuple[torch.Tensor, ...]:
+    """What layer0's placing comm role reads (``x_recv``, ``sent_pair``, ``sent_row``,
+    ``sent_weight``, ``sent_off``, ``copy_flags``), or stand-ins it never reads."""
+    if not copy:
+        return (ws.a0, *(ws.plan[n] for n in ("send_pair", "send_row", "send_weight",
+                                              "send_off")), ws.flag0)
+    return tuple(ws.buffers[n] for n in ("x_recv", "sent_pair", "sent_row", "sent_weight",
+                                         "sent_off", "copy_flags"))
+
+
 def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torch.Tensor,
                   tile: TileConfig, role: int, split: torch.Tensor, grid: int,
                   wait: bool = True, trace: torch.Tensor | None = None,
                   cooperative: bool = True, *, out: torch.Tensor | None = None,
-                  transposed: bool = False, row_home: bool = False) -> None:
+                  transposed: bool = False, row_home: bool = False,
+                  copy: bool = False) -> None:
     """Dispatch + GroupGEMM(W13) + SiLU*up for one rank (``role``: fused/comm/compute);
     ``w13`` in the interleaved layout of :mod:`comet.weights`. ``row_home``: the dispatch
-    also sends each row's home and weight (for layer1's scatter epilogue).
+    also sends each row's home and weight (for layer1's scatter epilogue). ``copy``: the
+    comm role places rows the peers' copy engines sent (``TileConfig.copy_dispatch``;
+    implies ``row_home``) instead of pushing this rank's.
 
     ``x_addr``: device int64 with the address of the input ``[M, H]``; ``split``: device
     int32 with the comm-block count (fused role only).
@@ -402,6 +434,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
     el, h = w13.shape[0], cfg.hidden_size
     bk = tile.k_step(h)
     p = ws.plan
+    row_home = row_home or copy
     trace, trace_kw = _trace_args(trace, w13.device)
     counters = ws.counter_view()
     if out is None:
@@ -420,7 +453,7 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         ws.peer_ptrs["ret_token"], ws.peer_ptrs["ret_rows"], ws.peer_ptrs["ret_weight"],
         ws.peer_ptrs["flag0"], *_home_tables(ws, row_home),
         ws.ret_token, ws.ret_rows, ws.ret_weight, *_home_maps(ws, row_home),
-        ws.flag0.shape[1], cfg.max_tokens,
+        ws.flag0.shape[1], cfg.max_tokens, *_copy_buffers(ws, copy),
         ws.a0, descriptor(ws.a0, [tile.block_m, bk]),
         _identity_rows(ws.a0.shape[0], ws.a0.device) if gather else ws.a0, b, c, h, n,
         p["tile_expert"], p["tile_row_start"], p["tile_row_end"], p["tile_wait"],
@@ -437,7 +470,8 @@ def launch_layer0(ws: Workspace, cfg: MoEConfig, x_addr: torch.Tensor, w13: torc
         DOT_PRECISION=_dot_precision(cfg.dtype), GROUP_M=tile.group_m,
         HEAD_ROUNDS=tile.lane_head_rounds,
         TAIL_ROUNDS=tile.lane_tail_rounds, USE_ASM=_asm(), **trace_kw, A_GATHER=gather,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_cooperative(role, cooperative))
+        COPY_DISPATCH=copy, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **_cooperative(role, cooperative))
 
 
 @functools.lru_cache(maxsize=8)

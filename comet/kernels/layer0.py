@@ -211,6 +211,78 @@ def dispatch_role(queue, x_ptr, H, send_pair, send_row, send_weight, send_off,
 
 
 @triton.jit
+def _rows_from(s, rank, seg_rows, pre, WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr):
+    """Rows source ``s`` sends this rank (the plan's offsets of its last expert plus its
+    rows there): known from the count exchange, before any row arrives."""
+    last = (s - rank + WORLD) % WORLD * LOCAL_EXPERTS + LOCAL_EXPERTS - 1
+    return (tl.load(pre + s * LOCAL_EXPERTS + LOCAL_EXPERTS - 1)
+            + tl.load(seg_rows + last))
+
+
+@triton.jit
+def place_role(queue, x_ptr, H, send_pair, send_row, send_weight, send_off,
+               x_recv, sent_pair, sent_row, sent_weight, sent_off, copy_flags, seg_rows,
+               pre, a0_ptr, row_home, row_weight, flag0, chunk_slots,
+               epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
+               WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr,
+               ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+               TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+    """The dispatch by copy engines, receiving side (``TileConfig.copy_dispatch``): every
+    peer's host has copied its input rows and its send list here (``x_recv[s]``,
+    ``sent_*[s]``) and then set ``copy_flags[s]`` to the call's epoch; the comm programs
+    copy each pair's row into the shared tensor ``a0`` -- from this rank's own input,
+    or from a copy that landed -- with its layer1 home and weight, chunk by chunk, and
+    set ``flag0[s, c]`` as a pushing source would: the GEMM side waits exactly as for
+    the push. Chunks come from the dispatch queue: this rank's own rows first (the
+    GEMM's local head needs them while the copies are in flight), then the peers'
+    abreast (chunk ``c`` of every peer before ``c + 1``). A local HBM-to-HBM copy, so
+    the comm blocks are soon done and join the GEMM."""
+    local_chunks = tl.cdiv(_rows_from(rank, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS), ROWS)
+    rounds = 0
+    for o in range(1, WORLD):
+        rows = _rows_from((rank + o) % WORLD, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS)
+        rounds = tl.maximum(rounds, tl.cdiv(rows, ROWS))
+    g = take(queue)
+    while g < local_chunks + rounds * (WORLD - 1):
+        o = 0
+        c = g
+        if g >= local_chunks:
+            o = 1 + (g - local_chunks) % (WORLD - 1)
+            c = (g - local_chunks) // (WORLD - 1)
+        s = (rank + o) % WORLD
+        rows = _rows_from(s, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS)
+        if c * ROWS < rows:
+            if TRACE:
+                start = clock_ns(USE_ASM)
+            src, pairs, dst_rows, weights, lo = x_ptr, send_pair, send_row, send_weight, 0
+            landed = 1
+            if o == 0:
+                lo = tl.load(send_off + rank)
+            else:
+                landed = wait_at_least(copy_flags + s, epoch, err_table, SITE_DISPATCH, s,
+                                       rank, timeout, "sys", WORLD, USE_ASM)
+                src = x_recv + s.to(tl.int64) * max_tokens * H
+                pairs = sent_pair + s * max_tokens * TOPK
+                dst_rows = sent_row + s * max_tokens * TOPK
+                weights = sent_weight + s * max_tokens * TOPK
+                lo = tl.load(sent_off + s * (WORLD + 1) + rank)
+            if landed != 0:
+                if healthy(err_table, rank, USE_ASM):
+                    _push_rows(src, a0_ptr, pairs, dst_rows, weights, row_home, row_weight,
+                               s * max_tokens * TOPK, lo + c * ROWS,
+                               lo + tl.minimum((c + 1) * ROWS, rows), H, TOPK, COPY_ROWS,
+                               BLOCK_H, True)
+                    # Never publish after a failure (the vote is the barrier the release
+                    # needs).
+                    if healthy(err_table, rank, USE_ASM):
+                        release(flag0 + s * chunk_slots + c, epoch, "gpu")
+            if TRACE:
+                events = stamp(trace_ptr, events, s, c, start, MAX_EVENTS, USE_ASM)
+        g = take(queue)
+    return events
+
+
+@triton.jit
 def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, r1, seen,
                 epoch, err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
                 LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
@@ -317,6 +389,8 @@ def layer0_kernel(
     ret_count, a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
     home_table, home_weight_table, recv_token, recv_rows, recv_weight, row_home, row_weight,
     chunk_slots, max_tokens,
+    # the same, placed from the copies peers' hosts made (COPY_DISPATCH)
+    x_recv, sent_pair, sent_row, sent_weight, sent_off, copy_flags,
     # GroupGEMM (compute role): K = H, N output columns (F when GATED)
     a0_ptr, a_desc, a_index, w_desc, c_ptr, K, N,
     tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
@@ -331,7 +405,7 @@ def layer0_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
     TAIL_ROUNDS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
-    A_GATHER: tl.constexpr = False,
+    A_GATHER: tl.constexpr = False, COPY_DISPATCH: tl.constexpr = False,
 ):
     epoch = tl.load(epoch_ptr)
     timeout = tl.load(timeout_ptr)
@@ -340,7 +414,15 @@ def layer0_kernel(
     comm, _, _ = assign_role(split_ptr, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
-        if comm:
+        if comm and COPY_DISPATCH:
+            events = place_role(dispatch_queue, x_ptr, K, send_pair, send_row, send_weight,
+                                send_off, x_recv, sent_pair, sent_row, sent_weight, sent_off,
+                                copy_flags, seg_rows, pre, a0_ptr, row_home, row_weight,
+                                flag0, chunk_slots, epoch, err_table, rank, max_tokens,
+                                timeout, trace_ptr, events, WORLD, LOCAL_EXPERTS, TOPK,
+                                COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H, TRACE, MAX_EVENTS,
+                                USE_ASM)
+        elif comm:
             events = dispatch_role(dispatch_queue, x_ptr, K, send_pair, send_row,
                                    send_weight, send_off, ret_token, ret_rows, ret_weight,
                                    ret_count, a0_table, ret_token_table, ret_rows_table,

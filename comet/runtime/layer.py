@@ -6,7 +6,10 @@ A call (no host synchronisation anywhere):
 2. count exchange through symmetric memory (one program);
 3. routing plan and tile tables (torch ops on the device, fixed capacities);
 4. layer0 kernel: comm blocks push rows, compute blocks run the gated GroupGEMM; comm
-   blocks done pushing take GEMM tiles from the same work queue;
+   blocks done pushing take GEMM tiles from the same work queue -- or, with
+   ``TileConfig.copy_dispatch``, the host copies this rank's input to every peer by copy
+   engines (comet.runtime.copy_dispatch) and the comm blocks place rows from copies
+   that landed;
 5. layer1 kernel: compute blocks run the column-wise GroupGEMM, comm blocks reduce and
    send each token's rows home; compute blocks out of tiles join the reduce -- or, with
    ``TileConfig.layer1_scatter``, every block runs the GroupGEMM and its epilogue writes
@@ -34,8 +37,10 @@ from comet.config import MoEConfig, ParallelConfig, check_layout
 from comet.kernels import TUNABLE_TILE_FIELDS
 from comet.kernels import launch as L
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
+from comet.runtime.copy_dispatch import CopySender
 from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
 from comet.runtime.staging import StagedScalars, StaticInputs
+from comet.runtime.streams import private_stream
 from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
                                     timeout_ns)
 from comet.scheduler import tuned
@@ -79,13 +84,14 @@ class PhaseTimer:
 TRACE_REDUCE = 1 << 16
 
 
-def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
+def _describe(layer: str, kind: int, world: int, copy: bool = False) -> tuple[str, str]:
     """(role, label) of a trace event's ``kind`` (see the stamps in comet.kernels). Blocks
     change work during a call (comm blocks join the GEMM, GEMM blocks join the reduce),
-    so the role is that of the unit of work, not of the block that started it."""
+    so the role is that of the unit of work, not of the block that started it. ``copy``:
+    layer0's comm blocks placed rows the copy engines brought (kind: the source)."""
     if layer == "layer0":
         if kind < world:
-            return "comm", f"push to rank {kind}"
+            return "comm", (f"place rows of rank {kind}" if copy else f"push to rank {kind}")
         return "compute", f"expert {kind - world} tile"
     if kind >= TRACE_REDUCE:
         return "comm", f"reduce+send split {kind - TRACE_REDUCE}"
@@ -121,6 +127,16 @@ def _end_rng_capture(device: torch.device) -> bool:
         return False
     torch.cuda.current_stream(device).wait_stream(stream)
     return True
+
+
+#: SMs a virtual group dispatching by copy engines leaves free. Its ranks share one GPU,
+#: so a rank's copies to its "peers" are same-device memcpys, and the driver runs those
+#: on SMs (H100: a 256 MB or an 8-byte device-to-device copy_ waited ~250 ms for a grid
+#: holding every SM, a host-to-device one 0.4 ms; so did cuMemcpyBatchAsync with
+#: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE): with every SM held by layer0 kernels
+#: spinning on those very copies, they would run only after the timeout. Copies between
+#: GPUs are the copy engines' ("Memcpy PtoP").
+VIRTUAL_COPY_SMS = 8
 
 
 class FusedMoE:
@@ -190,10 +206,13 @@ class FusedMoE:
         (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
         protocol without NVLink (tests). Each rank is :meth:`preload`-ed: one host thread
         cannot make peer calls while the device waits to load a module. ``programs``
-        (default: the SM count over W) is each rank's grid, so every rank's spinning kernel
-        fits on the GPU beside the others' (launched without the cooperative attribute,
-        which would not let them share it). ``backward``: preload the backward's kernels
-        too (:meth:`backward`). Other arguments as for the constructor."""
+        (default: the SM count over W; with ``tile.copy_dispatch`` the SMs but
+        :data:`VIRTUAL_COPY_SMS`, over W) is each rank's grid, so every rank's spinning
+        kernel fits on the GPU beside the others' (launched without the cooperative
+        attribute, which would not let them share it); with ``tile.copy_dispatch`` each
+        rank's copies go on its own stream, in order (:class:`CopySender` ``in_order``).
+        ``backward``: preload the backward's kernels too (:meth:`backward`). Other
+        arguments as for the constructor."""
         world = len(w13_shards)
         device = w13_shards[0].device
         if world > 1 and check_errors == "sync":
@@ -202,7 +221,10 @@ class FusedMoE:
                              "calls; use 'lazy' and check_errors_now() after the calls")
         tile = tile or (L.TileConfig.small() if L.interpreting() else L.TileConfig())
         if programs is None:
-            programs = max(1, (sm_count(device) if device.type == "cuda" else 4 * world) // world)
+            sms = sm_count(device) if device.type == "cuda" else 4 * world
+            if tile.copy_dispatch and device.type == "cuda" and world > 1:
+                sms -= VIRTUAL_COPY_SMS
+            programs = max(1, sms // world)
         with torch.inference_mode(False):   # see __init__
             spaces = allocate_virtual(cfg, world, device, tile)
         layers = []
@@ -261,7 +283,11 @@ class FusedMoE:
         self._timeout: int | None = None           # last value written to ws.timeout
         self.use_graphs = use_graphs
         self._static = StaticInputs(cfg, self.device)
-        self._graphs: dict[tuple[str, bool, L.TileConfig], torch.cuda.CUDAGraph | None] = {}
+        # Per variant: one graph per device-only segment of a call (see _segments).
+        self._graphs: dict[tuple[str, bool, L.TileConfig], list | None] = {}
+        self._sender: CopySender | None = None    # the copy engines' sends, on first use
+        self._capture_stream: torch.cuda.ExternalStream | None = None   # on first capture
+        self._preloading = False
         self._trace: dict[str, torch.Tensor] | None = None
         self._compiled: set[tuple[str, bool, L.TileConfig]] = set()
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
@@ -511,18 +537,26 @@ class FusedMoE:
         # Only layer0's split changes the launches (0: two launches); layer1 is one launch
         # for any split, which the kernel reads on the device. The tile changes them all.
         key = (mode, n0 > 0, tile)
+        segments = self._segments(mode, key[1], timer or PhaseTimer(), tile, x, m)
         graphable = (self.use_graphs and x.is_cuda and timer is None
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._compiled and key not in self._graphs:
-            self._graphs[key] = self._record(
-                lambda: self._body(key[0], key[1], PhaseTimer(), key[2]), key)
-        if graphable and self._graphs.get(key) is not None:
-            self._graphs[key].replay()
-        else:
-            self._body(mode, key[1], timer or PhaseTimer(), tile)
-            if graphable:
-                self._compiled.add(key)
+            self._graphs[key] = self._capture_segments(segments, key)
+        self._run_segments(segments, self._graphs.get(key) if graphable else None)
+        if graphable:
+            self._compiled.add(key)
         return y
+
+    @staticmethod
+    def _run_segments(segments, graphs: list | None) -> None:
+        """Issue a call's segments ``(device_only, phases)``: device-only ones from their
+        graphs when there are graphs, the rest (and all, without graphs) eagerly."""
+        for i, (device_only, phases) in enumerate(segments):
+            if device_only and graphs is not None:
+                graphs[i].replay()
+            else:
+                for phase in phases:
+                    phase()
 
     # ------------------------------------------------------------------ backward
     def backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -583,26 +617,22 @@ class FusedMoE:
         graphable = (self.use_graphs and self.device.type == "cuda"
                      and not torch.cuda.is_current_stream_capturing())
         if graphable and key in self._backward_compiled and key not in self._backward_graphs:
-            self._backward_graphs[key] = self._capture_segments(call, key)
-        graphs = self._backward_graphs.get(key) if graphable else None
-        for i, (device_only, phases) in enumerate(call.segments()):
-            if device_only and graphs is not None:
-                graphs[i].replay()
-            else:
-                for phase in phases:
-                    phase()
+            self._backward_graphs[key] = self._capture_segments(call.segments(),
+                                                                ("backward", *key))
+        self._run_segments(call.segments(),
+                           self._backward_graphs.get(key) if graphable else None)
         if graphable:
             self._backward_compiled.add(key)
 
-    def _capture_segments(self, call: BackwardCall, key) -> list | None:
-        """One graph per device-only segment of ``call`` (None in the others' places);
-        None if any capture failed."""
+    def _capture_segments(self, segments, key: tuple) -> list | None:
+        """One graph per device-only segment ``(device_only, phases)`` (None in the
+        others' places); None if any capture failed."""
         graphs = []
-        for device_only, phases in call.segments():
+        for device_only, phases in segments:
             graph = None
             if device_only:
                 graph = self._record(lambda phases=phases: [phase() for phase in phases],
-                                     ("backward", *key))
+                                     key)
                 if graph is None:
                     return None
             graphs.append(graph)
@@ -616,7 +646,8 @@ class FusedMoE:
 
         It runs two calls per variant (the first compiles, the second captures the graph)
         with this rank's error word set, so every wait gives up at once and nothing is
-        published or sent, then clears the word and the epoch. Why: CUDA may have to wait
+        published or sent (nor copied, with ``TileConfig.copy_dispatch``: the host skips
+        the copies), then clears the word and the epoch. Why: CUDA may have to wait
         for the device to go idle to load a kernel module, and a rank's first call loads
         modules while its earlier kernels wait for peers. On W GPUs the peers get there
         anyway; virtual ranks sharing one GPU and one host thread would deadlock."""
@@ -625,10 +656,14 @@ class FusedMoE:
                    torch.empty(0, self.cfg.top_k, dtype=torch.int64, device=dev),
                    torch.empty(0, self.cfg.top_k, dtype=torch.float32, device=dev))
         self.ws.fatal_word[0].fill_(TIMEOUT_CODE)
-        for tile in self.tile_variants():
-            for split in ((1, 1), (0, 0)):
-                for _ in range(2):
-                    self._launch(*nothing, split, mode, None, tile)
+        self._preloading = True
+        try:
+            for tile in self.tile_variants():
+                for split in ((1, 1), (0, 0)):
+                    for _ in range(2):
+                        self._launch(*nothing, split, mode, None, tile)
+        finally:
+            self._preloading = False
         if backward:
             for split in ((1, 1), (0, 0)):
                 for _ in range(2):
@@ -674,7 +709,7 @@ class FusedMoE:
                 for kind, unit, start, end in raw[layer][block].tolist():
                     if start < 0:
                         break
-                    role, what = _describe(layer, kind, world)
+                    role, what = _describe(layer, kind, world, self.tile.copy_dispatch)
                     records.append({"block": block, "role": role, "layer": layer,
                                     "unit": unit, "what": what, "start_ns": start,
                                     "end_ns": end})
@@ -703,7 +738,11 @@ class FusedMoE:
         destroys that graph from this thread, which a capture does not permit -- the
         capture was invalidated that way, at random, inside a test run."""
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(self.device)
+        if self._capture_stream is None:
+            # Its own stream, not one of the pool's 32 (see private_stream): one that is
+            # another virtual rank's would have it wait for this rank's calls.
+            self._capture_stream = private_stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         gc_was_on = gc.isenabled()
         gc.disable()
@@ -726,9 +765,41 @@ class FusedMoE:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
-    def _body(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer,
-              tile: L.TileConfig) -> None:
-        """One call on the staged inputs (``self._static``); see the module docstring.
+    def _copies(self, mode: str) -> bool:
+        """Whether a call in ``mode`` dispatches by copy engines (fused calls of a layer
+        with ``TileConfig.copy_dispatch``; the other modes push, like the scatter)."""
+        return self.tile.copy_dispatch and mode == "fused"
+
+    def _segments(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer,
+                  tile: L.TileConfig, x: torch.Tensor, num_tokens: int) -> list:
+        """One call on the staged inputs (``self._static``) as segments ``(device_only,
+        phases)``: one device-only segment, or -- dispatching by copy engines -- the plan,
+        the copies of this call's ``x`` (host-issued: their sizes and source are the
+        call's own, so no graph may hold them), the layers, and the join of the copy
+        streams."""
+        plan = lambda: self._plan(timer, tile)                           # noqa: E731
+        layers = lambda: self._layers(mode, layer0_comm_blocks, timer, tile)  # noqa: E731
+        if not self._copies(mode):
+            return [(True, [plan, layers])]
+        if self._sender is None:
+            self._sender = CopySender(self.ws, self.cfg.top_k, in_order=self._virtual)
+        sender = self._sender
+        # A preloading call sends nothing: its copies would land in peers that may be
+        # in a real call (see preload()).
+        send = ((lambda: None) if self._preloading
+                else (lambda: sender.send(x, num_tokens)))
+        return [(True, [plan]), (False, [send]), (True, [layers]), (False, [sender.join])]
+
+    def _plan(self, timer: PhaseTimer, tile: L.TileConfig) -> None:
+        """Open the call and build its routing plan (the count exchange included)."""
+        ws, s = self.ws, self._static
+        with timer.phase("plan", ws.epoch.device):
+            ws.begin_call()
+            L.launch_plan(ws, self.cfg, s.ids, s.weights, tile, s.num_tokens)
+
+    def _layers(self, mode: str, layer0_comm_blocks: bool, timer: PhaseTimer,
+                tile: L.TileConfig) -> None:
+        """layer0, layer1 and the combine of a planned call; see the module docstring.
         A layer0 split with no comm blocks runs its two roles as two launches."""
         ws, cfg, s = self.ws, self.cfg, self._static
         grid = self.programs
@@ -738,24 +809,21 @@ class FusedMoE:
         # every block" in one launch.
         fused = mode == "fused" and not L.interpreting()
         fused0, fused1 = fused and layer0_comm_blocks, fused
-        scatter = self._scatters(mode)
+        scatter, copy = self._scatters(mode), self._copies(mode)
         x_addr, y_addr = s.addr[0:1], s.addr[1:2]
         split0, split1 = s.split[0:1], s.split[1:2]
         w13, w2 = self.w13, self.w2
         dev = ws.epoch.device
-        with timer.phase("plan", dev):
-            ws.begin_call()
-            L.launch_plan(ws, cfg, s.ids, s.weights, tile, s.num_tokens)
         trace = self._trace or {}
         with timer.phase("layer0", dev):
             if fused0:
                 L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_FUSED, split0, grid,
                                 trace=trace.get("layer0"), cooperative=not self._virtual,
-                                row_home=scatter)
+                                row_home=scatter, copy=copy)
             else:
                 if mode != "compute_only":
                     L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMM, split0, grid,
-                                    row_home=scatter)
+                                    row_home=scatter, copy=copy)
                 if mode != "comm_only":
                     L.launch_layer0(ws, cfg, x_addr, w13, tile, L.ROLE_COMPUTE, split0, grid,
                                     wait=mode != "compute_only")

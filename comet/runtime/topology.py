@@ -87,7 +87,7 @@ def _ok(rt, err) -> bool:
     return err == rt.cudaError_t.cudaSuccess
 
 
-def _check(rt, call: str, result):
+def checked(rt, call: str, result):
     """Unpack cuda-python's ``(err, value...)`` tuple, raising :class:`CudaError` on error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if not _ok(rt, err):
@@ -112,7 +112,7 @@ def cuda_versions() -> dict[str, str | None]:
         return out
     for key, call in (("driver", "cudaDriverGetVersion"), ("runtime", "cudaRuntimeGetVersion")):
         try:
-            v = int(_check(rt, call, getattr(rt, call)()))
+            v = int(checked(rt, call, getattr(rt, call)()))
         except CudaError:
             continue
         # 0 is what the driver query reports when no driver is loaded.
@@ -133,7 +133,7 @@ def _count_and_reason() -> tuple[int, str | None]:
             return 0, "cuda-python is not installed and torch sees no CUDA device"
         return torch.cuda.device_count(), None
     try:
-        n = _check(rt, "cudaGetDeviceCount", rt.cudaGetDeviceCount())
+        n = checked(rt, "cudaGetDeviceCount", rt.cudaGetDeviceCount())
     except CudaError as e:
         if e.name in _NO_GPU_ERRORS:
             return 0, str(e)
@@ -172,7 +172,7 @@ class DeviceInfo:
 
 def _attr(rt, device: int, name: str) -> int:
     attr = getattr(rt.cudaDeviceAttr, name)
-    return int(_check(rt, f"cudaDeviceGetAttribute({name}, {device})",
+    return int(checked(rt, f"cudaDeviceGetAttribute({name}, {device})",
                       rt.cudaDeviceGetAttribute(attr, device)))
 
 
@@ -190,9 +190,9 @@ def device_info(index: int) -> DeviceInfo:
     rt = cuda_runtime()
     if rt is None:
         return _torch_device_info(index)
-    prop = _check(rt, f"cudaGetDeviceProperties({index})", rt.cudaGetDeviceProperties(index))
+    prop = checked(rt, f"cudaGetDeviceProperties({index})", rt.cudaGetDeviceProperties(index))
     name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
-    bus = _check(rt, f"cudaDeviceGetPCIBusId({index})", rt.cudaDeviceGetPCIBusId(32, index))
+    bus = checked(rt, f"cudaDeviceGetPCIBusId({index})", rt.cudaDeviceGetPCIBusId(32, index))
     bus = bus.decode(errors="replace") if isinstance(bus, bytes) else str(bus)
     return DeviceInfo(
         index=index,
@@ -263,14 +263,14 @@ def peer_access_matrix() -> list[list[bool]]:
         import torch
         return [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
                 for i in range(n)]
-    return [[i == j or bool(_check(rt, f"cudaDeviceCanAccessPeer({i}, {j})",
+    return [[i == j or bool(checked(rt, f"cudaDeviceCanAccessPeer({i}, {j})",
                                     rt.cudaDeviceCanAccessPeer(i, j)))
              for j in range(n)] for i in range(n)]
 
 
 def _p2p_attr(rt, name: str, src: int, dst: int) -> int:
     enum = getattr(rt, "cudaDeviceP2PAttr", None) or getattr(rt, "cudaDevP2PAttr")
-    return int(_check(rt, f"cudaDeviceGetP2PAttribute({name}, {src}, {dst})",
+    return int(checked(rt, f"cudaDeviceGetP2PAttribute({name}, {src}, {dst})",
                       rt.cudaDeviceGetP2PAttribute(getattr(enum, name), src, dst)))
 
 

@@ -12,11 +12,14 @@ real peer-pointer tables; on one GPU it checks the cross-rank logic without NVLi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from comet.config import MoEConfig
 from comet.kernels import launch as L
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
+from comet.runtime.copy_dispatch import CopySender
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.staging import StagedScalars
 from comet.runtime.workspace import allocate_virtual
@@ -45,7 +48,8 @@ class VirtualEP:
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
                 compute_programs: int = 3) -> list[torch.Tensor]:
         """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``); layer1 as the
-        tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce).
+        tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce), and
+        layer0's dispatch too (``copy_dispatch``: every rank's copies, then the placing).
 
         Under the interpreter the dispatch runs on one program: its chunks are published
         in order, and a later chunk on program 0 would wait for a program not yet run."""
@@ -64,9 +68,15 @@ class VirtualEP:
         x_addr = [L.address_of(x) for x in xs]
         unused = L.split_of(0, self.device)      # roles launched apart: no split to read
         dispatchers = 1 if L.interpreting() else comm_programs
+        copy = tile.copy_dispatch
+        if copy:
+            for r in ranks:
+                CopySender(self.ws[r], cfg.top_k, in_order=True).send(xs[r], xs[r].shape[0])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         for r in ranks:
             L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMM,
-                            unused, dispatchers, row_home=scatter)
+                            unused, dispatchers, row_home=scatter, copy=copy)
         for r in ranks:
             L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMPUTE,
                             unused, compute_programs)
@@ -115,12 +125,24 @@ class VirtualEP:
         return [(c.dx, c.d_weights, c.dw13, c.dw2) for c in calls]
 
 
+@functools.lru_cache(maxsize=None)
+def _load_delay_kernel(device: int) -> None:
+    """Launch the delay's spin once, before any rank's call is issued. Its first launch
+    loads its module (CUDA loads modules lazily), which waits for the device to go idle:
+    issued between two ranks' calls, it would wait for the first rank's kernel, which
+    waits for the second rank's call, which the host has not issued -- a deadlock until
+    the timeout (seen with the first delay of a fresh process). Here every call issued
+    so far can finish."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(0)
 
 
 def _on_streams(layers, streams, delay_cycles, return_exceptions, call) -> list:
     """``call(r, layer)`` for every rank on its own stream (after its delay); every rank's
     call is made even if an earlier one raised, then the first exception is raised (or,
     with ``return_exceptions``, returned in that rank's place)."""
+    if delay_cycles and any(delay_cycles):
+        _load_delay_kernel(torch.cuda.current_device())
     out = []
     for r, layer in enumerate(layers):
         with torch.cuda.stream(streams[r]):

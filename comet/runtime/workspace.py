@@ -81,6 +81,7 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
         # the backward's per-(token, slot) scalar (routing-weight gradient), by token
         BufferSpec("pair_grad", (mx, k), torch.float32),
         *_scatter_specs(cfg, rows, tile),
+        *_copy_dispatch_specs(cfg, world, tile),
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
@@ -97,6 +98,22 @@ def _scatter_specs(cfg: MoEConfig, rows: int, tile) -> list[BufferSpec]:
     return [BufferSpec("row_home", (rows,), torch.int32),
             BufferSpec("row_weight", (rows,), torch.float32),
             BufferSpec("pair_out", (mx, k, h), cfg.dtype)]
+
+
+def _copy_dispatch_specs(cfg: MoEConfig, world: int, tile) -> list[BufferSpec]:
+    """Buffers of the dispatch by copy engines (``tile.copy_dispatch``), else none, all
+    by source rank: its input rows and its send list (pairs, their rows here, weights,
+    its ``send_off``), as its host copied them, and the epoch of the call whose copies
+    have landed (comet.runtime.copy_dispatch)."""
+    if not tile.copy_dispatch:
+        return []
+    mx, k = cfg.max_tokens, cfg.top_k
+    return [BufferSpec("x_recv", (world, mx, cfg.hidden_size), cfg.dtype),
+            BufferSpec("sent_pair", (world, mx * k), torch.int32),
+            BufferSpec("sent_row", (world, mx * k), torch.int32),
+            BufferSpec("sent_weight", (world, mx * k), torch.float32),
+            BufferSpec("sent_off", (world, world + 1), torch.int32),
+            BufferSpec("copy_flags", (world,), torch.int64)]
 
 
 def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
@@ -181,6 +198,9 @@ class Workspace:
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: dict                # per-call plan tables, see plan_buffers()
     n_splits_max: int
+    #: Every rank's symmetric buffers as tensors this process may copy into, by rank (a
+    #: peer's are mappings of its memory: ``copy_`` into them is a peer cudaMemcpyAsync).
+    peers: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
     _keepalive: list = field(default_factory=list, repr=False)
 
     def __getattr__(self, name):
@@ -208,8 +228,9 @@ class Workspace:
         """Zero every flag, counter, epoch and error word (device ops on the current
         stream). Only safe while no rank of the group has a call in flight: see
         :meth:`comet.runtime.layer.FusedMoE.reset`."""
-        for name in ("count_flags", "flag0", "flag1", "error"):
-            self.buffers[name].zero_()
+        for name in ("count_flags", "flag0", "flag1", "error", "copy_flags"):
+            if name in self.buffers:
+                self.buffers[name].zero_()
         for t in (self.epoch, self.counters):
             t.zero_()
 
@@ -264,12 +285,10 @@ def allocate_virtual(cfg: MoEConfig, world: int, device, tile) -> list[Workspace
     bases = [s.data_ptr() for s in storages]
     tables = {s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
                                    device=device) for s in specs}
-    out = []
-    for r in range(world):
-        out.append(Workspace(r, world, _carve(storages[r], specs, offsets), tables,
-                             *_local_scratch(cfg, world, device, tile),
-                             _keepalive=storages))
-    return out
+    views = [_carve(storage, specs, offsets) for storage in storages]
+    return [Workspace(r, world, views[r], tables, *_local_scratch(cfg, world, device, tile),
+                      peers=views, _keepalive=storages)
+            for r in range(world)]
 
 
 def allocate_symmetric(cfg: MoEConfig, group, device, tile) -> Workspace:
@@ -291,6 +310,7 @@ def allocate_symmetric(cfg: MoEConfig, group, device, tile) -> Workspace:
     # Peers must not write into this rank's flags before they were zeroed.
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
-    return Workspace(rank, world, _carve(storage, specs, offsets), tables,
-                     *_local_scratch(cfg, world, device, tile),
-                     _keepalive=[storage, handle])
+    peers = [_carve(storage if p == rank else handle.get_buffer(p, (total,), torch.uint8),
+                    specs, offsets) for p in range(world)]
+    return Workspace(rank, world, peers[rank], tables, *_local_scratch(cfg, world, device, tile),
+                     peers=peers, _keepalive=[storage, handle])
