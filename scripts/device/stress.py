@@ -18,6 +18,7 @@ Rank 0 writes the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from comet import reference  # noqa: E402
 from comet.bench.inputs import derive_seed, make_expert_weights  # noqa: E402
 from comet.config import PRESETS  # noqa: E402
+from comet.kernels.launch import TileConfig  # noqa: E402
 from comet.runtime.errors import CometError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
 
@@ -125,7 +127,11 @@ def main() -> int:
     ap.add_argument("--tokens", nargs="+", default=[str(t) for t in TOKENS] + ["uneven"])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--output", required=True)
+    ap.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
+                    help="TileConfig fields of the layer (e.g. copy_dispatch=1)")
     args = ap.parse_args()
+    tile = dataclasses.replace(TileConfig(), **{
+        k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -142,7 +148,7 @@ def main() -> int:
         w2_all = torch.cat([s[1] for s in shards])
         del shards
         layer = FusedMoE(cfg, w13_all[rank * el:(rank + 1) * el],
-                         w2_all[rank * el:(rank + 1) * el])
+                         w2_all[rank * el:(rank + 1) * el], tile=tile)
         for spec in args.tokens:
             rec = run_case(layer, name, cfg, spec, args.calls, w13_all, w2_all, rng)
             records.append(rec)
