@@ -120,7 +120,7 @@ class TileConfig:
         copy -- instead of pushing each pair's row over NVLink
         (:func:`comet.kernels.layer0.place_role`, :mod:`comet.runtime.copy_dispatch`).
         Why: on 2x H200 copies by the copy engines hid 0.75-1.03 of their time beside
-        the power-capped GEMMs, SM-driven communication 0.36 or less for qwen2-moe
+        the power-capped GEMMs, SM-driven communication 0.38 or less for qwen2-moe
         (docs/benchmarks.md, "How much communication can overlap hide"); and a token
         crosses the link once per peer instead of once per pair (top-k 4 and 8 at EP=2:
         2x and 4x fewer bytes; top-k 2 at EP=4: 2x more). Costs the workspace

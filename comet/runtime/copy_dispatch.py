@@ -33,6 +33,8 @@ from comet.runtime.workspace import Workspace
 #: The send-list tables a destination receives: ``(its buffer, this rank's plan table)``.
 SENT_TABLES = (("sent_pair", "send_pair"), ("sent_row", "send_row"),
                ("sent_weight", "send_weight"))
+#: A peer's buffers this rank copies into (its own row of each).
+COPIED = ("x_recv", *(theirs for theirs, _ in SENT_TABLES), "sent_off", "copy_flags")
 
 
 class CopySender:
@@ -57,9 +59,15 @@ class CopySender:
         self.ws, self.top_k = ws, top_k
         # Ring order, as the pushing dispatch: rank r's first copy goes to r - 1, so
         # every rank feeds a different peer first.
-        self.destinations = [(ws.rank - o) % ws.world for o in range(1, ws.world)]
+        destinations = [(ws.rank - o) % ws.world for o in range(1, ws.world)]
+        #: Per destination, the rows of its buffers that belong to this rank (views made
+        #: once: a call only slices them to its token count).
+        r = ws.rank
+        self.targets = [{name: buf[r] if buf.dim() > 1 else buf[r:r + 1]
+                         for name, buf in ws.peers[d].items() if name in COPIED}
+                        for d in destinations]
         device = ws.epoch.device
-        self.streams = ([private_stream(device) for _ in self.destinations]
+        self.streams = ([private_stream(device) for _ in destinations]
                         if device.type == "cuda" and not in_order else [])
 
     def send(self, x: torch.Tensor, num_tokens: int) -> None:
@@ -67,15 +75,24 @@ class CopySender:
         epoch into each peer's flag, on the copy streams (forked from the current
         stream; :meth:`join` brings them back). ``in_order`` or on the CPU: on the
         current stream."""
+        entries = num_tokens * self.top_k
+        plan = self.ws.plan
+        # Contiguous slices of equal dtype: each copy_ is one cudaMemcpyAsync. (A copy
+        # that needed a kernel would wait for SMs the layer0 kernel holds while it waits
+        # for this copy.)
+        sources = [("x_recv", x[:num_tokens])] if num_tokens else []
+        sources += [(theirs, plan[mine][:entries]) for theirs, mine in SENT_TABLES
+                    if entries]
+        sources += [("sent_off", plan["send_off"]), ("copy_flags", self.ws.epoch)]
         if not self.streams:
-            for d in self.destinations:
-                self._send_to(d, x, num_tokens)
+            for target in self.targets:
+                _copy_into(target, sources)
             return
         caller = torch.cuda.current_stream(x.device)
-        for d, stream in zip(self.destinations, self.streams):
+        for target, stream in zip(self.targets, self.streams):
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
-                self._send_to(d, x, num_tokens)
+                _copy_into(target, sources)
 
     def join(self) -> None:
         """Make the current stream wait for every copy issued so far."""
@@ -84,15 +101,9 @@ class CopySender:
             for stream in self.streams:
                 caller.wait_stream(stream)
 
-    def _send_to(self, d: int, x: torch.Tensor, num_tokens: int) -> None:
-        ws, peer, r = self.ws, self.ws.peers[d], self.ws.rank
-        entries = num_tokens * self.top_k
-        # Contiguous slices of equal dtype: each copy_ is one cudaMemcpyAsync. (A copy
-        # that needed a kernel would wait for SMs the layer0 kernel holds while it waits
-        # for this copy.)
-        if num_tokens:
-            peer["x_recv"][r, :num_tokens].copy_(x[:num_tokens])
-            for theirs, mine in SENT_TABLES:
-                peer[theirs][r, :entries].copy_(ws.plan[mine][:entries])
-        peer["sent_off"][r].copy_(ws.plan["send_off"])
-        peer["copy_flags"][r:r + 1].copy_(ws.epoch)
+
+def _copy_into(target: dict[str, torch.Tensor], sources) -> None:
+    """Copy each ``(buffer name, tensor)`` of ``sources`` into the head of the target's
+    row of that buffer, in order (the epoch, last, says the others landed)."""
+    for name, src in sources:
+        target[name][:src.shape[0]].copy_(src)

@@ -131,11 +131,11 @@ def _end_rng_capture(device: torch.device) -> bool:
 
 #: SMs a virtual group dispatching by copy engines leaves free. Its ranks share one GPU,
 #: so a rank's copies to its "peers" are same-device memcpys, and the driver runs those
-#: on SMs (H100: a 256 MB or an 8-byte device-to-device copy_ waited ~250 ms for a grid
-#: holding every SM, a host-to-device one 0.4 ms; so did cuMemcpyBatchAsync with
-#: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE): with every SM held by layer0 kernels
-#: spinning on those very copies, they would run only after the timeout. Copies between
-#: GPUs are the copy engines' ("Memcpy PtoP").
+#: on SMs (H100, scripts/device/copy_engine_check.py: a 64 MB device-to-device copy_
+#: issued beside a grid holding every SM took 250 ms, the grid's whole spin; host to
+#: device 3.9 ms): with every SM held by layer0 kernels spinning on those very copies,
+#: they would run only after the timeout. Copies between GPUs are the copy engines'
+#: (profiled as "Memcpy PtoP", docs/benchmarks.md).
 VIRTUAL_COPY_SMS = 8
 
 
