@@ -573,6 +573,22 @@ def test_tile_fields_change_the_order_not_the_result():
     layer.check_errors_now()
 
 
+def test_private_streams_are_never_shared_while_alive():
+    """Live private streams are distinct, none is one of torch's pool, and work runs on
+    them."""
+    from comet.runtime.streams import private_stream
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = {torch.cuda.Stream().cuda_stream for _ in range(32)}
+    live = [private_stream(device) for _ in range(40)]
+    handles = [s.cuda_stream for s in live]
+    assert len(set(handles)) == len(handles) and not set(handles) & pool
+    x = torch.ones(1024, device=device)
+    with torch.cuda.stream(live[-1]):
+        y = x * 2
+    torch.cuda.synchronize()
+    assert y.sum().item() == 2048
+
+
 def test_copy_dispatch_matches_the_push_at_full_size():
     """``TileConfig.copy_dispatch`` at full Mixtral sizes, EP=2 on two virtual ranks
     called concurrently, back to back (graph replays, ranks drifting apart): bit for bit
