@@ -43,6 +43,9 @@ class VirtualEP:
         self.device = w13_shards[0].device
         self.tile = tile or L.TileConfig.small()
         self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)
+        #: Per rank, its copies to the peers (``copy_dispatch``), on the caller's stream.
+        self._senders = ([CopySender(ws, cfg.top_k, in_order=True) for ws in self.ws]
+                         if self.tile.copy_dispatch else [])
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
@@ -70,8 +73,8 @@ class VirtualEP:
         dispatchers = 1 if L.interpreting() else comm_programs
         copy = tile.copy_dispatch
         if copy:
-            for r in ranks:
-                CopySender(self.ws[r], cfg.top_k, in_order=True).send(xs[r], xs[r].shape[0])
+            for sender, x in zip(self._senders, xs):
+                sender.send(x, x.shape[0])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         for r in ranks:
