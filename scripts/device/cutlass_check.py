@@ -38,13 +38,13 @@ import zipfile
 import torch
 
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
-from comet.config import preset
+from comet.config import PRESETS, preset
 from gemm_check import median_us   # same folder: scripts/device
 
 WORLD = 4
 TOL = 1e-2
 WHEEL = "wheels/nvidia_cutlass-4.2.0.0-py3-none-any.whl"
-CONFIGS = ["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"]
+CONFIGS = list(PRESETS)
 HEADER_PREFIX = "cutlass_library/source/"
 
 

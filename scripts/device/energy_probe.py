@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from comet.config import PRESETS
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 from kernel_times import parse_tile, rank_layer_inputs    # this folder is on sys.path
@@ -168,7 +169,7 @@ def run(name, tokens, args, tiles, sampler, g):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--ep", type=int, default=2, help="experts of one rank of EP=ep")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=V[,FIELD=V]",

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from comet.config import MoEConfig, preset
+from comet.config import PRESETS, MoEConfig, preset
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE, PhaseTimer
 
@@ -148,7 +148,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_check.json"))
     ap.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN0,BN1,BK,WARPS,STAGES",
                     help="tile configurations to try (default: the default one)")

@@ -22,7 +22,7 @@ import os
 import torch
 
 from comet.cli.launch import init_ranks
-from comet.config import preset
+from comet.config import PRESETS, preset
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 
@@ -110,7 +110,7 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
     ap.add_argument("--modes", nargs="+", default=["fused"],

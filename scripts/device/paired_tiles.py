@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from comet.cli.launch import init_ranks
+from comet.config import PRESETS
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 from kernel_times import parse_tile, rank_layer_inputs    # this folder is on sys.path
@@ -109,7 +110,7 @@ def paired_args(name: str, tokens: list[int], ep: int, rounds: int, calls: int):
     JSON goes: ``$OUT/<name>.json``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=tokens)
     ap.add_argument("--ep", type=int, default=ep, help="experts of one rank of EP=ep")
     ap.add_argument("--rounds", type=int, default=rounds)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from comet.cli.launch import init_ranks
+from comet.config import PRESETS
 from comet.runtime.layer import MODES, FusedMoE
 from kernel_times import rank_layer_inputs    # this folder is on sys.path
 from paired_tiles import time_batch
@@ -187,7 +188,7 @@ def cell(gpu: str, r: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)

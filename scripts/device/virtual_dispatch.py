@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from comet.config import preset
+from comet.config import PRESETS, preset
 from comet.kernels.launch import TileConfig
 from comet.runtime.layer import FusedMoE
 from comet.runtime.virtual import concurrent_forward
@@ -97,7 +97,7 @@ def run(name, tokens, world, rounds, calls, comm_blocks):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+",
-                    default=["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+                    default=list(PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
