@@ -589,6 +589,62 @@ def test_private_streams_are_never_shared_while_alive():
     assert y.sum().item() == 2048
 
 
+def test_private_stream_is_destroyed_with_its_object(monkeypatch):
+    """Dropping the last reference destroys the handle, once (a weak-reference finalizer
+    never fired for torch's stream objects)."""
+    import gc
+    from comet.runtime import topology
+    from comet.runtime.streams import private_stream
+    rt = topology.cuda_runtime()
+    destroyed, destroy = [], rt.cudaStreamDestroy
+    monkeypatch.setattr(rt, "cudaStreamDestroy",
+                        lambda h: (destroyed.append(int(h)), destroy(h))[1])
+    s = private_stream(torch.device("cuda", torch.cuda.current_device()))
+    handle = s.cuda_stream
+    del s
+    gc.collect()
+    assert destroyed == [handle]
+
+
+def test_a_pytest_process_that_made_private_streams_exits_cleanly(tmp_path):
+    """A pytest process that made, used and dropped private streams (and keeps some alive
+    to the end) exits 0: with a weakref.finalize on each stream it segfaulted at exit
+    (benchmarks/results/2026-11-25/h100-exit-probe.log)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import textwrap
+    (tmp_path / "test_streams_at_exit.py").write_text(textwrap.dedent("""
+        import gc
+
+        import torch
+
+        from comet.runtime.streams import private_stream
+
+        KEPT = []
+
+
+        def test_make_use_and_drop():
+            dev = torch.device("cuda", 0)
+            live = [private_stream(dev) for _ in range(40)]
+            with torch.cuda.stream(live[-1]):
+                y = torch.ones(1024, device=dev) * 2
+            torch.cuda.synchronize()
+            assert y.sum().item() == 2048
+            del live
+            gc.collect()
+            KEPT.extend(private_stream(dev) for _ in range(4))
+    """))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "test_streams_at_exit.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+
+
 def test_copy_dispatch_matches_the_push_at_full_size():
     """``TileConfig.copy_dispatch`` at full Mixtral sizes, EP=2 on two virtual ranks
     called concurrently, back to back (graph replays, ranks drifting apart): bit for bit
