@@ -576,10 +576,10 @@ def test_tile_fields_change_the_order_not_the_result():
 def test_private_streams_are_never_shared_while_alive():
     """Live private streams are distinct, none is one of torch's pool, and work runs on
     them."""
-    from comet.runtime.streams import private_stream
+    from comet.runtime.streams import PrivateStream
     device = torch.device("cuda", torch.cuda.current_device())
     pool = {torch.cuda.Stream().cuda_stream for _ in range(32)}
-    live = [private_stream(device) for _ in range(40)]
+    live = [PrivateStream(device) for _ in range(40)]
     handles = [s.cuda_stream for s in live]
     assert len(set(handles)) == len(handles) and not set(handles) & pool
     x = torch.ones(1024, device=device)
@@ -594,15 +594,40 @@ def test_private_stream_is_destroyed_with_its_object(monkeypatch):
     never fired for torch's stream objects)."""
     import gc
     from comet.runtime import topology
-    from comet.runtime.streams import private_stream
+    from comet.runtime.streams import PrivateStream
     rt = topology.cuda_runtime()
     destroyed, destroy = [], rt.cudaStreamDestroy
     monkeypatch.setattr(rt, "cudaStreamDestroy",
                         lambda h: (destroyed.append(int(h)), destroy(h))[1])
-    s = private_stream(torch.device("cuda", torch.cuda.current_device()))
+    s = PrivateStream(torch.device("cuda", torch.cuda.current_device()))
     handle = s.cuda_stream
     del s
     gc.collect()
+    assert destroyed == [handle]
+
+
+def test_private_stream_dropped_during_a_capture_is_destroyed_after_it(monkeypatch):
+    """A stream dropped while a graph is being captured is not destroyed inside the
+    capture (which it could invalidate) but at the next stream's creation."""
+    from comet.runtime import topology
+    from comet.runtime.streams import PrivateStream
+    rt = topology.cuda_runtime()
+    destroyed, destroy = [], rt.cudaStreamDestroy
+    monkeypatch.setattr(rt, "cudaStreamDestroy",
+                        lambda h: (destroyed.append(int(h)), destroy(h))[1])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    doomed = PrivateStream(dev)
+    handle = doomed.cuda_stream
+    x = torch.ones(16, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+        del doomed
+    assert destroyed == []
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.sum().item() == 32
+    _kept = PrivateStream(dev)      # alive while asserting: its own drop would destroy it
     assert destroyed == [handle]
 
 
@@ -620,21 +645,21 @@ def test_a_pytest_process_that_made_private_streams_exits_cleanly(tmp_path):
 
         import torch
 
-        from comet.runtime.streams import private_stream
+        from comet.runtime.streams import PrivateStream
 
         KEPT = []
 
 
         def test_make_use_and_drop():
             dev = torch.device("cuda", 0)
-            live = [private_stream(dev) for _ in range(40)]
+            live = [PrivateStream(dev) for _ in range(40)]
             with torch.cuda.stream(live[-1]):
                 y = torch.ones(1024, device=dev) * 2
             torch.cuda.synchronize()
             assert y.sum().item() == 2048
             del live
             gc.collect()
-            KEPT.extend(private_stream(dev) for _ in range(4))
+            KEPT.extend(PrivateStream(dev) for _ in range(4))
     """))
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

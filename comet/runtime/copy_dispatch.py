@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from comet.runtime.streams import private_stream
+from comet.runtime.streams import PrivateStream
 from comet.runtime.workspace import Workspace
 
 #: The send-list tables a destination receives: ``(its buffer, this rank's plan table)``.
@@ -67,7 +67,7 @@ class CopySender:
                          for name, buf in ws.peers[d].items() if name in COPIED}
                         for d in destinations]
         device = ws.epoch.device
-        self.streams = ([private_stream(device) for _ in destinations]
+        self.streams = ([PrivateStream(device) for _ in destinations]
                         if device.type == "cuda" and not in_order else [])
 
     def send(self, x: torch.Tensor, num_tokens: int) -> None:

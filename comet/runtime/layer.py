@@ -40,7 +40,7 @@ from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.copy_dispatch import CopySender
 from comet.runtime.errors import TIMEOUT_CODE, CometError, input_error, raise_if_failed
 from comet.runtime.staging import StagedScalars, StaticInputs
-from comet.runtime.streams import private_stream
+from comet.runtime.streams import PrivateStream
 from comet.runtime.workspace import (ERROR_WORD, allocate_symmetric, allocate_virtual,
                                     timeout_ns)
 from comet.scheduler import tuned
@@ -286,7 +286,7 @@ class FusedMoE:
         # Per variant: one graph per device-only segment of a call (see _segments).
         self._graphs: dict[tuple[str, bool, L.TileConfig], list | None] = {}
         self._sender: CopySender | None = None    # the copy engines' sends, on first use
-        self._capture_stream: torch.cuda.ExternalStream | None = None   # on first capture
+        self._capture_stream: PrivateStream | None = None   # on first capture
         self._preloading = False
         self._trace: dict[str, torch.Tensor] | None = None
         self._compiled: set[tuple[str, bool, L.TileConfig]] = set()
@@ -616,11 +616,10 @@ class FusedMoE:
         key = (call.layer0_comm, call.weight_grads)
         graphable = (self.use_graphs and self.device.type == "cuda"
                      and not torch.cuda.is_current_stream_capturing())
+        segments = call.segments()
         if graphable and key in self._backward_compiled and key not in self._backward_graphs:
-            self._backward_graphs[key] = self._capture_segments(call.segments(),
-                                                                ("backward", *key))
-        self._run_segments(call.segments(),
-                           self._backward_graphs.get(key) if graphable else None)
+            self._backward_graphs[key] = self._capture_segments(segments, ("backward", *key))
+        self._run_segments(segments, self._backward_graphs.get(key) if graphable else None)
         if graphable:
             self._backward_compiled.add(key)
 
@@ -739,9 +738,9 @@ class FusedMoE:
         capture was invalidated that way, at random, inside a test run."""
         graph = torch.cuda.CUDAGraph()
         if self._capture_stream is None:
-            # Its own stream, not one of the pool's 32 (see private_stream): one that is
+            # Its own stream, not one of the pool's 32 (see PrivateStream): one that is
             # another virtual rank's would have it wait for this rank's calls.
-            self._capture_stream = private_stream(self.device)
+            self._capture_stream = PrivateStream(self.device)
         stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         gc_was_on = gc.isenabled()

@@ -31,6 +31,7 @@ class PrivateStream(torch.cuda.ExternalStream):
     processes segfaulted there (benchmarks/results/2026-11-25/h100-exit-probe.log)."""
 
     def __new__(cls, device: torch.device | int | str | None = None) -> PrivateStream:
+        """A new stream on ``device`` (the current device if None)."""
         rt = topology.cuda_runtime()
         if rt is None:
             raise RuntimeError("comet needs cuda-python (cuda-bindings) to create its CUDA "
@@ -44,7 +45,6 @@ class PrivateStream(torch.cuda.ExternalStream):
                                       rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
         self = super().__new__(cls, int(handle), device=device)
         self._handle = handle
-        self._runtime = rt
         return self
 
     def __del__(self) -> None:
@@ -57,9 +57,5 @@ class PrivateStream(torch.cuda.ExternalStream):
         if torch.cuda.is_current_stream_capturing():
             _destroy_later.append(handle)
         else:
-            self._runtime.cudaStreamDestroy(handle)
+            topology.cuda_runtime().cudaStreamDestroy(handle)
 
-
-def private_stream(device: torch.device | int | str | None = None) -> PrivateStream:
-    """A new :class:`PrivateStream` on ``device`` (the current device if None)."""
-    return PrivateStream(device)

@@ -67,12 +67,12 @@ $USE"
     probe_test pool_stream_wrapped_used '    dev = torch.device("cuda", 0)
     s = torch.cuda.ExternalStream(torch.cuda.Stream().cuda_stream, device=dev)
 '"$USE"
-    probe_test comet_private_stream_once '    from comet.runtime.streams import private_stream
+    probe_test comet_private_stream_once '    from comet.runtime.streams import PrivateStream
     dev = torch.device("cuda", 0)
-    s = private_stream(dev)'
-    probe_test comet_private_stream_used '    from comet.runtime.streams import private_stream
+    s = PrivateStream(dev)'
+    probe_test comet_private_stream_used '    from comet.runtime.streams import PrivateStream
     dev = torch.device("cuda", 0)
-    s = private_stream(dev)
+    s = PrivateStream(dev)
 '"$USE"
 fi
 if want scripts; then
