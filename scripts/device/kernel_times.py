@@ -1,3 +1,4 @@
+# usage: PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens ...] [--ep W] [--modes ...] [--tiles ...] (or torchrun --nproc-per-node W for python3)
 """Device time of every kernel of one comet call, by kernel, one GPU (profiler).
 
 Experiment: where a call's time goes, kernel by kernel, and what a tile configuration
@@ -133,6 +134,8 @@ def main():
                                   **({"decode_block_n1": 0} if d == "off" else {})),
               True if d == "force" else None)
              for shape in shapes for d in args.decode_tile]
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")     # NVLink multicast off, as the launchers
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
     recs = [run(c, t, args.ep, tile, mode, world, calls=args.calls,

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# comet bench on a GPU machine, from the repository root with no install:
-#   scripts/device/run_bench.sh NPROC [comet bench arguments...]
-# Runs the sweep on NPROC GPUs (default configs and sizes unless arguments say otherwise)
-# and a per-block timeline of one 4096-token call of each preset in $TIMELINES (default:
-# the four), writing under $OUT (./out if unset):
-# (carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column: its headers are unzipped
-# and the reference built once, ~2 min, before the ranks start)
-# bench-epN-*.json/.md/.png, bench.log and timelines.tar (the timelines' JSON and PNG)
-# -- five files, since at most eight come back from the device machines.
+# usage: [TIMELINES="mixtral ..."] bash scripts/device/run_bench.sh NPROC [comet bench args...]
+#   e.g. run_bench.sh 1 (one GPU: EP=1, no communication, the compute columns only),
+#        run_bench.sh 2 --iters 20 --warmup 3, run_bench.sh 4 --config mixtral --tokens 4096
+# comet bench on a GPU machine, from the repository root with no install: the sweep on
+# NPROC GPUs (default configs and sizes unless arguments say otherwise), then a per-block
+# timeline of one 4096-token call of each preset in $TIMELINES (default: the four).
+# Writes under $OUT (./out if unset) bench-epN-*.json/.md/.png, bench.log and
+# timelines.tar (the timelines' JSON and PNG) -- few files, as few come back from a
+# device machine. Carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column (its
+# headers are unzipped and the reference built once, ~2 min, before the ranks start).
 set -uo pipefail
 nproc="${1:?usage: run_bench.sh NPROC [comet bench args...]}"
 shift
-# NVLink multicast stays off on the shared machines (shared/DESIGN.md).
+# NVLink multicast stays off: on shared GPU hosts a program using it can put the host's
+# GPUs out of service for everyone.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Progress bars: a line every 30 s is enough in a log.

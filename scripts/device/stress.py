@@ -1,6 +1,5 @@
+# usage: torchrun --nproc-per-node W scripts/device/stress.py --output FILE.json [--tile FIELD=V,...]
 """Liveness stress of the fused layer on W GPUs, at full model sizes (run by stress.sh).
-
-    torchrun --nproc-per-node W scripts/device/stress.py --output FILE.json
 
 For each preset (full size) and each token count (and one uneven set where rank 0 has no
 tokens), 200 back-to-back calls with no host sync between them, cycling through routings
@@ -128,10 +127,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--output", required=True)
     ap.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
-                    help="TileConfig fields of the layer (e.g. copy_dispatch=1)")
+                    help="integer TileConfig fields of the layer (e.g. group_m=16)")
     args = ap.parse_args()
     tile = dataclasses.replace(TileConfig(), **{
         k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")     # NVLink multicast off, as the launchers
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

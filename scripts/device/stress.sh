@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Liveness stress on every GPU of the machine (nvidia-h200-x2 / -x4), one call:
-#   COMET_COMMIT=$(git rev-parse --short HEAD) bash scripts/device/stress.sh [stress.py args]
-# The four presets at full size, 200 back-to-back calls per (preset, token count), with
+# usage: COMET_COMMIT=$(git rev-parse --short HEAD) [STRESS_TIMEOUT_S=540] bash scripts/device/stress.sh [stress.py args]
+# Liveness stress on every GPU of the machine (2 or more GPUs), in one device call:
+# the four presets at full size, 200 back-to-back calls per (preset, token count), with
 # drift; writes $OUT/stress-ep<W>-<device>.json and $OUT/stress-ep<W>.log. Copy both to
 # benchmarks/results/<date>/ afterwards. A hang ends at the `timeout` below (exit 124).
 set -uo pipefail

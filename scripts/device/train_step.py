@@ -1,3 +1,4 @@
+# usage: PYTHONPATH=. python3 scripts/device/train_step.py [--configs ...] [--tokens 1024 4096] [--ep 2] [--iters 10] [--json out.json]
 """A training step through comet's routed experts against torch's autograd of the
 unfused layer, one GPU.
 
@@ -21,9 +22,6 @@ Times (CUDA events, L2 flushed, median): the inference forward of each, and the 
 step (forward with autograd + backward). Memory: what each forward leaves allocated for
 its backward (besides its output), the activation memory a model pays per MoE layer. Gradients of x, the routing weights, W13 and
 W2 from the two are compared on the first input set (relative Frobenius error).
-
-    PYTHONPATH=. python3 scripts/device/train_step.py [--configs ...] [--tokens 1024 4096]
-        [--ep 2] [--iters 10] [--json out.json]
 """
 
 import argparse

@@ -1,3 +1,4 @@
+# usage: PYTHONPATH=. torchrun --nproc-per-node 2 scripts/device/train_step_ep.py [--configs ...] [--tokens 4096 16384] [--rounds 20] [--json out.json]
 """A training step of CometMoE across GPUs (torchrun): the fused backward against the
 unfused one, at full model sizes.
 
@@ -16,9 +17,6 @@ routing):
 2. Times (CUDA events, L2 flushed, iterations aligned by a barrier, slowest rank, median):
    the inference forward and the whole step (forward with autograd + backward) with
    either backward.
-
-    torchrun --nproc-per-node 2 scripts/device/train_step_ep.py [--configs ...]
-        [--tokens 4096 16384] [--rounds 20] [--json out.json]
 """
 
 import argparse
@@ -121,6 +119,8 @@ def main():
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                   "train_step_ep.json"))
     args = p.parse_args()
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")     # NVLink multicast off, as the launchers
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
