@@ -25,14 +25,15 @@ return what :func:`comet.reference.ep_forward` specifies.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["DispatchPlan", "plan_dispatch", "grouped_mm", "all_to_all_rows", "ep_moe_forward",
+from comet.grouped import grouped_mm
+
+__all__ = ["DispatchPlan", "plan_dispatch", "all_to_all_rows", "ep_moe_forward",
            "chunked_ep_moe_forward"]
 
 
@@ -131,42 +132,6 @@ def plan_dispatch(topk_ids: torch.Tensor, local_experts: int, group=None) -> Dis
     recv = _exchange_counts(send, world, group)
     host = torch.stack([send, recv]).tolist()   # the host sync NCCL's split sizes need
     return _build_plan(order, host[0], host[1], recv)
-
-
-# --------------------------------------------------------------------------- grouped GEMM
-_torch_gmm_ok: dict[torch.device, bool] = {}
-
-
-def _use_torch_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # torch._grouped_mm is CUDA + bf16 only (SM90 CUTLASS kernels, SM80 fallback in newer
-    # torch); row strides must be 16-byte multiples, which MoEConfig's size alignment gives.
-    return (a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and _torch_gmm_ok.get(a.device, True))
-
-
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
-               offs: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM: rows of ``a [R, K]`` grouped by expert times ``b [El, K, N]`` -> ``[R, N]``.
-
-    ``expert_rows`` (host) and ``offs`` (device, int32 end offsets) describe the groups.
-    Uses ``torch._grouped_mm`` on CUDA/bf16 and a loop of per-expert ``mm`` otherwise.
-    """
-    if a.shape[0] == 0:
-        return a.new_empty(0, b.shape[-1])
-    if _use_torch_grouped_mm(a, b):
-        try:
-            return torch._grouped_mm(a, b, offs=offs)
-        except RuntimeError as err:   # e.g. an architecture this torch has no kernel for
-            _torch_gmm_ok[a.device] = False
-            warnings.warn(f"torch._grouped_mm failed ({err}); using a per-expert loop",
-                          stacklevel=2)
-    out = a.new_empty(a.shape[0], b.shape[-1])
-    start = 0
-    for e, n in enumerate(expert_rows):
-        if n:
-            torch.mm(a[start:start + n], b[e], out=out[start:start + n])
-        start += n
-    return out
 
 
 def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torch.Tensor,

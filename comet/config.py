@@ -1,11 +1,13 @@
 """Configuration of an expert-parallel MoE layer, validated once at construction.
 
-Two dataclasses describe everything the rest of comet needs:
+Three dataclasses describe everything the rest of comet needs:
 
 * :class:`MoEConfig` -- the shape of the layer (experts, top-k, sizes, router, shared
   experts, dtype, and ``max_tokens``, the per-rank token capacity that sizes every
   workspace and device table).
 * :class:`ParallelConfig` -- the expert-parallel layout (world size and this rank).
+* :class:`TileConfig` -- tiles and launch shapes of the fused kernels, and the layer1
+  algorithm; the host sizes buffers from it and the kernels take it as constexprs.
 
 Invalid values raise :class:`ValueError` whose message names the offending field, so a
 user reading a traceback knows which argument to change.
@@ -14,10 +16,13 @@ user reading a traceback knows which argument to change.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from comet.weights import GATE_UP_BLOCK
 
 RouterKind = Literal["softmax", "sigmoid"]
 
@@ -191,3 +196,176 @@ def preset(name: str, **changes) -> MoEConfig:
     except KeyError:
         raise ValueError(f"unknown config {name!r}; known: {sorted(PRESETS)}") from None
     return cfg.replace(**changes) if changes else cfg
+
+
+#: TileConfig fields a tuned table may set per token bucket (``comet tune`` searches them
+#: once the block split is chosen), with the smallest valid value of each. They change
+#: only the order in which a rank runs its own work -- no buffer size, nothing a peer
+#: reads -- so each call may use its own.
+TUNABLE_TILE_FIELDS = {"group_m": 1, "local_head_tiles": 0}
+
+
+def tile_field_error(name: str, value) -> str | None:
+    """Why ``name = value`` cannot be a per-call tile choice, or None if it can."""
+    if name not in TUNABLE_TILE_FIELDS:
+        return f"{name!r} is not a per-call tile field (those are {sorted(TUNABLE_TILE_FIELDS)})"
+    low = TUNABLE_TILE_FIELDS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return f"tile field {name!r} must be an integer >= {low}, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch shapes of the fused kernels (measurements behind each
+    default: docs/notebook.md).
+
+    GEMM tiles:
+        block_m: rows of an m-tile (both layers share the tile table).
+        block_n0: columns of a layer0 work item, per half (gate and up); divides
+            :data:`comet.weights.GATE_UP_BLOCK`, and one dot computes both halves when
+            equal to it.
+        block_n1: columns of a layer1 work item.
+        block_k: K step (shrunk to divide H and F where needed, :meth:`k_step`).
+        num_warps, num_stages: of the GEMM kernels.
+        group_m: m-tiles of layer0's table that sweep the column blocks together, so an
+            expert's W13 block comes from HBM once per group (tunable per bucket).
+        local_head_tiles: m-tiles of this rank's own rows that open layer0's tile table,
+            work for the GEMM while the first remote rows are in flight (tunable).
+        lane_head_rounds / lane_tail_rounds: rounds of layer0's work queue handed out one
+            item per take at its start and its end, the rest in lanes of
+            ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
+        decode_block_n1: layer1's column block in calls too small to give it a work item
+            per SM with ``block_n1`` (:meth:`decode_tile`; 0: none).
+
+    Communication tiles:
+        splits: target number of layer1 column splits (the reduce role's unit of
+            waiting); every split reads layer1's A rows again, so few.
+        comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
+            each); dispatch_entries: return entries per dispatch chunk.
+        comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+        comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns), and
+            the copy tile of return entries in the dispatch.
+        reduce_item: return entries per item of layer1's reduce queue (a multiple of
+            comm_entries): one queue atomic per item.
+        combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
+            HBM stream.
+
+    Algorithm:
+        layer1_scatter: fused calls send each layer1 output row, weighted, straight from
+            the GEMM epilogue into its token's home, and the combine sums a token's top-k
+            rows -- instead of the paper's column-split reduce, whose comm blocks sum a
+            token's rows per rank and send one row per (token, rank) after each split.
+            More bytes cross the link when a token has several experts on one rank; no
+            reduce pass. The other modes and the backward keep the reduce
+            (comet.runtime.strategies).
+    """
+
+    block_m: int = 128
+    block_n0: int = GATE_UP_BLOCK
+    block_n1: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    splits: int = 2
+    comm_rows: int = 256
+    comm_copy_rows: int = 32
+    comm_block_h: int = 512
+    group_m: int = 8
+    local_head_tiles: int = 16
+    lane_head_rounds: int = 0
+    lane_tail_rounds: int = 1
+    dispatch_entries: int = 1024
+    comm_entries: int = 64
+    reduce_item: int = 64
+    comm_block_c: int = 256
+    combine_rows: int = 1
+    combine_block_h: int = 4096
+    combine_warps: int = 8
+    decode_block_n1: int = 128
+    layer1_scatter: bool = True
+
+    def __post_init__(self):
+        # A layer0 tile must not straddle two blocks of the interleaved W13.
+        if GATE_UP_BLOCK % self.block_n0:
+            raise ValueError(f"block_n0 must divide the W13 interleave block "
+                             f"({GATE_UP_BLOCK}), got {self.block_n0}")
+
+    def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
+        """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's
+        per-bucket choice, or a call's override); ValueError for any other field or a
+        value below the field's minimum."""
+        for name, value in overrides.items():
+            if (why := tile_field_error(name, value)) is not None:
+                raise ValueError(why)
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def variant(self) -> dict[str, int | bool]:
+        """The fields in which this configuration differs from the default one, except
+        the per-bucket :data:`TUNABLE_TILE_FIELDS`: what a tuned table records and a
+        lookup matches, so splits tuned on one variant never serve another."""
+        default = TileConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in TUNABLE_TILE_FIELDS
+                and getattr(self, f.name) != getattr(default, f.name)}
+
+    def decode_tile(self) -> "TileConfig | None":
+        """The tile configuration of small calls: this one with layer1's column block
+        ``decode_block_n1`` (everything else unchanged, so both share one workspace and
+        one tile table), or None."""
+        if not self.decode_block_n1 or self.decode_block_n1 == self.block_n1:
+            return None
+        return dataclasses.replace(self, block_n1=self.decode_block_n1, decode_block_n1=0)
+
+    def n_splits_max(self, hidden: int) -> int:
+        """Most layer1 column splits any call may use (sizes the split counters)."""
+        decode = self.decode_tile()
+        return max(self.n_splits(hidden), decode.n_splits(hidden) if decode else 0)
+
+    def layer1_items(self, rows_per_expert: int, local_experts: int, hidden: int) -> int:
+        """layer1's work items (m-tiles x column blocks) when each local expert gets
+        ``rows_per_expert`` rows."""
+        m_tiles = local_experts * -(-rows_per_expert // self.block_m)
+        return m_tiles * -(-hidden // self.block_n1)
+
+    def decode_pays(self, rows_per_expert: int, local_experts: int, hidden: int,
+                    programs: int) -> bool:
+        """Whether layer1 should run on :meth:`decode_tile`, by a rule (a tuned table
+        overrides it): when this tile gives layer1 fewer work items than ``programs``
+        (part of the GPU idle) *and* the decode tile gives fewer columns per program --
+        waves of items over the programs times the columns of an item. Both halves were
+        measured to matter (docs/notebook.md): narrower items in two waves made a call
+        with nearly an item per SM slower, and waves alone picked the decode tile for
+        large calls whose last wave was ragged."""
+        decode = self.decode_tile()
+        if decode is None:
+            return False
+        items = self.layer1_items(rows_per_expert, local_experts, hidden)
+        decode_items = decode.layer1_items(rows_per_expert, local_experts, hidden)
+        return (items < programs and -(-decode_items // programs) * decode.block_n1
+                < -(-items // programs) * self.block_n1)
+
+    @staticmethod
+    def small() -> "TileConfig":
+        """Tiny tiles for the interpreter and unit tests."""
+        return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
+                          num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
+                          comm_block_h=32, local_head_tiles=2, dispatch_entries=16,
+                          comm_entries=8, reduce_item=16, comm_block_c=16, combine_rows=8,
+                          combine_block_h=32, combine_warps=4, decode_block_n1=0)
+
+    def k_step(self, k: int) -> int:
+        """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into
+        the next expert's weights)."""
+        step = self.block_k
+        while k % step:
+            step //= 2
+        return step
+
+    def blocks_per_split(self, hidden: int) -> int:
+        n_blocks = -(-hidden // self.block_n1)
+        return max(1, -(-n_blocks // self.splits))
+
+    def n_splits(self, hidden: int) -> int:
+        n_blocks = -(-hidden // self.block_n1)
+        return -(-n_blocks // self.blocks_per_split(hidden))

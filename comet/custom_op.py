@@ -8,12 +8,14 @@ fails. As ``torch.ops.comet.routed_experts`` the whole call is one node: the com
 sees an output shaped like the input and never looks inside, the way vLLM hands its fused
 MoE to the compiler. Eager inference calls do not go through the op (the dispatcher
 costs the host time a decode-sized call cannot spare); calls that need gradients do, in
-eager mode too: the op's registered backward is :mod:`comet.backward`, itself an opaque op
-(``torch.ops.comet.routed_experts_backward``) so that a compiled training step keeps it
+eager mode too: the op's registered backward is another opaque op
+(``torch.ops.comet.routed_experts_backward``), so that a compiled training step keeps it
 whole.
 
 A compiled graph holds a string, not the module: each layer registers under a key, kept
-in a weak map so that deleting the model frees it.
+in a weak map so that deleting the model frees it, and the ops call back into the layer
+registered under their key. This module imports nothing of comet: a layer only has to
+provide ``eager_experts_forward`` and ``experts_backward`` (:class:`comet.moe.CometMoE`).
 """
 
 from __future__ import annotations
@@ -65,20 +67,11 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                             layer: str, weight_grads: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`: on CUDA the fused
-    layer's (:meth:`comet.runtime.layer.FusedMoE.backward`) where the layer's
-    ``fused_backward`` says so, else :func:`comet.backward.routed_experts_backward`
-    over the layer's group; without ``weight_grads`` (frozen experts) the last two are
-    empty and not computed."""
-    module = _module(layer)
-    if x.is_cuda and getattr(module, "fused_backward", False):
-        dx, d_weights, dw13, dw2 = module.fused_layer().backward(
-            dy, x, topk_ids, topk_weights, weight_grads=weight_grads,
-            comm_blocks=module.comm_blocks)
-    else:
-        from comet.backward import routed_experts_backward as run
-        dx, d_weights, dw13, dw2 = run(dy, x, topk_ids, topk_weights, w13, w2, module.group,
-                                       layout="interleaved", weight_grads=weight_grads)
+    """``(dx, d topk_weights, dW13, dW2)`` of :func:`routed_experts`, from the layer's
+    ``experts_backward`` (:meth:`comet.moe.CometMoE.experts_backward`); without
+    ``weight_grads`` (frozen experts) the last two are empty and not computed."""
+    dx, d_weights, dw13, dw2 = _module(layer).experts_backward(dy, x, topk_ids, topk_weights,
+                                                               weight_grads)
     if not weight_grads:
         dw13, dw2 = w13.new_empty(0), w2.new_empty(0)
     return dx, d_weights, dw13, dw2

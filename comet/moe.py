@@ -14,13 +14,18 @@ All three compute the same function; tests hold them to it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from comet import custom_op, reference
+from comet.baseline import ep_moe_forward
+from comet.baseline_backward import routed_experts_backward
 from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.runtime.inputs import check_inputs
+from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
 
 
@@ -112,7 +117,7 @@ class CometMoE(nn.Module):
             shipped ones and ``COMET_TUNED_CONFIG_FOLDER``).
         fused_backward: on CUDA, train through the fused kernels' backward
             (:mod:`comet.runtime.backward`: exchanges overlapped with the GEMMs, no host
-            sync; the default); False: the unfused one (:mod:`comet.backward`, NCCL
+            sync; the default); False: the unfused one (:mod:`comet.baseline_backward`, NCCL
             all_to_alls and torch's grouped GEMMs), which is also the CPU path.
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
@@ -158,16 +163,10 @@ class CometMoE(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, **kwargs) -> "CometMoE":
-        """Build from a :class:`MoEConfig`; ``kwargs`` are the non-config arguments."""
-        import dataclasses
+        """Build from a :class:`MoEConfig`; ``kwargs`` are the non-config arguments. (A
+        transformers MoE block converts with :func:`comet.integrations.from_module`.)"""
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         return cls(**fields, **kwargs)
-
-    @staticmethod
-    def from_module(block, group=None, **kwargs) -> "CometMoE":
-        """Convert a transformers MoE block (see :func:`comet.integrations.from_module`)."""
-        from comet.integrations import from_module
-        return from_module(block, group=group, **kwargs)
 
     @property
     def local_experts(self) -> int:
@@ -185,47 +184,11 @@ class CometMoE(nn.Module):
 
     # ------------------------------------------------------------------ validation
     def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
-        """Raise on inputs :meth:`forward` cannot take (before any kernel runs)."""
-        cfg = self.cfg
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states must be a tensor, got {type(x).__name__}")
-        if x.dim() not in (2, 3) or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"hidden_states must be [tokens, {cfg.hidden_size}] or "
-                             f"[batch, seq, {cfg.hidden_size}], got {tuple(x.shape)}")
-        if x.dtype != self.experts.w13.dtype:
-            raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's "
-                            f"{self.experts.w13.dtype}")
-        if x.device != self.experts.w13.device:
-            raise ValueError(f"hidden_states are on {x.device} but the experts on "
-                             f"{self.experts.w13.device}")
-        tokens = x.numel() // cfg.hidden_size
-        if tokens > cfg.max_tokens:
-            raise ValueError(f"{tokens} tokens exceed max_tokens={cfg.max_tokens} on rank "
-                             f"{self.par.rank}; build the layer with a larger max_tokens")
-        if (topk_ids is None) != (topk_weights is None):
-            raise ValueError("pass both topk_ids and topk_weights, or neither")
-        if topk_ids is not None:
-            shape = (tokens, cfg.top_k)
-            if tuple(topk_ids.shape) != shape or tuple(topk_weights.shape) != shape:
-                raise ValueError(f"topk_ids and topk_weights must be {list(shape)}, got "
-                                 f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
-            if topk_ids.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-            if not topk_weights.is_floating_point():
-                raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-            if topk_ids.device != x.device or topk_weights.device != x.device:
-                raise ValueError("topk_ids and topk_weights must be on the input's device")
-            # Not while a graph is captured or compiled: there the values do not exist yet
-            # (the kernels still check them on the device and a later call raises).
-            deferred = (torch.compiler.is_compiling()
-                        or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-            if not deferred and topk_ids.numel():
-                # One host read per call with user-supplied ids: bad ids must fail here,
-                # not inside a kernel. Router-computed ids never need it.
-                lo, hi = int(topk_ids.min()), int(topk_ids.max())
-                if lo < -1 or hi >= cfg.num_experts:
-                    raise ValueError(f"topk_ids must be in [-1, {cfg.num_experts}), got "
-                                     f"values in [{lo}, {hi}]")
+        """Raise on inputs :meth:`forward` cannot take (before any kernel runs; user-given
+        expert ids are also range-checked on the host)."""
+        check_inputs(self.cfg, x, topk_ids, topk_weights, dtype=self.experts.w13.dtype,
+                     device=self.experts.w13.device, rank=self.par.rank, batched=True,
+                     host_ids=True)
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
@@ -268,8 +231,7 @@ class CometMoE(nn.Module):
         Inference calls run :meth:`eager_experts_forward` directly, or under
         ``torch.compile`` as one opaque op (:mod:`comet.custom_op`). A call that needs
         gradients on the fused CUDA path or over several ranks goes through that op in
-        eager mode too: its backward (:mod:`comet.runtime.backward` on CUDA,
-        :mod:`comet.backward` on the CPU) gives ``x``, the routing
+        eager mode too: its backward (:meth:`experts_backward`) gives ``x``, the routing
         weights (so the router) and this rank's expert weights their gradients. On a
         single CPU rank the reference is differentiable as written."""
         needs_grad = self._needs_grad(x, topk_weights)
@@ -290,16 +252,30 @@ class CometMoE(nn.Module):
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
         if self.par.world_size > 1:
-            from comet.baseline import ep_moe_forward
             return ep_moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
                                   self.experts.w2, group=self.group)
         return reference.moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
                                      self.experts.w2, round_to=x.dtype)
 
-    def fused_layer(self):
+    def experts_backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, weight_grads: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                    torch.Tensor | None]:
+        """Gradients of :meth:`eager_experts_forward` (``dx``, d ``topk_weights``, dW13
+        in the experts' interleaved layout, dW2; the last two None without
+        ``weight_grads``): the fused backward on CUDA where ``fused_backward`` says so,
+        else the unfused one over the layer's group. Collective, like the forward."""
+        if x.is_cuda and self.fused_backward:
+            return self.fused_layer().backward(dy, x, topk_ids, topk_weights,
+                                               weight_grads=weight_grads,
+                                               comm_blocks=self.comm_blocks)
+        return routed_experts_backward(dy, x, topk_ids, topk_weights, self.experts.w13,
+                                       self.experts.w2, self.group, layout="interleaved",
+                                       weight_grads=weight_grads)
+
+    def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
         if self._fused is None:
-            from comet.runtime.layer import FusedMoE
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
                                    group=self.group, w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder)

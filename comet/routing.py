@@ -127,11 +127,11 @@ class SendPlan:
     send_row:    ``[P]`` row it lands on in the destination's shared tensor.
     send_weight: ``[P]`` fp32 routing weight of that pair (0 where not finite).
     send_off:    ``[W + 1]`` rows for destination ``d`` are ``send_off[d]:send_off[d+1]``.
-    ret_token:   ``[W, Mx]`` return entry ``q`` for destination ``d``: the token.
-    ret_rows:    ``[W, Mx, k]`` rows of the destination's shared tensor holding that
+    entry_token: ``[W, Mx]`` return entry ``q`` for destination ``d``: the token.
+    entry_rows:  ``[W, Mx, k]`` rows of the destination's shared tensor holding that
                  token's slots (``-1``: slot not on ``d``).
-    ret_weight:  ``[W, Mx, k]`` fp32 routing weights of those slots (0 where ``-1``).
-    ret_count:   ``[W]`` live return entries per destination.
+    entry_weight: ``[W, Mx, k]`` fp32 routing weights of those slots (0 where ``-1``).
+    entry_count: ``[W]`` live return entries per destination.
     dest_mask:   ``[Mx, W]`` int32, 1 where token ``t`` was sent to ``d``; the final combine
                  sums exactly these partial results, in rank order.
     pair_live:   ``[Mx, k]`` int32, 1 where ``(t, j)`` is a real pair; with layer1's scatter
@@ -142,10 +142,10 @@ class SendPlan:
     send_row: torch.Tensor
     send_weight: torch.Tensor
     send_off: torch.Tensor
-    ret_token: torch.Tensor
-    ret_rows: torch.Tensor
-    ret_weight: torch.Tensor
-    ret_count: torch.Tensor
+    entry_token: torch.Tensor
+    entry_rows: torch.Tensor
+    entry_weight: torch.Tensor
+    entry_count: torch.Tensor
     dest_mask: torch.Tensor
     pair_live: torch.Tensor
 
@@ -218,13 +218,13 @@ def build_send_plan(
     w_tdk = torch.where(on_d, topk_weights.float().unsqueeze(1), torch.zeros((), device=dev))
 
     flat = (torch.arange(world, device=dev).view(1, world) * (max_tokens + 1) + slot_idx).reshape(-1)
-    ret_token = torch.zeros(world * (max_tokens + 1), dtype=torch.int32, device=dev)
-    ret_token.scatter_(0, flat, torch.arange(m, device=dev, dtype=torch.int32)
+    entry_token = torch.zeros(world * (max_tokens + 1), dtype=torch.int32, device=dev)
+    entry_token.scatter_(0, flat, torch.arange(m, device=dev, dtype=torch.int32)
                        .view(m, 1).expand(m, world).reshape(-1))
-    ret_rows = torch.full((world * (max_tokens + 1), k), -1, dtype=torch.int32, device=dev)
-    ret_rows.index_copy_(0, flat, rows_tdk.reshape(-1, k).to(torch.int32))
-    ret_weight = torch.zeros(world * (max_tokens + 1), k, dtype=torch.float32, device=dev)
-    ret_weight.index_copy_(0, flat, w_tdk.reshape(-1, k))
+    entry_rows = torch.full((world * (max_tokens + 1), k), -1, dtype=torch.int32, device=dev)
+    entry_rows.index_copy_(0, flat, rows_tdk.reshape(-1, k).to(torch.int32))
+    entry_weight = torch.zeros(world * (max_tokens + 1), k, dtype=torch.float32, device=dev)
+    entry_weight.index_copy_(0, flat, w_tdk.reshape(-1, k))
 
     dest_mask = torch.zeros(max_tokens, world, dtype=torch.int32, device=dev)
     dest_mask[:m] = mask
@@ -235,10 +235,10 @@ def build_send_plan(
         send_row=send_row,
         send_weight=send_weight,
         send_off=send_off,
-        ret_token=ret_token.view(world, max_tokens + 1)[:, :max_tokens].contiguous(),
-        ret_rows=ret_rows.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
-        ret_weight=ret_weight.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
-        ret_count=mask.sum(dim=0, dtype=torch.int32),
+        entry_token=entry_token.view(world, max_tokens + 1)[:, :max_tokens].contiguous(),
+        entry_rows=entry_rows.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
+        entry_weight=entry_weight.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
+        entry_count=mask.sum(dim=0, dtype=torch.int32),
         dest_mask=dest_mask,
         pair_live=pair_live,
     )

@@ -24,4 +24,4 @@ def pytest_collection_modifyitems(config, items):
                                              "scripts/device/gpu_tests.sh runs it"))
         if item.get_closest_marker("multigpu") and torch.cuda.device_count() < 2:
             item.add_marker(pytest.mark.skip(reason="needs >= 2 CUDA GPUs; "
-                                             "scripts/device/multigpu_tests.sh runs it"))
+                                             "scripts/device/multigpu_check.sh runs it"))

@@ -21,8 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from comet import reference  # noqa: E402
-from comet.config import MoEConfig  # noqa: E402
-from comet.kernels.launch import TileConfig  # noqa: E402
+from comet.bench.provenance import provenance  # noqa: E402
+from comet.config import MoEConfig, TileConfig  # noqa: E402
 from comet.runtime.errors import CometTimeoutError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
 from comet.weights import interleave_gate_up  # noqa: E402
@@ -72,8 +72,9 @@ def rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-6)).item()
 
 
-#: Dispatch variants every correctness check runs: the push, and the copy engines'.
-DISPATCHES = {"push": TileConfig(), "copy": TileConfig(copy_dispatch=True)}
+#: layer1 variants every correctness check runs: the scatter epilogue (the default) and
+#: the column-split reduce (comet.runtime.strategies).
+LAYER1 = {"scatter": TileConfig(), "reduce": TileConfig(layer1_scatter=False)}
 
 
 def check_correctness(results, quick, configs):
@@ -81,14 +82,14 @@ def check_correctness(results, quick, configs):
     for name in configs:
         e, k, h, f = SCALED[name]
         dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
-        for dtype, dispatch in ((d, v) for d in dtypes for v in DISPATCHES):
+        for dtype, layer1 in ((d, v) for d in dtypes for v in LAYER1):
             cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                             dtype=dtype, max_tokens=512)
             w13, w2 = global_weights(cfg, 7)
             el = e // world
             layer = FusedMoE(cfg, w13[rank * el:(rank + 1) * el].contiguous(),
                              w2[rank * el:(rank + 1) * el].contiguous(), check_errors="sync",
-                             tile=DISPATCHES[dispatch])
+                             tile=LAYER1[layer1])
             p = layer.programs
             splits = [0, 1, 16, p - 1] if quick else [0, 1, 8, 24, p // 2, p - 1]
             worst = 0.0
@@ -100,11 +101,11 @@ def check_correctness(results, quick, configs):
                     y = layer(xs[rank], ids[rank], ws[rank], comm_blocks=n)
                     err = rel_err(y, ref)
                     worst = max(worst, err)
-                    assert err < 1e-2, (name, dtype, dispatch, kind, n, err)
+                    assert err < 1e-2, (name, dtype, layer1, kind, n, err)
             results.append({"check": "correctness", "config": name, "dtype": str(dtype),
-                            "dispatch": dispatch, "splits": splits, "kinds": list(KINDS),
+                            "layer1": layer1, "splits": splits, "kinds": list(KINDS),
                             "worst_rel_err": worst})
-            log(f"ok correctness {name} {dtype} {dispatch} splits={splits} worst={worst:.2e}")
+            log(f"ok correctness {name} {dtype} {layer1} splits={splits} worst={worst:.2e}")
             del layer
             torch.cuda.empty_cache()
 
@@ -159,7 +160,7 @@ def _compare(worst, got, want, has_tokens):
 def check_training(results, configs):
     """CometMoE over the group, one training step with routing passed in, through each
     backward (the default fused one, comet.runtime.backward; the unfused one,
-    comet.backward over NCCL): each rank's gradients of x, the routing weights and its
+    comet.baseline_backward over NCCL): each rank's gradients of x, the routing weights and its
     own experts as autograd of the fp32 spec over every rank's tokens."""
     from comet import CometMoE
     from comet.weights import gate_up_first
@@ -394,7 +395,7 @@ def main():
     check_fused_backward(results, args.configs)
     if dist.get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"world_size": dist.get_world_size(),
+            json.dump({"world_size": dist.get_world_size(), **provenance(),
                        "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     log("ALL MULTIGPU CHECKS PASSED")
     os._exit(0)

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -43,44 +44,32 @@ def record_launches(fn):
     return launches
 
 
-def _divisible_by_16(value) -> bool:
-    """What Triton's launcher specialises on: 16-byte aligned tensors, integers that are
-    multiples of 16 (so the compile sees the alignment a GPU launch would)."""
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr() % 16 == 0
-    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
-
-
 def compile_launch(kernel, args, kwargs):
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    """Compile one recorded launch as Triton's own launcher would (its binder specialises
+    every argument, argument groups included), for a Hopper target."""
+    kwargs = dict(kwargs)
     kwargs.pop("launch_cooperative_grid", None)
-    bound = dict(zip([p.name for p in kernel.params], args))
-    bound.update(kwargs)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        value = bound[p.name]
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = value
-        else:
-            signature[p.name] = mangle_type(value)
-            if _divisible_by_16(value) and not p.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    backend = make_backend(HOPPER)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options=options)
+    return triton.compile(src, target=HOPPER, options=options.__dict__)
 
 
 def fused_launches(dtype=torch.bfloat16, world=4):
-    from comet.config import MoEConfig
-    from comet.kernels import launch as L
+    from comet.config import MoEConfig, TileConfig
+    from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
     from comet.kernels.act_backward import act_backward
     from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
-    from comet.runtime.staging import StagedScalars
+    from comet.runtime.forward import CallInputs, ForwardCall, Grids
+    from comet.runtime.staging import StagedScalars, address_of
     from comet.runtime.workspace import allocate_virtual
 
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
                     dtype=dtype, max_tokens=64)
-    tile = L.TileConfig()
+    tile = TileConfig()
     el = cfg.num_experts // world
     ws = allocate_virtual(cfg, world, "cpu", tile)[0]
     w13 = torch.zeros(el, 256, 512, dtype=dtype)
@@ -88,43 +77,31 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     x = torch.zeros(10, 256, dtype=dtype)
     ids = torch.zeros(64, 2, dtype=torch.int64)
     wts = torch.zeros(64, 2)
+    split = torch.full((1,), 4, dtype=torch.int64)
+    inputs = CallInputs(address_of(x), address_of(x), split, split, split, ids, wts)
+    grids = Grids(132, 132, 132, 132)
+
+    def call(mode="fused", t=tile, **kw):
+        return ForwardCall(ws, w13, w2, t, inputs, grids, mode, **kw)
 
     def run():
-        L.launch_plan(ws, cfg, ids, wts, tile)
-        split = L.split_of(4, "cpu")
-        for role in (L.ROLE_FUSED, L.ROLE_COMM, L.ROLE_COMPUTE):
-            L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, role, split, 132)
-            L.launch_layer1(ws, cfg, w2, tile, role, split, 132)
+        # The whole fused call (plan, fused layer0, layer1's scatter, combine over slots):
+        # the store of the scatter epilogue to per-row peer addresses must be 16-byte wide.
+        call().run()
+        # layer0 in every role; layer1's reduce kernel in every role, and its combine.
+        for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
+            call().launch_layer0(role, 132)
+            call("sequential").launch_layer1(role, 132)
+        call("sequential").launch_combine(132)
         # The decode tile (small calls): its GEMM roles must pipeline too.
         decode = tile.decode_tile()
-        L.launch_plan(ws, cfg, ids, wts, decode)
-        L.launch_layer0(ws, cfg, L.address_of(x), w13, decode, L.ROLE_FUSED, split, 132)
-        L.launch_layer1(ws, cfg, w2, decode, L.ROLE_FUSED, split, 132)
-        trace = torch.zeros(132, L.MAX_TRACE_EVENTS, 4, dtype=torch.int64)
-        L.launch_layer0(ws, cfg, L.address_of(x), w13, tile, L.ROLE_FUSED, split, 132,
-                        trace=trace)
-        L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, split, 132, trace=trace)
-        L.launch_combine(ws, cfg, L.address_of(x), split, tile, 132)
-        # layer1's scatter epilogue: the dispatch with row homes, the GEMM that sends, the
-        # combine over slots (the store to per-row peer addresses must be 16-byte wide).
-        scatter = dataclasses.replace(tile, layer1_scatter=True)
-        wss = allocate_virtual(cfg, world, "cpu", scatter)[0]
-        L.launch_plan(wss, cfg, ids, wts, scatter)
-        for role in (L.ROLE_FUSED, L.ROLE_COMM):
-            L.launch_layer0(wss, cfg, L.address_of(x), w13, scatter, role, split, 132,
-                            row_home=True)
-        L.launch_layer1(wss, cfg, w2, scatter, L.ROLE_COMPUTE, split, 132, scatter=True)
-        L.launch_combine(wss, cfg, L.address_of(x), split, scatter, 132, scatter=True)
-        # layer0's dispatch by copy engines: the placing comm role (TileConfig.copy_dispatch).
-        copy = dataclasses.replace(scatter, copy_dispatch=True)
-        wsc = allocate_virtual(cfg, world, "cpu", copy)[0]
-        L.launch_plan(wsc, cfg, ids, wts, copy)
-        for role in (L.ROLE_FUSED, L.ROLE_COMM):
-            L.launch_layer0(wsc, cfg, L.address_of(x), w13, copy, role, split, 132, copy=True)
-        # layer0 with its A rows gathered through an index (TileConfig.a_gather).
-        gather = dataclasses.replace(tile, a_gather=True)
-        L.launch_plan(ws, cfg, ids, wts, gather)
-        L.launch_layer0(ws, cfg, L.address_of(x), w13, gather, L.ROLE_FUSED, split, 132)
+        call(t=decode).launch_layer0(ROLE_FUSED, 132)
+        call("sequential", decode).launch_layer1(ROLE_FUSED, 132)
+        # Traced launches (comet bench --timeline).
+        trace = torch.zeros(132, 512, 4, dtype=torch.int64)
+        call(trace={"layer0": trace, "layer1": trace}).run()
+        call("sequential", trace={"layer0": trace, "layer1": trace}).launch_layer1(
+            ROLE_FUSED, 132)
         # The backward's activation kernel (training), both W13 layouts.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),
@@ -163,15 +140,19 @@ def narrow_accesses(compiled) -> int:
                for w in ("", "L1::evict_last."))
 
 
+GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel")
+
+
 def pipelined(name: str, kwargs: dict, shared: int) -> str:
     """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
     ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
     e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM."""
-    if name not in ("layer0_kernel", "layer1_kernel") or kwargs.get("ROLE") == 1:
+    if name not in GEMM_KERNELS or kwargs.get("ROLE") == 1:
         return "-"
-    gate_up = name == "layer0_kernel" and kwargs["GATED"]   # gate and up columns per tile
-    b_cols = kwargs["BLOCK_N"] * (2 if gate_up else 1)
-    step = 2 * kwargs["BLOCK_K"] * (kwargs["BLOCK_M"] + b_cols)   # 16-bit operands
+    item = kwargs["item"]
+    gate_up = item.GATED     # gate and up columns per tile
+    b_cols = int(item.BLOCK_N) * (2 if gate_up else 1)
+    step = 2 * int(item.BLOCK_K) * (int(item.BLOCK_M) + b_cols)   # 16-bit operands
     return "yes" if shared >= kwargs["num_stages"] * step else "no"
 
 
@@ -186,7 +167,7 @@ def main() -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
             continue
-        print(f"ok   {name:24s} role={kwargs.get('ROLE', '-')} smem={k.metadata.shared} "
+        print(f"ok   {name:24s} role={int(kwargs.get('ROLE', -1))} smem={k.metadata.shared} "
               f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
               f"{resource_usage(k)} b16={narrow_accesses(k)} ({time.time() - t0:.1f}s)")
     return 1 if failures else 0

@@ -1,4 +1,5 @@
-"""Training through comet: the expert-parallel backward (comet.backward) and the op's
+"""Training through comet: the expert-parallel backward (comet.baseline_backward, and the
+fused one of comet.runtime.backward) and the op's
 registered autograd against autograd of the spec, on one rank and over gloo."""
 
 import pytest
@@ -7,7 +8,8 @@ import torch.distributed as dist
 
 import gloo_ranks
 from comet import CometMoE, reference
-from comet.backward import grouped_weight_grad, routed_experts_backward
+from comet.baseline_backward import routed_experts_backward
+from comet.grouped import grouped_weight_grad
 from comet.weights import interleave_gate_up
 
 K, H = 2, 32
@@ -130,7 +132,8 @@ def test_grouped_weight_grad_is_per_expert_a_transposed_b():
     rows = [3, 0, 5, 1]
     a, b = torch.randn(9, 16, generator=g), torch.randn(9, 24, generator=g)
     offs = torch.tensor(rows).cumsum(0).to(torch.int32)
-    got = grouped_weight_grad(a, b, rows, offs)
+    got = grouped_weight_grad(a, b, offs, rows)
+    torch.testing.assert_close(grouped_weight_grad(a, b, offs), got)   # rows from offs
     starts = [0] + offs.tolist()
     for e in range(len(rows)):
         want = a[starts[e]:starts[e + 1]].t() @ b[starts[e]:starts[e + 1]]
@@ -176,7 +179,7 @@ def test_unknown_layout_is_refused():
 def test_the_activation_kernel_matches_its_torch_form(layout, ffn):
     """comet.kernels.act_backward (Triton; the interpreter on a CPU) against the torch
     ops it replaces, with ragged rows and a partial last gate/up block."""
-    from comet.backward import act_backward_torch
+    from comet.baseline_backward import act_backward_torch
     from comet.kernels.act_backward import act_backward
     g = torch.Generator().manual_seed(ffn)
     # On a GPU machine Triton is not interpreting: the kernel needs device tensors.
@@ -197,7 +200,7 @@ def test_frozen_experts_skip_their_gradients():
     with trainable experts), the experts none, and the weight GEMMs are not run."""
     from unittest import mock
 
-    import comet.backward as bw
+    import comet.baseline_backward as bw
     torch.manual_seed(0)
     layer = CometMoE(8, K, H, 160, dtype=torch.float32)
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(4))
@@ -315,8 +318,11 @@ def test_row_weights_wait_for_the_calls_entries():
     entries) reached the call's epoch: layer0's GEMM waits for rows only, and the entries
     still there may be another call's. A source whose flags lag is given up on -- the
     wait is recorded (site 7) and nothing of it is written."""
-    from comet.kernels.grad_rows import row_weights_kernel
-    from comet.kernels.launch import _asm
+    from comet.kernels.grad_rows import launch_row_weights
+    from comet.kernels.layer0 import Arrivals
+    from comet.kernels.plan import EntryTables
+    from comet.kernels.shape import Shape
+    from comet.kernels.sync import Sync
     world, mx, slots, epoch = 2, 4, 3, 5
     rows = torch.full((world, mx, K), -1, dtype=torch.int32)
     rows[0, 0], rows[1, 0] = torch.tensor([0, 1]), torch.tensor([2, 3])
@@ -327,10 +333,13 @@ def test_row_weights_wait_for_the_calls_entries():
     error = torch.zeros(world, 8, dtype=torch.int32)
     err_table = torch.tensor([error[r].data_ptr() for r in range(world)])
     w_row = torch.zeros(4)
-    row_weights_kernel[(1, world)](
-        rows, weight, torch.ones(world, dtype=torch.int32), w_row, mx, flag0, slots,
-        torch.tensor([2, 2], dtype=torch.int32), torch.tensor([epoch]), err_table, 0,
-        torch.tensor([10**9]), WORLD=world, TOPK=K, TOPK_P2=K, BLOCK=4, USE_ASM=_asm())
+    shape = Shape.of(world * 2, K, world)
+    launch_row_weights(1, recv=EntryTables(None, rows, weight),
+                       arrivals=Arrivals(flag0, slots, torch.tensor([2, 2], dtype=torch.int32),
+                                         torch.ones(world, dtype=torch.int32)),
+                       w_row=w_row, max_tokens=mx,
+                       sync=Sync(torch.tensor([epoch]), err_table, 0, torch.tensor([10**9]),
+                                 shape.WORLD), shape=shape)
     torch.testing.assert_close(w_row, torch.tensor([1.0, 2.0, 0.0, 0.0]))
     assert error[0, :4].tolist() == [1, 7, 1, 0]       # timeout, site, source, rank
 

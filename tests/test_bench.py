@@ -29,7 +29,7 @@ SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
 # --------------------------------------------------------------------------- fakes
 class FakeFusedMoE:
     """Stands in for comet.runtime.layer.FusedMoE on the CPU: the baseline's numbers,
-    the fused layer's interface (modes, phase timer, block split, timeline)."""
+    the fused layer's interface (modes, phase timer, block split)."""
 
     programs = 8
 
@@ -52,9 +52,12 @@ class FakeFusedMoE:
                     y = ep_moe_forward(x, topk_ids, topk_weights, self.w13, self.w2, self.group)
         return y.to(x.dtype)
 
-    def timeline(self, x, topk_ids, topk_weights, comm_blocks=None):
-        self.last_comm_blocks = (2, 3)
-        return _synthetic_timeline(blocks=6, n_comm=2)
+
+
+def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None):
+    """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE."""
+    layer.last_comm_blocks = (2, 3)
+    return _synthetic_timeline(blocks=6, n_comm=2)
 
 
 def _synthetic_timeline(blocks=4, n_comm=1, t0=1_000_000):
@@ -201,7 +204,8 @@ def test_fixed_splits_hold_the_choice_against_the_best_of_them(tmp_path, capsys,
         bench.main(SMALL + ["--fixed-splits", "-1"])
 
 
-def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused):
+def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
+    monkeypatch.setattr(bench.trace, "record_timeline", _fake_record_timeline)
     argv = ["--timeline", "--timeline-tokens", "16", "--no-plot", "--output-dir", str(tmp_path)]
     assert bench.main(argv) == 0
     [path] = glob.glob(str(tmp_path / "timeline-ep1-cpu-tiny-16-*.json"))
@@ -422,3 +426,28 @@ def test_where_time_goes_reads_the_milestones_of_a_trace(tmp_path, capsys):
     assert trace.main([path]) == 0
     out = capsys.readouterr().out
     assert "gemm_start" in out and "reduce_tail_us:" in out and " 960.0" in out
+
+
+def test_paired_comparison_reports_ratios_worst_and_noise(tmp_path, capsys):
+    """--from-json NEW --against BASE: per record new/base of comet's columns (the mean of
+    each side's runs), the worst one, and the spread of the runs as the noise."""
+    def run(fused, seq):
+        return [{"config": "mixtral", "tokens_per_rank": t, "routing": "uniform",
+                 "layer": "moe", "fused_us": fused * t, "sequential_us": seq * t,
+                 "compute_only_us": None, "comm_only_us": 1.0} for t in (128, 4096)]
+    paths = {}
+    for name, records in {"new1": run(1.1, 2.0), "new2": run(0.9, 2.0),
+                          "base": run(1.0, 2.5)}.items():
+        paths[name] = str(tmp_path / f"{name}.json")
+        rec.write_json(records, paths[name])
+    assert bench.main(["--from-json", paths["new1"], paths["new2"], "--against",
+                       paths["base"], "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "fused_us: new/base geomean 1.000, worst 1.000" in out
+    assert "sequential_us: new/base geomean 0.800" in out
+    assert "largest run-to-run spread 0.222" in out      # 1.1 / 0.9 - 1
+    [written] = glob.glob(str(tmp_path / "paired-*.json"))
+    rows = json.load(open(written))["rows"]
+    assert [r["fused_us"]["ratio"] for r in rows] == pytest.approx([1.0, 1.0])
+    with pytest.raises(SystemExit):
+        bench.main(["--against", paths["base"]])

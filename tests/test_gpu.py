@@ -37,7 +37,7 @@ def _rel_err(y, ref):
 def _reduce_tile():
     """The default tiles with layer1 as GEMM, then the reduce role (not the scatter)."""
     import dataclasses
-    from comet.kernels.launch import TileConfig
+    from comet.config import TileConfig
     return dataclasses.replace(TileConfig(), layer1_scatter=False)
 
 
@@ -111,20 +111,18 @@ def test_w1_routings(kind):
         assert _rel_err(y, ref) < 1e-2
 
 
-@pytest.mark.parametrize("variant", ["reduce", "scatter", "copy"])
+@pytest.mark.parametrize("variant", ["reduce", "scatter"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))
 def test_virtual_ranks_bf16(world, name, variant):
-    import dataclasses
-    from comet.kernels.launch import TileConfig
+    from comet.config import TileConfig
     from comet.runtime.virtual import VirtualEP
     e, k, h, f = SCALED[name]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.bfloat16, max_tokens=256)
     g = torch.Generator(device="cuda").manual_seed(world)
     shards = [_weights(e // world, h, f, torch.bfloat16, g) for _ in range(world)]
-    tile = {"reduce": _reduce_tile(), "scatter": TileConfig(),
-            "copy": dataclasses.replace(TileConfig(), copy_dispatch=True)}[variant]
+    tile = {"reduce": _reduce_tile(), "scatter": TileConfig()}[variant]
     ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], tile)
     for kind in KINDS:
         cg = torch.Generator().manual_seed(len(kind))
@@ -225,11 +223,11 @@ def test_garbage_collection_during_a_capture(collector):
     import gc
     from unittest import mock
 
-    import comet.runtime.layer as layer_mod
+    import comet.runtime.forward as forward_mod
     layer, g = _fused("mixtral", torch.bfloat16)
     x, ids, w = _inputs(layer, "random", g, tokens=256)
     layer(x, ids, w)                                   # first call: eager
-    plan = layer_mod.L.launch_plan
+    plan = forward_mod.launch_layout
 
     def plan_then_collection_due(*args, **kwargs):
         gc.set_threshold(1)
@@ -243,7 +241,7 @@ def test_garbage_collection_during_a_capture(collector):
         with contextlib.ExitStack() as stack:
             caught = stack.enter_context(warnings.catch_warnings(record=True))
             warnings.simplefilter("always")
-            stack.enter_context(mock.patch.object(layer_mod.L, "launch_plan",
+            stack.enter_context(mock.patch.object(forward_mod, "launch_layout",
                                                   plan_then_collection_due))
             if collector == "left on":
                 stack.enter_context(mock.patch.object(gc, "disable", lambda: None))
@@ -254,11 +252,12 @@ def test_garbage_collection_during_a_capture(collector):
     ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
                                 round_to=torch.bfloat16)
     assert _rel_err(y, ref) < 1e-2
-    assert len(layer._graphs) == 1
+    graphs = layer.graphs._graphs
+    assert len(graphs) == 1
     if collector == "left on":
-        assert failed and list(layer._graphs.values()) == [None]
+        assert failed and list(graphs.values()) == [None]
     else:
-        assert not failed and None not in layer._graphs.values()
+        assert not failed and None not in graphs.values()
     torch.rand(1, device="cuda")     # a failed capture must not leave the RNG capturing
     layer.check_errors_now()
 
@@ -311,7 +310,7 @@ def _spec_step(moe, x, dy):
 
 @pytest.mark.parametrize("name", list(SCALED))
 def test_training_step_matches_autograd_of_the_spec(name):
-    """A CometMoE on the GPU trains: the fused forward, then comet.backward, give x, the
+    """A CometMoE on the GPU trains: the fused forward, then the backward, give x, the
     router and the experts the gradients autograd of the fp32 spec gives (within bf16);
     the next inference call is still right."""
     from comet import CometMoE
@@ -432,7 +431,9 @@ def test_bad_inputs_raise_before_launch_and_leave_the_layer_usable():
 def test_missing_peer_times_out_quickly(monkeypatch):
     """Virtual rank 1 never runs: rank 0 raises within seconds instead of hanging."""
     import time
-    from comet.kernels import launch as L
+    from comet.config import TileConfig
+    from comet.kernels import exchange
+    from comet.kernels.plan import Routing, launch_counts
     from comet.runtime.errors import raise_if_failed
     from comet.runtime.virtual import VirtualEP
     monkeypatch.setenv("COMET_TIMEOUT_S", "1")
@@ -441,12 +442,15 @@ def test_missing_peer_times_out_quickly(monkeypatch):
                     dtype=torch.bfloat16, max_tokens=64)
     g = torch.Generator(device="cuda").manual_seed(0)
     shards = [_weights(4, h, f, torch.bfloat16, g) for _ in range(2)]
-    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], L.TileConfig())
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], TileConfig())
     ws = ep.ws[0]
     ws.begin_call()
     start = time.time()
-    L.launch_counts(ws, cfg, torch.tensor([[0, 5]], device="cuda"))
-    L.launch_exchange(ws, cfg)
+    ids = torch.tensor([[0, 5]], device="cuda")
+    launch_counts(ws.plan, Routing.of(ids, torch.ones(ids.shape, device="cuda")),
+                  ws.input_word, ws.epoch, ws.shape)
+    exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                             ws.peer("count_flags"), ws.sync, ws.shape)
     torch.cuda.synchronize()
     with pytest.raises(CometTimeoutError, match="rank 1"):
         raise_if_failed(ws.fatal_word, 0)
@@ -454,10 +458,11 @@ def test_missing_peer_times_out_quickly(monkeypatch):
 
 
 def test_timeline_records_both_roles():
+    from comet.bench.trace import record_timeline
     layer, g = _fused("mixtral", torch.bfloat16, tile=_reduce_tile())
     x, ids, w = _inputs(layer, "random", g, tokens=256)
     layer(x, ids, w)
-    records = layer.timeline(x, ids, w, comm_blocks=4)
+    records = record_timeline(layer, x, ids, w, comm_blocks=4)
     roles = {(r["layer"], r["role"]) for r in records}
     assert roles == {("layer0", "comm"), ("layer0", "compute"), ("layer1", "comm"),
                      ("layer1", "compute")}
@@ -466,7 +471,7 @@ def test_timeline_records_both_roles():
     assert pushes <= set(range(4)), "only the comm blocks push"
     # layer1 with no comm block (the tables' usual choice) is traced as it runs: every
     # block's GEMM tiles come before its reduce items.
-    records = layer.timeline(x, ids, w, comm_blocks=(4, 0))
+    records = record_timeline(layer, x, ids, w, comm_blocks=(4, 0))
     assert list(layer.last_comm_blocks) == [4, 0]
     for block in range(layer.programs):
         kinds = [r["role"] for r in records if r["layer"] == "layer1" and r["block"] == block]
@@ -474,7 +479,7 @@ def test_timeline_records_both_roles():
     assert {r["role"] for r in records if r["layer"] == "layer1"} == {"comm", "compute"}
     # The default layer1 scatters from its epilogue: no comm role at all.
     layer, g = _fused("mixtral", torch.bfloat16)
-    records = layer.timeline(x, ids, w, comm_blocks=4)
+    records = record_timeline(layer, x, ids, w, comm_blocks=4)
     assert {r["role"] for r in records if r["layer"] == "layer1"} == {"compute"}
 
 
@@ -483,6 +488,7 @@ def test_blocks_change_role_at_full_size():
     finish pushing long before the GEMM ends and take tiles from the queue; GEMM blocks
     out of tiles take reduce items;
     layer1's comm blocks run split 0's tiles with everyone, none of the later splits'."""
+    from comet.bench.trace import record_timeline
     from comet.config import PRESETS
     from comet.runtime.layer import FusedMoE
     cfg = PRESETS["mixtral"].replace(max_tokens=2048)
@@ -490,7 +496,7 @@ def test_blocks_change_role_at_full_size():
     w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
     layer = FusedMoE(cfg, w13, w2, tile=_reduce_tile(), check_errors="sync")
     x, ids, w = _inputs(layer, "random", g, tokens=2048)
-    records = layer.timeline(x, ids, w, comm_blocks=(16, 16))
+    records = record_timeline(layer, x, ids, w, comm_blocks=(16, 16))
     comm = set(range(16))
     tiles0 = {r["block"] for r in records if (r["layer"], r["role"]) == ("layer0", "compute")}
     assert tiles0 & comm, "no comm block joined the layer0 GEMM"
@@ -524,28 +530,6 @@ def test_decode_tile_at_full_size_alternating_with_the_default():
             assert layer.last_tile.block_n1 == block_n1
             assert _rel_err(y, ref) < 1e-2, block_n1
     layer.check_errors_now()
-
-
-def test_gathered_a_rows_match_the_tma_box_at_full_size():
-    """``TileConfig.a_gather`` (layer0's A through a row index and ``tl.load``, the load a
-    copy-engine dispatch would need) gives the TMA box's output bit for bit: the same
-    rows, the same dot order. One EP=4 rank of Mixtral, 2048 tokens, replayed calls."""
-    import dataclasses
-    from comet.config import preset
-    from comet.kernels.launch import TileConfig
-    from comet.runtime.layer import FusedMoE
-    cfg = preset("mixtral", num_experts=2, max_tokens=2048)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
-    tma = FusedMoE(cfg, w13, w2)
-    gather = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(), a_gather=True))
-    x, ids, w = _inputs(tma, "random", g, tokens=2048)
-    ref = reference.moe_forward(x, ids, w, gate_up_first(tma.w13), tma.w2, round_to=cfg.dtype)
-    for _ in range(3):
-        y = gather(x, ids, w)
-        assert torch.equal(y, tma(x, ids, w))
-        assert _rel_err(y, ref) < 1e-2
-    gather.check_errors_now()
 
 
 def test_tile_fields_change_the_order_not_the_result():
@@ -670,50 +654,3 @@ def test_a_pytest_process_that_made_private_streams_exits_cleanly(tmp_path):
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
 
 
-def test_copy_dispatch_matches_the_push_at_full_size():
-    """``TileConfig.copy_dispatch`` at full Mixtral sizes, EP=2 on two virtual ranks
-    called concurrently, back to back (graph replays, ranks drifting apart): bit for bit
-    the pushing layer's output (the same rows land in the same places)."""
-    import dataclasses
-    from comet.config import preset
-    from comet.kernels.launch import TileConfig
-    from comet.runtime.layer import VIRTUAL_COPY_SMS, FusedMoE
-    from comet.runtime.virtual import concurrent_forward
-    cfg = preset("mixtral", max_tokens=2048)
-    world, el = 2, cfg.num_experts // 2
-    g = torch.Generator(device="cuda").manual_seed(11)
-    shards = [_weights(el, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
-              for _ in range(world)]
-    w13, w2 = [s[0] for s in shards], [s[1] for s in shards]
-    copy = FusedMoE.virtual_group(cfg, w13, w2,
-                                  tile=dataclasses.replace(TileConfig(), copy_dispatch=True))
-    # The push group on the copy group's grid: its calls run beside the copy group's
-    # and must leave the same-GPU copies their SMs too.
-    push = FusedMoE.virtual_group(cfg, w13, w2, programs=copy[0].programs)
-    streams = [torch.cuda.Stream() for _ in range(world)]
-    calls, results = [], []
-    for call in range(12):
-        kind = KINDS[call % len(KINDS)]
-        cg = torch.Generator().manual_seed(call)
-        ids = [i.cuda() for i in make_ids(kind, make_tokens(kind, world, 2048, cg),
-                                          cfg.num_experts, cfg.top_k, cg)]
-        xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g, device="cuda")
-              .to(cfg.dtype) for i in ids]
-        ws = [torch.softmax(torch.rand(i.shape, generator=g, device="cuda"), -1) for i in ids]
-        calls.append((kind, xs, ids, ws))
-    torch.cuda.synchronize()
-    for i, (kind, xs, ids, ws) in enumerate(calls):
-        delays = [0, 100_000 * (i % 4)]
-        results.append((concurrent_forward(push, xs, ids, ws, streams, comm_blocks=16,
-                                           delay_cycles=delays),
-                        concurrent_forward(copy, xs, ids, ws, streams,
-                                           comm_blocks=(16, 24)[i % 2],
-                                           delay_cycles=delays[::-1])))
-    torch.cuda.synchronize()
-    for layer in push + copy:
-        layer.check_errors_now()
-    for (kind, *_), (expect, got) in zip(calls, results):
-        for y, e in zip(got, expect):
-            assert torch.equal(y, e), kind
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert copy[0].programs == (sms - VIRTUAL_COPY_SMS) // world

@@ -13,17 +13,23 @@ import triton
 import triton.language as tl
 
 from comet import reference
-from comet.config import MoEConfig
-from comet.kernels import launch as L
+from comet.config import MoEConfig, TileConfig
+from comet.constants import (ADDRESS_ALIGN, MAX_TRACE_EVENTS, ROLE_COMM, ROLE_COMPUTE,
+                             ROLE_FUSED, TRACE_REDUCE, interpreting)
+from comet.kernels import exchange
 from comet.kernels.group_gemm import lane_shape, strided_take
+from comet.kernels.plan import Routing, launch_counts
+from comet.kernels.sync import Trace
 from comet.runtime.errors import CometTimeoutError, raise_if_failed
+from comet.runtime.forward import CallInputs, ForwardCall, Grids, plan_phases
+from comet.runtime.staging import address_of, aligned
 from comet.runtime.virtual import VirtualEP
 from comet.scheduler.plan import lane_of_take
 from comet.scheduler.plan import lane_shape as lane_shape_py
 from comet.weights import gate_up_first
 from routings import KINDS, make_ids, make_tokens
 
-pytestmark = pytest.mark.skipif(not L.interpreting(),
+pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="interpreter tests (CPU); the GPU suite runs these "
                                        "kernels compiled")
 
@@ -75,7 +81,7 @@ def test_routings_fp32_world4(kind):
 
 #: layer1 as GEMM, then the reduce role (the default tile scatters from the epilogue;
 #: the reduce serves the sequential mode and the backward, and was the fused default).
-REDUCE = dataclasses.replace(L.TileConfig.small(), layer1_scatter=False)
+REDUCE = dataclasses.replace(TileConfig.small(), layer1_scatter=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -84,70 +90,6 @@ def test_configs_fp16_layer1_reduce(world, name):
     ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=REDUCE)
     _close(ys, expect, torch.float16)
     assert not any("pair_out" in ws.buffers for ws in ep.ws)
-
-
-def test_layer0_reads_its_rows_through_an_index():
-    """``TileConfig.a_gather``: layer0's gated one-dot tiles load A with ``tl.load``
-    through a row index instead of a TMA box, and the layer's output does not change."""
-    from comet.weights import GATE_UP_BLOCK
-    tile = dataclasses.replace(L.TileConfig.small(), block_n0=GATE_UP_BLOCK, a_gather=True)
-    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=GATE_UP_BLOCK,
-                    dtype=torch.float16, max_tokens=12)
-    g = torch.Generator().manual_seed(3)
-    ids = make_ids("random", make_tokens("random", 2, cfg.max_tokens, g), 4, 2, g)
-    xs = [torch.randn(i.shape[0], 32, generator=g).half() for i in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
-    w13 = [(torch.randn(2, 32, 2 * GATE_UP_BLOCK, generator=g) * 32 ** -0.5).half()
-           for _ in range(2)]
-    w2 = [(torch.randn(2, GATE_UP_BLOCK, 32, generator=g) * GATE_UP_BLOCK ** -0.5).half()
-          for _ in range(2)]
-    L._identity_rows.cache_clear()
-    ys = VirtualEP(cfg, w13, w2, tile).forward(xs, ids, wts, 2, 3)
-    assert L._identity_rows.cache_info().misses >= 1      # the gathered load ran
-    _close(ys, reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16),
-           torch.float16)
-
-
-#: layer0's dispatch by copy engines: each rank's host copies its input and send list to
-#: its peers, whose comm programs place the rows (comet.runtime.copy_dispatch).
-COPY = dataclasses.replace(L.TileConfig.small(), copy_dispatch=True)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", list(SCALED))
-def test_configs_fp16_copy_dispatch(world, name):
-    ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 11, tile=COPY)
-    _close(ys, expect, torch.float16)
-    # Every peer's copies landed and were flagged with this call's epoch.
-    for ws in ep.ws:
-        peers = [s for s in range(world) if s != ws.rank]
-        assert ws.copy_flags[peers].tolist() == [1] * len(peers)
-
-
-def test_copy_dispatch_back_to_back_with_every_routing():
-    """Three ranks (two peers abreast in the placing order), calls of every routing kind
-    (ranks without tokens, tokens without experts, everything on one rank) on one
-    workspace: no call places an older call's rows."""
-    world, e, k, h, f = 3, 12, 4, 32, 16
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                    dtype=torch.float32, max_tokens=12)
-    g = torch.Generator().manual_seed(1)
-    w13 = [torch.randn(4, h, 2 * f, generator=g) * 0.2 for _ in range(world)]
-    w2 = [torch.randn(4, f, h, generator=g) * 0.2 for _ in range(world)]
-    ep = VirtualEP(cfg, w13, w2, COPY)
-    for call, kind in enumerate(KINDS):
-        ids = make_ids(kind, make_tokens(kind, world, 12, g), e, k, g)
-        ids[1][::3, -1] = -1
-        xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
-        wts = [torch.rand(i.shape, generator=g) for i in ids]
-        ys = ep.forward(xs, ids, wts, comm_programs=3)
-        _close(ys, reference.ep_forward(xs, ids, wts, w13, w2), torch.float32)
-        assert all(ws.copy_flags[(ws.rank + 1) % world] == call + 1 for ws in ep.ws)
-
-
-def test_copy_dispatch_needs_the_scatter_epilogue():
-    with pytest.raises(ValueError, match="layer1_scatter"):
-        dataclasses.replace(COPY, layer1_scatter=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -199,56 +141,54 @@ def test_back_to_back_calls_reuse_the_workspace():
     assert int(ep.ws[0].epoch) == 3
 
 
+def _rank_call(ep, r, x, ids, wts, y=None, split=0):
+    """Rank ``r``'s forward call of ``ep`` with its roles apart, on these inputs."""
+    y = torch.empty_like(x) if y is None else y
+    m = torch.full((1,), x.shape[0], dtype=torch.int64)
+    splits = [torch.full((1,), split, dtype=torch.int64) for _ in range(2)]
+    inputs = CallInputs(address_of(x), address_of(y), m, *splits, ids, wts)
+    return ForwardCall(ep.ws[r], ep.w13[r], ep.w2[r], ep.tile, inputs, Grids(3, 1, 2, 3),
+                       cooperative=False, roles_apart=True)
+
+
 def _plan_rank0_of_two(ep):
     """Both ranks of a W=2 group open a call and exchange counts; rank 0 alone builds its
-    plan. Returns rank 0's workspace and the address of its input."""
+    plan. Returns rank 0's call."""
     cfg, tile = ep.cfg, ep.tile
     g = torch.Generator().manual_seed(9)
     ids = [torch.tensor([[0, 5], [6, 7]]), torch.tensor([[1, 4]])]
     xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).half() for i in ids]
     wts = [torch.rand(i.shape, generator=g) for i in ids]
-    for ws in ep.ws:
-        ws.begin_call()
-    for r in range(2):
-        L.launch_counts(ep.ws[r], cfg, ids[r])
-        L.launch_exchange(ep.ws[r], cfg, L.PHASE_PUSH)
-    ws = ep.ws[0]
-    L.launch_exchange(ws, cfg, L.PHASE_WAIT)
-    L.launch_layout(ws, cfg, tile)
-    L.launch_place(ws, cfg, ids[0], wts[0])
-    return ws, L.address_of(xs[0])
+    plans = [plan_phases(ep.ws[r], Routing.of(ids[r], wts[r]), tile) for r in range(2)]
+    for open_call, _ in plans:
+        open_call()
+    plans[0][1]()
+    return _rank_call(ep, 0, xs[0], ids[0], wts[0])
 
 
 def test_missing_peer_is_a_clear_error():
     """Rank 1 never dispatches: rank 0's GroupGEMM gives up and names the missing rank."""
     _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=3)
-    ws, x_addr = _plan_rank0_of_two(ep)
-    unused = L.split_of(0, "cpu")
-    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMM, unused, 1)
-    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMPUTE, unused, 2)
+    call = _plan_rank0_of_two(ep)
+    call.launch_layer0(ROLE_COMM, 1)
+    call.launch_layer0(ROLE_COMPUTE, 2)
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
-        raise_if_failed(ws.fatal_word, 0)
+        raise_if_failed(ep.ws[0].fatal_word, 0)
 
 
-def test_copies_that_never_land_are_a_clear_error():
-    """Copy dispatch: rank 1's host never copies to rank 0, so rank 0's placing comm
-    program gives up on rank 1's flag and names it; nothing of rank 1 is placed."""
-    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=5, tile=COPY)
-    ws, x_addr = _plan_rank0_of_two(ep)
-    flags_before = ws.flag0[1].clone()
-    L.launch_layer0(ws, ep.cfg, x_addr, ep.w13[0], ep.tile, L.ROLE_COMM, L.split_of(0, "cpu"),
-                    1, copy=True)
-    with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
-        raise_if_failed(ws.fatal_word, 0)
-    assert torch.equal(ws.flag0[1], flags_before)
+def _open_alone(ws, ep):
+    """Rank ``ws.rank`` opens a call and runs the whole count exchange alone."""
+    ws.begin_call()
+    launch_counts(ws.plan, Routing.of(torch.tensor([[0, 1]]), torch.ones(1, 2)),
+                  ws.input_word, ws.epoch, ws.shape)
+    exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                             ws.peer("count_flags"), ws.sync, ws.shape)
 
 
 def test_exchange_timeout_names_the_peer():
     _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
     ws = ep.ws[0]
-    ws.begin_call()
-    L.launch_counts(ws, ep.cfg, torch.tensor([[0, 1]]))
-    L.launch_exchange(ws, ep.cfg)                     # rank 1 never publishes
+    _open_alone(ws, ep)                               # rank 1 never publishes
     with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
         raise_if_failed(ws.fatal_word, 0)
 
@@ -280,20 +220,6 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
         ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     assert int(layer.ws.epoch) == 2
-
-
-def test_fused_layer_w1_copy_dispatch_on_cpu():
-    """FusedMoE's copy-dispatch call (plan, copies, layers, join) on one rank: its comm
-    programs place its own rows; every split, both modes that differ (fused places,
-    sequential pushes) give the reference's output."""
-    from comet.runtime.layer import FusedMoE
-    cfg, w13, w2, x, ids, w = _w1_inputs()
-    layer = FusedMoE(cfg, w13, w2, tile=COPY)
-    ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
-    for comm_blocks, mode in [(1, "fused"), (0, "fused"), (2, "fused"), (1, "sequential")]:
-        y = layer(x, ids, w, comm_blocks=comm_blocks, mode=mode)
-        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    assert int(layer.ws.epoch) == 4
 
 
 def test_a_layer_built_under_inference_mode_serves_calls_outside_it():
@@ -381,10 +307,7 @@ def test_a_timeout_is_written_into_every_peers_error_word():
     """Rank 0 gives up on rank 1's counts; rank 1 (and rank 2) learn it from rank 0, so
     their next waits give up at once instead of each waiting out its own timeout."""
     _, _, ep = _run(4, "mixtral", "random", torch.float16, seed=4)
-    ws = ep.ws[0]
-    ws.begin_call()
-    L.launch_counts(ws, ep.cfg, torch.tensor([[0, 1]]))
-    L.launch_exchange(ws, ep.cfg)
+    _open_alone(ep.ws[0], ep)
     for r in range(4):
         with pytest.raises(CometTimeoutError, match=rf"exchange on rank 0 .* from rank 1 "
                                                      rf"\(observed by rank {r}\)"):
@@ -399,14 +322,14 @@ def test_small_calls_take_the_decode_tile():
     from comet.runtime.layer import FusedMoE
     cfg, w13, w2, x, ids, w = _w1_inputs("mixtral", seed=7)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
-    tile = dataclasses.replace(L.TileConfig.small(), decode_block_n1=16)
+    tile = dataclasses.replace(TileConfig.small(), decode_block_n1=16)
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
     # program) or 16 of 16 (4 waves, 64 again): the default stays.
     few = FusedMoE(cfg, w13, w2, tile=tile)
     assert few.select_tile(7) is few.tile
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
-    many.programs = 64
+    many.programs = many.selection.programs = 64
     assert many.select_tile(7).block_n1 == 16 and many.select_tile(7) is many.select_tile(7)
     many.preload()
     for layer in (few, many):
@@ -443,20 +366,19 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     wts = torch.rand(ids.shape, generator=g)
     w13 = (torch.randn(e, h, 2 * f, generator=g) * h ** -0.5).half()
     w2 = (torch.randn(e, f, h, generator=g) * f ** -0.5).half()
-    ep = VirtualEP(cfg, [w13], [w2])
+    ep = VirtualEP(cfg, [w13], [w2], REDUCE)
     ws, tile = ep.ws[0], ep.tile
-    ws.begin_call()
-    L.launch_plan(ws, cfg, ids, wts, tile)
-    grid = 3
-    traces = [torch.full((grid, L.MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
-              for _ in range(2)]
-    L.launch_layer0(ws, cfg, L.address_of(x), ep.w13[0], tile, L.ROLE_FUSED,
-                    L.split_of(1, x.device), grid, trace=traces[0])
-    L.launch_layer1(ws, cfg, w2, tile, L.ROLE_FUSED, L.split_of(0, x.device), 1,
-                    trace=traces[1][:1])
     y = torch.empty_like(x)
-    L.launch_combine(ws, cfg, L.address_of(y), torch.full((1,), 12, dtype=torch.int32), tile,
-                     grid)
+    call = _rank_call(ep, 0, x, ids, wts, y, split=1)
+    for phase in call.stages()[0][1]:                   # the plan
+        phase()
+    grid = 3
+    traces = [torch.full((grid, MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
+              for _ in range(2)]
+    call.launch_layer0(ROLE_FUSED, grid, trace=Trace.on(traces[0]))
+    call.inputs.split1.fill_(0)
+    call.launch_layer1(ROLE_FUSED, 1, trace=Trace.on(traces[1][:1]))
+    call.launch_combine(grid)
     raise_if_failed(ws.fatal_word, 0)
     torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
                                                                 round_to=torch.float16),
@@ -466,7 +388,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
         ev = traces[layer][block]
         return ev[ev[:, 0] >= 0, 0].tolist()
 
-    world, reduce_kind = 1, 1 << 16
+    world, reduce_kind = 1, int(TRACE_REDUCE)
     assert set(kinds(0, 0)) >= {0, world}, "layer0 block 0 must push, then take tiles"
     assert kinds(0, 0).index(world) > kinds(0, 0).index(0)
     assert kinds(0, 1) == [] and kinds(0, 2) == []
@@ -474,20 +396,19 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     assert any(k < reduce_kind for k in l1) and any(k >= reduce_kind for k in l1)
     assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
         i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
-    c = ws.counter_view()
-    n_items = int(c["l1_reduce"]) - 1    # the program takes one item past the end
-    assert n_items == tile.n_splits(h) * -(-int(ws.plan["entries"][0]) // tile.reduce_item)
+    n_items = int(ws.count.l1_reduce) - 1    # the program takes one item past the end
+    assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.reduce_item)
 
 
 def test_misaligned_inputs_are_staged_through_an_aligned_copy():
     # The kernels read the input through its address with 16-byte vectors.
     flat = torch.randn(1 + 4 * 32)
     view = flat[1:].view(4, 32)          # 4-byte offset
-    assert view.data_ptr() % L.ADDRESS_ALIGN != 0
-    staged = L.aligned(view)
-    assert staged.data_ptr() % L.ADDRESS_ALIGN == 0 and torch.equal(staged, view)
+    assert view.data_ptr() % int(ADDRESS_ALIGN) != 0
+    staged = aligned(view)
+    assert staged.data_ptr() % int(ADDRESS_ALIGN) == 0 and torch.equal(staged, view)
     ok = flat[:128].view(4, 32)
-    assert L.aligned(ok) is ok
+    assert aligned(ok) is ok
 
 
 @triton.jit

@@ -5,28 +5,27 @@ import pytest
 import torch
 import triton
 
-from comet.config import MoEConfig
-from comet.kernels import launch as L
+from comet.config import MoEConfig, TileConfig
+from comet.constants import interpreting
+from comet.kernels.plan import Routing
 from comet.routing import build_recv_layout, build_send_plan, local_counts, recv_capacity
+from comet.runtime.forward import plan_phases
 from comet.runtime.workspace import allocate_virtual
 from comet.scheduler.plan import build_tile_table
 from routings import KINDS, make_ids, make_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not L.interpreting(),
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
                                 reason="needs TRITON_INTERPRET=1 on a CPU")
 
 
 def _run_plan(wss, cfg, tile, ids, wts, num_tokens):
-    world = len(wss)
-    for r in range(world):
-        wss[r].begin_call()
-        L.launch_counts(wss[r], cfg, ids[r], num_tokens[r])
-        L.launch_exchange(wss[r], cfg, L.PHASE_PUSH)
-    for r in range(world):
-        L.launch_exchange(wss[r], cfg, L.PHASE_WAIT)
-        L.launch_layout(wss[r], cfg, tile)
-        L.launch_place(wss[r], cfg, ids[r], wts[r], num_tokens[r])
+    phases = [plan_phases(ws, Routing.of(i, w, n), tile)
+              for ws, i, w, n in zip(wss, ids, wts, num_tokens)]
+    for open_call, _ in phases:
+        open_call()
+    for _, plan in phases:
+        plan()
 
 
 def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
@@ -42,8 +41,7 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
     if kind == "random" and ids[0].numel():
         ids[0][0, -1] = -1                                # "no expert" slots too
     wts = [torch.rand(i.shape, generator=g).to(DEVICE) for i in ids]
-    tile = L.TileConfig.small()
-    tile = L.TileConfig(**{**tile.__dict__, "block_m": block_m})
+    tile = TileConfig(**{**TileConfig.small().__dict__, "block_m": block_m})
     wss = allocate_virtual(cfg, world, DEVICE, tile)
     if not staged:
         _run_plan(wss, cfg, tile, ids, wts, [None] * world)
@@ -81,33 +79,33 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
         got = wss[r].counts[parity].view(world, world, el + 1).cpu()
         assert torch.equal(got, counts.cpu().int())
         spec = build_send_plan(ids[r], wts[r], counts, layout, r, mx)
-        assert torch.equal(p["send_off"].cpu(), spec.send_off.cpu())
+        assert torch.equal(p.send.off.cpu(), spec.send_off.cpu())
         n = int(spec.send_off[-1])
-        assert torch.equal(p["send_pair"][:n].cpu(), spec.send_pair[:n].cpu())
-        assert torch.equal(p["send_row"][:n].cpu(), spec.send_row[:n].cpu())
-        assert torch.equal(p["send_weight"][:n].cpu(), spec.send_weight[:n].cpu())
-        assert torch.equal(p["ret_count"].cpu(), spec.ret_count.cpu())
+        assert torch.equal(p.send.pair[:n].cpu(), spec.send_pair[:n].cpu())
+        assert torch.equal(p.send.row[:n].cpu(), spec.send_row[:n].cpu())
+        assert torch.equal(p.send.weight[:n].cpu(), spec.send_weight[:n].cpu())
+        assert torch.equal(p.entry_count.cpu(), spec.entry_count.cpu())
         for d in range(world):
-            q = int(spec.ret_count[d])
-            assert torch.equal(p["ret_token"][d, :q].cpu(), spec.ret_token[d, :q].cpu())
-            assert torch.equal(p["ret_rows"][d, :q].cpu(), spec.ret_rows[d, :q].cpu())
-            assert torch.equal(p["ret_weight"][d, :q].cpu(), spec.ret_weight[d, :q].cpu())
+            q = int(spec.entry_count[d])
+            assert torch.equal(p.entries.token[d, :q].cpu(), spec.entry_token[d, :q].cpu())
+            assert torch.equal(p.entries.rows[d, :q].cpu(), spec.entry_rows[d, :q].cpu())
+            assert torch.equal(p.entries.weight[d, :q].cpu(), spec.entry_weight[d, :q].cpu())
         m = ids[r].shape[0]
-        assert torch.equal(p["dest_mask"][:m].cpu(), spec.dest_mask[:m].cpu())
-        assert torch.equal(p["pair_live"][:m].cpu(), spec.pair_live[:m].cpu())
+        assert torch.equal(p.dest_mask[:m].cpu(), spec.dest_mask[:m].cpu())
+        assert torch.equal(p.pair_live[:m].cpu(), spec.pair_live[:m].cpu())
         tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m,
                                  tile.local_head_tiles)
         nt = int(tiles.num_tiles)
-        assert int(p["num_tiles"]) == nt
-        for name, ref in (("tile_expert", tiles.expert), ("tile_row_start", tiles.row_start),
-                          ("tile_row_end", tiles.row_end), ("tile_wait", tiles.wait_mask),
-                          ("tile_stage", tiles.stage)):
-            assert torch.equal(p[name][:nt].cpu(), ref[:nt].cpu()), name
-        assert torch.equal(p["seg_start"].cpu(), layout.seg_off[r].cpu())
-        assert torch.equal(p["seg_rows"].cpu(), layout.seg_rows[r].cpu())
-        assert torch.equal(p["entries"].cpu(), layout.entries[r].cpu())
+        assert int(p.tiles.num) == nt
+        for name, ref in (("expert", tiles.expert), ("row_start", tiles.row_start),
+                          ("row_end", tiles.row_end), ("wait", tiles.wait_mask),
+                          ("stage", tiles.stage)):
+            assert torch.equal(getattr(p.tiles, name)[:nt].cpu(), ref[:nt].cpu()), name
+        assert torch.equal(p.segments.start.cpu(), layout.seg_off[r].cpu())
+        assert torch.equal(p.segments.rows.cpu(), layout.seg_rows[r].cpu())
+        assert torch.equal(p.recv_entries.cpu(), layout.entries[r].cpu())
         rows_from = counts[:, r, :-1].sum(1).tolist()       # chunks of rows, then entries
-        assert p["chunks_total"].tolist() == [
+        assert p.chunks.tolist() == [
             -(-rows_from[s] // tile.comm_rows)
             + -(-int(layout.entries[r][s]) // tile.dispatch_entries) for s in range(world)]
 
@@ -125,10 +123,10 @@ def test_scan_carries_across_steps_and_programs(tokens, has_count):
     bc = counts.clone().to(DEVICE)
     routing = torch.zeros(tokens if not has_count else tokens + 7, 2, device=DEVICE)
     n = torch.tensor([tokens], device=DEVICE)
-    scan_kernel[(triton.cdiv(cols, 4),)](bc, blocks, routing.shape[0],
-                                         n if has_count else routing, COLS=cols,
-                                         BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
-                                         HAS_NUM_TOKENS=has_count, num_warps=1)
+    scan_kernel[(triton.cdiv(cols, 4),)](bc, blocks, Routing.of(routing, routing,
+                                                                n if has_count else None),
+                                         COLS=cols, BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
+                                         num_warps=1)
     used = -(-tokens // block_t)
     want = counts.clone()
     want[1:used + 1] = torch.cumsum(counts[1:used + 1], 0)

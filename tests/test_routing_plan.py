@@ -80,17 +80,17 @@ def test_rows_land_where_the_spec_says(case):
         # Return entries name exactly the rows (and weights) of each token's slots on d.
         for s, plan in enumerate(sends):
             sent = sorted(set(spec.token[spec.source == s].tolist()))
-            q = int(plan.ret_count[d])
-            assert plan.ret_token[d, :q].tolist() == sent
+            q = int(plan.entry_count[d])
+            assert plan.entry_token[d, :q].tolist() == sent
             for qi, t in enumerate(sent):
                 for j in range(ids[s].shape[1]):
-                    row = int(plan.ret_rows[d, qi, j])
+                    row = int(plan.entry_rows[d, qi, j])
                     on_d = d * el <= int(ids[s][t, j]) < (d + 1) * el
                     assert (row >= 0) == on_d
                     if on_d:
                         assert (int(spec.source[row]), int(spec.token[row]),
                                 int(spec.slot[row])) == (s, t, j)
-                        assert float(plan.ret_weight[d, qi, j]) == float(wts[s][t, j])
+                        assert float(plan.entry_weight[d, qi, j]) == float(wts[s][t, j])
             assert int(layout.entries[d, s]) == q
 
 

@@ -1,5 +1,6 @@
 """Tuned block-split tables: lookup, nearest bucket, bad files; the comet tune CLI on CPU."""
 
+import dataclasses
 import json
 import logging
 
@@ -7,16 +8,16 @@ import pytest
 import torch
 
 from comet.cli import tune
-from comet.config import MoEConfig, preset
-from comet.kernels import KERNEL_REVISION
+from comet.config import MoEConfig, TileConfig, preset
+from comet.constants import KERNEL_REVISION
 from comet.scheduler import search, tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
 
 CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
 
 
-def _write(folder, cfg=CFG, world=4, device="cpu", buckets=None, meta=None):
-    meta = meta or tuned.expected_meta(cfg, world, device)
+def _write(folder, cfg=CFG, world=4, device="cpu", buckets=None, meta=None, tile=None):
+    meta = meta or tuned.expected_meta(cfg, world, device, tile)
     buckets = buckets or {"128": {"layer0": 4, "layer1": 8}, "1024": {"layer0": 12, "layer1": 24}}
     path = folder / tuned.file_name(cfg, world, device)
     path.write_text(json.dumps({"meta": meta, "buckets": buckets}))
@@ -110,8 +111,8 @@ def test_a_bucket_may_set_tile_fields(tmp_path):
     _write(tmp_path, cfg=cfg, world=1, buckets={
         "8": {"layer0": 1, "layer1": 2, "decode_tile": True,
               "tile": {"group_m": 16, "local_head_tiles": 0}},
-        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}})
-    assert tuned.lookup(cfg, 1, 8, None, tmp_path).tile == (("group_m", 16),
+        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}}, tile=_cpu_tile(16))
+    assert tuned.lookup(cfg, 1, 8, None, tmp_path, _cpu_tile(16)).tile == (("group_m", 16),
                                                            ("local_head_tiles", 0))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     small = layer.select_tile(8)
@@ -121,7 +122,7 @@ def test_a_bucket_may_set_tile_fields(tmp_path):
     assert layer.select_tile(8, tile_overrides={}).group_m == layer.tile.group_m
     assert layer.select_tile(64, tile_overrides={"group_m": 4}).group_m == 4
     assert layer.select_tile(8) is small                                 # built once
-    variants = layer.tile_variants()
+    variants = layer.selection.tile_variants()
     assert layer.tile in variants and small in variants and len(variants) == 4
     with pytest.raises(ValueError, match="not a per-call tile field"):
         layer.select_tile(64, tile_overrides={"block_m": 64})
@@ -225,19 +226,38 @@ def test_tune_measures_a_stale_table_again(tmp_path, capsys):
     assert "stale" in capsys.readouterr().err
 
 
-def _cpu_layer(folder, decode_block_n1=0):
-    """A layer of CFG on the CPU (interpreter tiles; with a decode tile of
-    ``decode_block_n1`` columns if nonzero)."""
-    import dataclasses
+def _cpu_tile(decode_block_n1=0):
+    """Interpreter tiles, with a decode tile of ``decode_block_n1`` columns if nonzero."""
+    return dataclasses.replace(TileConfig.small(), decode_block_n1=decode_block_n1)
 
-    from comet.kernels.launch import TileConfig
+
+def _cpu_layer(folder, decode_block_n1=0, tile=None):
+    """A layer of CFG on the CPU (``tile``, default :func:`_cpu_tile`)."""
     from comet.runtime.layer import FusedMoE
     cfg = CFG.replace(max_tokens=64)
     e, h, f = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     return FusedMoE(cfg, torch.zeros(e, h, 2 * f, dtype=cfg.dtype),
                     torch.zeros(e, f, h, dtype=cfg.dtype), tuned_config_folder=folder,
-                    tile=dataclasses.replace(TileConfig.small(),
-                                             decode_block_n1=decode_block_n1))
+                    tile=tile or _cpu_tile(decode_block_n1))
+
+
+def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path):
+    """A table records its layer's TileConfig variant; a layer of another variant (here
+    layer1's reduce instead of the scatter) falls back to the analytic model instead of
+    using splits tuned for the other kernels -- and one of the same variant uses it."""
+    cfg = CFG.replace(max_tokens=64)
+    scatter, reduce = _cpu_tile(), dataclasses.replace(_cpu_tile(), layer1_scatter=False)
+    assert scatter.variant() != reduce.variant()
+    assert "layer1_scatter" in reduce.variant() and "group_m" not in reduce.variant()
+    _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2}},
+           tile=scatter)
+    assert _cpu_layer(tmp_path, tile=scatter).select_comm_blocks(32) == (1, 2)
+    with pytest.warns(UserWarning, match="TileConfig variant"):
+        other = _cpu_layer(tmp_path, tile=reduce)
+        assert other.select_comm_blocks(32) == other.selection.analytic(32)
+    # The default variant writes no "tile" at all: the shipped tables stay valid.
+    assert "tile" not in tuned.expected_meta(cfg, 1, "cpu")
+    assert tuned.expected_meta(cfg, 1, "cpu", reduce)["tile"] == reduce.variant()
 
 
 def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
@@ -245,11 +265,12 @@ def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
     forward: warning, then the analytic choice."""
     cfg = CFG.replace(max_tokens=64)
     _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2},
-                                                "64": {"layer0": 500, "layer1": 2}})
+                                                "64": {"layer0": 500, "layer1": 2}},
+           tile=_cpu_tile())
     layer = _cpu_layer(tmp_path)
     assert layer.select_comm_blocks(32) == (1, 2)
     with pytest.warns(UserWarning, match="does not fit"):
-        assert layer.select_comm_blocks(64) == layer.analytic_comm_blocks(64)
+        assert layer.select_comm_blocks(64) == layer.selection.analytic(64)
 
 
 def test_check_report_compares_each_pick_with_the_best():
@@ -344,7 +365,11 @@ class _Layer:
         def decode_tile():
             return None
 
-    def analytic_comm_blocks(self, tokens):
+    @property
+    def selection(self):
+        return self
+
+    def analytic(self, tokens):
         return 12, 4
 
 
@@ -469,7 +494,7 @@ def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path
     cfg = CFG.replace(max_tokens=64)
     _write(tmp_path, cfg=cfg, world=1, buckets={
         "8": {"layer0": 1, "layer1": 2, "decode_tile": True},
-        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}})
+        "64": {"layer0": 1, "layer1": 2, "decode_tile": False}}, tile=_cpu_tile(16))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     decode = layer.tile.decode_tile()
     assert layer.select_tile(8).block_n1 == decode.block_n1
@@ -477,7 +502,7 @@ def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path
     assert layer.select_tile(64, decode_tile=True).block_n1 == decode.block_n1
     assert layer.select_tile(8, decode_tile=False) is layer.tile
     untuned = _cpu_layer(tmp_path / "none", decode_block_n1=16)
-    assert (untuned.select_tile(8) is not untuned.tile) == untuned.decode_by_rule(8)
+    assert (untuned.select_tile(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
 
 
 def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
@@ -497,7 +522,7 @@ def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
 def test_the_decode_rule_at_model_sizes(name, world, tokens, programs, decode):
     """The rule's picks at the presets' sizes: decode only where the default leaves SMs
     idle and the decode tile uses them (measured both ways: TileConfig.decode_pays)."""
-    from comet.kernels.launch import TileConfig
+    from comet.config import TileConfig
     cfg = preset(name)
     rows = -(-tokens * world * cfg.top_k // cfg.num_experts)
     assert TileConfig().decode_pays(rows, cfg.num_experts // world, cfg.hidden_size,
@@ -507,7 +532,7 @@ def test_the_decode_rule_at_model_sizes(name, world, tokens, programs, decode):
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     # DBRX sizes, EP=1, 3000 tokens: 2304 default items in 17.5 waves, 4608 decode items
     # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.
-    from comet.kernels.launch import TileConfig
+    from comet.config import TileConfig
     assert not TileConfig().decode_pays(750, 16, 6144, 132)
     assert not TileConfig(decode_block_n1=0).decode_pays(16, 2, 4096, 132)
 

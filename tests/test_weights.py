@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from comet.kernels import launch as L
+from comet.constants import interpreting
 from comet.kernels.group_gemm import gate_up_columns
 from comet.weights import gate_up_first, interleave_gate_up, interleave_gate_up_
 
@@ -43,7 +43,7 @@ def _columns_kernel(n0_ptr, out_ptr, F, GATE_UP: tl.constexpr):
     tl.store(out_ptr + 2 * i + 1, up)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and not L.interpreting(),
+@pytest.mark.skipif(not torch.cuda.is_available() and not interpreting(),
                     reason="needs a GPU or TRITON_INTERPRET=1")
 def test_kernel_column_map_matches_layout():
     """gate_up_columns (the layer0 kernel's two-dot path) names the columns the conversion

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from comet.config import MoEConfig
-from comet.kernels.launch import TileConfig
-from comet.runtime.workspace import allocate_virtual, workspace_bytes
+from comet.config import MoEConfig, TileConfig
+from comet.runtime.strategies import ColumnReduce, Scatter, strategies_of
+from comet.runtime.workspace import _tensors_of, allocate_virtual, workspace_bytes
 
 
 @pytest.mark.parametrize("scatter", [False, True])
@@ -18,7 +18,7 @@ def test_workspace_bytes_is_what_a_rank_allocates(world, scatter):
     tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter)
     ws = allocate_virtual(cfg, world, "cpu", tile)[0]
     storage = ws._keepalive[0]             # one symmetric allocation per rank
-    local = [ws.h, ws.out1, ws.counters, ws.epoch, ws.timeout, *ws.plan.values()]
+    local = [ws.h, ws.out1, ws.counters, ws.epoch, ws.timeout, *_tensors_of(ws.plan)]
     assert workspace_bytes(cfg, world, tile) == storage.nbytes + sum(t.nbytes for t in local)
     assert ("pair_out" in ws.buffers) == scatter
 
@@ -32,19 +32,16 @@ def test_the_scatter_epilogue_costs_one_row_per_slot():
     assert pair_out <= extra < pair_out + 4 * 8 * 1024   # + row_home, row_weight per row
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_the_copy_dispatch_costs_every_sources_input(world):
-    """``copy_dispatch``: a copy of every rank's whole input (and send list) per rank;
-    the peer views a host copies into are every rank's own buffers."""
+def test_each_layer1_strategy_owns_its_buffers():
+    """The reduce's ``comb`` is always there (the backward and the decomposed modes run
+    it); the scatter's buffers only where the tile enables it."""
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=96,
-                    dtype=torch.bfloat16, max_tokens=512)
-    copy = dataclasses.replace(TileConfig(), copy_dispatch=True)
-    extra = workspace_bytes(cfg, world, copy) - workspace_bytes(cfg, world, TileConfig())
-    rows = world * cfg.max_tokens * cfg.hidden_size * 2
-    send_list = world * cfg.max_tokens * cfg.top_k * 12
-    assert rows + send_list <= extra < rows + send_list + 6 * 256 + 8 * world * (world + 2)
-    spaces = allocate_virtual(cfg, world, "cpu", copy)
-    for ws in spaces:
-        assert [p["x_recv"].data_ptr() for p in ws.peers] == \
-            [s.x_recv.data_ptr() for s in spaces]
-    assert "x_recv" not in allocate_virtual(cfg, world, "cpu", TileConfig())[0].buffers
+                    dtype=torch.float16, max_tokens=40)
+    for scatter in (False, True):
+        tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter)
+        ws = allocate_virtual(cfg, 2, "cpu", tile)[0]
+        assert strategies_of(tile) == ([ColumnReduce, Scatter] if scatter else [ColumnReduce])
+        for strategy in (ColumnReduce, Scatter):
+            names = {spec.name for spec in strategy.specs(cfg, 2)}
+            assert names <= set(ws.buffers) if strategy in strategies_of(tile) \
+                else not names & set(ws.buffers)

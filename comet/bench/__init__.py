@@ -1,4 +1,4 @@
-"""Benchmark machinery behind ``comet bench`` (shared/DESIGN.md, "Benchmark protocol").
+"""Benchmark machinery behind ``comet bench`` (docs/benchmarks.md has the protocol).
 
 * :mod:`~comet.bench.timing` -- device clocks, phase timers, the timed loop (warm-up, L2
   flush, cross-rank alignment) and the cross-rank aggregation (max over ranks, median).

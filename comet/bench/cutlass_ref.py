@@ -1,6 +1,6 @@
 """Second compute reference for the benchmark: CUTLASS's Hopper grouped GEMM on the same rows.
 
-The easy routes fail on the H200 machines (shared/DESIGN.md): the nvidia-cutlass Python
+The easy routes fail on the H200 machines: the nvidia-cutlass Python
 interface breaks on the image's cuda-bindings 13 and its grouped GEMM falls back to SM80
 kernels; the CuTe DSL wheel is too large to carry. What does work is the C++ the
 nvidia-cutlass wheel ships: ``csrc/cutlass_grouped_gemm.cu`` is a CUTLASS 3.x SM90

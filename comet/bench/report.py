@@ -77,7 +77,7 @@ EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("b/best fixed", _num("fused_over_best_fixed", "{:.2f}")),
 ]
 
-#: Where the unfused baseline's time goes ("moe" rows), as in shared/DESIGN.md.
+#: Where the unfused baseline's time goes ("moe" rows): its phases (comet.baseline).
 BREAKDOWN_COLUMNS: list[Column] = _KEY[:3] + [
     ("count exchange+host sync us", _phase("sync")),
     ("dispatch+combine us", _phase("a2a")),

@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 
 from comet import reference
-from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, grouped_mm, plan_dispatch
+from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.config import MoEConfig
+from comet.grouped import grouped_mm
 
 # compute_only after modes that dispatch: its GEMMs then read real rows. On a zeroed
 # workspace they run 15-18% faster (a power-limited GPU clocks higher when the tensor
@@ -63,7 +64,7 @@ _RATE_PHASES = {
     "gmm": {**_LAYER_PHASES["gmm"], "moe": ("gemm0", "gemm1")},
 }
 
-#: Baseline phases summed into the breakdown columns (shared/DESIGN.md's table).
+#: Baseline phases summed into the breakdown columns (comet.baseline's phases).
 BASELINE_BREAKDOWN = {
     "sync": ("counts",),
     "a2a": ("dispatch", "combine"),

@@ -1,6 +1,6 @@
 """Timing on the device's own timeline, and the cross-rank aggregation of timings.
 
-Protocol (shared/DESIGN.md): CUDA events, warm-up, median of >= 20 iterations, inputs
+Protocol (docs/benchmarks.md): CUDA events, warm-up, median of >= 20 iterations, inputs
 rotated and L2 flushed so no iteration reads another's data from cache. Ranks are aligned
 on the device (a one-element all_reduce right before the start event) so launch skew
 between processes is not charged to the layer. Each iteration's time, and its phases, are

@@ -1,6 +1,6 @@
 """Per-block timelines of one fused call, as a Chrome/Perfetto trace and as a PNG.
 
-Input: per rank, the entries :meth:`comet.runtime.layer.FusedMoE.timeline` returns --
+Input: per rank, the entries :func:`record_timeline` returns --
 ``dict(block, role="comm"|"compute", layer="layer0"|"layer1", unit, start_ns, end_ns)``,
 one per work unit a block did, stamped with the GPU's global timer. Times are shown
 relative to each rank's first stamp: the global timers of different GPUs are not
@@ -24,6 +24,10 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 
+import torch
+
+from comet.constants import MAX_TRACE_EVENTS, TRACE_REDUCE
+
 #: chrome://tracing's reserved colour names (Perfetto colours by event name instead).
 _CNAME = {("comm", "layer0"): "rail_load", ("comm", "layer1"): "terrible",
           ("compute", "layer0"): "good", ("compute", "layer1"): "rail_response"}
@@ -31,6 +35,61 @@ _COLOR = {("comm", "layer0"): "tab:orange", ("comm", "layer1"): "tab:red",
           ("compute", "layer0"): "tab:blue", ("compute", "layer1"): "tab:green"}
 
 Timelines = Mapping[int, Sequence[dict]]
+
+
+def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
+    """(role, label) of a trace event's ``kind`` (see the stamps in comet.kernels). Blocks
+    change work during a call (comm blocks join the GEMM, GEMM blocks join the reduce),
+    so the role is that of the unit of work, not of the block that started it."""
+    if layer == "layer0":
+        if kind < world:
+            return "comm", f"push to rank {kind}"
+        return "compute", f"expert {kind - world} tile"
+    if kind >= TRACE_REDUCE:
+        return "comm", f"reduce+send split {kind - TRACE_REDUCE}"
+    return "compute", f"tile of split {kind}"
+
+
+def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, comm_blocks=None) -> list[dict]:
+    """One fused call of the :class:`~comet.runtime.layer.FusedMoE` ``layer`` with every
+    block stamping the start and end of each unit of work (global timer, ns). Returns
+    records ``{block, role, layer, unit, what, start_ns, end_ns}``, times relative to the
+    earliest stamp. Collective, like any call (two calls, in fact: the first compiles).
+    layer0 runs fused with at least one comm block (with none it is two untraced
+    launches); layer1 keeps the chosen split, 0 included (every block runs the GEMM, then
+    the reduce) -- or, with the scatter epilogue, has no comm role (every block runs the
+    GEMM, which sends)."""
+    n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
+    n0 = max(n0, 1)
+    shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)
+    buffers = {name: torch.full(shape, -1, dtype=torch.int64, device=layer.device)
+               for name in ("layer0", "layer1")}
+    # The first traced call compiles the traced kernels between the launches of the two
+    # layers; only the second call's stamps show the layer as it runs.
+    for _ in range(2):
+        # Blocks take work from queues, so a block's event count differs from call to
+        # call: clear the first call's stamps.
+        for t in buffers.values():
+            t.fill_(-1)
+        layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers)
+    layer.check_errors_now()
+    raw = {k: v.cpu() for k, v in buffers.items()}
+    world = layer.par.world_size
+    records = []
+    for name in ("layer0", "layer1"):
+        for block in range(layer.programs):
+            for kind, unit, start, end in raw[name][block].tolist():
+                if start < 0:
+                    break
+                role, what = _describe(name, kind, world)
+                records.append({"block": block, "role": role, "layer": name, "unit": unit,
+                                "what": what, "start_ns": start, "end_ns": end})
+    t0 = min((r["start_ns"] for r in records), default=0)
+    for r in records:
+        r["start_ns"] -= t0
+        r["end_ns"] -= t0
+    return records
 
 
 def _origin(entries: Sequence[dict]) -> int:

@@ -1,5 +1,6 @@
 """``comet bench``: time comet's fused MoE layer against the unfused and the chunked EP
-baselines, per layer, config, tokens per rank and routing (shared/DESIGN.md's protocol).
+baselines, per layer, config, tokens per rank and routing (docs/benchmarks.md has the
+protocol).
 
 Examples::
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shlex
 import sys
@@ -26,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from comet.bench import records as rec
-from comet.bench import report, trace
+from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.provenance import provenance
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
@@ -105,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank of the --timeline call (default: 4096)")
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="measure nothing: print and write the report of these result files")
+    o.add_argument("--against", nargs="+", default=None, metavar="PATH",
+                   help="with --from-json: compare those runs (new) with these (base), "
+                        "record by record, and write the ratios (paired-<stamp>.json)")
     return p
 
 
@@ -125,6 +131,22 @@ def _configs(args, parser, on_gpu: bool) -> list[tuple[str, MoEConfig]]:
             parser.error(str(err))
         out.append((f"e{args.experts}-k{args.topk}-h{args.hidden}-f{args.ffn}", cfg))
     return out
+
+
+def _paired(new_paths, base_paths, output_dir, stamp) -> int:
+    """Print (and write) the paired comparison of two sets of sweeps."""
+    rows = paired.compare([rec.read_json(p) for p in new_paths],
+                          [rec.read_json(p) for p in base_paths])
+    print(paired.text_table(rows))
+    lines = paired.summary(rows)
+    print("\n".join(lines))
+    if output_dir:
+        path = os.path.join(output_dir, f"paired-{stamp:%Y%m%d-%H%M%S}.json")
+        with open(path, "w") as f:
+            json.dump({"new": new_paths, "base": base_paths, "summary": lines, "rows": rows},
+                      f, indent=1)
+        print(f"wrote {path}")
+    return 0
 
 
 def _comm_blocks(values, parser):
@@ -195,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stamp = datetime.datetime.now(datetime.timezone.utc)
 
+    if args.against and not args.from_json:
+        parser.error("--against compares with the runs of --from-json")
+    if args.against:
+        return _paired(args.from_json, args.against, args.output_dir, stamp)
     if args.from_json:
         records = [r for path in args.from_json for r in rec.read_json(path)]
         notes = sorted({n for r in records for n in r.get("notes", [])})
@@ -231,7 +257,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     meta = {"device": device_name, "world_size": world, "layout": layout,
             "date": stamp.isoformat(timespec="seconds"),
-            "command": shlex.join(["comet", "bench", *argv])}
+            "command": shlex.join(["comet", "bench", *argv]), **provenance()}
     st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
@@ -291,8 +317,6 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp) -> int:
     w13, w2 = make_expert_weights(cfg, cfg.num_experts // st.world, name, st.rank, args.seed,
                                   st.device)
     fused, why = _build_fused(cfg, w13, w2, st.group, st.device)
-    if fused is not None and not hasattr(fused.layer, "timeline"):
-        fused, why = None, "comet's fused layer has no timeline() yet"
     if fused is None:
         if st.rank == 0:
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")
@@ -300,7 +324,8 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp) -> int:
     s = make_input_sets(cfg, name, tokens, routing, 1, st.rank, args.seed, st.device)[0]
     # The first call compiles the kernels; the timeline is of a warm call.
     fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
-    entries = fused.layer.timeline(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks)
+    entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,
+                                    comm_blocks=st.comm_blocks)
     timelines = dict(enumerate(_gather_objects(entries, st.group)))
     if st.rank != 0:
         return 0

@@ -20,7 +20,7 @@ from comet.runtime import topology
 PACKAGES = ("torch", "triton", "cuda-python", "cuda-bindings", "numpy", "transformers")
 
 #: Variables that change comet's behaviour -> the value comet wants (None: no preference).
-#: NVLink multicast must stay off for the symmetric-memory workspaces (see DESIGN.md).
+#: NVLink multicast must stay off for the symmetric-memory workspaces (docs/design.md).
 ENV_VARS: dict[str, str | None] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

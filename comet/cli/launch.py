@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-#: NVLink multicast stays off on the shared GPU machines (shared/DESIGN.md).
+#: NVLink multicast stays off: a program using it can take a shared host's GPUs out of
+#: service (docs/design.md, "Cross-GPU rules").
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 

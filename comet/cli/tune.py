@@ -11,7 +11,7 @@ device, so one split must serve the mix (default: uniform only; the mix has not 
 measured to pick better, see docs/tuning.md). Where the layer has a decode tile (narrower
 layer1 column blocks), layer1 is also timed on the tile its rule does not pick, and the
 faster tile is kept. Then, at the chosen split and layer1 tile, the per-call tile fields
-(:data:`comet.kernels.TUNABLE_TILE_FIELDS`: layer0's group of m-tiles, the local head of
+(:data:`comet.config.TUNABLE_TILE_FIELDS`: layer0's group of m-tiles, the local head of
 the tile table) are timed at the values of ``TILE_CANDIDATES``; one is kept (``tile`` in
 the bucket) only if the call is ``TILE_MARGIN`` faster with it than with the layer's own.
 The table goes to ``<output-dir>/E=..,H=..,F=..,topk=..,ep=..,device_name=..,
@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from comet import __version__
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.provenance import provenance
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig
@@ -195,7 +196,7 @@ def tiles_to_time(layer, tokens: int) -> list[bool | None]:
     (None alone for a layer without a decode tile)."""
     if layer.tile.decode_tile() is None:
         return [None]
-    rule = layer.decode_by_rule(tokens)
+    rule = layer.selection.decode_by_rule(tokens)
     return [rule, not rule]
 
 
@@ -219,7 +220,7 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
     if args.search == "exhaustive":
         times = {n: timer(n) for n in candidates}
     else:
-        a0, a1 = layer.analytic_comm_blocks(tokens)
+        a0, a1 = layer.selection.analytic(tokens)
         times = search.climb(timer, candidates, [(a0, 0), () if scatter else (a1, 0)])
     best0, best1 = search.best_splits(times)
     # Scattering, every call timed layer1 alike: the one of layer0's best is kept.
@@ -298,12 +299,12 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
               file=sys.stderr)
         return 2
     name = tuned.device_name(device)
-    meta = tuned.expected_meta(cfg, world, name)
-    path = os.path.join(args.output_dir, tuned.file_name(cfg, world, name))
-    table = load_existing(path, meta, args.routings)
     w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
                                   device)
     layer = FusedMoE(cfg, w13, w2)
+    meta = tuned.expected_meta(cfg, world, name, layer.tile)
+    path = os.path.join(args.output_dir, tuned.file_name(cfg, world, name))
+    table = load_existing(path, meta, args.routings)
     candidates = sorted({n for n in args.candidates if 0 <= n < layer.programs})
     todo = [t for t in args.tokens if args.overwrite or str(t) not in table["buckets"]]
     bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} ep={world}", disable=rank != 0)
@@ -311,7 +312,7 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
         entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
         table["buckets"][str(tokens)] = entry
-        table["meta"].update(comet_version=__version__,
+        table["meta"].update(comet_version=__version__, commit=provenance()["commit"],
                              date=datetime.date.today().isoformat(),
                              candidates=candidates, iters=args.iters,
                              routings=args.routings)
@@ -408,13 +409,13 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     with open(path) as f:
         data = json.load(f)
     table = tuned.parse_table(data)
-    try:
-        tuned.parse_table(data, tuned.expected_meta(cfg, world, name))
-    except tuned.TunedTableError as e:
-        print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
     w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
                                   device)
     layer = FusedMoE(cfg, w13, w2)
+    try:
+        tuned.parse_table(data, tuned.expected_meta(cfg, world, name, layer.tile))
+    except tuned.TunedTableError as e:
+        print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
     report = []
     for tokens in tqdm(args.tokens, desc="comet tune --check", disable=rank != 0):
         tiles = tiles_to_time(layer, tokens)
@@ -424,7 +425,7 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                       else choice.decode_tile)
         picks = {"tuned": (*choice.splits, tuned_tile, choice.tile),
                  "fixed": (FIXED_SPLIT, FIXED_SPLIT, tiles[0], ()),
-                 "analytic": (*layer.analytic_comm_blocks(tokens), tiles[0], ())}
+                 "analytic": (*layer.selection.analytic(tokens), tiles[0], ())}
         # A pick beyond this GPU's programs runs as the largest split it has (clamped
         # before the sweep, so every pick is among the timed candidates).
         picks = {k: (*(min(n, layer.programs - 1) for n in v[:2]), *v[2:])
@@ -449,7 +450,7 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         out = os.path.join(args.output_dir, f"check-E{cfg.num_experts}-H{cfg.hidden_size}-"
                            f"F{cfg.intermediate_size}-k{cfg.top_k}-ep{world}.json")
         with open(out, "w") as f:
-            json.dump({"table": path, "meta": data.get("meta"), "device": name,
+            json.dump({"table": path, "meta": data.get("meta"), "device": name, **provenance(),
                        "iters": args.iters, "routings": args.routings, "rows": report},
                       f, indent=1)
         print(f"wrote {out}")

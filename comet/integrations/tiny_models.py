@@ -10,6 +10,8 @@ import copy
 
 import torch
 
+from comet.integrations.patch import patch_model
+
 # initializer_range well above the usual 0.02 so the experts move the logits visibly.
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -69,5 +71,4 @@ def build_tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int 
 
 def patched_copy(model: torch.nn.Module, group=None, **kwargs) -> torch.nn.Module:
     """A deep copy of ``model`` with its MoE blocks replaced by comet's."""
-    from comet.integrations import patch_model
     return patch_model(copy.deepcopy(model), group, **kwargs)

@@ -1,4 +1,4 @@
-"""The backward of ``h = SiLU(gate) * up`` in one pass (:mod:`comet.backward`).
+"""The backward of ``h = SiLU(gate) * up`` in one pass (:mod:`comet.baseline_backward`).
 
 Per expert row ``i`` and column ``j`` of ``F``, from the recomputed ``gate/up``
 (``[R, 2F]``, W13's column layout), ``dh_u = dy @ W2^T`` (``[R, F]``, not yet weighted)
@@ -107,9 +107,11 @@ def act_backward(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
     d_weight = torch.empty(rows, dtype=torch.float32, device=gu.device)
     if rows:
         act_backward_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
-            gu, dh_u, weight.contiguous(), dgu, h, d_weight, rows, d_weight, f, gu.stride(0),
-            dh_u.stride(0), INTERLEAVED=interleaved, GATE_UP=GATE_UP_BLOCK,
-            BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=False, SCALE_H=False, num_warps=NUM_WARPS)
+            gu_ptr=gu, dhu_ptr=dh_u, weight_ptr=weight.contiguous(), dgu_ptr=dgu, h_ptr=h,
+            dweight_ptr=d_weight, rows=rows, rows_ptr=d_weight, F=f,
+            stride_gu=gu.stride(0), stride_dhu=dh_u.stride(0), INTERLEAVED=interleaved,
+            GATE_UP=GATE_UP_BLOCK, BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=False, SCALE_H=False,
+            num_warps=NUM_WARPS)
     return dgu, h, d_weight
 
 
@@ -122,6 +124,7 @@ def act_backward_rows(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor
     thread), ``hw = w * h [cap, F]``, ``d_weight [cap]``; on ``programs`` programs."""
     f = dh_u.shape[1]
     act_backward_kernel[(max(1, programs),)](
-        gu, dh_u, weight, dgu, hw, d_weight, 0, rows, f, gu.stride(0), dh_u.stride(0),
-        INTERLEAVED=True, GATE_UP=GATE_UP_BLOCK, BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=True,
-        SCALE_H=True, num_warps=NUM_WARPS)
+        gu_ptr=gu, dhu_ptr=dh_u, weight_ptr=weight, dgu_ptr=dgu, h_ptr=hw,
+        dweight_ptr=d_weight, rows=0, rows_ptr=rows, F=f, stride_gu=gu.stride(0),
+        stride_dhu=dh_u.stride(0), INTERLEAVED=True, GATE_UP=GATE_UP_BLOCK,
+        BLOCK_R=BLOCK_ROWS, ROWS_ON_DEVICE=True, SCALE_H=True, num_warps=NUM_WARPS)

@@ -15,15 +15,17 @@ have the worst-case capacity; the call's rows are known only to the device).
   asking the host which ones.
 """
 
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.sync import wait_chunks
-
-#: Wait site of the entry wait (comet.runtime.errors.SITES).
-SITE_ROW_ENTRIES = tl.constexpr(7)
-#: Chunk flags checked per vector load (as layer0's CHUNK_SCAN).
-CHUNK_SCAN = tl.constexpr(32)
+from comet.constants import CHUNK_SCAN, SITE_ROW_ENTRIES
+from comet.kernels.layer0 import Arrivals
+from comet.kernels.plan import EntryTables
+from comet.kernels.shape import Shape, next_pow2
+from comet.kernels.sync import Sync, wait_chunks
 
 #: Entries per step of :func:`row_weights_kernel`.
 ENTRY_BLOCK = 128
@@ -33,27 +35,47 @@ COPY_ROWS, COPY_COLS = 4, 1024
 ZERO_BLOCK = 4096
 
 
+def launch_row_weights(programs: int, *, recv: EntryTables, arrivals: Arrivals,
+                       w_row: torch.Tensor, max_tokens: int, sync: Sync, shape: Shape) -> None:
+    """Each received row's routing weight into ``w_row`` (``programs`` per source)."""
+    row_weights_kernel[(max(1, programs), int(shape.WORLD))](
+        recv=recv, arrivals=arrivals, w_row=w_row, max_tokens=max_tokens, sync=sync,
+        shape=shape, BLOCK=ENTRY_BLOCK, num_warps=4)
+
+
+def launch_copy_rows(programs: int, src: torch.Tensor, dst: torch.Tensor,
+                     rows: torch.Tensor) -> None:
+    """``dst[:rows[0]] = src[:rows[0]]`` for ``[cap, H]`` buffers."""
+    copy_rows_kernel[(programs,)](src=src, dst=dst, rows_ptr=rows, H=src.shape[1],
+                                  ROWS=COPY_ROWS, COLS=min(COPY_COLS, next_pow2(src.shape[1])),
+                                  num_warps=4)
+
+
+def launch_zero_empty(programs: int, out: torch.Tensor, ends: torch.Tensor) -> None:
+    """Zero ``out[e]`` (``[El, ...]``) for every expert ``e`` with no rows (``ends``)."""
+    zero_empty_kernel[(programs,)](out_ptr=out, ends=ends, per_expert=out[0].numel(),
+                                   LOCAL_EXPERTS=out.shape[0], BLOCK=ZERO_BLOCK, num_warps=4)
+
+
 @triton.jit
-def row_weights_kernel(recv_rows, recv_weight, entries, w_row, max_tokens,
-                       flag0, chunk_slots, chunks_total, epoch_ptr, err_table, rank,
-                       timeout_ptr, WORLD: tl.constexpr, TOPK: tl.constexpr,
-                       TOPK_P2: tl.constexpr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
-    """``w_row[rows[s, q, j]] = weight[s, q, j]`` for every held slot of every entry of
-    source ``s = program_id(1)``, once its ``chunks_total[s]`` chunk flags (rows, then
-    entries) reached the call's epoch; programs of axis 0 stride over its entries. A
-    wait that gives up writes nothing (the error word reports it)."""
+def row_weights_kernel(recv, arrivals, w_row, max_tokens, sync, shape, BLOCK: tl.constexpr):
+    """``w_row[rows[s, q, j]] = weight[s, q, j]`` for every held slot of every received
+    entry (:class:`~comet.kernels.plan.EntryTables` ``recv``) of source ``s =
+    program_id(1)``, once its chunk flags (rows, then entries) reached the call's epoch;
+    programs of axis 0 stride over its entries. A wait that gives up writes nothing (the
+    error word reports it)."""
+    TOPK: tl.constexpr = shape.TOPK
     s = tl.program_id(1)
-    ok = wait_chunks(flag0 + s * chunk_slots, 0, tl.load(chunks_total + s), tl.load(epoch_ptr),
-                     err_table, SITE_ROW_ENTRIES, s, rank, tl.load(timeout_ptr), "sys",
-                     WORLD, CHUNK_SCAN, USE_ASM)
-    n = tl.where(ok != 0, tl.load(entries + s), 0)
-    j = tl.arange(0, TOPK_P2)
+    ok = wait_chunks(arrivals.flags + s * arrivals.slots, 0, tl.load(arrivals.chunks + s),
+                     tl.load(sync.epoch), sync, SITE_ROW_ENTRIES, s, "sys", CHUNK_SCAN)
+    n = tl.where(ok != 0, tl.load(arrivals.entries + s), 0)
+    j = tl.arange(0, shape.TOPK_P2)
     for q0 in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         q = q0 + tl.arange(0, BLOCK)
         idx = (s * max_tokens + q[:, None]).to(tl.int64) * TOPK + j[None, :]
         live = (q[:, None] < n) & (j[None, :] < TOPK)
-        row = tl.load(recv_rows + idx, mask=live, other=-1)
-        wgt = tl.load(recv_weight + idx, mask=live, other=0.0)
+        row = tl.load(recv.rows + idx, mask=live, other=-1)
+        wgt = tl.load(recv.weight + idx, mask=live, other=0.0)
         tl.store(w_row + row.to(tl.int64), wgt, mask=row >= 0)
 
 

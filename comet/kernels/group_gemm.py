@@ -17,17 +17,55 @@ With ``TRANS_B`` (plain tiles only) B is read transposed: ``b_desc`` views the w
 (``dy @ W2^T``, ``d(gate, up) @ W13^T``) on the weights as they are stored, the way
 wgmma reads a K-major B tile from shared memory anyway.
 
-The same ``gemm_tile`` runs in both fused layer kernels (and in
-scripts/device/gemm_variants.py, which times it under other tile loops); only the loop
-around it and the waits differ. Both loops are flattened (``tl.range(flatten=True)``):
+The same ``gemm_tile`` runs in both fused layer kernels; only the loop around it and the
+waits differ. Both loops are flattened (``tl.range(flatten=True)``):
 layer1's blocks stride over the items, layer0's take strided lanes from a queue
 (:func:`strided_take`) because blocks join it late and wait for rows.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from comet.kernels.sync import take
+
+
+class Gemm(NamedTuple):
+    """Operands of a GroupGEMM over the m-tile table: ``out[rows] = a[rows] @ b[expert]``."""
+
+    a: TensorDescriptor      # the rows [rows, K]; box [BLOCK_M, BLOCK_K]
+    b: TensorDescriptor      # the local experts' weights: [El * K, N], or [El * N, K] (TRANS_B)
+    out: torch.Tensor        # [rows, N]
+    K: int
+    N: int
+
+
+class GemmTile(NamedTuple):
+    """Constexpr shape of one work item (one output tile) of a GroupGEMM."""
+
+    BLOCK_M: tl.constexpr
+    BLOCK_N: tl.constexpr
+    BLOCK_K: tl.constexpr
+    GATED: tl.constexpr          # silu(A @ gate) * (A @ up) over interleaved W13
+    ONE_DOT: tl.constexpr        # gate and up of a tile in one dot (box of 2 * BLOCK_N)
+    TRANS_B: tl.constexpr        # A @ B[expert]^T
+    GATE_UP: tl.constexpr        # columns of an interleaved gate (and up) block
+    DOT_PRECISION: tl.constexpr
+
+
+def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """TMA descriptor of a 2-D tensor (built by Triton's launcher at launch time)."""
+    return TensorDescriptor.from_tensor(t2d, block)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the GEMMs' dots: fp32 operands must stay fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -41,78 +79,57 @@ def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
 
 
 @triton.jit
-def gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED: tl.constexpr,
-             GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             TRANS_B: tl.constexpr = False, a_ptr=None, a_index=None, row_end=0,
-             A_GATHER: tl.constexpr = False):
-    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]``; with ``GATED``,
+def gemm_acc(g, t, expert, row_start, n0):
+    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]`` of the
+    :class:`Gemm` ``g`` with the :class:`GemmTile` ``t``; with ``GATED``,
     ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
-    is one whole interleave block, ``b_desc``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and
-    up are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
+    is one whole interleave block, ``b``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and up
+    are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
     comet.weights); otherwise two dots on boxes of ``BLOCK_N`` columns. ``TRANS_B``:
-    ``A @ B[expert]^T`` with ``b_desc`` over ``[El * N, K]`` (box ``[BLOCK_N, BLOCK_K]``).
-
-    ``A_GATHER`` (gated one-dot tiles only; an experiment, ``TileConfig.a_gather``): A's
-    rows are ``a_ptr[a_index[row]]`` read with ``tl.load`` (rows from ``row_end`` on read
-    row 0, masked at the store), not a TMA box -- the load a dispatch by copy engines
-    would need, since those can broadcast token rows but not place them."""
+    ``A @ B[expert]^T`` with ``b`` over ``[El * N, K]`` (box ``[BLOCK_N, BLOCK_K]``)."""
+    K = g.K
     b_row = expert * K
-    if GATED and ONE_DOT:
-        both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        if A_GATHER:
-            rows = row_start + tl.arange(0, BLOCK_M)
-            src = tl.load(a_index + rows, mask=rows < row_end, other=0).to(tl.int64)
-            a_rows = a_ptr + src[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-            for k in range(0, K, BLOCK_K):
-                both = tl.dot(tl.load(a_rows + k), b_desc.load([b_row + k, 2 * n0]), both,
-                              input_precision=DOT_PRECISION)
-        else:
-            for k in range(0, K, BLOCK_K):
-                both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
-                              both, input_precision=DOT_PRECISION)
-        gate, up = both.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+    if t.GATED and t.ONE_DOT:
+        both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, t.BLOCK_K):
+            both = tl.dot(g.a.load([row_start, k]), g.b.load([b_row + k, 2 * n0]), both,
+                          input_precision=t.DOT_PRECISION)
+        gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
         acc = gate * tl.sigmoid(gate) * up
-    elif GATED:
-        gate_col, up_col = gate_up_columns(n0, N, GATE_UP)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = a_desc.load([row_start, k])
-            acc = tl.dot(a, b_desc.load([b_row + k, gate_col]), acc,
-                         input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, b_desc.load([b_row + k, up_col]), acc_up,
-                            input_precision=DOT_PRECISION)
+    elif t.GATED:
+        gate_col, up_col = gate_up_columns(n0, g.N, t.GATE_UP)
+        acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, t.BLOCK_K):
+            a = g.a.load([row_start, k])
+            acc = tl.dot(a, g.b.load([b_row + k, gate_col]), acc,
+                         input_precision=t.DOT_PRECISION)
+            acc_up = tl.dot(a, g.b.load([b_row + k, up_col]), acc_up,
+                            input_precision=t.DOT_PRECISION)
         acc = acc * tl.sigmoid(acc) * acc_up
-    elif TRANS_B:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([expert * N + n0, k]).T,
-                         acc, input_precision=DOT_PRECISION)
+    elif t.TRANS_B:
+        acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, t.BLOCK_K):
+            acc = tl.dot(g.a.load([row_start, k]), g.b.load([expert * g.N + n0, k]).T,
+                         acc, input_precision=t.DOT_PRECISION)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
-                         input_precision=DOT_PRECISION)
+        acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, t.BLOCK_K):
+            acc = tl.dot(g.a.load([row_start, k]), g.b.load([b_row + k, n0]), acc,
+                         input_precision=t.DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def gemm_tile(a_desc, b_desc, c_ptr, stride_cm, expert, row_start, row_end, n0, K, N,
-              GATED: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TRANS_B: tl.constexpr = False, a_ptr=None,
-              a_index=None, A_GATHER: tl.constexpr = False):
-    """``C[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
-    or B transposed, or A gathered: see :func:`gemm_acc`)."""
-    acc = gemm_acc(a_desc, b_desc, expert, row_start, n0, K, N, GATED, GATE_UP, ONE_DOT,
-                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B, a_ptr, a_index,
-                   row_end, A_GATHER)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < row_end) & (cols[None, :] < N)
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=mask)
+def gemm_tile(g, t, expert, row_start, row_end, n0):
+    """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
+    or B transposed: see :func:`gemm_acc`)."""
+    acc = gemm_acc(g, t, expert, row_start, n0)
+    rows = row_start + tl.arange(0, t.BLOCK_M)
+    cols = n0 + tl.arange(0, t.BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < g.N)
+    tl.store(g.out + rows[:, None].to(tl.int64) * g.N + cols[None, :],
+             acc.to(g.out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

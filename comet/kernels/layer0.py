@@ -31,87 +31,170 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call.
 
-The count exchange that precedes the kernel (:func:`exchange_counts_kernel`) is where
-every rank learns the layout of every destination's shared tensor.
+The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
+learns the layout of every destination's shared tensor.
+
+Arguments come in groups (:class:`Dispatch`, :class:`~comet.kernels.group_gemm.Gemm`, the
+plan's :class:`~comet.kernels.plan.Tiles` and :class:`~comet.kernels.plan.Segments`,
+:class:`~comet.kernels.sync.Sync`, ...), each documented where it is defined;
+:func:`launch_layer0` builds the constexpr ones from a TileConfig.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.address import pointer_at
-from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
-from comet.kernels.group_gemm import gemm_tile, grouped_work, lane_shape, strided_take
-from comet.kernels.sync import (barrier, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, take, wait_at_least, wait_chunks)
+from comet.config import TileConfig
+from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
+from comet.kernels.address import PeerBuffer, peer, pointer_at
+from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
+                                      grouped_work, lane_shape, strided_take)
+from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
+from comet.kernels.roles import assign_role
+from comet.kernels.shape import Shape
+from comet.kernels.sync import (Sync, Trace, clock_ns, fence_async_proxy, healthy, release,
+                                stamp, take, wait_chunks)
+from comet.weights import GATE_UP_BLOCK
 
-# Wait sites, reported in the error word (comet.runtime.errors.SITES).
-SITE_COUNTS = tl.constexpr(1)
-SITE_DISPATCH = tl.constexpr(2)
+#: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
+#: has at least one full round of them (``programs * LANE_ITEMS`` items; below that, one
+#: item per take balances the few items there are). A lane of several items runs as one
+#: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
+#: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
+LANE_ITEMS = constexpr(4)
 
-# Chunk flags checked per vector load when a tile or the reduce waits for a run of chunks.
-CHUNK_SCAN = tl.constexpr(32)
+
+class Homes(NamedTuple):
+    """Where each received row's layer1 output goes (layer1's scatter epilogue): pushed
+    with the row, ``[rows]`` on every rank."""
+
+    home: PeerBuffer         # int32: the token's slot ``s * Mx * k + t * k + j`` on its rank
+    weight: PeerBuffer       # fp32: the slot's routing weight
+
+
+class Dispatch(NamedTuple):
+    """What layer0's comm role sends and where: this rank's rows and return entries, into
+    every destination's symmetric buffers."""
+
+    x_addr: torch.Tensor     # int64 [1]: address of the input [M, H] (read on the device)
+    send: SendList           # this rank's pairs, by destination (the plan)
+    entries: EntryTables     # this rank's return entries, by destination (the plan)
+    entry_count: torch.Tensor  # int32 [W]: how many, per destination
+    a0: PeerBuffer           # the shared tensor [rows, H]
+    recv: EntryTables        # PeerBuffers: return entries [W, Mx(, k)], by source
+    homes: Homes | None      # with ROW_HOME: where layer1 sends each row
+    flag0: PeerBuffer        # int64 [W, slots]: chunk c from source s landed in call flag0[s, c]
+    chunk_slots: int         # flag0's row stride: chunks one source may send one destination
+    max_tokens: int
+    queue: torch.Tensor      # int32 [1]: the dispatch's chunk queue (zeroed per call)
+
+
+class DispatchTile(NamedTuple):
+    """Constexpr tiles of the dispatch."""
+
+    ROWS: tl.constexpr        # rows per chunk (each chunk has its own flag)
+    COPY_ROWS: tl.constexpr   # rows x ...
+    BLOCK_H: tl.constexpr     # ... columns per copy step
+    ENTRIES: tl.constexpr     # return entries per chunk
+    ENTRY_TILE: tl.constexpr  # entries per copy step
+    ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
+
+
+class Lanes(NamedTuple):
+    """Constexpr order of layer0's work queue (comet.kernels.group_gemm)."""
+
+    GROUP_M: tl.constexpr      # m-tiles that sweep the column blocks together
+    HEAD_ROUNDS: tl.constexpr  # rounds of single-item takes at the start ...
+    TAIL_ROUNDS: tl.constexpr  # ... and at the end
+
+
+class Arrivals(NamedTuple):
+    """The dispatch as a destination sees it: which chunks of which source have landed,
+    and how many there are this call (rows first, then return entries)."""
+
+    flags: torch.Tensor          # int64 [W, slots]: this rank's flag0
+    slots: int                   # flags' row stride
+    chunks: torch.Tensor         # int32 [W]: chunks each source sends here (the plan's)
+    entries: torch.Tensor        # int32 [W]: return entries each source sends here
+
+
+def dispatch_tile(tile: TileConfig, row_home: bool) -> DispatchTile:
+    return DispatchTile(*(constexpr(v) for v in (
+        tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
+        tile.comm_entries, row_home)))
+
+
+def lanes(tile: TileConfig) -> Lanes:
+    return Lanes(*(constexpr(v) for v in (tile.group_m, tile.lane_head_rounds,
+                                             tile.lane_tail_rounds)))
+
+
+def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: TileConfig,
+                gated: bool, transposed: bool = False) -> tuple[Gemm, GemmTile]:
+    """Operands and work-item shape of layer0's GroupGEMM on the shared tensor ``a0
+    [rows, H]``, into ``out [rows, N]``: ``gated``, ``silu(a0 @ gate) * (a0 @ up)`` with
+    ``w [El, H, 2N]`` in the interleaved layout (comet.weights), on ``block_n0``-column
+    items (one dot each when they are whole interleave blocks); else the backward's
+    plain ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for ``w [El, N, H]``
+    (``transposed``), on ``block_n1``-column items."""
+    el, h, n = w.shape[0], a0.shape[1], out.shape[1]
+    bk = tile.k_step(h)
+    if gated:
+        block_n = tile.block_n0
+        one_dot = block_n == GATE_UP_BLOCK and n % GATE_UP_BLOCK == 0
+        b = descriptor(w.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
+    else:
+        block_n, one_dot = tile.block_n1, False
+        b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
+             else descriptor(w.view(el * h, n), [bk, block_n]))
+    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n)
+    return gemm, GemmTile(*(constexpr(v) for v in (
+        tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK,
+        dot_precision(a0.dtype))))
+
+
+def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
+                  tiles: Tiles, segments: Segments, queue: torch.Tensor, sync: Sync,
+                  split: torch.Tensor, trace: Trace, shape: Shape, tile: TileConfig,
+                  role: int, wait: bool = True, cooperative: bool = False) -> None:
+    """Dispatch + GroupGEMM for one rank on ``grid`` programs (``role``: fused -- the
+    first ``split[0]`` programs dispatch, then join the GEMM --, comm or compute);
+    ``queue`` is the GEMM's work queue (zeroed per call). ``cooperative``: launch so that
+    every program is co-resident or the launch fails (a fused launch on a GPU of its
+    own); ``wait=False``: the GEMM assumes the rows are in place."""
+    extra = {"launch_cooperative_grid": True} if cooperative else {}
+    layer0_kernel[(grid,)](
+        dispatch=dispatch, gemm=gemm, tiles=tiles, segments=segments, queue=queue,
+        sync=sync, split=split, trace=trace, shape=shape,
+        comm=dispatch_tile(tile, dispatch.homes is not None), item=item,
+        lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **extra)
 
 
 @triton.jit
-def exchange_counts_kernel(totals, counts_table, count_flags_table, count_flags,
-                           epoch_ptr, err_table, rank, timeout_ptr,
-                           WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                           COUNT_BUFFERS: tl.constexpr, BLOCK: tl.constexpr,
-                           PUSH: tl.constexpr, WAIT: tl.constexpr, USE_ASM: tl.constexpr):
-    """All-gather of the routing counts: row ``r`` of every peer's
-    ``counts[epoch % COUNT_BUFFERS]`` (``[W, W*(El+1)]``) receives this rank's
-    ``[W, El + 1]`` (pairs per destination
-    expert, then distinct tokens per destination), built from ``totals`` (``[E + W]``:
-    pairs per expert, tokens per rank); then ``count_flags[r] = epoch``. The wait is the
-    handshake that opens a call: no peer writes anything else of this call into this
-    rank before it (comet.runtime.workspace). ``PUSH``/``WAIT`` select the halves (the
-    virtual-rank driver runs them apart)."""
-    EL1: tl.constexpr = LOCAL_EXPERTS + 1
-    ROW: tl.constexpr = WORLD * EL1
-    epoch = tl.load(epoch_ptr)
-    timeout = tl.load(timeout_ptr)
-    if PUSH:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < ROW
-        d = offs // EL1
-        c = offs % EL1
-        src = tl.where(c < LOCAL_EXPERTS, d * LOCAL_EXPERTS + c, WORLD * LOCAL_EXPERTS + d)
-        row = tl.load(totals + src, mask=mask)
-        slot = (epoch % COUNT_BUFFERS) * WORLD * ROW + rank * ROW
-        if healthy(err_table, rank, USE_ASM):    # a failed rank writes nothing into peers
-            for p in range(WORLD):
-                dst = pointer_at(counts_table, p, totals)
-                tl.store(dst + slot + offs, row, mask=mask)
-            barrier()
-            for p in range(WORLD):
-                release(pointer_at(count_flags_table, p, count_flags) + rank, epoch, "sys")
-    if WAIT:
-        for s in range(WORLD):
-            wait_at_least(count_flags + s, epoch, err_table, SITE_COUNTS, s, rank, timeout,
-                          "sys", WORLD, USE_ASM)
-
-
-@triton.jit
-def _push_rows(x_ptr, dst, send_pair, send_row, send_weight, dst_home, dst_weight,
-               home_base, start, end, H, TOPK: tl.constexpr, COPY_ROWS: tl.constexpr,
-               BLOCK_H: tl.constexpr, ROW_HOME: tl.constexpr):
-    """Copy the token rows of pairs ``send_pair[start:end]`` of x into rows
-    ``send_row[...]`` of dst, ``COPY_ROWS`` x ``BLOCK_H`` at a time. With ``ROW_HOME``,
+def _push_rows(x_ptr, dst, send, dst_home, dst_weight, home_base, start, end, H,
+               TOPK: tl.constexpr, comm):
+    """Copy the token rows of pairs ``send.pair[start:end]`` of x into rows
+    ``send.row[...]`` of dst, ``COPY_ROWS`` x ``BLOCK_H`` at a time. With ``ROW_HOME``,
     also tell the destination where each row's layer1 output goes and with what weight:
     ``dst_home[row] = home_base + pair`` (this rank's slot in every rank's ``pair_out``
     numbering) and ``dst_weight[row]`` -- a few bytes per row, published by the same
     chunk flag as the row itself."""
-    for r0 in range(start, end, COPY_ROWS):
-        i = r0 + tl.arange(0, COPY_ROWS)
+    for r0 in range(start, end, comm.COPY_ROWS):
+        i = r0 + tl.arange(0, comm.COPY_ROWS)
         live = i < end
-        pair = tl.load(send_pair + i, mask=live, other=0)
+        pair = tl.load(send.pair + i, mask=live, other=0)
         tok = (pair // TOPK).to(tl.int64)
-        row = tl.load(send_row + i, mask=live, other=0).to(tl.int64)
-        if ROW_HOME:
+        row = tl.load(send.row + i, mask=live, other=0).to(tl.int64)
+        if comm.ROW_HOME:
             tl.store(dst_home + row, home_base + pair, mask=live)
-            tl.store(dst_weight + row, tl.load(send_weight + i, mask=live), mask=live)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
+            tl.store(dst_weight + row, tl.load(send.weight + i, mask=live), mask=live)
+        for h0 in range(0, H, comm.BLOCK_H):
+            cols = h0 + tl.arange(0, comm.BLOCK_H)
             mask = live[:, None] & (cols[None, :] < H)
             v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
             tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
@@ -134,158 +217,84 @@ def _push_entries(src_token, src_rows, src_weight, dst_token, dst_rows, dst_weig
 
 
 @triton.jit
-def _chunks_to(d, send_off, ret_count, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
+def _chunks_to(d, dispatch, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
     """``(row chunks, all chunks)`` this rank sends destination ``d``: its rows, then
     its return entries."""
-    rows = tl.cdiv(tl.load(send_off + d + 1) - tl.load(send_off + d), ROWS)
-    return rows, rows + tl.cdiv(tl.load(ret_count + d), ENTRIES)
+    off = dispatch.send.off
+    rows = tl.cdiv(tl.load(off + d + 1) - tl.load(off + d), ROWS)
+    return rows, rows + tl.cdiv(tl.load(dispatch.entry_count + d), ENTRIES)
 
 
 @triton.jit
-def dispatch_role(queue, x_ptr, H, send_pair, send_row, send_weight, send_off,
-                  ret_token, ret_rows, ret_weight, ret_count,
-                  a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-                  home_table, home_weight_table, a0_ptr, recv_token, recv_rows, recv_weight,
-                  row_home, row_weight, flag0, chunk_slots,
-                  epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
-                  WORLD: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                  ENTRIES: tl.constexpr, ENTRY_TILE: tl.constexpr, ROW_HOME: tl.constexpr,
-                  TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    the comm programs take from the dispatch queue ``queue``: take ``g`` is chunk
-    ``g // W`` of the destination at ring offset ``g % W`` (all destinations abreast,
-    see the module doc; a queue rather than a fixed stride, so that when destinations
-    have unequal chunk counts every program still shares the work of the longest);
-    after copying chunk ``c`` a program sets the destination's
-    ``flag0[rank, c] = epoch``. No chunk waits for another to publish: an
-    in-order chain (each chunk published after the previous one) cost one system-scope
-    release round trip per chunk in series, which capped dispatch at ~7 us per chunk
-    whatever the number of comm blocks. Returns the trace events recorded so far."""
+    the comm programs take from the dispatch queue: take ``g`` is chunk ``g // W`` of the
+    destination at ring offset ``g % W`` (all destinations abreast, see the module doc; a
+    queue rather than a fixed stride, so that when destinations have unequal chunk counts
+    every program still shares the work of the longest); after copying chunk ``c`` a
+    program sets the destination's ``flag0[rank, c] = epoch``. No chunk waits for another
+    to publish: an in-order chain (each chunk published after the previous one) cost one
+    system-scope release round trip per chunk in series, which capped dispatch at ~7 us
+    per chunk whatever the number of comm blocks. Returns the trace events recorded so
+    far."""
+    WORLD: tl.constexpr = shape.WORLD
+    TOPK: tl.constexpr = shape.TOPK
+    rank = sync.rank
+    max_tokens = dispatch.max_tokens
+    x_ptr = pointer_at(dispatch.x_addr, 0, dispatch.a0.local)
+    chunk_slots = dispatch.chunk_slots
     # This rank's region in a destination's return-entry tables.
     region = rank * max_tokens
     rounds = 0
     for d in range(WORLD):
-        rounds = tl.maximum(rounds, _chunks_to(d, send_off, ret_count, ROWS, ENTRIES)[1])
-    g = take(queue)
+        rounds = tl.maximum(rounds, _chunks_to(d, dispatch, comm.ROWS, comm.ENTRIES)[1])
+    g = take(dispatch.queue)
     while g < rounds * WORLD:
         c = g // WORLD
         d = (rank - g % WORLD + WORLD) % WORLD
-        lo = tl.load(send_off + d)
-        hi = tl.load(send_off + d + 1)
-        n_ent = tl.load(ret_count + d)
-        row_chunks, chunks = _chunks_to(d, send_off, ret_count, ROWS, ENTRIES)
+        lo = tl.load(dispatch.send.off + d)
+        hi = tl.load(dispatch.send.off + d + 1)
+        n_ent = tl.load(dispatch.entry_count + d)
+        row_chunks, chunks = _chunks_to(d, dispatch, comm.ROWS, comm.ENTRIES)
         if c < chunks:
-            a0 = pointer_at(a0_table, d, a0_ptr)
-            dst_tok = pointer_at(ret_token_table, d, recv_token) + region
-            dst_rows = pointer_at(ret_rows_table, d, recv_rows) + region * TOPK
-            dst_w = pointer_at(ret_weight_table, d, recv_weight) + region * TOPK
             src = d * max_tokens
-            flags = pointer_at(flag0_table, d, flag0) + rank * chunk_slots
-            if TRACE:
-                start = clock_ns(USE_ASM)
-            if healthy(err_table, rank, USE_ASM):
+            flags = peer(dispatch.flag0, d) + rank * chunk_slots
+            if trace.ON:
+                start = clock_ns()
+            if healthy(sync):
                 if c < row_chunks:
-                    home, home_weight = row_home, row_weight
-                    if ROW_HOME:
-                        home = pointer_at(home_table, d, row_home)
-                        home_weight = pointer_at(home_weight_table, d, row_weight)
-                    _push_rows(x_ptr, a0, send_pair, send_row, send_weight, home,
-                               home_weight, rank * max_tokens * TOPK, lo + c * ROWS,
-                               tl.minimum(lo + (c + 1) * ROWS, hi), H, TOPK, COPY_ROWS,
-                               BLOCK_H, ROW_HOME)
+                    first = lo + c * comm.ROWS
+                    last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
+                    if comm.ROW_HOME:
+                        _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send,
+                                   peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d),
+                                   rank * max_tokens * TOPK, first, last, H, TOPK, comm)
+                    else:
+                        _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send, None, None,
+                                   0, first, last, H, TOPK, comm)
                 else:
-                    e0 = (c - row_chunks) * ENTRIES
-                    _push_entries(ret_token + src, ret_rows + src * TOPK,
-                                  ret_weight + src * TOPK, dst_tok, dst_rows, dst_w,
-                                  e0, tl.minimum(e0 + ENTRIES, n_ent), TOPK, TOPK_P2,
-                                  ENTRY_TILE)
+                    e0 = (c - row_chunks) * comm.ENTRIES
+                    _push_entries(dispatch.entries.token + src,
+                                  dispatch.entries.rows + src * TOPK,
+                                  dispatch.entries.weight + src * TOPK,
+                                  peer(dispatch.recv.token, d) + region,
+                                  peer(dispatch.recv.rows, d) + region * TOPK,
+                                  peer(dispatch.recv.weight, d) + region * TOPK,
+                                  e0, tl.minimum(e0 + comm.ENTRIES, n_ent), TOPK,
+                                  shape.TOPK_P2, comm.ENTRY_TILE)
                 # Never publish after a failure: a chunk skipped because the group failed
                 # must not look delivered. (The vote is also the barrier the release needs.)
-                if healthy(err_table, rank, USE_ASM):
+                if healthy(sync):
                     release(flags + c, epoch, "sys")
-                if TRACE:
-                    events = stamp(trace_ptr, events, d, c, start, MAX_EVENTS, USE_ASM)
-        g = take(queue)
+                if trace.ON:
+                    events = stamp(trace, events, d, c, start)
+        g = take(dispatch.queue)
     return events
 
 
 @triton.jit
-def _rows_from(s, rank, seg_rows, pre, WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr):
-    """Rows source ``s`` sends this rank (the plan's offsets of its last expert plus its
-    rows there): known from the count exchange, before any row arrives."""
-    last = (s - rank + WORLD) % WORLD * LOCAL_EXPERTS + LOCAL_EXPERTS - 1
-    return (tl.load(pre + s * LOCAL_EXPERTS + LOCAL_EXPERTS - 1)
-            + tl.load(seg_rows + last))
-
-
-@triton.jit
-def place_role(queue, x_ptr, H, send_pair, send_row, send_weight, send_off,
-               x_recv, sent_pair, sent_row, sent_weight, sent_off, copy_flags, seg_rows,
-               pre, a0_ptr, row_home, row_weight, flag0, chunk_slots,
-               epoch, err_table, rank, max_tokens, timeout, trace_ptr, events,
-               WORLD: tl.constexpr, LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr,
-               ROWS: tl.constexpr, COPY_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-               TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
-    """The dispatch by copy engines, receiving side (``TileConfig.copy_dispatch``): every
-    peer's host has copied its input rows and its send list here (``x_recv[s]``,
-    ``sent_*[s]``) and then set ``copy_flags[s]`` to the call's epoch; the comm programs
-    copy each pair's row into the shared tensor ``a0`` -- from this rank's own input,
-    or from a copy that landed -- with its layer1 home and weight, chunk by chunk, and
-    set ``flag0[s, c]`` as a pushing source would: the GEMM side waits exactly as for
-    the push. Chunks come from the dispatch queue: this rank's own rows first (the
-    GEMM's local head needs them while the copies are in flight), then the peers'
-    abreast (chunk ``c`` of every peer before ``c + 1``). A local HBM-to-HBM copy, so
-    the comm blocks are soon done and join the GEMM."""
-    local_chunks = tl.cdiv(_rows_from(rank, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS), ROWS)
-    rounds = 0
-    for o in range(1, WORLD):
-        rows = _rows_from((rank + o) % WORLD, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS)
-        rounds = tl.maximum(rounds, tl.cdiv(rows, ROWS))
-    g = take(queue)
-    while g < local_chunks + rounds * (WORLD - 1):
-        o = 0
-        c = g
-        if g >= local_chunks:
-            o = 1 + (g - local_chunks) % (WORLD - 1)
-            c = (g - local_chunks) // (WORLD - 1)
-        s = (rank + o) % WORLD
-        rows = _rows_from(s, rank, seg_rows, pre, WORLD, LOCAL_EXPERTS)
-        if c * ROWS < rows:
-            if TRACE:
-                start = clock_ns(USE_ASM)
-            src, pairs, dst_rows, weights, lo = x_ptr, send_pair, send_row, send_weight, 0
-            landed = 1
-            if o == 0:
-                lo = tl.load(send_off + rank)
-            else:
-                landed = wait_at_least(copy_flags + s, epoch, err_table, SITE_DISPATCH, s,
-                                       rank, timeout, "sys", WORLD, USE_ASM)
-                src = x_recv + s.to(tl.int64) * max_tokens * H
-                pairs = sent_pair + s * max_tokens * TOPK
-                dst_rows = sent_row + s * max_tokens * TOPK
-                weights = sent_weight + s * max_tokens * TOPK
-                lo = tl.load(sent_off + s * (WORLD + 1) + rank)
-            if landed != 0:
-                if healthy(err_table, rank, USE_ASM):
-                    _push_rows(src, a0_ptr, pairs, dst_rows, weights, row_home, row_weight,
-                               s * max_tokens * TOPK, lo + c * ROWS,
-                               lo + tl.minimum((c + 1) * ROWS, rows), H, TOPK, COPY_ROWS,
-                               BLOCK_H, True)
-                    # Never publish after a failure (the vote is the barrier the release
-                    # needs).
-                    if healthy(err_table, rank, USE_ASM):
-                        release(flag0 + s * chunk_slots + c, epoch, "gpu")
-            if TRACE:
-                events = stamp(trace_ptr, events, s, c, start, MAX_EVENTS, USE_ASM)
-        g = take(queue)
-    return events
-
-
-@triton.jit
-def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, r1, seen,
-                epoch, err_table, rank, timeout, WORLD: tl.constexpr, W_P2: tl.constexpr,
-                LOCAL_EXPERTS: tl.constexpr, ROWS: tl.constexpr, USE_ASM: tl.constexpr):
+def _await_rows(flags, chunk_slots, segments, wait, expert, r0, r1, seen, epoch, sync,
+                shape, ROWS: tl.constexpr):
     """Wait until every source in ``wait`` has published its chunks up to the one holding
     its last row in ``[r0, r1)``; returns ``(seen, ok)``. ``seen[s]`` caches how many
     leading chunks of ``s`` are known published, so most tiles cost no flag load at all
@@ -294,152 +303,99 @@ def _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre, wait, expert, r0, 
     counts, never a raw flag value: every warp must agree on it, or warps would disagree
     on which tiles wait (see comet.kernels.sync on uniform control flow). ``ok`` is 0
     once a wait gave up."""
-    ranks = tl.arange(0, W_P2)
+    WORLD: tl.constexpr = shape.WORLD
+    LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
+    rank = sync.rank
+    ranks = tl.arange(0, shape.W_P2)
     ok = tl.full([], 1, tl.int32)
     for s in range(WORLD):
         if ((wait >> s) & 1) != 0:
             o = (s - rank + WORLD) % WORLD
-            seg0 = tl.load(seg_start + o * LOCAL_EXPERTS + expert)
-            seg1 = seg0 + tl.load(seg_rows + o * LOCAL_EXPERTS + expert)
+            seg0 = tl.load(segments.start + o * LOCAL_EXPERTS + expert)
+            seg1 = seg0 + tl.load(segments.rows + o * LOCAL_EXPERTS + expert)
             last = tl.minimum(r1, seg1) - 1 - seg0
-            need = (tl.load(pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
+            need = (tl.load(segments.pre + s * LOCAL_EXPERTS + expert) + last) // ROWS + 1
             have = tl.sum(tl.where(ranks == s, seen, 0), axis=0)
             if need > have:
-                got = wait_chunks(flag0 + s * chunk_slots, have, need, epoch, err_table,
-                                  SITE_DISPATCH, s, rank, timeout, "sys", WORLD, CHUNK_SCAN,
-                                  USE_ASM)
+                got = wait_chunks(flags + s * chunk_slots, have, need, epoch, sync,
+                                  SITE_DISPATCH, s, "sys", CHUNK_SCAN)
                 ok = ok & got
                 seen = tl.where((ranks == s) & (got != 0), need, seen)
     return seen, ok
 
 
-#: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
-#: has at least one full round of them (``programs * LANE_ITEMS`` items; below that, one
-#: item per take balances the few items there are). A lane of several items runs as one
-#: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
-#: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
-LANE_ITEMS = tl.constexpr(4)
-
-
 @triton.jit
-def layer0_compute_role(queue, a_desc, a_ptr, a_index, w_desc, c_ptr, K, N,
-                        tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
-                        seg_start, seg_rows, pre,
-                        flag0, chunk_slots, epoch, err_table, rank, timeout, trace_ptr, events,
-                        WAIT: tl.constexpr, GATED: tl.constexpr, TRANS_B: tl.constexpr,
-                        GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        GROUP_M: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
-                        TAIL_ROUNDS: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
-                        LOCAL_EXPERTS: tl.constexpr,
-                        ROWS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr,
-                        USE_ASM: tl.constexpr, A_GATHER: tl.constexpr):
-    """GroupGEMM ``c = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) -- or,
-    for the backward, a plain ``c = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with ``N``
-    output columns -- over the tiles in the table's order (comet.scheduler.plan),
+def layer0_compute_role(gemm, item, lanes, tiles, segments, queue, flags, chunk_slots, epoch,
+                        sync, trace, events, shape, WAIT: tl.constexpr, ROWS: tl.constexpr):
+    """GroupGEMM ``out = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) --
+    or, for the backward, a plain ``out = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with
+    ``N`` output columns -- over the tiles in the table's order (comet.scheduler.plan),
     taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
     lane at a time (:func:`strided_take`; ``HEAD_ROUNDS`` and ``TAIL_ROUNDS`` rounds of
-    single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`): blocks take work in the scheduler's order
-    whenever they are free, so a block that joins late (a comm block done dispatching)
-    takes the next lane, not a fixed share. A lane's rows are all waited for before its
-    flattened loop starts: the pipeliner issues a tile's loads while the previous tile
-    still runs, so no wait may sit between them."""
-    num_tiles = tl.load(num_tiles_ptr)
-    n_blocks = tl.cdiv(N, BLOCK_N)
+    single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`): blocks take
+    work in the scheduler's order whenever they are free, so a block that joins late (a
+    comm block done dispatching) takes the next lane, not a fixed share. A lane's rows
+    are all waited for before its flattened loop starts: the pipeliner issues a tile's
+    loads while the previous tile still runs, so no wait may sit between them."""
+    num_tiles = tl.load(tiles.num)
+    n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
     total = num_tiles * n_blocks
     programs = tl.num_programs(0)
-    items, head, lanes_end = lane_shape(total, programs, LANE_ITEMS, HEAD_ROUNDS,
-                                        TAIL_ROUNDS)
-    seen = tl.zeros([W_P2], dtype=tl.int32)
+    items, head, lanes_end = lane_shape(total, programs, LANE_ITEMS, lanes.HEAD_ROUNDS,
+                                        lanes.TAIL_ROUNDS)
+    seen = tl.zeros([shape.W_P2], dtype=tl.int32)
     first, end = strided_take(queue, programs, items, head, lanes_end)
     while first < total:
         end = tl.minimum(end, total)
         ready = 1
         if WAIT:
             for w in range(first, end, programs):
-                t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
-                seen, ok = _await_rows(flag0, chunk_slots, seg_start, seg_rows, pre,
-                                       tl.load(tile_wait + t), tl.load(tile_expert + t),
-                                       tl.load(tile_row_start + t), tl.load(tile_row_end + t),
-                                       seen, epoch, err_table, rank, timeout, WORLD, W_P2,
-                                       LOCAL_EXPERTS, ROWS, USE_ASM)
+                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+                seen, ok = _await_rows(flags, chunk_slots, segments,
+                                       tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
+                                       tl.load(tiles.row_start + tile),
+                                       tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
+                                       ROWS)
                 ready = ready & ok
-            fence_async_proxy(USE_ASM)
+            fence_async_proxy()
         if ready:   # after a failure the call's output is void: skip the GEMMs
             for w in tl.range(first, end, programs, flatten=True):
-                if TRACE:
-                    start = clock_ns(USE_ASM)
-                t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
-                expert = tl.load(tile_expert + t)
-                gemm_tile(a_desc, w_desc, c_ptr, N, expert, tl.load(tile_row_start + t),
-                          tl.load(tile_row_end + t), nb * BLOCK_N, K, N, GATED, GATE_UP,
-                          ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TRANS_B,
-                          a_ptr, a_index, A_GATHER)
-                if TRACE:
-                    events = stamp(trace_ptr, events, WORLD + expert, t, start, MAX_EVENTS,
-                                   USE_ASM)
+                if trace.ON:
+                    start = clock_ns()
+                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+                expert = tl.load(tiles.expert + tile)
+                gemm_tile(gemm, item, expert, tl.load(tiles.row_start + tile),
+                          tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
+                if trace.ON:
+                    events = stamp(trace, events, shape.WORLD + expert, tile, start)
         first, end = strided_take(queue, programs, items, head, lanes_end)
 
 
 @triton.jit
-def layer0_kernel(
-    # dispatch (comm role); the input's address is read on the device (graph replays)
-    x_addr, send_pair, send_row, send_weight, send_off, ret_token, ret_rows, ret_weight,
-    ret_count, a0_table, ret_token_table, ret_rows_table, ret_weight_table, flag0_table,
-    home_table, home_weight_table, recv_token, recv_rows, recv_weight, row_home, row_weight,
-    chunk_slots, max_tokens,
-    # the same, placed from the copies peers' hosts made (COPY_DISPATCH)
-    x_recv, sent_pair, sent_row, sent_weight, sent_off, copy_flags,
-    # GroupGEMM (compute role): K = H, N output columns (F when GATED)
-    a0_ptr, a_desc, a_index, w_desc, c_ptr, K, N,
-    tile_expert, tile_row_start, tile_row_end, tile_wait, num_tiles_ptr,
-    seg_start, seg_rows, pre, queue, dispatch_queue,
-    # both; n_comm is read on the device so one captured launch serves every split
-    flag0, epoch_ptr, err_table, rank, split_ptr, timeout_ptr, trace_ptr,
-    ROLE: tl.constexpr, WAIT: tl.constexpr, WORLD: tl.constexpr, W_P2: tl.constexpr,
-    LOCAL_EXPERTS: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-    COMM_ROWS: tl.constexpr, COMM_COPY_ROWS: tl.constexpr, COMM_BLOCK_H: tl.constexpr,
-    COMM_ENTRIES: tl.constexpr, COMM_ENTRY_TILE: tl.constexpr, ROW_HOME: tl.constexpr,
-    GATED: tl.constexpr, TRANS_B: tl.constexpr, GATE_UP: tl.constexpr, ONE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr, HEAD_ROUNDS: tl.constexpr,
-    TAIL_ROUNDS: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
-    A_GATHER: tl.constexpr = False, COPY_DISPATCH: tl.constexpr = False,
-):
-    epoch = tl.load(epoch_ptr)
-    timeout = tl.load(timeout_ptr)
-    trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
-    x_ptr = pointer_at(x_addr, 0, a0_ptr)
-    comm, _, _ = assign_role(split_ptr, ROLE)
+def layer0_kernel(dispatch, gemm, tiles, segments, queue, sync, split, trace, shape, comm,
+                  item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
+    """layer0 of one rank: the comm role (:func:`dispatch_role`, programs below
+    ``split[0]`` when ``ROLE`` is fused) pushes this rank's rows into every
+    destination's shared tensor, then joins the compute role
+    (:func:`layer0_compute_role`), the GroupGEMM over ``tiles`` that waits for exactly
+    the rows each tile reads (``WAIT``).
+
+    dispatch: :class:`Dispatch`; gemm: :class:`~comet.kernels.group_gemm.Gemm` (A: the
+    shared tensor; K = H; N = F when gated); tiles, segments: the plan's; queue: the
+    GEMM's work queue; sync: :class:`~comet.kernels.sync.Sync`; split: int64 [1], the
+    comm programs (read on the device, so one captured launch serves every split);
+    trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
+    comm, item, lanes: constexpr :class:`DispatchTile`,
+    :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
+    epoch = tl.load(sync.epoch)
+    comm_role, _, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
-        if comm and COPY_DISPATCH:
-            events = place_role(dispatch_queue, x_ptr, K, send_pair, send_row, send_weight,
-                                send_off, x_recv, sent_pair, sent_row, sent_weight, sent_off,
-                                copy_flags, seg_rows, pre, a0_ptr, row_home, row_weight,
-                                flag0, chunk_slots, epoch, err_table, rank, max_tokens,
-                                timeout, trace_ptr, events, WORLD, LOCAL_EXPERTS, TOPK,
-                                COMM_ROWS, COMM_COPY_ROWS, COMM_BLOCK_H, TRACE, MAX_EVENTS,
-                                USE_ASM)
-        elif comm:
-            events = dispatch_role(dispatch_queue, x_ptr, K, send_pair, send_row,
-                                   send_weight, send_off, ret_token, ret_rows, ret_weight,
-                                   ret_count, a0_table, ret_token_table, ret_rows_table,
-                                   ret_weight_table, flag0_table, home_table,
-                                   home_weight_table, a0_ptr, recv_token, recv_rows,
-                                   recv_weight, row_home, row_weight, flag0, chunk_slots,
-                                   epoch, err_table, rank, max_tokens, timeout, trace_ptr,
-                                   events, WORLD, TOPK, TOPK_P2, COMM_ROWS, COMM_COPY_ROWS,
-                                   COMM_BLOCK_H, COMM_ENTRIES, COMM_ENTRY_TILE, ROW_HOME,
-                                   TRACE, MAX_EVENTS, USE_ASM)
+        if comm_role:
+            events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        layer0_compute_role(queue, a_desc, a0_ptr, a_index, w_desc, c_ptr, K, N,
-                            tile_expert, tile_row_start, tile_row_end, tile_wait,
-                            num_tiles_ptr, seg_start, seg_rows, pre, flag0, chunk_slots,
-                            epoch, err_table, rank, timeout, trace_ptr, events, WAIT, GATED,
-                            TRANS_B, GATE_UP, ONE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_PRECISION, GROUP_M, HEAD_ROUNDS, TAIL_ROUNDS, WORLD, W_P2,
-                            LOCAL_EXPERTS, COMM_ROWS, TRACE, MAX_EVENTS, USE_ASM, A_GATHER)
+        layer0_compute_role(gemm, item, lanes, tiles, segments, queue,
+                            dispatch.flag0.local, dispatch.chunk_slots, epoch, sync, trace,
+                            events, shape, WAIT, comm.ROWS)

@@ -7,7 +7,8 @@ along N. The GroupGEMM therefore runs column-wise: column split ``s`` (``BLOCKS_
 column blocks) of every expert's tiles before split ``s + 1``, and the compute blocks count
 finished tiles per split.
 
-Roles (without ``SCATTER``):
+Two entry kernels share the GroupGEMM: :func:`layer1_reduce_kernel` (the paper's
+schedule) and :func:`layer1_scatter_kernel`. Roles of the first:
 
 * compute (:func:`layer1_compute_role`) -- the GroupGEMM, each block striding over the
   work items, counting tiles per split; a compute block out of tiles joins the reduce.
@@ -27,50 +28,149 @@ The comm blocks reduce the early splits while the GEMM of the later ones runs; t
 of the last split runs on every block. With no comm block the kernel is "GEMM, then
 reduce on the whole GPU" in one launch.
 
-``SCATTER`` (the forward's default, ``TileConfig.layer1_scatter``) moves the top-k sum
-past the communication: ``out1`` is never stored; every block runs the GroupGEMM and its
-epilogue (:func:`scatter_home`) writes each row, weighted, into ``pair_out[t, j]`` on
-the token's rank, which makes the shared tensor independent along M as well
-(docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the last
-block to finish releases ``flag1`` as above.
+:func:`layer1_scatter_kernel` (the forward's default, ``TileConfig.layer1_scatter``)
+moves the top-k sum past the communication: ``out1`` is never stored; every block runs the
+GroupGEMM and its epilogue (:func:`scatter_home`) writes each row, weighted, into
+``pair_out[t, j]`` on the token's rank, which makes the shared tensor independent along M
+as well (docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the
+last block to finish releases ``flag1`` as above.
 
-The backward (comet.runtime.backward) runs the same kernel on ``d(gate, up) @ W13^T``
+The backward (comet.runtime.backward) runs the reduce kernel on ``d(gate, up) @ W13^T``
 (``TRANS_B``): the reduce then sums a token's rows unweighted (the routing weights are
-already in ``d(gate, up)``) and, with ``PAIRS``, also returns each (token, slot)'s
+already in ``d(gate, up)``) and, with ``pairs``, also returns each (token, slot)'s
 routing-weight gradient, one fp32 per row, into the source's ``pair_grad``.
 
-:func:`combine_kernel` then sums, on each token's home rank, the partial rows of the ranks
-that token was sent to, always in rank order 0..W-1 (after a scatter: the token's real
-slots in slot order): the result does not depend on timing.
+comet.kernels.combine then sums, on each token's home rank, the partial rows of the
+ranks that token was sent to in a fixed order: the result does not depend on timing.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.address import pointer_at
-from comet.kernels.roles import ROLE_COMM, ROLE_COMPUTE, assign_role
-from comet.kernels.group_gemm import column_work, gemm_acc, gemm_tile
-from comet.kernels.layer0 import CHUNK_SCAN
-from comet.kernels.sync import (arrive, clock_ns, healthy, release, stamp, take, wait_at_least,
-                                wait_chunks)
+from comet.config import TileConfig
+from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_ENTRIES, SITE_SPLIT,
+                             TRACE_REDUCE)
+from comet.kernels.address import PeerBuffer, peer
+from comet.kernels.group_gemm import (Gemm, GemmTile, column_work, descriptor, dot_precision,
+                                      gemm_acc, gemm_tile)
+from comet.kernels.layer0 import Arrivals
+from comet.kernels.plan import EntryTables, Tiles
+from comet.kernels.roles import assign_role
+from comet.kernels.shape import Shape
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp, take,
+                                wait_at_least, wait_chunks)
 
-SITE_SPLIT = tl.constexpr(3)
-SITE_COMBINE = tl.constexpr(4)
-SITE_ENTRIES = tl.constexpr(6)
 
-# Trace kinds: a GEMM work item stamps its split, a reduce item TRACE_REDUCE + its split.
-TRACE_REDUCE = tl.constexpr(1 << 16)
+class Splits(NamedTuple):
+    """Constexpr column splits of layer1's GroupGEMM (the reduce's unit of waiting)."""
+
+    BLOCKS_PER_SPLIT: tl.constexpr   # column blocks per split
+    N_SPLITS: tl.constexpr
+
+
+class Release(NamedTuple):
+    """How layer1 ends: the last block of the launch to finish tells every source its
+    rows of this call are in place."""
+
+    done: torch.Tensor       # int32 [1]: blocks finished (zeroed per call)
+    flag1: PeerBuffer        # int64 [W]: flag1[r] on rank s = epoch: rank r's rows for s landed
+
+
+class Homes(NamedTuple):
+    """The scatter epilogue's destinations: each received row goes, weighted, to its
+    token's slot on the token's rank."""
+
+    home: torch.Tensor       # int32 [rows]: slot ``s * slots + t * k + j`` (pushed with the row)
+    weight: torch.Tensor     # fp32 [rows]: its routing weight (likewise)
+    pair_out: PeerBuffer     # [Mx, k, H]: weighted rows by (token, slot), on every rank
+    slots: int               # Mx * k
+
+
+class Pairs(NamedTuple):
+    """The backward's per-row scalar that goes home with the reduced rows."""
+
+    src: torch.Tensor        # fp32 [rows]: the value of each received row
+    dst: PeerBuffer          # fp32 [Mx, k]: by (token, slot), on every rank
+
+
+class Reduce(NamedTuple):
+    """The reduce role: the return entries this rank received, and where sums go."""
+
+    recv: EntryTables        # [W, Mx(, k)] by source: token, its rows here, their weights
+    comb: PeerBuffer         # [W, Mx, H]: comb[r, t] on rank s = rank r's sum for token t
+    max_tokens: int
+    queue: torch.Tensor      # int32 [1]: the reduce's item queue (zeroed per call)
+    pairs: Pairs | None      # with PAIRS
+
+
+class ReduceTile(NamedTuple):
+    """Constexpr tiles of the reduce."""
+
+    ENTRIES: tl.constexpr    # return entries per step
+    ITEM: tl.constexpr       # return entries per queue item
+    BLOCK_C: tl.constexpr    # columns per step
+    WEIGHTED: tl.constexpr   # weight each row (the forward) or plain sum (the backward)
+    PAIRS: tl.constexpr      # also return :class:`Pairs`
+
+
+def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
+                transposed: bool = False) -> tuple[Gemm, GemmTile, Splits]:
+    """Operands, work-item shape and column splits of layer1's GroupGEMM ``h @ w`` for
+    ``h [rows, K]``, ``w [El, K, H]`` -- or the backward's ``h @ w^T`` for ``w [El, H,
+    K]`` (``transposed``) -- into ``out1 [rows, H]``."""
+    el, k, hidden = w.shape[0], h.shape[1], out1.shape[1]
+    bk = tile.k_step(k)
+    b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
+         else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
+    item = GemmTile(*(constexpr(v) for v in (
+        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, dot_precision(h.dtype))))
+    splits = Splits(constexpr(tile.blocks_per_split(hidden)),
+                    constexpr(tile.n_splits(hidden)))
+    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden), item, splits
+
+
+def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool) -> ReduceTile:
+    return ReduceTile(*(constexpr(v) for v in (tile.comm_entries, tile.reduce_item,
+                                                  tile.comm_block_c, weighted, pairs)))
+
+
+def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
+                         tiles: Tiles, split_done: torch.Tensor, reduce: Reduce,
+                         arrivals: Arrivals, release: Release, sync: Sync,
+                         split: torch.Tensor, trace: Trace, shape: Shape, tile: TileConfig,
+                         role: int, wait: bool = True, cooperative: bool = False) -> None:
+    """The column-wise GroupGEMM and the reduce-and-send for one rank on ``grid``
+    programs (``role``: fused -- the first ``split[0]`` programs reduce once split 0 is
+    done --, comm or compute); ``split_done`` counts tiles per column split (zeroed per
+    call). ``wait=False``: the reduce assumes the GEMM is done."""
+    extra = {"launch_cooperative_grid": True} if cooperative else {}
+    layer1_reduce_kernel[(grid,)](
+        gemm=gemm, item=item, splits=splits, tiles=tiles, split_done=split_done,
+        reduce=reduce, arrivals=arrivals, release=release, sync=sync, split=split,
+        trace=trace, shape=shape,
+        rtile=reduce_tile(tile, weighted=not item.TRANS_B, pairs=reduce.pairs is not None),
+        ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+
+
+def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
+                          tiles: Tiles, split_done: torch.Tensor, homes: Homes,
+                          release: Release, sync: Sync, trace: Trace, shape: Shape,
+                          tile: TileConfig) -> None:
+    """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs."""
+    layer1_scatter_kernel[(grid,)](
+        gemm=gemm, item=item, splits=splits, tiles=tiles, split_done=split_done,
+        homes=homes, release=release, sync=sync, trace=trace, shape=shape,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 @triton.jit
-def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
-                        tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-                        row_home, row_weight, pair_table, pair_out, slots,
-                        trace_ptr, events, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                        N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        TRANS_B: tl.constexpr, SCATTER: tl.constexpr, TRACE: tl.constexpr,
-                        MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+def layer1_compute_role(comm, role_pid, n_role, gemm, item, splits, tiles, split_done,
+                        homes, trace, events, SCATTER: tl.constexpr):
     """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
     item can start before it is complete, so a comm block (``comm``) that only waited
@@ -86,15 +186,17 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
     qwen2-moe and deepseek-v3-like at 4096-16384 tokens, H100, ``h100-gemm-strided.json``).
 
     ``SCATTER``: each tile goes straight to its tokens' homes (:func:`scatter_home`)
-    instead of into ``out1``.
+    instead of into ``gemm.out``.
     """
-    num_tiles = tl.load(num_tiles_ptr)
-    n_blocks = tl.cdiv(H, BLOCK_N)
+    BLOCK_N: tl.constexpr = item.BLOCK_N
+    BLOCKS_PER_SPLIT: tl.constexpr = splits.BLOCKS_PER_SPLIT
+    num_tiles = tl.load(tiles.num)
+    n_blocks = tl.cdiv(gemm.N, BLOCK_N)
     total = num_tiles * n_blocks
     per_split = num_tiles * BLOCKS_PER_SPLIT
     # Unrolled over the splits: a flattened loop nested in a run-time loop is not
     # flattened by Triton (one pipeline per tile again).
-    for split in tl.static_range(N_SPLITS):
+    for split in tl.static_range(splits.N_SPLITS):
         if split == 0:
             me = tl.program_id(0)
             stride = tl.num_programs(0)
@@ -106,24 +208,20 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
             hi = tl.minimum(lo + per_split, total)
             first = lo + (me - lo % stride + stride) % stride
             for w in tl.range(first, hi, stride, flatten=True):
-                if TRACE:
-                    start = clock_ns(USE_ASM)
+                if trace.ON:
+                    start = clock_ns()
                 t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
-                expert = tl.load(tile_expert + t)
-                row_start = tl.load(tile_row_start + t)
-                row_end = tl.load(tile_row_end + t)
+                expert = tl.load(tiles.expert + t)
+                row_start = tl.load(tiles.row_start + t)
+                row_end = tl.load(tiles.row_end + t)
                 if SCATTER:
-                    acc = gemm_acc(h_desc, w2_desc, expert, row_start, nb * BLOCK_N, F, H,
-                                   False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   DOT_PRECISION)
-                    scatter_home(acc, row_home, row_weight, pair_table, pair_out, slots,
-                                 row_start, row_end, nb * BLOCK_N, H, BLOCK_M, BLOCK_N)
+                    acc = gemm_acc(gemm, item, expert, row_start, nb * BLOCK_N)
+                    scatter_home(acc, homes, row_start, row_end, nb * BLOCK_N, gemm.N,
+                                 item.BLOCK_M, BLOCK_N)
                 else:
-                    gemm_tile(h_desc, w2_desc, out1_ptr, H, expert, row_start, row_end,
-                              nb * BLOCK_N, F, H, False, 0, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                              DOT_PRECISION, TRANS_B)
-                if TRACE:
-                    events = stamp(trace_ptr, events, split, t, start, MAX_EVENTS, USE_ASM)
+                    gemm_tile(gemm, item, expert, row_start, row_end, nb * BLOCK_N)
+                if trace.ON:
+                    events = stamp(trace, events, split, t, start)
             # Counted once per split, not per tile: an atomic inside the loop keeps Triton
             # from pipelining it (one stage of shared memory instead of three).
             arrive(split_done + split, "gpu", tl.maximum(tl.cdiv(hi - first, stride), 0))
@@ -131,19 +229,20 @@ def layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr, F, H,
 
 
 @triton.jit
-def scatter_home(acc, row_home, row_weight, pair_table, pair_out, slots, row_start, row_end,
-                 n0, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def scatter_home(acc, homes, row_start, row_end, n0, H, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """The scatter epilogue: row ``r`` of the fp32 tile ``acc`` (rows ``row_start..``,
     columns ``n0..``), times its routing weight, into its token's home --
-    ``pair_out[t, j]`` on rank ``s``, where ``row_home[r] = s * slots + t * TOPK + j``
+    ``pair_out[t, j]`` on rank ``s``, where ``home[r] = s * slots + t * TOPK + j``
     (pushed with the row by the dispatch). Stores to a peer's memory are posted: the
     tile's data crosses the link while the GEMM goes on, with no reduce pass and no
     block waiting for a column split."""
     rows = row_start + tl.arange(0, BLOCK_M)
     live = rows < row_end
-    home = tl.load(row_home + rows, mask=live, other=0)
-    weight = tl.load(row_weight + rows, mask=live, other=0.0)
-    row_ptr = pointer_at(pair_table, home // slots, pair_out) + (home % slots).to(tl.int64) * H
+    home = tl.load(homes.home + rows, mask=live, other=0)
+    weight = tl.load(homes.weight + rows, mask=live, other=0.0)
+    pair_out = homes.pair_out.local
+    row_ptr = peer(homes.pair_out, home // homes.slots) + (home % homes.slots).to(tl.int64) * H
     cols = n0 + tl.arange(0, BLOCK_N)
     tl.store(row_ptr[:, None] + cols[None, :],
              (acc * weight[:, None]).to(pair_out.dtype.element_ty),
@@ -151,16 +250,14 @@ def scatter_home(acc, row_home, row_weight, pair_table, pair_out, slots, row_sta
 
 
 @triton.jit
-def _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank,
-                     WORLD: tl.constexpr, USE_ASM: tl.constexpr):
+def _release_sources(release_args, epoch, sync):
     """The last block of the launch to get here tells every source its rows of this
     call are there (``flag1[this rank] = epoch`` on each) -- unless the group failed
     meanwhile: rows skipped after a failure must not look sent."""
-    if arrive(done_counter, "sys") == tl.num_programs(0) - 1:
-        if healthy(err_table, rank, USE_ASM):
-            for s in range(WORLD):
-                flag = pointer_at(flag1_table, s, flag1)
-                release(flag + rank, epoch, "sys")
+    if arrive(release_args.done, "sys") == tl.num_programs(0) - 1:
+        if healthy(sync):
+            for s in range(sync.WORLD):
+                release(peer(release_args.flag1, s) + sync.rank, epoch, "sys")
 
 
 @triton.jit
@@ -175,18 +272,18 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 
 @triton.jit
 def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start, end,
-                    col0, col1, pair_src, pair_dst, TOPK: tl.constexpr,
-                    ENTRIES: tl.constexpr, BLOCK_C: tl.constexpr, WEIGHTED: tl.constexpr,
-                    PAIRS: tl.constexpr):
+                    col0, col1, pair_src, pair_dst, TOPK: tl.constexpr, rtile):
     """``dst[token] = sum_j weight_j * out1[row_j]`` (``WEIGHTED``, else the plain sum)
     over columns ``[col0, col1)`` for entries ``[start, end)``, ``ENTRIES`` at a time;
     rows of ``-1`` are slots that live on other ranks. With ``PAIRS``, the items of the
     first columns also return each held slot's scalar (:func:`_return_pairs`)."""
+    ENTRIES: tl.constexpr = rtile.ENTRIES
+    BLOCK_C: tl.constexpr = rtile.BLOCK_C
     for e0 in range(start, end, ENTRIES):
         q = e0 + tl.arange(0, ENTRIES)
         live = q < end
         tok = tl.load(recv_token + q, mask=live, other=0).to(tl.int64)
-        if PAIRS:
+        if rtile.PAIRS:
             if col0 == 0:
                 _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK)
         for c0 in range(col0, col1, BLOCK_C):
@@ -197,7 +294,7 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
                 row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
                 v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
                             mask=(row[:, None] >= 0) & cmask, other=0.0)
-                if WEIGHTED:
+                if rtile.WEIGHTED:
                     wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
                     acc += v.to(tl.float32) * wgt[:, None]
                 else:
@@ -229,154 +326,99 @@ def _reduce_item(i, rank, entries, WORLD: tl.constexpr, ITEM: tl.constexpr):
 
 
 @triton.jit
-def reduce_send_role(queue, out1_ptr, H, recv_token, recv_rows, recv_weight, entries,
-                     flag0, chunk_slots, chunks_total, comb_table, comb_ptr, flag1_table,
-                     flag1, split_done, done_counter, num_tiles_ptr, epoch, err_table, rank,
-                     max_tokens, timeout, pair_src, pair_table, pair_ptr, trace_ptr, events,
-                     WAIT: tl.constexpr, WORLD: tl.constexpr, TOPK: tl.constexpr,
-                     ENTRIES: tl.constexpr, ITEM: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-                     WEIGHTED: tl.constexpr, PAIRS: tl.constexpr,
-                     TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, trace, events,
+                     rtile, BLOCK_N: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+                     TOPK: tl.constexpr, WAIT: tl.constexpr):
     """Reduce the top-k rows of every return entry into the sources' ``comb`` buffers
-    (see module doc), items from the reduce queue ``queue``; an item of split ``s`` waits
-    until all of split ``s``'s tiles are counted. A source's return entries travel after
-    its rows in layer0: all ``chunks_total`` of its chunk flags set say they landed. Every
-    block of the launch runs this, and the last one to finish releases ``flag1``."""
+    (see module doc), items from the reduce queue; an item of split ``s`` waits until all
+    of split ``s``'s tiles are counted. A source's return entries travel after its rows
+    in layer0: all of its chunk flags set say they landed. Returns the trace events."""
+    WORLD: tl.constexpr = sync.WORLD
+    ITEM: tl.constexpr = rtile.ITEM
+    rank = sync.rank
+    H = gemm.N
+    max_tokens = reduce.max_tokens
+    entries = arrivals.entries
     for s in range(WORLD):
-        wait_chunks(flag0 + s * chunk_slots, 0, tl.load(chunks_total + s), epoch, err_table,
-                    SITE_ENTRIES, s, rank, timeout, "sys", WORLD, CHUNK_SCAN, USE_ASM)
-    num_tiles = tl.load(num_tiles_ptr)
+        wait_chunks(arrivals.flags + s * arrivals.slots, 0, tl.load(arrivals.chunks + s),
+                    epoch, sync, SITE_ENTRIES, s, "sys", CHUNK_SCAN)
+    num_tiles = tl.load(tiles.num)
     n_blocks = tl.cdiv(H, BLOCK_N)
     split_cols = BLOCKS_PER_SPLIT * BLOCK_N
     n_splits = tl.cdiv(n_blocks, BLOCKS_PER_SPLIT)
     # A block takes items in increasing order, so it waits for each split at most once.
     ready_split = tl.full([], -1, tl.int32)
-    ready = healthy(err_table, rank, USE_ASM)
-    i = take(queue)
+    ready = healthy(sync)
+    i = take(reduce.queue)
     split, source, first, per_split = _reduce_item(i, rank, entries, WORLD, ITEM)
     while i < n_splits * per_split:
-        if TRACE:
-            start = clock_ns(USE_ASM)
+        if trace.ON:
+            start = clock_ns()
         if split > ready_split:
             if WAIT:
                 blocks = tl.minimum(n_blocks - split * BLOCKS_PER_SPLIT, BLOCKS_PER_SPLIT)
-                ready = wait_at_least(split_done + split, num_tiles * blocks, err_table,
-                                      SITE_SPLIT, split, rank, timeout, "gpu", WORLD, USE_ASM)
+                ready = wait_at_least(split_done + split, num_tiles * blocks, sync,
+                                      SITE_SPLIT, split, "gpu")
             else:
-                ready = healthy(err_table, rank, USE_ASM)
+                ready = healthy(sync)
             ready_split = split
         if ready:
             col0 = split * split_cols
-            dst = pointer_at(comb_table, source, comb_ptr)
+            dst = peer(reduce.comb, source)
             region = source * max_tokens
-            _reduce_entries(out1_ptr, H, dst + rank * max_tokens * H, recv_token + region,
-                            recv_rows + region * TOPK, recv_weight + region * TOPK, first,
+            pair_src, pair_dst = None, None
+            if rtile.PAIRS:
+                pair_src = reduce.pairs.src
+                pair_dst = peer(reduce.pairs.dst, source)
+            _reduce_entries(gemm.out, H, dst + rank * max_tokens * H,
+                            reduce.recv.token + region, reduce.recv.rows + region * TOPK,
+                            reduce.recv.weight + region * TOPK, first,
                             tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                            tl.minimum(col0 + split_cols, H), pair_src,
-                            pointer_at(pair_table, source, pair_ptr), TOPK, ENTRIES,
-                            BLOCK_C, WEIGHTED, PAIRS)
-        if TRACE:
-            events = stamp(trace_ptr, events, split + TRACE_REDUCE, source, start,
-                           MAX_EVENTS, USE_ASM)
-        i = take(queue)
+                            tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK, rtile)
+        if trace.ON:
+            events = stamp(trace, events, split + TRACE_REDUCE, source, start)
+        i = take(reduce.queue)
         split, source, first, per_split = _reduce_item(i, rank, entries, WORLD, ITEM)
-    _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank, WORLD,
-                     USE_ASM)
+    return events
 
 
 @triton.jit
-def layer1_kernel(
-    h_desc, w2_desc, out1_ptr, F, H,
-    tile_expert, tile_row_start, tile_row_end, num_tiles_ptr, split_done,
-    recv_token, recv_rows, recv_weight, entries, flag0, chunk_slots, chunks_total,
-    comb_table, comb_ptr, flag1_table, flag1,
-    done_counter, reduce_queue, epoch_ptr, err_table, rank, max_tokens,
-    split_ptr, timeout_ptr, pair_src, pair_table, pair_ptr,
-    row_home, row_weight, out_table, pair_out, trace_ptr,
-    ROLE: tl.constexpr, WAIT: tl.constexpr, SCATTER: tl.constexpr,
-    WORLD: tl.constexpr, TOPK: tl.constexpr,
-    COMM_ENTRIES: tl.constexpr, COMM_ITEM: tl.constexpr, COMM_BLOCK_C: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TRANS_B: tl.constexpr, WEIGHTED: tl.constexpr, PAIRS: tl.constexpr,
-    TRACE: tl.constexpr,
-    MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr,
-):
-    epoch = tl.load(epoch_ptr)
-    timeout = tl.load(timeout_ptr)
-    trace_ptr += tl.program_id(0) * MAX_EVENTS * 4
+def layer1_reduce_kernel(gemm, item, splits, tiles, split_done, reduce, arrivals, release,
+                         sync, split, trace, shape, rtile, ROLE: tl.constexpr,
+                         WAIT: tl.constexpr):
+    """layer1 of one rank, the paper's schedule: the column-wise GroupGEMM
+    (:func:`layer1_compute_role`) and, on the programs below ``split[0]`` when ``ROLE``
+    is fused, the reduce-and-send (:func:`reduce_send_role`), which every program joins
+    once out of GEMM work; the last to finish releases ``flag1`` on every source.
+
+    gemm, item, splits: :func:`layer1_gemm`'s; tiles: the plan's; split_done: int32
+    ``[N_SPLITS]`` tile counts; reduce: :class:`Reduce`; arrivals:
+    :class:`~comet.kernels.layer0.Arrivals`; release: :class:`Release`; sync, trace,
+    shape: as everywhere; split: int64 [1] comm programs; rtile: :class:`ReduceTile`."""
+    epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
-    if SCATTER:
-        # No comm role: the epilogue sends, every block runs the GEMM.
-        events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), h_desc,
-                                     w2_desc, out1_ptr, F, H, tile_expert, tile_row_start,
-                                     tile_row_end, num_tiles_ptr, split_done, row_home,
-                                     row_weight, out_table, pair_out, max_tokens * TOPK,
-                                     trace_ptr, events, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     BLOCKS_PER_SPLIT, N_SPLITS, DOT_PRECISION, False, True,
-                                     TRACE, MAX_EVENTS, USE_ASM)
-        _release_sources(done_counter, flag1_table, flag1, epoch, err_table, rank, WORLD,
-                         USE_ASM)
-    else:
-        comm, n_role, role_pid = assign_role(split_ptr, ROLE)
-        if ROLE != ROLE_COMM:
-            events = layer1_compute_role(comm, role_pid, n_role, h_desc, w2_desc, out1_ptr,
-                                         F, H, tile_expert, tile_row_start, tile_row_end,
-                                         num_tiles_ptr, split_done, row_home, row_weight,
-                                         out_table, pair_out, 0, trace_ptr, events, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, BLOCKS_PER_SPLIT, N_SPLITS,
-                                         DOT_PRECISION, TRANS_B, False, TRACE, MAX_EVENTS,
-                                         USE_ASM)
-        # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out
-        # of tiles joins it, so the reduce of the last split runs on the whole GPU.
-        if ROLE != ROLE_COMPUTE:
-            reduce_send_role(reduce_queue, out1_ptr, H, recv_token, recv_rows, recv_weight,
-                             entries, flag0, chunk_slots, chunks_total, comb_table, comb_ptr,
-                             flag1_table, flag1, split_done, done_counter, num_tiles_ptr,
-                             epoch, err_table, rank, max_tokens, timeout, pair_src,
-                             pair_table, pair_ptr, trace_ptr, events, WAIT, WORLD, TOPK,
-                             COMM_ENTRIES, COMM_ITEM, COMM_BLOCK_C, BLOCK_N,
-                             BLOCKS_PER_SPLIT, WEIGHTED, PAIRS, TRACE, MAX_EVENTS, USE_ASM)
+    comm, n_role, role_pid = assign_role(split, ROLE)
+    if ROLE != ROLE_COMM:
+        events = layer1_compute_role(comm, role_pid, n_role, gemm, item, splits, tiles,
+                                     split_done, None, trace, events, False)
+    # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out
+    # of tiles joins it, so the reduce of the last split runs on the whole GPU.
+    if ROLE != ROLE_COMPUTE:
+        events = reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync,
+                                  trace, events, rtile, item.BLOCK_N,
+                                  splits.BLOCKS_PER_SPLIT, shape.TOPK, WAIT)
+        _release_sources(release, epoch, sync)
 
 
 @triton.jit
-def combine_kernel(parts_ptr, flag1, part_live, y_addr, num_tokens_ptr, H, part_stride,
-                   token_stride, epoch_ptr, err_table, rank, timeout_ptr,
-                   WAIT: tl.constexpr, WORLD: tl.constexpr, PARTS: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_ASM: tl.constexpr):
-    """``y[t] = sum_{i < PARTS, part_live[t, i]} parts[i * part_stride + t * token_stride]``
-    in fp32, in the fixed order of ``i``: the result does not depend on timing. The parts
-    are the ranks' partial rows (``comb [W, Mx, H]``, after the reduce) or the slots'
-    weighted rows (``pair_out [Mx, k, H]``, after the scatter epilogue).
-    Persistent: a fixed grid loops over blocks of ``ROWS`` tokens -- several programs per
-    SM on a GPU of its own (a stream needs many loads in flight), few when W virtual ranks
-    share one GPU (spinning programs must not fill it). The token count and the output's
-    address are read on the device, so one captured launch serves every call."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    y_ptr = pointer_at(y_addr, 0, parts_ptr)
-    epoch = tl.load(epoch_ptr)
-    timeout = tl.load(timeout_ptr)
-    num_tokens = tl.load(num_tokens_ptr)
-    ready = tl.full([], 1, tl.int32)
-    if WAIT:
-        for d in range(WORLD):
-            ready = ready & wait_at_least(flag1 + d, epoch, err_table, SITE_COMBINE, d, rank,
-                                          timeout, "sys", WORLD, USE_ASM)
-    if ready:
-        for b in range(pid, tl.cdiv(num_tokens, ROWS), n_prog):
-            rows = b * ROWS + tl.arange(0, ROWS)
-            live = rows < num_tokens
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = live[:, None] & (cols[None, :] < H)
-                acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-                for i in range(PARTS):
-                    sent = tl.load(part_live + rows * PARTS + i, mask=live, other=0) != 0
-                    part = (i * part_stride + rows[:, None] * token_stride).to(tl.int64)
-                    v = tl.load(parts_ptr + part * H + cols[None, :],
-                                mask=cmask & sent[:, None], other=0.0)
-                    acc += v.to(tl.float32)
-                tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                         acc.to(y_ptr.dtype.element_ty), mask=cmask)
+def layer1_scatter_kernel(gemm, item, splits, tiles, split_done, homes, release, sync,
+                          trace, shape):
+    """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
+    whose epilogue sends each row, weighted, to its token's home (:class:`Homes`); no
+    comm role, no wait. The last program to finish releases ``flag1`` on every
+    source."""
+    epoch = tl.load(sync.epoch)
+    events = tl.full([], 0, tl.int32)
+    events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), gemm, item, splits,
+                                 tiles, split_done, homes, trace, events, True)
+    _release_sources(release, epoch, sync)

@@ -15,6 +15,10 @@ call costs microseconds of host time and little GPU time at small token counts:
 3. :func:`place_kernel` -- one program per block of tokens: the send list (pair, row on
    the destination, weight) and the return entries, at offsets from steps 1 and 2.
 
+The count exchange between steps 1 and 2 is :mod:`comet.kernels.exchange`. The tables are
+allocated once per workspace (:func:`allocate_plan`) and grouped as the kernels take them
+(:class:`Plan`).
+
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
 decode-sized call costs what its tokens cost, not what the workspace holds. (Sized for
@@ -28,21 +32,194 @@ the call completes and the workspace stays usable; a NaN or infinite weight of a
 pair is reported and counts as 0 (the slot adds nothing, as with no expert).
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.sync import INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT, record_input_error
+from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT
+from comet.config import TileConfig
+from comet.kernels.shape import Shape, next_pow2
+from comet.kernels.sync import record_input_error
+from comet.routing import recv_capacity
 
 #: Per-cell tables each layout program keeps in its scratch (layout_kernel).
-LAYOUT_SCRATCH = tl.constexpr(7)
+LAYOUT_SCRATCH = constexpr(7)
+#: Pairs the plan kernels handle per program (a block of whole tokens).
+PLAN_BLOCK_PAIRS = 64
+#: Programs that fill the tile table (layout_kernel), at most.
+LAYOUT_PROGRAMS = 16
+#: Tile of the block-count scan: rows per step, columns per program. The steps of one
+#: program are a serial chain (~2 us each), so few tall steps and more programs: 64 x 64
+#: took 59 us for deepseek-v3-like at 16384 tokens (2048 block rows), 256 x 16 23 us (H100).
+SCAN_ROWS, SCAN_COLS = 256, 16
+#: Tiles of an expert cell the layout kernel writes per step.
+TILE_CHUNK = constexpr(64)
 
 
+class Routing(NamedTuple):
+    """A call's routing as the plan kernels read it."""
+
+    ids: torch.Tensor            # int64 [rows, k]: expert per (token, slot); -1 = none
+    weights: torch.Tensor        # [rows, k] routing weights
+    rows: int                    # rows of ids (at least the call's tokens)
+    num_tokens: torch.Tensor     # int64 [1]: the call's tokens, read on the device ...
+    HAS_NUM_TOKENS: tl.constexpr  # ... when set; else the call has ``rows`` tokens
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, weights: torch.Tensor,
+           num_tokens: torch.Tensor | None = None) -> "Routing":
+        return cls(ids, weights, ids.shape[0], ids if num_tokens is None else num_tokens,
+                   constexpr(num_tokens is not None))
+
+
+class SendList(NamedTuple):
+    """This rank as a source: one entry per (token, slot) pair it sends, grouped by
+    destination, then expert (``[max_tokens * k]`` each)."""
+
+    pair: torch.Tensor       # int32: pair ``t * k + j``
+    row: torch.Tensor        # int32: its row in the destination's shared tensor
+    weight: torch.Tensor     # fp32: its routing weight
+    off: torch.Tensor        # int32 [W + 1]: first entry of each destination
+
+
+class EntryTables(NamedTuple):
+    """Return entries, one per (token, rank that holds some of its experts): the token,
+    the rows of the rank's shared tensor holding its slots (``-1``: a slot elsewhere), and
+    their weights. A source builds them by destination (:class:`Plan`); the dispatch
+    delivers them, by source, into the destination's symmetric copies (comet.runtime)."""
+
+    token: object            # int32 [W, max_tokens]
+    rows: object             # int32 [W, max_tokens, k]
+    weight: object           # fp32 [W, max_tokens, k]
+
+
+class Segments(NamedTuple):
+    """This rank as a destination: where each source's rows of each local expert sit in
+    its shared tensor (``[W, El]`` int32 each)."""
+
+    start: torch.Tensor      # by ring offset ``o``: first row of source ``rank + o``
+    rows: torch.Tensor       # by ring offset: its row count
+    pre: torch.Tensor        # by source: its rows for the experts before ``el``
+
+
+class Tiles(NamedTuple):
+    """The m-tile table in the order layer0 runs it (comet.scheduler.plan.TileTable)."""
+
+    expert: torch.Tensor     # int32 [T]
+    row_start: torch.Tensor  # int32 [T]
+    row_end: torch.Tensor    # int32 [T]
+    wait: torch.Tensor       # int64 [T]: bitmask of the sources its rows come from
+    stage: torch.Tensor      # int32 [T]: largest ring offset among them
+    num: torch.Tensor        # int32 [1]: live tiles
+
+
+class Plan(NamedTuple):
+    """Every device table of a call's plan, allocated once (:func:`allocate_plan`)."""
+
+    block_counts: torch.Tensor   # [blocks + 1, E + W]: per token block, then scanned
+    send_base: torch.Tensor      # [W, El]: first send-list entry of (destination, expert)
+    dst_base: torch.Tensor       # [W, El]: first row on the destination of the same
+    send: SendList
+    entries: EntryTables         # this rank's return entries, by destination
+    entry_count: torch.Tensor    # [W]: return entries to each destination
+    segments: Segments
+    chunks: torch.Tensor         # [W]: dispatch chunks each source sends here
+    recv_entries: torch.Tensor   # [W]: return entries each source sends here
+    tiles: Tiles
+    scratch: torch.Tensor        # the layout programs' private copies
+    dest_mask: torch.Tensor      # [Mx, W]: token t has a slot on rank d
+    pair_live: torch.Tensor      # [Mx, k]: slot j of token t is a real pair
+
+
+def plan_block_tokens(top_k: int) -> int:
+    """Tokens per program of the plan kernels (``PLAN_BLOCK_PAIRS`` slots, whole tokens)."""
+    return max(1, PLAN_BLOCK_PAIRS // next_pow2(int(top_k)))
+
+
+def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, device,
+                  block_m: int) -> Plan:
+    """The plan tables of a layer (sized for ``max_tokens`` tokens per rank)."""
+    el = num_experts // world
+    mx, k = max_tokens, top_k
+    blocks = -(-mx // plan_block_tokens(k))
+    tiles = -(-recv_capacity(world, mx, k) // block_m) + el
+    i32 = dict(dtype=torch.int32, device=device)
+    f32 = dict(dtype=torch.float32, device=device)
+    return Plan(
+        block_counts=torch.zeros(blocks + 1, num_experts + world, **i32),
+        send_base=torch.zeros(world, el, **i32), dst_base=torch.zeros(world, el, **i32),
+        send=SendList(torch.zeros(mx * k, **i32), torch.zeros(mx * k, **i32),
+                      torch.zeros(mx * k, **f32), torch.zeros(world + 1, **i32)),
+        entries=EntryTables(torch.zeros(world, mx, **i32), torch.zeros(world, mx, k, **i32),
+                            torch.zeros(world, mx, k, **f32)),
+        entry_count=torch.zeros(world, **i32),
+        segments=Segments(*(torch.zeros(world, el, **i32) for _ in range(3))),
+        chunks=torch.zeros(world, **i32), recv_entries=torch.zeros(world, **i32),
+        tiles=Tiles(torch.zeros(tiles, **i32), torch.zeros(tiles, **i32),
+                    torch.zeros(tiles, **i32),
+                    torch.zeros(tiles, dtype=torch.int64, device=device),
+                    torch.zeros(tiles, **i32), torch.zeros(1, **i32)),
+        scratch=torch.zeros(LAYOUT_PROGRAMS * LAYOUT_SCRATCH.value * world * el, **i32),
+        dest_mask=torch.zeros(mx, world, **i32), pair_live=torch.zeros(mx, k, **i32))
+
+
+class Chunking(NamedTuple):
+    """Constexpr sizes of the dispatch's chunks (the layout counts them per source)."""
+
+    ROWS: tl.constexpr       # rows per chunk (TileConfig.comm_rows)
+    ENTRIES: tl.constexpr    # return entries per chunk (TileConfig.dispatch_entries)
+
+    @classmethod
+    def of(cls, tile: TileConfig) -> "Chunking":
+        return cls(constexpr(tile.comm_rows), constexpr(tile.dispatch_entries))
+
+
+# ----------------------------------------------------------------------- launchers
+def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor,
+                  epoch: torch.Tensor, shape: Shape) -> None:
+    """Per-block routing counts, prefix-summed: ``plan.block_counts[-1]`` holds this
+    rank's totals (pairs per expert, tokens per rank), what the count exchange sends."""
+    bt = plan_block_tokens(shape.TOPK)
+    blocks = plan.block_counts.shape[0] - 1
+    count_kernel[(blocks,)](
+        routing=routing, block_counts=plan.block_counts, input_err=input_err, epoch=epoch,
+        shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt, num_warps=4)
+    cols = int(shape.NUM_EXPERTS) + int(shape.WORLD)
+    scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
+        block_counts=plan.block_counts, blocks=blocks, routing=routing, COLS=cols,
+        BLOCK_T=bt, SCAN_ROWS=SCAN_ROWS, SCAN_COLS=SCAN_COLS, num_warps=4)
+
+
+def launch_layout(plan: Plan, counts: torch.Tensor, epoch: torch.Tensor, rank: int,
+                  shape: Shape, chunking: Chunking, block_m: int, head_tiles: int) -> None:
+    """Offsets and the tile table from the exchanged ``counts`` (this rank's symmetric
+    ``[COUNT_BUFFERS, W, W * (El + 1)]``)."""
+    layout_kernel[(min(LAYOUT_PROGRAMS, int(shape.NUM_EXPERTS)),)](
+        counts=counts, epoch=epoch, rank=rank, plan=plan, shape=shape, chunking=chunking,
+        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4)
+
+
+def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
+                 epoch: torch.Tensor, max_tokens: int, shape: Shape) -> None:
+    """Send list and return entries of this rank (one program per token block)."""
+    blocks = plan.block_counts.shape[0] - 1
+    place_kernel[(blocks,)](
+        routing=routing, plan=plan, max_tokens=max_tokens, input_err=input_err,
+        epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK), num_warps=4)
+
+
+# ----------------------------------------------------------------------- kernels
 @triton.jit
-def _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS: tl.constexpr):
-    """Tokens of this call: ``rows`` (the routing's rows), capped by the device-held
-    count when there is one."""
-    if HAS_NUM_TOKENS:
-        rows = tl.minimum(rows, tl.load(num_tokens_ptr).to(tl.int32))
+def _token_rows(routing):
+    """Tokens of this call: the routing's rows, capped by the device-held count when
+    there is one."""
+    rows = routing.rows
+    if routing.HAS_NUM_TOKENS:
+        rows = tl.minimum(rows, tl.load(routing.num_tokens).to(tl.int32))
     return rows
 
 
@@ -60,7 +237,7 @@ def _pairs(ids_ptr, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: t
 
 
 @triton.jit
-def _report(bad, t, input_err, code, epoch_ptr, TOPK_P2: tl.constexpr):
+def _report(bad, t, input_err, code, epoch, TOPK_P2: tl.constexpr):
     """Report the first pair of ``bad [BT, TOPK_P2]`` (tokens ``t``) as input error
     ``code``."""
     if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
@@ -68,45 +245,43 @@ def _report(bad, t, input_err, code, epoch_ptr, TOPK_P2: tl.constexpr):
         key = tl.where(bad, t[:, None] * TOPK_P2 + j[None, :], 2147483647)
         first = tl.min(tl.min(key, axis=1), axis=0)
         record_input_error(input_err, code, first // TOPK_P2, first % TOPK_P2,
-                           tl.load(epoch_ptr))
+                           tl.load(epoch))
 
 
 @triton.jit
-def count_kernel(ids_ptr, block_counts, rows, input_err, epoch_ptr, num_tokens_ptr,
-                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BINS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, HAS_NUM_TOKENS: tl.constexpr):
+def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
     """Row ``b + 1`` of ``block_counts [blocks + 1, E + W]``: pairs per expert and tokens
     per destination rank of token block ``b`` (row 0 stays zero for the scan); reports
     invalid ids. Blocks past the call's tokens write nothing."""
     b = tl.program_id(0)
-    rows = _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS)
+    rows = _token_rows(routing)
     if b * BLOCK_T < rows:
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-        e, valid, bad = _pairs(ids_ptr, t, TOPK, TOPK_P2, NUM_EXPERTS, rows)
-        _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch_ptr, TOPK_P2)
-        row = block_counts + (b + 1) * (NUM_EXPERTS + WORLD)
-        binned = tl.reshape(tl.where(valid, e, NUM_EXPERTS), (BLOCK_T * TOPK_P2,))
+        e, valid, bad = _pairs(routing.ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS,
+                               rows)
+        _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch, shape.TOPK_P2)
+        row = block_counts + (b + 1) * (shape.NUM_EXPERTS + shape.WORLD)
+        binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (BLOCK_T * shape.TOPK_P2,))
         hist = tl.histogram(binned, BINS)
         bins = tl.arange(0, BINS)
-        tl.store(row + bins, hist, mask=bins < NUM_EXPERTS)
-        dest = e // LOCAL_EXPERTS
-        for d in range(WORLD):
+        tl.store(row + bins, hist, mask=bins < shape.NUM_EXPERTS)
+        dest = e // shape.LOCAL_EXPERTS
+        for d in range(shape.WORLD):
             on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
-            tl.store(row + NUM_EXPERTS + d, tl.sum(on, axis=0))
+            tl.store(row + shape.NUM_EXPERTS + d, tl.sum(on, axis=0))
 
 
 @triton.jit
-def scan_kernel(block_counts, blocks, rows, num_tokens_ptr, COLS: tl.constexpr,
-                BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr,
-                HAS_NUM_TOKENS: tl.constexpr):
+def scan_kernel(block_counts, blocks, routing, COLS: tl.constexpr, BLOCK_T: tl.constexpr,
+                SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr):
     """Inclusive prefix sum over the counted rows ``1..used`` of ``block_counts`` (one
     program per ``SCAN_COLS`` columns, ``SCAN_ROWS`` rows per step), so row ``b`` holds
     what blocks before ``b`` counted; the totals also go to the last row, ``blocks``,
     which the count exchange reads whatever the call's size."""
     cols = tl.program_id(0) * SCAN_COLS + tl.arange(0, SCAN_COLS)
     cmask = cols < COLS
-    used = tl.cdiv(_token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS), BLOCK_T)
+    used = tl.cdiv(_token_rows(routing), BLOCK_T)
     carry = tl.zeros([SCAN_COLS], dtype=tl.int32)
     for r0 in range(1, used + 1, SCAN_ROWS):
         r = r0 + tl.arange(0, SCAN_ROWS)
@@ -119,22 +294,16 @@ def scan_kernel(block_counts, blocks, rows, num_tokens_ptr, COLS: tl.constexpr,
 
 
 @triton.jit
-def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_count,
-                  seg_start, seg_rows, pre, chunks_total, entries,
-                  tile_expert, tile_row_start, tile_row_end, tile_wait, tile_stage, num_tiles,
-                  scratch, WORLD: tl.constexpr, W_P2: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                  EL_P2: tl.constexpr, COUNT_BUFFERS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  COMM_ROWS: tl.constexpr, COMM_ENTRIES: tl.constexpr, TILE_CHUNK: tl.constexpr,
+def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.constexpr,
                   HEAD_TILES: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
     epoch's parity, ``counts_all``. Tables written (``[W, El]`` unless noted):
     send_base/dst_base -- for pairs to expert ``el`` of destination ``d``: first index in
-    this rank's send list / first row in ``d``'s shared tensor; send_off ``[W + 1]``;
-    ret_count ``[W]``; seg_start/seg_rows -- this rank's segments by ring offset ``o``;
-    pre -- rows of source ``s`` for experts before ``el``; chunks_total/entries ``[W]`` --
-    dispatch chunks and return entries each source sends here; the tile table, in the
+    this rank's send list / first row in ``d``'s shared tensor; send.off ``[W + 1]``;
+    entry_count ``[W]``; the segments; chunks/recv_entries ``[W]`` -- dispatch chunks and
+    return entries each source sends here; the tile table, in the
     order of :func:`comet.scheduler.plan.build_tile_table` (``HEAD_TILES`` stage-0 tiles,
     then expert-major).
 
@@ -145,11 +314,19 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     ``[programs, LAYOUT_SCRATCH, W * El]`` int32, each program's own copy of what its
     cells read, so no program reads what another wrote.
     """
+    WORLD: tl.constexpr = shape.WORLD
+    W_P2: tl.constexpr = shape.W_P2
+    LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
+    EL_P2: tl.constexpr = shape.EL_P2
+    send_base, dst_base, send_off = plan.send_base, plan.dst_base, plan.send.off
+    seg_start, seg_rows, pre = plan.segments.start, plan.segments.rows, plan.segments.pre
+    tiles = plan.tiles
+    scratch = plan.scratch
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     lead = pid == 0
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
-    counts_all = counts + (tl.load(epoch_ptr) % COUNT_BUFFERS) * WORLD * WORLD * EL1
+    counts_all = counts + (tl.load(epoch) % COUNT_BUFFERS) * WORLD * WORLD * EL1
     s_idx = tl.arange(0, W_P2)
     el_idx = tl.arange(0, EL_P2)
     grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)
@@ -168,7 +345,7 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
         tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
         unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
                          mask=w_mask, other=0)
-        tl.store(ret_count + s_idx, unique, mask=w_mask)
+        tl.store(plan.entry_count + s_idx, unique, mask=w_mask)
         for d in range(WORLD):
             # rows of every source s for d's experts: m[s, el]
             m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
@@ -215,13 +392,13 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
     if lead:
         tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
                  tl.cumsum(m, axis=1) - m, mask=grid_mask)
-        tl.store(entries + s_idx, ent, mask=w_mask)
-        tl.store(chunks_total + s_idx,
-                 tl.cdiv(tl.sum(m, axis=1), COMM_ROWS) + tl.cdiv(ent, COMM_ENTRIES),
+        tl.store(plan.recv_entries + s_idx, ent, mask=w_mask)
+        tl.store(plan.chunks + s_idx,
+                 tl.cdiv(tl.sum(m, axis=1), chunking.ROWS) + tl.cdiv(ent, chunking.ENTRIES),
                  mask=w_mask)
         tl.store(seg_start + cell, seg0, mask=grid_mask)
         tl.store(seg_rows + cell, ring_rows, mask=grid_mask)
-        tl.store(num_tiles, tl.sum(tl.sum(per_stage, axis=1), axis=0))
+        tl.store(tiles.num, tl.sum(tl.sum(per_stage, axis=1), axis=0))
     n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
     mine = scratch + pid * LAYOUT_SCRATCH * n_cells
     tl.store(mine + cell, before, mask=grid_mask)
@@ -258,39 +435,37 @@ def layout_kernel(counts, epoch_ptr, rank, send_base, dst_base, send_off, ret_co
             one = tl.full([TILE_CHUNK, W_P2], 1, tl.int64)
             bits = tl.where(hit, one << src_of_o[None, :].to(tl.int64), 0)
             dst = tl.where(i < in_head, head_at + i, rest_at + i - in_head)
-            tl.store(tile_expert + dst, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
-            tl.store(tile_row_start + dst, r0, mask=live)
-            tl.store(tile_row_end + dst, r1, mask=live)
-            tl.store(tile_wait + dst, tl.sum(bits, axis=1), mask=live)
-            tl.store(tile_stage + dst, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
+            tl.store(tiles.expert + dst, tl.full([TILE_CHUNK], el, tl.int32), mask=live)
+            tl.store(tiles.row_start + dst, r0, mask=live)
+            tl.store(tiles.row_end + dst, r1, mask=live)
+            tl.store(tiles.wait + dst, tl.sum(bits, axis=1), mask=live)
+            tl.store(tiles.stage + dst, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
 
 
 @triton.jit
-def place_kernel(ids_ptr, weights_ptr, block_counts, send_base, dst_base,
-                 send_pair, send_row, send_weight, ret_token, ret_rows, ret_weight,
-                 dest_mask, pair_live, rows, max_tokens, input_err, epoch_ptr, num_tokens_ptr,
-                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                 LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 HAS_NUM_TOKENS: tl.constexpr):
-    """Send list and return entries of token block ``b`` (see module docstring). ``rows``
-    (capped by the device-held token count) bounds the ids read; ``max_tokens`` is the
-    tables' capacity. Reports non-finite weights of real pairs."""
+def place_kernel(routing, plan, max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr):
+    """Send list and return entries of token block ``b`` (see module docstring). The
+    routing's token count bounds the ids read; ``max_tokens`` is the tables' capacity.
+    Reports non-finite weights of real pairs."""
     b = tl.program_id(0)
-    rows = _token_rows(rows, num_tokens_ptr, HAS_NUM_TOKENS)
+    rows = _token_rows(routing)
     if b * BLOCK_T < rows:
-        _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_pair,
-                     send_row, send_weight, ret_token, ret_rows, ret_weight, dest_mask,
-                     pair_live, rows, max_tokens, input_err, epoch_ptr, b, TOPK, TOPK_P2,
-                     NUM_EXPERTS, LOCAL_EXPERTS, WORLD, BLOCK_T)
+        _place_block(routing, plan, rows, max_tokens, input_err, epoch, b, shape, BLOCK_T)
 
 
 @triton.jit
-def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_pair,
-                 send_row, send_weight, ret_token, ret_rows, ret_weight, dest_mask,
-                 pair_live, rows, max_tokens, input_err, epoch_ptr, b,
-                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                 NUM_EXPERTS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr, WORLD: tl.constexpr,
+def _place_block(routing, plan, rows, max_tokens, input_err, epoch, b, shape,
                  BLOCK_T: tl.constexpr):
+    TOPK: tl.constexpr = shape.TOPK
+    TOPK_P2: tl.constexpr = shape.TOPK_P2
+    NUM_EXPERTS: tl.constexpr = shape.NUM_EXPERTS
+    LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
+    WORLD: tl.constexpr = shape.WORLD
+    ids_ptr, weights_ptr = routing.ids, routing.weights
+    send_base, dst_base, block_counts = plan.send_base, plan.dst_base, plan.block_counts
+    send_pair, send_row, send_weight = plan.send.pair, plan.send.row, plan.send.weight
+    ent_token, ent_rows, ent_weight = plan.entries.token, plan.entries.rows, plan.entries.weight
+    dest_mask, pair_live = plan.dest_mask, plan.pair_live
     P: tl.constexpr = BLOCK_T * TOPK_P2
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, TOPK_P2)
@@ -312,7 +487,7 @@ def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_p
     tl.store(send_row + idx, dst_row, mask=valid)
     w = tl.load(weights_ptr + pair.to(tl.int64), mask=valid, other=0.0).to(tl.float32)
     finite = (w == w) & (tl.abs(w) != float("inf"))
-    _report(valid & ~finite, t, input_err, INPUT_BAD_WEIGHT, epoch_ptr, TOPK_P2)
+    _report(valid & ~finite, t, input_err, INPUT_BAD_WEIGHT, epoch, TOPK_P2)
     w = tl.where(finite, w, 0.0)      # the slot then adds nothing, as "no expert" would
     tl.store(send_weight + idx, w, mask=valid)
     live_t = t < max_tokens
@@ -324,8 +499,8 @@ def _place_block(ids_ptr, weights_ptr, block_counts, send_base, dst_base, send_p
         q = tl.load(row + NUM_EXPERTS + d) + tl.cumsum(any_d, axis=0) - any_d
         slot = (d * max_tokens + q).to(tl.int64)
         has = any_d != 0
-        tl.store(ret_token + slot, t, mask=has)
+        tl.store(ent_token + slot, t, mask=has)
         jm = has[:, None] & (j[None, :] < TOPK)
-        tl.store(ret_rows + slot[:, None] * TOPK + j[None, :], tl.where(on, dst_row, -1), mask=jm)
-        tl.store(ret_weight + slot[:, None] * TOPK + j[None, :], tl.where(on, w, 0.0), mask=jm)
+        tl.store(ent_rows + slot[:, None] * TOPK + j[None, :], tl.where(on, dst_row, -1), mask=jm)
+        tl.store(ent_weight + slot[:, None] * TOPK + j[None, :], tl.where(on, w, 0.0), mask=jm)
         tl.store(dest_mask + t.to(tl.int64) * WORLD + d, any_d, mask=live_t)

@@ -10,9 +10,7 @@ that launches producers before consumers).
 import triton
 import triton.language as tl
 
-ROLE_FUSED = tl.constexpr(0)
-ROLE_COMM = tl.constexpr(1)
-ROLE_COMPUTE = tl.constexpr(2)
+from comet.constants import ROLE_COMM, ROLE_FUSED
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Synchronisation primitives shared by every comet kernel (the only module that spins).
 
-Rules they implement (shared/DESIGN.md, "Rules for kernels that talk across blocks"):
+Rules they implement (docs/design.md, "Cross-GPU rules"):
 
 * publish: every thread stores its data with ``tl.store``; a block barrier; then one
   release atomic on the flag (scope ``"sys"`` when a peer GPU reads it, ``"gpu"`` inside
@@ -21,38 +21,59 @@ would leave the block's barriers (``bar.sync`` in Triton's TMA pipelines, broadc
 scalar atomics) matched across different code, a hang no timeout can catch. Callers only
 branch on the values these functions return, never on raw flag loads.
 
-``USE_ASM`` selects inline PTX (``ld.acquire``, ``%globaltimer``, ``barrier.red``) on a
-GPU and plain atomics plus a spin counter under ``TRITON_INTERPRET=1``, where inline
-assembly cannot run, where a block is one thread of control (so every value is uniform)
-and where a wait that is not satisfied at once never will be (programs run one by one).
+:data:`~comet.constants.USE_ASM` selects inline PTX on a GPU and plain atomics plus a
+spin counter under ``TRITON_INTERPRET=1``, where inline assembly cannot run, where a block
+is one thread of control (so every value is uniform) and where a wait that is not
+satisfied at once never will be (programs run one by one).
+
+Every waiting kernel takes a :class:`Sync` group; tracing kernels a :class:`Trace`.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
-# Fatal error word (int32 x 4, symmetric: peers write it too), see comet.runtime.errors.
-ERR_CODE = tl.constexpr(0)
-ERR_SITE = tl.constexpr(1)      # which wait: see comet.runtime.errors.SITES
-ERR_INDEX = tl.constexpr(2)     # flag index (usually the peer rank)
-ERR_RANK = tl.constexpr(3)      # rank that gave up
-ERR_TIMEOUT = tl.constexpr(1)
+from comet.constants import (ERR_CODE, ERR_INDEX, ERR_RANK, ERR_SITE, ERR_TIMEOUT,
+                             INPUT_CODE, INPUT_EPOCH, INPUT_SLOT, INPUT_TOKEN,
+                             MAX_TRACE_EVENTS, USE_ASM, constexpr)
 
-# Input error word (int32 x 4, local): bad routing found by the plan kernels. It does not
-# stop the call (bad slots count as "no expert" on every rank alike), so the workspace
-# stays usable; the host raises it once.
-INPUT_CODE = tl.constexpr(0)
-INPUT_TOKEN = tl.constexpr(1)   # first offending token of the block that reported
-INPUT_SLOT = tl.constexpr(2)    # its top-k slot
-INPUT_EPOCH = tl.constexpr(3)   # the call (epoch) it came from
-INPUT_BAD_EXPERT = tl.constexpr(1)   # an id outside [-1, E)
-INPUT_BAD_WEIGHT = tl.constexpr(2)   # a NaN or infinite routing weight
+#: Interpreter: spins before a wait counts as failed (programs run sequentially there).
+INTERPRETER_SPINS = constexpr(64)
 
-# Interpreter: spins before a wait counts as failed (programs run sequentially there).
-INTERPRETER_SPINS = tl.constexpr(64)
+
+class Sync(NamedTuple):
+    """What every kernel that waits on, or publishes to, peers needs."""
+
+    epoch: torch.Tensor      # int64 [1]: this rank's call counter; flags of call n hold n
+    errors: torch.Tensor     # int64 [W]: every rank's error words (comet.runtime.errors)
+    rank: int                # this rank in the group
+    timeout: torch.Tensor    # int64 [1]: bound of every wait, ns
+    WORLD: tl.constexpr      # ranks in the group
+
+
+class Trace(NamedTuple):
+    """Per-program event records of a traced launch (``comet bench --timeline``):
+    ``events [programs, MAX_TRACE_EVENTS, 4]`` int64 ``(kind, unit, start_ns, end_ns)``;
+    with ``ON`` false nothing is recorded (``events`` may be any tensor)."""
+
+    events: torch.Tensor
+    ON: tl.constexpr
+
+    @classmethod
+    def on(cls, events: torch.Tensor) -> "Trace":
+        return cls(events, constexpr(True))
+
+    @classmethod
+    def off(cls, device) -> "Trace":
+        return cls(torch.zeros(1, dtype=torch.int64, device=device), constexpr(False))
 
 
 @triton.jit
-def _ld_acquire(ptr, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
+def _ld_acquire(ptr, SCOPE: tl.constexpr):
     """Acquire load of a 32- or 64-bit flag (the width follows the pointer)."""
     if USE_ASM:
         if ptr.dtype.element_ty.primitive_bitwidth == 64:
@@ -75,7 +96,7 @@ def _ld_acquire(ptr, SCOPE: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _now(spins, USE_ASM: tl.constexpr):
+def _now(spins):
     """Nanoseconds on a GPU; the spin count under the interpreter."""
     if USE_ASM:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [spins],
@@ -86,22 +107,27 @@ def _now(spins, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def clock_ns(USE_ASM: tl.constexpr):
+def clock_ns():
     """The global timer in ns (0 under the interpreter): timeline stamps."""
-    return _now(tl.full([], 0, tl.int32), USE_ASM) * USE_ASM
+    if USE_ASM:
+        t = _now(tl.full([], 0, tl.int32))
+    else:
+        t = tl.zeros([], dtype=tl.int64)
+    return t
 
 
 @triton.jit
-def stamp(trace_ptr, n, kind, unit, start, MAX_EVENTS: tl.constexpr, USE_ASM: tl.constexpr):
+def stamp(trace, n, kind, unit, start):
     """Record one unit of work ``(kind, unit, start, now)`` as event ``n`` of this
-    program's trace row; returns ``n + 1`` (events past ``MAX_EVENTS`` are dropped)."""
-    if n < MAX_EVENTS:
-        ev = trace_ptr + n * 4
+    program's row of ``trace``; returns ``n + 1`` (events past ``MAX_TRACE_EVENTS`` are
+    dropped)."""
+    if n < MAX_TRACE_EVENTS:
+        ev = trace.events + (tl.program_id(0) * MAX_TRACE_EVENTS + n) * 4
         wide = tl.zeros([], dtype=tl.int64)     # kind/unit may be plain ints (interpreter)
         tl.store(ev, kind + wide)
         tl.store(ev + 1, unit + wide)
         tl.store(ev + 2, start)
-        tl.store(ev + 3, clock_ns(USE_ASM))
+        tl.store(ev + 3, clock_ns())
     return n + 1
 
 
@@ -112,7 +138,7 @@ def barrier():
 
 
 @triton.jit
-def vote_all(pred, USE_ASM: tl.constexpr):
+def vote_all(pred):
     """1 in every thread of the block if ``pred`` holds in every thread, else 0; also a
     block barrier. The one way a per-thread observation may steer control flow."""
     if USE_ASM:
@@ -126,32 +152,32 @@ def vote_all(pred, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def error_word(err_table, rank):
-    """``rank``'s fatal error word (``err_table``: the int64 peer table of ``error``)."""
-    return tl.load(err_table + rank).to(tl.pointer_type(tl.int32))
+def error_word(sync, rank):
+    """``rank``'s fatal error word (int32 x 4)."""
+    return tl.load(sync.errors + rank).to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
-def _failed_here(err_table, rank):
+def _failed_here(sync):
     """This thread's view: has any wait of the group given up? (not uniform)"""
-    return tl.load(error_word(err_table, rank) + ERR_CODE, volatile=True) != 0
+    return tl.load(error_word(sync, sync.rank) + ERR_CODE, volatile=True) != 0
 
 
 @triton.jit
-def healthy(err_table, rank, USE_ASM: tl.constexpr):
+def healthy(sync):
     """1 (in every thread) while no wait of this call, on any rank, has given up: work
     after a failure is skipped and nothing more is published. A block barrier."""
-    return vote_all(_failed_here(err_table, rank) == 0, USE_ASM)
+    return vote_all(_failed_here(sync) == 0)
 
 
 @triton.jit
-def record_error(err_table, site, index, rank, WORLD: tl.constexpr):
+def record_error(sync, site, index):
     """Record a failed wait: first error wins in this rank's word, and the rank that wins
     also writes it into every peer's word, so the whole group gives up within one spin
     instead of each rank waiting out its own timeout. Call from block-uniform code."""
-    if _claim(error_word(err_table, rank), site, index, rank):
-        for o in range(1, WORLD):
-            _claim(error_word(err_table, (rank + o) % WORLD), site, index, rank)
+    if _claim(error_word(sync, sync.rank), site, index, sync.rank):
+        for o in range(1, sync.WORLD):
+            _claim(error_word(sync, (sync.rank + o) % sync.WORLD), site, index, sync.rank)
 
 
 @triton.jit
@@ -177,35 +203,34 @@ def record_input_error(input_err, code, token, slot, epoch):
 
 
 @triton.jit
-def wait_at_least(flag_ptr, target, err_table, site, index, rank, timeout,
-                  SCOPE: tl.constexpr, WORLD: tl.constexpr, USE_ASM: tl.constexpr):
+def wait_at_least(flag_ptr, target, sync, site, index, SCOPE: tl.constexpr):
     """Spin until ``*flag_ptr >= target``. Returns 1 in every thread when the wait was
-    satisfied, 0 in every thread when it gave up (its timeout, in ns on a GPU, expired --
-    then it records the error -- or a wait elsewhere in the group failed). Ends with a
-    block barrier, so the caller may publish or read what the flag guards right after.
-    The interpreter bounds the spin by :data:`INTERPRETER_SPINS` instead of a clock."""
+    satisfied, 0 in every thread when it gave up (``sync.timeout`` ns expired -- then it
+    records the error -- or a wait elsewhere in the group failed). Ends with a block
+    barrier, so the caller may publish or read what the flag guards right after. The
+    interpreter bounds the spin by :data:`INTERPRETER_SPINS` instead of a clock."""
+    timeout = tl.load(sync.timeout)
     spins = 0
-    start = _now(spins, USE_ASM)
-    v = _ld_acquire(flag_ptr, SCOPE, USE_ASM)
+    start = _now(spins)
+    v = _ld_acquire(flag_ptr, SCOPE)
     waiting = v < target
     while waiting:
         spins += 1
-        v = _ld_acquire(flag_ptr, SCOPE, USE_ASM)
+        v = _ld_acquire(flag_ptr, SCOPE)
         if USE_ASM:
-            expired = _now(spins, USE_ASM) - start > timeout
+            expired = _now(spins) - start > timeout
         else:
             expired = spins > INTERPRETER_SPINS
-        waiting = (v < target) & (expired == 0) & (_failed_here(err_table, rank) == 0)
-    ok = vote_all(v >= target, USE_ASM)
+        waiting = (v < target) & (expired == 0) & (_failed_here(sync) == 0)
+    ok = vote_all(v >= target)
     if ok == 0:
-        record_error(err_table, site, index, rank, WORLD)
+        record_error(sync, site, index)
     return ok
 
 
 @triton.jit
-def wait_chunks(flags, lo, hi, target, err_table, site, index, rank, timeout,
-                SCOPE: tl.constexpr, WORLD: tl.constexpr, SCAN: tl.constexpr,
-                USE_ASM: tl.constexpr):
+def wait_chunks(flags, lo, hi, target, sync, site, index, SCOPE: tl.constexpr,
+                SCAN: tl.constexpr):
     """Spin until ``flags[c] >= target`` for every ``c`` in ``[lo, hi)`` (per-chunk
     flags, each published on its own). Checks ``SCAN`` flags with one vector of acquire
     loads, so flags that are already set cost one round trip per ``SCAN``; a flag not yet
@@ -216,20 +241,19 @@ def wait_chunks(flags, lo, hi, target, err_table, site, index, rank, timeout,
         if ok != 0:
             idx = c0 + tl.arange(0, SCAN)
             live = idx < hi
-            v = _ld_acquire(flags + tl.where(live, idx, lo), SCOPE, USE_ASM)
+            v = _ld_acquire(flags + tl.where(live, idx, lo), SCOPE)
             mine = tl.min(((v >= target) | (live == 0)).to(tl.int32), axis=0)
-            if vote_all(mine, USE_ASM) == 0:
+            if vote_all(mine) == 0:
                 for c in range(c0, tl.minimum(c0 + SCAN, hi)):
                     if ok != 0:
-                        ok = wait_at_least(flags + c, target, err_table, site, index, rank,
-                                           timeout, SCOPE, WORLD, USE_ASM)
+                        ok = wait_at_least(flags + c, target, sync, site, index, SCOPE)
     if hi <= lo:
         barrier()
     return ok
 
 
 @triton.jit
-def fence_async_proxy(USE_ASM: tl.constexpr):
+def fence_async_proxy():
     """Order this thread's generic-proxy view (the acquire that saw a flag) before the
     async-proxy (TMA) loads that follow: peers wrote the rows with ordinary stores."""
     if USE_ASM:

@@ -38,15 +38,23 @@ from typing import Callable
 
 import torch
 
-from comet.config import MoEConfig
-from comet.kernels import grad_rows
-from comet.kernels import launch as L
+from comet.config import MoEConfig, TileConfig
+from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
+from comet.grouped import grouped_weight_grad
+from comet.kernels import exchange, grad_rows
 from comet.kernels.act_backward import act_backward_rows
+from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM, launch_combine
+from comet.kernels.layer0 import launch_layer0, layer0_gemm
+from comet.kernels.layer1 import Pairs, layer1_gemm
+from comet.kernels.plan import EntryTables, Routing
 from comet.routing import recv_capacity
+from comet.kernels.sync import Trace
+from comet.runtime.forward import dispatch_of, plan_phases
 from comet.runtime.staging import StagedScalars
+from comet.runtime.strategies import ColumnReduce
 from comet.runtime.workspace import Workspace
 
-#: Programs of the row helpers per SM (streams of loads; see COMBINE_PROGRAMS_PER_SM).
+#: Programs of the row helpers per SM (streams of loads, like the combine's).
 ROW_PROGRAMS_PER_SM = 4
 
 
@@ -73,18 +81,7 @@ def expert_ends(ws: Workspace) -> torch.Tensor:
     """int32 ``[El]``: one past each local expert's last row in the layer0 shared tensor
     (rows are grouped by expert, sources in ring order inside: the last ring segment
     ends the expert). Device ops on the plan; no sync."""
-    return (ws.plan["seg_start"][-1] + ws.plan["seg_rows"][-1]).to(torch.int32)
-
-
-def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """``[El, K, N]``: per expert, its rows of ``a [cap, K]`` transposed times its rows of
-    ``b [cap, N]`` (rows past ``ends[-1]`` are not read). Experts with no rows are left
-    to :func:`zero_empty`."""
-    if a.is_cuda:
-        return torch._grouped_mm(a.t(), b, offs=ends)
-    from comet.backward import grouped_weight_grad as by_rows
-    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-    return by_rows(a[:int(ends[-1])], b[:int(ends[-1])], counts, ends)
+    return (ws.plan.segments.start[-1] + ws.plan.segments.rows[-1]).to(torch.int32)
 
 
 #: Scalars a backward call stages (:class:`comet.runtime.staging.StagedScalars`):
@@ -108,7 +105,7 @@ class BackwardCall:
 
     ws: Workspace
     cfg: MoEConfig
-    tile: L.TileConfig
+    tile: TileConfig
     w13: torch.Tensor          # [El, H, 2F] interleaved (comet.weights)
     w2: torch.Tensor           # [El, F, H]
     bufs: GradBuffers
@@ -135,6 +132,10 @@ class BackwardCall:
         self._ends: torch.Tensor | None = None   # expert_ends(), once the plan ran
         self._row_programs = max(1, self.grid * (1 if not self.cooperative
                                                  else ROW_PROGRAMS_PER_SM))
+        ws = self.ws
+        self._routing = Routing.of(self.staged_ids, self.staged_weights, self._m)
+        self._open_call, self._plan = plan_phases(ws, self._routing, self.tile)
+        self._quiet = Trace.off(ws.epoch.device)
 
     def start(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, split: tuple[int, int]) -> "BackwardCall":
@@ -177,60 +178,55 @@ class BackwardCall:
         return [phase for _, phases in self.segments() for phase in phases]
 
     def _open_plan(self) -> None:
-        self.ws.begin_call()
         # Slots with no expert are written by nobody: zero, before any peer may write
         # (they write after this call's handshake). All max_tokens rows (a memset of a
         # fixed size, so graphs serve every token count) -- and a memset, not an
         # elementwise kernel whose first load (on the first real call -- on an empty
         # preload call it launches nothing) would wait for an idle device.
         self.ws.pair_grad.zero_()
-        L.launch_counts(self.ws, self.cfg, self.staged_ids, self._m)
-        L.launch_exchange(self.ws, self.cfg, L.PHASE_PUSH)
-
-    def _plan(self) -> None:
-        L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
-        L.launch_layout(self.ws, self.cfg, self.tile)
-        L.launch_place(self.ws, self.cfg, self.staged_ids, self.staged_weights, self._m)
+        self._open_call()
 
     def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor,
                 transposed: bool) -> list[Callable[[], None]]:
         """Dispatch ``src`` rows and GEMM them into ``out`` (a phase per role unless
         fused; a fused launch needs a comm block, as in the forward)."""
-        addr, split = self._addr[src], self._split[0]
+        ws = self.ws
+        gemm, item = layer0_gemm(ws.a0, w, out, self.tile, gated=False, transposed=transposed)
+        args = dict(dispatch=dispatch_of(ws, self._addr[src], None), gemm=gemm, item=item,
+                    tiles=ws.plan.tiles, segments=ws.plan.segments, queue=ws.count.l0_queue,
+                    sync=ws.sync, split=self._split[0], trace=self._quiet, shape=ws.shape,
+                    tile=self.tile)
 
-        def run(role: int) -> None:
-            L.launch_layer0(self.ws, self.cfg, addr, w, self.tile, role, split, self.grid,
-                            cooperative=self.cooperative, out=out, transposed=transposed)
+        def run(role: int, **kw) -> Callable[[], None]:
+            return lambda: launch_layer0(self.grid, role=role, **args, **kw)
         if self.fused and self.layer0_comm:
-            return [lambda: run(L.ROLE_FUSED)]
-        return [lambda: run(L.ROLE_COMM), lambda: run(L.ROLE_COMPUTE)]
+            return [run(ROLE_FUSED, cooperative=self.cooperative)]
+        return [run(ROLE_COMM), run(ROLE_COMPUTE)]
 
     def _keep_rows(self) -> None:
         """Each row's routing weight (once this call's return entries landed); the x rows
         into layer1's buffer (unused until the last GEMM) before the dispatch of dy
         overwrites the shared tensor."""
-        ws, cfg = self.ws, self.cfg
+        ws = self.ws
         self._ends = expert_ends(ws)
-        rows = self._ends[-1:]
-        k = cfg.top_k
-        grad_rows.row_weights_kernel[(max(1, self._row_programs // ws.world), ws.world)](
-            ws.ret_rows, ws.ret_weight, ws.plan["entries"], self.bufs.w_row, cfg.max_tokens,
-            ws.flag0, ws.flag0.shape[1], ws.plan["chunks_total"], ws.epoch,
-            ws.peer_ptrs["error"], ws.rank, ws.timeout, WORLD=ws.world, TOPK=k,
-            TOPK_P2=L._next_pow2(k), BLOCK=grad_rows.ENTRY_BLOCK, USE_ASM=L._asm(),
-            num_warps=4)
+        grad_rows.launch_row_weights(
+            self._row_programs // ws.world, recv=EntryTables(*(b.local for b in ws.recv)),
+            arrivals=ws.arrivals, w_row=self.bufs.w_row, max_tokens=self.cfg.max_tokens,
+            sync=ws.sync, shape=ws.shape)
         if self.weight_grads:
-            grad_rows.copy_rows_kernel[(self._row_programs,)](
-                ws.a0, ws.out1, rows, cfg.hidden_size, ROWS=grad_rows.COPY_ROWS,
-                COLS=min(grad_rows.COPY_COLS, L._next_pow2(cfg.hidden_size)), num_warps=4)
+            grad_rows.launch_copy_rows(self._row_programs, ws.a0, ws.out1, self._ends[-1:])
 
     def _open(self) -> None:
         # Same routing, same plan: only the handshake (and the epoch) is new.
-        self.ws.begin_call()
-        L.launch_exchange(self.ws, self.cfg, L.PHASE_PUSH)
+        ws = self.ws
+        ws.begin_call()
+        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.PUSH)
 
     def _wait_open(self) -> None:
-        L.launch_exchange(self.ws, self.cfg, L.PHASE_WAIT)
+        ws = self.ws
+        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.WAIT)
 
     def _act(self) -> None:
         """SiLU-gate backward on this rank's rows (in place: d(gate, up); w * h; d w)."""
@@ -246,17 +242,26 @@ class BackwardCall:
             self.dw13 = grouped_weight_grad(self.ws.out1, self.bufs.gu, self._ends)
 
     def _layer1(self) -> list[Callable[[], None]]:
-        def run(role: int) -> None:
-            L.launch_layer1(self.ws, self.cfg, self.w13, self.tile, role, self._split[1],
-                            self.grid, cooperative=self.cooperative, a=self.bufs.gu,
-                            pair_src=self.bufs.dw_row)
+        ws = self.ws
+        gemm, item, splits = layer1_gemm(self.bufs.gu, self.w13, ws.out1, self.tile,
+                                         transposed=True)
+        pairs = Pairs(self.bufs.dw_row, ws.peer("pair_grad"))
+
+        def run(role: int, **kw) -> Callable[[], None]:
+            return lambda: ColumnReduce.launch(
+                ws, self.grid, gemm=gemm, item=item, splits=splits, tile=self.tile, role=role,
+                split=self._split[1], trace=self._quiet, pairs=pairs, **kw)
         if self.fused:
-            return [lambda: run(L.ROLE_FUSED)]
-        return [lambda: run(L.ROLE_COMPUTE), lambda: run(L.ROLE_COMM)]
+            return [run(ROLE_FUSED, cooperative=self.cooperative)]
+        return [run(ROLE_COMPUTE), run(ROLE_COMM)]
 
     def _combine(self) -> None:
-        grid = self.grid * (L.COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
-        L.launch_combine(self.ws, self.cfg, self._addr["dx"], self._m, self.tile, grid)
+        ws = self.ws
+        grid = self.grid * (COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
+        launch_combine(grid, parts=ColumnReduce.parts(ws), flag1=ws.flag1,
+                       y_addr=self._addr["dx"], num_tokens=self._m,
+                       hidden=self.cfg.hidden_size, max_tokens=self.cfg.max_tokens,
+                       sync=ws.sync, tile=self.tile)
 
     def _finish(self) -> None:
         """The routing weights' gradients; zero the weight gradients of experts that got
@@ -265,11 +270,8 @@ class BackwardCall:
         self._inputs = ()
         if not self.weight_grads:
             return
-        el = self.w2.shape[0]
         for dw in (self.dw13, self.dw2):
-            grad_rows.zero_empty_kernel[(self._row_programs,)](
-                dw, self._ends, dw[0].numel(), LOCAL_EXPERTS=el, BLOCK=grad_rows.ZERO_BLOCK,
-                num_warps=4)
+            grad_rows.launch_zero_empty(self._row_programs, dw, self._ends)
 
     def run(self) -> "BackwardCall":
         for phase in self.phases():

@@ -17,23 +17,27 @@ from __future__ import annotations
 
 import torch
 
-#: Fatal word code of a failed wait (comet.kernels.sync.ERR_TIMEOUT).
-TIMEOUT_CODE = 1
+from comet.constants import (ERR_TIMEOUT, ERROR_WORD, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT,
+                             SITE_COMBINE, SITE_COUNTS, SITE_DISPATCH, SITE_ENTRIES,
+                             SITE_ROW_ENTRIES, SITE_SPLIT)
 
-#: Wait sites (kernels/layer0.py, kernels/layer1.py, kernels/grad_rows.py): name, what was awaited.
+#: Fatal word code of a failed wait.
+TIMEOUT_CODE = int(ERR_TIMEOUT)
+
+#: Wait sites (comet.constants.SITE_*): name, what was awaited.
 SITES = {
-    1: ("exchange", "routing counts (count_flags[{index}]) from rank {index}"),
-    2: ("layer0", "dispatched rows (flag0[{index}]) from rank {index}"),
-    3: ("layer1", "GroupGEMM tiles of column split {index} (local)"),
-    4: ("combine", "partial outputs (flag1[{index}]) from rank {index}"),
-    6: ("layer1", "return entries (flag0[{index}]) from rank {index}"),
-    7: ("backward", "return entries (flag0[{index}]) from rank {index}"),
+    int(SITE_COUNTS): ("exchange", "routing counts (count_flags[{index}]) from rank {index}"),
+    int(SITE_DISPATCH): ("layer0", "dispatched rows (flag0[{index}]) from rank {index}"),
+    int(SITE_SPLIT): ("layer1", "GroupGEMM tiles of column split {index} (local)"),
+    int(SITE_COMBINE): ("combine", "partial outputs (flag1[{index}]) from rank {index}"),
+    int(SITE_ENTRIES): ("layer1", "return entries (flag0[{index}]) from rank {index}"),
+    int(SITE_ROW_ENTRIES): ("backward", "return entries (flag0[{index}]) from rank {index}"),
 }
 
-#: Input error codes (comet.kernels.sync.INPUT_*).
+#: Input error codes (comet.constants.INPUT_*).
 INPUT_ERRORS = {
-    1: "an expert id outside [-1, {num_experts})",
-    2: "a NaN or infinite routing weight",
+    int(INPUT_BAD_EXPERT): "an expert id outside [-1, {num_experts})",
+    int(INPUT_BAD_WEIGHT): "a NaN or infinite routing weight",
 }
 
 
@@ -84,3 +88,68 @@ def input_error(word: torch.Tensor | list[int], num_experts: int) -> CometInputE
     return CometInputError(
         f"comet: call {epoch} had {what} at token {token}, slot {slot}; that slot added "
         "nothing to the output, on every rank alike. Use -1 for a slot with no expert.")
+
+
+class ErrorReports:
+    """How a layer turns its workspace's error words into exceptions, without a host sync
+    on the forward path.
+
+    ``"lazy"``: after each call, raise what the host copy left by an earlier call says,
+    then refresh that copy with a non-blocking device-to-host copy (so a failure surfaces
+    one call late); ``"sync"``: synchronise after every call and raise at once
+    (debugging). A fatal error is sticky -- :meth:`check_usable` raises until
+    :meth:`clear` -- while bad routing is reported once and leaves the layer usable."""
+
+    def __init__(self, error: torch.Tensor, rank: int, num_experts: int, mode: str):
+        if mode not in ("lazy", "sync"):
+            raise ValueError(f"check_errors must be 'lazy' or 'sync', got {mode!r}")
+        self.error, self.rank, self.num_experts, self.mode = error, rank, num_experts, mode
+        self.device = error.device
+        # Host copy of the error words, refreshed after every call without a sync.
+        self._pending = (torch.zeros(error.numel(), dtype=torch.int32, pin_memory=True)
+                         if self.device.type == "cuda" else None)
+        self.failure: CometError | None = None     # sticky until clear()
+        self._input_reported = 0                    # epoch of the last input error raised
+
+    def check_usable(self) -> None:
+        """Raise if an earlier call failed and the workspace was not reset since."""
+        if self.failure is not None:
+            raise CometError("comet: this layer failed in an earlier call and its workspace "
+                             "is unusable until reset() is called on every rank (or the "
+                             f"layer is re-created): {self.failure}") from self.failure
+
+    def after_launch(self) -> None:
+        """Report errors of this call (``"sync"``) or of earlier ones (``"lazy"``)."""
+        if self.mode == "sync" or self._pending is None:
+            self.check_now()
+            return
+        word = self._pending.tolist()
+        self._pending.copy_(self.error, non_blocking=True)
+        self._raise_for(word)
+
+    def check_now(self) -> None:
+        """Synchronise and raise if any call so far failed (or had bad routing)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._raise_for(self.error.tolist())
+
+    def _raise_for(self, word: list[int]) -> None:
+        """Raise what an error word (fatal, then input) reports, once."""
+        try:
+            raise_if_failed(word[:ERROR_WORD], self.rank)
+        except CometError as e:
+            self.failure = e
+            raise
+        err = input_error(word[ERROR_WORD:], self.num_experts)
+        epoch = word[-1]
+        if err is not None and epoch > self._input_reported:
+            self._input_reported = epoch
+            self.error[ERROR_WORD:].zero_()   # stream-ordered: later calls may report again
+            raise err
+
+    def clear(self) -> None:
+        """Forget past failures (after the workspace's words were zeroed)."""
+        self.failure = None
+        self._input_reported = 0
+        if self._pending is not None:
+            self._pending.zero_()

@@ -19,6 +19,18 @@ from typing import Sequence
 import torch
 
 from comet.config import MoEConfig
+from comet.constants import ADDRESS_ALIGN
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its address is not ``ADDRESS_ALIGN``-byte aligned (a
+    view at an odd offset): the kernels read such buffers with 16-byte vectors."""
+    return t if t.data_ptr() % int(ADDRESS_ALIGN) == 0 else t.clone()
+
+
+def address_of(t: torch.Tensor) -> torch.Tensor:
+    """A device int64 holding ``t``'s address (kernels load it, so graphs stay valid)."""
+    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=t.device)
 
 
 class StagedScalars:

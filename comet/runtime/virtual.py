@@ -1,13 +1,17 @@
-"""W expert-parallel ranks in one process, driven phase by phase.
+"""W expert-parallel ranks in one process.
 
-(:meth:`comet.runtime.layer.FusedMoE.virtual_group` is the other way to run W ranks in one
-process: the real fused calls, concurrently on W streams of one GPU.)
+Two drivers:
 
-Each phase runs for every rank before the next starts, and inside a layer the producer
-role runs for every rank before the consumer role: dispatch before the layer0 GroupGEMM,
-the layer1 GroupGEMM before its reduce-and-send. Under ``TRITON_INTERPRET=1`` this runs
-the very @triton.jit role functions of the fused kernels on the CPU, across ranks, over
-real peer-pointer tables; on one GPU it checks the cross-rank logic without NVLink.
+* :class:`VirtualEP` runs a call phase by phase: each phase of
+  :class:`~comet.runtime.forward.ForwardCall` (or of the backward's call) on every rank
+  before the next, the producer role of a layer before its consumer role (dispatch before
+  the layer0 GroupGEMM, the layer1 GroupGEMM before its reduce-and-send). Under
+  ``TRITON_INTERPRET=1`` this runs the very @triton.jit role functions of the fused
+  kernels on the CPU, across ranks, over real peer-pointer tables; on one GPU it checks
+  the cross-rank logic without NVLink.
+* :func:`concurrent_forward` / :func:`concurrent_backward` make the real fused calls of
+  a :meth:`FusedMoE.virtual_group <comet.runtime.layer.FusedMoE.virtual_group>`
+  concurrently, one CUDA stream per rank, as W GPUs would.
 """
 
 from __future__ import annotations
@@ -16,14 +20,21 @@ import functools
 
 import torch
 
-from comet.config import MoEConfig
-from comet.kernels import launch as L
+from comet.config import MoEConfig, TileConfig
+from comet.constants import interpreting
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
-from comet.runtime.copy_dispatch import CopySender
 from comet.runtime.errors import raise_if_failed
-from comet.runtime.staging import StagedScalars
+from comet.runtime.forward import CallInputs, ForwardCall, Grids
+from comet.runtime.staging import StagedScalars, address_of, aligned
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
+
+
+def _in_lockstep(calls) -> None:
+    """Each phase of every rank's call before the next phase of any."""
+    for step in zip(*(c.phases() for c in calls)):
+        for phase in step:
+            phase()
 
 
 class VirtualEP:
@@ -35,67 +46,39 @@ class VirtualEP:
     """
 
     def __init__(self, cfg: MoEConfig, w13_shards: list[torch.Tensor],
-                 w2_shards: list[torch.Tensor], tile: L.TileConfig | None = None):
+                 w2_shards: list[torch.Tensor], tile: TileConfig | None = None):
         self.cfg = cfg
         self.world = len(w13_shards)
         self.w13 = [interleave_gate_up(w) for w in w13_shards]
         self.w2 = w2_shards
         self.device = w13_shards[0].device
-        self.tile = tile or L.TileConfig.small()
+        self.tile = tile or TileConfig.small()
         self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)
-        #: Per rank, its copies to the peers (``copy_dispatch``), on the caller's stream.
-        self._senders = ([CopySender(ws, cfg.top_k, in_order=True) for ws in self.ws]
-                         if self.tile.copy_dispatch else [])
+        self._grad: list[GradBuffers] | None = None
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
                 compute_programs: int = 3) -> list[torch.Tensor]:
-        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``); layer1 as the
-        tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce), and
-        layer0's dispatch too (``copy_dispatch``: every rank's copies, then the placing).
+        """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``), layer1 as the
+        tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce).
 
         Under the interpreter the dispatch runs on one program: its chunks are published
         in order, and a later chunk on program 0 would wait for a program not yet run."""
-        cfg, tile, ranks = self.cfg, self.tile, range(self.world)
-        scatter = tile.layer1_scatter
-        for ws in self.ws:
-            ws.begin_call()
-        for r in ranks:
-            L.launch_counts(self.ws[r], cfg, topk_ids[r])
-            L.launch_exchange(self.ws[r], cfg, L.PHASE_PUSH)
-        for r in ranks:
-            L.launch_exchange(self.ws[r], cfg, L.PHASE_WAIT)
-            L.launch_layout(self.ws[r], cfg, tile)
-            L.launch_place(self.ws[r], cfg, topk_ids[r], topk_weights[r])
-        xs = [L.aligned(x) for x in xs]
-        x_addr = [L.address_of(x) for x in xs]
-        unused = L.split_of(0, self.device)      # roles launched apart: no split to read
-        dispatchers = 1 if L.interpreting() else comm_programs
-        copy = tile.copy_dispatch
-        if copy:
-            for sender, x in zip(self._senders, xs):
-                sender.send(x, x.shape[0])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        for r in ranks:
-            L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMM,
-                            unused, dispatchers, row_home=scatter, copy=copy)
-        for r in ranks:
-            L.launch_layer0(self.ws[r], cfg, x_addr[r], self.w13[r], tile, L.ROLE_COMPUTE,
-                            unused, compute_programs)
-        for r in ranks:
-            L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMPUTE, unused,
-                            compute_programs, scatter=scatter)
-        for r in ranks:
-            if not scatter:
-                L.launch_layer1(self.ws[r], cfg, self.w2[r], tile, L.ROLE_COMM, unused,
-                                comm_programs)
+        xs = [aligned(x) for x in xs]
         ys = [torch.empty_like(x) for x in xs]
-        for r in ranks:
+        unused = torch.zeros(1, dtype=torch.int64, device=self.device)   # roles apart
+        dispatchers = 1 if interpreting() else comm_programs
+        grids = Grids(compute_programs, dispatchers, comm_programs, compute_programs)
+        calls = []
+        for r, ws in enumerate(self.ws):
             m = torch.full((1,), xs[r].shape[0], dtype=torch.int64, device=self.device)
-            L.launch_combine(self.ws[r], cfg, L.address_of(ys[r]), m, tile, compute_programs,
-                             scatter=scatter)
-        for r in ranks:
+            inputs = CallInputs(address_of(xs[r]), address_of(ys[r]), m, unused, unused,
+                                topk_ids[r], topk_weights[r])
+            calls.append(ForwardCall(ws, self.w13[r], self.w2[r], self.tile, inputs, grids,
+                                     "fused", layer0_comm=False, cooperative=False,
+                                     roles_apart=True))
+        _in_lockstep(calls)
+        for r in range(self.world):
             raise_if_failed(self.ws[r].fatal_word, r)
         return ys
 
@@ -104,7 +87,7 @@ class VirtualEP:
                  programs: int = 3, weight_grads: bool = True) -> list[tuple]:
         """Every rank's ``(dx, d topk_weights, dW13 (interleaved), dW2)`` of
         :meth:`forward` (:mod:`comet.runtime.backward`), phase by phase across ranks."""
-        if not hasattr(self, "_grad"):
+        if self._grad is None:
             self._grad = [GradBuffers.allocate(self.cfg, self.world, self.device)
                           for _ in range(self.world)]
         cfg, dev = self.cfg, self.device
@@ -116,13 +99,11 @@ class VirtualEP:
                               StagedScalars(BACKWARD_SCALARS, dev), programs, fused=False,
                               layer0_comm=False, cooperative=False,
                               weight_grads=weight_grads).start(
-                                  L.aligned(dys[r].to(xs[r].dtype).contiguous()),
-                                  L.aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
+                                  aligned(dys[r].to(xs[r].dtype).contiguous()),
+                                  aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
                                   topk_weights[r].float().contiguous(), (0, 0))
                  for r in range(self.world)]
-        for step in zip(*(c.phases() for c in calls)):
-            for phase in step:
-                phase()
+        _in_lockstep(calls)
         for r in range(self.world):
             raise_if_failed(self.ws[r].fatal_word, r)
         return [(c.dx, c.d_weights, c.dw13, c.dw2) for c in calls]
@@ -193,3 +174,4 @@ def concurrent_backward(layers, dys: list[torch.Tensor], xs: list[torch.Tensor],
                        lambda r, layer: layer.backward(dys[r], xs[r], topk_ids[r],
                                                        topk_weights[r],
                                                        comm_blocks=comm_blocks))
+

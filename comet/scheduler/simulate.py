@@ -175,10 +175,10 @@ class _Rank:
         self.count_flags = [0] * world
         self.a0 = torch.zeros(rows, h_dim)
         self.a0_tag = _Tags("a0", r, (rows,))
-        self.ret_tok = torch.zeros(world, max_tokens, dtype=torch.int64)
-        self.ret_rows = torch.full((world, max_tokens, top_k), -1, dtype=torch.int64)
-        self.ret_w = torch.zeros(world, max_tokens, top_k)
-        self.ret_tag = _Tags("return entries", r, (world, max_tokens))
+        self.recv_token = torch.zeros(world, max_tokens, dtype=torch.int64)
+        self.recv_rows = torch.full((world, max_tokens, top_k), -1, dtype=torch.int64)
+        self.recv_weight = torch.zeros(world, max_tokens, top_k)
+        self.recv_tag = _Tags("return entries", r, (world, max_tokens))
         self.flag0 = [{} for _ in range(world)]     # [source][chunk], unset: 0
         self.comb = torch.zeros(world, max_tokens, h_dim)
         self.comb_tag = _Tags("comb", r, (world, max_tokens, n_splits))
@@ -371,14 +371,14 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
 
     def chunks(d):
         rows = _cdiv(int(s.send_off[d + 1] - s.send_off[d]), cfg.comm_rows)
-        return rows, rows + _cdiv(int(s.ret_count[d]), cfg.comm_entries)
+        return rows, rows + _cdiv(int(s.entry_count[d]), cfg.comm_entries)
 
     rounds = max(chunks(d)[1] for d in range(world))
     while (g := call.take("dispatch")) < rounds * world:
         c, d = g // world, (rk.r - g % world) % world
         dst = ranks[d]
         lo, hi = int(s.send_off[d]), int(s.send_off[d + 1])
-        n_ent = int(s.ret_count[d])
+        n_ent = int(s.entry_count[d])
         row_chunks, total = chunks(d)
         if c < total:
             if c < row_chunks:
@@ -397,10 +397,10 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
             else:
                 q = torch.arange((c - row_chunks) * cfg.comm_entries,
                                  min((c - row_chunks + 1) * cfg.comm_entries, n_ent))
-                dst.ret_tok[rk.r, q] = s.ret_token[d, q].long()
-                dst.ret_rows[rk.r, q] = s.ret_rows[d, q].long()
-                dst.ret_w[rk.r, q] = s.ret_weight[d, q]
-                dst.ret_tag.write((rk.r, q), n, rk.r)
+                dst.recv_token[rk.r, q] = s.entry_token[d, q].long()
+                dst.recv_rows[rk.r, q] = s.entry_rows[d, q].long()
+                dst.recv_weight[rk.r, q] = s.entry_weight[d, q]
+                dst.recv_tag.write((rk.r, q), n, rk.r)
             dst.flag0[rk.r][c] = _chunk_flag(cfg, n)
             yield None
 
@@ -536,7 +536,7 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig
     yield lambda: all(_landed(rk, s, call.chunks_total[s], _chunk_flag(cfg, n))
                       for s in range(world))
     for s in range(world):
-        rk.ret_tag.check((s, slice(0, call.entries[s])), n,
+        rk.recv_tag.check((s, slice(0, call.entries[s])), n,
                          f"rank {rk.r} call {n} reduce, return entries from rank {s}")
     items = [(split, (rk.r + o) % world, q0)
              for split in range(len(call.split_count)) for o in range(world)
@@ -550,14 +550,14 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig
         c0, c1 = nb0 * cfg.block_n1, min((nb0 + blocks) * cfg.block_n1, h_dim)
         for q in range(q0, min(q0 + cfg.reduce_item, call.entries[s])):
             acc = torch.zeros(c1 - c0)
-            for j, row in enumerate(rk.ret_rows[s, q].tolist()):
+            for j, row in enumerate(rk.recv_rows[s, q].tolist()):
                 if row < 0:
                     continue
                 rk.out1_tag.check((row, slice(nb0, nb0 + blocks)), n,
                                   f"rank {rk.r} call {n} reduced split {split} "
                                   f"before row {row} was computed")
-                acc += rk.out1[row, c0:c1] * rk.ret_w[s, q, j]
-            tok = int(rk.ret_tok[s, q])
+                acc += rk.out1[row, c0:c1] * rk.recv_weight[s, q, j]
+            tok = int(rk.recv_token[s, q])
             ranks[s].comb[rk.r, tok, c0:c1] = acc
             ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
         yield None

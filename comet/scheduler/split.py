@@ -29,7 +29,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MachineModel:
     """Rates the analytic split balances (defaults: measured on 4x H200, NVLink, bf16;
-    shared/DESIGN.md).
+    docs/benchmarks.md has the ceilings).
 
     per_block_bw: bytes/s one layer0 comm block pushes to peers, as the fused kernel runs
         it (fitted to the 2x H200 tune sweeps of 2026-11-23; a bare push kernel reached

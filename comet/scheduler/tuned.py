@@ -7,17 +7,20 @@ configs::
 
 holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
 "decode_tile": true|false, "tile": {"group_m": 16}, ...}}}``. Optional per bucket:
-``decode_tile`` (whether layer1 runs on the decode tile, see ``FusedMoE.select_tile``;
-absent, the layer's rule decides) and ``tile`` (values of the
-:data:`comet.kernels.TUNABLE_TILE_FIELDS` that differ from the layer's TileConfig;
-absent, none do). Folders
+``decode_tile`` (whether layer1 runs on the decode tile, see
+``comet.runtime.selection.Selector.tile_for``; absent, the layer's rule decides) and
+``tile`` (values of the :data:`comet.config.TUNABLE_TILE_FIELDS` that differ from the
+layer's TileConfig; absent, none do). Folders
 are searched in order: the ``folder`` argument (``CometMoE(...,
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
 
 Every table records the kernel revision it was measured on
-(:data:`comet.kernels.KERNEL_REVISION`); a table of another revision is *stale* and is
-ignored like a malformed one.
+(:data:`comet.constants.KERNEL_REVISION`) and the TileConfig variant of the layer it was
+tuned for (``meta["tile"]``: :meth:`comet.config.TileConfig.variant`, the non-tunable
+fields that differ from the defaults; absent in tables of the default variant). A table
+of another revision is *stale*, and one of another variant does not match: both are
+ignored like a malformed one, so splits tuned for one variant never serve another.
 
 Selection uses only what the host knows (this rank's token count, from the input's
 shape): the bucket nearest to it in log scale (buckets are geometric), clamped at the
@@ -44,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from comet.config import MoEConfig
-from comet.kernels import KERNEL_REVISION, tile_field_error
+from comet.config import MoEConfig, TileConfig, tile_field_error
+from comet.constants import KERNEL_REVISION
 
 log = logging.getLogger("comet")
 
@@ -67,10 +70,17 @@ def file_name(cfg: MoEConfig, world_size: int, device: str) -> str:
             f"dtype={_DTYPE_NAMES[cfg.dtype]}.json")
 
 
-def expected_meta(cfg: MoEConfig, world_size: int, device: str) -> dict:
-    return {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
+def expected_meta(cfg: MoEConfig, world_size: int, device: str,
+                  tile: TileConfig | None = None) -> dict:
+    """What a table's ``meta`` must hold to serve this layer (``tile``: its TileConfig,
+    default the default one, whose tables record no ``"tile"``)."""
+    meta = {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
             "dtype": _DTYPE_NAMES[cfg.dtype], "kernel_revision": KERNEL_REVISION}
+    variant = (tile or TileConfig()).variant()
+    if variant:
+        meta["tile"] = variant
+    return meta
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,7 @@ class Choice:
 
 def parse_tile(tokens: str, tile) -> tuple[tuple[str, int], ...]:
     """A bucket's ``tile`` entry as sorted ``(field, value)`` pairs; TunedTableError
-    unless it maps :data:`comet.kernels.TUNABLE_TILE_FIELDS` to values in range."""
+    unless it maps :data:`comet.config.TUNABLE_TILE_FIELDS` to values in range."""
     if tile is None:
         return ()
     if not isinstance(tile, dict):
@@ -121,8 +131,11 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
                 f"stale: measured on kernel revision {meta.get('kernel_revision')}, these "
                 f"kernels are revision {expect['kernel_revision']} (re-run comet tune)")
         for key, value in expect.items():
-            if meta.get(key) != value:
+            if key != "tile" and meta.get(key) != value:
                 raise TunedTableError(f"meta[{key!r}] is {meta.get(key)!r}, expected {value!r}")
+        if meta.get("tile", {}) != expect.get("tile", {}):
+            raise TunedTableError(f"tuned for the TileConfig variant {meta.get('tile', {})}, "
+                                  f"this layer is {expect.get('tile', {})}")
     out = {}
     for tokens, entry in data["buckets"].items():
         try:
@@ -144,11 +157,11 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
 
 
 @lru_cache(maxsize=256)
-def _load(path: str, expect_items: tuple) -> dict[int, Choice] | None:
+def _load(path: str, expect_json: str) -> dict[int, Choice] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-        return parse_table(data, dict(expect_items))
+        return parse_table(data, json.loads(expect_json))
     except (OSError, json.JSONDecodeError, TunedTableError) as e:
         warnings.warn(f"comet: ignoring tuning file {path}: {e}", stacklevel=3)
         return None
@@ -176,12 +189,13 @@ _untuned_logged: set = set()
 
 
 def load_table(cfg: MoEConfig, world_size: int, device=None,
-               folder: str | os.PathLike | None = None) -> dict[int, Choice] | None:
-    """The table a layer of this shape uses (``{tokens: Choice}``), or None when untuned
-    (logged once per shape)."""
+               folder: str | os.PathLike | None = None,
+               tile: TileConfig | None = None) -> dict[int, Choice] | None:
+    """The table a layer of this shape and TileConfig (default: the default one) uses
+    (``{tokens: Choice}``), or None when untuned (logged once per shape)."""
     dev = device_name(device)
     name = file_name(cfg, world_size, dev)
-    expect = tuple(sorted(expected_meta(cfg, world_size, dev).items()))
+    expect = json.dumps(expected_meta(cfg, world_size, dev, tile), sort_keys=True)
     for f in search_folders(folder):
         path = f / name
         if path.is_file():
@@ -196,7 +210,8 @@ def load_table(cfg: MoEConfig, world_size: int, device=None,
 
 
 def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
-           folder: str | os.PathLike | None = None) -> Choice | None:
+           folder: str | os.PathLike | None = None,
+           tile: TileConfig | None = None) -> Choice | None:
     """The tuned choice for ``tokens`` on this rank, or None when untuned."""
-    table = load_table(cfg, world_size, device, folder)
+    table = load_table(cfg, world_size, device, folder, tile)
     return None if table is None else nearest_bucket(table, tokens)

@@ -19,12 +19,13 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 import torch
 
+from comet.bench.provenance import provenance
 from comet.cli.launch import init_ranks
-from comet.config import PRESETS, preset
-from comet.kernels.launch import TileConfig
+from comet.config import PRESETS, TileConfig, preset
 from comet.runtime.layer import FusedMoE
 
 #: ``--tiles`` fields, in order; the last (layer1's column splits) may be left out.
@@ -145,7 +146,8 @@ def main():
     if rank != 0:
         return
     with open(args.out, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(), "records": recs}, fh, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), **provenance(),
+                   "command": " ".join(sys.argv), "records": recs}, fh, indent=1)
     for r in recs:
         tile = ",".join(str(v) for v in r["tile"].values())
         k = r["us_per_call"]

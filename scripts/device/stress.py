@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -33,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from comet import reference  # noqa: E402
 from comet.bench.inputs import derive_seed, make_expert_weights  # noqa: E402
-from comet.config import PRESETS  # noqa: E402
-from comet.kernels.launch import TileConfig  # noqa: E402
+from comet.bench.provenance import provenance  # noqa: E402
+from comet.config import PRESETS, TileConfig  # noqa: E402
 from comet.runtime.errors import CometError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
 
@@ -171,11 +170,7 @@ def main() -> int:
 
 
 def _write(path, world, records, partial):
-    # The device machines get a copy of the tree whose git HEAD is not the commit that was
-    # sent: stress.sh passes the real one.
-    commit = os.environ.get("COMET_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"device": torch.cuda.get_device_name(), "world_size": world, "commit": commit,
+    out = {"device": torch.cuda.get_device_name(), "world_size": world, **provenance(),
            "date": datetime.date.today().isoformat(),
            "command": "torchrun --nproc-per-node {} scripts/device/stress.py {}".format(
                world, " ".join(sys.argv[1:])),

@@ -15,7 +15,7 @@ token count:
 * ``comet``: ``CometMoE.experts_forward``: the fused forward, then the fused backward
   (:mod:`comet.runtime.backward`: the forward's kernels again, recomputing gate/up);
 * ``comet unfused bwd``: the same forward, then the unfused backward
-  (``fused_backward=False``, :mod:`comet.backward`: a host sync, all_to_alls and
+  (``fused_backward=False``, :mod:`comet.baseline_backward`: a host sync, all_to_alls and
   torch's grouped GEMMs).
 
 Times (CUDA events, L2 flushed, median): the inference forward of each, and the whole
@@ -27,6 +27,7 @@ W2 from the two are compared on the first input set (relative Frobenius error).
 import argparse
 import json
 import os
+import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from comet import CometMoE
 from comet.baseline import ep_moe_forward
 from comet.bench.inputs import make_input_sets
+from comet.bench.provenance import provenance
 from comet.bench.timing import L2Flush, median, time_calls
 from comet.config import PRESETS, preset
 from comet.weights import gate_up_first
@@ -176,7 +178,8 @@ def main():
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                   "train-step.json"))
     a = p.parse_args()
-    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=[])
+    out = dict(device=torch.cuda.get_device_name(), **provenance(), command=" ".join(sys.argv),
+               records=[])
     print(f"{'config':18} {'tokens':>6} {'comet fwd':>10} {'torch fwd':>10} "
           f"{'comet step':>11} {'unfused bwd':>11} {'torch step':>11} {'speedup':>8} "
           f"{'ckpt':>6} {'saved MiB':>15}  "

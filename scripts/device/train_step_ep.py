@@ -10,7 +10,7 @@ routing):
 1. ``--rounds`` back-to-back training steps on fresh inputs, one rank or another held
    back on the host for a random 0-3 ms before each (ranks drift apart; nothing
    synchronises them but the layer's own exchanges). Each round runs the step with the
-   fused backward, then with the unfused one (``comet.backward``: a host sync,
+   fused backward, then with the unfused one (``comet.baseline_backward``: a host sync,
    all_to_alls and torch's grouped GEMMs) on the same inputs; the gradients of x, the
    routing weights, W13 and W2 of the two are compared (relative Frobenius error, worst
    over rounds and ranks).
@@ -22,6 +22,7 @@ routing):
 import argparse
 import json
 import os
+import sys
 import random
 import time
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from comet import CometMoE
 from comet.bench.inputs import make_input_sets
+from comet.bench.provenance import provenance
 from comet.bench.timing import L2Flush, median, reduce_over_ranks, time_calls
 from comet.config import PRESETS, preset
 from train_step import rel_frobenius   # this script's folder is on sys.path
@@ -140,7 +142,8 @@ def main():
                       f"{rec['step_unfused_bwd_us']:.0f} us "
                       f"({rec['fused_bwd_speedup']:.2f}x)", flush=True)
                 with open(args.json, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "records": records},
+                    json.dump({"device": torch.cuda.get_device_name(), **provenance(),
+                               "command": " ".join(sys.argv), "records": records},
                               f, indent=1)
     dist.destroy_process_group()
 

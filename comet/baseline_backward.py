@@ -1,9 +1,10 @@
-"""The backward of the routed experts, expert-parallel: what training through
-:class:`~comet.moe.CometMoE` runs after its fused forward.
+"""The unfused backward of the routed experts, expert-parallel: what training through
+:class:`~comet.moe.CometMoE` runs on the CPU (or with ``fused_backward=False``); the fused
+one is :mod:`comet.runtime.backward`.
 
-The fused forward keeps nothing for the backward (its workspace is the next call's), so
-the backward starts from the layer's inputs, as activation checkpointing does, and runs
-the unfused expert-parallel pipeline of :mod:`comet.baseline` in reverse::
+Neither forward keeps anything for the backward, so the backward starts from the layer's
+inputs, as activation checkpointing does, and runs the unfused expert-parallel pipeline of
+:mod:`comet.baseline` in reverse::
 
     plan the dispatch (one host sync) -> all_to_all of each pair's (x, dy) row and weight
     -> recompute gate/up = x @ W13 (the one forward GEMM the backward needs)
@@ -15,8 +16,8 @@ the unfused expert-parallel pipeline of :mod:`comet.baseline` in reverse::
 Five GEMMs per expert (one recomputed, four of the backward), two exchanges each way,
 memory for one layer's rows at a time. The layer1 output itself is never recomputed:
 ``<dy, h @ W2> = <dy @ W2^T, h>`` gives the routing weights' gradient from ``dy @ W2^T``,
-which the backward needs anyway. Nothing here is overlapped yet (the forward's comm-role
-kernels are forward-only); on a GPU the GEMMs are ``torch._grouped_mm``.
+which the backward needs anyway. Nothing here is overlapped; on a GPU the GEMMs are
+``torch._grouped_mm``.
 
 W13's columns stay in whatever layout they are in (the kernels' interleaved gate/up
 blocks, :mod:`comet.weights`, or gate-then-up): d(gate, up) is written back through the
@@ -27,35 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from comet.baseline import (DispatchPlan, _world, all_to_all_rows, grouped_mm,
-                            plan_dispatch)
+from comet.baseline import DispatchPlan, _world, all_to_all_rows, plan_dispatch
+from comet.grouped import grouped_mm, grouped_weight_grad
+from comet.kernels.act_backward import act_backward
 from comet.weights import gate_up_views
 
-__all__ = ["routed_experts_backward", "grouped_weight_grad", "act_backward_torch"]
+__all__ = ["routed_experts_backward", "act_backward_torch"]
 
 #: W13 column layouts :func:`routed_experts_backward` takes.
 LAYOUTS = ("interleaved", "gate_up")
-
-
-def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
-                        offs: torch.Tensor) -> torch.Tensor:
-    """``[El, K, N]``: for each expert, its rows of ``a [R, K]`` transposed times its rows
-    of ``b [R, N]`` (the weight gradient of :func:`comet.baseline.grouped_mm`); experts
-    with no rows get zeros."""
-    el, kdim, n = len(expert_rows), a.shape[1], b.shape[1]
-    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and a.shape[0]:
-        out = torch._grouped_mm(a.t(), b, offs=offs)
-        empty = [e for e, r in enumerate(expert_rows) if r == 0]
-        if empty:   # a group with no rows is not written by every torch version
-            out[empty] = 0
-        return out
-    out = a.new_zeros(el, kdim, n)
-    start = 0
-    for e, r in enumerate(expert_rows):
-        if r:
-            torch.mm(a[start:start + r].t(), b[start:start + r], out=out[e])
-        start += r
-    return out
 
 
 def _gate_up_views(t: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -105,7 +86,6 @@ def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
     gu = grouped_mm(xg, w13, rows, offs)                       # recomputed
     dh_u = grouped_mm(dyg, w2.transpose(1, 2), rows, offs)     # dy @ W2^T, [R, F]
     if gu.is_cuda:
-        from comet.kernels.act_backward import act_backward
         dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved")
     else:
         dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout)
@@ -113,8 +93,8 @@ def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
     if not weight_grads:
         return dxg, d_weight, None, None
     d_out = (dyg.float() * wg.unsqueeze(1)).to(xg.dtype)
-    dw2 = grouped_weight_grad(h, d_out, rows, offs)
-    dw13 = grouped_weight_grad(xg, dgu, rows, offs)
+    dw2 = grouped_weight_grad(h, d_out, offs, rows)
+    dw13 = grouped_weight_grad(xg, dgu, offs, rows)
     return dxg, d_weight, dw13, dw2
 
 

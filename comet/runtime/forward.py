@@ -1,0 +1,213 @@
+"""One rank's forward call on the fused kernels, as phases.
+
+A call is
+
+    open (epoch, counts, exchange push) -> plan (exchange wait, layout, place)
+    -> layer0 -> layer1 -> combine
+
+:class:`ForwardCall` builds every launch's arguments once -- the call's inputs are staged at
+fixed addresses (comet.runtime.staging), so the same launches serve every call and a CUDA
+graph can replay them -- and hands the phases out in order. A rank on its own GPU runs
+them back to back (:class:`comet.runtime.layer.FusedMoE`, one graph per variant); the
+virtual-rank driver (:mod:`comet.runtime.virtual`) runs each phase on every rank before
+the next, producer roles before consumer roles, which is what lets W ranks share one
+process under the Triton interpreter.
+
+``mode`` decomposes a call for the benchmark: ``"sequential"`` runs each layer's roles one
+after the other (no overlap), ``"compute_only"`` runs the GEMMs on rows already in place
+without waiting, ``"comm_only"`` moves the data without GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from comet.config import TileConfig
+from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
+from comet.kernels import exchange
+from comet.kernels.combine import launch_combine
+from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
+from comet.kernels.layer1 import layer1_gemm
+from comet.kernels.plan import Chunking, Routing, launch_counts, launch_layout, launch_place
+from comet.kernels.sync import Trace
+from comet.runtime.strategies import strategy_for
+from comet.runtime.workspace import Workspace
+
+MODES = ("fused", "sequential", "compute_only", "comm_only")
+
+Phase = Callable[[], None]
+
+
+class CallInputs(NamedTuple):
+    """A call's inputs as the kernels read them: device scalars and the routing rows
+    (``[max_tokens, k]``, of which the call's are read)."""
+
+    x_addr: torch.Tensor     # int64 [1]: address of x [M, H]
+    y_addr: torch.Tensor     # int64 [1]: address of the output y [M, H]
+    num_tokens: torch.Tensor  # int64 [1]: M
+    split0: torch.Tensor     # int64 [1]: layer0's comm blocks
+    split1: torch.Tensor     # int64 [1]: layer1's comm blocks
+    ids: torch.Tensor        # int64 [rows, k]
+    weights: torch.Tensor    # fp32 [rows, k]
+
+
+class Grids(NamedTuple):
+    """Programs of each launch: fused and compute launches, comm-only launches of each
+    layer, the combine."""
+
+    compute: int
+    layer0_comm: int
+    layer1_comm: int
+    combine: int
+
+
+def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phase, Phase]:
+    """``(open, plan)`` of a call: open it and push this rank's counts to every peer;
+    then wait for every peer's counts and build the offsets, tile table and send list."""
+    def open_call() -> None:
+        ws.begin_call()
+        launch_counts(ws.plan, routing, ws.input_word, ws.epoch, ws.shape)
+        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.PUSH)
+
+    def plan() -> None:
+        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
+                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.WAIT)
+        launch_layout(ws.plan, ws.counts, ws.epoch, ws.rank, ws.shape,
+                      Chunking.of(tile), tile.block_m,
+                      tile.local_head_tiles)
+        launch_place(ws.plan, routing, ws.input_word, ws.epoch, ws.cfg.max_tokens, ws.shape)
+    return open_call, plan
+
+
+def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes) -> Dispatch:
+    """layer0's :class:`~comet.kernels.layer0.Dispatch` of ``ws`` for the input whose
+    address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows)."""
+    return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peer("a0"),
+                    ws.recv, homes, ws.peer("flag0"), ws.chunk_slots, ws.cfg.max_tokens,
+                    ws.count.l0_dispatch)
+
+
+@dataclass
+class ForwardCall:
+    """One variant of a rank's forward call (``tile``, ``mode``, whether layer0 has comm
+    blocks), on the staged ``inputs``; :meth:`stages` lists its phases.
+
+    ``w13``: ``[El, H, 2F]`` interleaved (comet.weights); ``w2``: ``[El, F, H]``.
+    ``cooperative``: fused launches guarantee co-residency (a rank on a GPU of its own;
+    virtual ranks sharing one launch without it, their grids sized to fit side by side).
+    ``roles_apart``: every layer's roles as separate launches, producers first, even in
+    fused mode (the virtual-rank driver; the interpreter always does so).
+    ``trace``: per layer, a ``[programs, MAX_TRACE_EVENTS, 4]`` buffer the layer's fused
+    launch stamps (``comet bench --timeline``)."""
+
+    ws: Workspace
+    w13: torch.Tensor
+    w2: torch.Tensor
+    tile: TileConfig
+    inputs: CallInputs
+    grids: Grids
+    mode: str = "fused"
+    layer0_comm: bool = True
+    cooperative: bool = True
+    roles_apart: bool = False
+    trace: dict[str, torch.Tensor] | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        ws, tile = self.ws, self.tile
+        self.strategy = strategy_for(tile, self.mode)
+        # The interpreter runs one program at a time: a fused launch would have its comm
+        # programs wait for compute programs that have not run, so roles go one by one.
+        self.fused = self.mode == "fused" and not interpreting() and not self.roles_apart
+        traces = self.trace or {}
+        self._quiet = Trace.off(ws.epoch.device)
+        self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
+                       for name in ("layer0", "layer1")}
+        homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
+        gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True)
+        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes), gemm=gemm0,
+                            item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
+                            queue=ws.count.l0_queue, sync=ws.sync, split=self.inputs.split0,
+                            shape=ws.shape, tile=tile)
+        gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile)
+        self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,
+                            split=self.inputs.split1)
+        self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
+                                   self.inputs.num_tokens)
+
+    # ------------------------------------------------------------------ phases
+    def stages(self) -> list[tuple[str, list[Phase]]]:
+        """``(name, phases)`` of the call in order: "plan", "layer0", "layer1",
+        "combine" (the phases a timer reports)."""
+        return [("plan", list(plan_phases(self.ws, self._routing, self.tile))),
+                ("layer0", self._layer0_phases()), ("layer1", self._layer1_phases()),
+                ("combine", self._combine_phases())]
+
+    def phases(self) -> list[Phase]:
+        return [phase for _, phases in self.stages() for phase in phases]
+
+    def run(self) -> None:
+        for phase in self.phases():
+            phase()
+
+    # ------------------------------------------------------------------ launches
+    def launch_layer0(self, role: int, grid: int, *, wait: bool = True,
+                      trace: Trace | None = None, cooperative: bool = False) -> None:
+        """layer0 of this call in ``role`` on ``grid`` programs."""
+        launch_layer0(grid, role=role, wait=wait, trace=trace or self._quiet,
+                      cooperative=cooperative, **self._layer0)
+
+    def launch_layer1(self, role: int, grid: int, *, wait: bool = True,
+                      trace: Trace | None = None, cooperative: bool = False) -> None:
+        """layer1 of this call (its strategy's kernel) in ``role`` on ``grid`` programs."""
+        self.strategy.launch(self.ws, grid, role=role, wait=wait, trace=trace or self._quiet,
+                             cooperative=cooperative, **self._layer1)
+
+    def launch_combine(self, grid: int) -> None:
+        """The combine of this call's outputs on at most ``grid`` programs."""
+        ws, s = self.ws, self.inputs
+        launch_combine(grid, parts=self.strategy.parts(ws), flag1=ws.flag1, y_addr=s.y_addr,
+                       num_tokens=s.num_tokens, hidden=ws.cfg.hidden_size,
+                       max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile)
+
+    def _layer0_phases(self) -> list[Phase]:
+        """Fused with comm blocks as one launch; else the comm role (unless computing
+        only), then the compute role (unless communicating only) as two."""
+        mode, grids = self.mode, self.grids
+        if self.fused and self.layer0_comm:
+            return [lambda: self.launch_layer0(ROLE_FUSED, grids.compute,
+                                               trace=self._trace["layer0"],
+                                               cooperative=self.cooperative)]
+        phases = []
+        if mode != "compute_only":
+            phases.append(lambda: self.launch_layer0(ROLE_COMM, grids.layer0_comm))
+        if mode != "comm_only":
+            phases.append(lambda: self.launch_layer0(ROLE_COMPUTE, grids.compute,
+                                                     wait=mode != "compute_only"))
+        return phases
+
+    def _layer1_phases(self) -> list[Phase]:
+        """The scatter on every program; the reduce kernel fused (any split, read on the
+        device), or its compute role then its comm role."""
+        mode, grids = self.mode, self.grids
+        if self.strategy.comm_blocks(1) == 0 or self.fused:
+            return [lambda: self.launch_layer1(ROLE_FUSED, grids.compute,
+                                               trace=self._trace["layer1"],
+                                               cooperative=self.cooperative)]
+        phases = []
+        if mode != "comm_only":
+            phases.append(lambda: self.launch_layer1(ROLE_COMPUTE, grids.compute))
+        if mode != "compute_only":
+            phases.append(lambda: self.launch_layer1(ROLE_COMM, grids.layer1_comm,
+                                                     wait=mode != "comm_only"))
+        return phases
+
+    def _combine_phases(self) -> list[Phase]:
+        if self.mode == "compute_only":
+            return []
+        return [lambda: self.launch_combine(self.grids.combine)]

@@ -1,0 +1,136 @@
+"""What a call runs on: the block split and the tile configuration, chosen per call.
+
+The block split (comm blocks of each layer) comes from an explicit override, else the
+tuned table of this shape, device and tile variant (comet.scheduler.tuned), else the
+analytic model (comet.scheduler.split). The tile is the layer's TileConfig with the tunable
+fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
+table or a rule says a call is too small to fill the GPU. Both are rank-local choices --
+nothing a peer reads depends on them except the split, which every rank of a group
+derives from the same table -- and both are remembered per token count, so the forward
+path does not search folders or run the model's loop on every call.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
+from comet.scheduler import tuned
+from comet.scheduler.split import analytic_split, layer_work
+
+
+class Selector:
+    """Per-call choices of one layer.
+
+    Args:
+        cfg, world: the layer's shape and expert-parallel size.
+        tile: the layer's TileConfig (its variant keys the tuned tables).
+        programs: programs of the fused kernels (SMs of the device).
+        device: where the layer runs (its name keys the tuned tables).
+        folder: an extra folder of ``comet tune`` tables.
+    """
+
+    def __init__(self, cfg: MoEConfig, world: int, tile: TileConfig, programs: int,
+                 device: torch.device, folder: str | None = None):
+        self.cfg, self.world, self.tile = cfg, world, tile
+        self.programs, self.device, self.folder = programs, device, folder
+        self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
+        self._small: dict[int, bool] = {}
+        self._selected: dict[tuple, tuned.Choice] = {}
+
+    # ------------------------------------------------------------------ split
+    def comm_blocks(self, num_tokens: int, override=None) -> tuple[int, int]:
+        """(layer0, layer1) comm blocks for a call with ``num_tokens`` on this rank: the
+        ``override`` (an int for both layers, or a pair), else the tuned table, else the
+        analytic model."""
+        if override is not None:
+            n0, n1 = (override, override) if isinstance(override, int) else override
+        else:
+            n0, n1 = self._choice(num_tokens).splits
+        for n in (n0, n1):
+            if not 0 <= n < self.programs:
+                raise ValueError(f"comm_blocks must be in [0, {self.programs}), got {n}")
+        return int(n0), int(n1)
+
+    def analytic(self, num_tokens: int) -> tuple[int, int]:
+        """(layer0, layer1) comm blocks of the analytic model for ``num_tokens`` (layer1:
+        0 with the scatter epilogue, which has no comm role)."""
+        c = self.cfg
+        w0, w1 = layer_work(num_tokens, self.world, c.top_k, c.hidden_size,
+                            c.intermediate_size, c.dtype.itemsize,
+                            self.tile.n_splits(c.hidden_size))
+        n1 = 0 if self.tile.layer1_scatter else analytic_split(w1, self.programs)
+        return analytic_split(w0, self.programs), n1
+
+    def _choice(self, num_tokens: int) -> tuned.Choice:
+        """The tuned table's bucket (comm blocks, decode-tile flag or None, tile fields),
+        else the analytic model's split and nothing else."""
+        key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
+        if key not in self._selected:
+            picked = tuned.lookup(self.cfg, self.world, num_tokens, self.device, self.folder,
+                                  tile=self.tile)
+            if picked is not None and not all(0 <= n < self.programs for n in picked.splits):
+                warnings.warn(f"comet: the tuned table's split {picked.splits} at "
+                              f"{num_tokens} tokens does not fit this GPU's {self.programs} "
+                              "programs; using the analytic model", stacklevel=4)
+                picked = None
+            self._selected[key] = (picked if picked is not None
+                                   else tuned.Choice(*self.analytic(num_tokens)))
+        return self._selected[key]
+
+    # ------------------------------------------------------------------ tile
+    def tile_for(self, num_tokens: int, decode_tile: bool | None = None,
+                 overrides: dict[str, int] | None = None) -> TileConfig:
+        """The tile configuration of a call with ``num_tokens`` on this rank: the layer's
+        with the tunable fields the tuned bucket sets (``overrides`` replaces those), on
+        the decode tile or not -- ``decode_tile`` forces that choice; else the bucket's,
+        else :meth:`decode_by_rule`."""
+        picked = self._choice(num_tokens)
+        base, decode = self._variant(picked.tile if overrides is None
+                                     else tuple(sorted(overrides.items())))
+        if decode is None:
+            if decode_tile:
+                raise ValueError("decode_tile=True, but this layer's TileConfig has no "
+                                 "decode tile (decode_block_n1 is 0 or block_n1)")
+            return base
+        if decode_tile is None:
+            decode_tile = picked.decode_tile
+        if decode_tile is None:
+            decode_tile = self.decode_by_rule(num_tokens)
+        return decode if decode_tile else base
+
+    def _variant(self, overrides: tuple[tuple[str, int], ...]
+                 ) -> tuple[TileConfig, TileConfig | None]:
+        """(the layer's TileConfig with ``overrides``, its decode tile or None), built
+        once per set of overrides (a ValueError names a field that is not tunable)."""
+        if overrides not in self._variants:
+            base = self.tile.with_overrides(dict(overrides))
+            self._variants[overrides] = (base, base.decode_tile())
+        return self._variants[overrides]
+
+    def tile_variants(self) -> list[TileConfig]:
+        """Every tile configuration a call may select: the layer's, the tuned table's
+        per-bucket ones, and the decode tile of each."""
+        table = tuned.load_table(self.cfg, self.world, self.device, self.folder,
+                                 tile=self.tile)
+        picks = {()} | {c.tile for c in (table or {}).values()}
+        return [t for o in sorted(picks) for t in self._variant(o) if t is not None]
+
+    def decode_by_rule(self, num_tokens: int) -> bool:
+        """Whether the untuned choice of :meth:`tile_for` is the decode tile:
+        :meth:`TileConfig.decode_pays` with the rows spread evenly over the experts
+        (every rank sending as many tokens as this one)."""
+        if num_tokens not in self._small:
+            c = self.cfg
+            rows = -(-num_tokens * self.world * c.top_k // c.num_experts)
+            self._small[num_tokens] = self.tile.decode_pays(
+                rows, c.num_experts // self.world, c.hidden_size, self.programs)
+        return self._small[num_tokens]
+
+    def overrides_in(self, tile: TileConfig) -> dict[str, int]:
+        """The tunable fields in which ``tile`` differs from the layer's TileConfig."""
+        return {k: getattr(tile, k) for k in TUNABLE_TILE_FIELDS
+                if getattr(tile, k) != getattr(self.tile, k)}

@@ -1,0 +1,151 @@
+"""layer1's two algorithms, as strategy objects that own their buffers and launch arguments.
+
+Both compute the same function -- each token's ``sum_j weight_j * expert_j(x)`` on its home
+rank -- and differ in where the top-k sum happens:
+
+* :class:`ColumnReduce` -- the paper's schedule: the GroupGEMM runs column split by
+  column split into a local ``out1``; comm blocks sum each token's rows on this rank per
+  split (fp32) and send one row per (token, rank) into the token's rank's ``comb``; the
+  combine there adds the ranks' rows. Fewer bytes cross the link when a token has
+  several experts on one rank; a reduce pass over ``out1``. The backward and the
+  decomposed modes (sequential, compute-only, comm-only) always run it.
+* :class:`Scatter` -- the GEMM's epilogue writes each row, weighted, straight into its
+  token's slot of ``pair_out`` on the token's rank (the dispatch sent each row's home
+  along with it); the combine sums a token's ``k`` slots. No comm role and no reduce
+  pass. Fused forward calls run it when ``TileConfig.layer1_scatter`` is set (default).
+
+A strategy declares the symmetric buffers it needs (:meth:`specs`, allocated with the
+workspace's, comet.runtime.workspace), whether layer0 must send row homes, how it
+launches layer1, and what the combine sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from comet.config import MoEConfig, TileConfig
+from comet.kernels.combine import Parts
+from comet.kernels.group_gemm import Gemm, GemmTile
+from comet.kernels.layer0 import Homes as DispatchHomes
+from comet.kernels.layer1 import (Homes, Pairs, Reduce, Release, Splits, launch_layer1_reduce,
+                                  launch_layer1_scatter)
+from comet.kernels.plan import EntryTables
+from comet.kernels.sync import Trace
+from comet.routing import recv_capacity
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A symmetric buffer: same name, shape and offset on every rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _release(ws: "Workspace") -> Release:        
+    return Release(ws.count.l1_done, ws.peer("flag1"))
+
+
+class ColumnReduce:
+    """layer1 as GroupGEMM in column splits, then reduce-and-send by comm blocks."""
+
+    name = "reduce"
+    #: Whether layer0's dispatch must send each row's home and weight.
+    sends_homes = False
+
+    @staticmethod
+    def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
+        # comb[r, t] on rank s: rank r's weighted sum of token t's rows (t of rank s).
+        return [BufferSpec("comb", (world, cfg.max_tokens, cfg.hidden_size), cfg.dtype)]
+
+    @staticmethod
+    def comm_blocks(requested: int) -> int:
+        """layer1's comm blocks as run, for a requested split."""
+        return requested
+
+    @staticmethod
+    def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
+               splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
+               trace: Trace, wait: bool = True, cooperative: bool = False,
+               pairs: Pairs | None = None) -> None:
+        """layer1 on ``ws`` (``role``: fused, comm or compute; ``pairs``: the backward's
+        per-row scalar, returned with the rows)."""
+        mx = ws.cfg.max_tokens
+        recv = EntryTables(*(b.local for b in ws.recv))
+        launch_layer1_reduce(
+            grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
+            split_done=ws.count.split, reduce=Reduce(recv, ws.peer("comb"), mx,
+                                                     ws.count.l1_reduce, pairs),
+            arrivals=ws.arrivals, release=_release(ws), sync=ws.sync, split=split,
+            trace=trace, shape=ws.shape, tile=tile, role=role, wait=wait,
+            cooperative=cooperative)
+
+    @staticmethod
+    def parts(ws: "Workspace") -> Parts:                                
+        """comb ``[W, Mx, H]``: part ``d`` of token ``t`` is row ``d * Mx + t``."""
+        return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.shape.WORLD)
+
+
+class Scatter:
+    """layer1 as GroupGEMM whose epilogue sends every weighted row home."""
+
+    name = "scatter"
+    sends_homes = True
+
+    @staticmethod
+    def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
+        rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+        mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
+        # row_home[r]: the slot s * Mx * k + t * k + j row r's output goes to, and
+        # row_weight[r] its weight, both pushed with the row; pair_out[t, j]: the
+        # weighted output of token t's slot j, written by the rank holding its expert.
+        return [BufferSpec("row_home", (rows,), torch.int32),
+                BufferSpec("row_weight", (rows,), torch.float32),
+                BufferSpec("pair_out", (mx, k, h), cfg.dtype)]
+
+    @staticmethod
+    def comm_blocks(requested: int) -> int:
+        return 0    # no comm role: the epilogue sends
+
+    @staticmethod
+    def homes(ws: "Workspace") -> DispatchHomes:                        
+        """What layer0's dispatch sends with each row."""
+        return DispatchHomes(ws.peer("row_home"), ws.peer("row_weight"))
+
+    @staticmethod
+    def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
+               splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
+               trace: Trace, wait: bool = True, cooperative: bool = False,
+               pairs: Pairs | None = None) -> None:
+        """layer1 on every program of ``grid`` (``role``, ``split``, ``wait`` and
+        ``cooperative`` do not apply: nothing waits inside the kernel)."""
+        assert pairs is None, "the scatter epilogue serves the forward only"
+        cfg = ws.cfg
+        homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
+                      cfg.max_tokens * cfg.top_k)
+        launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
+                              tiles=ws.plan.tiles, split_done=ws.count.split, homes=homes,
+                              release=_release(ws), sync=ws.sync, trace=trace,
+                              shape=ws.shape, tile=tile)
+
+    @staticmethod
+    def parts(ws: "Workspace") -> Parts:                                
+        """pair_out ``[Mx, k, H]``: part ``j`` of token ``t`` is row ``t * k + j``."""
+        return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.shape.TOPK)
+
+
+def strategies_of(tile: TileConfig) -> list[type]:
+    """The strategies a layer with ``tile`` may run (whose buffers it allocates): the
+    column-split reduce always (the backward and the decomposed modes), the scatter
+    where the tile enables it."""
+    return [ColumnReduce, Scatter] if tile.layer1_scatter else [ColumnReduce]
+
+
+def strategy_for(tile: TileConfig, mode: str) -> type:
+    """The strategy a call in ``mode`` runs: the scatter for fused calls of a layer whose
+    tile enables it, else the column-split reduce (the decomposed modes keep it, so that
+    they stay the decomposition of a fused call)."""
+    return Scatter if tile.layer1_scatter and mode == "fused" else ColumnReduce
