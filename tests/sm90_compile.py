@@ -55,7 +55,25 @@ def compile_launch(kernel, args, kwargs):
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options=options.__dict__)
+    compiled = triton.compile(src, target=HOPPER, options=options.__dict__)
+    launcher_source(src, compiled)
+    return compiled
+
+
+def launcher_source(src, compiled) -> str | None:
+    """The C source of the launcher a GPU would build for this kernel (Triton's CUDA
+    driver, which runs without a GPU up to compiling it): it has its own view of the
+    signature -- Triton 3.6's, the GPU machines', takes tensor descriptors only as
+    top-level arguments -- and fails here as it would at the first launch. None with a
+    Triton whose driver builds its launcher another way (3.9 has no ``make_launcher``)."""
+    try:
+        from triton.backends.nvidia.driver import make_launcher
+    except ImportError:
+        return None
+    arg_idx = lambda x: (src.fn.arg_names.index(x), ) if isinstance(x, str) else x  # noqa: E731
+    constants = {arg_idx(i): v for i, v in src.constants.items()}
+    return make_launcher(constants, dict(src.signature),
+                         getattr(compiled.metadata, "tensordesc_meta", None))
 
 
 def fused_launches(dtype=torch.bfloat16, world=4):

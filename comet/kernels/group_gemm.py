@@ -35,14 +35,28 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from comet.kernels.sync import take
 
 
+class GemmOut(NamedTuple):
+    """Where a GroupGEMM writes, and its sizes (a kernel argument)."""
+
+    out: torch.Tensor        # [rows, N]
+    K: int
+    N: int
+
+
 class Gemm(NamedTuple):
-    """Operands of a GroupGEMM over the m-tile table: ``out[rows] = a[rows] @ b[expert]``."""
+    """Operands of a GroupGEMM over the m-tile table: ``out[rows] = a[rows] @ b[expert]``.
+    A kernel takes the two TMA descriptors as top-level arguments (Triton 3.6's launcher
+    builds descriptors only there, not inside argument groups) and the rest as a
+    :class:`GemmOut`: :meth:`kernel_args`."""
 
     a: TensorDescriptor      # the rows [rows, K]; box [BLOCK_M, BLOCK_K]
     b: TensorDescriptor      # the local experts' weights: [El * K, N], or [El * N, K] (TRANS_B)
     out: torch.Tensor        # [rows, N]
     K: int
     N: int
+
+    def kernel_args(self) -> dict:
+        return dict(a_desc=self.a, b_desc=self.b, gemm=GemmOut(self.out, self.K, self.N))
 
 
 class GemmTile(NamedTuple):
@@ -79,9 +93,9 @@ def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
 
 
 @triton.jit
-def gemm_acc(g, t, expert, row_start, n0):
-    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]`` of the
-    :class:`Gemm` ``g`` with the :class:`GemmTile` ``t``; with ``GATED``,
+def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
+    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]`` (``g``: the
+    :class:`GemmOut`, ``t``: the :class:`GemmTile`); with ``GATED``,
     ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
     is one whole interleave block, ``b``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and up
     are one dot, split in the epilogue -- what lets the pipeliner overlap tiles (see
@@ -92,7 +106,7 @@ def gemm_acc(g, t, expert, row_start, n0):
     if t.GATED and t.ONE_DOT:
         both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
         for k in range(0, K, t.BLOCK_K):
-            both = tl.dot(g.a.load([row_start, k]), g.b.load([b_row + k, 2 * n0]), both,
+            both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]), both,
                           input_precision=t.DOT_PRECISION)
         gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
         acc = gate * tl.sigmoid(gate) * up
@@ -101,30 +115,30 @@ def gemm_acc(g, t, expert, row_start, n0):
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
         for k in range(0, K, t.BLOCK_K):
-            a = g.a.load([row_start, k])
-            acc = tl.dot(a, g.b.load([b_row + k, gate_col]), acc,
+            a = a_desc.load([row_start, k])
+            acc = tl.dot(a, b_desc.load([b_row + k, gate_col]), acc,
                          input_precision=t.DOT_PRECISION)
-            acc_up = tl.dot(a, g.b.load([b_row + k, up_col]), acc_up,
+            acc_up = tl.dot(a, b_desc.load([b_row + k, up_col]), acc_up,
                             input_precision=t.DOT_PRECISION)
         acc = acc * tl.sigmoid(acc) * acc_up
     elif t.TRANS_B:
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
         for k in range(0, K, t.BLOCK_K):
-            acc = tl.dot(g.a.load([row_start, k]), g.b.load([expert * g.N + n0, k]).T,
+            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([expert * g.N + n0, k]).T,
                          acc, input_precision=t.DOT_PRECISION)
     else:
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
         for k in range(0, K, t.BLOCK_K):
-            acc = tl.dot(g.a.load([row_start, k]), g.b.load([b_row + k, n0]), acc,
+            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
                          input_precision=t.DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def gemm_tile(g, t, expert, row_start, row_end, n0):
+def gemm_tile(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
     or B transposed: see :func:`gemm_acc`)."""
-    acc = gemm_acc(g, t, expert, row_start, n0)
+    acc = gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0)
     rows = row_start + tl.arange(0, t.BLOCK_M)
     cols = n0 + tl.arange(0, t.BLOCK_N)
     mask = (rows[:, None] < row_end) & (cols[None, :] < g.N)

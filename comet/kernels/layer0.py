@@ -168,7 +168,7 @@ def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
     own); ``wait=False``: the GEMM assumes the rows are in place."""
     extra = {"launch_cooperative_grid": True} if cooperative else {}
     layer0_kernel[(grid,)](
-        dispatch=dispatch, gemm=gemm, tiles=tiles, segments=segments, queue=queue,
+        dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, queue=queue,
         sync=sync, split=split, trace=trace, shape=shape,
         comm=dispatch_tile(tile, dispatch.homes is not None), item=item,
         lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
@@ -325,8 +325,9 @@ def _await_rows(flags, chunk_slots, segments, wait, expert, r0, r1, seen, epoch,
 
 
 @triton.jit
-def layer0_compute_role(gemm, item, lanes, tiles, segments, queue, flags, chunk_slots, epoch,
-                        sync, trace, events, shape, WAIT: tl.constexpr, ROWS: tl.constexpr):
+def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue, dispatch,
+                        epoch, sync, trace, events, shape, WAIT: tl.constexpr,
+                        ROWS: tl.constexpr):
     """GroupGEMM ``out = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) --
     or, for the backward, a plain ``out = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with
     ``N`` output columns -- over the tiles in the table's order (comet.scheduler.plan),
@@ -351,7 +352,7 @@ def layer0_compute_role(gemm, item, lanes, tiles, segments, queue, flags, chunk_
         if WAIT:
             for w in range(first, end, programs):
                 tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
-                seen, ok = _await_rows(flags, chunk_slots, segments,
+                seen, ok = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
                                        tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
                                        tl.load(tiles.row_start + tile),
                                        tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
@@ -364,7 +365,7 @@ def layer0_compute_role(gemm, item, lanes, tiles, segments, queue, flags, chunk_
                     start = clock_ns()
                 tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
                 expert = tl.load(tiles.expert + tile)
-                gemm_tile(gemm, item, expert, tl.load(tiles.row_start + tile),
+                gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
                           tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
                 if trace.ON:
                     events = stamp(trace, events, shape.WORLD + expert, tile, start)
@@ -372,16 +373,17 @@ def layer0_compute_role(gemm, item, lanes, tiles, segments, queue, flags, chunk_
 
 
 @triton.jit
-def layer0_kernel(dispatch, gemm, tiles, segments, queue, sync, split, trace, shape, comm,
-                  item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
+def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, split, trace,
+                  shape, comm, item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
     """layer0 of one rank: the comm role (:func:`dispatch_role`, programs below
     ``split[0]`` when ``ROLE`` is fused) pushes this rank's rows into every
     destination's shared tensor, then joins the compute role
     (:func:`layer0_compute_role`), the GroupGEMM over ``tiles`` that waits for exactly
     the rows each tile reads (``WAIT``).
 
-    dispatch: :class:`Dispatch`; gemm: :class:`~comet.kernels.group_gemm.Gemm` (A: the
-    shared tensor; K = H; N = F when gated); tiles, segments: the plan's; queue: the
+    a_desc, b_desc, gemm: the TMA descriptors of A (the shared tensor) and B (the
+    weights) and the :class:`~comet.kernels.group_gemm.GemmOut` (K = H; N = F when gated);
+    dispatch: :class:`Dispatch`; tiles, segments: the plan's; queue: the
     GEMM's work queue; sync: :class:`~comet.kernels.sync.Sync`; split: int64 [1], the
     comm programs (read on the device, so one captured launch serves every split);
     trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
@@ -396,6 +398,5 @@ def layer0_kernel(dispatch, gemm, tiles, segments, queue, sync, split, trace, sh
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        layer0_compute_role(gemm, item, lanes, tiles, segments, queue,
-                            dispatch.flag0.local, dispatch.chunk_slots, epoch, sync, trace,
-                            events, shape, WAIT, comm.ROWS)
+        layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue,
+                            dispatch, epoch, sync, trace, events, shape, WAIT, comm.ROWS)

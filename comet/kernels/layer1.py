@@ -73,12 +73,14 @@ class Splits(NamedTuple):
     N_SPLITS: tl.constexpr
 
 
-class Release(NamedTuple):
-    """How layer1 ends: the last block of the launch to finish tells every source its
-    rows of this call are in place."""
+class Progress(NamedTuple):
+    """How layer1 counts its progress and announces its end: tiles finished per column
+    split (what the reduce waits for), and the last block of the launch to finish tells
+    every source its rows of this call are in place (all zeroed per call but flag1)."""
 
-    done: torch.Tensor       # int32 [1]: blocks finished (zeroed per call)
-    flag1: PeerBuffer        # int64 [W]: flag1[r] on rank s = epoch: rank r's rows for s landed
+    split_done: torch.Tensor  # int32 [N_SPLITS]: tiles finished per column split
+    done: torch.Tensor        # int32 [1]: blocks finished
+    flag1: PeerBuffer         # int64 [W]: flag1[r] on rank s = epoch: rank r's rows for s landed
 
 
 class Homes(NamedTuple):
@@ -140,37 +142,34 @@ def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool) -> ReduceTile:
 
 
 def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
-                         tiles: Tiles, split_done: torch.Tensor, reduce: Reduce,
-                         arrivals: Arrivals, release: Release, sync: Sync,
-                         split: torch.Tensor, trace: Trace, shape: Shape, tile: TileConfig,
-                         role: int, wait: bool = True, cooperative: bool = False) -> None:
+                         tiles: Tiles, progress: Progress, reduce: Reduce,
+                         arrivals: Arrivals, sync: Sync, split: torch.Tensor, trace: Trace,
+                         shape: Shape, tile: TileConfig, role: int, wait: bool = True,
+                         cooperative: bool = False) -> None:
     """The column-wise GroupGEMM and the reduce-and-send for one rank on ``grid``
     programs (``role``: fused -- the first ``split[0]`` programs reduce once split 0 is
-    done --, comm or compute); ``split_done`` counts tiles per column split (zeroed per
-    call). ``wait=False``: the reduce assumes the GEMM is done."""
+    done --, comm or compute). ``wait=False``: the reduce assumes the GEMM is done."""
     extra = {"launch_cooperative_grid": True} if cooperative else {}
     layer1_reduce_kernel[(grid,)](
-        gemm=gemm, item=item, splits=splits, tiles=tiles, split_done=split_done,
-        reduce=reduce, arrivals=arrivals, release=release, sync=sync, split=split,
-        trace=trace, shape=shape,
+        **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
+        reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
         rtile=reduce_tile(tile, weighted=not item.TRANS_B, pairs=reduce.pairs is not None),
         ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
-                          tiles: Tiles, split_done: torch.Tensor, homes: Homes,
-                          release: Release, sync: Sync, trace: Trace, shape: Shape,
-                          tile: TileConfig) -> None:
+                          tiles: Tiles, progress: Progress, homes: Homes, sync: Sync,
+                          trace: Trace, shape: Shape, tile: TileConfig) -> None:
     """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs."""
     layer1_scatter_kernel[(grid,)](
-        gemm=gemm, item=item, splits=splits, tiles=tiles, split_done=split_done,
-        homes=homes, release=release, sync=sync, trace=trace, shape=shape,
+        **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
+        homes=homes, sync=sync, trace=trace, shape=shape,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 @triton.jit
-def layer1_compute_role(comm, role_pid, n_role, gemm, item, splits, tiles, split_done,
-                        homes, trace, events, SCATTER: tl.constexpr):
+def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, splits, tiles,
+                        split_done, homes, trace, events, SCATTER: tl.constexpr):
     """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
     item can start before it is complete, so a comm block (``comm``) that only waited
@@ -215,11 +214,13 @@ def layer1_compute_role(comm, role_pid, n_role, gemm, item, splits, tiles, split
                 row_start = tl.load(tiles.row_start + t)
                 row_end = tl.load(tiles.row_end + t)
                 if SCATTER:
-                    acc = gemm_acc(gemm, item, expert, row_start, nb * BLOCK_N)
+                    acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start,
+                                   nb * BLOCK_N)
                     scatter_home(acc, homes, row_start, row_end, nb * BLOCK_N, gemm.N,
                                  item.BLOCK_M, BLOCK_N)
                 else:
-                    gemm_tile(gemm, item, expert, row_start, row_end, nb * BLOCK_N)
+                    gemm_tile(a_desc, b_desc, gemm, item, expert, row_start, row_end,
+                              nb * BLOCK_N)
                 if trace.ON:
                     events = stamp(trace, events, split, t, start)
             # Counted once per split, not per tile: an atomic inside the loop keeps Triton
@@ -250,14 +251,14 @@ def scatter_home(acc, homes, row_start, row_end, n0, H, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _release_sources(release_args, epoch, sync):
+def _release_sources(progress, epoch, sync):
     """The last block of the launch to get here tells every source its rows of this
     call are there (``flag1[this rank] = epoch`` on each) -- unless the group failed
     meanwhile: rows skipped after a failure must not look sent."""
-    if arrive(release_args.done, "sys") == tl.num_programs(0) - 1:
+    if arrive(progress.done, "sys") == tl.num_programs(0) - 1:
         if healthy(sync):
             for s in range(sync.WORLD):
-                release(peer(release_args.flag1, s) + sync.rank, epoch, "sys")
+                release(peer(progress.flag1, s) + sync.rank, epoch, "sys")
 
 
 @triton.jit
@@ -383,35 +384,37 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
 
 
 @triton.jit
-def layer1_reduce_kernel(gemm, item, splits, tiles, split_done, reduce, arrivals, release,
-                         sync, split, trace, shape, rtile, ROLE: tl.constexpr,
+def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, reduce,
+                         arrivals, sync, split, trace, shape, rtile, ROLE: tl.constexpr,
                          WAIT: tl.constexpr):
     """layer1 of one rank, the paper's schedule: the column-wise GroupGEMM
     (:func:`layer1_compute_role`) and, on the programs below ``split[0]`` when ``ROLE``
     is fused, the reduce-and-send (:func:`reduce_send_role`), which every program joins
     once out of GEMM work; the last to finish releases ``flag1`` on every source.
 
-    gemm, item, splits: :func:`layer1_gemm`'s; tiles: the plan's; split_done: int32
-    ``[N_SPLITS]`` tile counts; reduce: :class:`Reduce`; arrivals:
-    :class:`~comet.kernels.layer0.Arrivals`; release: :class:`Release`; sync, trace,
-    shape: as everywhere; split: int64 [1] comm programs; rtile: :class:`ReduceTile`."""
+    a_desc, b_desc, gemm, item, splits: :func:`layer1_gemm`'s (descriptors of A and B,
+    the :class:`~comet.kernels.group_gemm.GemmOut`, the work item, the column splits);
+    tiles: the plan's; progress: :class:`Progress`; reduce: :class:`Reduce`; arrivals:
+    :class:`~comet.kernels.layer0.Arrivals`; sync, trace, shape: as everywhere; split:
+    int64 [1] comm programs; rtile: :class:`ReduceTile`."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     comm, n_role, role_pid = assign_role(split, ROLE)
     if ROLE != ROLE_COMM:
-        events = layer1_compute_role(comm, role_pid, n_role, gemm, item, splits, tiles,
-                                     split_done, None, trace, events, False)
+        events = layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item,
+                                     splits, tiles, progress.split_done, None, trace, events,
+                                     False)
     # Fused: a comm block goes from split 0's GEMM to the reduce; a compute block out
     # of tiles joins it, so the reduce of the last split runs on the whole GPU.
     if ROLE != ROLE_COMPUTE:
-        events = reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync,
-                                  trace, events, rtile, item.BLOCK_N,
+        events = reduce_send_role(gemm, reduce, arrivals, progress.split_done, tiles, epoch,
+                                  sync, trace, events, rtile, item.BLOCK_N,
                                   splits.BLOCKS_PER_SPLIT, shape.TOPK, WAIT)
-        _release_sources(release, epoch, sync)
+        _release_sources(progress, epoch, sync)
 
 
 @triton.jit
-def layer1_scatter_kernel(gemm, item, splits, tiles, split_done, homes, release, sync,
+def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, sync,
                           trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`); no
@@ -419,6 +422,7 @@ def layer1_scatter_kernel(gemm, item, splits, tiles, split_done, homes, release,
     source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
-    events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), gemm, item, splits,
-                                 tiles, split_done, homes, trace, events, True)
-    _release_sources(release, epoch, sync)
+    events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), a_desc, b_desc,
+                                 gemm, item, splits, tiles, progress.split_done, homes, trace,
+                                 events, True)
+    _release_sources(progress, epoch, sync)

@@ -216,7 +216,14 @@ class FusedMoE:
 
     @property
     def check_errors(self) -> str:
+        """``"lazy"`` or ``"sync"`` (see the class doc); may be changed between calls."""
         return self.errors.mode
+
+    @check_errors.setter
+    def check_errors(self, mode: str) -> None:
+        if mode not in ("lazy", "sync"):
+            raise ValueError(f"check_errors must be 'lazy' or 'sync', got {mode!r}")
+        self.errors.mode = mode
 
     # ------------------------------------------------------------------ selection
     def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:

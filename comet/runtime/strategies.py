@@ -29,8 +29,8 @@ from comet.config import MoEConfig, TileConfig
 from comet.kernels.combine import Parts
 from comet.kernels.group_gemm import Gemm, GemmTile
 from comet.kernels.layer0 import Homes as DispatchHomes
-from comet.kernels.layer1 import (Homes, Pairs, Reduce, Release, Splits, launch_layer1_reduce,
-                                  launch_layer1_scatter)
+from comet.kernels.layer1 import (Homes, Pairs, Progress, Reduce, Splits,
+                                  launch_layer1_reduce, launch_layer1_scatter)
 from comet.kernels.plan import EntryTables
 from comet.kernels.sync import Trace
 from comet.routing import recv_capacity
@@ -45,8 +45,8 @@ class BufferSpec:
     dtype: torch.dtype
 
 
-def _release(ws: "Workspace") -> Release:        
-    return Release(ws.count.l1_done, ws.peer("flag1"))
+def _progress(ws: "Workspace") -> Progress:
+    return Progress(ws.count.split, ws.count.l1_done, ws.peer("flag1"))
 
 
 class ColumnReduce:
@@ -77,14 +77,13 @@ class ColumnReduce:
         recv = EntryTables(*(b.local for b in ws.recv))
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
-            split_done=ws.count.split, reduce=Reduce(recv, ws.peer("comb"), mx,
-                                                     ws.count.l1_reduce, pairs),
-            arrivals=ws.arrivals, release=_release(ws), sync=ws.sync, split=split,
-            trace=trace, shape=ws.shape, tile=tile, role=role, wait=wait,
-            cooperative=cooperative)
+            progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx,
+                                                  ws.count.l1_reduce, pairs),
+            arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
+            tile=tile, role=role, wait=wait, cooperative=cooperative)
 
     @staticmethod
-    def parts(ws: "Workspace") -> Parts:                                
+    def parts(ws: "Workspace") -> Parts:
         """comb ``[W, Mx, H]``: part ``d`` of token ``t`` is row ``d * Mx + t``."""
         return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.shape.WORLD)
 
@@ -111,7 +110,7 @@ class Scatter:
         return 0    # no comm role: the epilogue sends
 
     @staticmethod
-    def homes(ws: "Workspace") -> DispatchHomes:                        
+    def homes(ws: "Workspace") -> DispatchHomes:
         """What layer0's dispatch sends with each row."""
         return DispatchHomes(ws.peer("row_home"), ws.peer("row_weight"))
 
@@ -127,12 +126,11 @@ class Scatter:
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
                       cfg.max_tokens * cfg.top_k)
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
-                              tiles=ws.plan.tiles, split_done=ws.count.split, homes=homes,
-                              release=_release(ws), sync=ws.sync, trace=trace,
-                              shape=ws.shape, tile=tile)
+                              tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
+                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile)
 
     @staticmethod
-    def parts(ws: "Workspace") -> Parts:                                
+    def parts(ws: "Workspace") -> Parts:
         """pair_out ``[Mx, k, H]``: part ``j`` of token ``t`` is row ``t * k + j``."""
         return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.shape.TOPK)
 
