@@ -191,7 +191,7 @@ def test_a_failed_graph_capture_falls_back_to_eager_calls():
             ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
                                         round_to=torch.bfloat16)
             assert _rel_err(y, ref) < 1e-2, call
-    assert list(layer._graphs.values()) == [None]
+    assert list(layer.graphs._graphs.values()) == [None]
     assert int(layer.ws.epoch) == 4
     layer.check_errors_now()
 
@@ -356,7 +356,7 @@ def test_backward_graph_replays_keep_every_calls_gradients():
         layer(x, ids, w)
         calls.append((x, ids, w, dy, layer.backward(dy, x, ids, w, comm_blocks=(1, 1))))
     layer.check_errors_now()
-    assert isinstance(layer._backward_graphs[(True, True)], list)
+    assert isinstance(layer.graphs._graphs[("backward", True, True)], list)
     for x, ids, w, dy, got in calls:
         f13, f2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
         fx, fw = x.float().requires_grad_(), w.clone().requires_grad_()

@@ -3,9 +3,10 @@
 # Paired sweep of two trees on one machine: BASE_DIR holds the package to compare with
 # (e.g. `git archive REV comet | tar -x -C .base`, carried), this tree is the new one.
 # Runs `comet bench` new, base, new (alternating, so drift over the call shows up as the
-# spread of the two new runs), then prints and writes the record-by-record ratios
-# (comet bench --from-json NEW... --against BASE). Writes under $OUT (./out if unset):
-# new-1/, base-1/, new-2/ (JSON records), paired-*.json, paired.log.
+# spread of the two new runs; PAIRED_RUNS changes the list, and a run that would start
+# after PAIRED_START_BEFORE_S seconds is skipped), then prints and writes the
+# record-by-record ratios (comet bench --from-json NEW... --against BASE). Writes under
+# $OUT (./out if unset): new-1/, base-1/, new-2/ (JSON records), paired-*.json, paired.log.
 set -uo pipefail
 base="${1:?usage: paired_bench.sh BASE_DIR NPROC [comet bench args...]}"
 nproc="${2:?usage: paired_bench.sh BASE_DIR NPROC [comet bench args...]}"
@@ -14,15 +15,21 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 out="${OUT:-out}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 here="$PWD"
 base="$(cd "$base" && pwd)"
 {
   nvidia-smi --query-gpu=index,name,driver_version --format=csv
-  for run in new-1 base-1 new-2; do
+  for run in ${PAIRED_RUNS:-new-1 base-1 new-2}; do
+    if [ "$SECONDS" -gt "${PAIRED_START_BEFORE_S:-100000}" ]; then
+      echo "== $run skipped: ${SECONDS}s in"; continue
+    fi
     tree="$here"; [ "${run%-*}" = base ] && tree="$base"
-    echo "== $run ($tree)"
-    PYTHONPATH="$tree" timeout "${PAIRED_RUN_TIMEOUT_S:-300}" python3 -m comet.cli.bench \
-      --nproc "$nproc" --no-plot --output-dir "$out/$run" "$@" | tail -n 3
+    echo "== $run ($tree) at ${SECONDS}s"
+    # From the tree itself: `python -m` puts the working directory first on sys.path.
+    (cd "$tree" && PYTHONPATH="$tree" timeout "${PAIRED_RUN_TIMEOUT_S:-300}" \
+      python3 -m comet.cli.bench --nproc "$nproc" --no-plot --output-dir "$out/$run" "$@" \
+      | tail -n 3)
   done
   PYTHONPATH="$here" python3 -m comet.cli.bench --from-json "$out"/new-*/bench-*.json \
     --against "$out"/base-*/bench-*.json --output-dir "$out"
