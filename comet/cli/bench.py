@@ -141,6 +141,7 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
     lines = paired.summary(rows)
     print("\n".join(lines))
     if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, f"paired-{stamp:%Y%m%d-%H%M%S}.json")
         with open(path, "w") as f:
             json.dump({"new": new_paths, "base": base_paths, "summary": lines, "rows": rows},

@@ -42,6 +42,7 @@ plan's :class:`~comet.kernels.plan.Tiles` and :class:`~comet.kernels.plan.Segmen
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -122,12 +123,14 @@ class Arrivals(NamedTuple):
     entries: torch.Tensor        # int32 [W]: return entries each source sends here
 
 
+@functools.lru_cache(maxsize=64)
 def dispatch_tile(tile: TileConfig, row_home: bool) -> DispatchTile:
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
         tile.comm_entries, row_home)))
 
 
+@functools.lru_cache(maxsize=64)
 def lanes(tile: TileConfig) -> Lanes:
     return Lanes(*(constexpr(v) for v in (tile.group_m, tile.lane_head_rounds,
                                              tile.lane_tail_rounds)))

@@ -46,6 +46,7 @@ ranks that token was sent to in a fixed order: the result does not depend on tim
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -136,6 +137,7 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
     return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden), item, splits
 
 
+@functools.lru_cache(maxsize=64)
 def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool) -> ReduceTile:
     return ReduceTile(*(constexpr(v) for v in (tile.comm_entries, tile.reduce_item,
                                                   tile.comm_block_c, weighted, pairs)))
@@ -153,7 +155,7 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
     layer1_reduce_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
-        rtile=reduce_tile(tile, weighted=not item.TRANS_B, pairs=reduce.pairs is not None),
+        rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None),
         ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
