@@ -1,4 +1,6 @@
-"""Router and routing plan, computed on the device with no host synchronisation.
+"""The routing plan in torch: the specification of the plan kernels (comet.kernels.plan),
+which compute the same tables on the device with no host synchronisation. (The router
+itself is :func:`comet.reference.route`.)
 
 The forward path never asks the host how many tokens went where: every table here has a
 fixed capacity derived from ``max_tokens`` and the live counts stay on the device, where
@@ -30,10 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from comet.reference import route as select_experts  # noqa: F401  (the router is the spec)
-
-__all__ = ["select_experts", "local_counts", "SendPlan", "RecvLayout", "build_send_plan",
-           "build_recv_layout", "recv_capacity"]
+__all__ = ["local_counts", "SendPlan", "RecvLayout", "build_send_plan", "build_recv_layout",
+           "recv_capacity"]
 
 
 def recv_capacity(world_size: int, max_tokens: int, top_k: int) -> int:

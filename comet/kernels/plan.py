@@ -66,14 +66,13 @@ class Routing(NamedTuple):
     ids: torch.Tensor            # int64 [rows, k]: expert per (token, slot); -1 = none
     weights: torch.Tensor        # [rows, k] routing weights
     rows: int                    # rows of ids (at least the call's tokens)
-    num_tokens: torch.Tensor     # int64 [1]: the call's tokens, read on the device ...
-    HAS_NUM_TOKENS: tl.constexpr  # ... when set; else the call has ``rows`` tokens
+    num_tokens: torch.Tensor | None  # int64 [1]: the call's tokens, read on the device ...
+    HAS_NUM_TOKENS: tl.constexpr  # ... when there is one; else the call has ``rows`` tokens
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor,
            num_tokens: torch.Tensor | None = None) -> "Routing":
-        return cls(ids, weights, ids.shape[0], ids if num_tokens is None else num_tokens,
-                   constexpr(num_tokens is not None))
+        return cls(ids, weights, ids.shape[0], num_tokens, constexpr(num_tokens is not None))
 
 
 class SendList(NamedTuple):

@@ -58,9 +58,9 @@ class Sync(NamedTuple):
 class Trace(NamedTuple):
     """Per-program event records of a traced launch (``comet bench --timeline``):
     ``events [programs, MAX_TRACE_EVENTS, 4]`` int64 ``(kind, unit, start_ns, end_ns)``;
-    with ``ON`` false nothing is recorded (``events`` may be any tensor)."""
+    with ``ON`` false nothing is recorded (and ``events`` is None)."""
 
-    events: torch.Tensor
+    events: torch.Tensor | None
     ON: tl.constexpr
 
     @classmethod
@@ -68,8 +68,8 @@ class Trace(NamedTuple):
         return cls(events, constexpr(True))
 
     @classmethod
-    def off(cls, device) -> "Trace":
-        return cls(torch.zeros(1, dtype=torch.int64, device=device), constexpr(False))
+    def off(cls) -> "Trace":
+        return cls(None, constexpr(False))
 
 
 @triton.jit

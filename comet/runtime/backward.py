@@ -135,7 +135,7 @@ class BackwardCall:
         ws = self.ws
         self._routing = Routing.of(self.staged_ids, self.staged_weights, self._m)
         self._open_call, self._plan = plan_phases(ws, self._routing, self.tile)
-        self._quiet = Trace.off(ws.epoch.device)
+        self._quiet = Trace.off()
 
     def start(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, split: tuple[int, int]) -> "BackwardCall":

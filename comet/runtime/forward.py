@@ -125,7 +125,7 @@ class ForwardCall:
         # programs wait for compute programs that have not run, so roles go one by one.
         self.fused = self.mode == "fused" and not interpreting() and not self.roles_apart
         traces = self.trace or {}
-        self._quiet = Trace.off(ws.epoch.device)
+        self._quiet = Trace.off()
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
