@@ -198,7 +198,10 @@ def launch_layout(plan: Plan, counts: torch.Tensor, epoch: torch.Tensor, rank: i
     """Offsets and the tile table from the exchanged ``counts`` (this rank's symmetric
     ``[COUNT_BUFFERS, W, W * (El + 1)]``)."""
     layout_kernel[(min(LAYOUT_PROGRAMS, int(shape.NUM_EXPERTS)),)](
-        counts=counts, epoch=epoch, rank=rank, plan=plan, shape=shape, chunking=chunking,
+        counts=counts, epoch=epoch, rank=rank, send_base=plan.send_base,
+        dst_base=plan.dst_base, send_off=plan.send.off, entry_count=plan.entry_count,
+        segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
+        tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
         BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4)
 
 
@@ -207,8 +210,11 @@ def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
     """Send list and return entries of this rank (one program per token block)."""
     blocks = plan.block_counts.shape[0] - 1
     place_kernel[(blocks,)](
-        routing=routing, plan=plan, max_tokens=max_tokens, input_err=input_err,
-        epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK), num_warps=4)
+        routing=routing, block_counts=plan.block_counts, send_base=plan.send_base,
+        dst_base=plan.dst_base, send=plan.send, entries=plan.entries,
+        dest_mask=plan.dest_mask, pair_live=plan.pair_live, max_tokens=max_tokens,
+        input_err=input_err, epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK),
+        num_warps=4)
 
 
 # ----------------------------------------------------------------------- kernels
@@ -293,8 +299,9 @@ def scan_kernel(block_counts, blocks, routing, COLS: tl.constexpr, BLOCK_T: tl.c
 
 
 @triton.jit
-def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.constexpr,
-                  HEAD_TILES: tl.constexpr):
+def layout_kernel(counts, epoch, rank, send_base, dst_base, send_off, entry_count, segments,
+                  chunks, recv_entries, tiles, scratch, shape, chunking,
+                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
@@ -317,10 +324,7 @@ def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.conste
     W_P2: tl.constexpr = shape.W_P2
     LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
     EL_P2: tl.constexpr = shape.EL_P2
-    send_base, dst_base, send_off = plan.send_base, plan.dst_base, plan.send.off
-    seg_start, seg_rows, pre = plan.segments.start, plan.segments.rows, plan.segments.pre
-    tiles = plan.tiles
-    scratch = plan.scratch
+    seg_start, seg_rows, pre = segments.start, segments.rows, segments.pre
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     lead = pid == 0
@@ -344,7 +348,7 @@ def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.conste
         tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
         unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
                          mask=w_mask, other=0)
-        tl.store(plan.entry_count + s_idx, unique, mask=w_mask)
+        tl.store(entry_count + s_idx, unique, mask=w_mask)
         for d in range(WORLD):
             # rows of every source s for d's experts: m[s, el]
             m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
@@ -391,8 +395,8 @@ def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.conste
     if lead:
         tl.store(pre + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :],
                  tl.cumsum(m, axis=1) - m, mask=grid_mask)
-        tl.store(plan.recv_entries + s_idx, ent, mask=w_mask)
-        tl.store(plan.chunks + s_idx,
+        tl.store(recv_entries + s_idx, ent, mask=w_mask)
+        tl.store(chunks + s_idx,
                  tl.cdiv(tl.sum(m, axis=1), chunking.ROWS) + tl.cdiv(ent, chunking.ENTRIES),
                  mask=w_mask)
         tl.store(seg_start + cell, seg0, mask=grid_mask)
@@ -442,18 +446,21 @@ def layout_kernel(counts, epoch, rank, plan, shape, chunking, BLOCK_M: tl.conste
 
 
 @triton.jit
-def place_kernel(routing, plan, max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr):
+def place_kernel(routing, block_counts, send_base, dst_base, send, entries, dest_mask, pair_live,
+                 max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr):
     """Send list and return entries of token block ``b`` (see module docstring). The
     routing's token count bounds the ids read; ``max_tokens`` is the tables' capacity.
     Reports non-finite weights of real pairs."""
     b = tl.program_id(0)
     rows = _token_rows(routing)
     if b * BLOCK_T < rows:
-        _place_block(routing, plan, rows, max_tokens, input_err, epoch, b, shape, BLOCK_T)
+        _place_block(routing, block_counts, send_base, dst_base, send, entries, dest_mask,
+                     pair_live, rows, max_tokens, input_err, epoch, b, shape, BLOCK_T)
 
 
 @triton.jit
-def _place_block(routing, plan, rows, max_tokens, input_err, epoch, b, shape,
+def _place_block(routing, block_counts, send_base, dst_base, send, entries, dest_mask,
+                 pair_live, rows, max_tokens, input_err, epoch, b, shape,
                  BLOCK_T: tl.constexpr):
     TOPK: tl.constexpr = shape.TOPK
     TOPK_P2: tl.constexpr = shape.TOPK_P2
@@ -461,10 +468,8 @@ def _place_block(routing, plan, rows, max_tokens, input_err, epoch, b, shape,
     LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
     WORLD: tl.constexpr = shape.WORLD
     ids_ptr, weights_ptr = routing.ids, routing.weights
-    send_base, dst_base, block_counts = plan.send_base, plan.dst_base, plan.block_counts
-    send_pair, send_row, send_weight = plan.send.pair, plan.send.row, plan.send.weight
-    ent_token, ent_rows, ent_weight = plan.entries.token, plan.entries.rows, plan.entries.weight
-    dest_mask, pair_live = plan.dest_mask, plan.pair_live
+    send_pair, send_row, send_weight = send.pair, send.row, send.weight
+    ent_token, ent_rows, ent_weight = entries.token, entries.rows, entries.weight
     P: tl.constexpr = BLOCK_T * TOPK_P2
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, TOPK_P2)
