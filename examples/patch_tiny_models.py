@@ -1,9 +1,14 @@
 """Patch tiny random-initialised transformers MoE models with comet and compare the logits.
 
-For every supported family the installed transformers provides (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, DeepSeek-V3), a two-layer model is built from its config (no download),
-copied, patched with ``comet.patch_model`` and run on the same tokens as the original. Then
-a patched tiny Mixtral generates greedily next to the original.
+For each family of ``comet.integrations.tiny_models`` the installed transformers provides
+and comet converts there (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Phi-3.5-MoE,
+GLM-4.5, Llama-4), a two-layer model is built from its config (no download), copied,
+patched with ``comet.patch_model`` and run on the same tokens as the original. Then a
+patched tiny Mixtral generates greedily next to the original.
+
+``--coverage`` first prints which of *all* the MoE families of the installed transformers
+comet converts and why it refuses the others (``comet.integrations.coverage``; one CPU
+process, rank 0 only).
 
 On a CPU (one process)::
 
@@ -36,6 +41,8 @@ def parse_args():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=12, help="tokens generate() produces")
+    p.add_argument("--coverage", action="store_true",
+                   help="first print the coverage table of every transformers MoE family")
     return p.parse_args()
 
 
@@ -102,6 +109,11 @@ def main():
     from comet.integrations.tiny_models import available_families, build_tiny_model
 
     rank, world, device = setup(args.device)
+    if args.coverage and rank == 0:
+        from comet.integrations import coverage
+        print(f"every MoE family of transformers {transformers.__version__} "
+              "(tiny fp32 models, CPU):\n")
+        print(coverage.markdown_table(), end="\n\n")
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     # bf16 rounding may flip a near-tie top-k choice in a later layer for a rare token:
     # judge by the median and the share of such tokens, not the single worst token.

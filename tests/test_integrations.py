@@ -13,7 +13,10 @@ no downloads) are patched and compared with their unpatched copy. Tolerances:
   hundred); the median token is within 1%.
 
 Runs with transformers 4.4x (per-expert nn.Linear experts, tuple-returning blocks) and
-5.x (fused 3-D experts, tensor-returning blocks, experts registry).
+5.x (fused 3-D experts, tensor-returning blocks, experts registry). Every MoE family of the
+installed transformers is checked by tests/test_model_coverage.py; the families here
+(comet.integrations.tiny_models) get the deeper checks: bf16, compile, state dicts, EP,
+training.
 """
 
 from __future__ import annotations
@@ -28,15 +31,13 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from comet import CometMoE  # noqa: E402
-from comet.integrations import FAMILIES as BLOCK_FAMILIES  # noqa: E402
 from comet.integrations import (  # noqa: E402
-    EXPERTS_BACKEND_REGISTERED, CometMoEBlock, count_patched, from_module, patch_model)
+    EXPERTS_BACKEND_REGISTERED, CometMoEBlock, count_patched, find_moe_blocks, from_module,
+    patch_model)
 from comet.integrations.tiny_models import (  # noqa: E402
-    available_families, build_tiny_model, patched_copy)
+    MOE_LAYERS, available_families, build_tiny_model, patched_copy)
 
 FAMILIES = available_families()
-SUPPORTED = tuple(BLOCK_FAMILIES)  # class names
-MOE_LAYERS = {"deepseek_v3": 1}  # first_k_dense_replace=1: layer 0 is dense
 
 
 def _tokens(batch=2, seq=12, seed=0):
@@ -53,7 +54,7 @@ def _first(out):
 
 
 def _original_blocks(model):
-    return [m for m in model.modules() if type(m).__name__ in SUPPORTED]
+    return [m for _, m in find_moe_blocks(model)]
 
 
 def _moe_blocks(model):
@@ -112,7 +113,7 @@ def test_blocks_match_bf16(family):
     """Each patched block, fed exactly the input its original saw inside the model."""
     model = build_tiny_model(family, dtype=torch.bfloat16)
     patched = patched_copy(model)
-    originals = {n: m for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
+    originals = dict(find_moe_blocks(model))
     inputs = {}
     for name, block in originals.items():
         block.register_forward_pre_hook(lambda m, args, name=name: inputs.update({name: args[0]}))
@@ -188,12 +189,21 @@ def test_greedy_generate_matches_on_mixtral(fp32_models):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replacement_keeps_names_modules_and_class(family, fp32_models):
     model, patched = fp32_models[family]
-    originals = {n: m for n, m in model.named_modules() if type(m).__name__ in SUPPORTED}
-    for name, orig in originals.items():
+    for name, orig in find_moe_blocks(model):
         new = patched.get_submodule(name)
         assert isinstance(new, CometMoE) and isinstance(new, type(orig))
-        assert set(dict(new.named_children())) == set(dict(orig.named_children()))
-        assert type(new.gate) is type(orig.gate)
+        children = {n: type(c) for n, c in orig.named_children() if n != "experts"}
+        assert {n: type(c) for n, c in new.named_children() if n != "experts"} == children
+        assert "experts" in dict(new.named_children())
+
+
+def test_replacement_adopts_the_blocks_own_modules():
+    """Router, shared experts and gates are the block's objects, not copies."""
+    block = _original_blocks(build_tiny_model("qwen2_moe"))[0]
+    new = from_module(block)
+    for name, child in block.named_children():
+        if name != "experts":
+            assert getattr(new, name) is child, name
 
 
 def test_hooks_on_the_router_keep_firing():
@@ -311,7 +321,7 @@ def test_ep_rank_keeps_its_experts_and_saves_them(fake_world):
 
 def _kernel_layout(block):
     """All experts of a transformers block as ``(w13 [E, H, 2F], w2 [E, F, H])``."""
-    from comet.integrations.blocks import expert_layout, expert_sizes, kernel_weights
+    from comet.integrations.experts import expert_layout, expert_sizes, kernel_weights
     layout = expert_layout(block.experts)
     e, _, _ = expert_sizes(block.experts, layout)
     return kernel_weights(block.experts, layout, 0, e)
@@ -340,6 +350,16 @@ def test_unsupported_moe_block_is_named():
         patch_model(model)
     with pytest.raises(TypeError, match="_HomemadeMoE"):
         from_module(model[1])
+
+
+def test_one_refused_block_means_nothing_is_replaced():
+    """patch_model checks every block first: a supported block next to a refused one stays
+    as it was, and the error names the refused one with its path and reason."""
+    block = _original_blocks(build_tiny_model("mixtral"))[0]
+    model = nn.Sequential(block, _HomemadeMoE())
+    with pytest.raises(TypeError, match=r"'1'.*_HomemadeMoE.*not gated MLPs"):
+        patch_model(model)
+    assert model[0] is block and count_patched(model) == 0
 
 
 def test_model_without_moe_blocks_is_rejected():
@@ -375,7 +395,10 @@ def test_wrong_inputs_give_clear_errors(fp32_models):
                     reason="this transformers has no experts-implementation registry (4.x)")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_comet_experts_backend(family, fp32_models):
+    from comet.integrations.experts import is_registry_experts
     model, _ = fp32_models[family]
+    if not any(is_registry_experts(m) for m in model.modules()):
+        pytest.skip(f"{family}'s experts are not dispatched through the experts registry")
     switched = copy.deepcopy(model)
     switched.set_experts_implementation("comet")
     assert switched.config._experts_implementation == "comet"
@@ -424,6 +447,117 @@ def test_comet_experts_backend_on_gpu():
     _assert_bf16_close(_logits(switched, ids), _logits(model, ids))
 
 
+# --------------------------------------------------------------------------- training
+def _train_step(model, ids):
+    """Loss and gradients of one step: ``{name: grad}`` of the non-expert parameters, and
+    ``{block path: (dW13 [E, H, 2F] gate-up layout, dW2 [E, F, H])}`` of the experts."""
+    from comet.integrations.experts import _fused_to_kernel, _linear_to_kernel, inspect_experts
+    from comet.weights import gate_up_first
+    model.zero_grad()
+    loss = model(ids).logits.float().square().mean()
+    loss.backward()
+    grads, experts = {}, {}
+    for name, p in model.named_parameters():
+        if ".experts." not in name and p.grad is not None:
+            grads[name] = p.grad.clone()
+    for path, block in model.named_modules():
+        ex = block._modules.get("experts")
+        if isinstance(block, CometMoEBlock):
+            experts[path] = (gate_up_first(ex.w13.grad), ex.w2.grad.clone())
+        elif ex is not None and path not in experts:
+            layout = inspect_experts(ex).layout
+            if layout.kind == "fused":
+                experts[path] = _fused_to_kernel(ex.gate_up_proj.grad, ex.down_proj.grad,
+                                                 layout.transposed)
+            else:  # transformers 4.x: per-expert nn.Linear
+                pairs = [_linear_to_kernel(*(getattr(m, n).weight.grad for n in layout.names))
+                         for m in ex]
+                experts[path] = tuple(torch.stack(t) for t in zip(*pairs))
+    return loss.detach(), grads, experts
+
+
+def _assert_grads_close(got, want, what):
+    assert got.keys() == want.keys(), what
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("family", [f for f in ("mixtral", "glm4_moe", "llama4") if f in FAMILIES])
+def test_training_matches_on_one_rank(family):
+    """x, the router, shared experts and the routed experts get the original's gradients
+    (one CPU rank: the reference, differentiable as written)."""
+    model = build_tiny_model(family)
+    patched = patched_copy(model)
+    ids = _tokens()
+    loss, grads, experts = _train_step(model, ids)
+    loss_p, grads_p, experts_p = _train_step(patched, ids)
+    torch.testing.assert_close(loss_p, loss)
+    _assert_grads_close(grads_p, grads, family)
+    assert experts_p.keys() == experts.keys()
+    for path, (w13, w2) in experts.items():
+        torch.testing.assert_close(experts_p[path][0], w13, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(experts_p[path][1], w2, atol=1e-5, rtol=1e-4)
+
+
+def _train_worker(rank, world, store, families, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ids = _tokens(seed=20 + rank)  # each rank trains on its own batch
+        for family in families:
+            model = build_tiny_model(family)
+            patched = patched_copy(model)
+            backwards = []
+            for block in patched.modules():
+                if isinstance(block, CometMoEBlock):  # count the op's backward calls
+                    def spy(*args, _inner=block.experts_backward, **kwargs):
+                        backwards.append(1)
+                        return _inner(*args, **kwargs)
+                    block.experts_backward = spy
+            loss, grads, experts = _train_step(model, ids)
+            loss_p, grads_p, experts_p = _train_step(patched, ids)
+            assert len(backwards) == count_patched(patched)
+            torch.testing.assert_close(loss_p, loss)
+            _assert_grads_close(grads_p, grads, family)  # replicated: this rank's tokens
+            for path, (w13, w2) in experts.items():
+                # An expert's gradient collects every rank's tokens routed to it.
+                dist.all_reduce(w13)
+                dist.all_reduce(w2)
+                block = patched.get_submodule(path)
+                lo, el = block.expert_offset, block.local_experts
+                torch.testing.assert_close(experts_p[path][0], w13[lo:lo + el],
+                                           atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(experts_p[path][1], w2[lo:lo + el],
+                                           atol=1e-5, rtol=1e-4)
+            results.put((rank, family, "ok"))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", repr(err)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
+def test_expert_parallel_training_over_gloo(tmp_path):
+    """Two CPU ranks, half the experts each, a training step on each rank's own tokens: the
+    backward goes through comet's op (torch.ops.comet.routed_experts, the unfused
+    expert-parallel backward) and gives the unpatched model's gradients -- replicated
+    parameters per rank, each expert the sum over both ranks' tokens."""
+    ctx = torch.multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    families = [f for f in ("qwen2_moe", "glm4_moe", "llama4") if f in FAMILIES]
+    procs = [ctx.Process(target=_train_worker,
+                         args=(r, 2, tmp_path / "store", families, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    outcomes = [results.get(timeout=5) for _ in range(2 * len(families))]
+    assert [p.exitcode for p in procs] == [0, 0], outcomes
+    assert all(o[2] == "ok" for o in outcomes), outcomes
+
+
 # --------------------------------------------------------------------------- EP, for real
 def _ep_worker(rank, world, store, families, results):
     torch.set_num_threads(1)  # forked: keep clear of the parent's OpenMP pool
@@ -447,7 +581,7 @@ def test_expert_parallel_over_gloo_matches(tmp_path):
     with its own tokens: logits match the unpatched model (which holds all experts)."""
     ctx = torch.multiprocessing.get_context("fork")
     results = ctx.Queue()
-    families = [f for f in ("mixtral", "qwen2_moe", "deepseek_v3") if f in FAMILIES]
+    families = [f for f in ("mixtral", "qwen2_moe", "deepseek_v3", "llama4") if f in FAMILIES]
     procs = [ctx.Process(target=_ep_worker,
                          args=(r, 2, tmp_path / "store", families, results)) for r in range(2)]
     for p in procs:

@@ -1,44 +1,68 @@
 """Converting one transformers MoE block into a :class:`comet.CometMoE`.
 
-The replacement, :class:`CometMoEBlock`, is a ``CometMoE`` that keeps the replaced block's
-surface:
+A block is recognised by its structure, not by its class: an ``experts`` child next to the
+block's router. Three kinds of experts module are understood:
 
-* ``gate`` is the block's own router module, reused as is. Routing numerics stay exactly
-  those of transformers, hooks on the router keep firing (transformers 5.x records router
-  logits with a hook on the router class), and ``gate.*`` checkpoint keys are unchanged.
-  Routers that compute the top-k themselves (5.x; DeepSeek-V3 in 4.x) are called and their
-  ``(ids, weights)`` passed on; plain ``nn.Linear`` gates (4.x) give logits that
-  :func:`comet.reference.route` turns into routing with the block's settings.
-* ``experts`` is a :class:`TransformersExperts`: this rank's experts in the kernels' layout
-  (``w13 [El, H, 2F]``, ``w2 [El, F, H]``), saved and loaded under the replaced experts
-  module's keys (fused ``gate_up_proj``/``down_proj`` or per-expert ``nn.Linear`` keys).
-* ``shared_expert`` / ``shared_experts`` / ``shared_expert_gate`` are the block's modules.
-* ``forward`` returns what the replaced block returned: ``(hidden, router_logits)`` for the
-  4.x blocks with a ``nn.Linear`` gate, a tensor otherwise.
+* **routed** (transformers 5.x): a fused experts module with 3-D ``gate_up_proj`` /
+  ``down_proj`` parameters whose forward is dispatched through transformers' experts
+  registry (``@use_experts_implementation``), called by the block as
+  ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. Whatever the block
+  does around that call -- its router (softmax or sigmoid top-k, correction biases, group
+  limits, Phi-3.5's sparsemixer, renormalisation, scaling), shared experts and their gates,
+  norms, jitter, the tuple or tensor it returns -- runs unchanged: the replacement keeps
+  the block's own ``forward`` and modules, and only the experts call goes to comet
+  (:meth:`comet.CometMoE.experts_forward` with the block's ``(top_k_index,
+  top_k_weights)``).
+* **dense** (Llama-4): a fused experts module called as ``experts(routed_in [E*T, H])``,
+  row block ``e`` holding expert ``e``'s input (the block scales each token by its router
+  score *before* the experts). comet computes expert ``e`` on every non-zero row of block
+  ``e`` (routing ``[E*T, 1]``, weight 1; an all-zero row gives zero in a bias-free gated
+  MLP, so it is skipped) -- the same function, without the experts that no token chose.
+* **legacy** (transformers 4.x): a ``ModuleList`` of per-expert gated MLPs that the block
+  loops over itself; routing then comes from the block's router module (``(ids, weights)``
+  routers are called; for a plain ``nn.Linear`` gate, :data:`FAMILIES` gives the 4.x
+  class's routing settings, applied by :func:`comet.reference.route`).
 
-The object is also an instance of the replaced block's class (see :func:`_block_class`), so
-transformers' ``isinstance``-based output recorders (4.5x records router logits on the
-block class) keep working.
+The experts must compute what comet's kernels compute: ``down(silu(gate(x)) * up(x))``
+per expert, no biases, gate and up concatenated. Every other variant is refused with a
+reason that names it (:class:`NotImplementedError`): expert biases, another activation,
+clamped or soft-capped SwiGLU, a norm after each expert, ungated experts, interleaved
+gate/up columns. The checks (:mod:`comet.integrations.experts`) read the module's flags and
+weights, probe its gate function on values from -40 to 40, and run its eager forward on a
+few probe rows against :mod:`comet.reference`, so an experts module that computes
+something else is refused rather than converted wrong. Blocks whose experts are none of
+the three kinds raise :class:`TypeError`.
+
+The replacement, :class:`CometMoEBlock`, is a ``CometMoE`` that is also an instance of the
+replaced block's class (see :func:`_block_class`): it adopts the block's child modules,
+parameters, buffers and attributes (so ``gate`` / ``router``, shared experts and their
+gates are the block's own objects, with their hooks, numerics and checkpoint keys), and
+``experts`` becomes a :class:`TransformersExperts`: this rank's experts in the kernels'
+layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``), saved and loaded under the replaced
+experts module's keys.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comet import reference
 from comet.config import MoEConfig
-from comet.moe import CometMoE, LocalExperts
-from comet.weights import gate_up_first, interleave_gate_up
+from comet.integrations.experts import (  # noqa: F401 - some re-exported for older imports
+    ExpertLayout, ExpertsSpec, TransformersExperts, expert_layout, expert_sizes,
+    inspect_experts, is_registry_experts, kernel_weights)
+from comet.moe import CometMoE
+from comet.runtime.inputs import check_inputs
 
-
+# --------------------------------------------------------------------------- 4.x routing
 @dataclass(frozen=True)
 class Family:
-    """How one transformers MoE block family maps onto :class:`comet.MoEConfig`.
+    """Routing settings of a transformers 4.x MoE block whose ``nn.Linear`` gate gives only
+    logits (the top-k was computed inside the block's forward, which a per-expert
+    ``ModuleList`` block cannot hand to comet).
 
     Attributes:
         name: human name, for messages and docs.
@@ -59,7 +83,9 @@ class Family:
     shared_gate: str | None = None
 
 
-#: Supported block classes (by class name, identical in transformers 4.4x and 5.x).
+#: transformers 4.x block classes with per-expert ``ModuleList`` experts (by class name).
+#: Only these need a table: every block with registry-dispatched experts (transformers
+#: 5.x) is converted from its structure, running its own routing code.
 FAMILIES: dict[str, Family] = {
     "MixtralSparseMoeBlock": Family("Mixtral", always_renormalize=True),
     "Qwen2MoeSparseMoeBlock": Family("Qwen2-MoE", shared="shared_expert",
@@ -71,285 +97,203 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(block: nn.Module) -> Family:
-    """The :class:`Family` of ``block``; TypeError naming the class if unsupported."""
-    name = type(block).__name__
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise TypeError(
-            f"comet cannot convert MoE block class {type(block).__module__}.{name}; "
-            f"supported: {', '.join(FAMILIES)}") from None
-
-
 # --------------------------------------------------------------------------- reading a block
-def _lookup(block: nn.Module, *names: str):
-    """First of ``names`` found on the block, its router, or its config (the attribute
-    moved between these across transformers versions)."""
-    gate = getattr(block, "gate", None)
-    experts = getattr(block, "experts", None)
-    owners = [block, gate]
-    for owner in (block, gate, experts):
+def _router_of(block: nn.Module) -> nn.Module | None:
+    """The block's router module: ``gate`` or ``router`` (a child)."""
+    for name in ("gate", "router"):
+        module = getattr(block, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def _owners(block: nn.Module) -> list:
+    """Where a block's settings may live: the block, its router, its experts, their
+    configs (attributes moved between these across transformers versions and families)."""
+    router, experts = _router_of(block), getattr(block, "experts", None)
+    owners = [block, router, experts]
+    for owner in (block, router, experts):
         cfg = getattr(owner, "config", None)
         if cfg is not None:
             owners.append(cfg)
-    for owner in owners:
+            owners.append(getattr(cfg, "text_config", None))
+    return [o for o in owners if o is not None]
+
+
+def _lookup(block: nn.Module, *names: str, required: bool = True):
+    """First of ``names`` set on the block, its router, its experts or their configs."""
+    for owner in _owners(block):
         for name in names:
             value = getattr(owner, name, None)
-            if value is not None:
+            if value is not None and not isinstance(value, nn.Module):
                 return value
+    if not required:
+        return None
     raise ValueError(f"cannot read {' / '.join(names)} from {type(block).__name__} "
-                     "(looked on the block, its gate and its config)")
+                     "(looked on the block, its router, its experts and their configs)")
 
 
-def _check_silu(act: nn.Module, where: str) -> None:
-    probe = torch.linspace(-4.0, 4.0, 17)
-    if not torch.allclose(act(probe), F.silu(probe)):
-        raise NotImplementedError(
-            f"{where} uses activation {type(act).__name__}; comet experts are SiLU-gated")
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How the replaced experts module stores its weights (and so its checkpoint keys).
-
-    ``kind == "fused"``: ``gate_up_proj [E, 2F, H]`` (gate rows first) and
-    ``down_proj [E, H, F]``, or ``[E, H, 2F]`` / ``[E, F, H]`` when ``transposed``.
-    ``kind == "linear"``: per-expert ``{e}.{gate|up|down}.weight`` of ``nn.Linear``
-    (``[F, H]``, ``[F, H]``, ``[H, F]``), ``names`` being ``(gate, up, down)``.
-    """
-
-    kind: str
-    transposed: bool = False
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-
-
-_LINEAR_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
-
-
-def expert_layout(experts: nn.Module) -> ExpertLayout:
-    """Recognise a transformers experts module; NotImplementedError if comet can't run it."""
-    where = type(experts).__name__
-    gate_up = getattr(experts, "gate_up_proj", None)
-    if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
-        if (getattr(experts, "has_bias", False)
-                or getattr(experts, "gate_up_proj_bias", None) is not None):
-            raise NotImplementedError(f"{where} has expert biases; comet experts have none")
-        if not getattr(experts, "is_concatenated", True):
-            raise NotImplementedError(f"{where} interleaves gate and up columns")
-        if getattr(experts, "has_post_expert_norm", False):
-            raise NotImplementedError(f"{where} has a post-expert norm")
-        _check_silu(experts.act_fn, where)
-        return ExpertLayout("fused", transposed=bool(getattr(experts, "is_transposed", False)))
-    if isinstance(experts, nn.ModuleList) and len(experts) > 0:
-        first = experts[0]
-        for names in _LINEAR_NAMES:
-            if all(isinstance(getattr(first, n, None), nn.Linear) for n in names):
-                if any(getattr(e, n).bias is not None for e in experts for n in names):
-                    raise NotImplementedError(f"{where} has expert biases; comet experts have none")
-                _check_silu(first.act_fn, type(first).__name__)
-                return ExpertLayout("linear", names=names)
-    raise NotImplementedError(
-        f"unrecognised experts module {where}: expected fused gate_up_proj/down_proj tensors "
-        "or a ModuleList of gated MLPs (w1/w3/w2 or gate_proj/up_proj/down_proj)")
-
-
-def expert_sizes(experts: nn.Module, layout: ExpertLayout) -> tuple[int, int, int]:
-    """``(E, H, F)`` of a transformers experts module."""
-    if layout.kind == "fused":
-        e, a, b = experts.gate_up_proj.shape
-        return (e, a, b // 2) if layout.transposed else (e, b, a // 2)
-    f, h = getattr(experts[0], layout.names[0]).weight.shape
-    return len(experts), h, f
-
-
-def _fused_to_kernel(gate_up: torch.Tensor, down: torch.Tensor,
-                     transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused transformers tensors (any leading expert count) -> ``(w13, w2)`` views."""
-    if transposed:
-        return gate_up, down
-    return gate_up.transpose(1, 2), down.transpose(1, 2)
-
-
-def _linear_to_kernel(gate: torch.Tensor, up: torch.Tensor,
-                      down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's ``nn.Linear`` weights ``[F, H], [F, H], [H, F]`` -> ``([H, 2F], [F, H])``."""
-    return torch.cat([gate, up], dim=0).t(), down.t()
-
-
-def kernel_weights(experts: nn.Module, layout: ExpertLayout,
-                   lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts ``[lo, hi)`` of a transformers experts module as new contiguous
-    ``w13 [hi-lo, H, 2F]`` (interleaved, :mod:`comet.weights`) and ``w2 [hi-lo, F, H]``."""
-    with torch.no_grad():
-        if layout.kind == "fused":
-            w13, w2 = _fused_to_kernel(experts.gate_up_proj[lo:hi], experts.down_proj[lo:hi],
-                                       layout.transposed)
-            return interleave_gate_up(w13), w2.contiguous()
-        g, u, d = layout.names
-        pairs = [_linear_to_kernel(getattr(m, g).weight, getattr(m, u).weight,
-                                   getattr(m, d).weight) for m in experts[lo:hi]]
-        return (torch.stack([interleave_gate_up(p[0]) for p in pairs]),
-                torch.stack([p[1] for p in pairs]).contiguous())
-
-
-# --------------------------------------------------------------------------- experts module
-class TransformersExperts(LocalExperts):
-    """This rank's experts (``w13 [El, H, 2F]`` interleaved, ``w2 [El, F, H]``; see
-    :class:`comet.moe.LocalExperts`), checkpointed in the models' layout under the
-    keys of the transformers experts module they replace.
-
-    ``state_dict()`` writes ``gate_up_proj``/``down_proj`` (fused layout; with EP, this
-    rank's ``[El, ...]`` slice) or ``{e}.{gate,up,down}.weight`` for this rank's experts
-    under their *global* index ``e`` (per-expert layout). ``load_state_dict()`` accepts
-    either layout: full ``[E, ...]`` fused tensors are sliced to this rank, per-expert keys
-    of other ranks' experts are dropped. The saved tensors are copies, not views of the
-    parameters.
-    """
-
-    def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
-                 layout: ExpertLayout, first_expert: int, requires_grad: bool = True):
-        super().__init__(cfg, w13.shape[0], device="meta")
-        self.w13 = nn.Parameter(w13, requires_grad=requires_grad)
-        self.w2 = nn.Parameter(w2, requires_grad=requires_grad)
-        self.layout = layout
-        self.num_experts = cfg.num_experts
-        self.first_expert = first_expert
-
-    def extra_repr(self) -> str:
-        el = self.w13.shape[0]
-        return (f"experts [{self.first_expert}, {self.first_expert + el}) of {self.num_experts}, "
-                f"checkpoint layout={self.layout.kind}")
-
-    def _checkpoint_entries(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
-        f = w2.shape[1]
-        w13 = gate_up_first(w13)   # checkpoints keep the models' layout
-        if self.layout.kind == "fused":
-            if self.layout.transposed:
-                return {"gate_up_proj": w13, "down_proj": w2.clone()}
-            return {"gate_up_proj": w13.transpose(1, 2).contiguous(),
-                    "down_proj": w2.transpose(1, 2).contiguous()}
-        g, u, d = self.layout.names
-        out = {}
-        for i in range(w13.shape[0]):
-            e = self.first_expert + i
-            out[f"{e}.{g}.weight"] = w13[i, :, :f].t().contiguous()
-            out[f"{e}.{u}.weight"] = w13[i, :, f:].t().contiguous()
-            out[f"{e}.{d}.weight"] = w2[i].t().contiguous()
-        return out
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        w13, w2 = (self.w13, self.w2) if keep_vars else (self.w13.detach(), self.w2.detach())
-        for key, value in self._checkpoint_entries(w13, w2).items():
-            destination[prefix + key] = value
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
-                              missing_keys, unexpected_keys, error_msgs):
-        if prefix + "w13" not in state_dict and prefix + "w2" not in state_dict:
-            self._translate_checkpoint(state_dict, prefix, missing_keys, unexpected_keys,
-                                       error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
-
-    def _translate_checkpoint(self, state_dict, prefix, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        """Replace transformers expert keys under ``prefix`` by ``w13``/``w2`` entries.
-
-        Anything this rank lacks is reported under the transformers key names, and the
-        current values stand in so torch does not report ``w13``/``w2`` a second time.
-        """
-        w13, w2 = self.w13.detach().clone(), self.w2.detach().clone()
-        fused = {k: state_dict.pop(prefix + k) for k in ("gate_up_proj", "down_proj")
-                 if prefix + k in state_dict}
-        linear = {}
-        pattern = re.compile(re.escape(prefix) + r"(\d+)\.(\w+)\.weight$")
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            m = pattern.match(key)
-            if m and any(m.group(2) in names for names in _LINEAR_NAMES):
-                linear[(int(m.group(1)), m.group(2))] = state_dict.pop(key)
-        if not fused and not linear and self.layout.kind == "fused":
-            missing_keys.extend(prefix + k for k in ("gate_up_proj", "down_proj"))
-        if fused:
-            self._load_fused(fused, w13, w2, prefix, missing_keys, error_msgs)
-        if linear or not fused and self.layout.kind == "linear":
-            self._load_linear(linear, w13, w2, prefix, missing_keys, unexpected_keys)
-        state_dict[prefix + "w13"], state_dict[prefix + "w2"] = w13, w2
-
-    def _load_fused(self, fused, w13, w2, prefix, missing_keys, error_msgs) -> None:
-        el, lo = w13.shape[0], self.first_expert
-        if len(fused) < 2:
-            missing_keys.extend(prefix + k for k in ("gate_up_proj", "down_proj") if k not in fused)
-            return
-        gate_up, down = fused["gate_up_proj"], fused["down_proj"]
-        # A full [E, ...] tensor is sliced to this rank; an [El, ...] one is this rank's own
-        # shard as saved by state_dict() under the same expert-parallel layout.
-        rows = gate_up.shape[0]
-        if rows == self.num_experts:
-            gate_up, down = gate_up[lo:lo + el], down[lo:lo + el]
-        elif rows != el:
-            error_msgs.append(
-                f"size mismatch for {prefix}gate_up_proj: {rows} experts in the checkpoint, "
-                f"expected {self.num_experts} (all) or {el} (this rank's shard)")
-            return
-        new13, new2 = _fused_to_kernel(gate_up, down, self.layout.transposed
-                                       if self.layout.kind == "fused" else False)
-        if new13.shape != w13.shape or new2.shape != w2.shape:
-            error_msgs.append(
-                f"size mismatch for {prefix}gate_up_proj/down_proj: checkpoint gives "
-                f"{tuple(new13.shape)}/{tuple(new2.shape)} in kernel layout, the layer has "
-                f"{tuple(w13.shape)}/{tuple(w2.shape)}")
-            return
-        w13.copy_(interleave_gate_up(new13))
-        w2.copy_(new2)
-
-    def _load_linear(self, linear, w13, w2, prefix, missing_keys, unexpected_keys) -> None:
-        el, lo = w13.shape[0], self.first_expert
-        names = self.layout.names
-        if linear and not any(n in names for _, n in linear):
-            names = next(ns for ns in _LINEAR_NAMES if any(n in ns for _, n in linear))
-        for (e, n) in linear:
-            if e >= self.num_experts or n not in names:
-                unexpected_keys.append(f"{prefix}{e}.{n}.weight")
-        for i in range(el):
-            e = lo + i
-            try:
-                parts = [linear[(e, n)] for n in names]
-            except KeyError:
-                missing_keys.extend(f"{prefix}{e}.{n}.weight" for n in names
-                                    if (e, n) not in linear)
-                continue
-            a, b = _linear_to_kernel(*parts)
-            w13[i].copy_(interleave_gate_up(a))
-            w2[i].copy_(b)
+_TOP_K_NAMES = ("top_k", "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k",
+                "top_k_experts", "router_topk", "n_activated_experts", "moe_top_k")
 
 
 # --------------------------------------------------------------------------- the block
-class CometMoEBlock(CometMoE):
-    """A transformers MoE block running on comet (build it with :func:`from_module`).
+#: nn.Module's own bookkeeping: the replacement keeps its own (empty) hooks.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_ADOPTED_INTERNALS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
-    Shapes: ``forward(hidden_states)`` takes ``[batch, seq, H]`` (or ``[tokens, H]``) and
-    returns the same shape, as a ``(hidden, router_logits [tokens, E])`` tuple when the
-    replaced block returned one (transformers 4.x with a ``nn.Linear`` gate).
+
+def _family_name(block: nn.Module) -> str:
+    """The transformers model family of a block: ``mixtral`` for
+    ``transformers.models.mixtral.modeling_mixtral``, else the module path."""
+    parts = type(block).__module__.split(".")
+    if len(parts) > 2 and parts[:2] == ["transformers", "models"]:
+        return parts[2]
+    return type(block).__module__
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """How :class:`CometMoEBlock` converts a block (see :func:`inspect_block`)."""
+
+    experts: ExpertsSpec
+    top_k: int
+    family: str
+    legacy: Family | None = None
+
+
+def inspect_block(block: nn.Module) -> BlockSpec:
+    """Recognise an MoE block and check comet can run it (nothing is changed).
+
+    Raises:
+        TypeError: not an MoE block comet recognises (no ``experts`` child, experts of an
+            unknown kind, no router, a name clash with :class:`CometMoEBlock`).
+        NotImplementedError: experts with a variant comet does not compute yet.
+    """
+    cls = type(block)
+    where = f"{cls.__module__}.{cls.__name__}"
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
+        raise TypeError(f"{where} has no `experts` module: its experts are computed inside "
+                        f"its own forward, which comet cannot take over")
+    spec = inspect_experts(experts, where)
+    legacy = None
+    if spec.mode == "dense":
+        top_k = 1       # every (token, expert) row is a token of its own
+    else:
+        top_k = _lookup(block, *_TOP_K_NAMES, required=False)
+        if top_k is None:
+            raise TypeError(f"{where}: cannot read the number of experts per token "
+                            f"({' / '.join(_TOP_K_NAMES[:3])}, ...) from the block, its "
+                            "router or its config")
+        top_k = int(top_k)
+    if spec.mode == "legacy":
+        legacy = FAMILIES.get(cls.__name__)
+        if legacy is None:
+            raise TypeError(
+                f"{where}: per-expert ModuleList experts are routed inside the block's own "
+                "forward; comet takes that routing over only for the transformers 4.x "
+                f"classes {', '.join(FAMILIES)}")
+        if _router_of(block) is None:
+            raise TypeError(f"{where}: no router module (gate or router)")
+    _check_names(block, where)
+    return BlockSpec(spec, top_k, _family_name(block), legacy)
+
+
+def _check_names(block: nn.Module, where: str) -> None:
+    """TypeError if the block's class or instance defines names :class:`CometMoEBlock`
+    needs for itself (the replacement is both; one would shadow the other)."""
+    ours = set()
+    for k in CometMoEBlock.__mro__:
+        if k not in nn.Module.__mro__:
+            ours |= set(vars(k))
+    ours -= {"__init__", "__module__", "__doc__", "__dict__", "__weakref__", "forward",
+             "extra_repr", "__setstate__", "__annotations__", "__qualname__",
+             "__firstlineno__", "__static_attributes__"}
+    theirs = set()
+    for k in type(block).__mro__:
+        if k not in nn.Module.__mro__ and k is not object:
+            theirs |= {n for n in vars(k) if not n.startswith("__")}
+    clash = sorted((ours & theirs) | ((_INSTANCE_NAMES | ours) & set(vars(block))))
+    if clash:
+        raise TypeError(f"{where} defines {', '.join(clash)}, which CometMoEBlock uses itself")
+
+
+#: Instance attributes CometMoE / CometMoEBlock set (an adopted block must not have them).
+_INSTANCE_NAMES = frozenset({
+    "cfg", "par", "group", "comm_blocks", "tuned_config_folder", "fused_backward", "_fused",
+    "_op_key", "family", "mode", "returns_router_logits", "_comet_input_cfg",
+    "_comet_check_input", "_comet_legacy", "_comet_rows_per_token"})
+
+
+class CometMoEBlock(CometMoE):
+    """A transformers MoE block running its routed experts on comet (build it with
+    :func:`from_module`).
+
+    It is the replaced block -- same class (as a base), same child modules, parameters,
+    buffers and attributes, same ``forward`` code and return value -- except for
+    ``experts``, a :class:`TransformersExperts` holding this rank's experts; the call the
+    block makes to its experts runs :meth:`comet.CometMoE.experts_forward` with the
+    block's own routing. Hooks registered on the block object itself are not carried over.
 
     Attributes:
-        family: the :class:`Family` name, e.g. ``"Mixtral"``.
-        returns_router_logits: forward returns ``(hidden, router_logits)``.
-        jitter_noise: Mixtral's training-time input jitter (0 disables).
+        family: the transformers model family, e.g. ``"mixtral"`` (4.x blocks: the
+            :class:`Family` name).
+        mode: ``"routed"``, ``"dense"`` or ``"legacy"`` (module doc).
+        returns_router_logits: legacy blocks: forward returns ``(hidden, router_logits)``
+            (transformers 4.x with a ``nn.Linear`` gate). Other blocks return whatever the
+            replaced block returned.
     """
+
+    _replaced_class: type | None = None
 
     def __init__(self, block: nn.Module, *, group=None, max_tokens: int | None = None,
                  comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None):
-        family = family_of(block)
-        layout = expert_layout(block.experts)
-        e, h, f = expert_sizes(block.experts, layout)
-        w_ref = (block.experts.gate_up_proj if layout.kind == "fused"
-                 else getattr(block.experts[0], layout.names[0]).weight)
-        settings = dict(num_experts=e, top_k=int(_lookup(block, "top_k", "num_experts_per_tok")),
-                        hidden_size=h, intermediate_size=f, router=family.router,
-                        dtype=w_ref.dtype)
-        if max_tokens is not None:
-            settings["max_tokens"] = max_tokens
+        spec = inspect_block(block)
+        xs = spec.experts
+        experts = block.experts
+        e, h, f = xs.num_experts, xs.hidden_size, xs.intermediate_size
+        w_ref = (experts.gate_up_proj if xs.layout.kind == "fused"
+                 else getattr(experts[0], xs.layout.names[0]).weight)
+        rows = e if xs.mode == "dense" else 1
+        tokens = max_tokens if max_tokens is not None else MoEConfig.max_tokens
+        settings = dict(num_experts=e, top_k=spec.top_k, hidden_size=h, intermediate_size=f,
+                        dtype=w_ref.dtype, max_tokens=tokens * rows)
+        if spec.legacy is not None:
+            settings.update(self._legacy_settings(block, spec.legacy))
+        where = f"{type(block).__name__} ({spec.family})"
+        try:
+            super().__init__(group=group, device="meta", comm_blocks=comm_blocks,
+                             tuned_config_folder=tuned_config_folder, **settings)
+            input_cfg = self.cfg.replace(max_tokens=tokens)
+        except ValueError as err:
+            raise ValueError(f"cannot convert {where}: {err}") from err
+
+        self._adopt(block)
+        self.family = spec.legacy.name if spec.legacy else spec.family
+        self.mode = xs.mode
+        self._comet_rows_per_token = rows
+        self._comet_input_cfg = input_cfg
+        # Check the block's input where it is the experts' input space (a block that
+        # projects to another width is checked at the experts call only).
+        self._comet_check_input = int(_lookup(block, "hidden_size", "hidden_dim",
+                                              required=False) or h) == h
+        lo = self.par.rank * (e // self.par.world_size)
+        w13, w2 = kernel_weights(experts, xs.layout, lo, lo + e // self.par.world_size)
+        new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, lo,
+                                          requires_grad=w_ref.requires_grad)
+        new_experts.__dict__["_comet_block"] = self   # plain attribute: not a submodule
+        self._modules["experts"] = new_experts
+        self._comet_legacy = spec.legacy
+        self.returns_router_logits = (spec.legacy is not None
+                                      and isinstance(_router_of(block), nn.Linear))
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _legacy_settings(block: nn.Module, family: Family) -> dict:
+        """:class:`MoEConfig` routing fields of a 4.x block (its gate gives only logits)."""
+        settings = dict(router=family.router)
         if not family.always_renormalize:
             settings["renormalize"] = bool(_lookup(block, "norm_topk_prob"))
         if family.grouped:
@@ -357,76 +301,105 @@ class CometMoEBlock(CometMoE):
                             topk_group=int(_lookup(block, "topk_group")),
                             routed_scaling_factor=float(_lookup(block, "routed_scaling_factor")),
                             score_correction_bias=True)
-        shared = getattr(block, family.shared) if family.shared else None
-        if shared is not None:
-            expert_layout(nn.ModuleList([shared]))  # same checks: gated SiLU, no biases
-            shared_f = shared.gate_proj.weight.shape[0]
-            count = getattr(getattr(block, "config", None), "n_shared_experts", None) or 1
-            settings.update(num_shared_experts=int(count), shared_intermediate_size=shared_f,
-                            shared_expert_gate=family.shared_gate is not None)
-        where = f"{type(block).__name__} ({family.name})"
-        try:
-            super().__init__(group=group, device="meta", comm_blocks=comm_blocks,
-                             tuned_config_folder=tuned_config_folder, **settings)
-        except ValueError as err:
-            raise ValueError(f"cannot convert {where}: {err}") from err
+        return settings
 
-        self.family = family.name
-        self.gate = block.gate
-        lo = self.par.rank * (e // self.par.world_size)
-        w13, w2 = kernel_weights(block.experts, layout, lo, lo + e // self.par.world_size)
-        self.experts = TransformersExperts(self.cfg, w13, w2, layout, lo,
-                                           requires_grad=w_ref.requires_grad)
-        self._shared_name = family.shared
-        if shared is not None:
-            # Reuse the block's modules: their keys, hooks and numerics stay as they were.
-            del self.shared_expert
-            setattr(self, family.shared, shared)
-            self.shared_expert_gate = (getattr(block, family.shared_gate)
-                                       if family.shared_gate else None)
-        self.returns_router_logits = isinstance(block.gate, nn.Linear)
-        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
-        self.train(block.training)
+    def _adopt(self, block: nn.Module) -> None:
+        """Take over the block's modules, parameters, buffers and attributes (the objects
+        themselves), dropping what CometMoE built on the meta device in their place."""
+        for name in ("gate", "experts", "shared_expert", "shared_expert_gate"):
+            self._modules.pop(name, None)
+            self.__dict__.pop(name, None)
+        for name, value in vars(block).items():
+            if name in _ADOPTED_INTERNALS:
+                self.__dict__[name] = type(value)(value)
+            elif name == "training":
+                self.training = value
+            elif name not in _MODULE_INTERNALS:
+                self.__dict__[name] = value
 
     def extra_repr(self) -> str:
-        return f"family={self.family}, " + super().extra_repr()
+        return f"family={self.family}, mode={self.mode}, " + super().extra_repr()
 
-    def forward(self, hidden_states: torch.Tensor):
-        """``[batch, seq, H]`` or ``[tokens, H]`` -> same shape (plus router logits
-        ``[tokens, E]`` when :attr:`returns_router_logits`)."""
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        """The replaced block's forward (same arguments, same return value), its experts
+        call running on comet. Legacy (4.x) blocks: ``[batch, seq, H]`` or ``[tokens, H]``
+        -> same shape, plus router logits ``[tokens, E]`` when
+        :attr:`returns_router_logits`."""
+        if self._comet_legacy is not None:
+            return self._legacy_forward(*args, **kwargs)
+        if self._comet_check_input:
+            x = args[0] if args else kwargs.get("hidden_states")
+            check_inputs(self._comet_input_cfg, x, None, None, dtype=self.experts.w13.dtype,
+                         device=self.experts.w13.device, rank=self.par.rank, batched=True)
+        return self._replaced_class.forward(self, *args, **kwargs)
+
+    def call_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None,
+                     top_k_weights: torch.Tensor | None) -> torch.Tensor:
+        """What the replaced experts module returned for this call, computed by comet.
+
+        Registry experts: ``hidden [T, H]``, ``top_k_index [T, k]`` (ids outside
+        ``[0, E)`` -- transformers' expert-parallel sentinels -- contribute nothing),
+        ``top_k_weights [T, k]`` -> ``[T, H]``. Dense experts: ``routed_in [E*T, H]``
+        (row block ``e`` = expert ``e``'s inputs) -> ``[E*T, H]``. The result has the
+        input's dtype."""
+        w13 = self.experts.w13
+        shape, dtype = hidden_states.shape, hidden_states.dtype
+        x = hidden_states.reshape(-1, shape[-1]).to(w13.dtype).contiguous()
+        if top_k_index is None:
+            if self.mode != "dense":
+                raise TypeError(f"the experts of {self.family} take (hidden_states, "
+                                "top_k_index, top_k_weights)")
+            e = self.cfg.num_experts
+            ids = torch.arange(e, device=x.device).repeat_interleave(x.shape[0] // e)
+            ids = torch.where(x.ne(0).any(dim=-1), ids, -1).unsqueeze(1)
+            weights = torch.ones(ids.shape, device=x.device, dtype=torch.float32)
+        else:
+            ids = top_k_index.reshape(x.shape[0], -1)
+            weights = top_k_weights.reshape(x.shape[0], -1).float()
+            if ids.shape[1] != self.cfg.top_k:
+                raise ValueError(f"the {self.family} block routed {ids.shape[1]} experts per "
+                                 f"token; comet was built for top_k={self.cfg.top_k}")
+        check_inputs(self.cfg, x, None, None, dtype=w13.dtype, device=w13.device,
+                     rank=self.par.rank)
+        y = self.experts_forward(x, ids, weights)
+        return y.to(dtype).reshape(shape)
+
+    # ------------------------------------------------------------------ 4.x blocks
+    def _legacy_forward(self, hidden_states: torch.Tensor):
         self.check_inputs(hidden_states, None, None)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()  # the fused kernels read rows
-        if self.training and self.jitter_noise > 0:
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        logits, topk_weights, topk_ids = self.route(x)
+        jitter = float(getattr(self, "jitter_noise", 0.0) or 0.0)
+        if self.training and jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter)
+        logits, topk_weights, topk_ids = self._comet_route(x)
         # Router-made ids are in range by construction: skip the validation (and its host
         # read) that CometMoE.forward applies to user-supplied routing.
         y = self.experts_forward(x, topk_ids, topk_weights.float())
-        if self._shared_name is not None:
-            y = y + self.shared_forward(x)
+        fam = self._comet_legacy
+        if fam.shared is not None:
+            s = getattr(self, fam.shared)(x).float()
+            if fam.shared_gate is not None:
+                s = s * torch.sigmoid(getattr(self, fam.shared_gate)(x).float())
+            y = y + s
         y = y.to(hidden_states.dtype).view(shape)
         return (y, logits) if self.returns_router_logits else y
 
-    def route(self, x: torch.Tensor):
+    def _comet_route(self, x: torch.Tensor):
         """``x [M, H]`` -> ``(router_logits [M, E] or None, topk_weights [M, k],
-        topk_ids [M, k])`` with the replaced block's router."""
-        out = self.gate(x)
+        topk_ids [M, k])`` with the replaced (4.x) block's router."""
+        out = _router_of(self)(x)
         if isinstance(out, torch.Tensor):
-            # transformers 4.x: a nn.Linear gate, routing was done by the block itself.
-            weights, ids = reference.route(out, self.cfg, None)
+            # a nn.Linear gate: the routing was done by the block itself.
+            bias = getattr(_router_of(self), "e_score_correction_bias", None)
+            weights, ids = reference.route(out, self.cfg, bias)
             return out, weights, ids
-        if len(out) == 3:  # 5.x routers: (logits, weights, ids)
+        if len(out) == 3:  # (logits, weights, ids)
             return out
         # 4.x DeepSeek-V3 router: (ids, weights), no logits.
         ids, weights = out if not out[0].is_floating_point() else out[::-1]
         return None, weights, ids
-
-    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = getattr(self, self._shared_name)(x).float()
-        if self.shared_expert_gate is not None:
-            s = s * torch.sigmoid(self.shared_expert_gate(x).float())
-        return s
 
 
 class _InitShim(nn.Module):
@@ -445,7 +418,8 @@ def _block_class(original: type) -> type:
     cls = _CLASSES.get(original)
     if cls is None:
         cls = type(f"Comet{original.__name__}", (CometMoEBlock, _InitShim, original),
-                   {"__module__": __name__, "__doc__": CometMoEBlock.__doc__})
+                   {"__module__": __name__, "__doc__": CometMoEBlock.__doc__,
+                    "_replaced_class": original})
         _CLASSES[original] = cls
     return cls
 
@@ -456,24 +430,29 @@ def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
     """Convert one transformers MoE block into a :class:`CometMoEBlock`.
 
     Args:
-        block: a supported block (see :data:`FAMILIES`), with per-expert ``nn.Linear``
-            experts (transformers 4.x) or fused 3-D expert tensors (5.x).
+        block: an MoE block (a module with an ``experts`` child and its router): fused
+            registry experts (transformers 5.x, any family), Llama-4's dense experts, or
+            per-expert ``nn.Linear`` experts of the transformers 4.x classes in
+            :data:`FAMILIES`.
         group: expert-parallel process group (default: the world when torch.distributed
             is initialised, else one rank). Rank ``r`` keeps experts ``[r*El, (r+1)*El)``;
             every rank must pass the same block weights.
-        max_tokens: most tokens per rank per call (default: :class:`comet.MoEConfig`'s).
+        max_tokens: most tokens per rank per call (default: :class:`comet.MoEConfig`'s);
+            dense (Llama-4) blocks size comet for ``E`` rows per token.
         comm_blocks, tuned_config_folder: see :class:`comet.CometMoE`.
 
     Returns:
-        The replacement, on the block's device and dtype, sharing its router and shared
-        expert modules (the block itself is left untouched).
+        The replacement, on the block's device and dtype, sharing the block's modules
+        (router, shared experts, norms, ...) except the experts (the block itself is
+        left as it was).
 
     Raises:
-        TypeError: unsupported block class. NotImplementedError: unsupported experts
-        (biases, non-SiLU activation). ValueError: the group size does not divide the
-        number of experts, or sizes comet cannot run.
+        TypeError: not an MoE block comet recognises (message: what it is).
+        NotImplementedError: experts comet does not compute yet (message: every
+            unsupported variant: biases, activation, clamped SwiGLU, ...).
+        ValueError: the group size does not divide the number of experts, or sizes comet
+            cannot run (multiples of 16).
     """
-    family_of(block)
     return _block_class(type(block))(block, group=group, max_tokens=max_tokens,
                                      comm_blocks=comm_blocks,
                                      tuned_config_folder=tuned_config_folder)

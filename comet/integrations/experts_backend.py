@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from comet import reference
-from comet.integrations.blocks import expert_layout, expert_sizes
+from comet.integrations.experts import expert_sizes, inspect_experts
 from comet.moe import CometMoE
 from comet.weights import interleave_gate_up
 
@@ -64,8 +64,8 @@ def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
         ``[tokens, H]`` in ``hidden_states``' dtype.
     """
     if "_comet_checked" not in self.__dict__:
-        if expert_layout(self).kind != "fused":
-            raise NotImplementedError(f"{type(self).__name__} is not a fused experts module")
+        if inspect_experts(self).mode != "routed":
+            raise NotImplementedError(f"{type(self).__name__} is not a registry experts module")
         self.__dict__["_comet_checked"] = True
     ids = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)
     if hidden_states.is_cuda:
@@ -104,7 +104,7 @@ def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
             "the 'comet' experts backend runs each rank's experts alone and cannot build "
             "a one-rank layer inside a multi-rank process group; use "
             "comet.patch_model(model, group=...) for expert parallelism")
-    e, h, f = expert_sizes(experts, expert_layout(experts))
+    e, h, f = expert_sizes(experts, inspect_experts(experts).layout)
     max_tokens = max(_MIN_MAX_TOKENS, 1 << (tokens - 1).bit_length())
     layer = CometMoE(e, top_k, h, f, dtype=experts.gate_up_proj.dtype, max_tokens=max_tokens,
                      device="meta")

@@ -2,28 +2,59 @@
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
-from comet.integrations.blocks import FAMILIES, from_module
+from comet.integrations.blocks import from_module, inspect_block
 from comet.moe import CometMoE
+
+#: Class names that say "MoE block" even without an ``experts`` child (DogeCDMoE,
+#: JetMoeMoE, ...): such a block computes its experts itself and is refused with a reason.
+_MOE_CLASS_NAME = re.compile(r"(MoE|Moe|MoA)$")
 
 
 def looks_like_moe_block(module: nn.Module) -> bool:
-    """Heuristic for MoE blocks comet does not know: a router child (``gate`` or
-    ``router``) next to an ``experts`` child holding several experts (a ModuleList, or
-    3-D expert tensors)."""
-    if not any(isinstance(getattr(module, n, None), nn.Module) for n in ("gate", "router")):
+    """A module comet treats as an MoE block: it has an ``experts`` child module (next to
+    its router), or its class name ends in ``MoE`` / ``Moe`` / ``MoA``."""
+    if isinstance(module, CometMoE):
         return False
-    experts = getattr(module, "experts", None)
-    if isinstance(experts, nn.ModuleList):
-        return len(experts) > 1
-    if isinstance(experts, nn.Module):
-        return any(p.dim() == 3 for p in experts.parameters(recurse=False))
-    return False
+    if isinstance(getattr(module, "_modules", {}).get("experts"), nn.Module):
+        return True
+    return bool(_MOE_CLASS_NAME.search(type(module).__name__))
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, block)`` of every MoE block of ``model`` not yet converted, outermost only
+    (nothing inside a block, or inside a :class:`comet.CometMoE`, is looked at)."""
+    found, skip = [], []
+    for path, module in model.named_modules():
+        if any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        if isinstance(module, CometMoE):
+            skip.append(path)
+        elif looks_like_moe_block(module):
+            found.append((path, module))
+            skip.append(path)
+    return found
+
+
+def refusal(block: nn.Module) -> Exception | None:
+    """Why comet would refuse ``block`` (the TypeError or NotImplementedError that
+    :func:`from_module` would raise), or None when it converts it."""
+    try:
+        inspect_block(block)
+    except (TypeError, NotImplementedError) as err:
+        return err
+    return None
 
 
 def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
-    """Replace every supported MoE block of ``model`` by a :class:`CometMoEBlock`, in place.
+    """Replace every MoE block of ``model`` by a :class:`CometMoEBlock`, in place.
+
+    Blocks are recognised by structure (:func:`looks_like_moe_block`), whatever their
+    class, and each is checked (:func:`comet.integrations.blocks.inspect_block`) before
+    anything is replaced.
 
     Args:
         model: a transformers model (any ``nn.Module`` containing MoE blocks).
@@ -38,29 +69,32 @@ def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
         harmless.
 
     Raises:
-        TypeError: a module looks like an MoE block (router + experts) but its class is
-            not supported; the message names the class and its path. Nothing has been
+        TypeError: a block comet does not convert: its path, class and the reason (the
+            unsupported variant, e.g. expert biases or a non-SiLU activation, or an
+            unrecognised experts module); every such block is named. Nothing has been
             replaced when this is raised.
         ValueError: no MoE block found, or the group size does not divide the experts.
     """
-    targets, done = [], 0
-    for path, module in model.named_modules():
-        if isinstance(module, CometMoE):
-            done += 1
-        elif type(module).__name__ in FAMILIES:
-            if not path:
-                raise TypeError(f"{type(module).__name__} is itself an MoE block: convert it "
-                                "with comet.integrations.from_module")
-            targets.append(path)
-        elif looks_like_moe_block(module):
-            raise TypeError(
-                f"comet cannot convert the MoE block at {path or '<root>'!r}: class "
-                f"{type(module).__module__}.{type(module).__name__} is not supported "
-                f"(supported: {', '.join(FAMILIES)})")
+    targets = find_moe_blocks(model)
+    done = sum(isinstance(m, CometMoE) for m in model.modules())
+    refused = {}
+    for path, module in targets:
+        if not path:
+            raise TypeError(f"{type(module).__name__} is itself an MoE block: convert it "
+                            "with comet.integrations.from_module")
+        err = refusal(module)
+        if err is not None:
+            refused.setdefault((type(module).__name__, str(err)), []).append(path)
+    if refused:
+        lines = [f"{paths[0]!r}{f' (and {len(paths) - 1} more)' if len(paths) > 1 else ''}: "
+                 f"class {cls} is not supported: {why}"
+                 for (cls, why), paths in refused.items()]
+        raise TypeError("comet cannot convert the MoE blocks of "
+                        f"{type(model).__name__}:\n  " + "\n  ".join(lines))
     if not targets and not done:
-        raise ValueError(f"no MoE block found in {type(model).__name__}; supported: "
-                         f"{', '.join(FAMILIES)}")
-    for path in targets:
+        raise ValueError(f"no MoE block found in {type(model).__name__} (a module with an "
+                         "`experts` child)")
+    for path, _ in targets:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, name, from_module(getattr(parent, name), group, **kwargs))

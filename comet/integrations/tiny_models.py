@@ -1,7 +1,13 @@
-"""Tiny random-initialised transformers models of every supported family (no downloads).
+"""Tiny random-initialised transformers models of a few families (no downloads).
 
-Used by ``examples/patch_tiny_models.py`` and the tests: sizes are multiples of 16, two
-decoder layers, a handful of experts, so a forward pass takes milliseconds on a CPU.
+Used by ``examples/patch_tiny_models.py`` and tests/test_integrations.py: sizes are
+multiples of 16, two decoder layers, a handful of experts, so a forward pass takes
+milliseconds on a CPU. The five families comet started with, plus three that show the
+range of what the general converter takes over: Phi-3.5-MoE (sparsemixer router), GLM-4.5
+(sigmoid router with correction bias, group-limited, scaled, shared experts) and Llama-4
+(router scores applied to the experts' inputs, dense experts call, shared expert, tuple
+return). :mod:`comet.integrations.coverage` builds one of *every* MoE family the
+installed transformers has.
 """
 
 from __future__ import annotations
@@ -37,14 +43,35 @@ TINY_MODELS: dict[str, tuple[str, str, dict]] = {
                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
                          norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32,
                          qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32,
+                      n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                      n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                      norm_topk_prob=True, head_dim=16)),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                    num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=1)),
 }
 
+#: MoE layers of each tiny model where not every layer is one (first_k_dense_replace=1).
+MOE_LAYERS = {"deepseek_v3": 1, "glm4_moe": 1}
 
-def available_families() -> list[str]:
-    """The families of :data:`TINY_MODELS` the installed transformers provides."""
+
+def available_families(convertible: bool = True) -> list[str]:
+    """The families of :data:`TINY_MODELS` the installed transformers provides -- with
+    ``convertible``, only those whose blocks comet converts there (with transformers 4.x,
+    Phi-3.5-MoE and GLM-4.5 have per-expert ``ModuleList`` experts that only the five
+    original classes are converted from)."""
     import transformers
-    return [name for name, (cfg, lm, _) in TINY_MODELS.items()
-            if hasattr(transformers, cfg) and hasattr(transformers, lm)]
+    from comet.integrations.patch import find_moe_blocks, refusal
+    names = [name for name, (cfg, lm, _) in TINY_MODELS.items()
+             if hasattr(transformers, cfg) and hasattr(transformers, lm)]
+    if convertible:
+        names = [n for n in names
+                 if all(refusal(b) is None for _, b in find_moe_blocks(build_tiny_model(n)))]
+    return names
 
 
 def build_tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -52,8 +79,8 @@ def build_tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int 
     """A seeded random-initialised causal LM of ``family`` (same weights for the same seed
     on every process), in eval mode.
 
-    DeepSeek-V3's ``e_score_correction_bias`` (zero at init) gets small random values so
-    that the biased group selection is exercised.
+    Score-correction biases (``e_score_correction_bias``, zero at init) get small random
+    values so that the biased group selection is exercised.
     """
     import transformers
     cfg_name, lm_name, overrides = TINY_MODELS[family]
