@@ -50,9 +50,7 @@ def check_inputs(cfg: MoEConfig, x: torch.Tensor, topk_ids: torch.Tensor | None,
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if topk_ids.device != x.device or topk_weights.device != x.device:
         raise ValueError("topk_ids and topk_weights must be on the input's device")
-    deferred = (torch.compiler.is_compiling()
-                or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-    if host_ids and not deferred and topk_ids.numel():
+    if host_ids and topk_ids.numel() and not _deferred(x):
         # One host read per call with user-supplied ids: bad ids must fail here, not
         # inside a kernel. Router-computed ids never need it.
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -60,3 +58,9 @@ def check_inputs(cfg: MoEConfig, x: torch.Tensor, topk_ids: torch.Tensor | None,
             raise ValueError(f"topk_ids must be in [-1, {cfg.num_experts}), got values in "
                              f"[{lo}, {hi}]")
     return tokens
+
+
+def _deferred(x: torch.Tensor) -> bool:
+    """Values are not there yet: a compile traces the call, or a graph capture records it."""
+    return (torch.compiler.is_compiling()
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
