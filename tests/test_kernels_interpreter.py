@@ -329,7 +329,7 @@ def test_small_calls_take_the_decode_tile():
     assert few.select_tile(7) is few.tile
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
-    many.programs = many.selection.programs = 64
+    many.programs = 64
     assert many.select_tile(7).block_n1 == 16 and many.select_tile(7) is many.select_tile(7)
     many.preload()
     for layer in (few, many):

@@ -197,14 +197,11 @@ class FusedMoE:
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.tile = tile
-        self.programs = programs
-        self.tuned_config_folder = tuned_config_folder
         self._virtual = virtual
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder)
         self.errors = ErrorReports(ws.error, par.rank, ws.cfg.num_experts, check_errors)
         self.graphs = CallGraphs(self.device, use_graphs)
-        self.use_graphs = use_graphs
         self._static = StaticInputs(ws.cfg, self.device)
         self._timeout: int | None = None           # last value written to ws.timeout
         self._calls: dict[tuple, ForwardCall] = {}
@@ -213,6 +210,16 @@ class FusedMoE:
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
         self._backward_scalars: StagedScalars | None = None
         self._backward_calls: dict[tuple[bool, bool], BackwardCall] = {}
+
+    @property
+    def programs(self) -> int:
+        """Programs of the fused kernels' grids (the device's SM count, or a virtual rank's
+        share of it); the block split is chosen for this many."""
+        return self.selection.programs
+
+    @programs.setter
+    def programs(self, n: int) -> None:
+        self.selection.programs = n
 
     @property
     def check_errors(self) -> str:
