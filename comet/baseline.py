@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from comet.activation import SILU, GatedActivation, gated
 from comet.grouped import grouped_mm
 
 __all__ = ["DispatchPlan", "plan_dispatch", "all_to_all_rows", "ep_moe_forward",
@@ -135,17 +135,27 @@ def plan_dispatch(topk_ids: torch.Tensor, local_experts: int, group=None) -> Dis
 
 
 def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torch.Tensor,
-             timer=None) -> torch.Tensor:
+             timer=None, activation: GatedActivation = SILU, b13: torch.Tensor | None = None,
+             b2: torch.Tensor | None = None) -> torch.Tensor:
     """Received rows ``[R, H]`` (source order) -> expert outputs ``[R, H]`` (source order)."""
     f = w2.shape[1]
     with _phase(timer, "permute"):
         grouped = rows.index_select(0, plan.perm)
     with _phase(timer, "gemm0"):
         gu = grouped_mm(grouped, w13, plan.expert_rows, plan.offs)
+    if b13 is not None or b2 is not None:
+        counts = torch.tensor(plan.expert_rows, device=rows.device)
+    if b13 is not None:
+        gu = gu + b13.repeat_interleave(counts, dim=0, output_size=plan.rows)
     with _phase(timer, "act"):
-        h = F.silu(gu[:, :f]) * gu[:, f:]
+        if activation.is_default:
+            h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+        else:
+            h = gated(gu[:, :f], gu[:, f:], activation).to(gu.dtype)
     with _phase(timer, "gemm1"):
         out = grouped_mm(h, w2, plan.expert_rows, plan.offs)
+    if b2 is not None:
+        out = out + b2.repeat_interleave(counts, dim=0, output_size=plan.rows)
     with _phase(timer, "unpermute"):
         return torch.empty_like(out).index_copy_(0, plan.perm, out)
 
@@ -179,7 +189,9 @@ def _topk_reduce(back: torch.Tensor, order: torch.Tensor, topk_weights: torch.Te
 # --------------------------------------------------------------------------- pipelines
 def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w13_local: torch.Tensor, w2_local: torch.Tensor, group=None, *,
-                   timer=None) -> torch.Tensor:
+                   timer=None, activation: GatedActivation = SILU,
+                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """The unfused expert-parallel MoE layer on this rank (collective over ``group``).
 
     Args:
@@ -195,6 +207,8 @@ def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             ``counts`` (count exchange + host sync), ``gather`` (pair rows in send order),
             ``dispatch``, ``permute``, ``gemm0``, ``act``, ``gemm1``, ``unpermute``,
             ``combine``, ``reduce``.
+        activation: the experts' gated activation (:mod:`comet.activation`).
+        b13, b2: ``[El, 2F]`` (gate-then-up) and ``[El, H]`` expert biases, or None.
 
     Returns:
         ``[M, H]`` fp32 routed-expert output.
@@ -213,7 +227,7 @@ def ep_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         rows = x.index_select(0, torch.div(plan.order, k, rounding_mode="floor"))
     with _phase(timer, "dispatch"):
         recv_rows = all_to_all_rows(rows, plan.recv_splits, plan.send_splits, world, group)
-    out = _experts(recv_rows, plan, w13_local, w2_local, timer)
+    out = _experts(recv_rows, plan, w13_local, w2_local, timer, activation, b13, b2)
     with _phase(timer, "combine"):
         back = all_to_all_rows(out, plan.send_splits, plan.recv_splits, world, group)
     with _phase(timer, "reduce"):

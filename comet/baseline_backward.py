@@ -9,7 +9,7 @@ inputs, as activation checkpointing does, and runs the unfused expert-parallel p
     plan the dispatch (one host sync) -> all_to_all of each pair's (x, dy) row and weight
     -> recompute gate/up = x @ W13 (the one forward GEMM the backward needs)
     -> dh = (dy @ W2^T) * weight, dW2 = h^T (weight * dy), d weight = <dy @ W2^T, h>
-    -> d gate, d up through SiLU(gate) * up
+    -> d gate, d up through the gated activation (SiLU(gate) * up, or a variant)
     -> dx rows = d(gate, up) @ W13^T, dW13 = x^T d(gate, up)
     -> all_to_all of dx rows and d weight back -> sum each token's rows
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from comet.activation import SILU, GatedActivation, gated, gated_grad
 from comet.baseline import DispatchPlan, _world, all_to_all_rows, plan_dispatch
 from comet.grouped import grouped_mm, grouped_weight_grad
 from comet.kernels.act_backward import act_backward
@@ -49,7 +50,8 @@ def _gate_up_views(t: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, tor
 
 
 def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tensor,
-                       layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       layout: str, activation: GatedActivation = SILU
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`comet.kernels.act_backward.act_backward` in torch ops (the CPU path, and the
     spec the kernel is tested against)."""
     dtype = gu.dtype
@@ -61,22 +63,21 @@ def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tenso
         width = g.shape[1:].numel()
         dhu = dh_u[:, col:col + width].float().view_as(g)
         col += width
-        sig = torch.sigmoid(g)
-        act = g * sig
         # h as the forward stored it: rounded to the model dtype before the second GEMM.
-        h = (act * u).to(dtype)
+        h = gated(g, u, activation).to(dtype)
         h_parts.append(h.flatten(1))
         d_weight += (dhu * h.float()).flatten(1).sum(1)
         dh = dhu * weight.view(-1, *([1] * (g.dim() - 1)))
-        dg_out.copy_(dh * u * sig * (1 + g * (1 - sig)))
-        du_out.copy_(dh * act)
+        dg, du = gated_grad(g, u, dh, activation)
+        dg_out.copy_(dg)
+        du_out.copy_(du)
     h = torch.cat(h_parts, dim=1) if len(h_parts) > 1 else h_parts[0]
     return dgu, h, d_weight
 
 
 def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan, layout: str,
-                     weight_grads: bool
+                     weight_grads: bool, activation: GatedActivation = SILU
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                 torch.Tensor | None]:
     """The local experts' part, rows grouped by expert: ``xg, dyg [R, H]`` (model dtype),
@@ -86,9 +87,10 @@ def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
     gu = grouped_mm(xg, w13, rows, offs)                       # recomputed
     dh_u = grouped_mm(dyg, w2.transpose(1, 2), rows, offs)     # dy @ W2^T, [R, F]
     if gu.is_cuda:
-        dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved")
+        dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved",
+                                        activation=activation)
     else:
-        dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout)
+        dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout, activation)
     dxg = grouped_mm(dgu, w13.transpose(1, 2), rows, offs)
     if not weight_grads:
         return dxg, d_weight, None, None
@@ -101,7 +103,7 @@ def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
 def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                             group=None, *, layout: str = "interleaved",
-                            weight_grads: bool = True
+                            weight_grads: bool = True, activation: GatedActivation = SILU
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                        torch.Tensor | None]:
     """Gradients of the routed experts' output (collective over ``group``).
@@ -114,6 +116,7 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
         group: the expert-parallel group (every rank calls this, as in the forward).
         weight_grads: also compute ``dW13`` and ``dW2`` (off for frozen experts; the
             exchanges are the same either way, so ranks may differ in it).
+        activation: the experts' gated activation (:mod:`comet.activation`).
 
     Returns:
         ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13 like w13,
@@ -134,7 +137,7 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
     grouped = recv.index_select(0, plan.perm)
     dxg, d_wg, dw13, dw2 = _expert_backward(grouped[:, :hidden], grouped[:, hidden:],
                                             recv_w.index_select(0, plan.perm), w13, w2,
-                                            plan, layout, weight_grads)
+                                            plan, layout, weight_grads, activation)
     dx_recv = torch.empty_like(dxg).index_copy_(0, plan.perm, dxg)
     dw_recv = torch.empty_like(d_wg).index_copy_(0, plan.perm, d_wg)
     dx_rows = all_to_all_rows(dx_recv, plan.send_splits, plan.recv_splits, world, group)

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from comet.activation import SILU, GatedActivation
 from comet.weights import GATE_UP_BLOCK
 
 RouterKind = Literal["softmax", "sigmoid"]
@@ -59,6 +60,11 @@ class MoEConfig:
         shared_expert_gate: the shared expert output is scaled by
             ``sigmoid(x @ w_gate)`` (Qwen2-MoE).
         dtype: parameter and activation dtype.
+        activation: the experts' gated activation (:class:`comet.activation.GatedActivation`:
+            SiLU by default; GELU-tanh, clamped and GPT-OSS-style SwiGLU).
+        expert_bias: the routed experts' projections have biases (``b13 [E, 2F]`` added
+            to gate/up, ``b2 [E, H]`` to each expert's output before its routing weight;
+            GPT-OSS). Inference only: training through them raises.
         max_tokens: most tokens one rank may pass to a single forward call; sizes the
             symmetric workspaces and device tables (no host sync reads live counts).
     """
@@ -78,6 +84,8 @@ class MoEConfig:
     shared_expert_gate: bool = False
     dtype: torch.dtype = torch.bfloat16
     max_tokens: int = 4096
+    activation: GatedActivation = SILU
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size",
@@ -114,6 +122,9 @@ class MoEConfig:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {self.dtype}")
+        if not isinstance(self.activation, GatedActivation):
+            raise ValueError("activation must be a comet.activation.GatedActivation, got "
+                             f"{self.activation!r}")
         if not self.routed_scaling_factor > 0:
             raise ValueError(
                 f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")

@@ -81,6 +81,8 @@ class LocalExperts(nn.Module):
     w13: ``[El, H, 2F]``, gate and up columns interleaved by blocks
     (:mod:`comet.weights`; :meth:`gate_up` gives the models' gate-then-up layout);
     w2: ``[El, F, H]``.
+    With ``cfg.expert_bias``, also b13: ``[El, 2F]`` (columns as ``w13``'s) and
+    b2: ``[El, H]`` (zeros at first); else both are None.
     """
 
     def __init__(self, cfg: MoEConfig, local_experts: int, device=None):
@@ -91,6 +93,19 @@ class LocalExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local_experts, f, h, dtype=cfg.dtype, device=device))
         nn.init.normal_(self.w13, std=h ** -0.5)
         nn.init.normal_(self.w2, std=f ** -0.5)
+        if cfg.expert_bias:
+            self.b13 = nn.Parameter(torch.zeros(local_experts, 2 * f, dtype=cfg.dtype,
+                                                device=device))
+            self.b2 = nn.Parameter(torch.zeros(local_experts, h, dtype=cfg.dtype, device=device))
+        else:
+            self.b13 = self.b2 = None
+
+    def biases(self) -> dict[str, torch.Tensor]:
+        """``{"b13": ..., "b2": ...}`` in the gate-then-up layout (as :meth:`gate_up`),
+        or ``{}`` without expert biases: keyword arguments of the CPU paths."""
+        if self.b13 is None:
+            return {}
+        return {"b13": gate_up_first(self.b13), "b2": self.b2}
 
     def gate_up(self) -> torch.Tensor:
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
@@ -235,6 +250,11 @@ class CometMoE(nn.Module):
         weights (so the router) and this rank's expert weights their gradients. On a
         single CPU rank the reference is differentiable as written."""
         needs_grad = self._needs_grad(x, topk_weights)
+        if needs_grad and self.cfg.expert_bias and (x.is_cuda or self.par.world_size > 1):
+            raise NotImplementedError(
+                "training through experts with biases is not supported yet (inference is; "
+                "on one CPU rank the reference path is differentiable): run under "
+                "torch.no_grad() or freeze the block")
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
@@ -251,11 +271,12 @@ class CometMoE(nn.Module):
         unfused baseline or the reference on the CPU."""
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
+        variant = dict(activation=self.cfg.activation, **self.experts.biases())
         if self.par.world_size > 1:
             return ep_moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
-                                  self.experts.w2, group=self.group)
+                                  self.experts.w2, group=self.group, **variant)
         return reference.moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
-                                     self.experts.w2, round_to=x.dtype)
+                                     self.experts.w2, round_to=x.dtype, **variant)
 
     def experts_backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, weight_grads: bool
@@ -271,12 +292,14 @@ class CometMoE(nn.Module):
                                                comm_blocks=self.comm_blocks)
         return routed_experts_backward(dy, x, topk_ids, topk_weights, self.experts.w13,
                                        self.experts.w2, self.group, layout="interleaved",
-                                       weight_grads=weight_grads)
+                                       weight_grads=weight_grads,
+                                       activation=self.cfg.activation)
 
     def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
         if self._fused is None:
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
+                                   b13=self.experts.b13, b2=self.experts.b2,
                                    group=self.group, w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder)
         return self._fused

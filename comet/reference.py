@@ -7,6 +7,8 @@ Weight layout (the kernels use the same):
     w13: [E, H, 2F]  -- columns [0, F) are the gate projection, [F, 2F) the up projection
     w2:  [E, F, H]
     expert(x) = (silu(x @ w13[:, :F]) * (x @ w13[:, F:])) @ w2
+    (or another gated activation, comet.activation; with expert biases b13 [E, 2F] and
+    b2 [E, H]: act((x @ w13 + b13)...) @ w2 + b2)
 
 Expert parallelism: rank r of W owns experts [r*El, (r+1)*El), El = E / W. A token routed
 to expert e travels to rank e // El, is multiplied there, and the weighted result travels
@@ -19,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from comet.activation import SILU, GatedActivation, gated
 from comet.config import MoEConfig
 
 
@@ -69,18 +71,24 @@ def route(
 
 # --------------------------------------------------------------------------- experts
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               round_to: torch.dtype | None = None) -> torch.Tensor:
-    """One SiLU-gated MLP: ``[rows, H] -> [rows, H]`` in fp32.
+               round_to: torch.dtype | None = None, activation: GatedActivation = SILU,
+               b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """One gated MLP: ``[rows, H] -> [rows, H]`` in fp32 (``b13 [2F]``, ``b2 [H]``: the
+    expert's biases, or None).
 
     ``round_to`` rounds the activation ``h`` to that dtype before the second GEMM, as the
     kernels do (they store ``h`` in the model dtype).
     """
     f = w2.shape[0]
     gu = x.float() @ w13.float()
-    h = F.silu(gu[:, :f]) * gu[:, f:]
+    if b13 is not None:
+        gu = gu + b13.float()
+    h = gated(gu[:, :f], gu[:, f:], activation)
     if round_to is not None:
         h = h.to(round_to).float()
-    return h @ w2.float()
+    y = h @ w2.float()
+    return y if b2 is None else y + b2.float()
 
 
 def moe_forward(
@@ -91,6 +99,9 @@ def moe_forward(
     w2: torch.Tensor,
     expert_offset: int = 0,
     round_to: torch.dtype | None = None,
+    activation: GatedActivation = SILU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed experts that live in ``w13``/``w2``.
 
@@ -109,7 +120,8 @@ def moe_forward(
         tok, slot = (topk_ids == expert_offset + local).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = expert_mlp(x[tok], w13[local], w2[local], round_to)
+        y = expert_mlp(x[tok], w13[local], w2[local], round_to, activation,
+                       None if b13 is None else b13[local], None if b2 is None else b2[local])
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
     return out
 
@@ -169,6 +181,9 @@ def ep_forward(
     w13_shards: list[torch.Tensor],
     w2_shards: list[torch.Tensor],
     round_to: torch.dtype | None = None,
+    activation: GatedActivation = SILU,
+    b13_shards: list[torch.Tensor] | None = None,
+    b2_shards: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """What each of W ranks returns from the routed experts (fp32 ``[M_r, H]`` each).
 
@@ -183,6 +198,8 @@ def ep_forward(
         y = torch.zeros(xs[r].shape[0], xs[r].shape[1], dtype=torch.float32, device=xs[r].device)
         for d in range(world):
             y += moe_forward(xs[r], topk_ids[r], topk_weights[r], w13_shards[d], w2_shards[d],
-                             expert_offset=d * el, round_to=round_to)
+                             expert_offset=d * el, round_to=round_to, activation=activation,
+                             b13=None if b13_shards is None else b13_shards[d],
+                             b2=None if b2_shards is None else b2_shards[d])
         outs.append(y)
     return outs

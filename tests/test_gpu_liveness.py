@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from comet import reference
-from comet.config import PRESETS
+from comet.activation import SILU, GatedActivation
+from comet.config import PRESETS, MoEConfig
 from comet.runtime.errors import CometError, CometInputError, CometTimeoutError
 from routings import make_ids
 
@@ -26,7 +27,7 @@ MAX_DELAY_CYCLES = 1_000_000
 
 def _group(name, world, max_tokens, **kwargs):
     from comet.runtime.layer import FusedMoE
-    cfg = PRESETS[name].replace(max_tokens=max_tokens)
+    cfg = (PRESETS.get(name) or VARIANT_MODELS[name]).replace(max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(world)
     el = cfg.num_experts // world
     h, f = cfg.hidden_size, cfg.intermediate_size
@@ -34,6 +35,11 @@ def _group(name, world, max_tokens, **kwargs):
            for _ in range(world)]
     w2 = [(torch.randn(el, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
           for _ in range(world)]
+    if cfg.expert_bias:
+        kwargs["b13_shards"] = [torch.randn(el, 2 * f, generator=g, device="cuda").to(cfg.dtype)
+                                for _ in range(world)]
+        kwargs["b2_shards"] = [(torch.randn(el, h, generator=g, device="cuda") * 0.1).to(
+            cfg.dtype) for _ in range(world)]
     layers = FusedMoE.virtual_group(cfg, w13, w2, **kwargs)
     return cfg, layers, w13, w2
 
@@ -55,6 +61,104 @@ def _rel_err(y, ref):
 
 def _streams(world):
     return [torch.cuda.Stream() for _ in range(world)]
+
+
+#: Full-size layers of the expert variants (comet.activation, expert biases): GPT-OSS-20B
+#: (clamped SwiGLU, biases; F = 2880 is not a multiple of the 128-column interleave
+#: block), a Phi-3.5-MoE-sized layer with Gemma's GELU-tanh, a GLM-4.5-Air-sized one with
+#: DeepSeek-V4's clamped SiLU.
+VARIANT_MODELS = {
+    "gpt-oss-20b": MoEConfig(num_experts=32, top_k=4, hidden_size=2880, intermediate_size=2880,
+                             activation=GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0),
+                             expert_bias=True),
+    "phi3.5-size-gelu": PRESETS["phi3.5-moe"].replace(
+        activation=GatedActivation(kind="gelu_tanh")),
+    "glm-4.5-air-size-clamped": MoEConfig(num_experts=128, top_k=8, hidden_size=4096,
+                                          intermediate_size=1408,
+                                          activation=GatedActivation(limit=7.0)),
+}
+VARIANT_MODELS["gpt-oss-20b-no-bias"] = VARIANT_MODELS["gpt-oss-20b"].replace(expert_bias=False)
+
+
+def _biases(layers, world):
+    """The gate-up-first (b13, b2) shards of a group built with expert biases."""
+    from comet.weights import gate_up_first
+    if layers[0].b13 is None:
+        return {}
+    return {"b13_shards": [gate_up_first(lay.b13) for lay in layers],
+            "b2_shards": [lay.b2 for lay in layers]}
+
+
+@pytest.mark.parametrize("name, variant", [
+    ("gpt-oss-20b", "scatter"), ("gpt-oss-20b", "reduce"), ("phi3.5-size-gelu", "scatter"),
+    ("glm-4.5-air-size-clamped", "scatter")])
+def test_drift_expert_variants_full_size(name, variant):
+    """The expert variants' epilogues at full layer sizes and thousands of tokens per rank:
+    W=2 virtual ranks, 40 back-to-back calls drifting apart, every output checked against
+    the spec with the same activation and biases."""
+    import dataclasses
+    from comet.config import TileConfig
+    from comet.runtime.virtual import concurrent_forward
+    world, max_tokens = 2, 4096
+    cfg, layers, w13, w2 = _group(name, world, max_tokens,
+                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+    p = layers[0].programs
+    splits = [None, (2, max(1, p // 10)), (min(16, p - 1),) * 2]
+    kinds = ["random", "skewed", "one_expert"]
+    rng = random.Random(7)
+    streams = _streams(world)
+    worst = 0.0
+    t0 = time.time()
+    for i in range(40):
+        tokens = [rng.choice([rng.randint(0, 64), rng.randint(2048, max_tokens)])
+                  for _ in range(world)]
+        xs, ids, ws = _inputs(cfg, world, kinds[i % len(kinds)], tokens, seed=i)
+        torch.cuda.synchronize()
+        delays = [rng.choice([0, rng.randint(1, MAX_DELAY_CYCLES)]) for _ in range(world)]
+        ys = concurrent_forward(layers, xs, ids, ws, streams,
+                                comm_blocks=splits[i % len(splits)], delay_cycles=delays)
+        torch.cuda.synchronize()
+        ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype,
+                                   activation=cfg.activation, **_biases(layers, world))
+        worst = max([worst] + [_rel_err(y, r) for y, r in zip(ys, ref)])
+    for layer in layers:
+        layer.check_errors_now()
+    print(f"{name} {variant} W={world}: 40 concurrent calls of up to {max_tokens} tokens in "
+          f"{time.time() - t0:.1f}s, worst rel err {worst:.2e}")
+    assert worst < 2e-2
+
+
+def test_backward_of_a_variant_full_size():
+    """Training rounds of GPT-OSS-20B's layer without biases (its clamped SwiGLU through
+    the fused backward), W=2 virtual ranks drifting apart, against fp32 autograd."""
+    from comet.runtime.virtual import concurrent_backward, concurrent_forward
+    from comet.weights import gate_up_first
+    world, max_tokens = 2, 2048
+    cfg, layers, w13, w2 = _group("gpt-oss-20b-no-bias", world, max_tokens, backward=True)
+    rng = random.Random(3)
+    streams = _streams(world)
+    worst = {"dx": 0.0, "dw": 0.0, "dw13": 0.0, "dw2": 0.0}
+    for i in range(6):
+        tokens = [rng.randint(0, max_tokens) for _ in range(world)]
+        xs, ids, ws = _inputs(cfg, world, "random", tokens, seed=i)
+        g = torch.Generator(device="cuda").manual_seed(1000 + i)
+        dys = [torch.randn(m, cfg.hidden_size, generator=g, device="cuda").to(cfg.dtype)
+               for m in tokens]
+        torch.cuda.synchronize()
+        delays = [rng.choice([0, rng.randint(1, MAX_DELAY_CYCLES)]) for _ in range(world)]
+        concurrent_forward(layers, xs, ids, ws, streams, delay_cycles=delays)
+        grads = concurrent_backward(layers, dys, xs, ids, ws, streams, delay_cycles=delays[::-1])
+        torch.cuda.synchronize()
+        dx, dw, d13, d2 = _spec_grads(xs, ids, ws, dys, w13, w2, cfg.activation)
+        for r, (gx, gw, g13, g2) in enumerate(grads):
+            worst["dx"] = max(worst["dx"], _rel_err(gx, dx[r]))
+            worst["dw"] = max(worst["dw"], _rel_err(gw, dw[r]))
+            worst["dw13"] = max(worst["dw13"], _rel_err(gate_up_first(g13), d13[r]))
+            worst["dw2"] = max(worst["dw2"], _rel_err(g2, d2[r]))
+    for layer in layers:
+        layer.check_errors_now()
+    print(f"gpt-oss-20b (no biases) W={world}: 6 training rounds, worst rel err {worst}")
+    assert max(worst.values()) < 2e-2, worst
 
 
 #: Tile variants of the drift test: the default (layer1's scatter epilogue), layer1's
@@ -236,7 +340,7 @@ def test_lazy_input_error_is_raised_once_by_a_later_call():
     assert raised == 1, raised
 
 
-def _spec_grads(xs, ids, ws, dys, w13, w2):
+def _spec_grads(xs, ids, ws, dys, w13, w2, activation=SILU):
     """fp32 autograd of sum_r <dy_r, moe_forward(x_r)> with every rank's experts in one
     process: (dx per rank, d weights per rank, dW13 shards, dW2 shards)."""
     w13f = torch.cat(w13).float().requires_grad_()
@@ -244,7 +348,8 @@ def _spec_grads(xs, ids, ws, dys, w13, w2):
     leaves = [(x.float().requires_grad_(), w.clone().requires_grad_()) for x, w in zip(xs, ws)]
     loss = (w13f.sum() + w2f.sum()) * 0
     for (x, w), i, dy in zip(leaves, ids, dys):
-        loss = loss + (reference.moe_forward(x, i, w, w13f, w2f) * dy.float()).sum()
+        loss = loss + (reference.moe_forward(x, i, w, w13f, w2f, activation=activation)
+                       * dy.float()).sum()
     loss.backward()
     world = len(w13)
     return ([x.grad for x, _ in leaves], [w.grad for _, w in leaves],

@@ -5,12 +5,14 @@ One *work item* is one output tile: ``BLOCK_M`` rows of one local expert (an m-t
 through TMA tensor descriptors (A: the rows, ``[rows, K]``; B: all local experts' weights
 viewed as ``[El * K, N]``, so expert ``e``'s block starts at row ``e * K``); accumulation
 is fp32; the tile is written with ``tl.store`` so that a release can publish it (a TMA
-store would still be in flight).
+store would still be in flight). With ``BIAS`` a tile adds its expert's bias row to the
+accumulator before the epilogue (expert biases, GPT-OSS).
 
 The layer0 epilogue fuses the activation: with ``GATED``, each work item multiplies A by
 the gate and the up columns of its output columns -- side by side in W13's interleaved
-layout (comet.weights), so one dot computes both -- and stores ``silu(gate) * up``: the
-activation never makes its own pass over memory.
+layout (comet.weights), so one dot computes both -- and stores ``silu(gate) * up`` (or
+another gated activation, :mod:`comet.kernels.activation`): the activation never makes
+its own pass over memory.
 
 With ``TRANS_B`` (plain tiles only) B is read transposed: ``b_desc`` views the weights as
 ``[El * N, K]`` and a tile multiplies by ``B[expert]^T`` -- the backward's GEMMs
@@ -32,7 +34,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from comet.config import SIZE_ALIGNMENT
+from comet.constants import constexpr
+from comet.kernels.activation import Act, gated
 from comet.kernels.sync import take
+
+
+#: Offsets of a bias row load are multiples of this many elements.
+BIAS_ALIGN = constexpr(SIZE_ALIGNMENT)
 
 
 class GemmOut(NamedTuple):
@@ -41,6 +50,7 @@ class GemmOut(NamedTuple):
     out: torch.Tensor        # [rows, N]
     K: int
     N: int
+    bias: torch.Tensor | None = None   # [El, N] (gated: [El, 2N], W13's columns); BIAS
 
 
 class Gemm(NamedTuple):
@@ -54,9 +64,11 @@ class Gemm(NamedTuple):
     out: torch.Tensor        # [rows, N]
     K: int
     N: int
+    bias: torch.Tensor | None = None   # each expert's bias row, added before the epilogue
 
     def kernel_args(self) -> dict:
-        return dict(a_desc=self.a, b_desc=self.b, gemm=GemmOut(self.out, self.K, self.N))
+        return dict(a_desc=self.a, b_desc=self.b,
+                    gemm=GemmOut(self.out, self.K, self.N, self.bias))
 
 
 class GemmTile(NamedTuple):
@@ -70,6 +82,8 @@ class GemmTile(NamedTuple):
     TRANS_B: tl.constexpr        # A @ B[expert]^T
     GATE_UP: tl.constexpr        # columns of an interleaved gate (and up) block
     DOT_PRECISION: tl.constexpr
+    ACT: Act                     # the gated activation (GATED)
+    BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -108,8 +122,10 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
         for k in range(0, K, t.BLOCK_K):
             both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]), both,
                           input_precision=t.DOT_PRECISION)
+        if t.BIAS:
+            both += bias_row(g.bias, expert, 2 * g.N, 2 * n0, 2 * g.N, 2 * t.BLOCK_N)
         gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
-        acc = gate * tl.sigmoid(gate) * up
+        acc = gated(gate, up, t.ACT)
     elif t.GATED:
         gate_col, up_col = gate_up_columns(n0, g.N, t.GATE_UP)
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
@@ -120,7 +136,12 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
                          input_precision=t.DOT_PRECISION)
             acc_up = tl.dot(a, b_desc.load([b_row + k, up_col]), acc_up,
                             input_precision=t.DOT_PRECISION)
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if t.BIAS:
+            # A tile's columns lie in one interleave block: its gates and ups are runs.
+            width = g.N - n0
+            acc += bias_row(g.bias, expert, 2 * g.N, gate_col, gate_col + width, t.BLOCK_N)
+            acc_up += bias_row(g.bias, expert, 2 * g.N, up_col, up_col + width, t.BLOCK_N)
+        acc = gated(acc, acc_up, t.ACT)
     elif t.TRANS_B:
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
         for k in range(0, K, t.BLOCK_K):
@@ -131,13 +152,28 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
         for k in range(0, K, t.BLOCK_K):
             acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
                          input_precision=t.DOT_PRECISION)
+        if t.BIAS:
+            acc += bias_row(g.bias, expert, g.N, n0, g.N, t.BLOCK_N)
     return acc
 
 
 @triton.jit
+def bias_row(bias, expert, row_len, col0, col_end, WIDTH: tl.constexpr):
+    """``bias[expert, col0:col0 + WIDTH]`` (zero from ``col_end`` on) as an fp32 ``[1,
+    WIDTH]`` row, to add to a tile's accumulator. Every offset is a multiple of
+    :data:`comet.config.SIZE_ALIGNMENT` elements (sizes are, and tiles start on column
+    blocks), which lets the load be vectorized."""
+    start = tl.multiple_of(expert.to(tl.int64) * row_len + col0, BIAS_ALIGN)
+    end = tl.multiple_of(col_end - col0, BIAS_ALIGN)
+    cols = tl.arange(0, WIDTH)
+    row = tl.load(bias + start + cols, mask=cols < end, other=0.0)
+    return row.to(tl.float32)[None, :]
+
+
+@triton.jit
 def gemm_tile(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
-    """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ SiLU*up,
-    or B transposed: see :func:`gemm_acc`)."""
+    """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ bias,
+    + the gated activation, or B transposed: see :func:`gemm_acc`)."""
     acc = gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0)
     rows = row_start + tl.arange(0, t.BLOCK_M)
     cols = n0 + tl.arange(0, t.BLOCK_N)

@@ -49,9 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
+from comet.activation import SILU, GatedActivation
 from comet.config import TileConfig
 from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
+from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
                                       grouped_work, lane_shape, strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
@@ -137,13 +139,15 @@ def lanes(tile: TileConfig) -> Lanes:
 
 
 def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: TileConfig,
-                gated: bool, transposed: bool = False) -> tuple[Gemm, GemmTile]:
+                gated: bool, transposed: bool = False, activation: GatedActivation = SILU,
+                bias: torch.Tensor | None = None) -> tuple[Gemm, GemmTile]:
     """Operands and work-item shape of layer0's GroupGEMM on the shared tensor ``a0
-    [rows, H]``, into ``out [rows, N]``: ``gated``, ``silu(a0 @ gate) * (a0 @ up)`` with
-    ``w [El, H, 2N]`` in the interleaved layout (comet.weights), on ``block_n0``-column
-    items (one dot each when they are whole interleave blocks); else the backward's
-    plain ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for ``w [El, N, H]``
-    (``transposed``), on ``block_n1``-column items."""
+    [rows, H]``, into ``out [rows, N]``: ``gated``, ``act(a0 @ gate) * (a0 @ up)``
+    (``activation``) with ``w [El, H, 2N]`` in the interleaved layout (comet.weights), on
+    ``block_n0``-column items (one dot each when they are whole interleave blocks); else
+    the backward's plain ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for ``w [El, N,
+    H]`` (``transposed``), on ``block_n1``-column items. ``bias``: ``[El, 2N]`` (gated,
+    W13's columns) or ``[El, N]``, added to each expert's rows before the activation."""
     el, h, n = w.shape[0], a0.shape[1], out.shape[1]
     bk = tile.k_step(h)
     if gated:
@@ -154,10 +158,10 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
         block_n, one_dot = tile.block_n1, False
         b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w.view(el * h, n), [bk, block_n]))
-    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n)
+    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias)
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK,
-        dot_precision(a0.dtype))))
+        dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None))
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,

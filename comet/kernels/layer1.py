@@ -57,6 +57,7 @@ from comet.config import TileConfig
 from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_ENTRIES, SITE_SPLIT,
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
+from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, column_work, descriptor, dot_precision,
                                       gemm_acc, gemm_tile)
 from comet.kernels.layer0 import Arrivals
@@ -122,19 +123,22 @@ class ReduceTile(NamedTuple):
 
 
 def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
-                transposed: bool = False) -> tuple[Gemm, GemmTile, Splits]:
+                transposed: bool = False, bias: torch.Tensor | None = None
+                ) -> tuple[Gemm, GemmTile, Splits]:
     """Operands, work-item shape and column splits of layer1's GroupGEMM ``h @ w`` for
     ``h [rows, K]``, ``w [El, K, H]`` -- or the backward's ``h @ w^T`` for ``w [El, H,
-    K]`` (``transposed``) -- into ``out1 [rows, H]``."""
+    K]`` (``transposed``) -- into ``out1 [rows, H]``; ``bias [El, H]``: each expert's
+    output bias, added before the routing weight."""
     el, k, hidden = w.shape[0], h.shape[1], out1.shape[1]
     bk = tile.k_step(k)
     b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
          else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
     item = GemmTile(*(constexpr(v) for v in (
-        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, dot_precision(h.dtype))))
+        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, dot_precision(h.dtype))),
+        act_tile(), constexpr(bias is not None))
     splits = Splits(constexpr(tile.blocks_per_split(hidden)),
                     constexpr(tile.n_splits(hidden)))
-    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden), item, splits
+    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden, bias), item, splits
 
 
 @functools.lru_cache(maxsize=64)

@@ -229,10 +229,10 @@ class BackwardCall:
                                  ws.peer("count_flags"), ws.sync, ws.shape, exchange.WAIT)
 
     def _act(self) -> None:
-        """SiLU-gate backward on this rank's rows (in place: d(gate, up); w * h; d w)."""
+        """Gated-activation backward on this rank's rows (in place: d(gate, up); w * h; d w)."""
         b = self.bufs
         act_backward_rows(b.gu, self.ws.h, b.w_row, self._ends[-1:], b.gu, b.hw, b.dw_row,
-                          self._row_programs)
+                          self._row_programs, self.cfg.activation)
 
     def _weight_grads(self) -> None:
         """The expert weights' gradients (rows grouped by expert: the dispatched dy rows

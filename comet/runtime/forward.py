@@ -102,7 +102,9 @@ class ForwardCall:
     ``roles_apart``: every layer's roles as separate launches, producers first, even in
     fused mode (the virtual-rank driver; the interpreter always does so).
     ``trace``: per layer, a ``[programs, MAX_TRACE_EVENTS, 4]`` buffer the layer's fused
-    launch stamps (``comet bench --timeline``)."""
+    launch stamps (``comet bench --timeline``). ``b13 [El, 2F]`` (W13's columns),
+    ``b2 [El, H]``: expert biases (``cfg.expert_bias``), else None; the activation is
+    the workspace config's."""
 
     ws: Workspace
     w13: torch.Tensor
@@ -115,6 +117,8 @@ class ForwardCall:
     cooperative: bool = True
     roles_apart: bool = False
     trace: dict[str, torch.Tensor] | None = None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -129,12 +133,13 @@ class ForwardCall:
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
-        gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True)
+        gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
+                                   activation=ws.cfg.activation, bias=self.b13)
         self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes), gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
                             queue=ws.count.l0_queue, sync=ws.sync, split=self.inputs.split0,
                             shape=ws.shape, tile=tile)
-        gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile)
+        gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,
                             split=self.inputs.split1)
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,

@@ -117,15 +117,19 @@ class FusedMoE:
     def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor, group=None,
                  tile: TileConfig | None = None, tuned_config_folder: str | None = None,
                  check_errors: str = "lazy", use_graphs: bool = True,
-                 w13_layout: str = "gate_up"):
+                 w13_layout: str = "gate_up", b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None):
         par = ParallelConfig.from_group(group)
         tile = tile or default_tile()
-        self._validate(cfg, par, w13, w2, w13_layout)
+        self._validate(cfg, par, w13, w2, w13_layout, b13, b2)
         # State the calls update in place must not be inference tensors, or a layer first
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
         with torch.inference_mode(False):
             w13 = interleave_gate_up(w13) if w13_layout == "gate_up" else w13
+            if b13 is not None and w13_layout == "gate_up":
+                b13 = interleave_gate_up(b13)
+            self.b13, self.b2 = b13, b2
             if par.world_size == 1:
                 ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
             else:
@@ -139,8 +143,9 @@ class FusedMoE:
                       w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
                       programs: int | None = None, tuned_config_folder: str | None = None,
                       check_errors: str = "lazy", use_graphs: bool = True,
-                      w13_layout: str = "gate_up", backward: bool = False
-                      ) -> list["FusedMoE"]:
+                      w13_layout: str = "gate_up", backward: bool = False,
+                      b13_shards: list[torch.Tensor] | None = None,
+                      b2_shards: list[torch.Tensor] | None = None) -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank
         (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
@@ -165,12 +170,17 @@ class FusedMoE:
             spaces = allocate_virtual(cfg, world, device, tile)
         layers = []
         for r in range(world):
+            b13 = None if b13_shards is None else b13_shards[r]
+            b2 = None if b2_shards is None else b2_shards[r]
             cls._validate(cfg, ParallelConfig(world, r), w13_shards[r], w2_shards[r],
-                          w13_layout)
+                          w13_layout, b13, b2)
             layer = cls.__new__(cls)
             with torch.inference_mode(False):
                 w13 = w13_shards[r]
                 w13 = interleave_gate_up(w13) if w13_layout == "gate_up" else w13
+                if b13 is not None and w13_layout == "gate_up":
+                    b13 = interleave_gate_up(b13)
+                layer.b13, layer.b2 = b13, b2
                 layer._setup(spaces[r], w13, w2_shards[r], None, ParallelConfig(world, r),
                              tile, programs, tuned_config_folder, check_errors, use_graphs,
                              virtual=True)
@@ -180,7 +190,7 @@ class FusedMoE:
         return layers
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, w13_layout) -> None:
+    def _validate(cfg, par, w13, w2, w13_layout, b13=None, b2=None) -> None:
         check_layout(cfg, par)
         if w13_layout not in ("gate_up", "interleaved"):
             raise ValueError(f"w13_layout must be 'gate_up' or 'interleaved', got "
@@ -190,6 +200,15 @@ class FusedMoE:
         if tuple(w13.shape) != (el, h, 2 * f) or tuple(w2.shape) != (el, f, h):
             raise ValueError(f"expected w13 [{el}, {h}, {2 * f}] and w2 [{el}, {f}, {h}], got "
                              f"{list(w13.shape)} and {list(w2.shape)}")
+        given = (b13 is not None, b2 is not None)
+        if given != (cfg.expert_bias, cfg.expert_bias):
+            raise ValueError("cfg.expert_bias needs both b13 and b2" if cfg.expert_bias
+                             else "b13/b2 given but cfg.expert_bias is False")
+        for name, b, shape in (("b13", b13, (el, 2 * f)), ("b2", b2, (el, h))):
+            if b is not None and (tuple(b.shape) != shape or b.dtype != w13.dtype
+                                  or b.device != w13.device or not b.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {list(shape)} {w13.dtype} tensor "
+                                 f"on {w13.device}, got {list(b.shape)} {b.dtype} on {b.device}")
 
     def _setup(self, ws: Workspace, w13, w2, group, par, tile, programs, tuned_config_folder,
                check_errors, use_graphs, virtual: bool = False) -> None:
@@ -310,7 +329,8 @@ class FusedMoE:
             inputs = CallInputs(s.addr[0:1], s.addr[1:2], s.num_tokens, s.split[0:1],
                                 s.split[1:2], s.ids, s.weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
-                               layer0_comm, cooperative=not self._virtual, trace=trace)
+                               layer0_comm, cooperative=not self._virtual, trace=trace,
+                               b13=self.b13, b2=self.b2)
             if trace is not None:
                 return call
             self._calls[key] = call
@@ -391,7 +411,11 @@ class FusedMoE:
         Returns ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13
         [El, H, 2F] in this layer's interleaved layout, dW2 [El, F, H])``; the weight
         gradients are None without ``weight_grads`` (frozen experts: two GEMMs fewer,
-        the same exchanges). ``comm_blocks`` as for a call (default: the call's own)."""
+        the same exchanges). ``comm_blocks`` as for a call (default: the call's own).
+        Expert biases have no backward yet (NotImplementedError)."""
+        if self.b13 is not None:
+            raise NotImplementedError("the backward of experts with biases is not supported "
+                                      "yet (their forward is)")
         self._check(x, topk_ids, topk_weights)
         if tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
             raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "

@@ -43,14 +43,21 @@ class VirtualEP:
         w13_shards, w2_shards: per rank ``[El, H, 2F]`` (gate columns first; kept as the
             kernels' interleaved copy, :mod:`comet.weights`) and ``[El, F, H]``.
         tile: tile configuration (default: :meth:`TileConfig.small`).
+        b13_shards, b2_shards: per rank ``[El, 2F]`` (gate first) and ``[El, H]`` expert
+            biases (``cfg.expert_bias``), or None.
     """
 
     def __init__(self, cfg: MoEConfig, w13_shards: list[torch.Tensor],
-                 w2_shards: list[torch.Tensor], tile: TileConfig | None = None):
+                 w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
+                 b13_shards: list[torch.Tensor] | None = None,
+                 b2_shards: list[torch.Tensor] | None = None):
         self.cfg = cfg
         self.world = len(w13_shards)
         self.w13 = [interleave_gate_up(w) for w in w13_shards]
         self.w2 = w2_shards
+        self.b13 = ([interleave_gate_up(b) for b in b13_shards] if b13_shards is not None
+                    else [None] * self.world)
+        self.b2 = list(b2_shards) if b2_shards is not None else [None] * self.world
         self.device = w13_shards[0].device
         self.tile = tile or TileConfig.small()
         self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)
@@ -76,7 +83,7 @@ class VirtualEP:
                                 topk_ids[r], topk_weights[r])
             calls.append(ForwardCall(ws, self.w13[r], self.w2[r], self.tile, inputs, grids,
                                      "fused", layer0_comm=False, cooperative=False,
-                                     roles_apart=True))
+                                     roles_apart=True, b13=self.b13[r], b2=self.b2[r]))
         _in_lockstep(calls)
         for r in range(self.world):
             raise_if_failed(self.ws[r].fatal_word, r)

@@ -1,0 +1,198 @@
+"""usage: torchrun --nproc-per-node N scripts/device/models_check.py [--models NAME ...] [--batch B --seq S] [--json FILE] [--tiny]
+
+transformers models patched with comet at expert parallelism N, against the same models
+unpatched: two decoder layers at the real layer sizes, random weights (seeded, the same on
+every rank), bf16. Per model and rank:
+
+* logits of a prefill of ``B x S`` tokens (each rank its own prompts), patched at EP=N
+  against unpatched on this rank's GPU: the per-token relative L2 difference (median, max);
+* greedy ``generate()`` of 16 new tokens from a 32-token prompt, both ways (how many of
+  the 16 agree; near-uniform logits of random weights can tie, so this is reported, not
+  required);
+* the prefill time (CUDA events, median of ``--iters`` after warm-up), patched at EP=N
+  against unpatched on one GPU.
+
+``--tiny`` shrinks every model to CPU size (fp32, gloo) to check this script itself.
+Writes one JSON record per model (rank 0's numbers, every rank's differences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from comet.bench.provenance import provenance
+
+#: Real layer sizes (two layers), by the family's config field names.
+MODELS = {
+    "phi3.5-moe": ("phimoe", dict(hidden_size=4096, intermediate_size=6400,
+                                  num_local_experts=16, num_experts_per_tok=2,
+                                  num_attention_heads=32, num_key_value_heads=8)),
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880,
+                                    num_local_experts=32, num_experts_per_tok=4,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    "glm-4.5-air-like": ("glm4_moe", dict(hidden_size=4096, moe_intermediate_size=1408,
+                                          intermediate_size=10944, n_routed_experts=128,
+                                          num_experts_per_tok=8, n_shared_experts=1,
+                                          first_k_dense_replace=0, num_attention_heads=96,
+                                          num_key_value_heads=8, head_dim=128)),
+    "qwen3-next-like": ("qwen3_next", dict(hidden_size=2048, moe_intermediate_size=512,
+                                           num_experts=512, num_experts_per_tok=10,
+                                           shared_expert_intermediate_size=512,
+                                           num_attention_heads=16, num_key_value_heads=2,
+                                           head_dim=256,
+                                           layer_types=["linear_attention", "full_attention"])),
+}
+#: --tiny: every size field divided down to this.
+TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, head_dim=16, num_attention_heads=4,
+            num_key_value_heads=2)
+VOCAB = 32064
+GENERATE_PROMPT, GENERATE_NEW = 32, 16
+
+
+def _config(name: str, tiny: bool):
+    from transformers import AutoConfig
+    model_type, sizes = MODELS[name]
+    sizes = dict(sizes)
+    if tiny:
+        sizes.update({k: v for k, v in TINY.items() if k in sizes})
+        for k in ("num_local_experts", "n_routed_experts", "num_experts"):
+            if k in sizes:
+                sizes[k] = 16
+    return AutoConfig.for_model(model_type, num_hidden_layers=2, vocab_size=VOCAB, **sizes)
+
+
+def _build(cfg, dtype, device):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)    # the same weights on every rank
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _prefill_ms(model, ids, iters: int, device, group) -> float:
+    times = []
+    for i in range(iters + 2):
+        if dist.is_initialized():
+            dist.barrier(group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _generate(model, prompt):
+    return model.generate(prompt, max_new_tokens=GENERATE_NEW, min_new_tokens=GENERATE_NEW,
+                          do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.float().flatten(0, -2), b.float().flatten(0, -2)
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
+
+
+def check(name: str, args, device, group, rank: int, world: int) -> dict:
+    from comet.integrations import patch_model
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    cfg = _config(name, args.tiny)
+    model = _build(cfg, dtype, device)
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(1, VOCAB, (args.batch, args.seq), generator=g).to(device)
+    prompt = ids[:1, :GENERATE_PROMPT]
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        ref_tokens = _generate(model, prompt)
+        ref_ms = _prefill_ms(model, ids, args.iters, device, group)
+        patch_model(model, group=group, max_tokens=args.batch * args.seq)
+        got = model(input_ids=ids, use_cache=False).logits
+        tokens = _generate(model, prompt)
+        ms = _prefill_ms(model, ids, args.iters, device, group)
+    rel = _rel_l2(got, ref)
+    mine = torch.tensor([rel.median().item(), rel.max().item(),
+                         (tokens == ref_tokens).sum().item()], device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    if dist.is_initialized():
+        dist.all_gather(every, mine, group=group)
+    else:
+        every = [mine]
+    per_rank = [dict(zip(("median_rel_l2", "max_rel_l2", "generate_agree"), e.tolist()))
+                for e in every]
+    return dict(model=name, model_type=MODELS[name][0], layers=2, ep=world,
+                tokens_per_rank=args.batch * args.seq, dtype=str(dtype),
+                experts=cfg.to_dict().get("num_local_experts") or cfg.to_dict().get(
+                    "n_routed_experts") or cfg.to_dict().get("num_experts"),
+                per_rank=per_rank,
+                median_rel_l2=max(r["median_rel_l2"] for r in per_rank),
+                generate_new_tokens=GENERATE_NEW,
+                generate_agree_min=min(r["generate_agree"] for r in per_rank),
+                prefill_ms_patched=ms, prefill_ms_unpatched_one_gpu=ref_ms,
+                prefill_speedup=ref_ms / ms, generated=tokens.tolist())
+
+
+def _argv(args) -> list[str]:
+    out = []
+    for k, v in vars(args).items():
+        if v is True:
+            out.append(f"--{k}")
+        elif v not in (None, False):
+            out += [f"--{k}", *(map(str, v) if isinstance(v, list) else [str(v)])]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+    cuda = torch.cuda.is_available() and not args.tiny
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    records = []
+    for name in args.models:
+        try:
+            rec = check(name, args, device, group, rank, world)
+        except Exception as e:  # noqa: BLE001 - one model's failure is its record
+            rec = dict(model=name, error=f"{type(e).__name__}: {e}")
+        rec.update(device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                   transformers=transformers.__version__, **provenance(),
+                   command=" ".join(["scripts/device/models_check.py", *_argv(args)]))
+        records.append(rec)
+        if rank == 0:
+            short = {k: v for k, v in rec.items() if k not in ("generated", "per_rank")}
+            print(json.dumps(short), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

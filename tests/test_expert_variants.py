@@ -1,0 +1,205 @@
+"""Expert variants: the gated activations of comet.activation and expert biases, in the
+spec, the unfused baselines and the fused kernels (virtual ranks under the interpreter;
+the GPU suite runs the same at full size).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comet import reference
+from comet.activation import SILU, GatedActivation, gated, gated_grad
+from comet.config import MoEConfig, TileConfig
+from comet.constants import interpreting
+from routings import make_ids, make_tokens
+
+GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+CLAMPED_SILU = GatedActivation(limit=7.0)
+GELU_TANH = GatedActivation(kind="gelu_tanh")
+VARIANTS = {"silu": SILU, "gpt-oss": GPT_OSS, "clamped-silu": CLAMPED_SILU,
+            "gelu-tanh": GELU_TANH}
+
+interpreter = pytest.mark.skipif(not interpreting(), reason="interpreter tests (CPU); the "
+                                 "GPU suite runs these kernels compiled")
+
+
+def _halves(rows=64, f=24, scale=6.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, f, generator=g) * scale, torch.randn(rows, f, generator=g) * scale)
+
+
+# --------------------------------------------------------------------------- the spec
+def test_gated_is_what_the_families_compute():
+    """Against the formulas as the model families write them (GPT-OSS's _apply_gate,
+    DeepSeek-V4's clamped SiLU, Gemma's gelu_pytorch_tanh)."""
+    gate, up = _halves()
+    g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    torch.testing.assert_close(gated(gate, up, GPT_OSS), (u + 1) * g * torch.sigmoid(1.702 * g))
+    torch.testing.assert_close(gated(gate, up, CLAMPED_SILU), F.silu(g) * u)
+    torch.testing.assert_close(gated(gate, up, GELU_TANH),
+                               F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gated(gate, up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gated_grad_is_autograd_of_gated(name):
+    act = VARIANTS[name]
+    gate, up = (t.requires_grad_() for t in _halves(seed=1))
+    dh = torch.randn(gate.shape, generator=torch.Generator().manual_seed(2))
+    gated(gate, up, act).backward(dh)
+    dg, du = gated_grad(gate.detach(), up.detach(), dh, act)
+    torch.testing.assert_close(dg, gate.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(du, up.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_activations_are_refused():
+    with pytest.raises(ValueError, match="kind"):
+        GatedActivation(kind="relu")
+    with pytest.raises(ValueError, match="limit"):
+        GatedActivation(limit=0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        GatedActivation(kind="gelu_tanh", alpha=2.0)
+    with pytest.raises(ValueError, match="activation"):
+        MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=16,
+                  activation="silu")
+
+
+# --------------------------------------------------------------------------- fused kernels
+def _problem(world, act, bias, dtype, f=48, seed=0):
+    e, k, h = 8, 2, 32
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f, dtype=dtype,
+                    max_tokens=12, activation=act, expert_bias=bias)
+    g = torch.Generator().manual_seed(seed)
+    el = e // world
+    ids = make_ids("uniform", make_tokens("uniform", world, cfg.max_tokens, g), e, k, g)
+    # Scaled so the gate/up values reach the clamp (|x| > 7) in a share of the entries.
+    xs = [(torch.randn(i.shape[0], h, generator=g) * 4).to(dtype) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    w13 = [(torch.randn(el, h, 2 * f, generator=g) * h ** -0.5 * 2).to(dtype)
+           for _ in range(world)]
+    w2 = [(torch.randn(el, f, h, generator=g) * f ** -0.5).to(dtype) for _ in range(world)]
+    b13 = [(torch.randn(el, 2 * f, generator=g)).to(dtype) for _ in range(world)] if bias else None
+    b2 = [(torch.randn(el, h, generator=g)).to(dtype) for _ in range(world)] if bias else None
+    return cfg, xs, ids, wts, w13, w2, b13, b2
+
+
+@interpreter
+@pytest.mark.parametrize("scatter", [False, True], ids=["reduce", "scatter"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("name", ["gpt-oss", "clamped-silu", "gelu-tanh"])
+def test_fused_forward_of_a_variant_matches_the_spec(name, bias, scatter):
+    """Virtual ranks (W=2) through both layer1 algorithms, fp32; the clamp is reached."""
+    from comet.runtime.virtual import VirtualEP
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, VARIANTS[name], bias, torch.float32)
+    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter)
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    ys = ep.forward(xs, ids, wts)
+    want = reference.ep_forward(xs, ids, wts, w13, w2, activation=VARIANTS[name],
+                                b13_shards=b13, b2_shards=b2)
+    for y, w in zip(ys, want):
+        torch.testing.assert_close(y.float(), w, rtol=1e-4, atol=1e-4)
+    plain = reference.ep_forward(xs, ids, wts, w13, w2)
+    assert not torch.allclose(plain[0], want[0], atol=1e-2), "the variant must matter"
+
+
+@interpreter
+def test_fused_forward_one_dot_epilogue_with_biases():
+    """The one-dot epilogue (a tile is a whole 128-column interleave block: the bias is
+    added to both halves of the box), two blocks of F, fp16."""
+    from comet.runtime.virtual import VirtualEP
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, GPT_OSS, True, torch.float16, f=256)
+    tile = dataclasses.replace(TileConfig.small(), block_n0=128)
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    want = reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16,
+                                activation=GPT_OSS, b13_shards=b13, b2_shards=b2)
+    for y, w in zip(ep.forward(xs, ids, wts), want):
+        torch.testing.assert_close(y.float(), w, rtol=2e-2, atol=5e-2)
+
+
+@interpreter
+@pytest.mark.parametrize("name", ["gpt-oss", "gelu-tanh"])
+def test_act_backward_kernel_of_a_variant_matches_torch(name):
+    from comet.baseline_backward import act_backward_torch
+    from comet.kernels.act_backward import act_backward
+    g = torch.Generator().manual_seed(3)
+    rows, f = 20, 160          # one full interleave block and a partial one
+    gu = torch.randn(rows, 2 * f, generator=g) * 6
+    dhu = torch.randn(rows, f, generator=g)
+    w = torch.rand(rows, generator=g)
+    for layout in ("interleaved", "gate_up"):
+        got = act_backward(gu, dhu, w, interleaved=layout == "interleaved",
+                           activation=VARIANTS[name])
+        want = act_backward_torch(gu, dhu, w, layout, VARIANTS[name])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_fused_backward_of_a_variant_matches_autograd_of_the_spec():
+    """W=2 virtual ranks, GPT-OSS's clamped SwiGLU: dx, d weights, dW13, dW2."""
+    from comet.runtime.virtual import VirtualEP
+    from comet.weights import interleave_gate_up
+    cfg, xs, ids, wts, w13, w2, _, _ = _problem(2, GPT_OSS, False, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    dys = [torch.randn(x.shape, generator=g) for x in xs]
+    leaves = [t.clone().requires_grad_() for t in xs + wts + w13 + w2]
+    lx, lw, l13, l2 = leaves[:2], leaves[2:4], leaves[4:6], leaves[6:]
+    outs = reference.ep_forward(lx, ids, lw, l13, l2, activation=GPT_OSS)
+    sum((o * d).sum() for o, d in zip(outs, dys)).backward()
+    ep = VirtualEP(cfg, w13, w2)
+    for r, (dx, dw, d13, d2) in enumerate(ep.backward(dys, xs, ids, wts)):
+        torch.testing.assert_close(dx, lx[r].grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dw, lw[r].grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(d13, interleave_gate_up(l13[r].grad), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(d2, l2[r].grad, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- the module
+def test_comet_moe_with_biases_and_a_variant_on_one_cpu_rank():
+    """CometMoE's CPU path: biases (in the kernels' interleaved layout) and the
+    activation reach the reference; training there is plain autograd."""
+    from comet.moe import CometMoE
+    from comet.weights import gate_up_first
+    torch.manual_seed(0)
+    moe = CometMoE(8, 2, 32, 48, dtype=torch.float32, activation=GPT_OSS, expert_bias=True)
+    with torch.no_grad():
+        moe.experts.b13.normal_()
+        moe.experts.b2.normal_()
+    x = torch.randn(10, 32)
+    y = moe(x)
+    logits, wts, ids = moe.gate(x)
+    want = reference.moe_forward(x, ids, wts, gate_up_first(moe.experts.w13), moe.experts.w2,
+                                 activation=GPT_OSS, b13=gate_up_first(moe.experts.b13),
+                                 b2=moe.experts.b2)
+    torch.testing.assert_close(y, want)
+    y.sum().backward()
+    assert moe.experts.b2.grad is not None and moe.experts.b2.grad.abs().sum() > 0
+
+
+def test_the_unfused_baseline_runs_variants_and_biases():
+    from comet.baseline import ep_moe_forward
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(1, GPT_OSS, True, torch.float32)
+    got = ep_moe_forward(xs[0], ids[0], wts[0], w13[0], w2[0], activation=GPT_OSS,
+                         b13=b13[0], b2=b2[0])
+    want = reference.moe_forward(xs[0], ids[0], wts[0], w13[0], w2[0], activation=GPT_OSS,
+                                 b13=b13[0], b2=b2[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_fused_layer_with_biases_refuses_a_backward_and_wrong_biases():
+    from comet.runtime.layer import FusedMoE
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(1, GPT_OSS, True, torch.float32)
+    with pytest.raises(ValueError, match="b13"):
+        FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small(), b13=b13[0][:, :8], b2=b2[0])
+    with pytest.raises(ValueError, match="expert_bias"):
+        FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small())
+    layer = FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small(), b13=b13[0], b2=b2[0])
+    y = layer(xs[0], ids[0], wts[0])
+    want = reference.moe_forward(xs[0], ids[0], wts[0], w13[0], w2[0], activation=GPT_OSS,
+                                 b13=b13[0], b2=b2[0])
+    torch.testing.assert_close(y.float(), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="biases"):
+        layer.backward(torch.ones_like(xs[0]), xs[0], ids[0], wts[0])
