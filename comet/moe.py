@@ -262,8 +262,9 @@ class CometMoE(nn.Module):
         return self.eager_experts_forward(x, topk_ids, topk_weights)
 
     def _needs_grad(self, x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        params = (self.experts.w13, self.experts.w2, self.experts.b13, self.experts.b2)
         return torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, topk_weights, self.experts.w13, self.experts.w2))
+            t is not None and t.requires_grad for t in (x, topk_weights, *params))
 
     def eager_experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:

@@ -468,7 +468,7 @@ def _train_step(model, ids):
             layout = inspect_experts(ex).layout
             if layout.kind == "fused":
                 experts[path] = _fused_to_kernel(ex.gate_up_proj.grad, ex.down_proj.grad,
-                                                 layout.transposed)
+                                                 layout)
             else:  # transformers 4.x: per-expert nn.Linear
                 pairs = [_linear_to_kernel(*(getattr(m, n).weight.grad for n in layout.names))
                          for m in ex]

@@ -39,7 +39,7 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models.md"
 FAMILIES = coverage.discover_families()
 
 #: What a refusal says: the unsupported variant, or what the experts module is instead.
-REASON = re.compile(r"not supported yet|is not SiLU|is not silu\(gate\) \* up|neither dispatched"
+REASON = re.compile(r"not supported yet|is not SiLU or GELU-tanh|neither dispatched"
                     r"|has no `experts` module|are not gated MLPs")
 
 
@@ -87,7 +87,14 @@ def test_refusals_are_typed_errors_and_replace_nothing(rows):
     ("deepseek_v3", None), ("phimoe", None), ("glm4_moe", None), ("qwen3_next", None),
     ("qwen3_5_moe", None), ("llama4", None), ("deepseek_v2", None), ("ernie4_5_moe", None),
     ("dots1", None),
-    ("gpt_oss", r"expert biases \(gate_up_proj_bias, down_proj_bias\).*clamped SwiGLU"),
+    # Expert variants: GPT-OSS clamped SwiGLU with biases (alternating gate/up columns in
+    # gpt_oss), clamped SiLU, GELU-tanh.
+    ("gpt_oss", None), ("openai_privacy_filter", None), ("minimax_m3_vl", None),
+    ("deepseek_v4", None), ("glm5_next", None), ("hy_v4", None), ("hy_v4_vl", None),
+    ("gemma4", None), ("diffusion_gemma", None),
+    # Variants comet does not compute.
+    ("inkling2", r"soft-capped SwiGLU"), ("muse_spark", r"a norm after each expert"),
+    ("nemotron_h", r"ungated experts"), ("longcat_flash", r"identity \('zero-computation'\)"),
 ])
 def test_named_families(family, expected, rows):
     if family not in rows:

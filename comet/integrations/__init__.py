@@ -5,9 +5,10 @@ Two ways in:
 * :func:`patch_model` / :func:`from_module` replace the MoE blocks of a model by
   :class:`CometMoEBlock` modules, sharding the experts over an expert-parallel group. A
   block is recognised by its structure (an ``experts`` module next to its router), not its
-  class: every transformers 5.x family whose experts are SiLU-gated MLPs without biases
-  converts, keeping its own router and shared experts; other expert variants are refused
-  with the reason (``python -m comet.integrations.coverage`` lists every family).
+  class: every transformers 5.x family whose experts are gated MLPs of an activation comet
+  computes (SiLU, GELU-tanh, clamped SiLU, GPT-OSS's clamped SwiGLU), with or without
+  biases, converts, keeping its own router and shared experts; other expert variants are
+  refused with the reason (``python -m comet.integrations.coverage`` lists every family).
 * With transformers 5.x, importing this package registers a ``"comet"`` experts
   implementation (``model.set_experts_implementation("comet")``) that swaps only the expert
   computation, without replacing modules and without expert parallelism.

@@ -18,28 +18,32 @@ block's router. Three kinds of experts module are understood:
   score *before* the experts). comet computes expert ``e`` on every non-zero row of block
   ``e`` (routing ``[E*T, 1]``, weight 1; an all-zero row gives zero in a bias-free gated
   MLP, so it is skipped) -- the same function, without the experts that no token chose.
+  (Dense experts with biases are refused: there a zero row does not give zero.)
 * **legacy** (transformers 4.x): a ``ModuleList`` of per-expert gated MLPs that the block
   loops over itself; routing then comes from the block's router module (``(ids, weights)``
   routers are called; for a plain ``nn.Linear`` gate, :data:`FAMILIES` gives the 4.x
   class's routing settings, applied by :func:`comet.reference.route`).
 
-The experts must compute what comet's kernels compute: ``down(silu(gate(x)) * up(x))``
-per expert, no biases, gate and up concatenated. Every other variant is refused with a
-reason that names it (:class:`NotImplementedError`): expert biases, another activation,
-clamped or soft-capped SwiGLU, a norm after each expert, ungated experts, interleaved
-gate/up columns. The checks (:mod:`comet.integrations.experts`) read the module's flags and
-weights, probe its gate function on values from -40 to 40, and run its eager forward on a
-few probe rows against :mod:`comet.reference`, so an experts module that computes
-something else is refused rather than converted wrong. Blocks whose experts are none of
-the three kinds raise :class:`TypeError`.
+The experts must compute a function comet's kernels compute: per expert
+``down(act(gate(x) + b_gate) * (up(x) + b_up)) + b_down``, ``act`` one of the gated
+activations of :mod:`comet.activation` (SiLU, GELU-tanh, clamped SiLU, GPT-OSS's clamped
+SwiGLU), biases optional, gate and up columns concatenated or alternating. The checks
+(:mod:`comet.integrations.experts`) read the module's flags, weights and activation
+settings, probe its gate function, and run its eager forward on a few probe rows against
+:mod:`comet.reference`, so an experts module that computes something else is refused
+(:class:`NotImplementedError`, naming the variant: a soft-capped or unknown gate, a norm
+after each expert, ungated experts, identity experts) rather than converted wrong. The
+block's :class:`comet.MoEConfig` carries what was found (``activation``,
+``expert_bias``). Blocks whose experts are none of the three kinds raise
+:class:`TypeError`.
 
 The replacement, :class:`CometMoEBlock`, is a ``CometMoE`` that is also an instance of the
 replaced block's class (see :func:`_block_class`): it adopts the block's child modules,
 parameters, buffers and attributes (so ``gate`` / ``router``, shared experts and their
 gates are the block's own objects, with their hooks, numerics and checkpoint keys), and
 ``experts`` becomes a :class:`TransformersExperts`: this rank's experts in the kernels'
-layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``), saved and loaded under the replaced
-experts module's keys.
+layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``, biases ``b13`` / ``b2``), saved and loaded
+under the replaced experts module's keys and layout.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from comet import reference
 from comet.config import MoEConfig
 from comet.integrations.experts import (  # noqa: F401 - some re-exported for older imports
     ExpertLayout, ExpertsSpec, TransformersExperts, expert_layout, expert_sizes,
-    inspect_experts, is_registry_experts, kernel_weights)
+    inspect_experts, is_registry_experts, kernel_biases, kernel_weights)
 from comet.moe import CometMoE
 from comet.runtime.inputs import check_inputs
 
@@ -259,7 +263,8 @@ class CometMoEBlock(CometMoE):
         rows = e if xs.mode == "dense" else 1
         tokens = max_tokens if max_tokens is not None else MoEConfig.max_tokens
         settings = dict(num_experts=e, top_k=spec.top_k, hidden_size=h, intermediate_size=f,
-                        dtype=w_ref.dtype, max_tokens=tokens * rows)
+                        dtype=w_ref.dtype, max_tokens=tokens * rows,
+                        activation=xs.activation, expert_bias=bool(xs.layout.biases))
         if spec.legacy is not None:
             settings.update(self._legacy_settings(block, spec.legacy))
         where = f"{type(block).__name__} ({spec.family})"
@@ -280,9 +285,11 @@ class CometMoEBlock(CometMoE):
         self._comet_check_input = int(_lookup(block, "hidden_size", "hidden_dim",
                                               required=False) or h) == h
         lo = self.par.rank * (e // self.par.world_size)
-        w13, w2 = kernel_weights(experts, xs.layout, lo, lo + e // self.par.world_size)
+        hi = lo + e // self.par.world_size
+        w13, w2 = kernel_weights(experts, xs.layout, lo, hi)
+        b13, b2 = kernel_biases(experts, xs.layout, lo, hi)
         new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, lo,
-                                          requires_grad=w_ref.requires_grad)
+                                          requires_grad=w_ref.requires_grad, b13=b13, b2=b2)
         new_experts.__dict__["_comet_block"] = self   # plain attribute: not a submodule
         self._modules["experts"] = new_experts
         self._comet_legacy = spec.legacy
@@ -449,7 +456,7 @@ def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
     Raises:
         TypeError: not an MoE block comet recognises (message: what it is).
         NotImplementedError: experts comet does not compute yet (message: every
-            unsupported variant: biases, activation, clamped SwiGLU, ...).
+            unsupported variant: soft-capped gate, post-expert norm, ungated, ...).
         ValueError: the group size does not divide the number of experts, or sizes comet
             cannot run (multiples of 16).
     """

@@ -59,6 +59,9 @@ TINY: dict = dict(
     n_group=4, num_expert_group=4, topk_group=2, n_shared_experts=1, num_dense_layers=1,
     first_k_dense_replace=1, decoder_sparse_step=1, mlp_only_layers=[], sliding_window=64,
     top_k_experts=2,
+    # A clamp bound the tiny models' gate/up values reach (the defaults, 7 or 10, they do
+    # not), so that a converted clamped SwiGLU is checked with its clamps active.
+    swiglu_limit=1.0,
 )
 
 #: Per-family additions to :data:`TINY` (configs the generic rule cannot shrink alone).
@@ -210,8 +213,9 @@ def tiny_config(family: str, cls: type | None = None):
 
 def build_tiny_model(family: str, seed: int = 0) -> nn.Module:
     """A seeded random-initialised fp32 CPU model of ``family`` (see the module doc), in
-    eval mode. Buffers that start at zero and only steer routing (score-correction
-    biases) get small random values, so that they matter."""
+    eval mode. Tensors that start at zero get small random values, so that they matter:
+    buffers that only steer routing (score-correction biases) and the experts' biases
+    (GPT-OSS initialises ``gate_up_proj_bias`` / ``down_proj_bias`` to zero)."""
     cls = model_class(family)
     config = tiny_config(family, cls)
     torch.manual_seed(seed)
@@ -223,6 +227,9 @@ def build_tiny_model(family: str, seed: int = 0) -> nn.Module:
         for name, buf in model.named_buffers():
             if name.endswith("correction_bias") and buf.is_floating_point():
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+        for name, param in model.named_parameters():
+            if ".experts." in name and name.endswith("bias") and not param.any():
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
     return model.float().eval()
 
 

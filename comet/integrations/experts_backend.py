@@ -9,8 +9,10 @@ rank runs its own experts (W = 1; transformers' own expert parallelism, if confi
 it local ids). For comet's expert parallelism use :func:`comet.patch_model`.
 
 On a CPU the backend computes :func:`comet.reference.moe_forward` on views of the
-transformers weights (autograd flows to them). On CUDA it runs comet's fused W=1 layer,
-which keeps a kernel-layout copy of the experts' weights, refreshed when they change.
+transformers weights (autograd flows to them; alternating gate/up columns are reordered
+on the fly), with the experts' gated activation and biases. On CUDA it runs comet's fused
+W=1 layer, which keeps a kernel-layout copy of the experts' weights and biases, refreshed
+when they change.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from comet import reference
-from comet.integrations.experts import expert_sizes, inspect_experts
+from comet.integrations.experts import (ExpertsSpec, inspect_experts, kernel_biases,
+                                        kernel_weights, reference_biases, reference_weights)
 from comet.moe import CometMoE
-from comet.weights import interleave_gate_up
 
 BACKEND_NAME = "comet"
 
@@ -43,11 +45,16 @@ def register_experts_backend() -> bool:
     return True
 
 
-def _kernel_views(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w13 [E, H, 2F], w2 [E, F, H])`` views of a fused transformers experts module."""
-    if getattr(experts, "is_transposed", False):
-        return experts.gate_up_proj, experts.down_proj
-    return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+def _spec(experts: nn.Module) -> ExpertsSpec:
+    """What comet runs for ``experts`` (:func:`inspect_experts`, once per module)."""
+    spec = experts.__dict__.get("_comet_spec")
+    if spec is None:
+        spec = inspect_experts(experts)
+        if spec.mode != "routed":
+            raise NotImplementedError(f"{type(experts).__name__} is not a registry experts "
+                                      "module")
+        experts.__dict__["_comet_spec"] = spec
+    return spec
 
 
 def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
@@ -63,19 +70,19 @@ def comet_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     Returns:
         ``[tokens, H]`` in ``hidden_states``' dtype.
     """
-    if "_comet_checked" not in self.__dict__:
-        if inspect_experts(self).mode != "routed":
-            raise NotImplementedError(f"{type(self).__name__} is not a registry experts module")
-        self.__dict__["_comet_checked"] = True
+    spec = _spec(self)
     ids = top_k_index.masked_fill(top_k_index >= self.num_experts, -1)
     if hidden_states.is_cuda:
         warn_if_experts_train(self)
-        layer = _local_layer(self, hidden_states.shape[0], top_k_index.shape[-1])
+        layer = _local_layer(self, spec, hidden_states.shape[0], top_k_index.shape[-1])
         out = layer.experts_forward(hidden_states.contiguous(), ids, top_k_weights.float())
     else:
-        w13, w2 = _kernel_views(self)
+        e = spec.num_experts
+        w13, w2 = reference_weights(self, spec.layout, 0, e)
+        b13, b2 = reference_biases(self, spec.layout, 0, e)
         out = reference.moe_forward(hidden_states, ids, top_k_weights, w13, w2,
-                                    round_to=hidden_states.dtype)
+                                    round_to=hidden_states.dtype, activation=spec.activation,
+                                    b13=b13, b2=b2)
     return out.to(hidden_states.dtype)
 
 
@@ -91,10 +98,10 @@ def warn_if_experts_train(experts: nn.Module) -> None:
                       "experts, use comet.patch_model (docs/training.md)", stacklevel=3)
 
 
-def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
-    """A single-rank :class:`CometMoE` over all of ``experts``' weights, cached on the
-    module outside its ``_modules`` (so it never shows in ``state_dict``)."""
-    source = (experts.gate_up_proj, experts.down_proj)
+def _local_layer(experts: nn.Module, spec: ExpertsSpec, tokens: int, top_k: int) -> CometMoE:
+    """A single-rank :class:`CometMoE` over all of ``experts``' weights (and biases),
+    cached on the module outside its ``_modules`` (so it never shows in ``state_dict``)."""
+    source = [p for _, p in experts.named_parameters()]
     key = (tuple(t._version for t in source), tuple(t.data_ptr() for t in source), top_k)
     cached = experts.__dict__.get("_comet_layer")
     if cached is not None and cached[0] == key and cached[1].cfg.max_tokens >= tokens:
@@ -104,13 +111,15 @@ def _local_layer(experts: nn.Module, tokens: int, top_k: int) -> CometMoE:
             "the 'comet' experts backend runs each rank's experts alone and cannot build "
             "a one-rank layer inside a multi-rank process group; use "
             "comet.patch_model(model, group=...) for expert parallelism")
-    e, h, f = expert_sizes(experts, inspect_experts(experts).layout)
+    e, h, f = spec.num_experts, spec.hidden_size, spec.intermediate_size
     max_tokens = max(_MIN_MAX_TOKENS, 1 << (tokens - 1).bit_length())
     layer = CometMoE(e, top_k, h, f, dtype=experts.gate_up_proj.dtype, max_tokens=max_tokens,
-                     device="meta")
-    w13, w2 = _kernel_views(experts)
-    with torch.no_grad():
-        layer.experts.w13 = nn.Parameter(interleave_gate_up(w13), requires_grad=False)
-        layer.experts.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+                     device="meta", activation=spec.activation,
+                     expert_bias=bool(spec.layout.biases))
+    kernel = dict(zip(("w13", "w2"), kernel_weights(experts, spec.layout, 0, e)))
+    if spec.layout.biases:
+        kernel.update(zip(("b13", "b2"), kernel_biases(experts, spec.layout, 0, e)))
+    for name, value in kernel.items():
+        setattr(layer.experts, name, nn.Parameter(value, requires_grad=False))
     experts.__dict__["_comet_layer"] = (key, layer)
     return layer

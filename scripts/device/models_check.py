@@ -73,9 +73,16 @@ def _config(name: str, tiny: bool):
 
 def _build(cfg, dtype, device):
     from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)    # the same weights on every rank
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.to(device).eval()
+    torch.manual_seed(0)    # the same weights on every rank (initialised on the device)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        # Expert biases start at zero: random ones, or the bias epilogues go untested.
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "experts" in name and name.endswith("bias"):
+                    p.normal_(std=0.5)
+    return model.eval()
 
 
 def _prefill_ms(model, ids, iters: int, device, group) -> float:
@@ -105,6 +112,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def check(name: str, args, device, group, rank: int, world: int) -> dict:
+    from comet import CometMoE
     from comet.integrations import patch_model
     dtype = torch.float32 if args.tiny else torch.bfloat16
     cfg = _config(name, args.tiny)
@@ -117,6 +125,7 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
         ref_tokens = _generate(model, prompt)
         ref_ms = _prefill_ms(model, ids, args.iters, device, group)
         patch_model(model, group=group, max_tokens=args.batch * args.seq)
+        blocks = sum(isinstance(m, CometMoE) for m in model.modules())
         got = model(input_ids=ids, use_cache=False).logits
         tokens = _generate(model, prompt)
         ms = _prefill_ms(model, ids, args.iters, device, group)
@@ -130,7 +139,7 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
         every = [mine]
     per_rank = [dict(zip(("median_rel_l2", "max_rel_l2", "generate_agree"), e.tolist()))
                 for e in every]
-    return dict(model=name, model_type=MODELS[name][0], layers=2, ep=world,
+    return dict(model=name, model_type=MODELS[name][0], layers=2, comet_blocks=blocks, ep=world,
                 tokens_per_rank=args.batch * args.seq, dtype=str(dtype),
                 experts=cfg.to_dict().get("num_local_experts") or cfg.to_dict().get(
                     "n_routed_experts") or cfg.to_dict().get("num_experts"),
