@@ -6,9 +6,11 @@ every rank), bf16. Per model and rank:
 
 * logits of a prefill of ``B x S`` tokens (each rank its own prompts), patched at EP=N
   against unpatched on this rank's GPU: the per-token relative L2 difference (median, max);
-* greedy ``generate()`` of 16 new tokens from a 32-token prompt, both ways (how many of
-  the 16 agree; near-uniform logits of random weights can tie, so this is reported, not
-  required);
+  and both against the unpatched model run in fp32 (same weights), with how often each
+  one's argmax is the fp32 argmax -- so comet's rounding is seen beside transformers' own;
+* greedy ``generate()`` of 16 new tokens from a 32-token prompt, all three ways (how many
+  of the 16 agree; near-uniform logits of random weights tie often, so a bf16 run may
+  leave the fp32 path at any token: reported, not required);
 * the prefill time (CUDA events, median of ``--iters`` after warm-up), patched at EP=N
   against unpatched on one GPU.
 
@@ -56,6 +58,13 @@ TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, head_dim=16, num_attention_heads=4,
             num_key_value_heads=2)
 VOCAB = 32064
+#: What each rank reports: patched vs unpatched bf16 logits (per-token relative L2), each
+#: bf16 run against the fp32 run of the same weights (median, 99th percentile), how often
+#: each one's argmax is the fp32 one's, and greedy tokens that agree (of 16).
+PER_RANK = ("median_rel_l2", "max_rel_l2", "comet_vs_fp32_median", "comet_vs_fp32_p99",
+            "hf_vs_fp32_median", "hf_vs_fp32_p99", "comet_argmax_is_fp32s",
+            "hf_argmax_is_fp32s", "generate_agree", "generate_comet_vs_fp32",
+            "generate_hf_vs_fp32")
 GENERATE_PROMPT, GENERATE_NEW = 32, 16
 
 
@@ -124,27 +133,40 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
         ref = model(input_ids=ids, use_cache=False).logits
         ref_tokens = _generate(model, prompt)
         ref_ms = _prefill_ms(model, ids, args.iters, device, group)
+        # The same model in fp32 (its bf16 weights, exactly): the truth both bf16 runs
+        # are held against, so comet's rounding is seen beside transformers' own.
+        model.float()
+        exact = model(input_ids=ids, use_cache=False).logits.float()
+        exact_tokens = _generate(model, prompt)
+        model.to(dtype)
         patch_model(model, group=group, max_tokens=args.batch * args.seq)
         blocks = sum(isinstance(m, CometMoE) for m in model.modules())
         got = model(input_ids=ids, use_cache=False).logits
         tokens = _generate(model, prompt)
         ms = _prefill_ms(model, ids, args.iters, device, group)
-    rel = _rel_l2(got, ref)
-    mine = torch.tensor([rel.median().item(), rel.max().item(),
-                         (tokens == ref_tokens).sum().item()], device=device)
+    rel, comet_err, hf_err = _rel_l2(got, ref), _rel_l2(got, exact), _rel_l2(ref, exact)
+    top = exact.argmax(-1)
+    mine = torch.tensor([
+        rel.median().item(), rel.max().item(), comet_err.median().item(),
+        comet_err.quantile(0.99).item(), hf_err.median().item(), hf_err.quantile(0.99).item(),
+        (got.argmax(-1) == top).float().mean().item(), (ref.argmax(-1) == top).float().mean().item(),
+        (tokens == ref_tokens).sum().item(), (tokens == exact_tokens).sum().item(),
+        (ref_tokens == exact_tokens).sum().item()], device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     if dist.is_initialized():
         dist.all_gather(every, mine, group=group)
     else:
         every = [mine]
-    per_rank = [dict(zip(("median_rel_l2", "max_rel_l2", "generate_agree"), e.tolist()))
-                for e in every]
+    per_rank = [dict(zip(PER_RANK, e.tolist())) for e in every]
     return dict(model=name, model_type=MODELS[name][0], layers=2, comet_blocks=blocks, ep=world,
                 tokens_per_rank=args.batch * args.seq, dtype=str(dtype),
                 experts=cfg.to_dict().get("num_local_experts") or cfg.to_dict().get(
                     "n_routed_experts") or cfg.to_dict().get("num_experts"),
                 per_rank=per_rank,
                 median_rel_l2=max(r["median_rel_l2"] for r in per_rank),
+                median_rel_l2_vs_fp32={"comet": max(r["comet_vs_fp32_median"] for r in per_rank),
+                                       "transformers": max(r["hf_vs_fp32_median"]
+                                                           for r in per_rank)},
                 generate_new_tokens=GENERATE_NEW,
                 generate_agree_min=min(r["generate_agree"] for r in per_rank),
                 prefill_ms_patched=ms, prefill_ms_unpatched_one_gpu=ref_ms,
