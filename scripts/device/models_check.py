@@ -21,6 +21,7 @@ Writes one JSON record per model (rank 0's numbers, every rank's differences).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -135,10 +136,12 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
         ref_ms = _prefill_ms(model, ids, args.iters, device, group)
         # The same model in fp32 (its bf16 weights, exactly): the truth both bf16 runs
         # are held against, so comet's rounding is seen beside transformers' own.
-        model.float()
-        exact = model(input_ids=ids, use_cache=False).logits.float()
-        exact_tokens = _generate(model, prompt)
-        model.to(dtype)
+        # A copy: casting the model there and back would also round its fp32 buffers and
+        # parameters (rotary frequencies, fp32 routers) to bf16.
+        exact_model = copy.deepcopy(model).float()
+        exact = exact_model(input_ids=ids, use_cache=False).logits.float()
+        exact_tokens = _generate(exact_model, prompt)
+        del exact_model
         patch_model(model, group=group, max_tokens=args.batch * args.seq)
         blocks = sum(isinstance(m, CometMoE) for m in model.modules())
         got = model(input_ids=ids, use_cache=False).logits
