@@ -310,6 +310,21 @@ def test_gemm_floor_is_the_fastest_gemm_measured():
     assert r["gemm_floor_us"] == 60.0            # a zero time is no measurement
 
 
+def test_hbm_floor_reads_each_touched_expert_once():
+    from comet.bench.floors import expert_bytes, hbm_floor_us, hbm_read_gbps
+    per = expert_bytes(hidden=4096, ffn=14336, element_size=2)
+    assert per["layer0"] == 4096 * 2 * 14336 * 2 and per["moe"] == 3 * 4096 * 14336 * 2
+    # Experts 0 and 2 got rows, 1 and 3 none: two experts' weights at 3000 GB/s.
+    floor = hbm_floor_us([5, 0, 1, 0], per, 3000.0)
+    assert floor["moe"] == pytest.approx(2 * per["moe"] / 3e12 * 1e6)
+    assert hbm_floor_us([0, 0], per, 3000.0)["layer1"] == 0.0
+    assert hbm_floor_us([1], per, None)["moe"] is None          # no bandwidth measured
+    assert hbm_read_gbps(torch.device("cpu")) is None
+    r = rec.derive(dict(fused_us=150.0, hbm_floor_us=100.0))
+    assert r["fused_over_hbm_floor"] == pytest.approx(1.5)
+    assert rec.derive(dict(fused_us=150.0, hbm_floor_us=0.0))["fused_over_hbm_floor"] is None
+
+
 def test_reduce_over_ranks_is_identity_on_one_process():
     s = {"total": [1.0, 2.0]}
     assert reduce_over_ranks(s) == s

@@ -16,6 +16,9 @@ or a per-layer row of a variant that has no layers). Variants:
 * ``comet_gmm_us`` -- comet's layer kernels in (c), without plan and combine;
   ``cutlass_gmm_us`` -- the CUTLASS grouped GEMM on the same rows.
 * ``nccl_a2a_us`` -- NCCL ``all_to_all_single`` of the rows this layer moves.
+* ``hbm_floor_us`` -- the slowest rank's weight bytes of its experts with rows over
+  ``hbm_read_gbps``, the HBM read bandwidth measured in the same run (a floor, not a
+  measurement of the layer).
 * ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
   count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
 """
@@ -77,7 +80,9 @@ def derive(rec: dict) -> dict:
     gemm_floor_us: the fastest GEMM measured on the layer's rows (torch, comet's kernels
     alone, CUTLASS); speedup_at_floor: a over it, the speedup of a layer that cost only
     its GEMMs -- where that is below a speedup target, no overlap can reach the target
-    without a faster GEMM.
+    without a faster GEMM. fused_over_hbm_floor: b over ``hbm_floor_us``, the time the
+    slowest rank needs to read its touched experts' weights once from HBM
+    (:mod:`comet.bench.floors`; what bounds a decode-sized call).
     """
     rec["speedup"] = ratio(rec.get("baseline_us"), rec.get("fused_us"))
     rec["speedup_vs_chunked"] = ratio(rec.get("chunked_us"), rec.get("fused_us"))
@@ -92,6 +97,7 @@ def derive(rec: dict) -> dict:
     gemms = [rec.get(k) for k in ("torch_gmm_us", "comet_gmm_us", "cutlass_gmm_us")]
     rec["gemm_floor_us"] = min((t for t in gemms if t is not None and t > 0), default=None)
     rec["speedup_at_floor"] = ratio(rec.get("baseline_us"), rec["gemm_floor_us"])
+    rec["fused_over_hbm_floor"] = ratio(rec.get("fused_us"), rec.get("hbm_floor_us"))
     return rec
 
 

@@ -68,6 +68,8 @@ EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("torch GEMM/b", _num("gmm_over_fused", "{:.2f}")),
     ("GEMM floor us", _num("gemm_floor_us")),
     ("a/floor", _num("speedup_at_floor", "{:.2f}")),
+    ("HBM floor us", _num("hbm_floor_us")),
+    ("b/HBM floor", _num("fused_over_hbm_floor", "{:.2f}")),
     ("NCCL a2a us", _num("nccl_a2a_us")),
     ("comm eff", _num("comm_efficiency", "{:.2f}")),
     ("sequential us", _num("sequential_us")),

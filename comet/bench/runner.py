@@ -38,6 +38,7 @@ import torch.distributed as dist
 from comet import reference
 from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
+from comet.bench.floors import expert_bytes, hbm_floor_us
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
@@ -91,6 +92,9 @@ class Settings:
     #: Comm-block counts (both layers) the fused layer is also timed at, to hold the
     #: per-call choice against the best fixed split of each record.
     fixed_splits: tuple[int, ...] = ()
+    #: HBM read bandwidth measured in this run (:func:`comet.bench.floors.hbm_read_gbps`),
+    #: for the records' HBM floor; None off a GPU.
+    hbm_gbps: float | None = None
 
 
 @dataclass
@@ -236,6 +240,11 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     order = timed_sets(st.n_sets, st.iters, st.warmup)
     flops = reduce_over_ranks({name: [flops_by_set[s][name] for s in order]
                                for name in rec.LAYERS}, group, sums=rec.LAYERS)
+    per_expert = expert_bytes(cfg.hidden_size, cfg.intermediate_size, w13.element_size())
+    floor_by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
+    hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
+                                    for name in rec.LAYERS}, group)
+                 if st.hbm_gbps else None)
     checks = _checks(sets[0], baseline, w13, w2, st, fused)
 
     results = []
@@ -278,6 +287,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "decode_tile": decode_tile,
             "tile_overrides": tile_overrides,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            "hbm_read_gbps": st.hbm_gbps,
+            "hbm_floor_us": median(hbm_floor[layer]) if hbm_floor else None,
             "max_rel_err": checks,
             "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
         }

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from comet.bench import records as rec
 from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
+from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
 from comet.bench.runner import Case, Fused, Settings, run_case
@@ -265,6 +266,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                   chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits))
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp)
+    st.hbm_gbps = hbm_read_gbps(device)
 
     cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device, dtype)
     if cutlass_mm is None:

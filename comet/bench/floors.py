@@ -1,0 +1,54 @@
+"""Lower bounds a layer's time is held against, besides the GEMM floor of the records.
+
+The *HBM floor*: a call must read the weights of every local expert that received a row
+at least once from HBM -- at small token counts (decode) nothing else bounds it. Its time
+is those bytes over the device's HBM read bandwidth, measured in the same run
+(:func:`hbm_read_gbps`), per rank; the layer's floor is the slowest rank's, since the
+layer ends with its last rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+#: Bytes the bandwidth probe reads per pass: far beyond any L2, so HBM serves them.
+PROBE_BYTES = 1 << 30
+PROBE_PASSES = 10
+
+
+def hbm_read_gbps(device: torch.device) -> float | None:
+    """HBM read bandwidth (GB/s) of ``device``: the median of :data:`PROBE_PASSES`
+    reductions over :data:`PROBE_BYTES` (a read-only stream; what a weight-bound GEMM
+    can at best achieve). None off a GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    buf = torch.ones(PROBE_BYTES // 2, dtype=torch.bfloat16, device=device)
+    times = []
+    for i in range(PROBE_PASSES + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buf.sum(dtype=torch.float32)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1e-3)
+    del buf
+    return PROBE_BYTES / statistics.median(times) / 1e9
+
+
+def expert_bytes(hidden: int, ffn: int, element_size: int) -> dict[str, int]:
+    """Weight bytes of one expert per layer (``W13 [H, 2F]``, ``W2 [F, H]``) and both."""
+    l0, l1 = hidden * 2 * ffn * element_size, ffn * hidden * element_size
+    return {"layer0": l0, "layer1": l1, "moe": l0 + l1}
+
+
+def hbm_floor_us(expert_rows: list[int], per_expert: dict[str, int],
+                 gbps: float | None) -> dict[str, float | None]:
+    """Per layer, the microseconds this rank needs to read the weights of its experts
+    that got rows (``expert_rows``: rows per local expert) at ``gbps``."""
+    touched = sum(1 for r in expert_rows if r > 0)
+    return {layer: (touched * b / (gbps * 1e9) * 1e6 if gbps else None)
+            for layer, b in per_expert.items()}
