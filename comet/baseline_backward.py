@@ -75,37 +75,52 @@ def act_backward_torch(gu: torch.Tensor, dh_u: torch.Tensor, weight: torch.Tenso
     return dgu, h, d_weight
 
 
+def _per_expert(t: torch.Tensor, expert_rows: list[int]) -> torch.Tensor:
+    """``[El, ...]``: each expert's rows of ``t`` summed (fp32, in row order)."""
+    return torch.stack([part.float().sum(0) for part in t.split(expert_rows)])
+
+
 def _expert_backward(xg: torch.Tensor, dyg: torch.Tensor, wg: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan, layout: str,
-                     weight_grads: bool, activation: GatedActivation = SILU
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                torch.Tensor | None]:
+                     weight_grads: bool, activation: GatedActivation = SILU,
+                     biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
     """The local experts' part, rows grouped by expert: ``xg, dyg [R, H]`` (model dtype),
-    ``wg [R]`` fp32 -> ``(dx rows [R, H], d weight [R] fp32, dW13, dW2)``; the expert
-    weights' gradients only with ``weight_grads`` (two of the five GEMMs)."""
+    ``wg [R]`` fp32 -> ``(dx rows [R, H], d weight [R] fp32, dW13, dW2, db13, db2)``; the
+    expert weights' (and biases') gradients only with ``weight_grads`` (two of the five
+    GEMMs). With ``biases`` ``(b13, b2)``, the recomputed gate/up includes ``b13`` and
+    each row's routing weight gradient ``<dy, b2[e]>``."""
     rows, offs = plan.expert_rows, plan.offs
     gu = grouped_mm(xg, w13, rows, offs)                       # recomputed
+    if biases is not None:
+        counts = torch.tensor(rows, device=xg.device)
+        b13_rows, b2_rows = (b.repeat_interleave(counts, 0, output_size=xg.shape[0])
+                             for b in biases)
+        gu = (gu.float() + b13_rows.float()).to(gu.dtype)
     dh_u = grouped_mm(dyg, w2.transpose(1, 2), rows, offs)     # dy @ W2^T, [R, F]
     if gu.is_cuda:
         dgu, h, d_weight = act_backward(gu, dh_u, wg, interleaved=layout == "interleaved",
                                         activation=activation)
     else:
         dgu, h, d_weight = act_backward_torch(gu, dh_u, wg, layout, activation)
+    if biases is not None:
+        d_weight = d_weight + (dyg.float() * b2_rows.float()).sum(1)
     dxg = grouped_mm(dgu, w13.transpose(1, 2), rows, offs)
     if not weight_grads:
-        return dxg, d_weight, None, None
+        return dxg, d_weight, None, None, None, None
     d_out = (dyg.float() * wg.unsqueeze(1)).to(xg.dtype)
     dw2 = grouped_weight_grad(h, d_out, offs, rows)
     dw13 = grouped_weight_grad(xg, dgu, offs, rows)
-    return dxg, d_weight, dw13, dw2
+    if biases is None:
+        return dxg, d_weight, dw13, dw2, None, None
+    return dxg, d_weight, dw13, dw2, _per_expert(dgu, rows), _per_expert(d_out, rows)
 
 
 def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                             topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                             group=None, *, layout: str = "interleaved",
-                            weight_grads: bool = True, activation: GatedActivation = SILU
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                       torch.Tensor | None]:
+                            weight_grads: bool = True, activation: GatedActivation = SILU,
+                            biases: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> tuple:
     """Gradients of the routed experts' output (collective over ``group``).
 
     Args:
@@ -117,11 +132,13 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
         weight_grads: also compute ``dW13`` and ``dW2`` (off for frozen experts; the
             exchanges are the same either way, so ranks may differ in it).
         activation: the experts' gated activation (:mod:`comet.activation`).
+        biases: ``(b13 [El, 2F], b2 [El, H])``, the experts' biases (``b13`` columns in
+            ``layout``), or None.
 
     Returns:
         ``(dx [M, H] in x's dtype, d topk_weights [M, k] in their dtype, dW13 like w13,
-        dW2 like w2)``; the weight gradients are this rank's experts' own (None without
-        ``weight_grads``).
+        dW2 like w2)``, and with ``biases`` also ``(db13 like b13, db2 like b2)``; the
+        weight gradients are this rank's experts' own (None without ``weight_grads``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -135,9 +152,9 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
     recv = all_to_all_rows(pair_rows, plan.recv_splits, plan.send_splits, world, group)
     recv_w = all_to_all_rows(pair_weights, plan.recv_splits, plan.send_splits, world, group)
     grouped = recv.index_select(0, plan.perm)
-    dxg, d_wg, dw13, dw2 = _expert_backward(grouped[:, :hidden], grouped[:, hidden:],
-                                            recv_w.index_select(0, plan.perm), w13, w2,
-                                            plan, layout, weight_grads, activation)
+    dxg, d_wg, dw13, dw2, db13, db2 = _expert_backward(
+        grouped[:, :hidden], grouped[:, hidden:], recv_w.index_select(0, plan.perm), w13, w2,
+        plan, layout, weight_grads, activation, biases)
     dx_recv = torch.empty_like(dxg).index_copy_(0, plan.perm, dxg)
     dw_recv = torch.empty_like(d_wg).index_copy_(0, plan.perm, d_wg)
     dx_rows = all_to_all_rows(dx_recv, plan.send_splits, plan.recv_splits, world, group)
@@ -148,4 +165,9 @@ def routed_experts_backward(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.T
     d_weights.index_copy_(0, plan.order, dw_pairs)
     if weight_grads:
         dw13, dw2 = dw13.to(w13.dtype), dw2.to(w2.dtype)
-    return dx.to(dtype), d_weights.view(m, k).to(topk_weights.dtype), dw13, dw2
+    out = (dx.to(dtype), d_weights.view(m, k).to(topk_weights.dtype), dw13, dw2)
+    if biases is None:
+        return out
+    if weight_grads:
+        db13, db2 = db13.to(biases[0].dtype), db2.to(biases[1].dtype)
+    return (*out, db13, db2)

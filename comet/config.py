@@ -64,7 +64,7 @@ class MoEConfig:
             SiLU by default; GELU-tanh, clamped and GPT-OSS-style SwiGLU).
         expert_bias: the routed experts' projections have biases (``b13 [E, 2F]`` added
             to gate/up, ``b2 [E, H]`` to each expert's output before its routing weight;
-            GPT-OSS). Inference only: training through them raises.
+            GPT-OSS).
         max_tokens: most tokens one rank may pass to a single forward call; sizes the
             symmetric workspaces and device tables (no host sync reads live counts).
     """

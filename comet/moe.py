@@ -250,15 +250,11 @@ class CometMoE(nn.Module):
         weights (so the router) and this rank's expert weights their gradients. On a
         single CPU rank the reference is differentiable as written."""
         needs_grad = self._needs_grad(x, topk_weights)
-        if needs_grad and self.cfg.expert_bias and (x.is_cuda or self.par.world_size > 1):
-            raise NotImplementedError(
-                "training through experts with biases is not supported yet (inference is; "
-                "on one CPU rank the reference path is differentiable): run under "
-                "torch.no_grad() or freeze the block")
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
-                                            self.experts.w2, self._op_key)
+                                            self.experts.w2, self._op_key, self.experts.b13,
+                                            self.experts.b2)
         return self.eager_experts_forward(x, topk_ids, topk_weights)
 
     def _needs_grad(self, x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
@@ -280,21 +276,23 @@ class CometMoE(nn.Module):
                                      self.experts.w2, round_to=x.dtype, **variant)
 
     def experts_backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                         topk_weights: torch.Tensor, weight_grads: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                    torch.Tensor | None]:
-        """Gradients of :meth:`eager_experts_forward` (``dx``, d ``topk_weights``, dW13
-        in the experts' interleaved layout, dW2; the last two None without
-        ``weight_grads``): the fused backward on CUDA where ``fused_backward`` says so,
-        else the unfused one over the layer's group. Collective, like the forward."""
+                         topk_weights: torch.Tensor, weight_grads: bool) -> tuple:
+        """Gradients of :meth:`eager_experts_forward`: ``(dx, d topk_weights, dW13, dW2,
+        db13, db2)``, W13 and b13 in the experts' interleaved layout; the expert
+        parameters' gradients are None without ``weight_grads``, the biases' also without
+        biases. The fused backward on CUDA where ``fused_backward`` says so, else the
+        unfused one over the layer's group. Collective, like the forward."""
+        biases = None if self.experts.b13 is None else (self.experts.b13, self.experts.b2)
         if x.is_cuda and self.fused_backward:
-            return self.fused_layer().backward(dy, x, topk_ids, topk_weights,
-                                               weight_grads=weight_grads,
-                                               comm_blocks=self.comm_blocks)
-        return routed_experts_backward(dy, x, topk_ids, topk_weights, self.experts.w13,
-                                       self.experts.w2, self.group, layout="interleaved",
-                                       weight_grads=weight_grads,
-                                       activation=self.cfg.activation)
+            grads = self.fused_layer().backward(dy, x, topk_ids, topk_weights,
+                                                weight_grads=weight_grads,
+                                                comm_blocks=self.comm_blocks)
+        else:
+            grads = routed_experts_backward(dy, x, topk_ids, topk_weights, self.experts.w13,
+                                            self.experts.w2, self.group, layout="interleaved",
+                                            weight_grads=weight_grads,
+                                            activation=self.cfg.activation, biases=biases)
+        return (*grads, None, None) if biases is None else grads
 
     def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""

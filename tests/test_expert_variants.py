@@ -189,8 +189,12 @@ def test_the_unfused_baseline_runs_variants_and_biases():
 
 
 @interpreter
-def test_fused_layer_with_biases_refuses_a_backward_and_wrong_biases():
+def test_fused_layer_with_biases_checks_them_and_trains_them():
+    """FusedMoE (one rank, the interpreter) with biases: wrong biases refused at
+    construction; forward and backward (dx, d weights, dW13, dW2, db13, db2) as the
+    spec's autograd."""
     from comet.runtime.layer import FusedMoE
+    from comet.weights import gate_up_first
     cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(1, GPT_OSS, True, torch.float32)
     with pytest.raises(ValueError, match="b13"):
         FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small(), b13=b13[0][:, :8], b2=b2[0])
@@ -198,8 +202,80 @@ def test_fused_layer_with_biases_refuses_a_backward_and_wrong_biases():
         FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small())
     layer = FusedMoE(cfg, w13[0], w2[0], tile=TileConfig.small(), b13=b13[0], b2=b2[0])
     y = layer(xs[0], ids[0], wts[0])
-    want = reference.moe_forward(xs[0], ids[0], wts[0], w13[0], w2[0], activation=GPT_OSS,
-                                 b13=b13[0], b2=b2[0])
-    torch.testing.assert_close(y.float(), want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(NotImplementedError, match="biases"):
-        layer.backward(torch.ones_like(xs[0]), xs[0], ids[0], wts[0])
+    leaves = [t.clone().requires_grad_() for t in (xs[0], wts[0], w13[0], w2[0], b13[0], b2[0])]
+    want = reference.moe_forward(leaves[0], ids[0], leaves[1], leaves[2], leaves[3],
+                                 activation=GPT_OSS, b13=leaves[4], b2=leaves[5])
+    torch.testing.assert_close(y.float(), want.detach(), rtol=1e-4, atol=1e-4)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+    (want * dy).sum().backward()
+    got = layer.backward(dy, xs[0], ids[0], wts[0])
+    assert len(got) == 6
+    dx, dw, d13, d2, db13, db2 = got
+    for name, a, b in (("dx", dx, leaves[0].grad), ("dw", dw, leaves[1].grad),
+                       ("dW13", gate_up_first(d13), leaves[2].grad), ("dW2", d2, leaves[3].grad),
+                       ("db13", gate_up_first(db13), leaves[4].grad), ("db2", db2, leaves[5].grad)):
+        torch.testing.assert_close(a.float(), b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@interpreter
+def test_fused_backward_with_biases_on_virtual_ranks():
+    """W=2 virtual ranks with biases: every rank's six gradients as the spec's autograd
+    (the biases' routing-weight term crosses ranks with the d weights)."""
+    from comet.runtime.virtual import VirtualEP
+    from comet.weights import gate_up_first
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, GELU_TANH, True, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(6)
+    dys = [torch.randn(x.shape, generator=g) for x in xs]
+    leaves = [t.clone().requires_grad_() for t in xs + wts + w13 + w2 + b13 + b2]
+    lx, lw, l13, l2, lb13, lb2 = (leaves[i:i + 2] for i in range(0, 12, 2))
+    outs = reference.ep_forward(lx, ids, lw, l13, l2, activation=GELU_TANH, b13_shards=lb13,
+                                b2_shards=lb2)
+    sum((o * d).sum() for o, d in zip(outs, dys)).backward()
+    ep = VirtualEP(cfg, w13, w2, b13_shards=b13, b2_shards=b2)
+    for r, (dx, dw, d13, d2, db13, db2) in enumerate(ep.backward(dys, xs, ids, wts)):
+        for a, b in ((dx, lx[r].grad), (dw, lw[r].grad), (gate_up_first(d13), l13[r].grad),
+                     (d2, l2[r].grad), (gate_up_first(db13), lb13[r].grad), (db2, lb2[r].grad)):
+            torch.testing.assert_close(a.float(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_unfused_backward_with_biases_matches_autograd():
+    """comet.baseline_backward with biases (one CPU rank, both W13 layouts)."""
+    from comet.baseline_backward import routed_experts_backward
+    from comet.weights import interleave_gate_up
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(1, CLAMPED_SILU, True, torch.float32, seed=8)
+    leaves = [t.clone().requires_grad_() for t in (xs[0], wts[0], w13[0], w2[0], b13[0], b2[0])]
+    y = reference.moe_forward(leaves[0], ids[0], leaves[1], leaves[2], leaves[3],
+                              activation=CLAMPED_SILU, b13=leaves[4], b2=leaves[5])
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    (y * dy).sum().backward()
+    want = [t.grad for t in leaves]
+    for layout, fix in (("gate_up", lambda t: t), ("interleaved", interleave_gate_up)):
+        got = routed_experts_backward(dy, xs[0], ids[0], wts[0], fix(w13[0]), w2[0],
+                                      layout=layout, activation=CLAMPED_SILU,
+                                      biases=(fix(b13[0]), b2[0]))
+        for a, b in zip(got, [want[0], want[1], fix(want[2]), want[3], fix(want[4]), want[5]]):
+            torch.testing.assert_close(a.float(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_training_through_the_op_with_biases():
+    """CometMoE's autograd op (what the GPU and multi-rank paths use) gives the biases
+    their gradients, as autograd of the reference does."""
+    from comet import custom_op
+    from comet.moe import CometMoE
+    torch.manual_seed(3)
+    moe = CometMoE(8, 2, 32, 48, dtype=torch.float32, activation=GPT_OSS, expert_bias=True)
+    with torch.no_grad():
+        moe.experts.b13.normal_()
+        moe.experts.b2.normal_()
+    x = torch.randn(10, 32)
+    _, wts, ids = moe.gate(x)
+    wts = wts.detach()
+    e = moe.experts
+    y = custom_op.routed_experts(x, ids, wts, e.w13, e.w2, moe._op_key, e.b13, e.b2)
+    y.sum().backward()
+    got = [t.grad.clone() for t in (e.w13, e.w2, e.b13, e.b2)]
+    for t in (e.w13, e.w2, e.b13, e.b2):
+        t.grad = None
+    moe.experts_forward(x, ids, wts).sum().backward()      # one CPU rank: the reference
+    for a, t in zip(got, (e.w13, e.w2, e.b13, e.b2)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-4)

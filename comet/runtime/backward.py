@@ -56,6 +56,11 @@ from comet.runtime.workspace import Workspace
 
 #: Programs of the row helpers per SM (streams of loads, like the combine's).
 ROW_PROGRAMS_PER_SM = 4
+#: Rows per step of the expert biases' routing-weight term (bounds its fp32 scratch).
+BIAS_ROWS = 8192
+#: Width of the column of ones a bias gradient's row sum multiplies by: the narrowest
+#: operand whose rows torch's grouped GEMM takes (16-byte strides).
+ROW_SUM_COLUMNS = 16
 
 
 @dataclass
@@ -121,6 +126,8 @@ class BackwardCall:
     layer0_comm: bool          # the layer0-shaped launches have comm blocks (fused)
     cooperative: bool = True
     weight_grads: bool = True
+    b13: torch.Tensor | None = None   # [El, 2F] in W13's layout: expert biases, or None
+    b2: torch.Tensor | None = None    # [El, H]
 
     def __post_init__(self):
         v = self.scalars.values
@@ -128,8 +135,9 @@ class BackwardCall:
         self._m, self._split = v[3:4], (v[4:5], v[5:6])
         self._rows = 0
         self._inputs: tuple = ()
-        self.dx = self.d_weights = self.dw13 = self.dw2 = None
+        self.dx = self.d_weights = self.dw13 = self.dw2 = self.db13 = self.db2 = None
         self._ends: torch.Tensor | None = None   # expert_ends(), once the plan ran
+        self._ones: torch.Tensor | None = None   # [cap, 16] for the biases' row sums
         self._row_programs = max(1, self.grid * (1 if not self.cooperative
                                                  else ROW_PROGRAMS_PER_SM))
         ws = self.ws
@@ -146,18 +154,20 @@ class BackwardCall:
         self._rows = m
         self._inputs = (dy, x)         # alive until the call's kernels were issued
         self.dx = torch.empty_like(x)
-        self.d_weights = self.dw13 = self.dw2 = None
+        self.d_weights = self.dw13 = self.dw2 = self.db13 = self.db2 = None
         self.staged_ids[:m].copy_(topk_ids)
         self.staged_weights[:m].copy_(topk_weights)
         self.scalars.stage([x.data_ptr(), dy.data_ptr(), self.dx.data_ptr(), m, *split])
         return self
 
     def results(self, weights_dtype: torch.dtype) -> tuple:
-        """``(dx, d topk_weights in weights_dtype, dW13, dW2)`` of the call that ran, handed
-        over: the variant keeps no reference to them (a held weight gradient is as large
-        as the experts' weights)."""
+        """``(dx, d topk_weights in weights_dtype, dW13, dW2)`` of the call that ran -- and
+        ``(db13, db2)`` with expert biases --, handed over: the variant keeps no reference
+        to them (a held weight gradient is as large as the experts' weights)."""
         out = (self.dx, self.d_weights.to(weights_dtype), self.dw13, self.dw2)
-        self.dx = self.d_weights = self.dw13 = self.dw2 = None
+        if self.b13 is not None:
+            out = (*out, self.db13, self.db2)
+        self.dx = self.d_weights = self.dw13 = self.dw2 = self.db13 = self.db2 = None
         return out
 
     # ------------------------------------------------------------------ phases
@@ -166,7 +176,8 @@ class BackwardCall:
         fixed addresses only (a CUDA graph can replay it); the others make the tensors
         handed to the caller (weight gradients, routing-weight gradients)."""
         return [(True, [self._open_plan, self._plan,
-                        *self._layer0("x", self.w13, self.bufs.gu, transposed=False),
+                        *self._layer0("x", self.w13, self.bufs.gu, transposed=False,
+                                      bias=self.b13),
                         self._keep_rows, self._open, self._wait_open,
                         *self._layer0("dy", self.w2, self.ws.h, transposed=True),
                         self._act]),
@@ -186,12 +197,13 @@ class BackwardCall:
         self.ws.pair_grad.zero_()
         self._open_call()
 
-    def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor,
-                transposed: bool) -> list[Callable[[], None]]:
-        """Dispatch ``src`` rows and GEMM them into ``out`` (a phase per role unless
-        fused; a fused launch needs a comm block, as in the forward)."""
+    def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor, transposed: bool,
+                bias: torch.Tensor | None = None) -> list[Callable[[], None]]:
+        """Dispatch ``src`` rows and GEMM them into ``out`` (+ ``bias`` per expert; a phase
+        per role unless fused; a fused launch needs a comm block, as in the forward)."""
         ws = self.ws
-        gemm, item = layer0_gemm(ws.a0, w, out, self.tile, gated=False, transposed=transposed)
+        gemm, item = layer0_gemm(ws.a0, w, out, self.tile, gated=False, transposed=transposed,
+                                 bias=bias)
         args = dict(dispatch=dispatch_of(ws, self._addr[src], None), gemm=gemm, item=item,
                     tiles=ws.plan.tiles, segments=ws.plan.segments, queue=ws.count.l0_queue,
                     sync=ws.sync, split=self._split[0], trace=self._quiet, shape=ws.shape,
@@ -236,10 +248,45 @@ class BackwardCall:
 
     def _weight_grads(self) -> None:
         """The expert weights' gradients (rows grouped by expert: the dispatched dy rows
-        are still in the shared tensor, the x rows in layer1's buffer)."""
+        are still in the shared tensor, the x rows in layer1's buffer); with biases, their
+        share of the routing weights' gradients first (layer1 sends those home next)."""
+        if self.b2 is not None:
+            self._bias_weight_term()
         if self.weight_grads:
             self.dw2 = grouped_weight_grad(self.bufs.hw, self.ws.a0, self._ends)
             self.dw13 = grouped_weight_grad(self.ws.out1, self.bufs.gu, self._ends)
+            if self.b13 is not None:
+                self._bias_grads()
+
+    def _row_experts(self, rows: slice) -> torch.Tensor:
+        """The local expert of each row in ``rows`` (rows past the last are the last
+        expert's; their results are never read). Device ops on the plan, no sync."""
+        r = torch.arange(rows.start, rows.stop, device=self._ends.device, dtype=torch.int32)
+        e = torch.searchsorted(self._ends, r, right=True)
+        return e.clamp_(max=self._ends.shape[0] - 1)
+
+    def _bias_weight_term(self) -> None:
+        """``d w += <dy, b2[e]>`` per row: the routing weight multiplies the expert's
+        output bias too. Over every capacity row (the count stays on the device), in
+        chunks of :data:`BIAS_ROWS` rows (a gathered ``[rows, H]`` fp32 operand)."""
+        cap = self.bufs.dw_row.shape[0]
+        b2 = self.b2.float()
+        for r0 in range(0, cap, BIAS_ROWS):
+            rows = slice(r0, min(r0 + BIAS_ROWS, cap))
+            dy = self.ws.a0[rows].float()
+            self.bufs.dw_row[rows] += (dy * b2[self._row_experts(rows)]).sum(1)
+
+    def _bias_grads(self) -> None:
+        """``db13`` = each expert's rows of d(gate, up) summed, ``db2`` = its rows of
+        ``w * dy`` summed: grouped GEMMs with a column of ones (or of the row weights)
+        on the left, deterministic, no sync."""
+        cap = self.bufs.w_row.shape[0]
+        if self._ones is None:
+            self._ones = torch.ones(cap, ROW_SUM_COLUMNS, dtype=self.cfg.dtype,
+                                    device=self.bufs.w_row.device)
+        w = self.bufs.w_row.to(self.cfg.dtype).unsqueeze(1).expand(cap, ROW_SUM_COLUMNS)
+        self.db13 = grouped_weight_grad(self._ones, self.bufs.gu, self._ends)[:, 0].contiguous()
+        self.db2 = grouped_weight_grad(w.contiguous(), self.ws.a0, self._ends)[:, 0].contiguous()
 
     def _layer1(self) -> list[Callable[[], None]]:
         ws = self.ws
@@ -270,8 +317,9 @@ class BackwardCall:
         self._inputs = ()
         if not self.weight_grads:
             return
-        for dw in (self.dw13, self.dw2):
-            grad_rows.launch_zero_empty(self._row_programs, dw, self._ends)
+        for dw in (self.dw13, self.dw2, self.db13, self.db2):
+            if dw is not None:
+                grad_rows.launch_zero_empty(self._row_programs, dw, self._ends)
 
     def run(self) -> "BackwardCall":
         for phase in self.phases():

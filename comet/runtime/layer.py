@@ -412,10 +412,8 @@ class FusedMoE:
         [El, H, 2F] in this layer's interleaved layout, dW2 [El, F, H])``; the weight
         gradients are None without ``weight_grads`` (frozen experts: two GEMMs fewer,
         the same exchanges). ``comm_blocks`` as for a call (default: the call's own).
-        Expert biases have no backward yet (NotImplementedError)."""
-        if self.b13 is not None:
-            raise NotImplementedError("the backward of experts with biases is not supported "
-                                      "yet (their forward is)")
+        A layer with expert biases also returns ``(db13 [El, 2F] interleaved, db2 [El,
+        H])`` (None without ``weight_grads``)."""
         self._check(x, topk_ids, topk_weights)
         if tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
             raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "
@@ -446,7 +444,8 @@ class FusedMoE:
                 self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
                 self._static.ids, self._static.weights, self._backward_scalars,
                 self.programs, fused=not interpreting(), layer0_comm=layer0_comm,
-                cooperative=not self._virtual, weight_grads=weight_grads)
+                cooperative=not self._virtual, weight_grads=weight_grads, b13=self.b13,
+                b2=self.b2)
         return self._backward_calls[key]
 
     # ------------------------------------------------------------------ preload

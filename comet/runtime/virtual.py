@@ -92,8 +92,9 @@ class VirtualEP:
     def backward(self, dys: list[torch.Tensor], xs: list[torch.Tensor],
                  topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor],
                  programs: int = 3, weight_grads: bool = True) -> list[tuple]:
-        """Every rank's ``(dx, d topk_weights, dW13 (interleaved), dW2)`` of
-        :meth:`forward` (:mod:`comet.runtime.backward`), phase by phase across ranks."""
+        """Every rank's ``(dx, d topk_weights, dW13 (interleaved), dW2)`` -- and ``(db13
+        (interleaved), db2)`` with expert biases -- of :meth:`forward`
+        (:mod:`comet.runtime.backward`), phase by phase across ranks."""
         if self._grad is None:
             self._grad = [GradBuffers.allocate(self.cfg, self.world, self.device)
                           for _ in range(self.world)]
@@ -105,7 +106,7 @@ class VirtualEP:
                               torch.zeros(cfg.max_tokens, cfg.top_k, device=dev),
                               StagedScalars(BACKWARD_SCALARS, dev), programs, fused=False,
                               layer0_comm=False, cooperative=False,
-                              weight_grads=weight_grads).start(
+                              weight_grads=weight_grads, b13=self.b13[r], b2=self.b2[r]).start(
                                   aligned(dys[r].to(xs[r].dtype).contiguous()),
                                   aligned(xs[r]), topk_ids[r].to(torch.int64).contiguous(),
                                   topk_weights[r].float().contiguous(), (0, 0))
@@ -113,7 +114,7 @@ class VirtualEP:
         _in_lockstep(calls)
         for r in range(self.world):
             raise_if_failed(self.ws[r].fatal_word, r)
-        return [(c.dx, c.d_weights, c.dw13, c.dw2) for c in calls]
+        return [c.results(topk_weights[r].dtype) for r, c in enumerate(calls)]
 
 
 @functools.lru_cache(maxsize=None)
