@@ -128,13 +128,16 @@ def test_drift_expert_variants_full_size(name, variant):
     assert worst < 2e-2
 
 
-def test_backward_of_a_variant_full_size():
-    """Training rounds of GPT-OSS-20B's layer without biases (its clamped SwiGLU through
+@pytest.mark.parametrize("name", ["gpt-oss-20b-no-bias", "gpt-oss-20b"])
+def test_backward_of_a_variant_full_size(name):
+    """Training rounds of GPT-OSS-20B's layer (its clamped SwiGLU, and its biases, through
     the fused backward), W=2 virtual ranks drifting apart, against fp32 autograd."""
     from comet.runtime.virtual import concurrent_backward, concurrent_forward
     from comet.weights import gate_up_first
     world, max_tokens = 2, 2048
-    cfg, layers, w13, w2 = _group("gpt-oss-20b-no-bias", world, max_tokens, backward=True)
+    cfg, layers, w13, w2 = _group(name, world, max_tokens, backward=True)
+    biases = _biases(layers, world)
+    spec_biases = (biases["b13_shards"], biases["b2_shards"]) if biases else None
     rng = random.Random(3)
     streams = _streams(world)
     worst = {"dx": 0.0, "dw": 0.0, "dw13": 0.0, "dw2": 0.0}
@@ -149,15 +152,14 @@ def test_backward_of_a_variant_full_size():
         concurrent_forward(layers, xs, ids, ws, streams, delay_cycles=delays)
         grads = concurrent_backward(layers, dys, xs, ids, ws, streams, delay_cycles=delays[::-1])
         torch.cuda.synchronize()
-        dx, dw, d13, d2 = _spec_grads(xs, ids, ws, dys, w13, w2, cfg.activation)
-        for r, (gx, gw, g13, g2) in enumerate(grads):
-            worst["dx"] = max(worst["dx"], _rel_err(gx, dx[r]))
-            worst["dw"] = max(worst["dw"], _rel_err(gw, dw[r]))
-            worst["dw13"] = max(worst["dw13"], _rel_err(gate_up_first(g13), d13[r]))
-            worst["dw2"] = max(worst["dw2"], _rel_err(g2, d2[r]))
+        want = _spec_grads(xs, ids, ws, dys, w13, w2, cfg.activation, spec_biases)
+        for r, got in enumerate(grads):
+            for j, key in enumerate(("dx", "dw", "dw13", "dw2", "db13", "db2")[:len(got)]):
+                g = gate_up_first(got[j]) if key in ("dw13", "db13") else got[j]
+                worst[key] = max(worst.get(key, 0.0), _rel_err(g, want[j][r]))
     for layer in layers:
         layer.check_errors_now()
-    print(f"gpt-oss-20b (no biases) W={world}: 6 training rounds, worst rel err {worst}")
+    print(f"{name} W={world}: 6 training rounds, worst rel err {worst}")
     assert max(worst.values()) < 2e-2, worst
 
 
@@ -340,20 +342,23 @@ def test_lazy_input_error_is_raised_once_by_a_later_call():
     assert raised == 1, raised
 
 
-def _spec_grads(xs, ids, ws, dys, w13, w2, activation=SILU):
+def _spec_grads(xs, ids, ws, dys, w13, w2, activation=SILU, biases=None):
     """fp32 autograd of sum_r <dy_r, moe_forward(x_r)> with every rank's experts in one
-    process: (dx per rank, d weights per rank, dW13 shards, dW2 shards)."""
-    w13f = torch.cat(w13).float().requires_grad_()
-    w2f = torch.cat(w2).float().requires_grad_()
+    process: (dx per rank, d weights per rank, dW13 shards, dW2 shards), and with
+    ``biases`` (gate-up-first b13 shards, b2 shards) the db13 and db2 shards."""
+    params = [torch.cat(w13), torch.cat(w2)] + ([torch.cat(b) for b in biases] if biases else [])
+    params = [p.float().requires_grad_() for p in params]
+    w13f, w2f = params[:2]
+    bias = dict(b13=params[2], b2=params[3]) if biases else {}
     leaves = [(x.float().requires_grad_(), w.clone().requires_grad_()) for x, w in zip(xs, ws)]
-    loss = (w13f.sum() + w2f.sum()) * 0
+    loss = sum(p.sum() for p in params) * 0
     for (x, w), i, dy in zip(leaves, ids, dys):
-        loss = loss + (reference.moe_forward(x, i, w, w13f, w2f, activation=activation)
+        loss = loss + (reference.moe_forward(x, i, w, w13f, w2f, activation=activation, **bias)
                        * dy.float()).sum()
     loss.backward()
     world = len(w13)
     return ([x.grad for x, _ in leaves], [w.grad for _, w in leaves],
-            w13f.grad.chunk(world), w2f.grad.chunk(world))
+            *(p.grad.chunk(world) for p in params))
 
 
 @pytest.mark.parametrize("name, world", [("mixtral", 2), ("qwen2-moe", 4), ("phi3.5-moe", 4)])
