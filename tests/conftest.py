@@ -25,3 +25,19 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("multigpu") and torch.cuda.device_count() < 2:
             item.add_marker(pytest.mark.skip(reason="needs >= 2 CUDA GPUs; "
                                              "scripts/device/multigpu_check.sh runs it"))
+
+
+@pytest.fixture
+def fake_world():
+    """``start(rank, world_size)`` initialises a fake process group (no communication;
+    enough to construct layers), torn down after the test."""
+    import torch.distributed as dist
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+    def start(rank, world_size):
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank,
+                                world_size=world_size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()

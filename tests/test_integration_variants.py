@@ -16,6 +16,11 @@ Per-expert ``ModuleList`` experts (transformers 4.x) with ``nn.Linear`` biases h
 transformers 5.x family; :class:`MixtralSparseMoeBlock` below is 4.x Mixtral's block with
 biased, GELU-tanh (or clamped SiLU) experts.
 
+DBRX stores its experts in another layout: stacked 2-D ``mlp.w1`` / ``mlp.v1`` /
+``mlp.w2``, each ``[E*F, H]`` (the down projection used untransposed), called like
+registry experts; its tests check the logits, the checkpoint in DBRX's own keys (and a
+rank's rows of it under EP), training and the refusal of weights of another shape.
+
 Tolerances: fp32 logits within atol = rtol = 1e-5, as tests/test_integrations.py (only
 summation order differs). :func:`test_the_comparison_sees_each_variant` shows that
 dropping any variant moves the logits far beyond that.
@@ -37,7 +42,7 @@ from comet.activation import SILU, GatedActivation  # noqa: E402
 from comet.integrations import (  # noqa: E402
     EXPERTS_BACKEND_REGISTERED, CometMoEBlock, coverage, find_moe_blocks, from_module,
     patch_model)
-from comet.weights import gate_up_first  # noqa: E402
+from comet.weights import gate_up_first, interleave_gate_up  # noqa: E402
 
 if not EXPERTS_BACKEND_REGISTERED:
     pytest.skip("the fused expert variants are transformers 5.x families",
@@ -53,6 +58,9 @@ VARIANTS = {
     "gemma4": (GatedActivation(kind="gelu_tanh"), "concatenated", set()),
 }
 FAMILIES = [f for f in VARIANTS if f in coverage.discover_families()]
+HAS_DBRX = "dbrx" in coverage.discover_families()
+needs_dbrx = pytest.mark.skipif(not HAS_DBRX, reason=f"transformers "
+                                f"{transformers.__version__} has no dbrx")
 
 
 def _tokens(batch=2, seq=12, seed=0):
@@ -76,20 +84,6 @@ def models():
         model = coverage.build_tiny_model(family)
         out[family] = (model, patch_model(copy.deepcopy(model)))
     return out
-
-
-@pytest.fixture
-def fake_world():
-    """``start(rank, world_size)``: a fake process group (enough to build layers)."""
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
-    def start(rank, world_size):
-        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank,
-                                world_size=world_size)
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- fused variants
@@ -166,6 +160,17 @@ def test_missing_expert_bias_is_named_as_in_transformers(models):
     assert result.missing_keys == dropped and not result.unexpected_keys
 
 
+def _assert_both_load_back(new, original, saved):
+    """With this rank's experts zeroed, the full checkpoint ``original`` and the rank's own
+    ``saved`` shard each load back (strict) to what the rank saved."""
+    with torch.no_grad():
+        for p in new.experts.parameters():
+            p.zero_()
+    for state in (original, saved):
+        new.load_state_dict(state)
+        assert all(torch.equal(new.state_dict()[k], v) for k, v in saved.items())
+
+
 def test_ep_rank_keeps_and_saves_its_slice_in_the_models_layout(fake_world):
     """Rank 1 of 2 keeps experts 4..7 and saves them as GPT-OSS stores them (alternating
     gate/up, biases); the full checkpoint and its own shard both load back."""
@@ -178,13 +183,7 @@ def test_ep_rank_keeps_and_saves_its_slice_in_the_models_layout(fake_world):
     saved = new.state_dict()
     for key in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         assert torch.equal(saved["experts." + key], original["experts." + key][4:]), key
-    with torch.no_grad():
-        new.experts.w13.zero_()
-        new.experts.b13.zero_()
-    new.load_state_dict(original)
-    assert all(torch.equal(new.state_dict()[k], v) for k, v in saved.items())
-    new.load_state_dict(saved)
-    assert all(torch.equal(new.state_dict()[k], v) for k, v in saved.items())
+    _assert_both_load_back(new, original, saved)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,7 +199,7 @@ def test_comet_experts_backend(family, models):
 def test_training_with_biases_on_one_rank():
     """One CPU rank (the differentiable reference): GPT-OSS's experts, biases included,
     get the unpatched model's gradients."""
-    from comet.integrations.experts import _fused_to_kernel, _gate_then_up
+    from comet.integrations.layout import _fused_to_kernel, _gate_then_up
     model = coverage.build_tiny_model("gpt_oss")
     patched = patch_model(copy.deepcopy(model))
     ids = _tokens()
@@ -219,6 +218,164 @@ def test_training_with_biases_on_one_rank():
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-4,
                                        msg=lambda m, name=name, path=path: f"{path} {name}: {m}")
+
+
+# --------------------------------------------------------------------------- stacked experts
+#: The tiny DBRX of comet.integrations.coverage: E = 4 experts of F = 32, H = 64.
+DBRX_E, DBRX_F, DBRX_H = 4, 32, 64
+DBRX_NAMES = ("mlp.w1", "mlp.v1", "mlp.w2")
+
+
+@pytest.fixture(scope="module")
+def dbrx():
+    """(original, patched) tiny fp32 DBRX models."""
+    if not HAS_DBRX:
+        pytest.skip(f"transformers {transformers.__version__} has no dbrx")
+    model = coverage.build_tiny_model("dbrx")
+    return model, patch_model(copy.deepcopy(model))
+
+
+def _dbrx_block():
+    _, block = find_moe_blocks(coverage.build_tiny_model("dbrx"))[0]
+    return block
+
+
+def test_dbrx_stacked_experts_convert_and_logits_match(dbrx):
+    """DBRX's ``mlp.w1/v1/w2`` are found as gate, up and down, SiLU from
+    ``mlp.activation_fn``; the logits are the unpatched model's, also compiled whole."""
+    model, patched = dbrx
+    blocks = _blocks(patched)
+    assert len(blocks) == len(find_moe_blocks(model)) == 2
+    for block in blocks:
+        layout = block.experts.layout
+        assert (layout.kind, layout.names, layout.biases) == ("stacked", DBRX_NAMES, set())
+        assert block.cfg.activation == SILU and not block.cfg.expert_bias
+        assert (block.cfg.num_experts, block.cfg.hidden_size,
+                block.cfg.intermediate_size) == (DBRX_E, DBRX_H, DBRX_F)
+    ids = _tokens()
+    want = _logits(model, ids)
+    torch.testing.assert_close(_logits(patched, ids), want, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(patched, fullgraph=True, backend="eager")
+        torch.testing.assert_close(_logits(compiled, ids), want, atol=1e-5, rtol=1e-5)
+
+
+def test_dbrx_comparison_sees_gate_and_up(dbrx):
+    """Gate and up swapped moves the logits far beyond the tolerance: the roles count."""
+    model, patched = dbrx
+    wrong = copy.deepcopy(patched)
+    with torch.no_grad():
+        for block in _blocks(wrong):
+            w13 = gate_up_first(block.experts.w13)
+            swapped = torch.cat([w13[..., DBRX_F:], w13[..., :DBRX_F]], dim=-1)
+            block.experts.w13.copy_(interleave_gate_up(swapped))
+    ids = _tokens()
+    want = _logits(model, ids)
+    assert (_logits(wrong, ids) - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_dbrx_state_dict_keeps_its_keys_and_layout(dbrx):
+    """One rank: state_dict() is DBRX's, key for key (``...ffn.experts.mlp.w1`` ``[E*F, H]``)
+    and value for value; another seed's DBRX checkpoint loads (strict), and the patched
+    model's checkpoint loads back into an unpatched DBRX."""
+    model, patched = dbrx
+    original, saved = model.state_dict(), patched.state_dict()
+    assert saved.keys() == original.keys()
+    stacked = [k for k in saved if k.endswith(DBRX_NAMES)]
+    assert len(stacked) == 3 * 2
+    assert all(saved[k].shape == (DBRX_E * DBRX_F, DBRX_H) for k in stacked)
+    for key, value in original.items():
+        assert torch.equal(saved[key], value), key
+    source = coverage.build_tiny_model("dbrx", seed=1)
+    target = patch_model(copy.deepcopy(model))
+    target.load_state_dict(source.state_dict())   # strict
+    ids = _tokens()
+    want = _logits(source, ids)
+    torch.testing.assert_close(_logits(target, ids), want, atol=1e-5, rtol=1e-5)
+    back = copy.deepcopy(model)
+    back.load_state_dict(target.state_dict())     # strict
+    torch.testing.assert_close(_logits(back, ids), want)
+
+
+@needs_dbrx
+def test_dbrx_ep_rank_keeps_and_saves_its_rows(fake_world):
+    """Rank 1 of 2 keeps experts 2..3 and saves their rows ``[2F, 4F)`` of each stacked
+    tensor; the full checkpoint and the rank's own shard both load back, other row counts
+    are size mismatches."""
+    block = _dbrx_block()
+    original = {k: v.clone() for k, v in block.state_dict().items()}
+    fake_world(1, 2)
+    new = from_module(block)
+    assert new.expert_offset == 2 and new.local_experts == 2
+    saved = new.state_dict()
+    for name in DBRX_NAMES:
+        key = "experts." + name
+        assert torch.equal(saved[key], original[key][2 * DBRX_F:]), key
+    _assert_both_load_back(new, original, saved)
+    bad = dict(original, **{"experts.mlp.w2": original["experts.mlp.w2"][:48]})
+    with pytest.raises(RuntimeError, match=r"size mismatch for experts\.mlp\.w2: 48 rows "
+                                           r"\(32 an expert\) in the checkpoint, expected "
+                                           r"128 \(all\) or 64"):
+        new.load_state_dict(bad)
+
+
+@needs_dbrx
+def test_dbrx_training_on_one_rank():
+    """One CPU rank: the stacked experts get the unpatched model's gradients."""
+    from comet.integrations.layout import _stacked_to_kernel
+    model = coverage.build_tiny_model("dbrx")
+    patched = patch_model(copy.deepcopy(model))
+    ids = _tokens()
+    for m in (model, patched):
+        m(input_ids=ids).logits.float().square().mean().backward()
+    blocks = [(p, b) for p, b in patched.named_modules() if isinstance(b, CometMoEBlock)]
+    assert blocks
+    for path, block in blocks:
+        mlp = model.get_submodule(path).experts.mlp
+        want = _stacked_to_kernel(mlp.w1.grad, mlp.v1.grad, mlp.w2.grad, DBRX_F)
+        got = (gate_up_first(block.experts.w13.grad), block.experts.w2.grad)
+        for name, g, w in zip(("w13", "w2"), got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, name=name, path=path: f"{path} {name}: {m}")
+
+
+@needs_dbrx
+def test_wrong_shaped_stacked_weight_is_refused():
+    """A down projection stored ``[E*H, F]`` (transposed) is not read as ``[E*F, H]``:
+    refused with the shapes named, and patch_model replaces nothing."""
+    model = coverage.build_tiny_model("dbrx")
+    _, block = find_moe_blocks(model)[0]
+    mlp = block.experts.mlp
+    mlp.w2 = nn.Parameter(mlp.w2.detach().reshape(DBRX_E * DBRX_H, DBRX_F))
+    message = (r"the stacked expert weights of DbrxExperts \(mlp\.w1 \[128, 64\], mlp\.v1 "
+               r"\[128, 64\], mlp\.w2 \[256, 32\]\) are not gate, up and down of one shape "
+               r"\[E\*F, H\] with E = 4 experts")
+    with pytest.raises(TypeError, match=message):
+        from_module(block)
+    with pytest.raises(TypeError, match=message):
+        patch_model(model)
+    assert not _blocks(model)
+
+
+@needs_dbrx
+def test_stacked_experts_computing_something_else_are_refused():
+    """Another activation is refused by the gate probe; a forward that is not the gated
+    MLP of its weights (here: scaled) by the forward probe."""
+    block = _dbrx_block()
+    block.experts.mlp.activation_fn = transformers.activations.ACT2FN["gelu"]
+    with pytest.raises(NotImplementedError, match="activation gelu is not SiLU or GELU-tanh"):
+        from_module(block)
+
+    class ScaledDbrxExperts(type(block.experts)):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    block = _dbrx_block()
+    block.experts.__class__ = ScaledDbrxExperts
+    with pytest.raises(NotImplementedError, match=r"ScaledDbrxExperts\.forward does not "
+                                                  r"compute the gated MLP comet runs"):
+        from_module(block)
 
 
 # --------------------------------------------------------------------------- ModuleList experts
@@ -372,12 +529,16 @@ def test_linear_experts_with_another_activation_are_refused():
 
 
 # --------------------------------------------------------------------------- EP over gloo
+#: The transformers families run expert-parallel: the variants, and DBRX's stacked experts.
+EP_FAMILIES = FAMILIES + (["dbrx"] if HAS_DBRX else [])
+
+
 def _ep_worker(rank, world, store, results):
     torch.set_num_threads(1)  # forked: keep clear of the parent's OpenMP pool
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         ids = _tokens(seed=10 + rank)  # each rank serves its own batch
-        for family in FAMILIES:
+        for family in EP_FAMILIES:
             model = coverage.build_tiny_model(family)
             patched = patch_model(copy.deepcopy(model))
             assert all(b.local_experts * world == b.cfg.num_experts for b in _blocks(patched))
@@ -402,7 +563,8 @@ def _ep_worker(rank, world, store, results):
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs the gloo backend")
 def test_expert_parallel_over_gloo_matches(tmp_path):
     """Two forked CPU ranks over gloo, half the experts (and their biases) each, each with
-    its own tokens: the unfused expert-parallel path gives the unpatched model's logits."""
+    its own tokens: the unfused expert-parallel path gives the unpatched model's logits
+    (the variants, DBRX's stacked experts, per-expert nn.Linear experts with biases)."""
     ctx = torch.multiprocessing.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_ep_worker, args=(r, 2, tmp_path / "store", results))
@@ -410,12 +572,12 @@ def test_expert_parallel_over_gloo_matches(tmp_path):
     for p in procs:
         p.start()
     outcomes = []
-    while len(outcomes) < 2 * (len(FAMILIES) + 1) and "error" not in {o[1] for o in outcomes}:
+    while len(outcomes) < 2 * (len(EP_FAMILIES) + 1) and "error" not in {o[1] for o in outcomes}:
         outcomes.append(results.get(timeout=180))
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():   # its peer failed: it waits in a collective
             p.kill()
     assert [p.exitcode for p in procs] == [0, 0], outcomes
-    assert {o[1] for o in outcomes} == set(FAMILIES) | {"linear experts"}, outcomes
+    assert {o[1] for o in outcomes} == set(EP_FAMILIES) | {"linear experts"}, outcomes
     assert max(o[2] for o in outcomes) < 1e-5, outcomes

@@ -71,21 +71,6 @@ def fp32_models():
     return out
 
 
-@pytest.fixture
-def fake_world():
-    """``start(rank, world_size)`` initialises a fake process group (no communication;
-    enough to construct layers), torn down after the test."""
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
-    def start(rank, world_size):
-        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank,
-                                world_size=world_size)
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # --------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_fp32(family, fp32_models):
@@ -321,7 +306,8 @@ def test_ep_rank_keeps_its_experts_and_saves_them(fake_world):
 
 def _kernel_layout(block):
     """All experts of a transformers block as ``(w13 [E, H, 2F], w2 [E, F, H])``."""
-    from comet.integrations.experts import expert_layout, expert_sizes, kernel_weights
+    from comet.integrations.experts import expert_layout
+    from comet.integrations.layout import expert_sizes, kernel_weights
     layout = expert_layout(block.experts)
     e, _, _ = expert_sizes(block.experts, layout)
     return kernel_weights(block.experts, layout, 0, e)
@@ -451,7 +437,8 @@ def test_comet_experts_backend_on_gpu():
 def _train_step(model, ids):
     """Loss and gradients of one step: ``{name: grad}`` of the non-expert parameters, and
     ``{block path: (dW13 [E, H, 2F] gate-up layout, dW2 [E, F, H])}`` of the experts."""
-    from comet.integrations.experts import _fused_to_kernel, _linear_to_kernel, inspect_experts
+    from comet.integrations.experts import inspect_experts
+    from comet.integrations.layout import _fused_to_kernel, _linear_to_kernel
     from comet.weights import gate_up_first
     model.zero_grad()
     loss = model(ids).logits.float().square().mean()

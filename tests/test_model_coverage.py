@@ -92,6 +92,8 @@ def test_refusals_are_typed_errors_and_replace_nothing(rows):
     ("gpt_oss", None), ("openai_privacy_filter", None), ("minimax_m3_vl", None),
     ("deepseek_v4", None), ("glm5_next", None), ("hy_v4", None), ("hy_v4_vl", None),
     ("gemma4", None), ("diffusion_gemma", None),
+    # Stacked 2-D experts ([E*F, H] gate/up/down tensors).
+    ("dbrx", None),
     # Variants comet does not compute.
     ("inkling2", r"soft-capped SwiGLU"), ("muse_spark", r"a norm after each expert"),
     ("nemotron_h", r"ungated experts"), ("longcat_flash", r"identity \('zero-computation'\)"),

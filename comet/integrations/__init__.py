@@ -17,9 +17,10 @@ See docs/models.md.
 """
 
 from comet.integrations.blocks import FAMILIES, CometMoEBlock, from_module, inspect_block
-from comet.integrations.experts import TransformersExperts, inspect_experts
+from comet.integrations.experts import inspect_experts
 from comet.integrations.experts_backend import (BACKEND_NAME, comet_experts_forward,
                                                 register_experts_backend)
+from comet.integrations.local_experts import TransformersExperts
 from comet.integrations.patch import (count_patched, find_moe_blocks, looks_like_moe_block,
                                       patch_model, refusal)
 

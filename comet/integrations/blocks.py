@@ -12,7 +12,11 @@ block's router. Three kinds of experts module are understood:
   norms, jitter, the tuple or tensor it returns -- runs unchanged: the replacement keeps
   the block's own ``forward`` and modules, and only the experts call goes to comet
   (:meth:`comet.CometMoE.experts_forward` with the block's ``(top_k_index,
-  top_k_weights)``).
+  top_k_weights)``). Experts called the same way without the registry are taken on the
+  same terms where their structure says what they compute: Step-3.7's fused experts with
+  a gate function of their own, and DBRX's stacked experts (a child holding 2-D
+  ``[E*F, H]`` gate, up and down tensors; called with the block's ``[batch, seq, H]``,
+  they return that shape).
 * **dense** (Llama-4): a fused experts module called as ``experts(routed_in [E*T, H])``,
   row block ``e`` holding expert ``e``'s input (the block scales each token by its router
   score *before* the experts). comet computes expert ``e`` on every non-zero row of block
@@ -28,8 +32,9 @@ The experts must compute a function comet's kernels compute: per expert
 ``down(act(gate(x) + b_gate) * (up(x) + b_up)) + b_down``, ``act`` one of the gated
 activations of :mod:`comet.activation` (SiLU, GELU-tanh, clamped SiLU, GPT-OSS's clamped
 SwiGLU), biases optional, gate and up columns concatenated or alternating. The checks
-(:mod:`comet.integrations.experts`) read the module's flags, weights and activation
-settings, probe its gate function, and run its eager forward on a few probe rows against
+(:mod:`comet.integrations.experts`, with :mod:`comet.integrations.gate` for the
+activation) read the module's flags, weights and activation settings, probe its gate
+function, and run its eager forward on a few probe rows against
 :mod:`comet.reference`, so an experts module that computes something else is refused
 (:class:`NotImplementedError`, naming the variant: a soft-capped or unknown gate, a norm
 after each expert, ungated experts, identity experts) rather than converted wrong. The
@@ -41,9 +46,10 @@ The replacement, :class:`CometMoEBlock`, is a ``CometMoE`` that is also an insta
 replaced block's class (see :func:`_block_class`): it adopts the block's child modules,
 parameters, buffers and attributes (so ``gate`` / ``router``, shared experts and their
 gates are the block's own objects, with their hooks, numerics and checkpoint keys), and
-``experts`` becomes a :class:`TransformersExperts`: this rank's experts in the kernels'
-layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``, biases ``b13`` / ``b2``), saved and loaded
-under the replaced experts module's keys and layout.
+``experts`` becomes a :class:`~comet.integrations.local_experts.TransformersExperts`:
+this rank's experts in the kernels' layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``, biases
+``b13`` / ``b2``; converted by :mod:`comet.integrations.layout`), saved and loaded under
+the replaced experts module's keys and layout.
 """
 
 from __future__ import annotations
@@ -55,9 +61,9 @@ from torch import nn
 
 from comet import reference
 from comet.config import MoEConfig
-from comet.integrations.experts import (  # noqa: F401 - some re-exported for older imports
-    ExpertLayout, ExpertsSpec, TransformersExperts, expert_layout, expert_sizes,
-    inspect_experts, is_registry_experts, kernel_biases, kernel_weights)
+from comet.integrations.experts import ExpertsSpec, inspect_experts
+from comet.integrations.layout import expert_weight, kernel_biases, kernel_weights
+from comet.integrations.local_experts import TransformersExperts
 from comet.moe import CometMoE
 from comet.runtime.inputs import check_inputs
 
@@ -258,8 +264,7 @@ class CometMoEBlock(CometMoE):
         xs = spec.experts
         experts = block.experts
         e, h, f = xs.num_experts, xs.hidden_size, xs.intermediate_size
-        w_ref = (experts.gate_up_proj if xs.layout.kind == "fused"
-                 else getattr(experts[0], xs.layout.names[0]).weight)
+        w_ref = expert_weight(experts, xs.layout)
         rows = e if xs.mode == "dense" else 1
         tokens = max_tokens if max_tokens is not None else MoEConfig.max_tokens
         settings = dict(num_experts=e, top_k=spec.top_k, hidden_size=h, intermediate_size=f,
@@ -345,11 +350,11 @@ class CometMoEBlock(CometMoE):
                      top_k_weights: torch.Tensor | None) -> torch.Tensor:
         """What the replaced experts module returned for this call, computed by comet.
 
-        Registry experts: ``hidden [T, H]``, ``top_k_index [T, k]`` (ids outside
-        ``[0, E)`` -- transformers' expert-parallel sentinels -- contribute nothing),
-        ``top_k_weights [T, k]`` -> ``[T, H]``. Dense experts: ``routed_in [E*T, H]``
-        (row block ``e`` = expert ``e``'s inputs) -> ``[E*T, H]``. The result has the
-        input's dtype."""
+        Routed experts: ``hidden [T, H]`` (stacked ones: ``[batch, seq, H]``),
+        ``top_k_index [T, k]`` (ids outside ``[0, E)`` -- transformers' expert-parallel
+        sentinels -- contribute nothing), ``top_k_weights [T, k]`` -> ``hidden``'s shape.
+        Dense experts: ``routed_in [E*T, H]`` (row block ``e`` = expert ``e``'s inputs) ->
+        ``[E*T, H]``. The result has the input's dtype."""
         w13 = self.experts.w13
         shape, dtype = hidden_states.shape, hidden_states.dtype
         x = hidden_states.reshape(-1, shape[-1]).to(w13.dtype).contiguous()
@@ -438,9 +443,9 @@ def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
 
     Args:
         block: an MoE block (a module with an ``experts`` child and its router): fused
-            registry experts (transformers 5.x, any family), Llama-4's dense experts, or
-            per-expert ``nn.Linear`` experts of the transformers 4.x classes in
-            :data:`FAMILIES`.
+            registry experts (transformers 5.x, any family), Llama-4's dense experts,
+            DBRX's stacked experts, or per-expert ``nn.Linear`` experts of the
+            transformers 4.x classes in :data:`FAMILIES`.
         group: expert-parallel process group (default: the world when torch.distributed
             is initialised, else one rank). Rank ``r`` keeps experts ``[r*El, (r+1)*El)``;
             every rank must pass the same block weights.

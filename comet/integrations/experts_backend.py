@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from comet import reference
-from comet.integrations.experts import (ExpertsSpec, inspect_experts, kernel_biases,
-                                        kernel_weights, reference_biases, reference_weights)
+from comet.integrations.experts import ExpertsSpec, inspect_experts
+from comet.integrations.layout import (kernel_biases, kernel_weights, reference_biases,
+                                       reference_weights)
 from comet.moe import CometMoE
 
 BACKEND_NAME = "comet"

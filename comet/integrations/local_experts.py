@@ -1,0 +1,270 @@
+"""The experts module a converted block holds: this rank's experts in the kernels' layout,
+checkpointed in the layout of the transformers module it replaced.
+
+A converted model must load the checkpoints written for the unconverted one, and write
+checkpoints the unconverted one loads: :class:`TransformersExperts` keeps ``w13`` /
+``w2`` (and ``b13`` / ``b2``) for the kernels but saves and loads them under the replaced
+module's keys and in its layout (fused ``gate_up_proj`` / ``down_proj``, per-expert
+``{e}.gate_proj.weight``, stacked ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``), sliced to this
+rank's experts under expert parallelism. The conversions themselves are
+:mod:`comet.integrations.layout`'s; this module decides which keys a rank writes, which
+it takes and what it reports as missing, unexpected or mismatched.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from comet.config import MoEConfig
+from comet.integrations.layout import (_FUSED_BIASES, _FUSED_KEYS, _LINEAR_NAMES, _PARTS,
+                                       ExpertLayout, _fused_to_kernel, _gate_then_up,
+                                       _kernel_to_stacked, _linear_to_kernel, _models_order,
+                                       _stacked_to_kernel)
+from comet.moe import LocalExperts
+from comet.weights import gate_up_first, interleave_gate_up
+
+
+class TransformersExperts(LocalExperts):
+    """This rank's experts (``w13 [El, H, 2F]`` interleaved, ``w2 [El, F, H]``, and with
+    ``cfg.expert_bias`` ``b13 [El, 2F]`` / ``b2 [El, H]``; see
+    :class:`comet.moe.LocalExperts`), checkpointed in the models' layout under the keys of
+    the transformers experts module they replace.
+
+    Called the way the replaced module was called, it runs the experts on comet through
+    the block that owns it (:meth:`comet.CometMoE.experts_forward`):
+    ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
+    (routed experts; stacked ones take and return ``[batch, seq, H]``) or
+    ``experts(routed_in [E*T, H]) -> [E*T, H]`` (dense experts).
+
+    ``state_dict()`` writes ``gate_up_proj``/``down_proj`` and the biases the module had
+    (``gate_up_proj_bias``/``down_proj_bias``), gate and up in the module's column order
+    (fused layout; with EP, this rank's ``[El, ...]`` slice), the three stacked tensors
+    under their paths (stacked layout, e.g. DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``: with
+    EP, this rank's ``[El*F, H]`` rows), or ``{e}.{gate,up,down}.weight`` (and ``.bias``)
+    for this rank's experts under their *global* index ``e`` (per-expert layout).
+    ``load_state_dict()`` accepts fused and per-expert checkpoints whatever the layout, and
+    stacked ones in the stacked layout: full ``[E, ...]`` fused or ``[E*F, H]`` stacked
+    tensors are sliced to this rank, per-expert keys of other ranks' experts are dropped.
+    The saved tensors are copies, not views of the parameters.
+    """
+
+    _comet_block = None     # the owning CometMoEBlock (a plain attribute, not a child)
+
+    def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
+                 layout: ExpertLayout, first_expert: int, requires_grad: bool = True,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+        super().__init__(cfg, w13.shape[0], device="meta")
+        self.w13 = nn.Parameter(w13, requires_grad=requires_grad)
+        self.w2 = nn.Parameter(w2, requires_grad=requires_grad)
+        if cfg.expert_bias:
+            self.b13 = nn.Parameter(b13, requires_grad=requires_grad)
+            self.b2 = nn.Parameter(b2, requires_grad=requires_grad)
+        self.layout = layout
+        self.num_experts = cfg.num_experts
+        self.first_expert = first_expert
+
+    def extra_repr(self) -> str:
+        el = self.w13.shape[0]
+        return (f"experts [{self.first_expert}, {self.first_expert + el}) of {self.num_experts}, "
+                f"checkpoint layout={self.layout.kind}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The replaced experts module's call, computed by comet (see the class doc)."""
+        block = self._comet_block
+        if block is None:
+            raise RuntimeError("these experts are not attached to a CometMoEBlock "
+                               "(build them with comet.integrations.from_module)")
+        return block.call_experts(hidden_states, top_k_index, top_k_weights)
+
+    # ------------------------------------------------------------------ saving
+    def _checkpoint_entries(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+                            b2: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """This rank's experts under the replaced module's keys, in its layout."""
+        layout = self.layout
+        w13 = gate_up_first(w13)   # checkpoints keep the models' layout
+        b13 = None if b13 is None else gate_up_first(b13)
+        if layout.kind == "fused":
+            gate_up = _models_order(w13, layout.gate_up)
+            out = ({"gate_up_proj": gate_up} if layout.transposed
+                   else {"gate_up_proj": gate_up.transpose(1, 2).contiguous()})
+            if layout.biases & {"gate", "up"}:
+                out["gate_up_proj_bias"] = _models_order(b13, layout.gate_up)
+            out["down_proj"] = (w2.clone() if layout.transposed
+                                else w2.transpose(1, 2).contiguous())
+            if "down" in layout.biases:
+                out["down_proj_bias"] = b2.clone()
+            return out
+        if layout.kind == "stacked":
+            gate, up, down = _kernel_to_stacked(w13, w2)   # gate, up: new (w13 is a copy)
+            return dict(zip(layout.names, (gate.contiguous(), up.contiguous(), down.clone())))
+        f = w2.shape[1]
+        out = {}
+        for i in range(w13.shape[0]):
+            e = self.first_expert + i
+            weights = (w13[i, :, :f].t(), w13[i, :, f:].t(), w2[i].t())
+            biases = (None, None, None) if b13 is None else (b13[i, :f], b13[i, f:], b2[i])
+            for part, name, weight, bias in zip(_PARTS, layout.names, weights, biases):
+                out[f"{e}.{name}.weight"] = weight.contiguous()
+                if part in layout.biases:
+                    out[f"{e}.{name}.bias"] = bias.clone()
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        params = (self.w13, self.w2, self.b13, self.b2)
+        if not keep_vars:
+            params = tuple(None if p is None else p.detach() for p in params)
+        for key, value in self._checkpoint_entries(*params).items():
+            destination[prefix + key] = value
+
+    # ------------------------------------------------------------------ loading
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        if prefix + "w13" not in state_dict and prefix + "w2" not in state_dict:
+            self._translate_checkpoint(state_dict, prefix, missing_keys, unexpected_keys,
+                                       error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def _translate_checkpoint(self, state_dict, prefix, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Replace transformers expert keys under ``prefix`` by ``w13``/``w2`` (and
+        ``b13``/``b2``) entries.
+
+        The checkpoint is read into this rank's tensors in the gate-then-up layout
+        (``cur``), interleaved at the end. Anything this rank lacks is reported under the
+        transformers key names, and the current values stand in so torch does not report
+        ``w13``/``w2`` a second time. Bias keys are taken only by experts with biases (to
+        others they are unexpected, as to the replaced module).
+        """
+        cur = {"w13": gate_up_first(self.w13.detach()), "w2": self.w2.detach().clone()}
+        if self.b13 is not None:
+            cur.update(b13=gate_up_first(self.b13.detach()), b2=self.b2.detach().clone())
+        fused_keys = _FUSED_KEYS + (tuple(_FUSED_BIASES) if self.b13 is not None else ())
+        fused = {k: state_dict.pop(prefix + k) for k in fused_keys if prefix + k in state_dict}
+        stacked_keys = self.layout.names if self.layout.kind == "stacked" else ()
+        stacked = {k: state_dict.pop(prefix + k) for k in stacked_keys
+                   if prefix + k in state_dict}
+        linear = {}
+        kinds = "weight|bias" if self.b13 is not None else "weight"
+        pattern = re.compile(re.escape(prefix) + rf"(\d+)\.(\w+)\.({kinds})$")
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            m = pattern.match(key)
+            if m and any(m.group(2) in names for names in _LINEAR_NAMES):
+                linear[(int(m.group(1)), m.group(2), m.group(3))] = state_dict.pop(key)
+        found = fused or stacked or linear
+        if not found and self.layout.kind == "fused":
+            missing_keys.extend(prefix + k for k in self._wanted_fused_keys())
+        if fused:
+            self._load_fused(fused, cur, prefix, missing_keys, error_msgs)
+        if stacked or not found and self.layout.kind == "stacked":
+            self._load_stacked(stacked, cur, prefix, missing_keys, error_msgs)
+        if linear or not found and self.layout.kind == "linear":
+            self._load_linear(linear, cur, prefix, missing_keys, unexpected_keys)
+        for name, value in cur.items():
+            interleaved = name in ("w13", "b13")
+            state_dict[prefix + name] = interleave_gate_up(value) if interleaved else value
+
+    def _wanted_fused_keys(self) -> list[str]:
+        """The fused keys a checkpoint of these experts has: weights, and the biases of
+        the projections that carry one."""
+        biases = self.layout.biases if self.b13 is not None else frozenset()
+        return list(_FUSED_KEYS) + [k for k, parts in _FUSED_BIASES.items()
+                                    if biases & set(parts)]
+
+    def _fused_format(self) -> ExpertLayout:
+        """How fused checkpoint tensors are laid out: as this module's own when it was
+        fused, else transformers 5.x's default (``[E, 2F, H]``, concatenated)."""
+        return self.layout if self.layout.kind == "fused" else ExpertLayout("fused")
+
+    def _this_ranks(self, key: str, value: torch.Tensor, per_expert: int, prefix: str,
+                    error_msgs) -> torch.Tensor | None:
+        """This rank's part of a checkpoint tensor whose leading dimension holds
+        ``per_expert`` entries per expert: of a full ``[E * per_expert, ...]`` tensor, this
+        rank's slice; an ``[El * per_expert, ...]`` one is this rank's own shard as saved by
+        ``state_dict()`` under the same expert-parallel layout. Anything else is reported
+        (None)."""
+        el, lo = self.w13.shape[0], self.first_expert
+        rows = value.shape[0] if value.dim() else 0
+        if rows == self.num_experts * per_expert:
+            return value[lo * per_expert:(lo + el) * per_expert]
+        if rows == el * per_expert:
+            return value
+        unit = "experts" if per_expert == 1 else f"rows ({per_expert} an expert)"
+        error_msgs.append(
+            f"size mismatch for {prefix}{key}: {rows} {unit} in the checkpoint, expected "
+            f"{self.num_experts * per_expert} (all) or {el * per_expert} (this rank's shard)")
+        return None
+
+    def _load_fused(self, fused, cur, prefix, missing_keys, error_msgs) -> None:
+        missing_keys.extend(prefix + k for k in self._wanted_fused_keys() if k not in fused)
+        shard = {k: self._this_ranks(k, v, 1, prefix, error_msgs) for k, v in fused.items()}
+        shard = {k: v for k, v in shard.items() if v is not None}
+        fmt = self._fused_format()
+        if "gate_up_proj" in shard and "down_proj" in shard:
+            new13, new2 = _fused_to_kernel(shard["gate_up_proj"], shard["down_proj"], fmt)
+            self._copy(cur, {"w13": new13, "w2": new2}, f"{prefix}gate_up_proj/down_proj",
+                       error_msgs)
+        if "gate_up_proj_bias" in shard:
+            self._copy(cur, {"b13": _gate_then_up(shard["gate_up_proj_bias"], fmt.gate_up)},
+                       f"{prefix}gate_up_proj_bias", error_msgs)
+        if "down_proj_bias" in shard:
+            self._copy(cur, {"b2": shard["down_proj_bias"]}, f"{prefix}down_proj_bias",
+                       error_msgs)
+
+    def _load_stacked(self, stacked, cur, prefix, missing_keys, error_msgs) -> None:
+        """Stacked ``[E*F, H]`` (or this rank's ``[El*F, H]``) gate, up and down tensors
+        under the layout's paths."""
+        names, (_, f, h) = self.layout.names, cur["w2"].shape
+        missing_keys.extend(prefix + n for n in names if n not in stacked)
+        shard = {}
+        for name, value in stacked.items():
+            part = self._this_ranks(name, value, f, prefix, error_msgs)
+            if part is not None and (part.dim() != 2 or part.shape[1] != h):
+                error_msgs.append(f"size mismatch for {prefix}{name}: checkpoint gives "
+                                  f"{tuple(value.shape)}, the layer has [E*F, H] with H = {h}")
+            elif part is not None:
+                shard[name] = part
+        if len(shard) == len(names):
+            new13, new2 = _stacked_to_kernel(*(shard[n] for n in names), f)
+            self._copy(cur, {"w13": new13, "w2": new2}, prefix + "/".join(names), error_msgs)
+
+    @staticmethod
+    def _copy(cur, new, what, error_msgs) -> None:
+        """Copy ``new`` into ``cur`` (same keys) when every shape fits, else report."""
+        if any(new[k].shape != cur[k].shape for k in new):
+            error_msgs.append(
+                f"size mismatch for {what}: checkpoint gives "
+                f"{'/'.join(str(tuple(v.shape)) for v in new.values())} in the reference "
+                f"layout, the layer has {'/'.join(str(tuple(cur[k].shape)) for k in new)}")
+            return
+        for k, v in new.items():
+            cur[k].copy_(v)
+
+    def _load_linear(self, linear, cur, prefix, missing_keys, unexpected_keys) -> None:
+        el, lo, f = cur["w13"].shape[0], self.first_expert, cur["w2"].shape[1]
+        names = self.layout.names
+        if linear and not any(n in names for _, n, _ in linear):
+            names = next(ns for ns in _LINEAR_NAMES if any(n in ns for _, n, _ in linear))
+        for (e, n, kind) in linear:
+            if e >= self.num_experts or n not in names:
+                unexpected_keys.append(f"{prefix}{e}.{n}.{kind}")
+        biased = self.layout.biases if self.b13 is not None else frozenset()
+        for i in range(el):
+            e = lo + i
+            wanted = [(e, n, "weight") for n in names] + [
+                (e, n, "bias") for part, n in zip(_PARTS, names) if part in biased]
+            missing_keys.extend(f"{prefix}{e}.{n}.{kind}" for e, n, kind in wanted
+                                if (e, n, kind) not in linear)
+            if all((e, n, "weight") in linear for n in names):
+                a, b = _linear_to_kernel(*(linear[(e, n, "weight")] for n in names))
+                cur["w13"][i].copy_(a)
+                cur["w2"][i].copy_(b)
+            if self.b13 is not None:
+                slots = (cur["b13"][i, :f], cur["b13"][i, f:], cur["b2"][i])
+                for n, slot in zip(names, slots):
+                    if (e, n, "bias") in linear:
+                        slot.copy_(linear[(e, n, "bias")])
