@@ -24,6 +24,7 @@ import torch
 
 from comet.activation import SILU, GatedActivation, gated
 from comet.config import MoEConfig
+from comet.mesh import CONVENTIONS, Convention, MeshLayout
 
 
 # --------------------------------------------------------------------------- router
@@ -201,5 +202,54 @@ def ep_forward(
                              expert_offset=d * el, round_to=round_to, activation=activation,
                              b13=None if b13_shards is None else b13_shards[d],
                              b2=None if b2_shards is None else b2_shards[d])
+        outs.append(y)
+    return outs
+
+
+# --------------------------------------------------------------------------- tensor parallel
+def mesh_forward(
+    xs: list[torch.Tensor],
+    topk_ids: list[torch.Tensor],
+    topk_weights: list[torch.Tensor],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    mesh: MeshLayout,
+    convention: Convention = "sequence",
+    round_to: torch.dtype | None = None,
+    activation: GatedActivation = SILU,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """What each rank of a (tp, ep) layout (:class:`comet.mesh.MeshLayout`) returns: the
+    full routed-expert output of its own tokens (fp32 ``[M_r, H]``), composed as the
+    layout composes it -- every rank's shard (its experts, its F columns) adds its partial
+    sum for every token routed to its experts.
+
+    ``xs[r]``, ``topk_ids[r]``, ``topk_weights[r]``: rank r's tokens and routing; with the
+    ``"replicated"`` convention the ranks of a TP group must pass the same ones
+    (ValueError otherwise). ``w13 [E, H, 2F]`` (gate then up), ``w2 [E, F, H]`` and the
+    biases are the full layer's. Equal to :func:`moe_forward` over the full weights for
+    every rank: which is the point.
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    if not len(xs) == len(topk_ids) == len(topk_weights) == mesh.world:
+        raise ValueError(f"a {mesh} layout has {mesh.world} ranks; got {len(xs)} inputs")
+    if convention == "replicated":
+        for r in range(mesh.world):
+            first = mesh.tp_group(r)[0]
+            if not all(torch.equal(a[r], a[first]) for a in (xs, topk_ids, topk_weights)):
+                raise ValueError(f"replicated convention: rank {r} passes other tokens than "
+                                 f"rank {first} of its TP group")
+    shards = [mesh.shard(s, w13, w2, b13, b2) for s in range(mesh.world)]
+    outs = []
+    for r in range(mesh.world):
+        y = torch.zeros(xs[r].shape[0], xs[r].shape[1], dtype=torch.float32,
+                        device=xs[r].device)
+        for s, sh in enumerate(shards):
+            y += moe_forward(xs[r], topk_ids[r], topk_weights[r], sh["w13"], sh["w2"],
+                             expert_offset=mesh.expert_range(w13.shape[0], s).start,
+                             round_to=round_to, activation=activation, b13=sh["b13"],
+                             b2=sh["b2"])
         outs.append(y)
     return outs
