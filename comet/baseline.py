@@ -20,6 +20,11 @@ another chunk computes.
 
 Both run on the CPU over gloo (and with no process group at all for a single rank) and
 return what :func:`comet.reference.ep_forward` specifies.
+
+:func:`mesh_moe_forward` is the unfused layer of a (tp, ep) layout (:mod:`comet.mesh`):
+all_gather of the TP group's tokens, the expert-parallel pipeline on this rank's F shard,
+and the partial sums reduce-scattered (or, with replicated inputs, all-reduced) over the
+TP group -- :func:`comet.reference.mesh_forward`'s answer.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ import torch.distributed as dist
 
 from comet.activation import SILU, GatedActivation, gated
 from comet.grouped import grouped_mm
+from comet.mesh import CONVENTIONS, Convention, MeshLayout
 
 __all__ = ["DispatchPlan", "plan_dispatch", "all_to_all_rows", "ep_moe_forward",
-           "chunked_ep_moe_forward"]
+           "chunked_ep_moe_forward", "MeshGroups", "mesh_moe_forward"]
 
 
 def _world(group) -> tuple[int, int]:
@@ -323,3 +329,85 @@ def _overlapped(rows: list[torch.Tensor], plans: list[DispatchPlan], w13: torch.
         backs.append(a2a(out, p.send_splits, p.recv_splits)[0])
     main.wait_stream(side)
     return backs
+
+
+# --------------------------------------------------------------------------- tensor parallel
+@dataclass
+class MeshGroups:
+    """This rank's process groups of a (tp, ep) layout (:class:`comet.mesh.MeshLayout`):
+    ``tp``, the ranks sharing its experts; ``ep``, the ranks holding its F shard."""
+
+    mesh: MeshLayout
+    tp: object
+    ep: object
+
+    @classmethod
+    def new(cls, mesh: MeshLayout) -> "MeshGroups":
+        """Every TP and EP group of ``mesh`` (collective: every rank of the world calls
+        it, as ``dist.new_group`` must be); returns this rank's."""
+        rank = dist.get_rank()
+        mine = {}
+        for kind, groups in (("tp", [mesh.tp_group(mesh.rank(e, 0)) for e in range(mesh.ep)]),
+                             ("ep", [mesh.ep_group(t) for t in range(mesh.tp)])):
+            for ranks in groups:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = g
+        return cls(mesh, mine["tp"], mine["ep"])
+
+
+def _gather_rows(x: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
+    """Every group rank's rows of ``x``, concatenated in group order (counts may differ:
+    they are exchanged first, the rows padded to the largest)."""
+    world = dist.get_world_size(group)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([x.shape[0]]), group=group)
+    sizes = [int(c) for c in counts]
+    pad = x.new_zeros(max(sizes), *x.shape[1:])
+    pad[:x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in range(world)]
+    dist.all_gather(parts, pad.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sizes
+
+
+def mesh_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     shard: dict, groups: MeshGroups, convention: Convention = "sequence",
+                     activation: GatedActivation = SILU) -> torch.Tensor:
+    """The unfused MoE layer of a (tp, ep) layout on this rank (collective over the
+    world): the answer of :func:`comet.reference.mesh_forward` for its tokens.
+
+    ``shard``: this rank's part of the experts (:meth:`comet.mesh.MeshLayout.shard`:
+    ``w13 [El, H, 2F/tp]`` gate then up, ``w2 [El, F/tp, H]``, ``b13``, ``b2``).
+
+    ``"sequence"``: all_gather of the TP group's tokens, the expert-parallel pipeline
+    (:func:`ep_moe_forward`) over the EP group on this F shard -- partial sums of every
+    TP-group token --, then their sum over the TP group, of which this rank keeps its own
+    rows (reduce_scatter on NCCL; all_reduce elsewhere, e.g. gloo, which has no
+    reduce_scatter). ``"replicated"``: the TP group's tokens are already the same on every
+    rank; the partial sums are all-reduced.
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    tp = groups.mesh.tp
+    variant = dict(activation=activation, b13=shard.get("b13"), b2=shard.get("b2"))
+    if convention == "replicated" or tp == 1:
+        y = ep_moe_forward(x, topk_ids, topk_weights, shard["w13"], shard["w2"], groups.ep,
+                           **variant)
+        if tp > 1:
+            dist.all_reduce(y, group=groups.tp)
+        return y
+    xs, sizes = _gather_rows(x, groups.tp)
+    ids, _ = _gather_rows(topk_ids, groups.tp)
+    wts, _ = _gather_rows(topk_weights, groups.tp)
+    y = ep_moe_forward(xs, ids, wts, shard["w13"], shard["w2"], groups.ep, **variant)
+    start = sum(sizes[:dist.get_rank(groups.tp)])
+    if dist.get_backend(groups.tp) == "nccl":
+        rows = max(sizes)
+        padded = y.new_zeros(tp * rows, y.shape[1])
+        for i, (s, n) in enumerate(zip(torch.tensor([0] + sizes).cumsum(0).tolist(), sizes)):
+            padded[i * rows:i * rows + n] = y[s:s + n]
+        out = y.new_empty(rows, y.shape[1])
+        dist.reduce_scatter_tensor(out, padded, group=groups.tp)
+        return out[:x.shape[0]]
+    dist.all_reduce(y, group=groups.tp)
+    return y[start:start + x.shape[0]]

@@ -112,3 +112,40 @@ def test_chunks_must_be_positive():
     xs, ids, ws, s13, s2 = _world_inputs(1, [4], 8)
     with pytest.raises(ValueError, match="chunks"):
         chunked_ep_moe_forward(xs[0], ids[0], ws[0], s13[0], s2[0], chunks=0)
+
+
+def _check_mesh(world, rank):
+    """The unfused (tp, ep) pipelines against comet.reference.mesh_forward, both input
+    conventions, GPT-OSS's activation and expert biases, uneven token counts."""
+    from comet.activation import GatedActivation
+    from comet.baseline import MeshGroups, mesh_moe_forward
+    from comet.mesh import MeshLayout
+    act = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+    layouts = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}[world]
+    for tp, ep in layouts:
+        mesh = MeshLayout(tp=tp, ep=ep)
+        groups = MeshGroups.new(mesh)
+        for convention in ("sequence", "replicated"):
+            xs, ids, ws, _, _ = _world_inputs(world, [7, 12, 0, 9][:world], seed=tp * 10 + ep,
+                                              drop=2)
+            if convention == "replicated":
+                for r in range(world):
+                    first = mesh.tp_group(r)[0]
+                    xs[r], ids[r], ws[r] = xs[first], ids[first], ws[first]
+            g = torch.Generator().manual_seed(7)
+            f = 64                     # F / tp must be a multiple of 16
+            w13 = torch.randn(E, H, 2 * f, generator=g) * H ** -0.5
+            w2 = torch.randn(E, f, H, generator=g) * f ** -0.5
+            b13, b2 = torch.randn(E, 2 * f, generator=g), torch.randn(E, H, generator=g)
+            want = reference.mesh_forward(xs, ids, ws, w13, w2, mesh, convention,
+                                          activation=act, b13=b13, b2=b2)[rank]
+            got = mesh_moe_forward(xs[rank], ids[rank], ws[rank],
+                                   mesh.shard(rank, w13, w2, b13, b2), groups, convention,
+                                   activation=act)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=f"tp={tp} ep={ep} {convention}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_and_hybrid_baselines_over_gloo(world):
+    gloo_ranks.spawn(_check_mesh, world)
