@@ -217,3 +217,42 @@ def test_decompose_matches_measured_dependencies(name):
     assert decompose(*pipeline) == measured
     # The check is not vacuous: every case has a dim of extent > reads.
     assert all(s.shape[first_axis + i] > reads for i in range(len(pipeline.producer.out.dims)))
+
+
+@pytest.mark.parametrize("convention", ["sequence", "replicated"])
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)])
+def test_tensor_parallel_and_hybrid_layouts_split_layer0_rows_and_layer1_columns(
+        tp, ep, convention):
+    """The analyzer per (tp, ep) layout: layer0's shared tensor (written by the dispatch
+    and/or the TP all-gather) splits along rows, layer1's (read by the combine and the
+    TP reduce-scatter or all-reduce) along columns -- what the kernels decompose."""
+    from comet.mesh import MeshLayout
+    from comet.runtime.forward import kernel_decomposition
+    from comet.scheduler.shared_tensor import layer_pipelines, layout_decomposition
+    mesh = MeshLayout(tp=tp, ep=ep)
+    found = layout_decomposition(mesh, convention)
+    pipes = layer_pipelines(mesh, convention)
+    gathers = tp > 1 and convention == "sequence"
+    assert len(pipes["layer0"]) == (ep > 1) + gathers
+    assert found["layer0"] == (("m",) if pipes["layer0"] else ("m", "n"))
+    assert found["layer1"] == ("n",)
+    assert kernel_decomposition(mesh, convention) == found
+
+
+def test_a_layout_the_kernels_cannot_decompose_is_refused(monkeypatch):
+    """Were layer1's reader to sum over columns (a GEMM consumer of the shared tensor as
+    left operand), the analysis would allow rows only and the kernels' column splits would
+    be unsound: refused, naming the layer."""
+    from comet.mesh import MeshLayout
+    from comet.runtime.forward import kernel_decomposition
+    from comet.scheduler import shared_tensor as st
+    original = st.layer_pipelines
+
+    def column_reducing(mesh, convention="sequence"):
+        pipes = original(mesh, convention)
+        pipes["layer1"] = [st.Pipeline(st.gemm("Hact", "W2", "S", grouped=True),
+                                       st.gemm("S", "W", "Z"), "S")]
+        return pipes
+    monkeypatch.setattr(st, "layer_pipelines", column_reducing)
+    with pytest.raises(NotImplementedError, match="layer1"):
+        kernel_decomposition(MeshLayout(tp=1, ep=2))

@@ -31,12 +31,34 @@ from comet.kernels import exchange
 from comet.kernels.combine import launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
+from comet.mesh import Convention, MeshLayout
+from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import Chunking, Routing, launch_counts, launch_layout, launch_place
 from comet.kernels.sync import Trace
 from comet.runtime.strategies import strategy_for
 from comet.runtime.workspace import Workspace
 
 MODES = ("fused", "sequential", "compute_only", "comm_only")
+
+#: The dim along which the fused kernels decompose each layer's shared tensor: layer0's
+#: GEMM starts on row tiles as their rows land, layer1 hands out column splits.
+KERNEL_DECOMPOSITION = {"layer0": "m", "layer1": "n"}
+
+
+def kernel_decomposition(mesh: MeshLayout, convention: Convention = "sequence"
+                         ) -> dict[str, tuple[str, ...]]:
+    """The shared-tensor analysis of ``mesh``'s layers (:func:`comet.scheduler.
+    shared_tensor.layout_decomposition`), checked against the decomposition the kernels
+    implement: NotImplementedError, naming the layer, where the analysis does not allow
+    it. A layer is built only for a layout whose analysis says the kernels are sound."""
+    found = layout_decomposition(mesh, convention)
+    for layer, dim in KERNEL_DECOMPOSITION.items():
+        if dim not in found[layer]:
+            raise NotImplementedError(
+                f"{layer} of a {mesh} layout ({convention}) cannot be decomposed along "
+                f"{dim!r} (the analysis allows {found[layer] or 'no dim'}); the fused "
+                "kernels decompose it so")
+    return found
 
 Phase = Callable[[], None]
 

@@ -29,7 +29,8 @@ from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
-from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids
+from comet.mesh import MeshLayout
+from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids, kernel_decomposition
 from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
@@ -217,6 +218,9 @@ class FusedMoE:
         self.device = w13.device
         self.tile = tile
         self._virtual = virtual
+        # The analyzer's answer for this layout, checked against the kernels' (an EP
+        # layout: layer0 by rows, layer1 by columns).
+        self.decomposition = kernel_decomposition(MeshLayout(tp=1, ep=par.world_size))
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder)
         self.errors = ErrorReports(ws.error, par.rank, ws.cfg.num_experts, check_errors)

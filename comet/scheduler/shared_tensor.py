@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
+from comet.mesh import Convention, MeshLayout
+
 __all__ = [
     "Affine", "RankOffset", "Indirect", "IndexExpr", "Access", "Op", "DimVerdict",
     "Pipeline", "access", "indirect", "analyze", "decompose",
@@ -408,3 +410,47 @@ def moe_layer1() -> Pipeline:
     outputs ``[M*topk, N]``."""
     return Pipeline(gemm("Hact", "W2", "S", grouped=True),
                     topk_reduce("S", "topk_weights", "Y", combine=True), "S")
+
+
+def all_reduce(x: str = "C", out: str = "Y") -> Op:
+    """``out@r[m, n] = sum_src x@src[m, n]`` on every rank: the replicated convention's
+    sum of a TP group's partial products (the rank sum is not a dim of ``x``)."""
+    return Op("all_reduce", out=access(out, "m", "n", rank="r"),
+              ins=(access(x, "m", "n", rank="src"),), reduced={"src"})
+
+
+# --------------------------------------------------------------------------- per layout
+def layer_pipelines(mesh: MeshLayout, convention: Convention = "sequence"
+                    ) -> dict[str, list[Pipeline]]:
+    """The producer -> consumer pairs around each layer's GroupGEMM in a (tp, ep) layout:
+    layer0's shared tensor is written by the EP dispatch (``ep > 1``) and, in the
+    sequence-parallel convention, by the TP all-gather (``tp > 1``); layer1's is read by
+    the top-k reduce and combine (``ep > 1``, or the plain top-k reduce) and by the TP
+    group's reduce-scatter (sequence) or all-reduce (replicated)."""
+    gemm0 = gemm("S", "W13", "GU", grouped=True)
+    gemm1 = gemm("Hact", "W2", "S", grouped=True)
+    layer0 = [Pipeline(all_to_all_dispatch("X", "S"), gemm0, "S")] if mesh.ep > 1 else []
+    if mesh.tp > 1 and convention == "sequence":
+        layer0.append(Pipeline(all_gather("X", "S"), gemm0, "S"))
+    layer1 = [Pipeline(gemm1, topk_reduce("S", "topk_weights", "Y", combine=mesh.ep > 1),
+                       "S")]
+    if mesh.tp > 1:
+        layer1.append(Pipeline(gemm1, reduce_scatter("S", "Y") if convention == "sequence"
+                               else all_reduce("S", "Y"), "S"))
+    return {"layer0": layer0, "layer1": layer1}
+
+
+def layout_decomposition(mesh: MeshLayout, convention: Convention = "sequence"
+                         ) -> dict[str, tuple[str, ...]]:
+    """Per layer, the dims of its shared tensor every one of the layer's producer ->
+    consumer pairs can split (:func:`decompose` of each, intersected): what the fused
+    kernels of that layout must decompose along. A layer with no communication (one
+    rank) is free along both (``("m", "n")``)."""
+    out = {}
+    for layer, pipes in layer_pipelines(mesh, convention).items():
+        dims = ("m", "n")
+        for pipe in pipes:
+            found = set(pipe.decompose())
+            dims = tuple(d for d in dims if d in found)
+        out[layer] = dims
+    return out
