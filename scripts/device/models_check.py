@@ -53,9 +53,20 @@ MODELS = {
                                            num_attention_heads=16, num_key_value_heads=2,
                                            head_dim=256,
                                            layer_types=["linear_attention", "full_attention"])),
+    # Dense experts: the block calls experts(routed_in [E*T, H]); comet is sized for
+    # E * max_tokens rows.
+    "llama4-scout-like": ("llama4_text", dict(hidden_size=5120, intermediate_size=8192,
+                                              intermediate_size_mlp=16384,
+                                              num_local_experts=16, num_experts_per_tok=1,
+                                              num_attention_heads=40, num_key_value_heads=8,
+                                              head_dim=128, moe_layers=[0, 1],
+                                              no_rope_layers=[1, 0],
+                                              layer_types=["chunked_attention",
+                                                           "full_attention"])),
 }
 #: --tiny: every size field divided down to this.
 TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+            intermediate_size_mlp=64,
             shared_expert_intermediate_size=32, head_dim=16, num_attention_heads=4,
             num_key_value_heads=2)
 VOCAB = 32064
