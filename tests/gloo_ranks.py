@@ -1,7 +1,11 @@
 """CPU ranks over gloo for tests: ``spawn(check, world)`` runs ``check(world, rank)`` in
-``world`` processes sharing one default process group."""
+``world`` processes sharing one default process group; ``fork(worker, ...)`` runs a worker
+in forked processes (closures and module state carry over) and collects what they
+report."""
 
 import tempfile
+
+import torch
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -20,3 +24,26 @@ def spawn(check, world: int) -> None:
     """``check`` must be a module-level function (it is pickled by name)."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_run, args=(check, world, f"{d}/init"), nprocs=world, join=True)
+
+
+def fork(worker, world: int, store, args: tuple, expected: int,
+         timeout: float = 180.0) -> tuple[list, list]:
+    """Run ``worker(rank, world, store, *args, results)`` in ``world`` forked processes
+    and collect ``expected`` items they ``results.put``, stopping at one whose second field
+    is ``"error"``. Ranks still alive after ``timeout`` (a peer failed: they wait in a
+    collective) are killed. Returns ``(exit codes, items)``."""
+    ctx = torch.multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, store, *args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    items = []
+    while len(items) < expected and "error" not in {i[1] for i in items}:
+        items.append(results.get(timeout=timeout))
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs], items

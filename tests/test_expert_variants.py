@@ -157,16 +157,22 @@ def test_fused_backward_of_a_variant_matches_autograd_of_the_spec():
 
 
 # --------------------------------------------------------------------------- the module
-def test_comet_moe_with_biases_and_a_variant_on_one_cpu_rank():
-    """CometMoE's CPU path: biases (in the kernels' interleaved layout) and the
-    activation reach the reference; training there is plain autograd."""
+def _moe_with_biases(seed):
+    """A CPU CometMoE (8 experts, H=32, F=48) with GPT-OSS's activation and random biases."""
     from comet.moe import CometMoE
-    from comet.weights import gate_up_first
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     moe = CometMoE(8, 2, 32, 48, dtype=torch.float32, activation=GPT_OSS, expert_bias=True)
     with torch.no_grad():
         moe.experts.b13.normal_()
         moe.experts.b2.normal_()
+    return moe
+
+
+def test_comet_moe_with_biases_and_a_variant_on_one_cpu_rank():
+    """CometMoE's CPU path: biases (in the kernels' interleaved layout) and the
+    activation reach the reference; training there is plain autograd."""
+    from comet.weights import gate_up_first
+    moe = _moe_with_biases(seed=0)
     x = torch.randn(10, 32)
     y = moe(x)
     logits, wts, ids = moe.gate(x)
@@ -261,12 +267,7 @@ def test_training_through_the_op_with_biases():
     """CometMoE's autograd op (what the GPU and multi-rank paths use) gives the biases
     their gradients, as autograd of the reference does."""
     from comet import custom_op
-    from comet.moe import CometMoE
-    torch.manual_seed(3)
-    moe = CometMoE(8, 2, 32, 48, dtype=torch.float32, activation=GPT_OSS, expert_bias=True)
-    with torch.no_grad():
-        moe.experts.b13.normal_()
-        moe.experts.b2.normal_()
+    moe = _moe_with_biases(seed=3)
     x = torch.randn(10, 32)
     _, wts, ids = moe.gate(x)
     wts = wts.detach()

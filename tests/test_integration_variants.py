@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import gloo_ranks
+
 transformers = pytest.importorskip("transformers")
 
 from comet.activation import SILU, GatedActivation  # noqa: E402
@@ -565,19 +567,8 @@ def test_expert_parallel_over_gloo_matches(tmp_path):
     """Two forked CPU ranks over gloo, half the experts (and their biases) each, each with
     its own tokens: the unfused expert-parallel path gives the unpatched model's logits
     (the variants, DBRX's stacked experts, per-expert nn.Linear experts with biases)."""
-    ctx = torch.multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_ep_worker, args=(r, 2, tmp_path / "store", results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    outcomes = []
-    while len(outcomes) < 2 * (len(EP_FAMILIES) + 1) and "error" not in {o[1] for o in outcomes}:
-        outcomes.append(results.get(timeout=180))
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():   # its peer failed: it waits in a collective
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], outcomes
+    codes, outcomes = gloo_ranks.fork(_ep_worker, 2, tmp_path / "store", (),
+                                      expected=2 * (len(EP_FAMILIES) + 1))
+    assert codes == [0, 0], outcomes
     assert {o[1] for o in outcomes} == set(EP_FAMILIES) | {"linear experts"}, outcomes
     assert max(o[2] for o in outcomes) < 1e-5, outcomes

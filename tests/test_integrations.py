@@ -26,6 +26,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+
+import gloo_ranks
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -531,17 +533,10 @@ def test_expert_parallel_training_over_gloo(tmp_path):
     backward goes through comet's op (torch.ops.comet.routed_experts, the unfused
     expert-parallel backward) and gives the unpatched model's gradients -- replicated
     parameters per rank, each expert the sum over both ranks' tokens."""
-    ctx = torch.multiprocessing.get_context("fork")
-    results = ctx.Queue()
     families = [f for f in ("qwen2_moe", "glm4_moe", "llama4") if f in FAMILIES]
-    procs = [ctx.Process(target=_train_worker,
-                         args=(r, 2, tmp_path / "store", families, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    outcomes = [results.get(timeout=5) for _ in range(2 * len(families))]
-    assert [p.exitcode for p in procs] == [0, 0], outcomes
+    codes, outcomes = gloo_ranks.fork(_train_worker, 2, tmp_path / "store", (families,),
+                                      expected=2 * len(families))
+    assert codes == [0, 0], outcomes
     assert all(o[2] == "ok" for o in outcomes), outcomes
 
 
@@ -566,15 +561,8 @@ def _ep_worker(rank, world, store, families, results):
 def test_expert_parallel_over_gloo_matches(tmp_path):
     """Two forked CPU ranks over gloo, each keeping half the experts of every block, each
     with its own tokens: logits match the unpatched model (which holds all experts)."""
-    ctx = torch.multiprocessing.get_context("fork")
-    results = ctx.Queue()
     families = [f for f in ("mixtral", "qwen2_moe", "deepseek_v3", "llama4") if f in FAMILIES]
-    procs = [ctx.Process(target=_ep_worker,
-                         args=(r, 2, tmp_path / "store", families, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    errors = [results.get(timeout=5) for _ in range(2 * len(families))]
+    codes, errors = gloo_ranks.fork(_ep_worker, 2, tmp_path / "store", (families,),
+                                    expected=2 * len(families), timeout=120)
+    assert codes == [0, 0], errors
     assert max(e for _, _, e in errors) < 1e-5, errors

@@ -13,6 +13,8 @@ import statistics
 
 import torch
 
+from comet.bench.timing import Clock
+
 #: Bytes the bandwidth probe reads per pass: far beyond any L2, so HBM serves them.
 PROBE_BYTES = 1 << 30
 PROBE_PASSES = 10
@@ -26,17 +28,15 @@ def hbm_read_gbps(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     buf = torch.ones(PROBE_BYTES // 2, dtype=torch.bfloat16, device=device)
-    times = []
+    clock, marks = Clock(device), []
     for i in range(PROBE_PASSES + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = clock.mark()
         buf.sum(dtype=torch.float32)
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) * 1e-3)
+        if i >= 2:     # two warm-up passes
+            marks.append((start, clock.mark()))
+    torch.cuda.synchronize(device)
     del buf
-    return PROBE_BYTES / statistics.median(times) / 1e9
+    return PROBE_BYTES / (statistics.median(Clock.us(a, b) for a, b in marks) * 1e3)
 
 
 def expert_bytes(hidden: int, ffn: int, element_size: int) -> dict[str, int]:

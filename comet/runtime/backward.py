@@ -137,7 +137,13 @@ class BackwardCall:
         self._inputs: tuple = ()
         self.dx = self.d_weights = self.dw13 = self.dw2 = self.db13 = self.db2 = None
         self._ends: torch.Tensor | None = None   # expert_ends(), once the plan ran
-        self._ones: torch.Tensor | None = None   # [cap, 16] for the biases' row sums
+        if self.b13 is not None:
+            # The biases' scratch, once per variant: row indices, and the left operands of
+            # the row sums (ones; the row weights, refreshed per call).
+            cap, dev = self.bufs.w_row.shape[0], self.bufs.w_row.device
+            self._row_index = torch.arange(cap, dtype=torch.int32, device=dev)
+            self._ones = torch.ones(cap, ROW_SUM_COLUMNS, dtype=self.cfg.dtype, device=dev)
+            self._w_cols = torch.empty_like(self._ones)
         self._row_programs = max(1, self.grid * (1 if not self.cooperative
                                                  else ROW_PROGRAMS_PER_SM))
         ws = self.ws
@@ -258,35 +264,26 @@ class BackwardCall:
             if self.b13 is not None:
                 self._bias_grads()
 
-    def _row_experts(self, rows: slice) -> torch.Tensor:
-        """The local expert of each row in ``rows`` (rows past the last are the last
-        expert's; their results are never read). Device ops on the plan, no sync."""
-        r = torch.arange(rows.start, rows.stop, device=self._ends.device, dtype=torch.int32)
-        e = torch.searchsorted(self._ends, r, right=True)
-        return e.clamp_(max=self._ends.shape[0] - 1)
-
     def _bias_weight_term(self) -> None:
         """``d w += <dy, b2[e]>`` per row: the routing weight multiplies the expert's
-        output bias too. Over every capacity row (the count stays on the device), in
-        chunks of :data:`BIAS_ROWS` rows (a gathered ``[rows, H]`` fp32 operand)."""
-        cap = self.bufs.dw_row.shape[0]
+        output bias too. Over every capacity row (the count stays on the device; rows past
+        the last are given the last expert and never read), in chunks of
+        :data:`BIAS_ROWS` rows (a gathered ``[rows, H]`` fp32 operand)."""
+        cap = self._row_index.shape[0]
+        experts = torch.searchsorted(self._ends, self._row_index, right=True)
+        experts.clamp_(max=self._ends.shape[0] - 1)
         b2 = self.b2.float()
         for r0 in range(0, cap, BIAS_ROWS):
             rows = slice(r0, min(r0 + BIAS_ROWS, cap))
-            dy = self.ws.a0[rows].float()
-            self.bufs.dw_row[rows] += (dy * b2[self._row_experts(rows)]).sum(1)
+            self.bufs.dw_row[rows] += (self.ws.a0[rows].float() * b2[experts[rows]]).sum(1)
 
     def _bias_grads(self) -> None:
         """``db13`` = each expert's rows of d(gate, up) summed, ``db2`` = its rows of
         ``w * dy`` summed: grouped GEMMs with a column of ones (or of the row weights)
         on the left, deterministic, no sync."""
-        cap = self.bufs.w_row.shape[0]
-        if self._ones is None:
-            self._ones = torch.ones(cap, ROW_SUM_COLUMNS, dtype=self.cfg.dtype,
-                                    device=self.bufs.w_row.device)
-        w = self.bufs.w_row.to(self.cfg.dtype).unsqueeze(1).expand(cap, ROW_SUM_COLUMNS)
+        self._w_cols.copy_(self.bufs.w_row.unsqueeze(1).expand_as(self._w_cols))
         self.db13 = grouped_weight_grad(self._ones, self.bufs.gu, self._ends)[:, 0].contiguous()
-        self.db2 = grouped_weight_grad(w.contiguous(), self.ws.a0, self._ends)[:, 0].contiguous()
+        self.db2 = grouped_weight_grad(self._w_cols, self.ws.a0, self._ends)[:, 0].contiguous()
 
     def _layer1(self) -> list[Callable[[], None]]:
         ws = self.ws

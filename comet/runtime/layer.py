@@ -80,6 +80,16 @@ def default_tile() -> TileConfig:
     return TileConfig.small() if interpreting() else TileConfig()
 
 
+def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
+                   b2: torch.Tensor | None) -> tuple:
+    """``(w13, b13, b2)`` with W13's columns (and b13's, the same columns) in the kernels'
+    interleaved layout (:mod:`comet.weights`): copies from ``"gate_up"``, as given from
+    ``"interleaved"``."""
+    if w13_layout != "gate_up":
+        return w13, b13, b2
+    return interleave_gate_up(w13), None if b13 is None else interleave_gate_up(b13), b2
+
+
 class FusedMoE:
     """The routed-expert part of an MoE layer on the fused kernels (one rank's view).
 
@@ -127,10 +137,7 @@ class FusedMoE:
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
         with torch.inference_mode(False):
-            w13 = interleave_gate_up(w13) if w13_layout == "gate_up" else w13
-            if b13 is not None and w13_layout == "gate_up":
-                b13 = interleave_gate_up(b13)
-            self.b13, self.b2 = b13, b2
+            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13, b2)
             if par.world_size == 1:
                 ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
             else:
@@ -177,11 +184,7 @@ class FusedMoE:
                           w13_layout, b13, b2)
             layer = cls.__new__(cls)
             with torch.inference_mode(False):
-                w13 = w13_shards[r]
-                w13 = interleave_gate_up(w13) if w13_layout == "gate_up" else w13
-                if b13 is not None and w13_layout == "gate_up":
-                    b13 = interleave_gate_up(b13)
-                layer.b13, layer.b2 = b13, b2
+                w13, layer.b13, layer.b2 = _kernel_layout(w13_layout, w13_shards[r], b13, b2)
                 layer._setup(spaces[r], w13, w2_shards[r], None, ParallelConfig(world, r),
                              tile, programs, tuned_config_folder, check_errors, use_graphs,
                              virtual=True)
