@@ -18,7 +18,25 @@ outputs:
 * ``"replicated"`` (vLLM/SGLang TP): the ranks of a TP group pass the same tokens.
 
 :func:`comet.reference.mesh_forward` states what each rank returns; this module only
-describes the layout (who holds what). The fused kernels run ``tp == 1`` today.
+describes the layout (who holds what).
+
+**How the fused kernels run a layout: shards as experts.** The kernels are written for
+expert parallelism over W ranks. A (tp, ep) layout is that, over ``E * tp`` *shard
+experts*: shard ``t`` of expert ``e`` is an expert of its own (``F / tp`` wide) on rank
+``(e // El, t)``, numbered so that rank ``r`` holds shard experts ``[r * El, (r + 1) *
+El)`` (:meth:`MeshLayout.shard_expert`). A token's ``k`` choices become ``k * tp`` slots
+(:meth:`MeshLayout.shard_routing`; slot ``j * tp + t`` is shard ``t`` of choice ``j``),
+and the sum over a token's slots that the combine computes anyway adds the shards'
+partial sums -- in a fixed order, so the result is deterministic.
+
+* ``"sequence"``: every slot is live; the dispatch sends a token's row to each TP peer of
+  each chosen expert (the TP all-gather and the EP dispatch in one), and every shard's
+  weighted partial row comes back to the token's rank.
+* ``"replicated"``: the TP ranks of a group hold the same tokens, so rank ``(i, t)``
+  keeps only the slots of its own shard index ``t`` (the others are ``-1``): rows go only
+  to ranks of the same TP index (none cross the TP group), and each partial row is
+  written to every rank of the token's TP group (:meth:`MeshLayout.home_fanout`: the
+  all-reduce, fused into layer1), whose combines all sum the same slots in the same order.
 """
 
 from __future__ import annotations
@@ -27,6 +45,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from comet.config import MoEConfig
 
 Convention = Literal["sequence", "replicated"]
 CONVENTIONS = ("sequence", "replicated")
@@ -104,9 +124,65 @@ class MeshLayout:
         gate_up = torch.cat([torch.arange(cols.start, cols.stop),
                              f + torch.arange(cols.start, cols.stop)]).to(w13.device)
         out = {"w13": w13[sel].index_select(-1, gate_up),
-               "w2": w2[sel, cols.start:cols.stop], "b13": None, "b2": None}
+               "w2": w2[sel, cols.start:cols.stop].contiguous(), "b13": None, "b2": None}
         if b13 is not None:
             out["b13"] = b13[sel].index_select(-1, gate_up)
         if b2 is not None and self.coords(rank)[1] == 0:
             out["b2"] = b2[sel]
         return out
+
+    # ------------------------------------------------------------------ the kernels' view
+    def home_fanout(self, convention: Convention) -> int:
+        """Ranks each partial output row is written to: the token's TP group under
+        ``"replicated"`` (every one of them returns the token), else its rank alone."""
+        _check_convention(convention)
+        return self.tp if convention == "replicated" else 1
+
+    def kernel_config(self, cfg: MoEConfig) -> MoEConfig:
+        """The expert-parallel layer the kernels run for ``cfg`` in this layout: ``E *
+        tp`` shard experts ``F / tp`` wide, ``k * tp`` slots per token (the router fields
+        do not reach the kernels and are reset)."""
+        self.check(cfg.num_experts, cfg.intermediate_size)
+        if self.tp == 1:
+            return cfg
+        return cfg.replace(num_experts=cfg.num_experts * self.tp,
+                           intermediate_size=cfg.intermediate_size // self.tp,
+                           top_k=cfg.top_k * self.tp, n_group=1, topk_group=1,
+                           score_correction_bias=False, num_shared_experts=0,
+                           shared_intermediate_size=None, shared_expert_gate=False)
+
+    def shard_expert(self, expert, tp_rank, num_experts: int):
+        """The shard-expert id of shard ``tp_rank`` of global ``expert`` (ints or
+        tensors) in a layer of ``num_experts``: ``(expert // El * tp + tp_rank) * El +
+        expert % El`` -- on rank ``(expert // El, tp_rank)``, as its local expert
+        ``expert % El``."""
+        el = num_experts // self.ep
+        return (expert // el * self.tp + tp_rank) * el + expert % el
+
+    def shard_routing(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      num_experts: int, rank: int, convention: Convention
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [M, k * tp], weights [M, k * tp])``: rank ``rank``'s routing as the
+        kernels take it (slot ``j * tp + t`` = shard ``t`` of choice ``j``; see the module
+        doc). The torch spec of :mod:`comet.kernels.mesh_routing`. An id that is neither
+        an expert nor -1 stays invalid (``E * tp``, in the first slot the rank keeps), so
+        the plan kernels report it; "no expert" (-1) stays -1."""
+        _check_convention(convention)
+        m, k = topk_ids.shape
+        ids = topk_ids.to(torch.int64)
+        valid = (ids >= 0) & (ids < num_experts)
+        shard = torch.arange(self.tp, device=ids.device)
+        out = self.shard_expert(ids.clamp(0, num_experts - 1)[..., None], shard, num_experts)
+        out = torch.where(valid[..., None], out, -1)
+        kept = self.coords(rank)[1] if convention == "replicated" else 0
+        if convention == "replicated":
+            out = torch.where(shard == kept, out, -1)
+        bad = ~valid & (ids != -1)
+        out[..., kept] = torch.where(bad, num_experts * self.tp, out[..., kept])
+        weights = topk_weights.float()[..., None].expand(m, k, self.tp)
+        return out.reshape(m, k * self.tp), weights.reshape(m, k * self.tp).contiguous()
+
+
+def _check_convention(convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")

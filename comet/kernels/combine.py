@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from comet.config import TileConfig
-from comet.constants import ADDRESS_ALIGN, SITE_COMBINE
+from comet.constants import ADDRESS_ALIGN, SITE_COMBINE, constexpr
 from comet.kernels.address import pointer_at
 from comet.kernels.shape import next_pow2
 from comet.kernels.sync import Sync, wait_at_least
@@ -29,13 +29,18 @@ COMBINE_PROGRAMS_PER_SM = 4
 
 class Parts(NamedTuple):
     """What a token's output is summed from: part ``i`` of token ``t`` is row
-    ``i * part_stride + t * token_stride`` of ``rows``, present when ``live[t, i]``."""
+    ``i * part_stride + t * token_stride`` of ``rows``, present when ``live[t, i]`` --
+    or, with ``FANOUT > 1`` (a replicated TP layout, comet.mesh), when ``live[t, i']``
+    for ``i'`` the part of this rank's TP index in ``i``'s group of ``FANOUT``: the
+    rank's own plan only knows its own shard's slots (and ranks), and the TP peers'
+    parts of the same group are live exactly when its own is."""
 
     rows: torch.Tensor       # [*, H]
     live: torch.Tensor       # int32 [Mx, COUNT]
     part_stride: int
     token_stride: int
     COUNT: tl.constexpr      # parts per token
+    FANOUT: tl.constexpr = constexpr(1)
 
 
 def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torch.Tensor,
@@ -84,7 +89,11 @@ def combine_kernel(parts, flag1, y_addr, num_tokens, H, sync, WAIT: tl.constexpr
                 cmask = live[:, None] & (cols[None, :] < H)
                 acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
                 for i in range(parts.COUNT):
-                    sent = tl.load(parts.live + rows * parts.COUNT + i, mask=live, other=0) != 0
+                    known = i
+                    if parts.FANOUT > 1:
+                        known = i - i % parts.FANOUT + sync.rank % parts.FANOUT
+                    sent = tl.load(parts.live + rows * parts.COUNT + known, mask=live,
+                                   other=0) != 0
                     part = (i * parts.part_stride + rows[:, None] * parts.token_stride).to(tl.int64)
                     v = tl.load(parts_ptr + part * H + cols[None, :],
                                 mask=cmask & sent[:, None], other=0.0)

@@ -93,6 +93,7 @@ class Homes(NamedTuple):
     weight: torch.Tensor     # fp32 [rows]: its routing weight (likewise)
     pair_out: PeerBuffer     # [Mx, k, H]: weighted rows by (token, slot), on every rank
     slots: int               # Mx * k
+    FANOUT: tl.constexpr = constexpr(1)  # a row goes to the FANOUT ranks of its home's group
 
 
 class Pairs(NamedTuple):
@@ -110,6 +111,7 @@ class Reduce(NamedTuple):
     max_tokens: int
     queue: torch.Tensor      # int32 [1]: the reduce's item queue (zeroed per call)
     pairs: Pairs | None      # with PAIRS
+    FANOUT: tl.constexpr = constexpr(1)  # a sum goes to the FANOUT ranks of its source's group
 
 
 class ReduceTile(NamedTuple):
@@ -241,19 +243,24 @@ def scatter_home(acc, homes, row_start, row_end, n0, H, BLOCK_M: tl.constexpr,
     """The scatter epilogue: row ``r`` of the fp32 tile ``acc`` (rows ``row_start..``,
     columns ``n0..``), times its routing weight, into its token's home --
     ``pair_out[t, j]`` on rank ``s``, where ``home[r] = s * slots + t * TOPK + j``
-    (pushed with the row by the dispatch). Stores to a peer's memory are posted: the
-    tile's data crosses the link while the GEMM goes on, with no reduce pass and no
-    block waiting for a column split."""
+    (pushed with the row by the dispatch), and on the other ranks of ``s``'s group of
+    ``FANOUT`` (a replicated TP layout: each of them returns the token). Stores to a
+    peer's memory are posted: the tile's data crosses the link while the GEMM goes on,
+    with no reduce pass and no block waiting for a column split."""
+    FANOUT: tl.constexpr = homes.FANOUT
     rows = row_start + tl.arange(0, BLOCK_M)
     live = rows < row_end
     home = tl.load(homes.home + rows, mask=live, other=0)
     weight = tl.load(homes.weight + rows, mask=live, other=0.0)
     pair_out = homes.pair_out.local
-    row_ptr = peer(homes.pair_out, home // homes.slots) + (home % homes.slots).to(tl.int64) * H
+    value = (acc * weight[:, None]).to(pair_out.dtype.element_ty)
     cols = n0 + tl.arange(0, BLOCK_N)
-    tl.store(row_ptr[:, None] + cols[None, :],
-             (acc * weight[:, None]).to(pair_out.dtype.element_ty),
-             mask=live[:, None] & (cols[None, :] < H))
+    mask = live[:, None] & (cols[None, :] < H)
+    rank = home // homes.slots
+    offset = (home % homes.slots).to(tl.int64) * H
+    for q in tl.static_range(FANOUT):
+        row_ptr = peer(homes.pair_out, rank - rank % FANOUT + q) + offset
+        tl.store(row_ptr[:, None] + cols[None, :], value, mask=mask)
 
 
 @triton.jit
@@ -371,17 +378,21 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
             ready_split = split
         if ready:
             col0 = split * split_cols
-            dst = peer(reduce.comb, source)
             region = source * max_tokens
             pair_src, pair_dst = None, None
             if rtile.PAIRS:
                 pair_src = reduce.pairs.src
                 pair_dst = peer(reduce.pairs.dst, source)
-            _reduce_entries(gemm.out, H, dst + rank * max_tokens * H,
-                            reduce.recv.token + region, reduce.recv.rows + region * TOPK,
-                            reduce.recv.weight + region * TOPK, first,
-                            tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                            tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK, rtile)
+            # A replicated TP layout returns the sum to every rank of the source's group:
+            # the all-reduce of the partial sums, as sends.
+            for q in tl.static_range(reduce.FANOUT):
+                dst = peer(reduce.comb, source - source % reduce.FANOUT + q)
+                _reduce_entries(gemm.out, H, dst + rank * max_tokens * H,
+                                reduce.recv.token + region, reduce.recv.rows + region * TOPK,
+                                reduce.recv.weight + region * TOPK, first,
+                                tl.minimum(first + ITEM, tl.load(entries + source)), col0,
+                                tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK,
+                                rtile)
         if trace.ON:
             events = stamp(trace, events, split + TRACE_REDUCE, source, start)
         i = take(reduce.queue)

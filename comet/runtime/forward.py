@@ -5,6 +5,9 @@ A call is
     open (epoch, counts, exchange push) -> plan (exchange wait, layout, place)
     -> layer0 -> layer1 -> combine
 
+(a tensor- or hybrid-parallel layout first writes its shard slots from the caller's
+routing: :mod:`comet.kernels.mesh_routing`).
+
 :class:`ForwardCall` builds every launch's arguments once -- the call's inputs are staged at
 fixed addresses (comet.runtime.staging), so the same launches serve every call and a CUDA
 graph can replay them -- and hands the phases out in order. A rank on its own GPU runs
@@ -31,6 +34,7 @@ from comet.kernels import exchange
 from comet.kernels.combine import launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
+from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.mesh import Convention, MeshLayout
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import Chunking, Routing, launch_counts, launch_layout, launch_place
@@ -126,7 +130,10 @@ class ForwardCall:
     ``trace``: per layer, a ``[programs, MAX_TRACE_EVENTS, 4]`` buffer the layer's fused
     launch stamps (``comet bench --timeline``). ``b13 [El, 2F]`` (W13's columns),
     ``b2 [El, H]``: expert biases (``cfg.expert_bias``), else None; the activation is
-    the workspace config's."""
+    the workspace config's. ``shard_routing``: a (tp, ep) layout's first launch, which
+    writes ``inputs.ids`` / ``inputs.weights`` (shard slots) from the caller's routing
+    (:mod:`comet.kernels.mesh_routing`); None for expert parallelism, whose staged
+    routing the kernels read as it is."""
 
     ws: Workspace
     w13: torch.Tensor
@@ -141,6 +148,7 @@ class ForwardCall:
     trace: dict[str, torch.Tensor] | None = None
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    shard_routing: ShardRouting | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -171,7 +179,10 @@ class ForwardCall:
     def stages(self) -> list[tuple[str, list[Phase]]]:
         """``(name, phases)`` of the call in order: "plan", "layer0", "layer1",
         "combine" (the phases a timer reports)."""
-        return [("plan", list(plan_phases(self.ws, self._routing, self.tile))),
+        plan = list(plan_phases(self.ws, self._routing, self.tile))
+        if self.shard_routing is not None:
+            plan.insert(0, lambda: launch_shard_routing(self.shard_routing))
+        return [("plan", plan),
                 ("layer0", self._layer0_phases()), ("layer1", self._layer1_phases()),
                 ("combine", self._combine_phases())]
 

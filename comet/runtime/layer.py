@@ -29,7 +29,8 @@ from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
-from comet.mesh import MeshLayout
+from comet.kernels.mesh_routing import shard_routing
+from comet.mesh import Convention, MeshLayout
 from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids, kernel_decomposition
 from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
@@ -90,6 +91,20 @@ def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
     return interleave_gate_up(w13), None if b13 is None else interleave_gate_up(b13), b2
 
 
+def _mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
+    """The layout of ``world`` ranks: ``mesh``, or expert parallelism over all of them."""
+    return mesh if mesh is not None else MeshLayout(tp=1, ep=world)
+
+
+def _output_bias(cfg: MoEConfig, mesh: MeshLayout, rank: int, b2, w2):
+    """The output bias a rank's kernels add: its own, or zeros on the TP ranks past the
+    first of a layout with biases (the shards' partial sums add ``b2`` once; every rank
+    compiles the same kernels)."""
+    if cfg.expert_bias and b2 is None:
+        return torch.zeros(w2.shape[0], w2.shape[2], dtype=w2.dtype, device=w2.device)
+    return b2
+
+
 class FusedMoE:
     """The routed-expert part of an MoE layer on the fused kernels (one rank's view).
 
@@ -102,8 +117,16 @@ class FusedMoE:
             costs W13's memory again; ``"interleaved"`` (:mod:`comet.weights`, e.g. from
             :func:`comet.weights.interleave_gate_up_`): used as is, no copy -- what
             :class:`comet.moe.CometMoE` passes.
-        group: expert-parallel process group (None: the world if initialised, else one
-            rank). Collective: all ranks construct it together.
+        group: the process group of the layer's ranks (None: the world if initialised,
+            else one rank). Collective: all ranks construct it together.
+        mesh: the (tp, ep) layout of the group's ranks (:class:`comet.mesh.MeshLayout`;
+            None: expert parallelism over all of them). ``w13``/``w2``/biases are then
+            this rank's shard (:meth:`~comet.mesh.MeshLayout.shard`: ``[El, H, 2F/tp]``,
+            ``[El, F/tp, H]``; ``b2`` on TP rank 0 only). Forward only: a TP layout's
+            :meth:`backward` raises NotImplementedError.
+        convention: how a TP layout's ranks pass tokens (:data:`comet.mesh.CONVENTIONS`):
+            ``"sequence"``, each its own; ``"replicated"``, a TP group the same ones.
+            Either way a rank gets its own tokens' full outputs.
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
             calls too small to fill the GPU their own GEMM tiles, and a tuned table may
             set its :data:`comet.config.TUNABLE_TILE_FIELDS` per token bucket
@@ -129,22 +152,26 @@ class FusedMoE:
                  tile: TileConfig | None = None, tuned_config_folder: str | None = None,
                  check_errors: str = "lazy", use_graphs: bool = True,
                  w13_layout: str = "gate_up", b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None):
+                 b2: torch.Tensor | None = None, mesh: MeshLayout | None = None,
+                 convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
+        mesh = _mesh_of(mesh, par.world_size)
         tile = tile or default_tile()
-        self._validate(cfg, par, w13, w2, w13_layout, b13, b2)
+        self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        kernel_cfg = mesh.kernel_config(cfg)
         # State the calls update in place must not be inference tensors, or a layer first
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
         with torch.inference_mode(False):
-            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13, b2)
+            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
+                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
             if par.world_size == 1:
-                ws = allocate_virtual(cfg, 1, w13.device, tile)[0]
+                ws = allocate_virtual(kernel_cfg, 1, w13.device, tile)[0]
             else:
-                ws = allocate_symmetric(cfg, group, w13.device, tile)
+                ws = allocate_symmetric(kernel_cfg, group, w13.device, tile)
             programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
             self._setup(ws, w13, w2, group, par, tile, programs, tuned_config_folder,
-                        check_errors, use_graphs)
+                        check_errors, use_graphs, cfg=cfg, mesh=mesh, convention=convention)
 
     @classmethod
     def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
@@ -153,7 +180,9 @@ class FusedMoE:
                       check_errors: str = "lazy", use_graphs: bool = True,
                       w13_layout: str = "gate_up", backward: bool = False,
                       b13_shards: list[torch.Tensor] | None = None,
-                      b2_shards: list[torch.Tensor] | None = None) -> list["FusedMoE"]:
+                      b2_shards: list[torch.Tensor] | None = None,
+                      mesh: MeshLayout | None = None,
+                      convention: Convention = "sequence") -> list["FusedMoE"]:
         """W ranks of one expert-parallel group in this process, on one device, whose
         workspaces point at each other: call them concurrently, one CUDA stream per rank
         (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
@@ -175,39 +204,53 @@ class FusedMoE:
             sms = sm_count(device) if device.type == "cuda" else 4 * world
             programs = max(1, sms // world)
         with torch.inference_mode(False):   # see __init__
-            spaces = allocate_virtual(cfg, world, device, tile)
+            spaces = allocate_virtual(mesh.kernel_config(cfg), world, device, tile)
         layers = []
         for r in range(world):
             b13 = None if b13_shards is None else b13_shards[r]
             b2 = None if b2_shards is None else b2_shards[r]
             cls._validate(cfg, ParallelConfig(world, r), w13_shards[r], w2_shards[r],
-                          w13_layout, b13, b2)
+                          w13_layout, b13, b2, mesh, convention)
             layer = cls.__new__(cls)
             with torch.inference_mode(False):
-                w13, layer.b13, layer.b2 = _kernel_layout(w13_layout, w13_shards[r], b13, b2)
+                w13, layer.b13, layer.b2 = _kernel_layout(
+                    w13_layout, w13_shards[r], b13,
+                    _output_bias(cfg, mesh, r, b2, w2_shards[r]))
                 layer._setup(spaces[r], w13, w2_shards[r], None, ParallelConfig(world, r),
                              tile, programs, tuned_config_folder, check_errors, use_graphs,
-                             virtual=True)
+                             virtual=True, cfg=cfg, mesh=mesh, convention=convention)
             if device.type == "cuda":
                 layer.preload(backward=backward)
             layers.append(layer)
         return layers
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, w13_layout, b13=None, b2=None) -> None:
-        check_layout(cfg, par)
+    def _validate(cfg, par, w13, w2, w13_layout, b13=None, b2=None,
+                  mesh: MeshLayout | None = None, convention: Convention = "sequence") -> None:
+        mesh = mesh or MeshLayout(tp=1, ep=par.world_size)
+        if mesh.world != par.world_size:
+            raise ValueError(f"a {mesh} layout has {mesh.world} ranks, but the process group "
+                             f"has {par.world_size}")
+        mesh.home_fanout(convention)      # checks the convention's name
+        check_layout(cfg, ParallelConfig(mesh.ep, par.rank // mesh.tp))
+        mesh.check(cfg.num_experts, cfg.intermediate_size)
         if w13_layout not in ("gate_up", "interleaved"):
             raise ValueError(f"w13_layout must be 'gate_up' or 'interleaved', got "
                              f"{w13_layout!r}")
-        el = cfg.num_experts // par.world_size
-        h, f = cfg.hidden_size, cfg.intermediate_size
+        el = cfg.num_experts // mesh.ep
+        h, f = cfg.hidden_size, cfg.intermediate_size // mesh.tp
         if tuple(w13.shape) != (el, h, 2 * f) or tuple(w2.shape) != (el, f, h):
-            raise ValueError(f"expected w13 [{el}, {h}, {2 * f}] and w2 [{el}, {f}, {h}], got "
+            raise ValueError(f"expected w13 [{el}, {h}, {2 * f}] and w2 [{el}, {f}, {h}] "
+                             f"(this rank's shard of a {mesh} layout), got "
                              f"{list(w13.shape)} and {list(w2.shape)}")
-        given = (b13 is not None, b2 is not None)
-        if given != (cfg.expert_bias, cfg.expert_bias):
+        # Only TP rank 0 of a layout adds the output bias (the shards' partial sums add
+        # it once): the other ranks pass none.
+        b2_expected = cfg.expert_bias and mesh.coords(par.rank)[1] == 0
+        if (b13 is not None) != cfg.expert_bias or (b2 is not None and not cfg.expert_bias):
             raise ValueError("cfg.expert_bias needs both b13 and b2" if cfg.expert_bias
                              else "b13/b2 given but cfg.expert_bias is False")
+        if b2_expected and b2 is None:
+            raise ValueError("cfg.expert_bias needs both b13 and b2")
         for name, b, shape in (("b13", b13, (el, 2 * f)), ("b2", b2, (el, h))):
             if b is not None and (tuple(b.shape) != shape or b.dtype != w13.dtype
                                   or b.device != w13.device or not b.is_contiguous()):
@@ -215,20 +258,35 @@ class FusedMoE:
                                  f"on {w13.device}, got {list(b.shape)} {b.dtype} on {b.device}")
 
     def _setup(self, ws: Workspace, w13, w2, group, par, tile, programs, tuned_config_folder,
-               check_errors, use_graphs, virtual: bool = False) -> None:
-        self.cfg, self.par, self.group, self.ws = ws.cfg, par, group, ws
+               check_errors, use_graphs, virtual: bool = False, *, cfg: MoEConfig,
+               mesh: MeshLayout, convention: Convention) -> None:
+        # cfg: the layer as the caller routes it; ws.cfg: what the kernels run (the same,
+        # or a (tp, ep) layout's shard experts: comet.mesh).
+        self.cfg, self.par, self.group, self.ws = cfg, par, group, ws
+        self.mesh, self.convention = mesh, convention
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.tile = tile
         self._virtual = virtual
-        # The analyzer's answer for this layout, checked against the kernels' (an EP
-        # layout: layer0 by rows, layer1 by columns).
-        self.decomposition = kernel_decomposition(MeshLayout(tp=1, ep=par.world_size))
+        ws.fanout = mesh.home_fanout(convention)
+        # The analyzer's answer for this layout, checked against the kernels' (layer0 by
+        # rows, layer1 by columns).
+        self.decomposition = kernel_decomposition(mesh, convention)
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder)
-        self.errors = ErrorReports(ws.error, par.rank, ws.cfg.num_experts, check_errors)
+        self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors)
         self.graphs = CallGraphs(self.device, use_graphs)
-        self._static = StaticInputs(ws.cfg, self.device)
+        self._static = StaticInputs(cfg, self.device)
+        self._shard_routing = None
+        if mesh.tp > 1:
+            rows, slots = cfg.max_tokens, ws.cfg.top_k
+            s = self._static
+            self._shard_routing = shard_routing(
+                s.ids, s.weights, s.num_tokens,
+                torch.full((rows, slots), -1, dtype=torch.int64, device=self.device),
+                torch.zeros(rows, slots, dtype=torch.float32, device=self.device),
+                num_experts=cfg.num_experts, ep=mesh.ep, tp=mesh.tp,
+                kept=mesh.coords(par.rank)[1] if convention == "replicated" else -1)
         self._timeout: int | None = None           # last value written to ws.timeout
         self._calls: dict[tuple, ForwardCall] = {}
         self.last_comm_blocks: tuple[int, int] | None = None
@@ -332,12 +390,14 @@ class FusedMoE:
         one each time: it writes into the caller's buffers)."""
         key = (mode, layer0_comm, tile)
         if trace is not None or key not in self._calls:
-            s = self._static
+            s, shards = self._static, self._shard_routing
+            ids, weights = ((s.ids, s.weights) if shards is None
+                            else (shards.shard_ids, shards.shard_weights))
             inputs = CallInputs(s.addr[0:1], s.addr[1:2], s.num_tokens, s.split[0:1],
-                                s.split[1:2], s.ids, s.weights)
+                                s.split[1:2], ids, weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
                                layer0_comm, cooperative=not self._virtual, trace=trace,
-                               b13=self.b13, b2=self.b2)
+                               b13=self.b13, b2=self.b2, shard_routing=shards)
             if trace is not None:
                 return call
             self._calls[key] = call
@@ -421,6 +481,10 @@ class FusedMoE:
         the same exchanges). ``comm_blocks`` as for a call (default: the call's own).
         A layer with expert biases also returns ``(db13 [El, 2F] interleaved, db2 [El,
         H])`` (None without ``weight_grads``)."""
+        if self.mesh.tp > 1:
+            raise NotImplementedError(
+                f"the fused backward runs expert-parallel layouts only; this layer is a "
+                f"{self.mesh} layout (train it with tp=1, or use comet.baseline)")
         self._check(x, topk_ids, topk_weights)
         if tuple(dy.shape) != tuple(x.shape) or dy.device != x.device:
             raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "

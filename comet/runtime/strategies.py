@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from comet.config import MoEConfig, TileConfig
+from comet.constants import constexpr
 from comet.kernels.combine import Parts
 from comet.kernels.group_gemm import Gemm, GemmTile
 from comet.kernels.layer0 import Homes as DispatchHomes
@@ -78,14 +79,16 @@ class ColumnReduce:
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
             progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx,
-                                                  ws.count.l1_reduce, pairs),
+                                                  ws.count.l1_reduce, pairs,
+                                                  constexpr(ws.fanout)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
             tile=tile, role=role, wait=wait, cooperative=cooperative)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """comb ``[W, Mx, H]``: part ``d`` of token ``t`` is row ``d * Mx + t``."""
-        return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.shape.WORLD)
+        return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.shape.WORLD,
+                     constexpr(ws.fanout))
 
 
 class Scatter:
@@ -124,7 +127,7 @@ class Scatter:
         assert pairs is None, "the scatter epilogue serves the forward only"
         cfg = ws.cfg
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
-                      cfg.max_tokens * cfg.top_k)
+                      cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
                               sync=ws.sync, trace=trace, shape=ws.shape, tile=tile)
@@ -132,7 +135,8 @@ class Scatter:
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """pair_out ``[Mx, k, H]``: part ``j`` of token ``t`` is row ``t * k + j``."""
-        return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.shape.TOPK)
+        return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.shape.TOPK,
+                     constexpr(ws.fanout))
 
 
 def strategies_of(tile: TileConfig) -> list[type]:

@@ -22,6 +22,8 @@ import torch
 
 from comet.config import MoEConfig, TileConfig
 from comet.constants import interpreting
+from comet.kernels.mesh_routing import ShardRouting, shard_routing
+from comet.mesh import Convention, MeshLayout
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.forward import CallInputs, ForwardCall, Grids
@@ -45,14 +47,20 @@ class VirtualEP:
         tile: tile configuration (default: :meth:`TileConfig.small`).
         b13_shards, b2_shards: per rank ``[El, 2F]`` (gate first) and ``[El, H]`` expert
             biases (``cfg.expert_bias``), or None.
+        mesh, convention: a (tp, ep) layout of the W ranks (:mod:`comet.mesh`; the shards
+            are then :meth:`~comet.mesh.MeshLayout.shard`'s, ``b2`` zeros past TP rank
+            0) and how its ranks pass tokens; None: expert parallelism.
     """
 
     def __init__(self, cfg: MoEConfig, w13_shards: list[torch.Tensor],
                  w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
                  b13_shards: list[torch.Tensor] | None = None,
-                 b2_shards: list[torch.Tensor] | None = None):
+                 b2_shards: list[torch.Tensor] | None = None,
+                 mesh: MeshLayout | None = None, convention: Convention = "sequence"):
         self.cfg = cfg
         self.world = len(w13_shards)
+        self.mesh = mesh or MeshLayout(tp=1, ep=self.world)
+        self.convention = convention
         self.w13 = [interleave_gate_up(w) for w in w13_shards]
         self.w2 = w2_shards
         self.b13 = ([interleave_gate_up(b) for b in b13_shards] if b13_shards is not None
@@ -60,8 +68,25 @@ class VirtualEP:
         self.b2 = list(b2_shards) if b2_shards is not None else [None] * self.world
         self.device = w13_shards[0].device
         self.tile = tile or TileConfig.small()
-        self.ws = allocate_virtual(cfg, self.world, self.device, self.tile)
+        self.ws = allocate_virtual(self.mesh.kernel_config(cfg), self.world, self.device,
+                                   self.tile)
+        for ws in self.ws:
+            ws.fanout = self.mesh.home_fanout(convention)
         self._grad: list[GradBuffers] | None = None
+
+    def _shard_routing(self, r: int, ids: torch.Tensor, weights: torch.Tensor,
+                       num_tokens: torch.Tensor) -> ShardRouting | None:
+        """Rank ``r``'s shard-slot launch of a (tp, ep) layout (None for EP)."""
+        mesh, cfg = self.mesh, self.cfg
+        if mesh.tp == 1:
+            return None
+        slots = cfg.top_k * mesh.tp
+        kept = mesh.coords(r)[1] if self.convention == "replicated" else -1
+        return shard_routing(
+            ids.to(torch.int64).contiguous(), weights.float().contiguous(), num_tokens,
+            torch.full((cfg.max_tokens, slots), -1, dtype=torch.int64, device=self.device),
+            torch.zeros(cfg.max_tokens, slots, device=self.device),
+            num_experts=cfg.num_experts, ep=mesh.ep, tp=mesh.tp, kept=kept)
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
@@ -79,11 +104,15 @@ class VirtualEP:
         calls = []
         for r, ws in enumerate(self.ws):
             m = torch.full((1,), xs[r].shape[0], dtype=torch.int64, device=self.device)
+            shards = self._shard_routing(r, topk_ids[r], topk_weights[r], m)
+            ids, weights = ((topk_ids[r], topk_weights[r]) if shards is None
+                            else (shards.shard_ids, shards.shard_weights))
             inputs = CallInputs(address_of(xs[r]), address_of(ys[r]), m, unused, unused,
-                                topk_ids[r], topk_weights[r])
+                                ids, weights)
             calls.append(ForwardCall(ws, self.w13[r], self.w2[r], self.tile, inputs, grids,
                                      "fused", layer0_comm=False, cooperative=False,
-                                     roles_apart=True, b13=self.b13[r], b2=self.b2[r]))
+                                     roles_apart=True, b13=self.b13[r], b2=self.b2[r],
+                                     shard_routing=shards))
         _in_lockstep(calls)
         for r in range(self.world):
             raise_if_failed(self.ws[r].fatal_word, r)
@@ -95,6 +124,8 @@ class VirtualEP:
         """Every rank's ``(dx, d topk_weights, dW13 (interleaved), dW2)`` -- and ``(db13
         (interleaved), db2)`` with expert biases -- of :meth:`forward`
         (:mod:`comet.runtime.backward`), phase by phase across ranks."""
+        if self.mesh.tp > 1:
+            raise NotImplementedError("the fused backward runs expert-parallel layouts only")
         if self._grad is None:
             self._grad = [GradBuffers.allocate(self.cfg, self.world, self.device)
                           for _ in range(self.world)]

@@ -126,6 +126,9 @@ class Workspace:
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
     _keepalive: list = field(default_factory=list, repr=False)
+    #: Ranks each output row is written to: 1, or a replicated TP layout's group size
+    #: (comet.mesh.MeshLayout.home_fanout); set by the layer before its first call.
+    fanout: int = 1
 
     def __post_init__(self):
         self.count = Counters.of(self.counters)
