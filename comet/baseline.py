@@ -356,13 +356,26 @@ class MeshGroups:
         return cls(mesh, mine["tp"], mine["ep"])
 
 
-def _gather_rows(x: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
-    """Every group rank's rows of ``x``, concatenated in group order (counts may differ:
-    they are exchanged first, the rows padded to the largest)."""
+def _token_counts(x: torch.Tensor, group) -> list[int]:
+    """Every group rank's row count of ``x`` (an all_gather on ``x``'s device: NCCL
+    takes no host tensors; then a host sync)."""
     world = dist.get_world_size(group)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([x.shape[0]]), group=group)
-    sizes = [int(c) for c in counts]
+    counts = torch.zeros(world, dtype=torch.int64, device=x.device)
+    dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]], device=x.device),
+                                group=group)
+    return counts.tolist()
+
+
+def _gather_rows(x: torch.Tensor, group, sizes: list[int] | None = None
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Every group rank's rows of ``x``, concatenated in group order (``sizes``: each
+    rank's count, exchanged first when not given; rows padded to the largest)."""
+    world = dist.get_world_size(group)
+    sizes = _token_counts(x, group) if sizes is None else list(sizes)
+    if len(set(sizes)) == 1:
+        out = x.new_empty(world * sizes[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out, sizes
     pad = x.new_zeros(max(sizes), *x.shape[1:])
     pad[:x.shape[0]] = x
     parts = [torch.empty_like(pad) for _ in range(world)]
@@ -370,9 +383,104 @@ def _gather_rows(x: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sizes
 
 
+def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   shard: dict, tp_group, convention: Convention = "sequence", *,
+                   timer=None, activation: GatedActivation = SILU,
+                   token_counts: list[int] | None = None) -> torch.Tensor:
+    """The unfused tensor-parallel MoE layer (``ep == 1``: every rank holds an F shard
+    of every expert) as a careful torch user writes it: no host sync when the TP ranks'
+    token counts are known (``token_counts``, as under Megatron's sequence parallelism,
+    where they are equal; else they are exchanged), every step one torch op or NCCL
+    collective. Collective over ``tp_group``; returns this rank's tokens' outputs, fp32
+    ``[M, H]``.
+
+    ``"sequence"``: all_gather of the TP group's tokens (``gather``), then on all of
+    them: sort the (token, slot) pairs by expert (``route``), gather their rows
+    (``permute``), grouped GEMM with W13 (``gemm0``), the gated activation (``act``),
+    grouped GEMM with W2 (``gemm1``), the weighted sum of each token's rows in fp32
+    (``unpermute``), and the partial sums reduce-scattered in the model dtype
+    (``reduce``; all_reduce where the backend has no reduce_scatter, e.g. gloo).
+    ``"replicated"``: no gather; the partial sums are all-reduced. ``shard``: this rank's
+    part (:meth:`comet.mesh.MeshLayout.shard`); ``timer`` as for :func:`ep_moe_forward`.
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    tp, rank = _world(tp_group)
+    sizes = [x.shape[0]]
+    with _phase(timer, "gather"):
+        if convention == "sequence" and tp > 1:
+            x, sizes = _gather_rows(x, tp_group, token_counts)
+            topk_ids, _ = _gather_rows(topk_ids, tp_group, sizes)
+            topk_weights, _ = _gather_rows(topk_weights, tp_group, sizes)
+    w13, w2 = shard["w13"], shard["w2"]
+    el, f, k = w13.shape[0], w2.shape[1], topk_ids.shape[1]
+    with _phase(timer, "route"):
+        order, counts = _sort_pairs(topk_ids, el)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+    with _phase(timer, "permute"):
+        rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    with _phase(timer, "gemm0"):
+        gu = grouped_mm(rows, w13, None, offs)
+    if shard.get("b13") is not None:
+        gu = gu + _per_row(shard["b13"], counts, gu.shape[0])
+    with _phase(timer, "act"):
+        h = (torch.nn.functional.silu(gu[:, :f]) * gu[:, f:] if activation.is_default
+             else gated(gu[:, :f], gu[:, f:], activation).to(gu.dtype))
+    with _phase(timer, "gemm1"):
+        out = grouped_mm(h, w2, None, offs)
+    if shard.get("b2") is not None:
+        out = out + _per_row(shard["b2"], counts, out.shape[0])
+    with _phase(timer, "unpermute"):
+        # Pairs of no expert sort last and their rows (past offs[-1]) are never computed:
+        # they are added into a spare row, dropped after.
+        m = x.shape[0]
+        token = torch.where(torch.arange(out.shape[0], device=out.device) < offs[-1],
+                            torch.div(order, k, rounding_mode="floor"), m)
+        w = topk_weights.reshape(-1)[order].float()
+        y = torch.zeros(m + 1, x.shape[1], dtype=torch.float32, device=x.device)
+        y.index_add_(0, token, out.float() * w[:, None])
+        y = y[:m].to(x.dtype)
+    with _phase(timer, "reduce"):
+        if tp == 1:
+            return y.float()
+        if convention == "replicated":
+            dist.all_reduce(y, group=tp_group)
+            return y.float()
+        return _reduce_scatter_rows(y, sizes, rank, tp_group).float()
+
+
+def _per_row(bias: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """``bias [El, N]`` repeated for each expert's rows (``counts [El]``, device), and
+    zeros for the rows of pairs of no expert after them (``rows`` in all)."""
+    bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    counts = torch.cat([counts, (rows - counts.sum()).view(1)])
+    return bias.repeat_interleave(counts, dim=0, output_size=rows)
+
+
+def _reduce_scatter_rows(y: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """The sum over the group of ``y`` (every rank's rows, ``sizes`` each, in group
+    order), of which this rank keeps its own rows: reduce_scatter on NCCL (padded to the
+    largest count), all_reduce on backends without it (gloo)."""
+    start = sum(sizes[:rank])
+    if dist.get_backend(group) != "nccl":
+        dist.all_reduce(y, group=group)
+        return y[start:start + sizes[rank]]
+    rows = max(sizes)
+    if len(set(sizes)) == 1:
+        padded = y
+    else:
+        padded = y.new_zeros(len(sizes) * rows, y.shape[1])
+        for i, (s, n) in enumerate(zip(torch.tensor([0] + sizes).cumsum(0).tolist(), sizes)):
+            padded[i * rows:i * rows + n] = y[s:s + n]
+    out = y.new_empty(rows, y.shape[1])
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[:sizes[rank]]
+
+
 def mesh_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      shard: dict, groups: MeshGroups, convention: Convention = "sequence",
-                     activation: GatedActivation = SILU) -> torch.Tensor:
+                     activation: GatedActivation = SILU, *, timer=None,
+                     token_counts: list[int] | None = None) -> torch.Tensor:
     """The unfused MoE layer of a (tp, ep) layout on this rank (collective over the
     world): the answer of :func:`comet.reference.mesh_forward` for its tokens.
 
@@ -390,24 +498,22 @@ def mesh_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     tp = groups.mesh.tp
     variant = dict(activation=activation, b13=shard.get("b13"), b2=shard.get("b2"))
-    if convention == "replicated" or tp == 1:
-        y = ep_moe_forward(x, topk_ids, topk_weights, shard["w13"], shard["w2"], groups.ep,
-                           **variant)
-        if tp > 1:
+    if groups.mesh.ep == 1:
+        return tp_moe_forward(x, topk_ids, topk_weights, shard, groups.tp, convention,
+                              timer=timer, activation=activation, token_counts=token_counts)
+    sizes = [x.shape[0]]
+    with _phase(timer, "gather"):
+        if convention == "sequence" and tp > 1:
+            x, sizes = _gather_rows(x, groups.tp, token_counts)
+            topk_ids, _ = _gather_rows(topk_ids, groups.tp, sizes)
+            topk_weights, _ = _gather_rows(topk_weights, groups.tp, sizes)
+    y = ep_moe_forward(x, topk_ids, topk_weights, shard["w13"], shard["w2"], groups.ep,
+                       timer=timer, **variant)
+    with _phase(timer, "reduce"):
+        if tp == 1:
+            return y
+        if convention == "replicated":
             dist.all_reduce(y, group=groups.tp)
-        return y
-    xs, sizes = _gather_rows(x, groups.tp)
-    ids, _ = _gather_rows(topk_ids, groups.tp)
-    wts, _ = _gather_rows(topk_weights, groups.tp)
-    y = ep_moe_forward(xs, ids, wts, shard["w13"], shard["w2"], groups.ep, **variant)
-    start = sum(sizes[:dist.get_rank(groups.tp)])
-    if dist.get_backend(groups.tp) == "nccl":
-        rows = max(sizes)
-        padded = y.new_zeros(tp * rows, y.shape[1])
-        for i, (s, n) in enumerate(zip(torch.tensor([0] + sizes).cumsum(0).tolist(), sizes)):
-            padded[i * rows:i * rows + n] = y[s:s + n]
-        out = y.new_empty(rows, y.shape[1])
-        dist.reduce_scatter_tensor(out, padded, group=groups.tp)
-        return out[:x.shape[0]]
-    dist.all_reduce(y, group=groups.tp)
-    return y[start:start + x.shape[0]]
+            return y
+        y = _reduce_scatter_rows(y.to(x.dtype), sizes, dist.get_rank(groups.tp), groups.tp)
+        return y.float()

@@ -33,17 +33,21 @@ def _torch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor
         return None
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int],
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, expert_rows: list[int] | None,
                offs: torch.Tensor) -> torch.Tensor:
     """Grouped GEMM: rows of ``a [R, K]`` grouped by expert times ``b [El, K, N]`` -> ``[R, N]``.
 
-    ``expert_rows`` (host) and ``offs`` (device, int32 end offsets) describe the groups.
+    ``offs`` (device, int32 end offsets) describes the groups, and ``expert_rows`` (host)
+    too where the caller has it; without it the per-expert loop reads them from ``offs``
+    (a host sync; ``torch._grouped_mm`` needs none).
     """
     if a.shape[0] == 0:
         return a.new_empty(0, b.shape[-1])
     out = _torch_grouped_mm(a, b, offs)
     if out is not None:
         return out
+    if expert_rows is None:
+        expert_rows = torch.diff(offs.long(), prepend=offs.new_zeros(1).long()).tolist()
     out = a.new_empty(a.shape[0], b.shape[-1])
     start = 0
     for e, n in enumerate(expert_rows):

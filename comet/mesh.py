@@ -72,6 +72,51 @@ class MeshLayout:
     def world(self) -> int:
         return self.tp * self.ep
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh) -> tuple["MeshLayout", object]:
+        """``(layout, group)`` of a 2-D ``torch.distributed.DeviceMesh`` whose dims are
+        named ``"ep"`` and ``"tp"`` (in either order) and whose ranks are numbered
+        TP-major (``init_device_mesh("cuda", (ep, tp), mesh_dim_names=("ep", "tp"))``);
+        ``group`` is the process group of all its ranks (the world when it spans it).
+        ValueError for another shape, names or numbering."""
+        import torch.distributed as dist
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if device_mesh.ndim != 2 or sorted(names) != ["ep", "tp"]:
+            raise ValueError(f"expected a 2-D DeviceMesh with dims named 'ep' and 'tp', got "
+                             f"{device_mesh.ndim} dims named {names}")
+        ranks = device_mesh.mesh
+        if names == ("tp", "ep"):
+            ranks = ranks.t()
+        layout = cls(tp=int(ranks.shape[1]), ep=int(ranks.shape[0]))
+        first = int(ranks.min())
+        expected = first + torch.arange(layout.world).view(layout.ep, layout.tp)
+        if not torch.equal(ranks.cpu(), expected):
+            raise ValueError("the DeviceMesh's ranks must be numbered TP-major (rank = "
+                             f"first + ep_rank * tp + tp_rank), got {ranks.tolist()}")
+        if layout.world == dist.get_world_size():
+            return layout, dist.group.WORLD
+        return layout, dist.new_group(list(range(first, first + layout.world)))
+
+    @classmethod
+    def from_groups(cls, tp_group, ep_group) -> tuple["MeshLayout", object]:
+        """``(layout, group)`` of a layout given as its two process groups (this rank's
+        TP group and EP group), spanning the world: ValueError unless their ranks are the
+        TP-major layout's (:meth:`tp_group`, :meth:`ep_group`) -- mismatched groups would
+        send rows to ranks that do not hold the experts."""
+        import torch.distributed as dist
+        tp_ranks = dist.get_process_group_ranks(tp_group)
+        ep_ranks = dist.get_process_group_ranks(ep_group)
+        layout = cls(tp=len(tp_ranks), ep=len(ep_ranks))
+        rank = dist.get_rank()
+        if layout.world != dist.get_world_size():
+            raise ValueError(f"tp ({layout.tp}) * ep ({layout.ep}) must be the world size "
+                             f"({dist.get_world_size()})")
+        if tp_ranks != layout.tp_group(rank) or ep_ranks != layout.ep_group(rank):
+            raise ValueError(f"rank {rank}: TP group {tp_ranks} and EP group {ep_ranks} are "
+                             f"not the TP-major layout's {layout.tp_group(rank)} and "
+                             f"{layout.ep_group(rank)}")
+        return layout, dist.group.WORLD
+
     def coords(self, rank: int) -> tuple[int, int]:
         """``(ep_rank, tp_rank)`` of ``rank``."""
         if not 0 <= rank < self.world:

@@ -81,6 +81,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.config import MoEConfig, TileConfig
     from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
     from comet.kernels.act_backward import act_backward
+    from comet.kernels.mesh_routing import shard_routing
+    from comet.mesh import MeshLayout
     from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
     from comet.runtime.forward import CallInputs, ForwardCall, Grids
     from comet.runtime.staging import StagedScalars, address_of
@@ -133,6 +135,24 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         gelu_ws = allocate_virtual(cfg.replace(activation=GatedActivation(kind="gelu_tanh")),
                                    world, "cpu", tile)[0]
         ForwardCall(gelu_ws, w13, w2, decode, inputs, grids).launch_layer0(ROLE_FUSED, 132)
+        # A replicated (tp, ep) = (2, 2) layout: the shard-slot launch, the fan-out of
+        # the scatter epilogue and of the reduce's sends, the combine's liveness.
+        mesh = MeshLayout(tp=2, ep=world // 2)
+        mesh_ws = allocate_virtual(mesh.kernel_config(cfg), world, "cpu", tile)[1]
+        mesh_ws.fanout = mesh.home_fanout("replicated")
+        k_slots = cfg.top_k * mesh.tp
+        shards = shard_routing(ids, wts, split, torch.zeros(64, k_slots, dtype=torch.int64),
+                               torch.zeros(64, k_slots), num_experts=cfg.num_experts,
+                               ep=mesh.ep, tp=mesh.tp, kept=1)
+        mesh_inputs = inputs._replace(ids=shards.shard_ids, weights=shards.shard_weights)
+        f_shard = cfg.intermediate_size // mesh.tp
+        w13_t = torch.zeros(el * 2, 256, 2 * f_shard, dtype=dtype)
+        w2_t = torch.zeros(el * 2, f_shard, 256, dtype=dtype)
+        ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids,
+                    shard_routing=shards).run()
+        sequential = ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids, "sequential")
+        sequential.launch_layer1(ROLE_FUSED, 132)
+        sequential.launch_combine(132)
         # The backward's activation kernel (training), both W13 layouts, and a variant.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),

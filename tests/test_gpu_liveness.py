@@ -215,6 +215,76 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     assert all(int(layer.ws.epoch) == 220 for layer in layers)
 
 
+@pytest.mark.parametrize("name, tp, ep, convention, variant", [
+    ("mixtral", 4, 1, "sequence", "scatter"), ("mixtral", 4, 1, "replicated", "scatter"),
+    ("phi3.5-moe", 2, 2, "sequence", "scatter"), ("qwen2-moe", 2, 2, "replicated", "scatter"),
+    ("qwen2-moe", 2, 2, "sequence", "reduce"), ("mixtral", 2, 2, "replicated", "reduce")],
+    ids=lambda v: str(v))
+def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
+        name, tp, ep, convention, variant):
+    """(tp, ep) layouts on W = tp * ep virtual ranks at full preset sizes: 200
+    back-to-back calls, ranks drifting apart (random device delays), up to 4096 tokens per
+    rank, every output checked against comet.reference.mesh_forward. ``replicated``:
+    layer1 writes each partial row into every rank of the token's TP group (scatter) or
+    its reduce role sends each sum there (reduce), while a fast peer may be a call
+    ahead."""
+    import dataclasses
+    from comet.config import TileConfig
+    from comet.mesh import MeshLayout
+    from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import concurrent_forward
+    mesh, max_tokens, world = MeshLayout(tp=tp, ep=ep), 4096, tp * ep
+    cfg = PRESETS[name].replace(max_tokens=max_tokens)
+    g = torch.Generator(device="cuda").manual_seed(world)
+    h, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
+    w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
+    shards = [mesh.shard(r, w13, w2) for r in range(world)]
+    layers = FusedMoE.virtual_group(
+        cfg, [s["w13"] for s in shards], [s["w2"] for s in shards], mesh=mesh,
+        convention=convention, tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+    del shards
+    p = layers[0].programs
+    splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2]
+    kinds = ["random", "skewed", "one_expert"]
+    rng = random.Random(tp * 10 + ep)
+    streams = _streams(world)
+    worst, t0 = 0.0, time.time()
+    # Bursts of back-to-back calls (ranks drift apart inside a burst), then every output
+    # of the burst is checked: 200 calls' outputs at 4096 tokens would not fit at once.
+    burst = 8
+    for first_call in range(0, 200, burst):
+        calls = []
+        for i in range(first_call, first_call + burst):
+            tokens = [rng.choice([rng.randint(0, 64), rng.randint(1024, max_tokens)])
+                      for _ in range(world)]
+            xs, ids, ws = _inputs(cfg, world, kinds[i % len(kinds)], tokens, seed=i)
+            if convention == "replicated":
+                for r in range(world):
+                    lead = mesh.tp_group(r)[0]
+                    xs[r], ids[r], ws[r] = xs[lead], ids[lead], ws[lead]
+            calls.append((xs, ids, ws))
+        torch.cuda.synchronize()
+        outputs = []
+        for i, (xs, ids, ws) in enumerate(calls, start=first_call):
+            delays = [rng.choice([0, 0, rng.randint(1, MAX_DELAY_CYCLES)])
+                      for _ in range(world)]
+            outputs.append(concurrent_forward(layers, xs, ids, ws, streams,
+                                              comm_blocks=splits[i % len(splits)],
+                                              delay_cycles=delays))
+        torch.cuda.synchronize()
+        for (xs, ids, ws), ys in zip(calls, outputs):
+            ref = reference.mesh_forward(xs, ids, ws, w13, w2, mesh, convention,
+                                         round_to=cfg.dtype)
+            worst = max([worst] + [_rel_err(y, r) for y, r in zip(ys, ref)])
+    for layer in layers:
+        layer.check_errors_now()
+    print(f"{name} {mesh} {convention} {variant}: 200 concurrent calls in "
+          f"{time.time() - t0:.1f}s, worst rel err {worst:.2e}")
+    assert worst < 2e-2
+    assert all(int(layer.ws.epoch) == 200 for layer in layers)
+
+
 def _one_call(layers, cfg, world, seed, streams, **kwargs):
     from comet.runtime.virtual import concurrent_forward
     xs, ids, ws = _inputs(cfg, world, "random", [64] * world, seed)

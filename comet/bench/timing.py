@@ -136,9 +136,11 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
         timer = make_timer() if make_timer is not None else None
         if flush is not None:
             flush()
-        _align(group, device)
         if make_timer is not None:
             _queue_ahead(device)
+        # After the sleep: ranks whose clocks differ would otherwise leave it (and start
+        # the call) as far apart as the clocks drift over ~10 ms.
+        _align(group, device)
         start = clock.mark()
         fn(s, timer)
         end = clock.mark()

@@ -33,9 +33,11 @@ from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
+from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
+from comet.mesh import CONVENTIONS, MeshLayout
 
 #: Small enough that the CPU run finishes in seconds.
 CPU_CONFIG = "cpu-tiny"
@@ -89,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "kept (default: 2 4)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: every visible GPU)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: a (tp, ranks/tp) layout, each expert's FFN "
+                        "split over tp ranks, timed against the unfused TP pipeline "
+                        "(default: 1, expert parallelism over every rank)")
+    g.add_argument("--convention", choices=CONVENTIONS, default="sequence",
+                   help="with --tp: each rank passes its own tokens (sequence) or a TP "
+                        "group the same ones (replicated) (default: sequence)")
     m = p.add_argument_group("how to measure")
     m.add_argument("--iters", type=int, default=None,
                    help="timed iterations per variant (default: 20 on a GPU, 3 on the CPU)")
@@ -159,13 +168,14 @@ def _comm_blocks(values, parser):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _build_fused(cfg, w13, w2, group, device) -> tuple[Fused | None, str | None]:
-    """comet's layer for ``cfg``, or None and why; every rank gets the same answer."""
+def _build_fused(cfg, w13, w2, group, device, **layout) -> tuple[Fused | None, str | None]:
+    """comet's layer for ``cfg`` (``layout``: ``mesh`` and ``convention`` of a TP layout),
+    or None and why; every rank gets the same answer."""
     if device.type != "cuda":
         return None, None
     try:
         from comet.runtime.layer import FusedMoE, PhaseTimer
-        fused, why = Fused(FusedMoE(cfg, w13, w2, group=group), PhaseTimer), None
+        fused, why = Fused(FusedMoE(cfg, w13, w2, group=group, **layout), PhaseTimer), None
     except Exception as err:  # report and go on: the baselines are still worth measuring
         fused, why = None, f"comet fused unavailable: {type(err).__name__}: {err}"
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -255,7 +265,10 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     notes = [] if on_gpu else [NO_GPU_NOTE]
     if on_gpu and iters < 20:
         notes.append(f"only {iters} timed iterations; the protocol quotes medians of >= 20")
-    layout = f"ep{world}"
+    if args.tp < 1 or world % args.tp:
+        parser.error(f"--tp must divide the number of ranks ({world})")
+    mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     meta = {"device": device_name, "world_size": world, "layout": layout,
             "date": stamp.isoformat(timespec="seconds"),
@@ -267,6 +280,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp)
     st.hbm_gbps = hbm_read_gbps(device)
+    if mesh.tp > 1:
+        meta["convention"] = args.convention
+        return _run_mesh(args, configs, tokens, st, dtype, meta, notes, stamp, mesh)
 
     cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device, dtype)
     if cutlass_mm is None:
@@ -308,6 +324,52 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
               not args.no_plot)
         if args.output_dir and os.path.exists(os.path.join(args.output_dir, partial)):
             os.remove(os.path.join(args.output_dir, partial))
+    return 0
+
+
+def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
+              mesh: MeshLayout) -> int:
+    """The sweep of a (tp, ep) layout: comet's fused layer against the unfused TP
+    pipeline and torch's grouped GEMMs on the shard's rows (comet.bench.mesh_runner)."""
+    from tqdm import tqdm
+
+    from comet.baseline import MeshGroups
+    groups = MeshGroups.new(mesh)
+    layout = meta["layout"]
+    cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
+    records: list[dict] = []
+    bar = tqdm(total=len(cases), desc=f"comet bench {layout}", disable=st.rank != 0,
+               dynamic_ncols=True)
+    for name, base_cfg in configs:
+        cfg = base_cfg.replace(dtype=dtype, max_tokens=max(max(tokens), 1))
+        try:
+            mesh.check(cfg.num_experts, cfg.intermediate_size)
+        except ValueError as err:
+            notes.append(f"{name} skipped: {err}")
+            bar.update(len(tokens) * len(args.routing))
+            continue
+        shard_cfg = cfg.replace(intermediate_size=cfg.intermediate_size // mesh.tp)
+        w13, w2 = make_expert_weights(shard_cfg, cfg.num_experts // mesh.ep, name, st.rank,
+                                      args.seed, st.device)
+        shard = {"w13": w13, "w2": w2}
+        fused, why = _build_fused(cfg, w13, w2, st.group, st.device, mesh=mesh,
+                                  convention=args.convention)
+        if why and why not in notes:
+            notes.append(why)
+        for t in tokens:
+            for routing in args.routing:
+                bar.set_postfix_str(f"{name} {t} {routing}")
+                for r in run_mesh_case(Case(name, cfg, t, routing), st, mesh,
+                                       args.convention, shard, groups, fused, args.layers):
+                    records.append({**meta, **r, "notes": notes})
+                bar.update()
+        del w13, w2, shard, fused
+        if st.device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    if st.rank == 0:
+        _emit(records, notes, args.output_dir, f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}",
+              not args.no_plot)
     return 0
 
 

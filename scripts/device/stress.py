@@ -1,5 +1,9 @@
-# usage: torchrun --nproc-per-node W scripts/device/stress.py --output FILE.json [--tile FIELD=V,...]
+# usage: torchrun --nproc-per-node W scripts/device/stress.py --output FILE.json [--tile FIELD=V,...] [--tp N --convention C]
 """Liveness stress of the fused layer on W GPUs, at full model sizes (run by stress.sh).
+
+``--tp N`` runs a (tp, W / tp) layout (comet.mesh) in ``--convention`` instead of
+expert parallelism: each rank holds its F shard of its EP group's experts; under
+"replicated" a TP group's ranks pass the same tokens.
 
 For each preset (full size) and each token count (and one uneven set where rank 0 has no
 tokens), 200 back-to-back calls with no host sync between them, cycling through routings
@@ -10,7 +14,7 @@ is checked against comet.reference. A CometError (timeout) counts as a failure; 
 layer is reset and the sweep goes on. A hang is caught by the caller's `timeout`.
 
 Every rank checks its own output: rank r's result equals comet.reference.moe_forward of
-its tokens over *all* experts, so each rank builds every rank's expert shard from seeds.
+its tokens over *all* experts (full F), so each rank builds every expert from seeds.
 Rank 0 writes the JSON.
 """
 
@@ -32,8 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from comet import reference  # noqa: E402
 from comet.bench.inputs import derive_seed, make_expert_weights  # noqa: E402
+from comet.bench.mesh_runner import layout_name  # noqa: E402
 from comet.bench.provenance import provenance  # noqa: E402
 from comet.config import PRESETS, TileConfig  # noqa: E402
+from comet.mesh import CONVENTIONS, MeshLayout  # noqa: E402
 from comet.runtime.errors import CometError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
 
@@ -44,16 +50,16 @@ MAX_DELAY_CYCLES = 1_000_000
 SEED = 1234
 
 
-def routing(kind: str, tokens: int, cfg, world: int, g: torch.Generator):
-    """``(ids, weights)`` of one rank; ``one_rank``: every token's experts live on rank
-    ``world - 1`` (its local experts are the only candidates)."""
+def routing(kind: str, tokens: int, cfg, ep: int, g: torch.Generator):
+    """``(ids, weights)`` of one rank; ``one_rank``: every token's experts live on EP rank
+    ``ep - 1`` (its local experts are the only candidates)."""
     e, k = cfg.num_experts, cfg.top_k
     scores = torch.rand(tokens, e, generator=g)
     if kind == "hot_expert":
         scores[:, 0] += 2.0                    # every token's first choice is expert 0
     elif kind == "one_rank":
-        el = e // world
-        scores[:, :(world - 1) * el] -= 2.0     # only the last rank's experts remain
+        el = e // ep
+        scores[:, :(ep - 1) * el] -= 2.0        # only the last EP rank's experts remain
     ids = scores.topk(k, dim=1).indices
     return ids, torch.randn(tokens, k, generator=g).softmax(dim=1)
 
@@ -66,15 +72,18 @@ def rank_tokens(spec, world: int, rank: int) -> int:
 
 def run_case(layer, name, cfg, spec, calls, w13_all, w2_all, rng):
     world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = layer.mesh
+    # Under "replicated" a TP group's ranks pass the first one's tokens.
+    src = mesh.tp_group(rank)[0] if layer.convention == "replicated" else rank
     p = layer.programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (16, 16), (p // 2, p // 2)]
-    m = rank_tokens(spec, world, rank)
+    m = rank_tokens(spec, world, src)
     inputs = {}
     for kind in ROUTINGS:
-        g = torch.Generator().manual_seed(derive_seed(SEED, name, spec, kind, rank))
-        ids, w = routing(kind, m, cfg, world, g)
+        g = torch.Generator().manual_seed(derive_seed(SEED, name, spec, kind, src))
+        ids, w = routing(kind, m, cfg, mesh.ep, g)
         gx = torch.Generator(device="cuda").manual_seed(derive_seed(SEED, name, spec, kind,
-                                                                   rank, "x"))
+                                                                   src, "x"))
         x = torch.randn(m, cfg.hidden_size, generator=gx, device="cuda", dtype=cfg.dtype)
         inputs[kind] = (x, ids.cuda(), w.cuda())
     torch.cuda.synchronize()
@@ -106,7 +115,8 @@ def run_case(layer, name, cfg, spec, calls, w13_all, w2_all, rng):
     dist.all_gather_object(verdict, {"errors": errors, "max_rel_err": worst,
                                      "delays": delays, "seconds": elapsed})
     return {
-        "config": name, "hidden_size": cfg.hidden_size,
+        "config": name, "hidden_size": cfg.hidden_size, "tp": mesh.tp, "ep": mesh.ep,
+        "convention": layer.convention,
         "tokens_per_rank": ([rank_tokens(spec, world, r) for r in range(world)]
                             if spec == "uneven" else int(spec)),
         "routings": list(ROUTINGS),
@@ -127,6 +137,9 @@ def main() -> int:
     ap.add_argument("--output", required=True)
     ap.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
                     help="integer TileConfig fields of the layer (e.g. group_m=16)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size of a (tp, W/tp) layout (default 1: EP)")
+    ap.add_argument("--convention", choices=CONVENTIONS, default="sequence")
     args = ap.parse_args()
     tile = dataclasses.replace(TileConfig(), **{
         k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
@@ -138,17 +151,21 @@ def main() -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     rng = random.Random(SEED + 7919 * rank)       # ranks delay different calls
     max_tokens = max(rank_tokens(t, world, r) for t in args.tokens for r in range(world))
+    mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     records = []
     for name in args.presets:
         cfg = PRESETS[name].replace(max_tokens=max_tokens)
-        el = cfg.num_experts // world
+        el = cfg.num_experts // mesh.ep
         shards = [make_expert_weights(cfg, el, name, r, SEED, torch.device("cuda"))
-                  for r in range(world)]
+                  for r in range(mesh.ep)]
         w13_all = torch.cat([s[0] for s in shards])
         w2_all = torch.cat([s[1] for s in shards])
         del shards
-        layer = FusedMoE(cfg, w13_all[rank * el:(rank + 1) * el],
-                         w2_all[rank * el:(rank + 1) * el], tile=tile)
+        mine = mesh.shard(rank, w13_all, w2_all)
+        layer = FusedMoE(cfg, mine["w13"], mine["w2"], tile=tile, mesh=mesh,
+                         convention=args.convention)
+        del mine
         for spec in args.tokens:
             rec = run_case(layer, name, cfg, spec, args.calls, w13_all, w2_all, rng)
             records.append(rec)
@@ -156,11 +173,11 @@ def main() -> int:
                 print(json.dumps({k: rec[k] for k in ("config", "tokens_per_rank", "calls",
                                                       "delays", "failures", "max_rel_err",
                                                       "seconds")}), flush=True)
-                _write(args.output, world, records, partial=True)
+                _write(args.output, world, records, True, layout, args.convention)
         del layer, w13_all, w2_all
         torch.cuda.empty_cache()
     if rank == 0:
-        _write(args.output, world, records, partial=False)
+        _write(args.output, world, records, False, layout, args.convention)
         bad = [r for r in records if r["failures"] or r["max_rel_err"] > 2e-2]
         print(f"STRESS {'FAILED' if bad else 'PASSED'}: {len(records)} records, "
               f"{len(bad)} bad", flush=True)
@@ -169,8 +186,9 @@ def main() -> int:
     return 0
 
 
-def _write(path, world, records, partial):
-    out = {"device": torch.cuda.get_device_name(), "world_size": world, **provenance(),
+def _write(path, world, records, partial, layout, convention):
+    out = {"device": torch.cuda.get_device_name(), "world_size": world,
+           "layout": layout, "convention": convention, **provenance(),
            "date": datetime.date.today().isoformat(),
            "command": "torchrun --nproc-per-node {} scripts/device/stress.py {}".format(
                world, " ".join(sys.argv[1:])),

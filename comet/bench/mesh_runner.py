@@ -1,0 +1,201 @@
+"""Times one benchmark case of a tensor- or hybrid-parallel layout (``comet bench --tp``).
+
+The variants, each rank with its shard of the experts (:mod:`comet.mesh`):
+
+==============  ================================================  =========================
+variant         layer0                                            layer1
+==============  ================================================  =========================
+baseline        gather (TP all_gather) + route + permute + gemm0   gemm1 + unpermute +
+                + act (+ the EP pipeline's counts and dispatch)    reduce (reduce_scatter or
+                                                                   all_reduce; + EP combine)
+comet modes     plan + layer0                                      layer1 + combine
+torch GEMM      gemm0                                              gemm1
+==============  ================================================  =========================
+
+The baseline is :func:`comet.baseline.mesh_moe_forward` (with ``ep == 1``,
+:func:`comet.baseline.tp_moe_forward`: no host sync, token counts known as under
+sequence parallelism). torch's grouped GEMMs run on the rows this rank's shard experts
+compute in the layout (every TP peer's tokens under ``"sequence"``), ``F / tp`` wide: the
+GEMM floor of the layout. Timing, reduction over ranks and the records are those of
+:mod:`comet.bench.runner`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from comet.baseline import MeshGroups, mesh_moe_forward
+from comet.bench import records as rec
+from comet.bench.floors import expert_bytes, hbm_floor_us
+from comet.bench.inputs import InputSet, make_input_sets
+from comet.bench.runner import (FUSED_MODES, Case, Fused, Settings, _rel_err, _Series,
+                                _LAYER_PHASES, _gemm_fn)
+from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
+                                timed_sets)
+from comet.grouped import grouped_mm
+from comet.mesh import Convention, MeshLayout
+
+_BASELINE_PHASES = {
+    "layer0": ("gather", "route", "counts", "dispatch", "permute", "gemm0", "act"),
+    "layer1": ("gemm1", "unpermute", "combine", "reduce"),
+}
+
+#: Baseline phases summed into the breakdown columns.
+BASELINE_BREAKDOWN = {
+    "sync": ("counts",),
+    "a2a": ("gather", "dispatch", "combine", "reduce"),
+    "gemm": ("gemm0", "gemm1"),
+    "act": ("act",),
+    "permute": ("route", "permute", "unpermute"),
+}
+
+
+def layout_name(mesh: MeshLayout) -> str:
+    """``"tp2"``, ``"tp2ep2"``: the records' ``layout`` of a layout with ``tp > 1``."""
+    return f"tp{mesh.tp}" + (f"ep{mesh.ep}" if mesh.ep > 1 else "")
+
+
+def input_rank(mesh: MeshLayout, rank: int, convention: Convention) -> int:
+    """The rank whose inputs ``rank`` passes: its own, or under ``"replicated"`` the first
+    of its TP group's (every TP peer passes the same tokens)."""
+    return mesh.tp_group(rank)[0] if convention == "replicated" else rank
+
+
+class _ShardRows:
+    """Rows each of this rank's shard experts computes in the layout, per input set: the
+    shard-slot view of every rank's routing (:meth:`MeshLayout.shard_routing`), counted
+    over the world."""
+
+    def __init__(self, sets: list[InputSet], mesh: MeshLayout, num_experts: int, rank: int,
+                 convention: Convention, group):
+        el = num_experts // mesh.ep
+        self.expert_rows, self.offs = [], []
+        for s in sets:
+            ids, _ = mesh.shard_routing(s.topk_ids, s.topk_weights, num_experts, rank,
+                                        convention)
+            counts = torch.zeros(num_experts * mesh.tp + 1, dtype=torch.int64,
+                                 device=ids.device)
+            valid = ids[ids >= 0]
+            counts.scatter_add_(0, valid, torch.ones_like(valid))
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(counts, group=group)
+            mine = counts[rank * el:(rank + 1) * el]
+            self.expert_rows.append(mine.tolist())
+            self.offs.append(torch.cumsum(mine, 0).to(torch.int32))
+
+    @property
+    def rows(self) -> list[int]:
+        return [sum(r) for r in self.expert_rows]
+
+
+def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Convention,
+                  shard: dict, groups: MeshGroups, fused: Fused | None = None,
+                  layers=rec.LAYERS) -> list[dict]:
+    """Measure every variant of ``case`` in a (tp, ep) layout; collective over the world.
+
+    ``shard``: this rank's part of the experts (``w13 [El, H, 2F/tp]`` gate then up, as
+    the baseline takes it, ``w2 [El, F/tp, H]``); ``fused``: comet's layer built with the
+    same shard and layout, or None. Returns one record per layer (no run metadata)."""
+    cfg, dev, group = case.cfg, st.device, st.group
+    me = input_rank(mesh, st.rank, convention)
+    sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, me,
+                           st.seed, dev)
+    counts = [case.tokens] * mesh.tp
+    flush = L2Flush(dev)
+    w13, w2 = shard["w13"], shard["w2"]
+
+    def timed(fn, make_timer=None) -> dict[str, list[float]]:
+        series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
+                            device=dev, group=group, make_timer=make_timer, flush=flush)
+        return reduce_over_ranks(series, group)
+
+    def baseline(s: InputSet, timer=None):
+        return mesh_moe_forward(s.x, s.topk_ids, s.topk_weights, shard, groups, convention,
+                                cfg.activation, timer=timer, token_counts=counts)
+
+    def clock():
+        return PhaseClock(dev)
+
+    out: dict[str, _Series] = {}
+    phases = timed(lambda i, t: baseline(sets[i], t), clock)
+    phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
+    out["baseline"] = _Series(phases, _BASELINE_PHASES)
+    if fused is not None:
+        for mode in FUSED_MODES:
+            def call(i, t, mode=mode):
+                return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
+                                   comm_blocks=st.comm_blocks, mode=mode, timer=t)
+            phases = timed(call, fused.make_timer)
+            phases["total"] = timed(call)["total"]
+            out[mode] = _Series(phases, _LAYER_PHASES["comet"])
+    shard_rows = _ShardRows(sets, mesh, cfg.num_experts, st.rank, convention, group)
+    plans = [_GemmPlan(r, o) for r, o in zip(shard_rows.expert_rows, shard_rows.offs)]
+    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
+                 torch.randn(p.rows, w2.shape[1], device=dev, dtype=cfg.dtype))
+                for p in plans]
+    series = timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm), clock)
+    series["total"] = timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm))["total"]
+    out["torch_gmm"] = _Series(series, _LAYER_PHASES["gmm"])
+    del gmm_rows
+
+    order = timed_sets(st.n_sets, st.iters, st.warmup)
+    per_expert = expert_bytes(cfg.hidden_size, w2.shape[1], w13.element_size())
+    floor_by_set = [hbm_floor_us(r, per_expert, st.hbm_gbps) for r in shard_rows.expert_rows]
+    hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
+                                    for name in rec.LAYERS}, group)
+                 if st.hbm_gbps else None)
+    errs = {}
+    if fused is not None:
+        ref = baseline(sets[0])
+        errs["fused"] = _rel_err(fused.layer(sets[0].x, sets[0].topk_ids,
+                                             sets[0].topk_weights, comm_blocks=st.comm_blocks,
+                                             mode="fused"), ref)
+    errs = {k: v[0] for k, v in reduce_over_ranks({k: [v] for k, v in errs.items()},
+                                                    group).items()}
+
+    results = []
+    for layer in layers:
+        def med(variant, layer=layer):
+            return median(out[variant].layer(layer)) if variant in out else None
+
+        r = {
+            "config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
+            "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer,
+            "tp": mesh.tp, "ep": mesh.ep, "convention": convention,
+            "baseline": "comet.baseline.mesh_moe_forward (unfused TP pipeline)",
+            "baseline_us": med("baseline"), "fused_us": med("fused"),
+            "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
+            "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
+            "shard_rows_per_rank": median(shard_rows.rows),
+            "n_comm": (list(fused.layer.last_comm_blocks)
+                       if fused is not None and fused.layer.last_comm_blocks else None),
+            "hbm_read_gbps": st.hbm_gbps,
+            "hbm_floor_us": median(hbm_floor[layer]) if hbm_floor else None,
+            "max_rel_err": errs,
+            "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
+        }
+        if layer == "moe":
+            base = out["baseline"].series
+            r["baseline_phases_us"] = {
+                name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
+                for name, parts in BASELINE_BREAKDOWN.items()
+                if any(p in base for p in parts)}
+            r["comet_phases_us"] = {
+                mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
+                for mode in FUSED_MODES if mode in out} or None
+        results.append(rec.derive(r))
+    return results
+
+
+class _GemmPlan:
+    """What :func:`comet.bench.runner._gemm_fn` reads of a plan: rows per expert, offsets."""
+
+    def __init__(self, expert_rows: list[int], offs: torch.Tensor):
+        self.expert_rows, self.offs = expert_rows, offs
+
+    @property
+    def rows(self) -> int:
+        return sum(self.expert_rows)
