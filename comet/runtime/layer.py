@@ -191,9 +191,11 @@ class FusedMoE:
         (default: the SM count over W) is each rank's grid, so every rank's spinning
         kernel fits on the GPU beside the others' (launched without the cooperative
         attribute, which would not let them share it). ``backward``: preload the
-        backward's kernels too (:meth:`backward`). Other arguments as for the
-        constructor."""
+        backward's kernels too (:meth:`backward`). ``mesh``: the (tp, ep) layout of the
+        W ranks (shards as :meth:`comet.mesh.MeshLayout.shard` gives them). Other
+        arguments as for the constructor."""
         world = len(w13_shards)
+        mesh = _mesh_of(mesh, world)
         device = w13_shards[0].device
         if world > 1 and check_errors == "sync":
             raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
