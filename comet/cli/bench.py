@@ -33,7 +33,7 @@ from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
-from comet.bench.mesh_runner import layout_name, run_mesh_case
+from comet.bench.mesh_runner import input_rank, layout_name, run_mesh_case
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the fused layer at each of these comm-block counts (both "
                         "layers), so every record shows comet's choice against the best "
                         "fixed split (columns best fixed, b/best fixed); e.g. 0 8 16 32")
+    g.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
+                   help="integer TileConfig fields of comet's layer (e.g. layer1_scatter=0 "
+                        "for layer1's column-split reduce; default: the layer's defaults)")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -160,6 +163,27 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
     return 0
 
 
+def _tile_field(kv: str) -> tuple[str, int]:
+    """``"FIELD=V"`` -> ``(FIELD, int(V))``, FIELD an integer TileConfig field."""
+    import dataclasses
+
+    from comet.config import TileConfig
+    name, _, value = kv.partition("=")
+    fields = {f.name for f in dataclasses.fields(TileConfig)}
+    if name not in fields or not value.lstrip("-").isdigit():
+        raise ValueError(f"expected FIELD=INT with FIELD a TileConfig field, got {kv!r}")
+    return name, int(value)
+
+
+def _tile_of(meta: dict):
+    """comet's TileConfig for this run (``meta["tile"]``: the --tile fields), or None."""
+    import dataclasses
+
+    from comet.config import TileConfig
+    fields = meta.get("tile")
+    return dataclasses.replace(TileConfig(), **fields) if fields else None
+
+
 def _comm_blocks(values, parser):
     if values is None or len(values) > 2:
         if values is not None:
@@ -168,14 +192,14 @@ def _comm_blocks(values, parser):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _build_fused(cfg, w13, w2, group, device, **layout) -> tuple[Fused | None, str | None]:
-    """comet's layer for ``cfg`` (``layout``: ``mesh`` and ``convention`` of a TP layout),
-    or None and why; every rank gets the same answer."""
+def _build_fused(cfg, w13, w2, group, device, **kwargs) -> tuple[Fused | None, str | None]:
+    """comet's layer for ``cfg`` (``kwargs``: FusedMoE's ``tile``, and ``mesh`` and
+    ``convention`` of a TP layout), or None and why; every rank gets the same answer."""
     if device.type != "cuda":
         return None, None
     try:
         from comet.runtime.layer import FusedMoE, PhaseTimer
-        fused, why = Fused(FusedMoE(cfg, w13, w2, group=group, **layout), PhaseTimer), None
+        fused, why = Fused(FusedMoE(cfg, w13, w2, group=group, **kwargs), PhaseTimer), None
     except Exception as err:  # report and go on: the baselines are still worth measuring
         fused, why = None, f"comet fused unavailable: {type(err).__name__}: {err}"
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -273,12 +297,18 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     meta = {"device": device_name, "world_size": world, "layout": layout,
             "date": stamp.isoformat(timespec="seconds"),
             "command": shlex.join(["comet", "bench", *argv]), **provenance()}
+    try:
+        tile_fields = dict(_tile_field(kv) for kv in args.tile.split(",") if kv)
+    except ValueError as err:
+        parser.error(f"--tile: {err}")
+    if tile_fields:
+        meta["tile"] = tile_fields
     st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
                   chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits))
     if args.timeline:
-        return _timeline(args, configs[0], st, dtype, meta, stamp)
+        return _timeline(args, configs[0], st, dtype, meta, stamp, mesh)
     st.hbm_gbps = hbm_read_gbps(device)
     if mesh.tp > 1:
         meta["convention"] = args.convention
@@ -302,7 +332,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused, why = _build_fused(cfg, w13, w2, group, device)
+        fused, why = _build_fused(cfg, w13, w2, group, device, tile=_tile_of(meta))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -353,7 +383,7 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
                                       args.seed, st.device)
         shard = {"w13": w13, "w2": w2}
         fused, why = _build_fused(cfg, w13, w2, st.group, st.device, mesh=mesh,
-                                  convention=args.convention)
+                                  convention=args.convention, tile=_tile_of(meta))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -373,20 +403,25 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
     return 0
 
 
-def _timeline(args, config, st: Settings, dtype, meta, stamp) -> int:
-    """Write the per-block trace (and PNG) of one fused call of ``config``."""
+def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) -> int:
+    """Write the per-block trace (and PNG) of one fused call of ``config`` (in ``mesh``'s
+    layout: each rank its F shard of its EP group's experts)."""
     name, base_cfg = config
     tokens, routing = args.timeline_tokens, args.routing[0]
     cfg = base_cfg.replace(dtype=dtype, max_tokens=max(tokens, 1))
-    check_layout(cfg, ParallelConfig(st.world, st.rank))
-    w13, w2 = make_expert_weights(cfg, cfg.num_experts // st.world, name, st.rank, args.seed,
-                                  st.device)
-    fused, why = _build_fused(cfg, w13, w2, st.group, st.device)
+    mesh.check(cfg.num_experts, cfg.intermediate_size)
+    shard_cfg = cfg.replace(intermediate_size=cfg.intermediate_size // mesh.tp)
+    w13, w2 = make_expert_weights(shard_cfg, cfg.num_experts // mesh.ep, name, st.rank,
+                                  args.seed, st.device)
+    layout = {} if mesh.tp == 1 else {"mesh": mesh, "convention": args.convention}
+    fused, why = _build_fused(cfg, w13, w2, st.group, st.device, tile=_tile_of(meta),
+                              **layout)
     if fused is None:
         if st.rank == 0:
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")
         return 1
-    s = make_input_sets(cfg, name, tokens, routing, 1, st.rank, args.seed, st.device)[0]
+    s = make_input_sets(cfg, name, tokens, routing, 1,
+                        input_rank(mesh, st.rank, args.convention), args.seed, st.device)[0]
     # The first call compiles the kernels; the timeline is of a warm call.
     fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
     entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,

@@ -79,11 +79,15 @@ def raise_if_failed(word: torch.Tensor | list[int], rank: int) -> None:
         "(or re-create the layer) to go on.")
 
 
-def input_error(word: torch.Tensor | list[int], num_experts: int) -> CometInputError | None:
-    """The :class:`CometInputError` an input word describes, or None."""
+def input_error(word: torch.Tensor | list[int], num_experts: int,
+                slots_per_choice: int = 1) -> CometInputError | None:
+    """The :class:`CometInputError` an input word describes, or None.
+    ``slots_per_choice``: the kernels' slots per caller's top-k choice (a (tp, ep)
+    layout's ``tp``, comet.mesh), so the message names the caller's slot."""
     code, token, slot, epoch = _ints(word)
     if code == 0:
         return None
+    slot //= slots_per_choice
     what = INPUT_ERRORS.get(code, "invalid routing").format(num_experts=num_experts)
     return CometInputError(
         f"comet: call {epoch} had {what} at token {token}, slot {slot}; that slot added "
@@ -100,10 +104,12 @@ class ErrorReports:
     (debugging). A fatal error is sticky -- :meth:`check_usable` raises until
     :meth:`clear` -- while bad routing is reported once and leaves the layer usable."""
 
-    def __init__(self, error: torch.Tensor, rank: int, num_experts: int, mode: str):
+    def __init__(self, error: torch.Tensor, rank: int, num_experts: int, mode: str,
+                 slots_per_choice: int = 1):
         if mode not in ("lazy", "sync"):
             raise ValueError(f"check_errors must be 'lazy' or 'sync', got {mode!r}")
         self.error, self.rank, self.num_experts, self.mode = error, rank, num_experts, mode
+        self.slots_per_choice = slots_per_choice
         self.device = error.device
         # Host copy of the error words, refreshed after every call without a sync.
         self._pending = (torch.zeros(error.numel(), dtype=torch.int32, pin_memory=True)
@@ -140,7 +146,7 @@ class ErrorReports:
         except CometError as e:
             self.failure = e
             raise
-        err = input_error(word[ERROR_WORD:], self.num_experts)
+        err = input_error(word[ERROR_WORD:], self.num_experts, self.slots_per_choice)
         epoch = word[-1]
         if err is not None and epoch > self._input_reported:
             self._input_reported = epoch

@@ -276,7 +276,8 @@ class FusedMoE:
         self.decomposition = kernel_decomposition(mesh, convention)
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder)
-        self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors)
+        self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors,
+                                   slots_per_choice=mesh.tp)
         self.graphs = CallGraphs(self.device, use_graphs)
         self._static = StaticInputs(cfg, self.device)
         self._shard_routing = None

@@ -20,7 +20,15 @@ a random (seeded) order, running one work item at a time:
   kernels' default), every program of layer1 computes tiles and writes each row,
   weighted, into its token's home ``pair_out`` (found through the ``row_home`` the
   dispatch delivered with the row, which it asserts is this call's), and the combine
-  asserts every slot it sums was written by this call;
+  asserts every slot it sums was written by this call; either way the combine also
+  asserts that no part this call wrote for one of its tokens goes unsummed;
+* a (tp, ep) layout (:mod:`comet.mesh`) runs as expert parallelism over its shard
+  experts: the caller passes :meth:`~comet.mesh.MeshLayout.shard_routing`'s ids and
+  weights and :meth:`~comet.mesh.MeshLayout.shard`'s weights. Under the ``"replicated"``
+  convention ``SimConfig.home_fanout`` is ``tp``: the scatter writes each row, and the
+  reduce each sum, into every rank of the home's group of ``home_fanout`` consecutive
+  ranks, and the combine reads the liveness of part ``i`` from its own shard's part of
+  ``i``'s group (kernels.combine.Parts) -- its plan knows only its own shard's slots;
 * layer0 tiles (in lanes of a few, each lane's rows waited for before its first tile) and
   reduce items come from per-call work queues, layer1 tiles from a static stride, as in
   the kernels: a comm program done dispatching takes layer0 lanes, a layer1 compute
@@ -40,7 +48,7 @@ schedules fail, which the tests check.
 Kernel order on one stream is respected (exchange, layout, layer0, layer1, combine; a
 rank's next call after its previous one). If no program can make progress the schedule
 deadlocks and :class:`ScheduleError` is raised. Every fused call must equal
-:func:`comet.reference.ep_forward`.
+:func:`comet.reference.ep_forward` (a layout's: :func:`comet.reference.mesh_forward`).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from comet.scheduler.plan import (build_tile_table, column_work, grouped_work, l
 #: on whatever rows are in place -- exchange and layout, then no dispatch, no waits, no
 #: reduce, no combine.
 MODES = ("fused", "compute_only")
+
 
 class ScheduleError(AssertionError):
     """A tile ran before its data, a read saw another call's data, a wait could never be
@@ -86,6 +95,13 @@ class SimConfig:
         later call's wait.
     layer1_scatter: fused calls run layer1 with the scatter epilogue (no reduce role;
         kernels.launch.TileConfig.layer1_scatter).
+    home_fanout: ranks each part of a token is written to -- the group of that many
+        consecutive ranks holding its home (comet.mesh.MeshLayout.home_fanout: ``tp``
+        under the ``"replicated"`` convention, else 1); must divide W.
+    fanout_liveness: with ``home_fanout > 1`` the combine takes part ``i``'s liveness
+        from the part of its own TP index in ``i``'s group (kernels.combine.Parts); False
+        models a combine that reads ``i``'s own entry, which its plan fills only for its
+        own shard's parts.
     """
 
     block_m: int = 4
@@ -107,6 +123,8 @@ class SimConfig:
     count_buffers: int = 2
     epoch_flags: bool = True
     layer1_scatter: bool = True
+    home_fanout: int = 1
+    fanout_liveness: bool = True
 
 
 @dataclass
@@ -131,6 +149,22 @@ def _done(cfg: SimConfig, epoch: int) -> int:
 def _chunk_flag(cfg: SimConfig, epoch: int) -> int:
     """Value of a flag0 chunk flag set by call ``epoch`` (kernels.layer0.dispatch_role)."""
     return _done(cfg, epoch)
+
+
+def _home_group(rank: int, cfg: SimConfig) -> range:
+    """The ranks a part whose home is ``rank`` is written to: ``rank``'s group of
+    ``home_fanout`` (kernels.layer1.scatter_home, reduce_send_role)."""
+    first = rank - rank % cfg.home_fanout
+    return range(first, first + cfg.home_fanout)
+
+
+def _known_part(parts: torch.Tensor, rank: int, cfg: SimConfig) -> torch.Tensor:
+    """For each part index (a slot, or a rank), the one whose liveness ``rank``'s plan
+    knows: itself, or with a fan-out the part of ``rank``'s TP index in its group
+    (kernels.combine.combine_kernel)."""
+    if cfg.home_fanout == 1 or not cfg.fanout_liveness:
+        return parts
+    return parts - parts % cfg.home_fanout + rank % cfg.home_fanout
 
 
 class _Tags:
@@ -261,6 +295,8 @@ def simulate_calls(calls, w13_shards, w2_shards, max_tokens: int, cfg: SimConfig
         raise ValueError(f"modes must be one of {MODES} per call, got {modes!r}")
     if cfg.speeds is not None and len(cfg.speeds) != world:
         raise ValueError(f"speeds needs one weight per rank ({world}), got {cfg.speeds!r}")
+    if cfg.home_fanout < 1 or world % cfg.home_fanout:
+        raise ValueError(f"home_fanout must divide the {world} ranks, got {cfg.home_fanout}")
     el, h_dim, two_f = w13_shards[0].shape
     top_k = calls[0][1][0].shape[1]
     ranks = [_Rank(r, world, el, h_dim, two_f // 2, top_k, max_tokens, cfg)
@@ -510,8 +546,9 @@ def _scatter_program(rk: _Rank, call: _Call, ranks, pid: int, programs: int,
         for row, value in zip(range(r0, r1), out):
             s, slot = divmod(int(rk.row_home[row]), call.slots)
             tok, j = divmod(slot, call.top_k)
-            ranks[s].pair_out[tok, j, c0:c1] = value * rk.row_w[row]
-            ranks[s].pair_tag.write((tok, j, nb), n, rk.r)
+            for home in _home_group(s, cfg):
+                ranks[home].pair_out[tok, j, c0:c1] = value * rk.row_w[row]
+                ranks[home].pair_tag.write((tok, j, nb), n, rk.r)
         yield None
     _finish_layer1(rk, call, ranks, programs, cfg)
 
@@ -558,31 +595,38 @@ def _reduce_program(rk: _Rank, call: _Call, ranks, programs: int, cfg: SimConfig
                                   f"before row {row} was computed")
                 acc += rk.out1[row, c0:c1] * rk.recv_weight[s, q, j]
             tok = int(rk.recv_token[s, q])
-            ranks[s].comb[rk.r, tok, c0:c1] = acc
-            ranks[s].comb_tag.write((rk.r, tok, split), n, rk.r)
+            for home in _home_group(s, cfg):
+                ranks[home].comb[rk.r, tok, c0:c1] = acc
+                ranks[home].comb_tag.write((rk.r, tok, split), n, rk.r)
         yield None
     _finish_layer1(rk, call, ranks, programs, cfg)
 
 
 def _combine_program(rk: _Rank, call: _Call, ranks, outputs, cfg: SimConfig,
                      scatter: bool = False):
-    """kernels.layer1.combine_kernel: sum partial rows in rank order (``scatter``: the
-    weighted rows of the token's real pairs, in slot order)."""
-    world, n = call.world, call.n
+    """kernels.combine.combine_kernel: sum partial rows in rank order (``scatter``: the
+    weighted rows of the token's real pairs, in slot order), each part live as the plan
+    says of it or, with a fan-out, of its own TP index's part of its group
+    (:func:`_known_part`). Asserts every part it sums was written by this call, and that
+    no part this call wrote for one of its tokens is left out."""
+    n = call.n
     yield lambda: all(f >= _done(cfg, n) for f in rk.flag1)
     m = call.x.shape[0]
     if scatter:
-        live = call.send.pair_live[:m].bool()
-        tokens, slots = live.nonzero(as_tuple=True)
-        rk.pair_tag.check((tokens, slots), n,
-                          f"rank {rk.r} call {n} combine, rows of its tokens' slots")
-        outputs[rk.r] = (rk.pair_out[:m] * live[:, :, None]).sum(dim=1)
-        return
-    mask = call.send.dest_mask[:m].bool()
-    y = torch.zeros(m, call.x.shape[1])
-    for d in range(world):
-        tokens = mask[:, d].nonzero().flatten()
-        rk.comb_tag.check((d, tokens), n,
-                          f"rank {rk.r} call {n} combine, partial rows from rank {d}")
-        y[mask[:, d]] += rk.comb[d, :m][mask[:, d]]
-    outputs[rk.r] = y
+        known = call.send.pair_live[:m].bool()                          # [m, k]
+        tags, rows = rk.pair_tag, rk.pair_out[:m]                       # [m, k, H]
+    else:
+        known = call.send.dest_mask[:m].bool()                          # [m, W]
+        tags, rows = rk.comb_tag, rk.comb[:, :m].transpose(0, 1)        # [m, W, H]
+    live = known[:, _known_part(torch.arange(known.shape[1]), rk.r, cfg)]
+    tokens, parts = live.nonzero(as_tuple=True)
+    index = (tokens, parts) if scatter else (parts, tokens)
+    what = "rows of its tokens' slots" if scatter else "partial rows of its tokens"
+    tags.check(index, n, f"rank {rk.r} call {n} combine, {what}")
+    written = tags.epoch[:m] == n if scatter else (tags.epoch[:, :m] == n).transpose(0, 1)
+    lost = written.any(dim=-1) & ~live
+    if bool(lost.any()):
+        tok, part = (int(v[0]) for v in lost.nonzero(as_tuple=True))
+        raise ScheduleError(f"rank {rk.r} call {n} combine left out part {part} of token "
+                            f"{tok}, which this call wrote: data went missing")
+    outputs[rk.r] = (rows * live[:, :, None]).sum(dim=1)
