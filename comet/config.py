@@ -67,6 +67,10 @@ class MoEConfig:
             GPT-OSS).
         max_tokens: most tokens one rank may pass to a single forward call; sizes the
             symmetric workspaces and device tables (no host sync reads live counts).
+        rank_slots: most of one token's ``top_k`` slots that can route to a single rank
+            (None: all of them). Set by :meth:`comet.mesh.MeshLayout.kernel_config` for the
+            kernels' view of a tensor-parallel layout, whose tokens have ``k * tp`` slots
+            of which at most ``k`` land on one rank: it sizes the received rows.
     """
 
     num_experts: int
@@ -86,6 +90,7 @@ class MoEConfig:
     max_tokens: int = 4096
     activation: GatedActivation = SILU
     expert_bias: bool = False
+    rank_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size",
@@ -125,9 +130,20 @@ class MoEConfig:
         if not isinstance(self.activation, GatedActivation):
             raise ValueError("activation must be a comet.activation.GatedActivation, got "
                              f"{self.activation!r}")
+        if self.rank_slots is not None:
+            _check_positive("rank_slots", self.rank_slots)
+            if self.rank_slots > self.top_k:
+                raise ValueError(f"rank_slots ({self.rank_slots}) must not exceed top_k "
+                                 f"({self.top_k})")
         if not self.routed_scaling_factor > 0:
             raise ValueError(
                 f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+    @property
+    def slots_per_rank(self) -> int:
+        """Most of a token's slots that one rank can receive (``rank_slots`` or
+        ``top_k``): with ``max_tokens`` and the world, what sizes received rows."""
+        return self.top_k if self.rank_slots is None else self.rank_slots
 
     @property
     def shared_size(self) -> int:

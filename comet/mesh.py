@@ -185,14 +185,17 @@ class MeshLayout:
 
     def kernel_config(self, cfg: MoEConfig) -> MoEConfig:
         """The expert-parallel layer the kernels run for ``cfg`` in this layout: ``E *
-        tp`` shard experts ``F / tp`` wide, ``k * tp`` slots per token (the router fields
-        do not reach the kernels and are reset)."""
+        tp`` shard experts ``F / tp`` wide, ``k * tp`` slots per token of which at most
+        ``k`` reach one rank (``rank_slots``: a shard expert of each choice, one TP index
+        per rank), which sizes the received rows as EP's ``k`` does. The router fields do
+        not reach the kernels and are reset."""
         self.check(cfg.num_experts, cfg.intermediate_size)
         if self.tp == 1:
             return cfg
         return cfg.replace(num_experts=cfg.num_experts * self.tp,
                            intermediate_size=cfg.intermediate_size // self.tp,
-                           top_k=cfg.top_k * self.tp, n_group=1, topk_group=1,
+                           top_k=cfg.top_k * self.tp, rank_slots=cfg.top_k,
+                           n_group=1, topk_group=1,
                            score_correction_bias=False, num_shared_experts=0,
                            shared_intermediate_size=None, shared_expert_gate=False)
 

@@ -6,10 +6,16 @@ expert, and runs the layer one of three ways:
 * fused (CUDA, Triton): :class:`comet.runtime.layer.FusedMoE` -- dispatch and layer0
   GroupGEMM in one persistent kernel, layer1 GroupGEMM sending its rows home in another,
   then the combine;
-* unfused over a process group on the CPU: :mod:`comet.baseline` (all_to_all + torch);
+* unfused over a process group on the CPU: :mod:`comet.baseline` (all_to_all + torch;
+  :func:`comet.baseline.mesh_moe_forward` for a tensor-parallel layout);
 * single process on the CPU: :mod:`comet.reference`, the spec itself.
 
 All three compute the same function; tests hold them to it.
+
+The experts are split over the ranks by expert parallelism, or by a (tp, ep) layout
+(:class:`comet.mesh.MeshLayout`): experts over ``ep``, each expert's FFN width over
+``tp``. The router and the shared expert are replicated either way. Tensor-parallel
+layouts run inference only (a call that needs gradients raises NotImplementedError).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from comet import custom_op, reference
-from comet.baseline import ep_moe_forward
+from comet.baseline import MeshGroups, ep_moe_forward, mesh_moe_forward
 from comet.baseline_backward import routed_experts_backward
 from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.mesh import CONVENTIONS, Convention, MeshLayout
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
@@ -76,23 +84,32 @@ class GatedMLP(nn.Module):
 
 
 class LocalExperts(nn.Module):
-    """This rank's routed experts in the kernels' layout.
+    """This rank's routed experts in the kernels' layout: under a (tp, ep) layout, its F
+    shard of each (``Ft = F / tp`` columns of gate and of up, the same rows of W2;
+    ``Ft = F`` under expert parallelism).
 
-    w13: ``[El, H, 2F]``, gate and up columns interleaved by blocks
+    w13: ``[El, H, 2Ft]``, gate and up columns interleaved by blocks
     (:mod:`comet.weights`; :meth:`gate_up` gives the models' gate-then-up layout);
-    w2: ``[El, F, H]``.
-    With ``cfg.expert_bias``, also b13: ``[El, 2F]`` (columns as ``w13``'s) and
-    b2: ``[El, H]`` (zeros at first); else both are None.
+    w2: ``[El, Ft, H]``.
+    With ``cfg.expert_bias``, also b13: ``[El, 2Ft]`` (columns as ``w13``'s) and
+    b2: ``[El, H]`` (zeros at first); else both are None. ``b2`` is held on every rank,
+    but a TP layout's partial sums must add it once: only TP rank 0 passes it to the
+    kernels (:attr:`added_b2`; ``adds_b2=False`` elsewhere). The other TP ranks keep the
+    same values, replicated like the router, so that every rank's state dict has the
+    layer's keys and loads a checkpoint the same way.
     """
 
-    def __init__(self, cfg: MoEConfig, local_experts: int, device=None):
+    def __init__(self, cfg: MoEConfig, local_experts: int, device=None,
+                 ffn_shard: int | None = None, adds_b2: bool = True):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.intermediate_size
+        h, f = cfg.hidden_size, cfg.intermediate_size if ffn_shard is None else ffn_shard
+        self.adds_b2 = adds_b2
         self.w13 = nn.Parameter(torch.empty(local_experts, h, 2 * f, dtype=cfg.dtype,
                                             device=device))
         self.w2 = nn.Parameter(torch.empty(local_experts, f, h, dtype=cfg.dtype, device=device))
+        # Scaled by the full F: a shard starts as its part of an unsharded layer would.
         nn.init.normal_(self.w13, std=h ** -0.5)
-        nn.init.normal_(self.w2, std=f ** -0.5)
+        nn.init.normal_(self.w2, std=cfg.intermediate_size ** -0.5)
         if cfg.expert_bias:
             self.b13 = nn.Parameter(torch.zeros(local_experts, 2 * f, dtype=cfg.dtype,
                                                 device=device))
@@ -100,12 +117,19 @@ class LocalExperts(nn.Module):
         else:
             self.b13 = self.b2 = None
 
+    @property
+    def added_b2(self) -> torch.Tensor | None:
+        """The output bias this rank's (partial) outputs add: ``b2``, or None without
+        biases and on the TP ranks past the first of a layout."""
+        return self.b2 if self.adds_b2 else None
+
     def biases(self) -> dict[str, torch.Tensor]:
         """``{"b13": ..., "b2": ...}`` in the gate-then-up layout (as :meth:`gate_up`),
-        or ``{}`` without expert biases: keyword arguments of the CPU paths."""
+        ``b2`` as :attr:`added_b2`, or ``{}`` without expert biases: keyword arguments of
+        the CPU paths."""
         if self.b13 is None:
             return {}
-        return {"b13": gate_up_first(self.b13), "b2": self.b2}
+        return {"b13": gate_up_first(self.b13), "b2": self.added_b2}
 
     def gate_up(self) -> torch.Tensor:
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
@@ -116,14 +140,99 @@ class LocalExperts(nn.Module):
         return gate_up_first(self.w13)
 
 
+#: The unfused TP path's process groups per layout, with the world they were made in:
+#: every layer of a layout shares them (see :func:`_mesh_groups`).
+_MESH_GROUPS: dict[MeshLayout, tuple[object, MeshGroups]] = {}
+
+
+def parallel_layout(group=None, mesh=None, tp_group=None, ep_group=None
+                    ) -> tuple[object, MeshLayout | None]:
+    """``(group, layout)`` of a layer's parallel arguments (see :class:`CometMoE`):
+    ``mesh`` a :class:`~comet.mesh.MeshLayout` over ``group``'s ranks; a 2-D torch
+    ``DeviceMesh`` with dims named ``"ep"`` and ``"tp"``
+    (:meth:`~comet.mesh.MeshLayout.from_device_mesh`, which makes a process group when the
+    mesh does not span the world: resolve a DeviceMesh once per model, not per layer); or
+    this rank's ``tp_group`` and ``ep_group`` (:meth:`~comet.mesh.MeshLayout.from_groups`).
+    ``layout`` None: expert parallelism over ``group``. ValueError for arguments that
+    contradict each other, TypeError for a ``mesh`` of another type."""
+    if tp_group is not None or ep_group is not None:
+        if tp_group is None or ep_group is None or mesh is not None or group is not None:
+            raise ValueError("pass tp_group and ep_group together, and neither group nor "
+                             "mesh with them")
+        layout, group = MeshLayout.from_groups(tp_group, ep_group)
+        return group, layout
+    if mesh is None or isinstance(mesh, MeshLayout):
+        return group, mesh
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a comet.mesh.MeshLayout or a torch DeviceMesh, got "
+                        f"{type(mesh).__name__}")
+    if group is not None:
+        raise ValueError("a DeviceMesh names its ranks itself: pass mesh or group, not both")
+    layout, group = MeshLayout.from_device_mesh(mesh)
+    return group, layout
+
+
+def _layer_mesh(cfg: MoEConfig, par: ParallelConfig, mesh: MeshLayout | None,
+                convention: str) -> MeshLayout:
+    """The layout of a layer over ``par``'s ranks (expert parallelism where ``mesh`` is
+    None), checked against the layer: ValueError naming what does not fit."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    if mesh is None:
+        check_layout(cfg, par)
+        return MeshLayout(tp=1, ep=par.world_size)
+    if mesh.world != par.world_size:
+        alone = not (dist.is_available() and dist.is_initialized())
+        raise ValueError(f"a {mesh} layout has tp * ep = {mesh.world} ranks, but the "
+                         f"process group has {par.world_size}"
+                         + (" (torch.distributed is not initialised)" if alone else ""))
+    mesh.check(cfg.num_experts, cfg.intermediate_size)
+    return mesh
+
+
+def _mesh_groups(mesh: MeshLayout) -> MeshGroups | None:
+    """The TP and EP process groups the unfused path of a TP layout runs on
+    (:class:`comet.baseline.MeshGroups`), made once per layout and world and shared by its
+    layers (kept here, not on a layer, which copies then need not copy). Making them is
+    collective over the world: the constructor makes them, as every rank builds the same
+    layers in the same order; a call finds them (or, in a world made since, makes them
+    again: every rank makes that call too). None without torch.distributed, and where the
+    layout does not span the world (MeshGroups number ranks as the world does): such a
+    layer runs on CUDA only."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != mesh.world:
+        return None
+    world = dist.group.WORLD
+    made = _MESH_GROUPS.get(mesh)
+    if made is None or made[0] is not world:    # none yet, or from a destroyed world
+        made = _MESH_GROUPS[mesh] = (world, MeshGroups.new(mesh))
+    return made[1]
+
+
 class CometMoE(nn.Module):
-    """An expert-parallel MoE block with communication hidden inside the expert GEMMs.
+    """An expert-parallel (or tensor- and expert-parallel) MoE block with communication
+    hidden inside the expert GEMMs.
 
     Args:
         num_experts, top_k, hidden_size, intermediate_size: see :class:`MoEConfig`.
-        group: the expert-parallel process group (default: the world when
-            torch.distributed is initialised, else a single rank). Experts are split
-            evenly: rank ``r`` owns ``[r * El, (r + 1) * El)``.
+        group: the process group of the layer's ranks (default: the world when
+            torch.distributed is initialised, else a single rank). Without ``mesh`` it is
+            the expert-parallel group: experts are split evenly, rank ``r`` owns
+            ``[r * El, (r + 1) * El)``.
+        mesh: a (tp, ep) layout of ``group``'s ranks (:class:`comet.mesh.MeshLayout`,
+            whose ``tp * ep`` must be the group's size), or a 2-D torch ``DeviceMesh``
+            with dims named ``"ep"`` and ``"tp"``, numbered TP-major (then ``group`` is
+            the mesh's and must not be given). Rank ``ep_rank * tp + tp_rank`` holds
+            experts ``[ep_rank * El, (ep_rank + 1) * El)`` with ``El = E / ep``, of each
+            its F shard: columns ``[tp_rank * F/tp, (tp_rank + 1) * F/tp)`` of gate and
+            of up and those rows of W2. Inference only: a call that needs gradients
+            raises NotImplementedError when ``tp > 1``.
+        convention: how the ranks of a TP group pass tokens (:data:`comet.mesh.CONVENTIONS`):
+            ``"sequence"``, each its own (sequence parallel); ``"replicated"``, all the
+            same ones. Either way each rank gets its own tokens' full outputs.
+        tp_group, ep_group: the layout given as this rank's TP and EP process groups,
+            spanning the world (:meth:`comet.mesh.MeshLayout.from_groups`), instead of
+            ``group`` and ``mesh``.
         device: where parameters live.
         comm_blocks: expert override of the block split, ``(layer0, layer1)`` comm
             blocks or one int for both; ``None`` selects per call (tuned table, else
@@ -139,26 +248,41 @@ class CometMoE(nn.Module):
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
             max_tokens).
 
+    The router and the shared expert are replicated: every rank must hold the same ones.
+
     Shapes: ``forward`` takes ``[tokens, H]`` or ``[batch, seq, H]`` and returns the same
-    shape; each rank passes its own tokens (at most ``max_tokens``).
+    shape; each rank passes its own tokens (at most ``max_tokens``; under the
+    ``"replicated"`` convention the same as the rest of its TP group).
+
+    Raises:
+        ValueError: before anything runs, for a layout that cannot shard the layer (a
+            group size other than ``tp * ep``, ``ep`` not dividing E, ``F / tp`` not a
+            multiple of 16, an unknown convention) or a bad config field.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
-                 intermediate_size: int, *, group=None, device=None,
-                 comm_blocks: int | tuple[int, int] | None = None,
+                 intermediate_size: int, *, group=None, mesh=None,
+                 convention: Convention = "sequence", tp_group=None, ep_group=None,
+                 device=None, comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None,
                  fused_backward: bool = True, **kwargs):
         super().__init__()
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
+        group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
         par = ParallelConfig.from_group(group)
-        check_layout(cfg, par)
+        mesh = _layer_mesh(cfg, par, mesh, convention)
         self.cfg, self.par, self.group = cfg, par, group
+        self.mesh, self.convention = mesh, convention
+        if mesh.tp > 1:
+            _mesh_groups(mesh)      # made now, while every rank is constructing layers
         self.comm_blocks = comm_blocks
         self.tuned_config_folder = tuned_config_folder
         self.fused_backward = fused_backward
         self.gate = TopKRouter(cfg, device=device)
-        self.experts = LocalExperts(cfg, par.local_experts(cfg), device=device)
+        self.experts = LocalExperts(cfg, cfg.num_experts // mesh.ep, device=device,
+                                    ffn_shard=cfg.intermediate_size // mesh.tp,
+                                    adds_b2=mesh.coords(par.rank)[1] == 0)
         if cfg.num_shared_experts:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_size, cfg.dtype, device)
             self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False,
@@ -189,13 +313,24 @@ class CometMoE(nn.Module):
 
     @property
     def expert_offset(self) -> int:
-        return self.par.rank * self.local_experts
+        """The global id of this rank's first expert."""
+        return self.mesh.expert_range(self.cfg.num_experts, self.par.rank).start
+
+    @property
+    def ffn_range(self) -> range:
+        """The F columns (of gate and of up) and W2 rows this rank holds of each of its
+        experts: all of them under expert parallelism."""
+        return self.mesh.ffn_range(self.cfg.intermediate_size, self.par.rank)
 
     def extra_repr(self) -> str:
-        c = self.cfg
+        c, mesh = self.cfg, self.mesh
+        ffn, layout = f"ffn={c.intermediate_size}", f"ep={mesh.ep}, rank={self.par.rank}"
+        if mesh.tp > 1:
+            f = self.ffn_range
+            ffn += f" (local {f.start}:{f.stop})"
+            layout = f"tp={mesh.tp}, {layout}, convention={self.convention}"
         return (f"experts={c.num_experts} (local {self.local_experts}), top_k={c.top_k}, "
-                f"hidden={c.hidden_size}, ffn={c.intermediate_size}, "
-                f"ep={self.par.world_size}, rank={self.par.rank}, router={c.router}")
+                f"hidden={c.hidden_size}, {ffn}, {layout}, router={c.router}")
 
     # ------------------------------------------------------------------ validation
     def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
@@ -248,8 +383,16 @@ class CometMoE(nn.Module):
         gradients on the fused CUDA path or over several ranks goes through that op in
         eager mode too: its backward (:meth:`experts_backward`) gives ``x``, the routing
         weights (so the router) and this rank's expert weights their gradients. On a
-        single CPU rank the reference is differentiable as written."""
+        single CPU rank the reference is differentiable as written. A tensor-parallel
+        layout runs inference only: a call that needs gradients raises
+        NotImplementedError (on every rank alike, before any exchange)."""
         needs_grad = self._needs_grad(x, topk_weights)
+        if needs_grad and self.mesh.tp > 1:
+            raise NotImplementedError(
+                f"training in tensor-parallel layouts is not supported: this layer is a "
+                f"{self.mesh} layout, and this call needs gradients (grad mode is on and "
+                f"x, the routing weights or the experts require them). Run it under "
+                f"torch.no_grad() or torch.inference_mode(), or train with tp=1")
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
@@ -265,10 +408,22 @@ class CometMoE(nn.Module):
     def eager_experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:
         """:meth:`experts_forward` itself, without autograd: the fused layer on CUDA, the
-        unfused baseline or the reference on the CPU."""
+        unfused baseline (:func:`comet.baseline.mesh_moe_forward` for a TP layout) or the
+        reference on the CPU."""
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
-        variant = dict(activation=self.cfg.activation, **self.experts.biases())
+        biases = self.experts.biases()
+        if self.mesh.tp > 1:
+            groups = _mesh_groups(self.mesh)
+            if groups is None:
+                raise NotImplementedError(
+                    f"the CPU path of a {self.mesh} layout needs the layout to span the "
+                    "world of torch.distributed (comet.baseline.MeshGroups); this one "
+                    "runs on CUDA only")
+            shard = dict(w13=self.experts.gate_up(), w2=self.experts.w2, **biases)
+            return mesh_moe_forward(x, topk_ids, topk_weights, shard, groups,
+                                    self.convention, self.cfg.activation)
+        variant = dict(activation=self.cfg.activation, **biases)
         if self.par.world_size > 1:
             return ep_moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
                                   self.experts.w2, group=self.group, **variant)
@@ -298,7 +453,8 @@ class CometMoE(nn.Module):
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
         if self._fused is None:
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
-                                   b13=self.experts.b13, b2=self.experts.b2,
+                                   b13=self.experts.b13, b2=self.experts.added_b2,
                                    group=self.group, w13_layout="interleaved",
-                                   tuned_config_folder=self.tuned_config_folder)
+                                   tuned_config_folder=self.tuned_config_folder,
+                                   mesh=self.mesh, convention=self.convention)
         return self._fused

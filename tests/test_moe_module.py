@@ -152,6 +152,16 @@ def test_parameter_layout():
     assert layer.gate.weight.shape == (E, H)
 
 
+def test_expert_parallel_layout_without_a_mesh():
+    """No mesh: expert parallelism over the group -- every F column, b2 added here."""
+    from comet.mesh import MeshLayout
+    layer = _layer(expert_bias=True)
+    assert layer.mesh == MeshLayout(tp=1, ep=1) and layer.ffn_range == range(F)
+    assert layer.experts.added_b2 is layer.experts.b2
+    assert layer.extra_repr() == (f"experts={E} (local {E}), top_k={K}, hidden={H}, "
+                                  f"ffn={F}, ep=1, rank=0, router=softmax")
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("shape", [(10, H + 16), (2, 5, H - 16), (H,), (1, 2, 5, H)])
 def test_wrong_hidden_shape(shape):

@@ -49,7 +49,10 @@ gates are the block's own objects, with their hooks, numerics and checkpoint key
 ``experts`` becomes a :class:`~comet.integrations.local_experts.TransformersExperts`:
 this rank's experts in the kernels' layout (``w13 [El, H, 2F]``, ``w2 [El, F, H]``, biases
 ``b13`` / ``b2``; converted by :mod:`comet.integrations.layout`), saved and loaded under
-the replaced experts module's keys and layout.
+the replaced experts module's keys and layout. Under a (tp, ep) layout
+(:class:`comet.mesh.MeshLayout`) they are its F shard of each of its experts
+(``F / tp`` columns of gate and of up, those rows of W2), the rest of the block -- router,
+shared experts -- replicated.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from comet.config import MoEConfig
 from comet.integrations.experts import ExpertsSpec, inspect_experts
 from comet.integrations.layout import expert_weight, kernel_biases, kernel_weights
 from comet.integrations.local_experts import TransformersExperts
+from comet.mesh import Convention
 from comet.moe import CometMoE
 from comet.runtime.inputs import check_inputs
 
@@ -231,9 +235,9 @@ def _check_names(block: nn.Module, where: str) -> None:
 
 #: Instance attributes CometMoE / CometMoEBlock set (an adopted block must not have them).
 _INSTANCE_NAMES = frozenset({
-    "cfg", "par", "group", "comm_blocks", "tuned_config_folder", "fused_backward", "_fused",
-    "_op_key", "family", "mode", "returns_router_logits", "_comet_input_cfg",
-    "_comet_check_input", "_comet_legacy", "_comet_rows_per_token"})
+    "cfg", "par", "group", "mesh", "convention", "comm_blocks", "tuned_config_folder",
+    "fused_backward", "_fused", "_op_key", "family", "mode", "returns_router_logits",
+    "_comet_input_cfg", "_comet_check_input", "_comet_legacy", "_comet_rows_per_token"})
 
 
 class CometMoEBlock(CometMoE):
@@ -257,7 +261,9 @@ class CometMoEBlock(CometMoE):
 
     _replaced_class: type | None = None
 
-    def __init__(self, block: nn.Module, *, group=None, max_tokens: int | None = None,
+    def __init__(self, block: nn.Module, *, group=None, mesh=None,
+                 convention: Convention = "sequence", tp_group=None, ep_group=None,
+                 max_tokens: int | None = None,
                  comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None):
         spec = inspect_block(block)
@@ -274,7 +280,9 @@ class CometMoEBlock(CometMoE):
             settings.update(self._legacy_settings(block, spec.legacy))
         where = f"{type(block).__name__} ({spec.family})"
         try:
-            super().__init__(group=group, device="meta", comm_blocks=comm_blocks,
+            super().__init__(group=group, mesh=mesh, convention=convention,
+                             tp_group=tp_group, ep_group=ep_group, device="meta",
+                             comm_blocks=comm_blocks,
                              tuned_config_folder=tuned_config_folder, **settings)
             input_cfg = self.cfg.replace(max_tokens=tokens)
         except ValueError as err:
@@ -289,12 +297,14 @@ class CometMoEBlock(CometMoE):
         # projects to another width is checked at the experts call only).
         self._comet_check_input = int(_lookup(block, "hidden_size", "hidden_dim",
                                               required=False) or h) == h
-        lo = self.par.rank * (e // self.par.world_size)
-        hi = lo + e // self.par.world_size
-        w13, w2 = kernel_weights(experts, xs.layout, lo, hi)
-        b13, b2 = kernel_biases(experts, xs.layout, lo, hi)
-        new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, lo,
-                                          requires_grad=w_ref.requires_grad, b13=b13, b2=b2)
+        mine = self.mesh.expert_range(e, self.par.rank)
+        tp_rank = self.mesh.coords(self.par.rank)[1]
+        cols = self.ffn_range if self.mesh.tp > 1 else None     # None: every F column
+        w13, w2 = kernel_weights(experts, xs.layout, mine.start, mine.stop, cols)
+        b13, b2 = kernel_biases(experts, xs.layout, mine.start, mine.stop, cols)
+        new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, mine.start,
+                                          requires_grad=w_ref.requires_grad, b13=b13, b2=b2,
+                                          ffn_cols=cols, adds_b2=tp_rank == 0)
         new_experts.__dict__["_comet_block"] = self   # plain attribute: not a submodule
         self._modules["experts"] = new_experts
         self._comet_legacy = spec.legacy
@@ -436,7 +446,8 @@ def _block_class(original: type) -> type:
     return cls
 
 
-def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
+def from_module(block: nn.Module, group=None, *, mesh=None, convention: Convention = "sequence",
+                tp_group=None, ep_group=None, max_tokens: int | None = None,
                 comm_blocks: int | tuple[int, int] | None = None,
                 tuned_config_folder: str | None = None) -> CometMoEBlock:
     """Convert one transformers MoE block into a :class:`CometMoEBlock`.
@@ -446,9 +457,14 @@ def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
             registry experts (transformers 5.x, any family), Llama-4's dense experts,
             DBRX's stacked experts, or per-expert ``nn.Linear`` experts of the
             transformers 4.x classes in :data:`FAMILIES`.
-        group: expert-parallel process group (default: the world when torch.distributed
-            is initialised, else one rank). Rank ``r`` keeps experts ``[r*El, (r+1)*El)``;
-            every rank must pass the same block weights.
+        group: the process group of the block's ranks (default: the world when
+            torch.distributed is initialised, else one rank). Without ``mesh``, expert
+            parallelism: rank ``r`` keeps experts ``[r*El, (r+1)*El)``. Every rank must pass
+            the same block weights.
+        mesh, convention, tp_group, ep_group: a (tp, ep) layout of the ranks and how a TP
+            group's ranks pass tokens, as for :class:`comet.CometMoE`: rank ``(i, t)``
+            keeps experts ``[i*El, (i+1)*El)`` (``El = E / ep``), of each its F shard
+            ``[t*F/tp, (t+1)*F/tp)``; inference only when ``tp > 1``.
         max_tokens: most tokens per rank per call (default: :class:`comet.MoEConfig`'s);
             dense (Llama-4) blocks size comet for ``E`` rows per token.
         comm_blocks, tuned_config_folder: see :class:`comet.CometMoE`.
@@ -463,8 +479,11 @@ def from_module(block: nn.Module, group=None, *, max_tokens: int | None = None,
         NotImplementedError: experts comet does not compute yet (message: every
             unsupported variant: soft-capped gate, post-expert norm, ungated, ...).
         ValueError: the group size does not divide the number of experts, or sizes comet
-            cannot run (multiples of 16).
+            cannot run (multiples of 16), or a layout that cannot shard the block (a
+            group size other than ``tp * ep``, ``ep`` not dividing E, ``F / tp`` not a
+            multiple of 16).
     """
-    return _block_class(type(block))(block, group=group, max_tokens=max_tokens,
-                                     comm_blocks=comm_blocks,
+    return _block_class(type(block))(block, group=group, mesh=mesh, convention=convention,
+                                     tp_group=tp_group, ep_group=ep_group,
+                                     max_tokens=max_tokens, comm_blocks=comm_blocks,
                                      tuned_config_folder=tuned_config_folder)

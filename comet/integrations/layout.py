@@ -7,7 +7,8 @@ comet's kernels take ``w13 [E, H, 2F]`` (gate and up columns interleaved by bloc
 experts in one of three layouts (:class:`ExpertLayout`): fused 3-D ``gate_up_proj`` /
 ``down_proj`` (transformers 5.x, Llama-4; gate/up concatenated or, GPT-OSS, alternating),
 per-expert ``nn.Linear`` (a 4.x ``ModuleList``) or stacked 2-D ``[E*F, H]`` tensors
-(DBRX). This module turns any of them, for a range of experts, into the reference and the
+(DBRX). This module turns any of them, for a range of experts (and, for a tensor-parallel
+layout, a range of their ``F`` columns: :func:`ffn_columns`), into the reference and the
 kernel layouts (:func:`reference_weights`, :func:`kernel_weights`, and the biases), and
 holds the inverse conversions that checkpoints in the model's own layout need
 (:mod:`comet.integrations.local_experts`). Which layout a module has is found by
@@ -79,6 +80,17 @@ def _models_order(t: torch.Tensor, order: str) -> torch.Tensor:
         f = t.shape[-1] // 2
         return torch.stack([t[..., :f], t[..., f:]], dim=-1).flatten(-2)
     return t
+
+
+# --------------------------------------------------------------------------- F shards
+def ffn_columns(t: torch.Tensor, dim: int, cols: range, gate_up: bool = False) -> torch.Tensor:
+    """The F columns ``cols`` of ``t`` along ``dim`` (a copy): of its ``F`` entries, or
+    with ``gate_up`` of each half of its gate-then-up ``2F`` ones -- a rank's F shard of a
+    (tp, ep) layout (:meth:`comet.mesh.MeshLayout.ffn_range`)."""
+    index = torch.arange(cols.start, cols.stop, device=t.device)
+    if gate_up:
+        index = torch.cat([index, t.shape[dim] // 2 + index])
+    return t.index_select(dim, index)
 
 
 # --------------------------------------------------------------------------- sizes
@@ -188,21 +200,29 @@ def reference_biases(experts: nn.Module, layout: ExpertLayout, lo: int, hi: int
     return torch.stack(b13), torch.stack(b2)
 
 
-def kernel_weights(experts: nn.Module, layout: ExpertLayout,
-                   lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_weights(experts: nn.Module, layout: ExpertLayout, lo: int, hi: int,
+                   cols: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts ``[lo, hi)`` of a transformers experts module as new contiguous
-    ``w13 [hi-lo, H, 2F]`` (interleaved, :mod:`comet.weights`) and ``w2 [hi-lo, F, H]``."""
+    ``w13 [hi-lo, H, 2F]`` (interleaved, :mod:`comet.weights`) and ``w2 [hi-lo, F, H]``;
+    with ``cols``, only those F columns of gate and of up and those rows of W2
+    (``2 * len(cols)`` and ``len(cols)`` wide)."""
     with torch.no_grad():
         w13, w2 = reference_weights(experts, layout, lo, hi)
+        if cols is not None:
+            w13, w2 = ffn_columns(w13, -1, cols, gate_up=True), ffn_columns(w2, 1, cols)
         return interleave_gate_up(w13), w2.clone(memory_format=torch.contiguous_format)
 
 
-def kernel_biases(experts: nn.Module, layout: ExpertLayout, lo: int, hi: int
+def kernel_biases(experts: nn.Module, layout: ExpertLayout, lo: int, hi: int,
+                  cols: range | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Experts ``[lo, hi)``'s biases as new contiguous ``b13 [hi-lo, 2F]`` (columns
-    interleaved as ``w13``'s) and ``b2 [hi-lo, H]``, or ``(None, None)`` without any."""
+    interleaved as ``w13``'s; with ``cols``, those of gate and of up) and ``b2 [hi-lo,
+    H]``, or ``(None, None)`` without any."""
     with torch.no_grad():
         b13, b2 = reference_biases(experts, layout, lo, hi)
         if b13 is None:
             return None, None
+        if cols is not None:
+            b13 = ffn_columns(b13, -1, cols, gate_up=True)
         return interleave_gate_up(b13), b2.clone(memory_format=torch.contiguous_format)

@@ -6,7 +6,8 @@ checkpoints the unconverted one loads: :class:`TransformersExperts` keeps ``w13`
 ``w2`` (and ``b13`` / ``b2``) for the kernels but saves and loads them under the replaced
 module's keys and in its layout (fused ``gate_up_proj`` / ``down_proj``, per-expert
 ``{e}.gate_proj.weight``, stacked ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``), sliced to this
-rank's experts under expert parallelism. The conversions themselves are
+rank's experts under expert parallelism, and to its F shard of each under a (tp, ep)
+layout (:mod:`comet.mesh`). The conversions themselves are
 :mod:`comet.integrations.layout`'s; this module decides which keys a rank writes, which
 it takes and what it reports as missing, unexpected or mismatched.
 """
@@ -22,7 +23,7 @@ from comet.config import MoEConfig
 from comet.integrations.layout import (_FUSED_BIASES, _FUSED_KEYS, _LINEAR_NAMES, _PARTS,
                                        ExpertLayout, _fused_to_kernel, _gate_then_up,
                                        _kernel_to_stacked, _linear_to_kernel, _models_order,
-                                       _stacked_to_kernel)
+                                       _stacked_to_kernel, ffn_columns)
 from comet.moe import LocalExperts
 from comet.weights import gate_up_first, interleave_gate_up
 
@@ -30,8 +31,10 @@ from comet.weights import gate_up_first, interleave_gate_up
 class TransformersExperts(LocalExperts):
     """This rank's experts (``w13 [El, H, 2F]`` interleaved, ``w2 [El, F, H]``, and with
     ``cfg.expert_bias`` ``b13 [El, 2F]`` / ``b2 [El, H]``; see
-    :class:`comet.moe.LocalExperts`), checkpointed in the models' layout under the keys of
-    the transformers experts module they replace.
+    :class:`comet.moe.LocalExperts`) -- under a (tp, ep) layout, the F columns
+    ``ffn_cols`` of each (``F / tp`` of them; ``b2`` whole, replicated over the TP
+    group) --, checkpointed in the models' layout under the keys of the transformers
+    experts module they replace.
 
     Called the way the replaced module was called, it runs the experts on comet through
     the block that owns it (:meth:`comet.CometMoE.experts_forward`):
@@ -44,10 +47,15 @@ class TransformersExperts(LocalExperts):
     (fused layout; with EP, this rank's ``[El, ...]`` slice), the three stacked tensors
     under their paths (stacked layout, e.g. DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``: with
     EP, this rank's ``[El*F, H]`` rows), or ``{e}.{gate,up,down}.weight`` (and ``.bias``)
-    for this rank's experts under their *global* index ``e`` (per-expert layout).
+    for this rank's experts under their *global* index ``e`` (per-expert layout). Under a
+    (tp, ep) layout every tensor holds this rank's F shard where the model's has ``F``
+    (``[El, 2Ft, H]``, ``[El*Ft, H]``, ``{e}.gate_proj.weight [Ft, H]``, ...), the keys
+    unchanged.
     ``load_state_dict()`` accepts fused and per-expert checkpoints whatever the layout, and
     stacked ones in the stacked layout: full ``[E, ...]`` fused or ``[E*F, H]`` stacked
-    tensors are sliced to this rank, per-expert keys of other ranks' experts are dropped.
+    tensors are sliced to this rank (experts, then F shard), per-expert keys of other
+    ranks' experts are dropped and full-width ones sliced to the F shard; what this rank
+    saved loads back on the same rank of the same layout.
     The saved tensors are copies, not views of the parameters.
     """
 
@@ -55,8 +63,10 @@ class TransformersExperts(LocalExperts):
 
     def __init__(self, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
                  layout: ExpertLayout, first_expert: int, requires_grad: bool = True,
-                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
-        super().__init__(cfg, w13.shape[0], device="meta")
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 ffn_cols: range | None = None, adds_b2: bool = True):
+        super().__init__(cfg, w13.shape[0], device="meta", ffn_shard=w2.shape[1],
+                         adds_b2=adds_b2)
         self.w13 = nn.Parameter(w13, requires_grad=requires_grad)
         self.w2 = nn.Parameter(w2, requires_grad=requires_grad)
         if cfg.expert_bias:
@@ -65,11 +75,19 @@ class TransformersExperts(LocalExperts):
         self.layout = layout
         self.num_experts = cfg.num_experts
         self.first_expert = first_expert
+        self.ffn = cfg.intermediate_size
+        self.ffn_cols = range(self.ffn) if ffn_cols is None else ffn_cols
 
     def extra_repr(self) -> str:
-        el = self.w13.shape[0]
-        return (f"experts [{self.first_expert}, {self.first_expert + el}) of {self.num_experts}, "
-                f"checkpoint layout={self.layout.kind}")
+        el, cols = self.w13.shape[0], self.ffn_cols
+        shard = f", F columns [{cols.start}, {cols.stop}) of {self.ffn}" if self.ffn_sharded else ""
+        return (f"experts [{self.first_expert}, {self.first_expert + el}) of {self.num_experts}"
+                f"{shard}, checkpoint layout={self.layout.kind}")
+
+    @property
+    def ffn_sharded(self) -> bool:
+        """These experts hold a TP shard of the F columns, not all of them."""
+        return len(self.ffn_cols) != self.ffn
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,49 +198,64 @@ class TransformersExperts(LocalExperts):
         fused, else transformers 5.x's default (``[E, 2F, H]``, concatenated)."""
         return self.layout if self.layout.kind == "fused" else ExpertLayout("fused")
 
-    def _this_ranks(self, key: str, value: torch.Tensor, per_expert: int, prefix: str,
-                    error_msgs) -> torch.Tensor | None:
-        """This rank's part of a checkpoint tensor whose leading dimension holds
-        ``per_expert`` entries per expert: of a full ``[E * per_expert, ...]`` tensor, this
-        rank's slice; an ``[El * per_expert, ...]`` one is this rank's own shard as saved by
-        ``state_dict()`` under the same expert-parallel layout. Anything else is reported
+    def _this_ranks(self, key: str, value: torch.Tensor, prefix: str, error_msgs,
+                    ffn_rows: bool = False) -> torch.Tensor | None:
+        """This rank's part of a checkpoint tensor whose leading dimension holds its
+        experts (with ``ffn_rows``: ``F`` rows of each, stacked): of a full tensor (``E``,
+        or ``E*F`` rows), this rank's experts -- and of their rows its F shard --; one of
+        this rank's size (``El``, or ``El*Ft`` rows) is its own shard as saved by
+        ``state_dict()`` on the same rank of the same layout. Anything else is reported
         (None)."""
         el, lo = self.w13.shape[0], self.first_expert
+        f, ft = (self.ffn, len(self.ffn_cols)) if ffn_rows else (1, 1)
         rows = value.shape[0] if value.dim() else 0
-        if rows == self.num_experts * per_expert:
-            return value[lo * per_expert:(lo + el) * per_expert]
-        if rows == el * per_expert:
+        if rows == self.num_experts * f:
+            part = value[lo * f:(lo + el) * f]
+            if ft != f:
+                part = ffn_columns(part.unflatten(0, (el, f)), 1, self.ffn_cols).flatten(0, 1)
+            return part
+        if rows == el * ft:
             return value
-        unit = "experts" if per_expert == 1 else f"rows ({per_expert} an expert)"
+        unit = "experts" if f == 1 else f"rows ({f} an expert)"
         error_msgs.append(
             f"size mismatch for {prefix}{key}: {rows} {unit} in the checkpoint, expected "
-            f"{self.num_experts * per_expert} (all) or {el * per_expert} (this rank's shard)")
+            f"{self.num_experts * f} (all) or {el * ft} (this rank's shard)")
         return None
+
+    def _ffn_shard(self, t: torch.Tensor, dim: int, gate_up: bool = False) -> torch.Tensor:
+        """This rank's F shard of a checkpoint tensor along ``dim`` where it has every F
+        column (with ``gate_up``: of each gate-then-up half); else ``t`` itself -- this
+        rank's shard as saved, or a size mismatch the copy reports."""
+        if not self.ffn_sharded or t.shape[dim] != (2 if gate_up else 1) * self.ffn:
+            return t
+        return ffn_columns(t, dim, self.ffn_cols, gate_up)
 
     def _load_fused(self, fused, cur, prefix, missing_keys, error_msgs) -> None:
         missing_keys.extend(prefix + k for k in self._wanted_fused_keys() if k not in fused)
-        shard = {k: self._this_ranks(k, v, 1, prefix, error_msgs) for k, v in fused.items()}
+        shard = {k: self._this_ranks(k, v, prefix, error_msgs) for k, v in fused.items()}
         shard = {k: v for k, v in shard.items() if v is not None}
         fmt = self._fused_format()
         if "gate_up_proj" in shard and "down_proj" in shard:
             new13, new2 = _fused_to_kernel(shard["gate_up_proj"], shard["down_proj"], fmt)
+            new13, new2 = self._ffn_shard(new13, -1, gate_up=True), self._ffn_shard(new2, 1)
             self._copy(cur, {"w13": new13, "w2": new2}, f"{prefix}gate_up_proj/down_proj",
                        error_msgs)
         if "gate_up_proj_bias" in shard:
-            self._copy(cur, {"b13": _gate_then_up(shard["gate_up_proj_bias"], fmt.gate_up)},
+            b13 = _gate_then_up(shard["gate_up_proj_bias"], fmt.gate_up)
+            self._copy(cur, {"b13": self._ffn_shard(b13, -1, gate_up=True)},
                        f"{prefix}gate_up_proj_bias", error_msgs)
         if "down_proj_bias" in shard:
             self._copy(cur, {"b2": shard["down_proj_bias"]}, f"{prefix}down_proj_bias",
                        error_msgs)
 
     def _load_stacked(self, stacked, cur, prefix, missing_keys, error_msgs) -> None:
-        """Stacked ``[E*F, H]`` (or this rank's ``[El*F, H]``) gate, up and down tensors
+        """Stacked ``[E*F, H]`` (or this rank's ``[El*Ft, H]``) gate, up and down tensors
         under the layout's paths."""
         names, (_, f, h) = self.layout.names, cur["w2"].shape
         missing_keys.extend(prefix + n for n in names if n not in stacked)
         shard = {}
         for name, value in stacked.items():
-            part = self._this_ranks(name, value, f, prefix, error_msgs)
+            part = self._this_ranks(name, value, prefix, error_msgs, ffn_rows=True)
             if part is not None and (part.dim() != 2 or part.shape[1] != h):
                 error_msgs.append(f"size mismatch for {prefix}{name}: checkpoint gives "
                                   f"{tuple(value.shape)}, the layer has [E*F, H] with H = {h}")
@@ -261,10 +294,11 @@ class TransformersExperts(LocalExperts):
                                 if (e, n, kind) not in linear)
             if all((e, n, "weight") in linear for n in names):
                 a, b = _linear_to_kernel(*(linear[(e, n, "weight")] for n in names))
-                cur["w13"][i].copy_(a)
-                cur["w2"][i].copy_(b)
+                cur["w13"][i].copy_(self._ffn_shard(a, -1, gate_up=True))
+                cur["w2"][i].copy_(self._ffn_shard(b, 0))
             if self.b13 is not None:
                 slots = (cur["b13"][i, :f], cur["b13"][i, f:], cur["b2"][i])
-                for n, slot in zip(names, slots):
+                for part, n, slot in zip(_PARTS, names, slots):
                     if (e, n, "bias") in linear:
-                        slot.copy_(linear[(e, n, "bias")])
+                        bias = linear[(e, n, "bias")]
+                        slot.copy_(bias if part == "down" else self._ffn_shard(bias, 0))

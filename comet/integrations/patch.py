@@ -7,7 +7,8 @@ import re
 from torch import nn
 
 from comet.integrations.blocks import from_module, inspect_block
-from comet.moe import CometMoE
+from comet.mesh import Convention
+from comet.moe import CometMoE, parallel_layout
 
 #: Class names that say "MoE block" even without an ``experts`` child (DogeCDMoE,
 #: JetMoeMoE, ...): such a block computes its experts itself and is refused with a reason.
@@ -49,7 +50,8 @@ def refusal(block: nn.Module) -> Exception | None:
     return None
 
 
-def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
+def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention = "sequence",
+                *, tp_group=None, ep_group=None, **kwargs) -> nn.Module:
     """Replace every MoE block of ``model`` by a :class:`CometMoEBlock`, in place.
 
     Blocks are recognised by structure (:func:`looks_like_moe_block`), whatever their
@@ -58,9 +60,20 @@ def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
 
     Args:
         model: a transformers model (any ``nn.Module`` containing MoE blocks).
-        group: expert-parallel process group (default: the world when torch.distributed
-            is initialised, else one rank). Every rank must hold the same weights before
-            patching; afterwards each keeps only its experts.
+        group: the process group of the ranks (default: the world when torch.distributed
+            is initialised, else one rank); without ``mesh``, the expert-parallel group.
+            Every rank must hold the same weights before patching; afterwards each keeps
+            only its experts (under a ``mesh``, its F shard of them).
+        mesh: a (tp, ep) layout of the ranks (:class:`comet.mesh.MeshLayout` over
+            ``group``, or a 2-D torch ``DeviceMesh`` with dims ``"ep"`` and ``"tp"``), as
+            for :class:`comet.CometMoE`: every block's experts split over ``ep``, each
+            expert's F over ``tp``; the rest of the model replicated. Inference only when
+            ``tp > 1``.
+        convention: ``"sequence"`` (each rank runs the model on its own batch; the MoE
+            blocks exchange tokens inside) or ``"replicated"`` (the ranks of a TP group
+            run it on the same batch).
+        tp_group, ep_group: the layout as this rank's TP and EP process groups, instead
+            of ``group`` and ``mesh``.
         **kwargs: ``max_tokens``, ``comm_blocks``, ``tuned_config_folder`` for every block
             (see :func:`from_module`).
 
@@ -73,7 +86,8 @@ def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
             unsupported variant, e.g. expert biases or a non-SiLU activation, or an
             unrecognised experts module); every such block is named. Nothing has been
             replaced when this is raised.
-        ValueError: no MoE block found, or the group size does not divide the experts.
+        ValueError: no MoE block found, or the group size does not divide the experts,
+            or a layout that cannot shard a block (see :func:`from_module`).
     """
     targets = find_moe_blocks(model)
     done = sum(isinstance(m, CometMoE) for m in model.modules())
@@ -94,10 +108,13 @@ def patch_model(model: nn.Module, group=None, **kwargs) -> nn.Module:
     if not targets and not done:
         raise ValueError(f"no MoE block found in {type(model).__name__} (a module with an "
                          "`experts` child)")
+    # Once for the model: a DeviceMesh may make a process group.
+    group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
     for path, _ in targets:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
-        setattr(parent, name, from_module(getattr(parent, name), group, **kwargs))
+        setattr(parent, name, from_module(getattr(parent, name), group, mesh=mesh,
+                                          convention=convention, **kwargs))
     return model
 
 

@@ -140,12 +140,13 @@ def plan_block_tokens(top_k: int) -> int:
 
 
 def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, device,
-                  block_m: int) -> Plan:
-    """The plan tables of a layer (sized for ``max_tokens`` tokens per rank)."""
+                  block_m: int, rank_slots: int | None = None) -> Plan:
+    """The plan tables of a layer (sized for ``max_tokens`` tokens per rank; a token's
+    slots that one rank can receive: ``rank_slots``, default ``top_k``)."""
     el = num_experts // world
     mx, k = max_tokens, top_k
     blocks = -(-mx // plan_block_tokens(k))
-    tiles = -(-recv_capacity(world, mx, k) // block_m) + el
+    tiles = -(-recv_capacity(world, mx, rank_slots or k) // block_m) + el
     i32 = dict(dtype=torch.int32, device=device)
     f32 = dict(dtype=torch.float32, device=device)
     return Plan(

@@ -74,7 +74,7 @@ class GradBuffers:
 
     @classmethod
     def allocate(cls, cfg: MoEConfig, world: int, device) -> "GradBuffers":
-        cap = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+        cap = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
         f = cfg.intermediate_size
         return cls(torch.empty(cap, 2 * f, dtype=cfg.dtype, device=device),
                    torch.empty(cap, f, dtype=cfg.dtype, device=device),

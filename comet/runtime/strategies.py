@@ -99,7 +99,7 @@ class Scatter:
 
     @staticmethod
     def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
-        rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+        rows = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
         mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
         # row_home[r]: the slot s * Mx * k + t * k + j row r's output goes to, and
         # row_weight[r] its weight, both pushed with the row; pair_out[t, j]: the

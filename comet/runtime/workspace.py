@@ -55,7 +55,7 @@ def timeout_ns() -> int:
 def chunk_slots(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
     """Dispatch chunks one source may send one destination at most (its rows, then its
     return entries; see comet.kernels.layer0.dispatch_role): the stride of ``flag0``."""
-    rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.top_k) // world
+    rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank) // world
     return -(-rows_from_one // tile.comm_rows) + -(-cfg.max_tokens // tile.dispatch_entries)
 
 
@@ -64,7 +64,7 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
     then those of the layer1 strategies ``tile`` needs."""
     el = cfg.num_experts // world
     mx, k, h = cfg.max_tokens, cfg.top_k, cfg.hidden_size
-    rows = recv_capacity(world, mx, k)
+    rows = recv_capacity(world, mx, cfg.slots_per_rank)
     protocol = [
         # [epoch parity, source s]: the source's pairs per expert and tokens per rank
         BufferSpec("counts", (COUNT_BUFFERS.value, world, world * (el + 1)), torch.int32),
@@ -190,7 +190,7 @@ _QUEUE_COUNTERS = 4
 
 
 def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict:
-    rows = recv_capacity(world, cfg.max_tokens, cfg.top_k)
+    rows = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
     n_splits = tile.n_splits_max(cfg.hidden_size)
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
@@ -199,7 +199,7 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
-                           tile.block_m))
+                           tile.block_m, cfg.slots_per_rank))
 
 
 def workspace_bytes(cfg: MoEConfig, world: int, tile: TileConfig) -> int:

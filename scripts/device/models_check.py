@@ -1,21 +1,26 @@
-"""usage: torchrun --nproc-per-node N scripts/device/models_check.py [--models NAME ...] [--batch B --seq S] [--json FILE] [--tiny]
+"""usage: torchrun --nproc-per-node N scripts/device/models_check.py [--models NAME ...] [--batch B --seq S] [--tp T [--convention sequence|replicated]] [--json FILE] [--tiny]
 
-transformers models patched with comet at expert parallelism N, against the same models
-unpatched: two decoder layers at the real layer sizes, random weights (seeded, the same on
-every rank), bf16. Per model and rank:
+transformers models patched with comet over N ranks -- expert parallelism (EP=N), or with
+``--tp T`` the (T, N/T) layout of comet.mesh: every expert's F split over T ranks, the
+experts over N/T -- against the same models unpatched: two decoder layers at the real
+layer sizes, random weights (seeded, the same on every rank), bf16. Per model and rank:
 
-* logits of a prefill of ``B x S`` tokens (each rank its own prompts), patched at EP=N
-  against unpatched on this rank's GPU: the per-token relative L2 difference (median, max);
-  and both against the unpatched model run in fp32 (same weights), with how often each
-  one's argmax is the fp32 argmax -- so comet's rounding is seen beside transformers' own;
+* logits of a prefill of ``B x S`` tokens, patched against unpatched on this rank's GPU:
+  the per-token relative L2 difference (median, max); and both against the unpatched
+  model run in fp32 (same weights), with how often each one's argmax is the fp32 argmax
+  -- so comet's rounding is seen beside transformers' own. Each rank runs its own prompts
+  (``--convention sequence``, the default), or with ``--convention replicated`` the ranks
+  of a TP group run the same ones;
 * greedy ``generate()`` of 16 new tokens from a 32-token prompt, all three ways (how many
   of the 16 agree; near-uniform logits of random weights tie often, so a bf16 run may
   leave the fp32 path at any token: reported, not required);
-* the prefill time (CUDA events, median of ``--iters`` after warm-up), patched at EP=N
-  against unpatched on one GPU.
+* the prefill time (CUDA events, median of ``--iters`` after warm-up), patched over the N
+  ranks against unpatched on one GPU.
 
-``--tiny`` shrinks every model to CPU size (fp32, gloo) to check this script itself.
-Writes one JSON record per model (rank 0's numbers, every rank's differences).
+``--tiny`` shrinks every model to CPU size (fp32, gloo) to check this script itself, e.g.
+``torchrun --nproc-per-node 2 scripts/device/models_check.py --tiny --tp 2 --batch 1
+--seq 64``. Writes one JSON record per model (rank 0's numbers, every rank's
+differences).
 """
 
 from __future__ import annotations
@@ -135,10 +140,14 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def check(name: str, args, device, group, rank: int, world: int) -> dict:
     from comet import CometMoE
     from comet.integrations import patch_model
+    from comet.mesh import MeshLayout
     dtype = torch.float32 if args.tiny else torch.bfloat16
     cfg = _config(name, args.tiny)
     model = _build(cfg, dtype, device)
-    g = torch.Generator().manual_seed(100 + rank)
+    mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    # "replicated": the ranks of a TP group (consecutive ranks) run the same prompts.
+    prompts = rank if args.convention == "sequence" else rank // args.tp
+    g = torch.Generator().manual_seed(100 + prompts)
     ids = torch.randint(1, VOCAB, (args.batch, args.seq), generator=g).to(device)
     prompt = ids[:1, :GENERATE_PROMPT]
     with torch.no_grad():
@@ -153,7 +162,8 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
         exact = exact_model(input_ids=ids, use_cache=False).logits.float()
         exact_tokens = _generate(exact_model, prompt)
         del exact_model
-        patch_model(model, group=group, max_tokens=args.batch * args.seq)
+        patch_model(model, group=group, mesh=mesh, convention=args.convention,
+                    max_tokens=args.batch * args.seq)
         blocks = sum(isinstance(m, CometMoE) for m in model.modules())
         got = model(input_ids=ids, use_cache=False).logits
         tokens = _generate(model, prompt)
@@ -172,7 +182,8 @@ def check(name: str, args, device, group, rank: int, world: int) -> dict:
     else:
         every = [mine]
     per_rank = [dict(zip(PER_RANK, e.tolist())) for e in every]
-    return dict(model=name, model_type=MODELS[name][0], layers=2, comet_blocks=blocks, ep=world,
+    return dict(model=name, model_type=MODELS[name][0], layers=2, comet_blocks=blocks,
+                tp=mesh.tp, ep=mesh.ep, convention=args.convention,
                 tokens_per_rank=args.batch * args.seq, dtype=str(dtype),
                 experts=cfg.to_dict().get("num_local_experts") or cfg.to_dict().get(
                     "n_routed_experts") or cfg.to_dict().get("num_experts"),
@@ -204,6 +215,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: the (tp, N/tp) layout of comet.mesh")
+    p.add_argument("--convention", default="sequence", choices=["sequence", "replicated"],
+                   help="each rank its own prompts, or a TP group's ranks the same ones")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -213,6 +228,8 @@ def main() -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if args.tp < 1 or world % args.tp:
+        p.error(f"--tp {args.tp} does not divide the {world} ranks")
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
