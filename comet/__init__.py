@@ -2,14 +2,16 @@
 
 Public API::
 
-    from comet import CometMoE, MoEConfig, patch_model
+    from comet import CometMoE, MeshLayout, MoEConfig, patch_model
 """
 
 from comet.config import MoEConfig, ParallelConfig, preset
+from comet.mesh import MeshLayout
 from comet.moe import CometMoE
 
 __version__ = "0.1.0"
-__all__ = ["CometMoE", "MoEConfig", "ParallelConfig", "preset", "patch_model", "__version__"]
+__all__ = ["CometMoE", "MeshLayout", "MoEConfig", "ParallelConfig", "preset", "patch_model",
+           "__version__"]
 
 
 def __getattr__(name):
