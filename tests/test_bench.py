@@ -466,3 +466,62 @@ def test_paired_comparison_reports_ratios_worst_and_noise(tmp_path, capsys):
     assert [r["fused_us"]["ratio"] for r in rows] == pytest.approx([1.0, 1.0])
     with pytest.raises(SystemExit):
         bench.main(["--against", paths["base"]])
+
+
+# ----------------------------------------------------------------- tensor-parallel layouts
+def _tensor_parallel_bench_worker(rank, world, store, convention, results):
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # forked: keep clear of the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        from comet.baseline import MeshGroups
+        from comet.bench.inputs import make_expert_weights
+        from comet.bench.mesh_runner import run_mesh_case
+        from comet.bench.runner import Case, Settings
+        from comet.mesh import MeshLayout
+        mesh = MeshLayout(tp=2, ep=1)
+        cfg = bench.CONFIGS[bench.CPU_CONFIG].replace(dtype=torch.float32, max_tokens=32)
+        w13, w2 = make_expert_weights(cfg.replace(intermediate_size=cfg.intermediate_size // 2),
+                                      cfg.num_experts, "cpu-tiny", rank, 0, torch.device("cpu"))
+        st = Settings(device=torch.device("cpu"), world=world, rank=rank, iters=2, warmup=1,
+                      n_sets=2)
+        records = run_mesh_case(Case("cpu-tiny", cfg, 32, "uniform"), st, mesh, convention,
+                                {"w13": w13, "w2": w2}, MeshGroups.new(mesh))
+        results.put((rank, convention, records))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", repr(err)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+@pytest.mark.parametrize("convention", ["sequence", "replicated"])
+def test_tensor_parallel_bench_records(convention, tmp_path):
+    """``comet bench --tp 2``'s case runner on two gloo ranks (no GPU: no fused columns):
+    the unfused TP pipeline and torch's GEMMs on the rows this rank's shards compute --
+    every TP peer's tokens under "sequence", its own group's under "replicated"."""
+    import gloo_ranks
+    codes, items = gloo_ranks.fork(_tensor_parallel_bench_worker, 2, tmp_path / "store",
+                                   (convention,), expected=2)
+    assert codes == [0, 0], items
+    for _, _, records in items:
+        assert [r["layer"] for r in records] == list(rec.LAYERS)
+        moe = records[-1]
+        assert (moe["tp"], moe["ep"], moe["convention"]) == (2, 1, convention)
+        assert moe["baseline_us"] > 0 and moe["torch_gmm_us"] > 0 and moe["fused_us"] is None
+        k = bench.CONFIGS[bench.CPU_CONFIG].top_k
+        assert moe["shard_rows_per_rank"] == (2 if convention == "sequence" else 1) * 32 * k
+        assert set(moe["baseline_phases_us"]) >= {"a2a", "gemm", "act", "permute"}
+
+
+def test_tensor_parallel_layout_must_divide_the_ranks(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--tp", "2", "--tokens", "8"])
+    assert "--tp must divide the number of ranks (1)" in capsys.readouterr().err
+
+
+def test_tile_fields_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--tile", "no_such_field=1", "--tokens", "8"])
+    assert "expected FIELD=INT with FIELD a TileConfig field" in capsys.readouterr().err

@@ -29,8 +29,8 @@ from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
 from comet.bench.floors import expert_bytes, hbm_floor_us
 from comet.bench.inputs import InputSet, make_input_sets
-from comet.bench.runner import (FUSED_MODES, Case, Fused, Settings, _rel_err, _Series,
-                                _LAYER_PHASES, _gemm_fn)
+from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
+                                gemm_fn, phase_columns, rel_err)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -117,10 +117,10 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     def clock():
         return PhaseClock(dev)
 
-    out: dict[str, _Series] = {}
+    out: dict[str, Series] = {}
     phases = timed(lambda i, t: baseline(sets[i], t), clock)
     phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
-    out["baseline"] = _Series(phases, _BASELINE_PHASES)
+    out["baseline"] = Series(phases, _BASELINE_PHASES)
     if fused is not None:
         for mode in FUSED_MODES:
             def call(i, t, mode=mode):
@@ -128,15 +128,15 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
                                    comm_blocks=st.comm_blocks, mode=mode, timer=t)
             phases = timed(call, fused.make_timer)
             phases["total"] = timed(call)["total"]
-            out[mode] = _Series(phases, _LAYER_PHASES["comet"])
+            out[mode] = Series(phases, LAYER_PHASES["comet"])
     shard_rows = _ShardRows(sets, mesh, cfg.num_experts, st.rank, convention, group)
     plans = [_GemmPlan(r, o) for r, o in zip(shard_rows.expert_rows, shard_rows.offs)]
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, w2.shape[1], device=dev, dtype=cfg.dtype))
                 for p in plans]
-    series = timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm), clock)
-    series["total"] = timed(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm))["total"]
-    out["torch_gmm"] = _Series(series, _LAYER_PHASES["gmm"])
+    series = timed(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm), clock)
+    series["total"] = timed(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm))["total"]
+    out["torch_gmm"] = Series(series, LAYER_PHASES["gmm"])
     del gmm_rows
 
     order = timed_sets(st.n_sets, st.iters, st.warmup)
@@ -148,7 +148,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     errs = {}
     if fused is not None:
         ref = baseline(sets[0])
-        errs["fused"] = _rel_err(fused.layer(sets[0].x, sets[0].topk_ids,
+        errs["fused"] = rel_err(fused.layer(sets[0].x, sets[0].topk_ids,
                                              sets[0].topk_weights, comm_blocks=st.comm_blocks,
                                              mode="fused"), ref)
     errs = {k: v[0] for k, v in reduce_over_ranks({k: [v] for k, v in errs.items()},
@@ -178,20 +178,13 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
         }
         if layer == "moe":
-            base = out["baseline"].series
-            r["baseline_phases_us"] = {
-                name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
-                for name, parts in BASELINE_BREAKDOWN.items()
-                if any(p in base for p in parts)}
-            r["comet_phases_us"] = {
-                mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
-                for mode in FUSED_MODES if mode in out} or None
+            r.update(phase_columns(out, BASELINE_BREAKDOWN))
         results.append(rec.derive(r))
     return results
 
 
 class _GemmPlan:
-    """What :func:`comet.bench.runner._gemm_fn` reads of a plan: rows per expert, offsets."""
+    """What :func:`comet.bench.runner.gemm_fn` reads of a plan: rows per expert, offsets."""
 
     def __init__(self, expert_rows: list[int], offs: torch.Tensor):
         self.expert_rows, self.offs = expert_rows, offs

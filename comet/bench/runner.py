@@ -50,7 +50,7 @@ from comet.grouped import grouped_mm
 # cores' inputs do not toggle; benchmarks/results/2026-11-23/h200-zeros-probe.json).
 FUSED_MODES = ("fused", "sequential", "compute_only", "comm_only")
 
-_LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
+LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
     "baseline": {"layer0": ("route", "counts", "gather", "dispatch", "permute", "gemm0", "act"),
                  "layer1": ("gemm1", "unpermute", "combine", "reduce")},
     "comet": {"layer0": ("plan", "layer0"), "layer1": ("layer1", "combine")},
@@ -61,8 +61,8 @@ _LAYER_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 #: For TFLOP/s only: "moe" as the sum of the two GEMM phases, on both sides.
 _RATE_PHASES = {
-    "comet_kernels": {**_LAYER_PHASES["comet_kernels"], "moe": ("layer0", "layer1")},
-    "gmm": {**_LAYER_PHASES["gmm"], "moe": ("gemm0", "gemm1")},
+    "comet_kernels": {**LAYER_PHASES["comet_kernels"], "moe": ("layer0", "layer1")},
+    "gmm": {**LAYER_PHASES["gmm"], "moe": ("gemm0", "gemm1")},
 }
 
 #: Baseline phases summed into the breakdown columns (comet.baseline's phases).
@@ -120,7 +120,7 @@ class Fused:
 
 
 @dataclass
-class _Series:
+class Series:
     """One variant's reduced per-iteration times by phase, plus the view per layer."""
 
     series: dict[str, list[float]]
@@ -138,7 +138,7 @@ class _Series:
         return median(self.layer(name))
 
 
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.abs().max().item() if ref.numel() else 0.0
     diff = (y.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
     return diff / scale if scale > 0 else diff
@@ -185,25 +185,25 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     def phase_clock():
         return PhaseClock(dev)
 
-    def reference(fn, phases) -> _Series:
+    def reference(fn, phases) -> Series:
         series = timed(fn, phase_clock)
         series["total"] = timed(fn)["total"]
-        return _Series(series, phases)
+        return Series(series, phases)
 
-    out: dict[str, _Series] = {}
+    out: dict[str, Series] = {}
     # The whole-call time of the baseline comes from calls without phase events: its
     # small-token regime is host-bound, and ~20 event records would add to it.
     phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
     phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
-    out["baseline"] = _Series(phases, _LAYER_PHASES["baseline"])
+    out["baseline"] = Series(phases, LAYER_PHASES["baseline"])
     for n in st.chunk_options:
-        out[f"chunked{n}"] = _Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
+        out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
             sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
     n_comm = None
     decode_tile = None
     tile_overrides = None
     if fused is not None:
-        def time_fused(comm_blocks, mode) -> _Series:
+        def time_fused(comm_blocks, mode) -> Series:
             def call(i, t):
                 return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
                                    comm_blocks=comm_blocks, mode=mode, timer=t)
@@ -211,7 +211,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             # calls without, which replay comet's CUDA graph as a user's call would.
             phases = timed(call, fused.make_timer)
             phases["total"] = timed(call)["total"]
-            return _Series(phases, _LAYER_PHASES["comet"])
+            return Series(phases, LAYER_PHASES["comet"])
 
         for mode in FUSED_MODES:
             out[mode] = time_fused(None if mode == "sequential" else st.comm_blocks, mode)
@@ -226,15 +226,15 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                  torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
                 for p in plans]
 
-    out["torch_gmm"] = reference(_gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
-                                 _LAYER_PHASES["gmm"])
+    out["torch_gmm"] = reference(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
+                                 LAYER_PHASES["gmm"])
     if cutlass_mm is not None:
-        out["cutlass_gmm"] = reference(_gemm_fn(
+        out["cutlass_gmm"] = reference(gemm_fn(
             plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
-            _LAYER_PHASES["gmm"])
+            LAYER_PHASES["gmm"])
     del gmm_rows
     if st.world > 1:
-        out["nccl"] = reference(_a2a_fn(sets, plans, group), _LAYER_PHASES["a2a"])
+        out["nccl"] = reference(_a2a_fn(sets, plans, group), LAYER_PHASES["a2a"])
 
     flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
     order = timed_sets(st.n_sets, st.iters, st.warmup)
@@ -277,7 +277,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "torch_gmm_tflops": gmm_tflops("torch_gmm", _RATE_PHASES["gmm"]),
             "comet_gmm_tflops": gmm_tflops("compute_only", _RATE_PHASES["comet_kernels"]),
             "cutlass_gmm_tflops": gmm_tflops("cutlass_gmm", _RATE_PHASES["gmm"]),
-            "comet_gmm_us": (med("compute_only", _LAYER_PHASES["comet_kernels"])
+            "comet_gmm_us": (med("compute_only", LAYER_PHASES["comet_kernels"])
                              if layer != "moe" else None),
             "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
@@ -293,16 +293,24 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
         }
         if layer == "moe":
-            base = out["baseline"].series
-            r["baseline_phases_us"] = {
-                name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
-                for name, parts in BASELINE_BREAKDOWN.items()}
-            # Where comet's time goes, per mode and phase (plan, layer0, layer1, combine).
-            r["comet_phases_us"] = {
-                mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
-                for mode in FUSED_MODES if mode in out} or None
+            r.update(phase_columns(out, BASELINE_BREAKDOWN))
         results.append(rec.derive(r))
     return results
+
+
+def phase_columns(out: dict[str, Series], breakdown: dict[str, tuple[str, ...]]) -> dict:
+    """A whole-layer record's breakdowns: the baseline's phases summed into ``breakdown``'s
+    columns (those it has), and where comet's time goes, per mode and phase (plan,
+    layer0, layer1, combine)."""
+    base = out["baseline"].series
+    return {
+        "baseline_phases_us": {
+            name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
+            for name, parts in breakdown.items() if any(p in base for p in parts)},
+        "comet_phases_us": {
+            mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
+            for mode in FUSED_MODES if mode in out} or None,
+    }
 
 
 def fixed_splits(st: Settings, fused: Fused) -> list[int]:
@@ -325,7 +333,7 @@ def _phase(timer, name: str):
     return contextlib.nullcontext() if timer is None else timer.phase(name)
 
 
-def _gemm_fn(plans, rows, w13, w2, mm):
+def gemm_fn(plans, rows, w13, w2, mm):
     """The layer's two grouped GEMMs alone, on rows laid out as the layer's (``rows[i]``:
     random ``[R, H]`` and ``[R, F]`` inputs of set ``i``)."""
     def fn(i, t):
@@ -367,14 +375,14 @@ def _checks(s: InputSet, baseline, w13, w2, st: Settings, fused: Fused | None
     """Max relative error (over ranks) of each variant's output against the baseline's,
     and of the baseline against the reference spec when there is a single rank."""
     ref = baseline(s)
-    errs = {"chunked": _rel_err(chunked_ep_moe_forward(
+    errs = {"chunked": rel_err(chunked_ep_moe_forward(
         s.x, s.topk_ids, s.topk_weights, w13, w2, st.group, chunks=st.chunk_options[0]), ref)}
     if fused is not None:
-        errs["fused"] = _rel_err(fused.layer(s.x, s.topk_ids, s.topk_weights,
+        errs["fused"] = rel_err(fused.layer(s.x, s.topk_ids, s.topk_weights,
                                              comm_blocks=st.comm_blocks, mode="fused"), ref)
     if st.world == 1:
         spec = reference.moe_forward(s.x, s.topk_ids, s.topk_weights, w13, w2,
                                      round_to=s.x.dtype)
-        errs["baseline_vs_reference"] = _rel_err(ref, spec)
+        errs["baseline_vs_reference"] = rel_err(ref, spec)
     reduced = reduce_over_ranks({k: [v] for k, v in errs.items()}, st.group)
     return {k: v[0] for k, v in reduced.items()}

@@ -175,13 +175,14 @@ def _tile_field(kv: str) -> tuple[str, int]:
     return name, int(value)
 
 
-def _tile_of(meta: dict):
-    """comet's TileConfig for this run (``meta["tile"]``: the --tile fields), or None."""
+def _tile_of(meta: dict) -> dict:
+    """``{"tile": TileConfig}`` of this run's --tile fields (``meta["tile"]``), or ``{}``
+    for the layer's default: keyword arguments of :func:`_build_fused`."""
     import dataclasses
 
     from comet.config import TileConfig
     fields = meta.get("tile")
-    return dataclasses.replace(TileConfig(), **fields) if fields else None
+    return {"tile": dataclasses.replace(TileConfig(), **fields)} if fields else {}
 
 
 def _comm_blocks(values, parser):
@@ -332,7 +333,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused, why = _build_fused(cfg, w13, w2, group, device, tile=_tile_of(meta))
+        fused, why = _build_fused(cfg, w13, w2, group, device, **_tile_of(meta))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -383,7 +384,7 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
                                       args.seed, st.device)
         shard = {"w13": w13, "w2": w2}
         fused, why = _build_fused(cfg, w13, w2, st.group, st.device, mesh=mesh,
-                                  convention=args.convention, tile=_tile_of(meta))
+                                  convention=args.convention, **_tile_of(meta))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -414,8 +415,7 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
     w13, w2 = make_expert_weights(shard_cfg, cfg.num_experts // mesh.ep, name, st.rank,
                                   args.seed, st.device)
     layout = {} if mesh.tp == 1 else {"mesh": mesh, "convention": args.convention}
-    fused, why = _build_fused(cfg, w13, w2, st.group, st.device, tile=_tile_of(meta),
-                              **layout)
+    fused, why = _build_fused(cfg, w13, w2, st.group, st.device, **_tile_of(meta), **layout)
     if fused is None:
         if st.rank == 0:
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")
