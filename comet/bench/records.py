@@ -21,6 +21,10 @@ or a per-layer row of a variant that has no layers). Variants:
   measurement of the layer).
 * ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
   count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
+* ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs
+  (:mod:`comet.bench.peers`), None where it was not timed (``peers`` says why: its
+  status, reason, backend and output error per peer); ``best_peer`` / ``best_peer_us``
+  the fastest of them.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def derive(rec: dict) -> dict:
     costs no more than its GEMMs).  fused_over_sequential: b over comet's
     own kernels run one after the other (below 1: the overlap pays).  fused_over_best_fixed:
     b over the fastest fixed split of the record (the per-call choice against hindsight).
+    speedup_vs_best_peer: ``best_peer_us`` (the fastest ``peer_<name>_us``) over b.
     gemm_floor_us: the fastest GEMM measured on the layer's rows (torch, comet's kernels
     alone, CUTLASS); speedup_at_floor: a over it, the speedup of a layer that cost only
     its GEMMs -- where that is below a speedup target, no overlap can reach the target
@@ -98,7 +103,18 @@ def derive(rec: dict) -> dict:
     rec["gemm_floor_us"] = min((t for t in gemms if t is not None and t > 0), default=None)
     rec["speedup_at_floor"] = ratio(rec.get("baseline_us"), rec["gemm_floor_us"])
     rec["fused_over_hbm_floor"] = ratio(rec.get("fused_us"), rec.get("hbm_floor_us"))
+    peers = {name: rec[f"peer_{name}_us"] for name in peer_names(rec)
+             if rec[f"peer_{name}_us"] is not None and rec[f"peer_{name}_us"] > 0}
+    rec["best_peer"] = min(peers, key=peers.get, default=None)
+    rec["best_peer_us"] = peers.get(rec["best_peer"])
+    rec["speedup_vs_best_peer"] = ratio(rec["best_peer_us"], rec.get("fused_us"))
     return rec
+
+
+def peer_names(rec: dict) -> list[str]:
+    """The peers a record has a column for (``peer_<name>_us``, timed or not), sorted."""
+    return sorted(k[len("peer_"):-len("_us")] for k in rec
+                  if k.startswith("peer_") and k.endswith("_us"))
 
 
 def geomean(values) -> float | None:

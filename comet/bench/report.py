@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from comet.bench.records import geomean
+from comet.bench.records import geomean, peer_names
 
 Column = tuple[str, Callable[[dict], str]]
 
@@ -90,6 +90,36 @@ BREAKDOWN_COLUMNS: list[Column] = _KEY[:3] + [
 ]
 
 
+def peer_columns(records: Sequence[dict]) -> list[Column]:
+    """comet against the peers (``--peers``; whole-layer rows): the fused layer, the
+    unfused baseline, each peer ("-" where it was not timed: :func:`peer_notes` says why),
+    the fastest peer and its time over comet's; no columns when no record has a peer."""
+    names = sorted({n for r in records for n in peer_names(r)})
+    if not names:
+        return []
+    return (_KEY[:3] + [("(b) fused us", _num("fused_us")),
+                        ("(a) baseline us", _num("baseline_us"))]
+            + [(f"{n} us", _num(f"peer_{n}_us")) for n in names]
+            + [("best peer", lambda r: r.get("best_peer") or "-"),
+               ("best peer/b", _num("speedup_vs_best_peer", "{:.2f}"))])
+
+
+def peer_notes(records: Sequence[dict]) -> list[str]:
+    """What each peer ran (where timed) and why it was not timed elsewhere, once each:
+    unavailable peers by reason, wrong or failed ones with the case."""
+    lines: dict[str, None] = {}
+    for r in _sorted(records):
+        for name, s in sorted((r.get("peers") or {}).items()):
+            if s["status"] == "timed":
+                lines[f"peer {name}: {s['backend']}"] = None
+            elif s["status"] == "unavailable":
+                lines[f"peer {name} unavailable: {s['reason']}"] = None
+            else:
+                lines[f"peer {name} {s['status']} ({r['config']}, {r['tokens_per_rank']} "
+                      f"tokens/rank, {r['routing']}), not timed: {s['reason']}"] = None
+    return list(lines)
+
+
 def _sorted(records: Sequence[dict]) -> list[dict]:
     layer_order = {"layer0": 0, "layer1": 1, "moe": 2}
     return sorted(records, key=lambda r: (r["config"], r["routing"], r["tokens_per_rank"],
@@ -148,7 +178,9 @@ def summary(records: Sequence[dict]) -> list[str]:
     fastest measured GEMMs would reach, the bound) and over the chunked one (1.2), then
     each of :data:`LARGE_TARGETS` record by record; at <= 128 tokens/rank a/b >= 2 in every
     record. Skewed routing: fused no slower than sequential in any record, layers
-    included. Both: the per-call split against the best fixed one (``--fixed-splits``).
+    included. Both: against the peers (``--peers``), the geomean of best peer / b at >=
+    4096 and at <= 128 tokens/rank (issue 39's 1.2 and 1.5); the per-call split against
+    the best fixed one (``--fixed-splits``).
     """
     lines = []
     moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
@@ -174,11 +206,26 @@ def summary(records: Sequence[dict]) -> list[str]:
                          if r.get("speedup_at_floor") is not None), default=None)
             parts.append(_check(small, "speedup", "a/b at <= 128 tokens/rank", "min", 2.0)
                          + _at_floor(worst, "worst "))
+        if any(r.get("speedup_vs_best_peer") is not None for r in rows):
+            parts.append(_peer_targets(big, small))
         if any(r.get("fused_over_best_fixed") is not None for r in rows):
             parts.append(_check(rows, "fused_over_best_fixed", "b/best fixed split", "max",
                                 1.0))
         lines.append(f"{routing}: " + "; ".join(parts))
     return lines
+
+
+#: Issue 39's targets over the best peer (geomean of best peer / b, whole layer).
+PEER_TARGETS = {"large": 1.2, "small": 1.5}
+
+
+def _peer_targets(big: Sequence[dict], small: Sequence[dict]) -> str:
+    """Geomean of best peer / b at >= 4096 and at <= 128 tokens/rank, against the targets."""
+    return (f"geomean best peer/b at >= 4096 tokens/rank "
+            f"{_fmt(geomean(r.get('speedup_vs_best_peer') for r in big))} "
+            f"(target {PEER_TARGETS['large']:g}), at <= 128 tokens/rank "
+            f"{_fmt(geomean(r.get('speedup_vs_best_peer') for r in small))} "
+            f"(target {PEER_TARGETS['small']:g})")
 
 
 def _at_floor(v: float | None, what: str = "") -> str:
@@ -210,6 +257,9 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     if moe:
         out += ["", "## Where the unfused baseline spends its time", "",
                 markdown_table(moe, BREAKDOWN_COLUMNS)]
+    if peer_columns(moe):
+        out += ["", "## Against the peers", "", markdown_table(moe, peer_columns(moe)), ""]
+        out += [f"- {line}" for line in peer_notes(moe)]
     return "\n".join(out) + "\n"
 
 

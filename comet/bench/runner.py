@@ -29,6 +29,7 @@ sides rested), and comet's GEMM alone has no whole-call time (``comet_gmm_us`` i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
 from comet.bench.floors import expert_bytes, hbm_floor_us
 from comet.bench.inputs import InputSet, make_input_sets
+from comet.bench.peers import PEER_MAX_REL_ERR, PeerLayer, Peers
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.config import MoEConfig
@@ -153,7 +155,8 @@ def _gemm_flops(rows: int, cfg: MoEConfig) -> dict[str, float]:
 def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
              fused: Fused | None = None,
              cutlass_mm: Callable | None = None,
-             layers: Sequence[str] = rec.LAYERS) -> list[dict]:
+             layers: Sequence[str] = rec.LAYERS,
+             peers: Peers | None = None) -> list[dict]:
     """Measure every variant of ``case``; collective over ``st.group``.
 
     Args:
@@ -162,6 +165,10 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             its columns are then None.
         cutlass_mm: the CUTLASS grouped GEMM reference, or None.
         layers: which of "layer0", "layer1", "moe" to return records for.
+        peers: other projects' layers built for this config (:mod:`comet.bench.peers`) and
+            why the others asked for are not: each built one's output is checked against
+            the baseline's, and only a matching one is timed, whole layer only
+            (``peer_<name>_us``; ``peers`` holds every one's status).
 
     Returns:
         One record per layer with the measured fields and the derived ratios (no
@@ -199,6 +206,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     for n in st.chunk_options:
         out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
             sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
+    ref = baseline(sets[0])
+    peer_status = _time_peers(peers, sets, ref, timed, out, group) if peers is not None else {}
     n_comm = None
     decode_tile = None
     tile_overrides = None
@@ -245,7 +254,9 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
                                     for name in rec.LAYERS}, group)
                  if st.hbm_gbps else None)
-    checks = _checks(sets[0], baseline, w13, w2, st, fused)
+    checks = {**_checks(sets[0], ref, w13, w2, st, fused),
+              **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
+                 if "max_rel_err" in s}}
 
     results = []
     for layer in layers:
@@ -282,6 +293,9 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
             **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
+            # Whole layer only: a peer has no phases, so its layer rows are None.
+            **({**{f"peer_{name}_us": med(f"peer_{name}") for name in peers.names},
+                "peers": peer_status} if peers is not None else {}),
             "n_comm": n_comm[0] if n_comm else None,
             "n_comm_per_rank": n_comm,
             "decode_tile": decode_tile,
@@ -370,11 +384,11 @@ def _gather(value: list, group) -> list:
     return [v for part in parts for v in part]
 
 
-def _checks(s: InputSet, baseline, w13, w2, st: Settings, fused: Fused | None
+def _checks(s: InputSet, ref: torch.Tensor, w13, w2, st: Settings, fused: Fused | None
             ) -> dict[str, float]:
-    """Max relative error (over ranks) of each variant's output against the baseline's,
-    and of the baseline against the reference spec when there is a single rank."""
-    ref = baseline(s)
+    """Max relative error (over ranks) of each variant's output against the baseline's
+    (``ref``, on ``s``), and of the baseline against the reference spec when there is a
+    single rank."""
     errs = {"chunked": rel_err(chunked_ep_moe_forward(
         s.x, s.topk_ids, s.topk_weights, w13, w2, st.group, chunks=st.chunk_options[0]), ref)}
     if fused is not None:
@@ -386,3 +400,48 @@ def _checks(s: InputSet, baseline, w13, w2, st: Settings, fused: Fused | None
         errs["baseline_vs_reference"] = rel_err(ref, spec)
     reduced = reduce_over_ranks({k: [v] for k, v in errs.items()}, st.group)
     return {k: v[0] for k, v in reduced.items()}
+
+
+def _time_peers(peers: Peers, sets: list[InputSet], ref: torch.Tensor, timed, out: dict,
+                group) -> dict[str, dict]:
+    """Check each built peer's output on ``sets[0]`` against the baseline's (``ref``), then
+    time those that match as whole calls, into ``out["peer_<name>"]``.
+
+    Returns each peer's status: ``timed``, ``wrong`` (max relative error over
+    :data:`comet.bench.peers.PEER_MAX_REL_ERR`), ``failed`` (the call raised, or gave
+    non-finite values, on some rank) or ``unavailable``, with ``reason``, ``backend`` and
+    ``max_rel_err`` where known. Every rank reaches the same verdicts.
+    """
+    status: dict[str, dict] = {name: {"status": "unavailable", "reason": why}
+                               for name, why in peers.unavailable.items()}
+    for p in peers.ready:
+        err, failure = _check_peer(p, sets[0], ref, group)
+        entry = {"backend": p.backend, "max_rel_err": err}
+        if failure is not None:
+            entry.update(status="failed", reason=failure)
+        elif not err <= PEER_MAX_REL_ERR:
+            entry.update(status="wrong",
+                         reason=f"max relative error {err:.3g} > {PEER_MAX_REL_ERR:g}")
+        else:
+            entry["status"] = "timed"
+            out[f"peer_{p.name}"] = Series(timed(lambda i, t, p=p: p.layer(
+                sets[i].x, sets[i].topk_ids, sets[i].topk_weights)))
+        status[p.name] = entry
+    return status
+
+
+def _check_peer(peer: PeerLayer, s: InputSet, ref: torch.Tensor, group
+                ) -> tuple[float | None, str | None]:
+    """``(max relative error over ranks, None)``, or ``(None, why)`` where the call raised
+    or gave non-finite values on some rank."""
+    try:
+        err, failure = rel_err(peer.layer(s.x, s.topk_ids, s.topk_weights), ref), None
+        if not math.isfinite(err):
+            err, failure = None, "non-finite output"
+    except Exception as exc:  # a peer's failure is reported; comet's columns still run
+        err, failure = None, f"{type(exc).__name__}: {exc}"
+    verdicts = _gather([(err, failure)], group)
+    failures = [f for _, f in verdicts if f is not None]
+    if failures:
+        return None, failures[0]
+    return max(e for e, _ in verdicts), None

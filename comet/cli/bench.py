@@ -34,6 +34,7 @@ from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
 from comet.bench.mesh_runner import input_rank, layout_name, run_mesh_case
+from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
@@ -92,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
+    g.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=[], metavar="NAME",
+                   help=f"also time other projects' layers on the same inputs, whole layer, "
+                        f"each checked against the unfused baseline first: "
+                        f"{', '.join(sorted(PEERS))} (optional packages: "
+                        f"scripts/device/build_peers.sh); one that cannot run shows '-' and "
+                        f"why (docs/benchmarks.md, 'Peers')")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: every visible GPU)")
     g.add_argument("--tp", type=int, default=1,
@@ -232,6 +239,11 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
     if moe:
         print()
         print(report.text_table(moe, report.BREAKDOWN_COLUMNS))
+    if report.peer_columns(moe):
+        print()
+        print(report.text_table(moe, report.peer_columns(moe)))
+        for line in report.peer_notes(moe):
+            print(f"note: {line}")
     for line in report.summary(records):
         print(f"summary: {line}")
     if output_dir is None:
@@ -293,6 +305,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if args.tp < 1 or world % args.tp:
         parser.error(f"--tp must divide the number of ranks ({world})")
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    if args.peers and mesh.tp > 1:
+        parser.error("--peers times expert-parallel layers only (no --tp)")
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     meta = {"device": device_name, "world_size": world, "layout": layout,
@@ -318,6 +332,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device, dtype)
     if cutlass_mm is None:
         notes.append(cutlass_note)
+    loaded_peers = load_peers(args.peers, device, world, group)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
     partial = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}.partial.json"
@@ -336,17 +351,20 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         fused, why = _build_fused(cfg, w13, w2, group, device, **_tile_of(meta))
         if why and why not in notes:
             notes.append(why)
+        peers = build_peers(loaded_peers, cfg, w13, w2, group, device) if args.peers else None
         for t in tokens:
             for routing in args.routing:
                 bar.set_postfix_str(f"{name} {t} {routing}")
                 for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
-                                  args.layers):
+                                  args.layers, peers):
                     records.append({**meta, **r, "notes": notes})
                 if rank == 0 and args.output_dir:
                     # Partial results survive an interrupted sweep.
                     rec.write_json(records, os.path.join(args.output_dir, partial))
                 bar.update()
-        del w13, w2, fused
+        if peers is not None:
+            peers.close()
+        del w13, w2, fused, peers
         if on_gpu:
             torch.cuda.empty_cache()
     bar.close()

@@ -125,8 +125,11 @@ class FusedMoE:
             ``[El, F/tp, H]``; ``b2`` on TP rank 0 only). Forward only: a TP layout's
             :meth:`backward` raises NotImplementedError.
         convention: how a TP layout's ranks pass tokens (:data:`comet.mesh.CONVENTIONS`):
-            ``"sequence"``, each its own; ``"replicated"``, a TP group the same ones.
-            Either way a rank gets its own tokens' full outputs.
+            ``"sequence"``, each its own; ``"replicated"``, a TP group the same ones
+            (the same count, rows and routing, as after an attention all-reduce: a
+            contract the layer cannot check without a collective -- ranks that break it
+            get wrong outputs, not an error). Either way a rank gets its own tokens'
+            full outputs.
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
             calls too small to fill the GPU their own GEMM tiles, and a tuned table may
             set its :data:`comet.config.TUNABLE_TILE_FIELDS` per token bucket
