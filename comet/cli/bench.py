@@ -94,11 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
     g.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=[], metavar="NAME",
-                   help=f"also time other projects' layers on the same inputs, whole layer, "
-                        f"each checked against the unfused baseline first: "
+                   help="also time other projects' layers on the same inputs, whole layer, "
+                        "each checked against the unfused baseline first: "
                         f"{', '.join(sorted(PEERS))} (optional packages: "
-                        f"scripts/device/build_peers.sh); one that cannot run shows '-' and "
-                        f"why (docs/benchmarks.md, 'Peers')")
+                        "scripts/device/build_peers.sh); one that cannot run shows '-' and "
+                        "why (docs/benchmarks.md, 'Peers')")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: every visible GPU)")
     g.add_argument("--tp", type=int, default=1,
