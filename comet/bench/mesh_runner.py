@@ -30,7 +30,7 @@ from comet.bench import records as rec
 from comet.bench.floors import expert_bytes, hbm_floor_us
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                gemm_fn, phase_columns, rel_err)
+                                case_columns, gemm_fn, phase_columns, rel_err)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -160,11 +160,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             return median(out[variant].layer(layer)) if variant in out else None
 
         r = {
-            "config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
-            "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
-            "dtype": str(cfg.dtype).removeprefix("torch."),
-            "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer,
-            "tp": mesh.tp, "ep": mesh.ep, "convention": convention,
+            **case_columns(case, layer), "tp": mesh.tp, "ep": mesh.ep, "convention": convention,
             "baseline": "comet.baseline.mesh_moe_forward (unfused TP pipeline)",
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),

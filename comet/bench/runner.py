@@ -274,10 +274,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             return median([rec.tflops(f, st.world * t) for f, t in zip(flops[layer], times)])
 
         r = {
-            "config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
-            "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
-            "dtype": str(cfg.dtype).removeprefix("torch."),
-            "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer,
+            **case_columns(case, layer),
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
             "comm_only_us": med("comm_only"),
@@ -310,6 +307,15 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             r.update(phase_columns(out, BASELINE_BREAKDOWN))
         results.append(rec.derive(r))
     return results
+
+
+def case_columns(case: Case, layer: str) -> dict:
+    """The fields naming a record's case: config and its shape, tokens, routing, layer."""
+    cfg = case.cfg
+    return {"config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
+            "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
+            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer}
 
 
 def phase_columns(out: dict[str, Series], breakdown: dict[str, tuple[str, ...]]) -> dict:
