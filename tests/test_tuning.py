@@ -578,6 +578,9 @@ def test_a_split_is_timed_on_every_routing_of_the_mix(monkeypatch):
                                            "skewed"])
 
     class Layer:
+        from comet.mesh import MeshLayout
+        mesh, convention = MeshLayout(), "sequence"
+
         def __call__(self, x, ids, weights, comm_blocks, timer, decode_tile, tile_overrides):
             # Explicit tile fields: what is timed never depends on installed tables.
             assert tile_overrides == {}
@@ -605,3 +608,21 @@ def test_resuming_with_another_routing_mix_measures_again(tmp_path, capsys):
     assert set(tune.load_existing(str(path), meta, ["uniform"])["buckets"]) == {"128", "1024"}
     assert tune.load_existing(str(path), meta, ["uniform", "skewed"])["buckets"] == {}
     assert "measuring every bucket again" in capsys.readouterr().err
+
+
+def test_tensor_parallel_tables_are_keyed_by_the_kernels_shape():
+    """A (tp, ep) layer selects from the table of its kernels' shard-expert shape
+    (E * tp experts F / tp wide, k * tp slots), which ``comet tune --tp`` writes."""
+    from comet.mesh import MeshLayout
+    from comet.runtime.layer import FusedMoE
+    mesh = MeshLayout(tp=2, ep=1)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64,
+                    dtype=torch.float32, max_tokens=8)
+    shards = [mesh.shard(r, torch.zeros(8, 64, 128), torch.zeros(8, 64, 64)) for r in range(2)]
+    layers = FusedMoE.virtual_group(cfg, [s["w13"] for s in shards],
+                                    [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
+    assert layers[0].selection.cfg == mesh.kernel_config(cfg) == layers[0].ws.cfg
+    assert tuned.file_name(layers[0].ws.cfg, 2, "gpu").startswith("E=16,H=64,F=32,topk=4,ep=2,")
+    args = tune.build_parser().parse_args(["--config", "mixtral", "--tp", "2"])
+    with pytest.raises(ValueError, match="must divide the number of ranks"):
+        tune.tuned_layer(cfg, args, torch.device("cpu"), 1, 0)

@@ -31,6 +31,7 @@ Examples::
     comet tune --config-json path/to/config.json --tokens 512 2048
     comet tune --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir my_tables/
     comet tune --config mixtral --check --tokens 128 3000 8192
+    comet tune --config qwen2-moe --tp 2 --convention replicated   # a TP layout's table
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ import torch.distributed as dist
 
 from comet import __version__
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.mesh_runner import input_rank
 from comet.bench.provenance import provenance
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig
+from comet.mesh import CONVENTIONS, MeshLayout
 from comet.scheduler import search, tuned
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-measure buckets already in the file")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tune a (tp, ranks/tp) layout (comet.mesh); its table is keyed by the "
+                        "kernels' shard-expert shape, which the layer looks up (default: 1)")
+    p.add_argument("--convention", choices=CONVENTIONS, default="sequence",
+                   help="with --tp: the inputs the layout is tuned on (default: sequence)")
     p.add_argument("--check", action="store_true",
                    help="re-time the table's choices against the exhaustive best, a fixed "
                         f"split of {FIXED_SPLIT} and the analytic model (writes nothing "
@@ -172,7 +180,8 @@ def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
     routing mix, since a call's routing is on the device and selection never waits for
     it. The same on every rank (collective: every rank calls it alike)."""
     from comet.runtime.layer import PhaseTimer
-    mix = [make_input_sets(cfg, "tune", tokens, routing, 2, rank, args.seed, device)
+    me = input_rank(layer.mesh, rank, layer.convention)
+    mix = [make_input_sets(cfg, "tune", tokens, routing, 2, me, args.seed, device)
            for routing in args.routings]
 
     def timed(n: int) -> search.Times:
@@ -290,24 +299,40 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def tuned_layer(cfg: MoEConfig, args, device, world: int, rank: int):
+    """``(layer, table_cfg)``: the layer ``comet tune`` times -- expert parallelism over
+    the ranks, or with ``--tp`` a (tp, ranks/tp) layout in ``--convention`` -- and the
+    config its table is keyed by, the kernels' (a layout's shard experts:
+    :meth:`comet.mesh.MeshLayout.kernel_config`), which is what the layer's per-call
+    selection looks up. ValueError for a layout that cannot shard ``cfg``."""
+    from comet.runtime.layer import FusedMoE
+    if args.tp < 1 or world % args.tp:
+        raise ValueError(f"--tp ({args.tp}) must divide the number of ranks ({world})")
+    mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    mesh.check(cfg.num_experts, cfg.intermediate_size)
+    shard = cfg.replace(intermediate_size=cfg.intermediate_size // mesh.tp)
+    w13, w2 = make_expert_weights(shard, cfg.num_experts // mesh.ep, "tune", rank, args.seed,
+                                  device)
+    layer = FusedMoE(cfg, w13, w2, mesh=mesh, convention=args.convention)
+    return layer, layer.ws.cfg
+
+
 def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     from tqdm import tqdm
 
-    from comet.runtime.layer import FusedMoE
-    if cfg.num_experts % world:
-        print(f"num_experts ({cfg.num_experts}) is not divisible by {world} ranks",
-              file=sys.stderr)
+    try:
+        layer, table_cfg = tuned_layer(cfg, args, device, world, rank)
+    except ValueError as err:
+        print(err, file=sys.stderr)
         return 2
     name = tuned.device_name(device)
-    w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
-                                  device)
-    layer = FusedMoE(cfg, w13, w2)
-    meta = tuned.expected_meta(cfg, world, name, layer.tile)
-    path = os.path.join(args.output_dir, tuned.file_name(cfg, world, name))
+    meta = tuned.expected_meta(table_cfg, world, name, layer.tile)
+    path = os.path.join(args.output_dir, tuned.file_name(table_cfg, world, name))
     table = load_existing(path, meta, args.routings)
     candidates = sorted({n for n in args.candidates if 0 <= n < layer.programs})
     todo = [t for t in args.tokens if args.overwrite or str(t) not in table["buckets"]]
-    bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} ep={world}", disable=rank != 0)
+    layout = f"ep={world}" if args.tp == 1 else f"tp={args.tp} ep={world // args.tp}"
+    bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} {layout}", disable=rank != 0)
     for tokens in bar:
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
         entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
@@ -398,22 +423,23 @@ def format_check(report: list[dict], labels: list[str]) -> str:
 def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
     from tqdm import tqdm
 
-    from comet.runtime.layer import FusedMoE
+    try:
+        layer, table_cfg = tuned_layer(cfg, args, device, world, rank)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     name = tuned.device_name(device)
-    path = find_table(cfg, world, name, args.output_dir)
+    path = find_table(table_cfg, world, name, args.output_dir)
     if path is None:
-        print(f"no table {tuned.file_name(cfg, world, name)} to check (searched "
+        print(f"no table {tuned.file_name(table_cfg, world, name)} to check (searched "
               f"{', '.join(map(str, tuned.search_folders(args.output_dir)))})",
               file=sys.stderr)
         return 2
     with open(path) as f:
         data = json.load(f)
     table = tuned.parse_table(data)
-    w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, "tune", rank, args.seed,
-                                  device)
-    layer = FusedMoE(cfg, w13, w2)
     try:
-        tuned.parse_table(data, tuned.expected_meta(cfg, world, name, layer.tile))
+        tuned.parse_table(data, tuned.expected_meta(table_cfg, world, name, layer.tile))
     except tuned.TunedTableError as e:
         print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
     report = []
@@ -447,8 +473,9 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         print(f"table: {path}")
         print(format_check(report, ["tuned", "fixed", "analytic"]))
         os.makedirs(args.output_dir, exist_ok=True)
+        layout = f"ep{world}" if args.tp == 1 else f"tp{args.tp}-{args.convention}"
         out = os.path.join(args.output_dir, f"check-E{cfg.num_experts}-H{cfg.hidden_size}-"
-                           f"F{cfg.intermediate_size}-k{cfg.top_k}-ep{world}.json")
+                           f"F{cfg.intermediate_size}-k{cfg.top_k}-{layout}.json")
         with open(out, "w") as f:
             json.dump({"table": path, "meta": data.get("meta"), "device": name, **provenance(),
                        "iters": args.iters, "routings": args.routings, "rows": report},
