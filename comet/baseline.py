@@ -405,13 +405,9 @@ def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
-    tp, rank = _world(tp_group)
-    sizes = [x.shape[0]]
     with _phase(timer, "gather"):
-        if convention == "sequence" and tp > 1:
-            x, sizes = _gather_rows(x, tp_group, token_counts)
-            topk_ids, _ = _gather_rows(topk_ids, tp_group, sizes)
-            topk_weights, _ = _gather_rows(topk_weights, tp_group, sizes)
+        x, topk_ids, topk_weights, sizes = _gather_tokens(x, topk_ids, topk_weights, tp_group,
+                                                          convention, token_counts)
     w13, w2 = shard["w13"], shard["w2"]
     el, f, k = w13.shape[0], w2.shape[1], topk_ids.shape[1]
     with _phase(timer, "route"):
@@ -441,12 +437,33 @@ def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         y.index_add_(0, token, out.float() * w[:, None])
         y = y[:m].to(x.dtype)
     with _phase(timer, "reduce"):
-        if tp == 1:
-            return y.float()
-        if convention == "replicated":
-            dist.all_reduce(y, group=tp_group)
-            return y.float()
-        return _reduce_scatter_rows(y, sizes, rank, tp_group).float()
+        return _tp_sum(y, sizes, tp_group, convention)
+
+
+def _gather_tokens(x, topk_ids, topk_weights, tp_group, convention: Convention,
+                   token_counts: list[int] | None):
+    """``(x, topk_ids, topk_weights, sizes)`` of the TP group's tokens: all_gathered
+    under ``"sequence"`` (``sizes``: each rank's count), this rank's own otherwise."""
+    if convention != "sequence" or _world(tp_group)[0] == 1:
+        return x, topk_ids, topk_weights, [x.shape[0]]
+    x, sizes = _gather_rows(x, tp_group, token_counts)
+    topk_ids, _ = _gather_rows(topk_ids, tp_group, sizes)
+    topk_weights, _ = _gather_rows(topk_weights, tp_group, sizes)
+    return x, topk_ids, topk_weights, sizes
+
+
+def _tp_sum(y: torch.Tensor, sizes: list[int], tp_group, convention: Convention
+            ) -> torch.Tensor:
+    """The TP group's sum of the partial outputs ``y`` (model dtype, the rows of
+    :func:`_gather_tokens`), fp32: this rank's rows of it (reduce_scatter, under
+    ``"sequence"``) or all of them (all_reduce, under ``"replicated"``)."""
+    tp, rank = _world(tp_group)
+    if tp == 1:
+        return y.float()
+    if convention == "replicated":
+        dist.all_reduce(y, group=tp_group)
+        return y.float()
+    return _reduce_scatter_rows(y, sizes, rank, tp_group).float()
 
 
 def _per_row(bias: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -496,24 +513,14 @@ def mesh_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
-    tp = groups.mesh.tp
     variant = dict(activation=activation, b13=shard.get("b13"), b2=shard.get("b2"))
     if groups.mesh.ep == 1:
         return tp_moe_forward(x, topk_ids, topk_weights, shard, groups.tp, convention,
                               timer=timer, activation=activation, token_counts=token_counts)
-    sizes = [x.shape[0]]
     with _phase(timer, "gather"):
-        if convention == "sequence" and tp > 1:
-            x, sizes = _gather_rows(x, groups.tp, token_counts)
-            topk_ids, _ = _gather_rows(topk_ids, groups.tp, sizes)
-            topk_weights, _ = _gather_rows(topk_weights, groups.tp, sizes)
-    y = ep_moe_forward(x, topk_ids, topk_weights, shard["w13"], shard["w2"], groups.ep,
-                       timer=timer, **variant)
+        xs, ids, wts, sizes = _gather_tokens(x, topk_ids, topk_weights, groups.tp,
+                                             convention, token_counts)
+    y = ep_moe_forward(xs, ids, wts, shard["w13"], shard["w2"], groups.ep, timer=timer,
+                       **variant)
     with _phase(timer, "reduce"):
-        if tp == 1:
-            return y
-        if convention == "replicated":
-            dist.all_reduce(y, group=groups.tp)
-            return y
-        y = _reduce_scatter_rows(y.to(x.dtype), sizes, dist.get_rank(groups.tp), groups.tp)
-        return y.float()
+        return _tp_sum(y.to(x.dtype), sizes, groups.tp, convention)

@@ -136,6 +136,12 @@ class MeshLayout:
         _, t = self.coords(rank)
         return [self.rank(e, t) for e in range(self.ep)]
 
+    def token_source(self, rank: int, convention: Convention) -> int:
+        """The rank whose tokens ``rank`` passes: its own, or under ``"replicated"`` the
+        first of its TP group's (every rank of the group passes the same ones)."""
+        _check_convention(convention)
+        return self.tp_group(rank)[0] if convention == "replicated" else rank
+
     def check(self, num_experts: int, ffn: int) -> None:
         """Raise ValueError, naming the field, if this layout cannot shard the layer."""
         if num_experts % self.ep:

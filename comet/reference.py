@@ -237,7 +237,7 @@ def mesh_forward(
         raise ValueError(f"a {mesh} layout has {mesh.world} ranks; got {len(xs)} inputs")
     if convention == "replicated":
         for r in range(mesh.world):
-            first = mesh.tp_group(r)[0]
+            first = mesh.token_source(r, convention)
             if not all(torch.equal(a[r], a[first]) for a in (xs, topk_ids, topk_weights)):
                 raise ValueError(f"replicated convention: rank {r} passes other tokens than "
                                  f"rank {first} of its TP group")

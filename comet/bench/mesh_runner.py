@@ -22,6 +22,8 @@ GEMM floor of the layout. Timing, reduction over ranks and the records are those
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -56,37 +58,36 @@ def layout_name(mesh: MeshLayout) -> str:
     return f"tp{mesh.tp}" + (f"ep{mesh.ep}" if mesh.ep > 1 else "")
 
 
-def input_rank(mesh: MeshLayout, rank: int, convention: Convention) -> int:
-    """The rank whose inputs ``rank`` passes: its own, or under ``"replicated"`` the first
-    of its TP group's (every TP peer passes the same tokens)."""
-    return mesh.tp_group(rank)[0] if convention == "replicated" else rank
+class _ShardPlan(NamedTuple):
+    """The rows of this rank's shard experts in one input set, as
+    :func:`comet.bench.runner.gemm_fn` reads a plan: rows per expert and their end
+    offsets."""
 
-
-class _ShardRows:
-    """Rows each of this rank's shard experts computes in the layout, per input set: the
-    shard-slot view of every rank's routing (:meth:`MeshLayout.shard_routing`), counted
-    over the world."""
-
-    def __init__(self, sets: list[InputSet], mesh: MeshLayout, num_experts: int, rank: int,
-                 convention: Convention, group):
-        el = num_experts // mesh.ep
-        self.expert_rows, self.offs = [], []
-        for s in sets:
-            ids, _ = mesh.shard_routing(s.topk_ids, s.topk_weights, num_experts, rank,
-                                        convention)
-            counts = torch.zeros(num_experts * mesh.tp + 1, dtype=torch.int64,
-                                 device=ids.device)
-            valid = ids[ids >= 0]
-            counts.scatter_add_(0, valid, torch.ones_like(valid))
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(counts, group=group)
-            mine = counts[rank * el:(rank + 1) * el]
-            self.expert_rows.append(mine.tolist())
-            self.offs.append(torch.cumsum(mine, 0).to(torch.int32))
+    expert_rows: list[int]
+    offs: torch.Tensor
 
     @property
-    def rows(self) -> list[int]:
-        return [sum(r) for r in self.expert_rows]
+    def rows(self) -> int:
+        return sum(self.expert_rows)
+
+
+def _shard_plans(sets: list[InputSet], mesh: MeshLayout, num_experts: int, rank: int,
+                 convention: Convention, group) -> list[_ShardPlan]:
+    """Per input set, the rows each of this rank's shard experts computes in the layout:
+    the shard-slot view of every rank's routing (:meth:`MeshLayout.shard_routing`),
+    counted over the world."""
+    el = num_experts // mesh.ep
+    plans = []
+    for s in sets:
+        ids, _ = mesh.shard_routing(s.topk_ids, s.topk_weights, num_experts, rank, convention)
+        counts = torch.zeros(num_experts * mesh.tp + 1, dtype=torch.int64, device=ids.device)
+        valid = ids[ids >= 0]
+        counts.scatter_add_(0, valid, torch.ones_like(valid))
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, group=group)
+        mine = counts[rank * el:(rank + 1) * el]
+        plans.append(_ShardPlan(mine.tolist(), torch.cumsum(mine, 0).to(torch.int32)))
+    return plans
 
 
 def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Convention,
@@ -98,7 +99,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     the baseline takes it, ``w2 [El, F/tp, H]``); ``fused``: comet's layer built with the
     same shard and layout, or None. Returns one record per layer (no run metadata)."""
     cfg, dev, group = case.cfg, st.device, st.group
-    me = input_rank(mesh, st.rank, convention)
+    me = mesh.token_source(st.rank, convention)
     sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, me,
                            st.seed, dev)
     counts = [case.tokens] * mesh.tp
@@ -129,8 +130,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             phases = timed(call, fused.make_timer)
             phases["total"] = timed(call)["total"]
             out[mode] = Series(phases, LAYER_PHASES["comet"])
-    shard_rows = _ShardRows(sets, mesh, cfg.num_experts, st.rank, convention, group)
-    plans = [_GemmPlan(r, o) for r, o in zip(shard_rows.expert_rows, shard_rows.offs)]
+    plans = _shard_plans(sets, mesh, cfg.num_experts, st.rank, convention, group)
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, w2.shape[1], device=dev, dtype=cfg.dtype))
                 for p in plans]
@@ -141,7 +141,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
 
     order = timed_sets(st.n_sets, st.iters, st.warmup)
     per_expert = expert_bytes(cfg.hidden_size, w2.shape[1], w13.element_size())
-    floor_by_set = [hbm_floor_us(r, per_expert, st.hbm_gbps) for r in shard_rows.expert_rows]
+    floor_by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
     hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
                                     for name in rec.LAYERS}, group)
                  if st.hbm_gbps else None)
@@ -165,7 +165,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
             "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
-            "shard_rows_per_rank": median(shard_rows.rows),
+            "shard_rows_per_rank": median([p.rows for p in plans]),
             "n_comm": (list(fused.layer.last_comm_blocks)
                        if fused is not None and fused.layer.last_comm_blocks else None),
             "hbm_read_gbps": st.hbm_gbps,
@@ -177,14 +177,3 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             r.update(phase_columns(out, BASELINE_BREAKDOWN))
         results.append(rec.derive(r))
     return results
-
-
-class _GemmPlan:
-    """What :func:`comet.bench.runner.gemm_fn` reads of a plan: rows per expert, offsets."""
-
-    def __init__(self, expert_rows: list[int], offs: torch.Tensor):
-        self.expert_rows, self.offs = expert_rows, offs
-
-    @property
-    def rows(self) -> int:
-        return sum(self.expert_rows)

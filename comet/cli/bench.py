@@ -33,7 +33,7 @@ from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
-from comet.bench.mesh_runner import input_rank, layout_name, run_mesh_case
+from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
@@ -439,7 +439,8 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")
         return 1
     s = make_input_sets(cfg, name, tokens, routing, 1,
-                        input_rank(mesh, st.rank, args.convention), args.seed, st.device)[0]
+                        mesh.token_source(st.rank, args.convention), args.seed,
+                        st.device)[0]
     # The first call compiles the kernels; the timeline is of a warm call.
     fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
     entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,

@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from comet import __version__
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
-from comet.bench.mesh_runner import input_rank
 from comet.bench.provenance import provenance
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
@@ -180,7 +179,7 @@ def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
     routing mix, since a call's routing is on the device and selection never waits for
     it. The same on every rank (collective: every rank calls it alike)."""
     from comet.runtime.layer import PhaseTimer
-    me = input_rank(layer.mesh, rank, layer.convention)
+    me = layer.mesh.token_source(rank, layer.convention)
     mix = [make_input_sets(cfg, "tune", tokens, routing, 2, me, args.seed, device)
            for routing in args.routings]
 

@@ -230,9 +230,8 @@ class FusedMoE:
         return layers
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, w13_layout, b13=None, b2=None,
-                  mesh: MeshLayout | None = None, convention: Convention = "sequence") -> None:
-        mesh = mesh or MeshLayout(tp=1, ep=par.world_size)
+    def _validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh: MeshLayout,
+                  convention: Convention) -> None:
         if mesh.world != par.world_size:
             raise ValueError(f"a {mesh} layout has {mesh.world} ranks, but the process group "
                              f"has {par.world_size}")

@@ -73,8 +73,7 @@ def rank_tokens(spec, world: int, rank: int) -> int:
 def run_case(layer, name, cfg, spec, calls, w13_all, w2_all, rng):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = layer.mesh
-    # Under "replicated" a TP group's ranks pass the first one's tokens.
-    src = mesh.tp_group(rank)[0] if layer.convention == "replicated" else rank
+    src = mesh.token_source(rank, layer.convention)
     p = layer.programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (16, 16), (p // 2, p // 2)]
     m = rank_tokens(spec, world, src)
