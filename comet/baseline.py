@@ -9,9 +9,10 @@ Megatron, Tutel or a plain vLLM EP setup)::
     -> grouped GEMM with W13 -> SiLU(gate) * up -> grouped GEMM with W2
     -> un-permute -> all_to_all combine -> weighted top-k reduce
 
-It is kept honest: the grouped GEMM is torch's own (``torch._grouped_mm``, CUTLASS on
-Hopper) wherever it runs, the exchange is NCCL's ``all_to_all_single``, and nothing is done
-twice. The host sync for the split sizes is inherent to this design (NCCL needs them on
+It is written as a careful torch user writes it: the grouped GEMM is torch's own
+(``torch._grouped_mm``, CUTLASS on Hopper) wherever it runs, the gated activation is one
+fused pass on a GPU (:mod:`comet.kernels.act_forward`; torch's ops on the CPU), the
+exchange is NCCL's ``all_to_all_single``, and nothing is done twice. The host sync for the split sizes is inherent to this design (NCCL needs them on
 the host) and is part of what the fused layer removes.
 
 :func:`chunked_ep_moe_forward` is the coarse-grained pipelined variant (Tutel/FasterMoE):
@@ -37,10 +38,27 @@ import torch.distributed as dist
 
 from comet.activation import SILU, GatedActivation, gated
 from comet.grouped import grouped_mm
+from comet.kernels.act_forward import gated_rows
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
 
 __all__ = ["DispatchPlan", "plan_dispatch", "all_to_all_rows", "ep_moe_forward",
            "chunked_ep_moe_forward", "MeshGroups", "mesh_moe_forward"]
+
+
+#: What each unfused pipeline runs, in words: ``comet bench`` writes the ones it times into
+#: its results' metadata (``baselines``), so a column's baseline is never guessed.
+BASELINE_NOTES = {
+    "baseline": "comet.baseline.ep_moe_forward: expert sort, count all_to_all and one host "
+                "sync for NCCL's split sizes, all_to_all_single dispatch, torch._grouped_mm, "
+                "one fused Triton activation pass, torch._grouped_mm, all_to_all_single "
+                "combine, weighted top-k sum (fp32 accumulation)",
+    "chunked": "comet.baseline.chunked_ep_moe_forward: the same in 2-4 token chunks, each "
+               "chunk's all_to_alls on a side stream while another chunk computes",
+    "mesh": "comet.baseline.mesh_moe_forward: NCCL all_gather of the TP group's tokens "
+            "(sequence convention), the expert pipeline on this rank's F shard "
+            "(torch._grouped_mm, one fused Triton activation pass), partial sums "
+            "reduce-scattered (sequence) or all-reduced (replicated) in the model dtype",
+}
 
 
 def _world(group) -> tuple[int, int]:
@@ -140,11 +158,22 @@ def plan_dispatch(topk_ids: torch.Tensor, local_experts: int, group=None) -> Dis
     return _build_plan(order, host[0], host[1], recv)
 
 
+def _activate(gu: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
+    """``h [R, F] = act(gate) * up`` of ``gu [R, 2F]`` in ``gu``'s dtype: one Triton pass on a
+    GPU (:func:`comet.kernels.act_forward.gated_rows`, the fused activation a careful torch
+    user runs), torch's ops elsewhere."""
+    if gu.is_cuda:
+        return gated_rows(gu, activation)
+    f = gu.shape[1] // 2
+    if activation.is_default:
+        return torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+    return gated(gu[:, :f], gu[:, f:], activation).to(gu.dtype)
+
+
 def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torch.Tensor,
              timer=None, activation: GatedActivation = SILU, b13: torch.Tensor | None = None,
              b2: torch.Tensor | None = None) -> torch.Tensor:
     """Received rows ``[R, H]`` (source order) -> expert outputs ``[R, H]`` (source order)."""
-    f = w2.shape[1]
     with _phase(timer, "permute"):
         grouped = rows.index_select(0, plan.perm)
     with _phase(timer, "gemm0"):
@@ -154,10 +183,7 @@ def _experts(rows: torch.Tensor, plan: DispatchPlan, w13: torch.Tensor, w2: torc
     if b13 is not None:
         gu = gu + b13.repeat_interleave(counts, dim=0, output_size=plan.rows)
     with _phase(timer, "act"):
-        if activation.is_default:
-            h = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
-        else:
-            h = gated(gu[:, :f], gu[:, f:], activation).to(gu.dtype)
+        h = _activate(gu, activation)
     with _phase(timer, "gemm1"):
         out = grouped_mm(h, w2, plan.expert_rows, plan.offs)
     if b2 is not None:
@@ -409,7 +435,7 @@ def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         x, topk_ids, topk_weights, sizes = _gather_tokens(x, topk_ids, topk_weights, tp_group,
                                                           convention, token_counts)
     w13, w2 = shard["w13"], shard["w2"]
-    el, f, k = w13.shape[0], w2.shape[1], topk_ids.shape[1]
+    el, k = w13.shape[0], topk_ids.shape[1]
     with _phase(timer, "route"):
         order, counts = _sort_pairs(topk_ids, el)
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -420,8 +446,7 @@ def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if shard.get("b13") is not None:
         gu = gu + _per_row(shard["b13"], counts, gu.shape[0])
     with _phase(timer, "act"):
-        h = (torch.nn.functional.silu(gu[:, :f]) * gu[:, f:] if activation.is_default
-             else gated(gu[:, :f], gu[:, f:], activation).to(gu.dtype))
+        h = _activate(gu, activation)
     with _phase(timer, "gemm1"):
         out = grouped_mm(h, w2, None, offs)
     if shard.get("b2") is not None:

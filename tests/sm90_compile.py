@@ -81,6 +81,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.config import MoEConfig, TileConfig
     from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
     from comet.kernels.act_backward import act_backward
+    from comet.kernels.act_forward import gated_rows
     from comet.kernels.mesh_routing import shard_routing
     from comet.mesh import MeshLayout
     from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
@@ -159,6 +160,9 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                          torch.zeros(64), interleaved=interleaved)
         act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),
                      torch.zeros(64), interleaved=True, activation=gpt_oss)
+        # The unfused baselines' activation pass, the default and a variant.
+        for act in (None, gpt_oss):
+            gated_rows(torch.zeros(64, 2 * 320, dtype=dtype), *([act] if act else []))
         # The fused backward: every kernel variant of its phases, fused and by role.
         bufs = GradBuffers.allocate(cfg, world, "cpu")
         staged = (torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64),

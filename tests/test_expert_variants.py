@@ -136,6 +136,25 @@ def test_act_backward_kernel_of_a_variant_matches_torch(name):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_baseline_activation_kernel_of_a_variant_matches_the_spec(name):
+    """comet.kernels.act_forward (the unfused baselines' fused activation; the interpreter
+    on a CPU) against comet.activation.gated, with rows and F not multiples of its tile."""
+    from comet.kernels.act_forward import gated_rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    rows, f = 19, 300
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        gu = (torch.randn(rows, 2 * f, generator=g) * 6).to(dev, dtype)
+        want = gated(gu[:, :f].float(), gu[:, f:].float(), VARIANTS[name]).to(dtype)
+        got = gated_rows(gu, VARIANTS[name])
+        assert got.dtype == dtype and got.shape == (rows, f)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="unit column stride"):
+        gated_rows(gu.t())
+    assert gated_rows(gu[:0]).shape == (0, f)
+
+
 @interpreter
 def test_fused_backward_of_a_variant_matches_autograd_of_the_spec():
     """W=2 virtual ranks, GPT-OSS's clamped SwiGLU: dx, d weights, dW13, dW2."""

@@ -246,6 +246,7 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
            f"- dtype: {first.get('dtype', '?')}; iterations: {first.get('iters', '?')} "
            f"(median of the slowest rank), warm-up {first.get('warmup', '?')}, "
            f"{first.get('input_sets', '?')} input sets"]
+    out += [f"- {name}: {what}" for name, what in (first.get("baselines") or {}).items()]
     out += [f"- note: {n}" for n in notes]
     lines = summary(records)
     if lines:

@@ -27,6 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from comet.baseline import BASELINE_NOTES
 from comet.bench import records as rec
 from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
@@ -325,6 +326,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp, mesh)
     st.hbm_gbps = hbm_read_gbps(device)
+    meta["baselines"] = {k: BASELINE_NOTES[k] for k in (
+        ("mesh",) if mesh.tp > 1 else ("baseline", "chunked"))}
     if mesh.tp > 1:
         meta["convention"] = args.convention
         return _run_mesh(args, configs, tokens, st, dtype, meta, notes, stamp, mesh)

@@ -40,6 +40,8 @@ mkdir -p "$wheels"
       TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="$(nproc)" \
       timeout "${DEEPEP_BUILD_TIMEOUT_S:-480}" python3 - "$wheels" <<'PY'
 import importlib.util
+import pathlib
+import re
 import runpy
 import sys
 
@@ -53,6 +55,23 @@ def without_nvshmem(name, *args, **kwargs):
 
 
 importlib.util.find_spec = without_nvshmem
+
+# At this commit three shrink-mode methods of deep_ep.cpp call low-latency kernels outside
+# the DISABLE_NVSHMEM guard their siblings have: without NVSHMEM the module then links but
+# fails to import (undefined internode_ll::*_mask_buffer). Guard the calls in this build's
+# copy; shrink mode needs NVSHMEM's buffers anyway, and the methods' asserts refuse it.
+src = pathlib.Path("csrc/deep_ep.cpp")
+text, n = re.subn(r"(internode_ll::(?:update|query|clean)_mask_buffer\([^;]*;)",
+                  r"\n#ifndef DISABLE_NVSHMEM\n\1\n#endif\n", src.read_text())
+src.write_text(text)
+print(f"DeepEP: guarded {n} unguarded low-latency calls in csrc/deep_ep.cpp")
+# Its sm_90 flags compile relocatable device code (-rdc=true) but only NVSHMEM's build adds
+# the device-link step; without it the module fails to import (undefined
+# __cudaRegisterLinkedBinary_*). Ask torch's BuildExtension for the plain device link.
+setup = pathlib.Path("setup.py")
+text, n = re.subn(r"nvcc_dlink = \[\]", "nvcc_dlink = ['-dlink']", setup.read_text())
+setup.write_text(text)
+print(f"DeepEP: device link step added to setup.py ({n} place)")
 sys.argv = ["setup.py", "bdist_wheel", "--dist-dir", sys.argv[1]]
 runpy.run_path("setup.py", run_name="__main__")
 PY
@@ -67,11 +86,11 @@ PY
          "(scripts/fetch_peer_sources.sh, then carry .gl/peers)"
   fi
   if ls "$wheels"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install --no-index --no-deps --no-compile --no-cache-dir \
+    python3 -m pip install --no-index --no-deps --no-compile --no-cache-dir --force-reinstall \
       "$wheels"/*.whl || status=$?
   fi
   python3 -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer, "sm90:", deep_ep.Buffer.is_sm90_compiled())' \
-    || echo "deep_ep does not import"
+    || { echo "deep_ep does not import"; status=1; }
   python3 -W ignore -c 'import megatron.core as m; from megatron.core.extensions.transformer_engine import HAVE_TE; print("megatron.core imports:", m.__version__, "Transformer Engine:", HAVE_TE)' \
     || echo "megatron.core does not import"
   exit "$status"
