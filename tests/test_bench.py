@@ -115,8 +115,11 @@ def test_cpu_default_run_prints_table_and_writes_records(tmp_path, capsys):
     assert moe["max_rel_err"]["chunked"] < 1e-4
     assert set(moe["baseline_phases_us"]) == {"sync", "a2a", "gemm", "act", "permute"}
     assert moe["comet_phases_us"] is None
+    assert set(moe["baselines"]) == {"baseline", "chunked"}
+    assert "ep_moe_forward" in moe["baselines"]["baseline"]
     md = open(path[:-5] + ".md").read()
     assert "| config | tokens/rank | routing | layer |" in md
+    assert f"- chunked: {moe['baselines']['chunked']}" in md    # what each column runs
     assert not os.path.exists(path[:-5] + ".png")     # nothing fused to plot
 
 
