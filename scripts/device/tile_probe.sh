@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# usage: VARIANTS="default block_n0=64 num_stages=4,block_n1=128" NAME=tp-qwen2 \
+#        bash scripts/device/tile_probe.sh [comet bench args...]
+# The same comet bench cases once per TileConfig variant (`--tile FIELD=V,...`; "default":
+# the layer's own tile), one rank, from the repository root with no install: which tile
+# fields pay for a shape before any default changes. Writes $OUT/NAME-<variant>.json/.md,
+# $OUT/NAME.log, and $OUT/NAME-summary.txt (per variant and record: fused, compute-only,
+# torch GEMM, and each layer's comet GEMM time over torch's).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+out="${OUT:-out}"; name="${NAME:-tile-probe}"
+mkdir -p "$out"
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for v in ${VARIANTS:-default}; do
+    dir=$(mktemp -d)
+    tile=(); [ "$v" != default ] && tile=(--tile "$v")
+    echo "== $v"
+    timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc 1 --no-plot \
+      --output-dir "$dir" "${tile[@]}" "$@" > "$dir/run.log" 2>&1 || echo "variant $v: exit $?"
+    tail -n 3 "$dir/run.log"
+    for f in "$dir"/bench-*.json; do [ -f "$f" ] && cp "$f" "$out/$name-$v.json"; done
+    for f in "$dir"/bench-*.md; do [ -f "$f" ] && cp "$f" "$out/$name-$v.md"; done
+    rm -rf "$dir"
+  done
+  python3 - "$out" "$name" <<'PY' | tee "$out/$name-summary.txt"
+import glob, json, os, sys
+out, name = sys.argv[1:]
+for path in sorted(glob.glob(os.path.join(out, f"{name}-*.json"))):
+    variant = path[len(os.path.join(out, name)) + 1:-5]
+    records = json.load(open(path))
+    records = records if isinstance(records, list) else records["records"]
+    by = {}
+    for r in records:
+        by.setdefault((r["config"], r["tokens_per_rank"], r["routing"]), {})[r["layer"]] = r
+    for key, layers in sorted(by.items()):
+        moe = layers.get("moe", {})
+        ratios = " ".join(
+            f"{l}={layers[l]['comet_gmm_us'] / layers[l]['torch_gmm_us']:.3f}"
+            for l in ("layer0", "layer1") if l in layers
+            and layers[l].get("comet_gmm_us") and layers[l].get("torch_gmm_us"))
+        print(f"{variant:28s} {key[0]:18s} {key[1]:6d} {key[2]:8s} fused {moe.get('fused_us') or 0:9.1f} "
+              f"compute {moe.get('compute_only_us') or 0:9.1f} torch {moe.get('torch_gmm_us') or 0:9.1f} "
+              f"hbm {moe.get('hbm_floor_us') or 0:8.1f} comet/torch {ratios}")
+PY
+} 2>&1 | tee "$out/$name.log"
