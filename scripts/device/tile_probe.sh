@@ -3,7 +3,8 @@
 #        bash scripts/device/tile_probe.sh [comet bench args...]
 # The same comet bench cases once per TileConfig variant (`--tile FIELD=V,...`; "default":
 # the layer's own tile), one rank, from the repository root with no install: which tile
-# fields pay for a shape before any default changes. Writes $OUT/NAME-<variant>.json/.md,
+# fields pay for a shape before any default changes. Writes $OUT/NAME-<variant>.json/.md
+# (the variant's "=" as "-" and "," as "+": device machines return plain names only),
 # $OUT/NAME.log, and $OUT/NAME-summary.txt (per variant and record: fused, compute-only,
 # torch GEMM, and each layer's comet GEMM time over torch's).
 set -uo pipefail
@@ -16,12 +17,13 @@ mkdir -p "$out"
   for v in ${VARIANTS:-default}; do
     dir=$(mktemp -d)
     tile=(); [ "$v" != default ] && tile=(--tile "$v")
+    tag=$(echo "$v" | tr '=,' '-+')
     echo "== $v"
     timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc 1 --no-plot \
       --output-dir "$dir" "${tile[@]}" "$@" > "$dir/run.log" 2>&1 || echo "variant $v: exit $?"
     tail -n 3 "$dir/run.log"
-    for f in "$dir"/bench-*.json; do [ -f "$f" ] && cp "$f" "$out/$name-$v.json"; done
-    for f in "$dir"/bench-*.md; do [ -f "$f" ] && cp "$f" "$out/$name-$v.md"; done
+    for f in "$dir"/bench-*.json; do [ -f "$f" ] && cp "$f" "$out/$name-$tag.json"; done
+    for f in "$dir"/bench-*.md; do [ -f "$f" ] && cp "$f" "$out/$name-$tag.md"; done
     rm -rf "$dir"
   done
   python3 - "$out" "$name" <<'PY' | tee "$out/$name-summary.txt"
