@@ -136,6 +136,16 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         gelu_ws = allocate_virtual(cfg.replace(activation=GatedActivation(kind="gelu_tanh")),
                                    world, "cpu", tile)[0]
         ForwardCall(gelu_ws, w13, w2, decode, inputs, grids).launch_layer0(ROLE_FUSED, 132)
+        # F ending in half an interleave block (TP shards of F = 1408, GPT-OSS's 2880):
+        # layer0's one-dot tiles with the half-tail epilogue, default and GPT-OSS biased.
+        half_cfg = cfg.replace(intermediate_size=320)
+        w13_h = torch.zeros(el, 256, 640, dtype=dtype)
+        w2_h = torch.zeros(el, 320, 256, dtype=dtype)
+        ForwardCall(allocate_virtual(half_cfg, world, "cpu", tile)[0], w13_h, w2_h, tile,
+                    inputs, grids).launch_layer0(ROLE_FUSED, 132)
+        ForwardCall(allocate_virtual(half_cfg.replace(activation=gpt_oss, expert_bias=True),
+                                     world, "cpu", tile)[0], w13_h, w2_h, tile, inputs, grids,
+                    b13=torch.zeros(el, 640, dtype=dtype), b2=b2).launch_layer0(ROLE_FUSED, 132)
         # A replicated (tp, ep) = (2, 2) layout: the shard-slot launch, the fan-out of
         # the scatter epilogue and of the reduce's sends, the combine's liveness.
         mesh = MeshLayout(tp=2, ep=world // 2)

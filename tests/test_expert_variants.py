@@ -119,6 +119,27 @@ def test_fused_forward_one_dot_epilogue_with_biases():
 
 
 @interpreter
+@pytest.mark.parametrize("name,bias,f", [("silu", False, 192), ("gpt-oss", True, 320)])
+def test_fused_forward_half_tail_epilogue(name, bias, f):
+    """F ending in half an interleave block (F % 128 == 64, as F = 704 or GPT-OSS's 2880):
+    one dot per tile still, the last item's box ``[gate/2 | up/2 | zeros]`` unpacked by the
+    half-tail epilogue (comet.kernels.group_gemm), fp16, with and without biases."""
+    from comet.kernels.layer0 import layer0_gemm
+    from comet.runtime.virtual import VirtualEP
+    cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, VARIANTS[name], bias, torch.float16,
+                                                   f=f, seed=f)
+    tile = dataclasses.replace(TileConfig.small(), block_n0=128)
+    item = layer0_gemm(torch.zeros(16, 32, dtype=torch.float16), w13[0],
+                       torch.zeros(16, f, dtype=torch.float16), tile, gated=True)[1]
+    assert item.ONE_DOT and item.HALF_TAIL      # the path under test
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    want = reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16,
+                                activation=VARIANTS[name], b13_shards=b13, b2_shards=b2)
+    for y, w in zip(ep.forward(xs, ids, wts), want):
+        torch.testing.assert_close(y.float(), w, rtol=2e-2, atol=5e-2)
+
+
+@interpreter
 @pytest.mark.parametrize("name", ["gpt-oss", "gelu-tanh"])
 def test_act_backward_kernel_of_a_variant_matches_torch(name):
     from comet.baseline_backward import act_backward_torch

@@ -81,6 +81,7 @@ class GemmTile(NamedTuple):
     ONE_DOT: tl.constexpr        # gate and up of a tile in one dot (box of 2 * BLOCK_N)
     TRANS_B: tl.constexpr        # A @ B[expert]^T
     GATE_UP: tl.constexpr        # columns of an interleaved gate (and up) block
+    HALF_TAIL: tl.constexpr      # ONE_DOT, and F ends in a half block (F % GATE_UP == GATE_UP/2)
     DOT_PRECISION: tl.constexpr
     ACT: Act                     # the gated activation (GATED)
     BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
@@ -124,8 +125,11 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
                           input_precision=t.DOT_PRECISION)
         if t.BIAS:
             both += bias_row(g.bias, expert, 2 * g.N, 2 * n0, 2 * g.N, 2 * t.BLOCK_N)
-        gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
-        acc = gated(gate, up, t.ACT)
+        if t.HALF_TAIL:
+            acc = half_tail_epilogue(both, n0 + t.BLOCK_N > g.N, t)
+        else:
+            gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
+            acc = gated(gate, up, t.ACT)
     elif t.GATED:
         gate_col, up_col = gate_up_columns(n0, g.N, t.GATE_UP)
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
@@ -155,6 +159,22 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
         if t.BIAS:
             acc += bias_row(g.bias, expert, g.N, n0, g.N, t.BLOCK_N)
     return acc
+
+
+@triton.jit
+def half_tail_epilogue(both, tail, t):
+    """``act(gate) * up`` of a one-dot box ``both [BLOCK_M, 2 * BLOCK_N]`` when F ends in
+    a half interleave block: a whole block's box is ``[gate | up]``, the last item's
+    ``[gate/2 | up/2 | zeros]`` (the box runs past W13's last column, which TMA fills with
+    zeros), so its up columns sit where a whole block's second gate half does. The box is
+    cut in quarters (column ``a * BLOCK_N + b * BLOCK_N/2 + i``) and each half of the
+    output computed from its quarters; the tail item's second half is never stored."""
+    lo, hi = both.reshape(t.BLOCK_M, 2, 2, t.BLOCK_N // 2).permute(0, 3, 1, 2).split()
+    gate_lo, up_lo = lo.split()
+    gate_hi, up_hi = hi.split()
+    up_lo = tl.where(tail, gate_hi, up_lo)
+    out = tl.join(gated(gate_lo, up_lo, t.ACT), gated(gate_hi, up_hi, t.ACT))
+    return out.permute(0, 2, 1).reshape(t.BLOCK_M, t.BLOCK_N)
 
 
 @triton.jit

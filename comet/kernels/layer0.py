@@ -152,15 +152,19 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     bk = tile.k_step(h)
     if gated:
         block_n = tile.block_n0
-        one_dot = block_n == GATE_UP_BLOCK and n % GATE_UP_BLOCK == 0
+        # One dot per tile needs whole interleave blocks, or a last half block whose box
+        # the half-tail epilogue unpacks (F = 704, 2880: TP shards, GPT-OSS).
+        half_tail = n % GATE_UP_BLOCK == GATE_UP_BLOCK // 2
+        one_dot = block_n == GATE_UP_BLOCK and (n % GATE_UP_BLOCK == 0 or half_tail)
+        half_tail = half_tail and one_dot
         b = descriptor(w.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
     else:
-        block_n, one_dot = tile.block_n1, False
+        block_n, one_dot, half_tail = tile.block_n1, False, False
         b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w.view(el * h, n), [bk, block_n]))
     gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias)
     return gemm, GemmTile(*(constexpr(v) for v in (
-        tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK,
+        tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None))
 
 

@@ -136,7 +136,8 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
     b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
          else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
     item = GemmTile(*(constexpr(v) for v in (
-        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, dot_precision(h.dtype))),
+        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, False,
+        dot_precision(h.dtype))),
         act_tile(), constexpr(bias is not None))
     splits = Splits(constexpr(tile.blocks_per_split(hidden)),
                     constexpr(tile.n_splits(hidden)))
