@@ -11,7 +11,9 @@ The *interleaved* layout puts them side by side in blocks of :data:`GATE_UP_BLOC
 columns: ``[gate 0 | up 0 | gate 1 | up 1 | ...]``, block ``j`` being columns
 ``[j*B, (j+1)*B)`` of the gate (then of the up) projection; when ``B`` does not divide
 ``F`` the last block holds the remaining ``r`` gate columns, then ``r`` up columns. A
-``[BLOCK_K, 2B]`` box of it is one dot's operand. :class:`comet.moe.LocalExperts` keeps
+``[BLOCK_K, 2B]`` box of it is one dot's operand (for a last block of ``B/2`` columns
+too: the box runs past the last column, read as zeros, and layer0's half-tail epilogue
+unpacks it; other partial widths take two dots). :class:`comet.moe.LocalExperts` keeps
 its ``w13`` in this layout; checkpoints keep the models' own.
 """
 
