@@ -189,6 +189,14 @@ class MeshLayout:
         _check_convention(convention)
         return self.tp if convention == "replicated" else 1
 
+    def table_layout(self, convention: Convention) -> str | None:
+        """How ``comet tune`` tables of this layout are told apart from those of the same
+        kernel shape (``"tp2-sequence"``; None for expert parallelism, whose tables carry
+        no layout): the two conventions move different rows through the same kernels, and
+        their best block splits differ (docs/tuning.md)."""
+        _check_convention(convention)
+        return None if self.tp == 1 else f"tp{self.tp}-{convention}"
+
     def kernel_config(self, cfg: MoEConfig) -> MoEConfig:
         """The expert-parallel layer the kernels run for ``cfg`` in this layout: ``E *
         tp`` shard experts ``F / tp`` wide, ``k * tp`` slots per token of which at most

@@ -555,10 +555,14 @@ def test_each_shipped_table_is_current_and_matches_its_name(path):
     meta = json.loads(path.read_text())["meta"]
     cfg = MoEConfig(num_experts=meta["E"], top_k=meta["top_k"], hidden_size=meta["H"],
                     intermediate_size=meta["F"], dtype=torch.bfloat16)
-    assert tuned.file_name(cfg, meta["world_size"], meta["device_name"]) == path.name
-    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"])
+    layout = meta.get("layout")
+    assert tuned.file_name(cfg, meta["world_size"], meta["device_name"], layout) == path.name
+    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"], layout=layout)
     table = tuned.parse_table(json.loads(path.read_text()), expect)
-    assert sorted(table) == [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    if layout is None:      # the presets' expert-parallel tables: every default bucket
+        assert sorted(table) == list(tune.DEFAULT_TOKENS)
+    else:                   # a TP layout's: the buckets it was tuned at (docs/tuning.md)
+        assert set(table) <= set(tune.DEFAULT_TOKENS) and len(table) >= 4
     assert all(max(c.layer0, c.layer1) < HOPPER_SMS for c in table.values())
 
 
@@ -622,7 +626,31 @@ def test_tensor_parallel_tables_are_keyed_by_the_kernels_shape():
     layers = FusedMoE.virtual_group(cfg, [s["w13"] for s in shards],
                                     [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
     assert layers[0].selection.cfg == mesh.kernel_config(cfg) == layers[0].ws.cfg
-    assert tuned.file_name(layers[0].ws.cfg, 2, "gpu").startswith("E=16,H=64,F=32,topk=4,ep=2,")
+    assert layers[0].selection.layout == "tp2-sequence"
+    assert tuned.file_name(layers[0].ws.cfg, 2, "gpu", "tp2-sequence").startswith(
+        "E=16,H=64,F=32,topk=4,ep=2,layout=tp2-sequence,")
     args = tune.build_parser().parse_args(["--config", "mixtral", "--tp", "2"])
     with pytest.raises(ValueError, match="must divide the number of ranks"):
         tune.tuned_layer(cfg, args, torch.device("cpu"), 1, 0)
+
+
+def test_tensor_parallel_tables_are_kept_apart_by_layout(tmp_path):
+    """The two conventions of a TP layout, and an expert-parallel layer of the same
+    kernel shape, each load only their own table: the best splits differ (qwen2-moe at
+    TP=2 on 2x H200: the sequence table's splits were 1.02-1.07x slower than the analytic
+    model's for the replicated convention, docs/tuning.md)."""
+    from comet.mesh import MeshLayout
+    mesh = MeshLayout(tp=2, ep=1)
+    seq, repl = mesh.table_layout("sequence"), mesh.table_layout("replicated")
+    assert (seq, repl, MeshLayout(tp=1, ep=2).table_layout("sequence")) == (
+        "tp2-sequence", "tp2-replicated", None)
+    data = {"meta": tuned.expected_meta(CFG, 4, "cpu", layout=seq),
+            "buckets": {"128": {"layer0": 8, "layer1": 0}}}
+    (tmp_path / tuned.file_name(CFG, 4, "cpu", seq)).write_text(json.dumps(data))
+    assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path, layout=seq).splits == (8, 0)
+    assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path, layout=repl) is None
+    assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path) is None
+    # The same table under the expert-parallel name is refused by its meta.
+    (tmp_path / tuned.file_name(CFG, 4, "cpu")).write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="tuned for the layout tp2-sequence, this layer is ep"):
+        assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path) is None

@@ -325,13 +325,14 @@ def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         print(err, file=sys.stderr)
         return 2
     name = tuned.device_name(device)
-    meta = tuned.expected_meta(table_cfg, world, name, layer.tile)
-    path = os.path.join(args.output_dir, tuned.file_name(table_cfg, world, name))
+    layout = layer.selection.layout
+    meta = tuned.expected_meta(table_cfg, world, name, layer.tile, layout)
+    path = os.path.join(args.output_dir, tuned.file_name(table_cfg, world, name, layout))
     table = load_existing(path, meta, args.routings)
     candidates = sorted({n for n in args.candidates if 0 <= n < layer.programs})
     todo = [t for t in args.tokens if args.overwrite or str(t) not in table["buckets"]]
-    layout = f"ep={world}" if args.tp == 1 else f"tp={args.tp} ep={world // args.tp}"
-    bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} {layout}", disable=rank != 0)
+    ranks = f"ep={world}" if args.tp == 1 else f"tp={args.tp} ep={world // args.tp}"
+    bar = tqdm(todo, desc=f"comet tune E={cfg.num_experts} {ranks}", disable=rank != 0)
     for tokens in bar:
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
         entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
@@ -364,9 +365,10 @@ def _searched(folder: str) -> bool:
     return any(os.path.realpath(f) == target for f in tuned.search_folders())
 
 
-def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str) -> str | None:
+def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str,
+               layout: str | None = None) -> str | None:
     """The table a layer would load (first folder of the lookup that has the file)."""
-    name = tuned.file_name(cfg, world, device_name)
+    name = tuned.file_name(cfg, world, device_name, layout)
     for f in tuned.search_folders(folder):
         if (f / name).is_file():
             return str(f / name)
@@ -428,9 +430,10 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         print(err, file=sys.stderr)
         return 2
     name = tuned.device_name(device)
-    path = find_table(table_cfg, world, name, args.output_dir)
+    layout = layer.selection.layout
+    path = find_table(table_cfg, world, name, args.output_dir, layout)
     if path is None:
-        print(f"no table {tuned.file_name(table_cfg, world, name)} to check (searched "
+        print(f"no table {tuned.file_name(table_cfg, world, name, layout)} to check (searched "
               f"{', '.join(map(str, tuned.search_folders(args.output_dir)))})",
               file=sys.stderr)
         return 2
@@ -438,7 +441,8 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
         data = json.load(f)
     table = tuned.parse_table(data)
     try:
-        tuned.parse_table(data, tuned.expected_meta(table_cfg, world, name, layer.tile))
+        tuned.parse_table(data, tuned.expected_meta(table_cfg, world, name, layer.tile,
+                                                    layout))
     except tuned.TunedTableError as e:
         print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
     report = []

@@ -277,7 +277,7 @@ class FusedMoE:
         # rows, layer1 by columns).
         self.decomposition = kernel_decomposition(mesh, convention)
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
-                                  tuned_config_folder)
+                                  tuned_config_folder, mesh.table_layout(convention))
         self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors,
                                    slots_per_choice=mesh.tp)
         self.graphs = CallGraphs(self.device, use_graphs)

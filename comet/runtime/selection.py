@@ -31,12 +31,15 @@ class Selector:
         programs: programs of the fused kernels (SMs of the device).
         device: where the layer runs (its name keys the tuned tables).
         folder: an extra folder of ``comet tune`` tables.
+        layout: a TP layout's table key (:meth:`comet.mesh.MeshLayout.table_layout`;
+            None: expert parallelism).
     """
 
     def __init__(self, cfg: MoEConfig, world: int, tile: TileConfig, programs: int,
-                 device: torch.device, folder: str | None = None):
+                 device: torch.device, folder: str | None = None, layout: str | None = None):
         self.cfg, self.world, self.tile = cfg, world, tile
         self.programs, self.device, self.folder = programs, device, folder
+        self.layout = layout
         self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
         self._small: dict[int, bool] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
@@ -71,7 +74,7 @@ class Selector:
         key = (num_tokens, os.environ.get(tuned.ENV_FOLDER))
         if key not in self._selected:
             picked = tuned.lookup(self.cfg, self.world, num_tokens, self.device, self.folder,
-                                  tile=self.tile)
+                                  tile=self.tile, layout=self.layout)
             if picked is not None and not all(0 <= n < self.programs for n in picked.splits):
                 warnings.warn(f"comet: the tuned table's split {picked.splits} at "
                               f"{num_tokens} tokens does not fit this GPU's {self.programs} "
@@ -115,7 +118,7 @@ class Selector:
         """Every tile configuration a call may select: the layer's, the tuned table's
         per-bucket ones, and the decode tile of each."""
         table = tuned.load_table(self.cfg, self.world, self.device, self.folder,
-                                 tile=self.tile)
+                                 tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
         return [t for o in sorted(picks) for t in self._variant(o) if t is not None]
 

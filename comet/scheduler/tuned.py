@@ -5,6 +5,12 @@ configs::
 
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
 
+A tensor-parallel layout's table is keyed by the kernels' shard-expert shape and by its
+*layout* (:meth:`comet.mesh.MeshLayout.table_layout`: TP size and input convention), in the
+name (``...,ep=2,layout=tp2-sequence,device_name=...``) and in ``meta["layout"]``: the
+conventions run the same kernel shape on different rows, and an expert-parallel layer of
+that shape is a third case.
+
 holding ``{"meta": {...}, "buckets": {"<tokens per rank>": {"layer0": n0, "layer1": n1,
 "decode_tile": true|false, "tile": {"group_m": 16}, ...}}}``. Optional per bucket:
 ``decode_tile`` (whether layer1 runs on the decode tile, see
@@ -64,22 +70,28 @@ def device_name(device: torch.device | str | None = None) -> str:
     return torch.cuda.get_device_name(torch.device(device)).replace(" ", "_")
 
 
-def file_name(cfg: MoEConfig, world_size: int, device: str) -> str:
+def file_name(cfg: MoEConfig, world_size: int, device: str, layout: str | None = None
+              ) -> str:
+    """The table's file name; ``layout``: a TP layout's key (None: expert parallelism)."""
     return (f"E={cfg.num_experts},H={cfg.hidden_size},F={cfg.intermediate_size},"
-            f"topk={cfg.top_k},ep={world_size},device_name={device},"
-            f"dtype={_DTYPE_NAMES[cfg.dtype]}.json")
+            f"topk={cfg.top_k},ep={world_size},"
+            + (f"layout={layout}," if layout else "")
+            + f"device_name={device},dtype={_DTYPE_NAMES[cfg.dtype]}.json")
 
 
 def expected_meta(cfg: MoEConfig, world_size: int, device: str,
-                  tile: TileConfig | None = None) -> dict:
+                  tile: TileConfig | None = None, layout: str | None = None) -> dict:
     """What a table's ``meta`` must hold to serve this layer (``tile``: its TileConfig,
-    default the default one, whose tables record no ``"tile"``)."""
+    default the default one, whose tables record no ``"tile"``; ``layout``: a TP layout's
+    key, absent from expert-parallel tables)."""
     meta = {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
             "dtype": _DTYPE_NAMES[cfg.dtype], "kernel_revision": KERNEL_REVISION}
     variant = (tile or TileConfig()).variant()
     if variant:
         meta["tile"] = variant
+    if layout:
+        meta["layout"] = layout
     return meta
 
 
@@ -133,6 +145,9 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
         for key, value in expect.items():
             if key != "tile" and meta.get(key) != value:
                 raise TunedTableError(f"meta[{key!r}] is {meta.get(key)!r}, expected {value!r}")
+        if meta.get("layout") != expect.get("layout"):
+            raise TunedTableError(f"tuned for the layout {meta.get('layout') or 'ep'}, this "
+                                  f"layer is {expect.get('layout') or 'ep'}")
         if meta.get("tile", {}) != expect.get("tile", {}):
             raise TunedTableError(f"tuned for the TileConfig variant {meta.get('tile', {})}, "
                                   f"this layer is {expect.get('tile', {})}")
@@ -190,12 +205,14 @@ _untuned_logged: set = set()
 
 def load_table(cfg: MoEConfig, world_size: int, device=None,
                folder: str | os.PathLike | None = None,
-               tile: TileConfig | None = None) -> dict[int, Choice] | None:
-    """The table a layer of this shape and TileConfig (default: the default one) uses
-    (``{tokens: Choice}``), or None when untuned (logged once per shape)."""
+               tile: TileConfig | None = None, layout: str | None = None
+               ) -> dict[int, Choice] | None:
+    """The table a layer of this shape, TileConfig (default: the default one) and layout
+    (a TP layout's key, None for expert parallelism) uses (``{tokens: Choice}``), or None
+    when untuned (logged once per shape)."""
     dev = device_name(device)
-    name = file_name(cfg, world_size, dev)
-    expect = json.dumps(expected_meta(cfg, world_size, dev, tile), sort_keys=True)
+    name = file_name(cfg, world_size, dev, layout)
+    expect = json.dumps(expected_meta(cfg, world_size, dev, tile, layout), sort_keys=True)
     for f in search_folders(folder):
         path = f / name
         if path.is_file():
@@ -211,7 +228,7 @@ def load_table(cfg: MoEConfig, world_size: int, device=None,
 
 def lookup(cfg: MoEConfig, world_size: int, tokens: int, device=None,
            folder: str | os.PathLike | None = None,
-           tile: TileConfig | None = None) -> Choice | None:
+           tile: TileConfig | None = None, layout: str | None = None) -> Choice | None:
     """The tuned choice for ``tokens`` on this rank, or None when untuned."""
-    table = load_table(cfg, world_size, device, folder, tile)
+    table = load_table(cfg, world_size, device, folder, tile, layout)
     return None if table is None else nearest_bucket(table, tokens)
