@@ -50,7 +50,7 @@ def gated_rows(gu: torch.Tensor, activation: GatedActivation = SILU) -> torch.Te
     h = torch.empty(rows, f, dtype=gu.dtype, device=gu.device)
     if rows and f:
         grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(f, BLOCK_COLS))
-        gated_rows_kernel[grid](gu, h, rows, f, gu.stride(0), h.stride(0),
-                                BLOCK_R=BLOCK_ROWS, BLOCK_F=BLOCK_COLS,
+        gated_rows_kernel[grid](gu_ptr=gu, h_ptr=h, rows=rows, F=f, stride_gu=gu.stride(0),
+                                stride_h=h.stride(0), BLOCK_R=BLOCK_ROWS, BLOCK_F=BLOCK_COLS,
                                 act=act_tile(activation), num_warps=NUM_WARPS)
     return h
