@@ -195,9 +195,9 @@ def _mesh_groups(mesh: MeshLayout) -> MeshGroups | None:
     """The TP and EP process groups the unfused path of a TP layout runs on
     (:class:`comet.baseline.MeshGroups`), made once per layout and world and shared by its
     layers (kept here, not on a layer, which copies then need not copy). Making them is
-    collective over the world: the constructor makes them, as every rank builds the same
-    layers in the same order; a call finds them (or, in a world made since, makes them
-    again: every rank makes that call too). None without torch.distributed, and where the
+    collective over the world: the constructor of a layer not on CUDA makes them, as every
+    rank builds the same layers in the same order; a call finds them (or, for a layer
+    built on CUDA or in a world made since, makes them: every rank makes that call too). None without torch.distributed, and where the
     layout does not span the world (MeshGroups number ranks as the world does): such a
     layer runs on CUDA only."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != mesh.world:
@@ -274,8 +274,11 @@ class CometMoE(nn.Module):
         mesh = _layer_mesh(cfg, par, mesh, convention)
         self.cfg, self.par, self.group = cfg, par, group
         self.mesh, self.convention = mesh, convention
-        if mesh.tp > 1:
-            _mesh_groups(mesh)      # made now, while every rank is constructing layers
+        if mesh.tp > 1 and (device is None or torch.device(device).type != "cuda"):
+            # The CPU path's groups, made now while every rank is constructing layers; a
+            # CUDA layer runs fused and needs none (a later CPU call makes them: every
+            # rank makes that call too).
+            _mesh_groups(mesh)
         self.comm_blocks = comm_blocks
         self.tuned_config_folder = tuned_config_folder
         self.fused_backward = fused_backward
