@@ -243,6 +243,11 @@ class CometMoE(nn.Module):
             (:mod:`comet.runtime.backward`: exchanges overlapped with the GEMMs, no host
             sync; the default); False: the unfused one (:mod:`comet.baseline_backward`, NCCL
             all_to_alls and torch's grouped GEMMs), which is also the CPU path.
+        check_replicated: with ``convention="replicated"``, check before every call that
+            the ranks of this rank's TP group passed the same tokens and routing (a
+            fingerprint of each, all-gathered over the TP group, and a host sync: for
+            debugging); a mismatch raises ValueError on every rank of the group. Off, such
+            a mismatch gives wrong outputs silently: the kernels trust the convention.
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
@@ -265,7 +270,7 @@ class CometMoE(nn.Module):
                  convention: Convention = "sequence", tp_group=None, ep_group=None,
                  device=None, comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None,
-                 fused_backward: bool = True, **kwargs):
+                 fused_backward: bool = True, check_replicated: bool = False, **kwargs):
         super().__init__()
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
@@ -274,6 +279,15 @@ class CometMoE(nn.Module):
         mesh = _layer_mesh(cfg, par, mesh, convention)
         self.cfg, self.par, self.group = cfg, par, group
         self.mesh, self.convention = mesh, convention
+        if check_replicated and (mesh.tp == 1 or convention != "replicated"):
+            raise ValueError(f"check_replicated checks the inputs of the replicated "
+                             f"convention of a layout with tp > 1; this layer is a {mesh} "
+                             f"layout in the {convention!r} convention")
+        self.check_replicated = check_replicated
+        if check_replicated and _mesh_groups(mesh) is None:
+            raise ValueError(f"check_replicated compares the inputs over the TP groups of "
+                             f"the world of torch.distributed; this {mesh} layout does not "
+                             "span it")
         if mesh.tp > 1 and (device is None or torch.device(device).type != "cuda"):
             # The CPU path's groups, made now while every rank is constructing layers; a
             # CUDA layer runs fused and needs none (a later CPU call makes them: every
@@ -389,6 +403,8 @@ class CometMoE(nn.Module):
         single CPU rank the reference is differentiable as written. A tensor-parallel
         layout runs inference only: a call that needs gradients raises
         NotImplementedError (on every rank alike, before any exchange)."""
+        if self.check_replicated:
+            self._check_replicated(x, topk_ids, topk_weights)
         needs_grad = self._needs_grad(x, topk_weights)
         if needs_grad and self.mesh.tp > 1:
             raise NotImplementedError(
@@ -402,6 +418,34 @@ class CometMoE(nn.Module):
                                             self.experts.w2, self._op_key, self.experts.b13,
                                             self.experts.b2)
         return self.eager_experts_forward(x, topk_ids, topk_weights)
+
+    def _check_replicated(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                          topk_weights: torch.Tensor) -> None:
+        """``check_replicated``: every rank of this rank's TP group compares the group's
+        fingerprints of ``(x, topk_ids, topk_weights)`` -- token count, fp64 sums (NaN
+        as 0) -- and raises the same ValueError where any differs. Replicated inputs come
+        from one all-reduce or broadcast, bit-identical, so equal sums are expected
+        exactly."""
+        groups = _mesh_groups(self.mesh)
+        if groups is None:
+            raise RuntimeError("check_replicated: the TP groups of this layout are gone "
+                               "(torch.distributed was re-initialised with another world)")
+        parts = ("tokens", "x", "topk_ids", "topk_weights")
+        mine = torch.stack([torch.tensor(float(x.shape[0]), dtype=torch.float64,
+                                         device=x.device)]
+                           + [t.detach().double().nan_to_num().sum()
+                              for t in (x, topk_ids, topk_weights)])
+        every = [torch.empty_like(mine) for _ in range(self.mesh.tp)]
+        dist.all_gather(every, mine, group=groups.tp)
+        rows = [e.tolist() for e in every]
+        differ = [p for i, p in enumerate(parts) if len({r[i] for r in rows}) > 1]
+        if differ:
+            ranks = self.mesh.tp_group(self.par.rank)
+            raise ValueError(
+                f"check_replicated: the TP group (ranks {list(ranks)}) of this "
+                f"{self.mesh} layout passed different {', '.join(differ)} (token counts "
+                f"{[int(r[0]) for r in rows]}); the replicated convention needs the same "
+                "tokens and routing on every rank of a TP group")
 
     def _needs_grad(self, x: torch.Tensor, topk_weights: torch.Tensor) -> bool:
         params = (self.experts.w13, self.experts.w2, self.experts.b13, self.experts.b2)

@@ -143,6 +143,69 @@ def test_tensor_parallel_and_hybrid_module_matches_the_spec_over_gloo(tp, ep, tm
     assert all(i[1] != "error" for i in items), items
 
 
+def _check_replicated_worker(rank, world, store, tp, results):
+    torch.set_num_threads(1)
+    mesh = MeshLayout(tp=tp, ep=world // tp)
+    full = _full_layer(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        layer = CometMoE(E, K, H, F, dtype=torch.float32, mesh=mesh, convention="replicated",
+                         check_replicated=True)
+        layer.load_state_dict(_shard_state(full, mesh, rank))
+        xs, ids, wts = _inputs(mesh, "replicated", seed=7)
+        with torch.no_grad():
+            same = layer.experts_forward(xs[rank], ids[rank], wts[rank])
+            layer.check_replicated = False
+            torch.testing.assert_close(same, layer.experts_forward(xs[rank], ids[rank],
+                                                                   wts[rank]))
+            layer.check_replicated = True
+            # TP rank 1 of each group: one routing weight off, then one token more.
+            bad_w = wts[rank].clone()
+            bad_x = xs[rank]
+            if mesh.coords(rank)[1] == 1:
+                bad_w[0, 0] += 0.5
+                bad_x = torch.cat([xs[rank], xs[rank][:1]])
+            for x, w, ids_r, what in ((xs[rank], bad_w, ids[rank], "topk_weights"),
+                                      (bad_x, None, None, "tokens")):
+                try:
+                    if w is None:
+                        layer(x)
+                    else:
+                        layer.experts_forward(x, ids_r, w)
+                    raise AssertionError("mismatched replicated inputs did not raise")
+                except ValueError as err:
+                    assert f"passed different {what}" in str(err), err
+            # Nothing is left half-done: the next good call works.
+            torch.testing.assert_close(layer.experts_forward(xs[rank], ids[rank], wts[rank]),
+                                       same)
+        results.put((rank, "ok"))
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", repr(err)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gloo
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)], ids=["tensor_parallel-2x1", "hybrid-2x2"])
+def test_tensor_parallel_check_replicated_names_the_mismatch_on_every_rank(tp, ep, tmp_path):
+    """``check_replicated=True``: equal inputs pass (same output as unchecked); a TP rank
+    with another routing weight, or another token count, makes every rank of its group
+    raise the same ValueError before anything runs, and the layer works after."""
+    world = tp * ep
+    codes, items = gloo_ranks.fork(_check_replicated_worker, world, tmp_path / "store", (tp,),
+                                   expected=world)
+    assert codes == [0] * world, items
+    assert all(i[1] == "ok" for i in items), items
+
+
+def test_tensor_parallel_check_replicated_needs_the_replicated_convention(fake_world):
+    fake_world(0, 2)
+    with pytest.raises(ValueError, match="replicated convention of a layout with tp > 1"):
+        CometMoE(E, K, H, F, mesh=MeshLayout(2, 1), convention="sequence",
+                 check_replicated=True, device="meta")
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mesh=MeshLayout(2, 2)), r"tp \* ep = 4 ranks, but the process group has 2"),

@@ -265,7 +265,7 @@ class CometMoEBlock(CometMoE):
                  convention: Convention = "sequence", tp_group=None, ep_group=None,
                  max_tokens: int | None = None,
                  comm_blocks: int | tuple[int, int] | None = None,
-                 tuned_config_folder: str | None = None):
+                 tuned_config_folder: str | None = None, check_replicated: bool = False):
         spec = inspect_block(block)
         xs = spec.experts
         experts = block.experts
@@ -282,8 +282,8 @@ class CometMoEBlock(CometMoE):
         try:
             super().__init__(group=group, mesh=mesh, convention=convention,
                              tp_group=tp_group, ep_group=ep_group, device="meta",
-                             comm_blocks=comm_blocks,
-                             tuned_config_folder=tuned_config_folder, **settings)
+                             comm_blocks=comm_blocks, tuned_config_folder=tuned_config_folder,
+                             check_replicated=check_replicated, **settings)
             input_cfg = self.cfg.replace(max_tokens=tokens)
         except ValueError as err:
             raise ValueError(f"cannot convert {where}: {err}") from err
@@ -449,7 +449,8 @@ def _block_class(original: type) -> type:
 def from_module(block: nn.Module, group=None, *, mesh=None, convention: Convention = "sequence",
                 tp_group=None, ep_group=None, max_tokens: int | None = None,
                 comm_blocks: int | tuple[int, int] | None = None,
-                tuned_config_folder: str | None = None) -> CometMoEBlock:
+                tuned_config_folder: str | None = None,
+                check_replicated: bool = False) -> CometMoEBlock:
     """Convert one transformers MoE block into a :class:`CometMoEBlock`.
 
     Args:
@@ -467,7 +468,7 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
             ``[t*F/tp, (t+1)*F/tp)``; inference only when ``tp > 1``.
         max_tokens: most tokens per rank per call (default: :class:`comet.MoEConfig`'s);
             dense (Llama-4) blocks size comet for ``E`` rows per token.
-        comm_blocks, tuned_config_folder: see :class:`comet.CometMoE`.
+        comm_blocks, tuned_config_folder, check_replicated: see :class:`comet.CometMoE`.
 
     Returns:
         The replacement, on the block's device and dtype, sharing the block's modules
@@ -486,4 +487,5 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
     return _block_class(type(block))(block, group=group, mesh=mesh, convention=convention,
                                      tp_group=tp_group, ep_group=ep_group,
                                      max_tokens=max_tokens, comm_blocks=comm_blocks,
-                                     tuned_config_folder=tuned_config_folder)
+                                     tuned_config_folder=tuned_config_folder,
+                                     check_replicated=check_replicated)

@@ -74,8 +74,8 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
             run it on the same batch).
         tp_group, ep_group: the layout as this rank's TP and EP process groups, instead
             of ``group`` and ``mesh``.
-        **kwargs: ``max_tokens``, ``comm_blocks``, ``tuned_config_folder`` for every block
-            (see :func:`from_module`).
+        **kwargs: ``max_tokens``, ``comm_blocks``, ``tuned_config_folder``,
+            ``check_replicated`` for every block (see :func:`from_module`).
 
     Returns:
         ``model`` (patched). Blocks already converted are left alone, so patching twice is
