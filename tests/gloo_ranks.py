@@ -3,6 +3,7 @@
 in forked processes (closures and module state carry over) and collects what they
 report."""
 
+import contextlib
 import tempfile
 
 import torch
@@ -24,6 +25,22 @@ def spawn(check, world: int) -> None:
     """``check`` must be a module-level function (it is pickled by name)."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_run, args=(check, world, f"{d}/init"), nprocs=world, join=True)
+
+
+@contextlib.contextmanager
+def group(rank: int, world: int, store, results):
+    """A forked worker's gloo process group (the default one, over the file ``store``):
+    an exception in the body is reported as ``(rank, "error", repr)`` on ``results`` --
+    what :func:`fork` stops at -- and raised again; the group is destroyed after."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", repr(err)))
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def fork(worker, world: int, store, args: tuple, expected: int,

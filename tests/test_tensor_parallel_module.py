@@ -95,8 +95,7 @@ def _module_worker(rank, world, store, tp, results):
     torch.set_num_threads(1)  # forked: keep clear of the parent's OpenMP pool
     mesh = MeshLayout(tp=tp, ep=world // tp)
     fulls = {name: _full_layer(i, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_ranks.group(rank, world, store, results):
         for name, full in fulls.items():
             for convention in CONVENTIONS:
                 xs, ids, wts = _inputs(mesh, convention, seed=100)
@@ -122,11 +121,6 @@ def _module_worker(rank, world, store, tp, results):
                 except NotImplementedError as err:
                     assert "tensor-parallel" in str(err)
                 results.put((rank, name, convention))
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", repr(err)))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @needs_gloo
@@ -147,8 +141,7 @@ def _check_replicated_worker(rank, world, store, tp, results):
     torch.set_num_threads(1)
     mesh = MeshLayout(tp=tp, ep=world // tp)
     full = _full_layer(0)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_ranks.group(rank, world, store, results):
         layer = CometMoE(E, K, H, F, dtype=torch.float32, mesh=mesh, convention="replicated",
                          check_replicated=True)
         layer.load_state_dict(_shard_state(full, mesh, rank))
@@ -179,11 +172,6 @@ def _check_replicated_worker(rank, world, store, tp, results):
             torch.testing.assert_close(layer.experts_forward(xs[rank], ids[rank], wts[rank]),
                                        same)
         results.put((rank, "ok"))
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", repr(err)))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @needs_gloo
@@ -289,8 +277,7 @@ def _logits(model, ids):
 def _model_worker(rank, world, store, tp, families, results):
     torch.set_num_threads(1)
     mesh = MeshLayout(tp=tp, ep=world // tp)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_ranks.group(rank, world, store, results):
         for family in families:
             model = _build(family)
             for convention in CONVENTIONS:
@@ -316,11 +303,6 @@ def _model_worker(rank, world, store, tp, families, results):
                 other.load_state_dict(state)
                 err = (_logits(other, ids) - _logits(model, ids)).abs().max().item()
                 results.put((rank, family, "state_dict", err))
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", repr(err)))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @needs_gloo
