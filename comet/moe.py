@@ -30,7 +30,7 @@ from torch import nn
 from comet import custom_op, reference
 from comet.baseline import MeshGroups, ep_moe_forward, mesh_moe_forward
 from comet.baseline_backward import routed_experts_backward
-from comet.config import MoEConfig, ParallelConfig, check_layout
+from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
@@ -248,6 +248,11 @@ class CometMoE(nn.Module):
             fingerprint of each, all-gathered over the TP group, and a host sync: for
             debugging); a mismatch raises ValueError on every rank of the group. Off, such
             a mismatch gives wrong outputs silently: the kernels trust the convention.
+        tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
+            layer's own). E.g. ``TileConfig(layer1_scatter=False)``: layer1's column-split
+            reduce instead of its scatter epilogue -- 0.88-0.94x the time for a
+            replicated TP=2 qwen2-moe layer on 2x H200 (docs/benchmarks.md); tuned tables
+            of the default tile then do not apply (docs/tuning.md).
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
@@ -270,8 +275,11 @@ class CometMoE(nn.Module):
                  convention: Convention = "sequence", tp_group=None, ep_group=None,
                  device=None, comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None,
-                 fused_backward: bool = True, check_replicated: bool = False, **kwargs):
+                 fused_backward: bool = True, check_replicated: bool = False,
+                 tile: TileConfig | None = None, **kwargs):
         super().__init__()
+        if tile is not None and not isinstance(tile, TileConfig):
+            raise TypeError(f"tile must be a comet.config.TileConfig, got {type(tile).__name__}")
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
         group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
@@ -284,6 +292,7 @@ class CometMoE(nn.Module):
                              f"convention of a layout with tp > 1; this layer is a {mesh} "
                              f"layout in the {convention!r} convention")
         self.check_replicated = check_replicated
+        self.tile = tile
         if check_replicated and _mesh_groups(mesh) is None:
             raise ValueError(f"check_replicated compares the inputs over the TP groups of "
                              f"the world of torch.distributed; this {mesh} layout does not "
@@ -503,5 +512,5 @@ class CometMoE(nn.Module):
                                    b13=self.experts.b13, b2=self.experts.added_b2,
                                    group=self.group, w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder,
-                                   mesh=self.mesh, convention=self.convention)
+                                   mesh=self.mesh, convention=self.convention, tile=self.tile)
         return self._fused

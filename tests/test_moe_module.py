@@ -162,6 +162,18 @@ def test_expert_parallel_layout_without_a_mesh():
                                   f"ffn={F}, ep=1, rank=0, router=softmax")
 
 
+def test_a_tile_reaches_the_fused_layer():
+    """``tile=``: the fused kernels run the caller's TileConfig (here layer1's column-split
+    reduce instead of the scatter epilogue); anything else is a TypeError."""
+    from comet.config import TileConfig
+    tile = TileConfig(layer1_scatter=False)
+    layer = _layer(tile=tile)
+    assert layer.fused_layer().tile == tile
+    assert _layer().fused_layer().tile.layer1_scatter
+    with pytest.raises(TypeError, match="TileConfig"):
+        _layer(tile={"layer1_scatter": False})
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("shape", [(10, H + 16), (2, 5, H - 16), (H,), (1, 2, 5, H)])
 def test_wrong_hidden_shape(shape):

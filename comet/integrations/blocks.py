@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from comet import reference
-from comet.config import MoEConfig
+from comet.config import MoEConfig, TileConfig
 from comet.integrations.experts import ExpertsSpec, inspect_experts
 from comet.integrations.layout import expert_weight, kernel_biases, kernel_weights
 from comet.integrations.local_experts import TransformersExperts
@@ -265,7 +265,8 @@ class CometMoEBlock(CometMoE):
                  convention: Convention = "sequence", tp_group=None, ep_group=None,
                  max_tokens: int | None = None,
                  comm_blocks: int | tuple[int, int] | None = None,
-                 tuned_config_folder: str | None = None, check_replicated: bool = False):
+                 tuned_config_folder: str | None = None, check_replicated: bool = False,
+                 tile: TileConfig | None = None):
         spec = inspect_block(block)
         xs = spec.experts
         experts = block.experts
@@ -283,7 +284,7 @@ class CometMoEBlock(CometMoE):
             super().__init__(group=group, mesh=mesh, convention=convention,
                              tp_group=tp_group, ep_group=ep_group, device="meta",
                              comm_blocks=comm_blocks, tuned_config_folder=tuned_config_folder,
-                             check_replicated=check_replicated, **settings)
+                             check_replicated=check_replicated, tile=tile, **settings)
             input_cfg = self.cfg.replace(max_tokens=tokens)
         except ValueError as err:
             raise ValueError(f"cannot convert {where}: {err}") from err
@@ -450,7 +451,8 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
                 tp_group=None, ep_group=None, max_tokens: int | None = None,
                 comm_blocks: int | tuple[int, int] | None = None,
                 tuned_config_folder: str | None = None,
-                check_replicated: bool = False) -> CometMoEBlock:
+                check_replicated: bool = False, tile: TileConfig | None = None
+                ) -> CometMoEBlock:
     """Convert one transformers MoE block into a :class:`CometMoEBlock`.
 
     Args:
@@ -468,7 +470,8 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
             ``[t*F/tp, (t+1)*F/tp)``; inference only when ``tp > 1``.
         max_tokens: most tokens per rank per call (default: :class:`comet.MoEConfig`'s);
             dense (Llama-4) blocks size comet for ``E`` rows per token.
-        comm_blocks, tuned_config_folder, check_replicated: see :class:`comet.CometMoE`.
+        comm_blocks, tuned_config_folder, check_replicated, tile: see
+            :class:`comet.CometMoE`.
 
     Returns:
         The replacement, on the block's device and dtype, sharing the block's modules
@@ -488,4 +491,4 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
                                      tp_group=tp_group, ep_group=ep_group,
                                      max_tokens=max_tokens, comm_blocks=comm_blocks,
                                      tuned_config_folder=tuned_config_folder,
-                                     check_replicated=check_replicated)
+                                     check_replicated=check_replicated, tile=tile)

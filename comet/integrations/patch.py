@@ -75,7 +75,7 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
         tp_group, ep_group: the layout as this rank's TP and EP process groups, instead
             of ``group`` and ``mesh``.
         **kwargs: ``max_tokens``, ``comm_blocks``, ``tuned_config_folder``,
-            ``check_replicated`` for every block (see :func:`from_module`).
+            ``check_replicated``, ``tile`` for every block (see :func:`from_module`).
 
     Returns:
         ``model`` (patched). Blocks already converted are left alone, so patching twice is
