@@ -128,6 +128,7 @@ def test_fake_peers_are_checked_then_timed(tmp_path, capsys, monkeypatch, fake_f
     assert moe["speedup_vs_best_peer"] == pytest.approx(moe["peer_good_us"] / moe["fused_us"])
     assert layer0["best_peer"] is None
     assert "best peer/b" in out and "note: peer good: good backend" in out
+    assert "torch GEMM us" in out and "HBM floor us" in out     # the ratio's bounds
     assert "note: peer bad wrong (cpu-tiny, 16 tokens/rank, uniform), not timed: max " \
            "relative error 1 > 0.02" in out
     md = open(path[:-5] + ".md").read()

@@ -93,7 +93,9 @@ BREAKDOWN_COLUMNS: list[Column] = _KEY[:3] + [
 def peer_columns(records: Sequence[dict]) -> list[Column]:
     """comet against the peers (``--peers``; whole-layer rows): the fused layer, the
     unfused baseline, each peer ("-" where it was not timed: :func:`peer_notes` says why),
-    the fastest peer and its time over comet's; no columns when no record has a peer."""
+    the fastest peer and its time over comet's, and the two floors that bound that ratio
+    (torch's grouped GEMMs on the rows, the HBM floor); no columns when no record has a
+    peer."""
     names = sorted({n for r in records for n in peer_names(r)})
     if not names:
         return []
@@ -101,7 +103,9 @@ def peer_columns(records: Sequence[dict]) -> list[Column]:
                         ("(a) baseline us", _num("baseline_us"))]
             + [(f"{n} us", _num(f"peer_{n}_us")) for n in names]
             + [("best peer", lambda r: r.get("best_peer") or "-"),
-               ("best peer/b", _num("speedup_vs_best_peer", "{:.2f}"))])
+               ("best peer/b", _num("speedup_vs_best_peer", "{:.2f}")),
+               ("torch GEMM us", _num("torch_gmm_us")),
+               ("HBM floor us", _num("hbm_floor_us"))])
 
 
 def peer_notes(records: Sequence[dict]) -> list[str]:
