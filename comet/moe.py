@@ -197,9 +197,9 @@ def _mesh_groups(mesh: MeshLayout) -> MeshGroups | None:
     layers (kept here, not on a layer, which copies then need not copy). Making them is
     collective over the world: the constructor of a layer not on CUDA makes them, as every
     rank builds the same layers in the same order; a call finds them (or, for a layer
-    built on CUDA or in a world made since, makes them: every rank makes that call too). None without torch.distributed, and where the
-    layout does not span the world (MeshGroups number ranks as the world does): such a
-    layer runs on CUDA only."""
+    built on CUDA or in a world made since, makes them: every rank makes that call too).
+    None without torch.distributed, and where the layout does not span the world
+    (MeshGroups number ranks as the world does): such a layer runs on CUDA only."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != mesh.world:
         return None
     world = dist.group.WORLD
@@ -251,7 +251,8 @@ class CometMoE(nn.Module):
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
             layer's own). E.g. ``TileConfig(layer1_scatter=False)``: layer1's column-split
             reduce instead of its scatter epilogue -- 0.88-0.94x the time for a
-            replicated TP=2 qwen2-moe layer on 2x H200 (docs/benchmarks.md); tuned tables
+            replicated TP=2 qwen2-moe layer on 2x H200 (commit ``c469e9d``,
+            docs/benchmarks.md); tuned tables
             of the default tile then do not apply (docs/tuning.md).
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
@@ -291,17 +292,15 @@ class CometMoE(nn.Module):
             raise ValueError(f"check_replicated checks the inputs of the replicated "
                              f"convention of a layout with tp > 1; this layer is a {mesh} "
                              f"layout in the {convention!r} convention")
-        self.check_replicated = check_replicated
-        self.tile = tile
-        if check_replicated and _mesh_groups(mesh) is None:
-            raise ValueError(f"check_replicated compares the inputs over the TP groups of "
-                             f"the world of torch.distributed; this {mesh} layout does not "
-                             "span it")
-        if mesh.tp > 1 and (device is None or torch.device(device).type != "cuda"):
-            # The CPU path's groups, made now while every rank is constructing layers; a
-            # CUDA layer runs fused and needs none (a later CPU call makes them: every
-            # rank makes that call too).
-            _mesh_groups(mesh)
+        self.check_replicated, self.tile = check_replicated, tile
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        if mesh.tp > 1 and (check_replicated or not on_cuda):
+            # The TP groups of the CPU path and of the input check, made now while every
+            # rank is constructing layers; a CUDA layer's fused path needs none.
+            if _mesh_groups(mesh) is None and check_replicated:
+                raise ValueError(f"check_replicated compares the inputs over the TP groups "
+                                 f"of the world of torch.distributed; this {mesh} layout "
+                                 "does not span it")
         self.comm_blocks = comm_blocks
         self.tuned_config_folder = tuned_config_folder
         self.fused_backward = fused_backward

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gloo_ranks
+from state_dicts import assert_both_load_back
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,17 +163,6 @@ def test_missing_expert_bias_is_named_as_in_transformers(models):
     assert result.missing_keys == dropped and not result.unexpected_keys
 
 
-def _assert_both_load_back(new, original, saved):
-    """With this rank's experts zeroed, the full checkpoint ``original`` and the rank's own
-    ``saved`` shard each load back (strict) to what the rank saved."""
-    with torch.no_grad():
-        for p in new.experts.parameters():
-            p.zero_()
-    for state in (original, saved):
-        new.load_state_dict(state)
-        assert all(torch.equal(new.state_dict()[k], v) for k, v in saved.items())
-
-
 def test_ep_rank_keeps_and_saves_its_slice_in_the_models_layout(fake_world):
     """Rank 1 of 2 keeps experts 4..7 and saves them as GPT-OSS stores them (alternating
     gate/up, biases); the full checkpoint and its own shard both load back."""
@@ -185,7 +175,7 @@ def test_ep_rank_keeps_and_saves_its_slice_in_the_models_layout(fake_world):
     saved = new.state_dict()
     for key in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         assert torch.equal(saved["experts." + key], original["experts." + key][4:]), key
-    _assert_both_load_back(new, original, saved)
+    assert_both_load_back(new, original, saved)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -314,7 +304,7 @@ def test_dbrx_ep_rank_keeps_and_saves_its_rows(fake_world):
     for name in DBRX_NAMES:
         key = "experts." + name
         assert torch.equal(saved[key], original[key][2 * DBRX_F:]), key
-    _assert_both_load_back(new, original, saved)
+    assert_both_load_back(new, original, saved)
     bad = dict(original, **{"experts.mlp.w2": original["experts.mlp.w2"][:48]})
     with pytest.raises(RuntimeError, match=r"size mismatch for experts\.mlp\.w2: 48 rows "
                                            r"\(32 an expert\) in the checkpoint, expected "

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
-from comet.bench.floors import expert_bytes, hbm_floor_us
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                case_columns, gemm_fn, phase_columns, rel_err)
+                                case_columns, gemm_fn, hbm_floors, phase_columns, rel_err,
+                                run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -140,11 +140,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     del gmm_rows
 
     order = timed_sets(st.n_sets, st.iters, st.warmup)
-    per_expert = expert_bytes(cfg.hidden_size, w2.shape[1], w13.element_size())
-    floor_by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
-    hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
-                                    for name in rec.LAYERS}, group)
-                 if st.hbm_gbps else None)
+    hbm_floor = hbm_floors(plans, order, cfg.hidden_size, w2.shape[1], w13.element_size(), st)
     errs = {}
     if fused is not None:
         ref = baseline(sets[0])
@@ -161,17 +157,14 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
 
         r = {
             **case_columns(case, layer), "tp": mesh.tp, "ep": mesh.ep, "convention": convention,
-            "baseline": "comet.baseline.mesh_moe_forward (unfused TP pipeline)",
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
             "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
             "shard_rows_per_rank": median([p.rows for p in plans]),
             "n_comm": (list(fused.layer.last_comm_blocks)
                        if fused is not None and fused.layer.last_comm_blocks else None),
-            "hbm_read_gbps": st.hbm_gbps,
-            "hbm_floor_us": median(hbm_floor[layer]) if hbm_floor else None,
             "max_rel_err": errs,
-            "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
+            **run_columns(st, hbm_floor, layer),
         }
         if layer == "moe":
             r.update(phase_columns(out, BASELINE_BREAKDOWN))

@@ -249,11 +249,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     order = timed_sets(st.n_sets, st.iters, st.warmup)
     flops = reduce_over_ranks({name: [flops_by_set[s][name] for s in order]
                                for name in rec.LAYERS}, group, sums=rec.LAYERS)
-    per_expert = expert_bytes(cfg.hidden_size, cfg.intermediate_size, w13.element_size())
-    floor_by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
-    hbm_floor = (reduce_over_ranks({name: [floor_by_set[s][name] for s in order]
-                                    for name in rec.LAYERS}, group)
-                 if st.hbm_gbps else None)
+    hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size,
+                           w13.element_size(), st)
     checks = {**_checks(sets[0], ref, w13, w2, st, fused),
               **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
                  if "max_rel_err" in s}}
@@ -298,15 +295,34 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "decode_tile": decode_tile,
             "tile_overrides": tile_overrides,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
-            "hbm_read_gbps": st.hbm_gbps,
-            "hbm_floor_us": median(hbm_floor[layer]) if hbm_floor else None,
             "max_rel_err": checks,
-            "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets,
+            **run_columns(st, hbm_floor, layer),
         }
         if layer == "moe":
             r.update(phase_columns(out, BASELINE_BREAKDOWN))
         results.append(rec.derive(r))
     return results
+
+
+def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int,
+               st: Settings) -> dict[str, list[float]] | None:
+    """Per layer, the HBM floor of each timed iteration (the slowest rank's; ``order``:
+    the input set of each, :func:`comet.bench.timing.timed_sets`) for ``plans``' rows per
+    expert of ``ffn``-wide experts; None when no HBM rate was measured. Collective."""
+    if not st.hbm_gbps:
+        return None
+    per_expert = expert_bytes(hidden, ffn, element_size)
+    by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
+    return reduce_over_ranks({name: [by_set[s][name] for s in order] for name in rec.LAYERS},
+                             st.group)
+
+
+def run_columns(st: Settings, hbm_floor: dict | None, layer: str) -> dict:
+    """The fields every record of a run shares: the measured HBM rate, this layer's HBM
+    floor, the iteration counts."""
+    return {"hbm_read_gbps": st.hbm_gbps,
+            "hbm_floor_us": median(hbm_floor[layer]) if hbm_floor else None,
+            "iters": st.iters, "warmup": st.warmup, "input_sets": st.n_sets}
 
 
 def case_columns(case: Case, layer: str) -> dict:

@@ -128,7 +128,8 @@ class FusedMoE:
             ``"sequence"``, each its own; ``"replicated"``, a TP group the same ones
             (the same count, rows and routing, as after an attention all-reduce: a
             contract the layer cannot check without a collective -- ranks that break it
-            get wrong outputs, not an error). Either way a rank gets its own tokens'
+            get wrong outputs, not an error; ``CometMoE(check_replicated=True)`` checks
+            it with one). Either way a rank gets its own tokens'
             full outputs.
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
             calls too small to fill the GPU their own GEMM tiles, and a tuned table may
