@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# usage: COMET_COMMIT=$(git rev-parse --short HEAD) SUITE_DIR=/tmp/suite [STEPS="stress bench ..."] bash scripts/device/suite.sh
+# Every multi-GPU run of a machine in one go, for a machine lent for the first time in a
+# while (e.g. four GPUs): the steps below in order, each under its own time limit, each
+# writing under $SUITE_DIR/<step>/ as soon as it ends. The whole suite outlasts one
+# device call (10 min), so start it detached and collect what it wrote with later calls:
+#   call 1:  cp -r . /tmp/comet && cd /tmp/comet && mkdir -p /tmp/suite &&
+#            setsid nohup bash scripts/device/suite.sh >/tmp/suite/suite.log 2>&1 &
+#   call n:  sleep 500; tar -C /tmp/suite -cf $OUT/suite.tar .; tail -20 /tmp/suite/suite.log
+# (the copy: a later call re-sends the working tree, which must not change under a running
+# step). $SUITE_DIR/steps.log has each step's start, end and exit status.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+W=$(nvidia-smi --list-gpus | wc -l)
+DIR=${SUITE_DIR:-/tmp/suite}
+mkdir -p "$DIR"
+
+# step NAME LIMIT_S COMMAND...: COMMAND with OUT=$DIR/NAME, cut after LIMIT_S seconds.
+step() {
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$DIR/$name"
+  echo "$(date -u +%T) start $name (limit ${limit}s): $*" | tee -a "$DIR/steps.log"
+  OUT="$DIR/$name" timeout -k 10 "$limit" "$@" >"$DIR/$name/step.log" 2>&1
+  echo "$(date -u +%T) end $name: exit $?" | tee -a "$DIR/steps.log"
+}
+
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv >"$DIR/gpus.csv"
+for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_other}; do
+  case "$s" in
+    stress)     step stress 260 env STRESS_TIMEOUT_S=250 bash scripts/device/stress.sh ;;
+    bench)      step bench 420 env TIMELINES="mixtral qwen2-moe" bash scripts/device/run_bench.sh "$W" \
+                  --iters 10 --warmup 3 --fixed-splits 0 8 16 32 ;;
+    multigpu)   step multigpu 360 bash scripts/device/multigpu_check.sh "$W" --quick --calls 100 ;;
+    tune)       step tune 280 env DEADLINE_S=270 bash scripts/device/tune.sh presets --iters 5 --warmup 2 ;;
+    hybrid)     # (2, W/2) in the sequence convention, then (W, 1) replicated
+                step hybrid-tp2 240 env TP=2 CONVENTION=sequence BENCH_TIMEOUT_S=130 STRESS_TIMEOUT_S=100 \
+                  bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
+                step "hybrid-tp$W" 240 env TP="$W" CONVENTION=replicated BENCH_TIMEOUT_S=130 STRESS_TIMEOUT_S=100 \
+                  bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
+    train)      step train 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$W" \
+                  scripts/device/train_step_ep.py --tokens 4096 16384 --rounds 10 --json "$DIR/train/train_step_ep$W.json" ;;
+    tune_check) step tune_check 260 env DEADLINE_S=250 bash scripts/device/tune.sh check --iters 5 --warmup 2 ;;
+    hybrid_other)
+                step hybrid-tp2-replicated 240 env TP=2 CONVENTION=replicated BENCH_TIMEOUT_S=130 STRESS_TIMEOUT_S=100 \
+                  bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
+                step "hybrid-tp$W-sequence" 240 env TP="$W" CONVENTION=sequence BENCH_TIMEOUT_S=130 STRESS_TIMEOUT_S=100 \
+                  bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
+    *) echo "unknown step $s" | tee -a "$DIR/steps.log" ;;
+  esac
+done
+echo "$(date -u +%T) suite done" | tee -a "$DIR/steps.log"
