@@ -123,6 +123,30 @@ def test_cpu_default_run_prints_table_and_writes_records(tmp_path, capsys):
     assert not os.path.exists(path[:-5] + ".png")     # nothing fused to plot
 
 
+def test_a_sweep_cut_short_leaves_the_cases_it_finished(tmp_path, monkeypatch):
+    """The records are rewritten after every case, so a sweep killed mid-way (a device
+    call's time limit) still returns its finished cases; a finished sweep leaves none."""
+    real, calls = bench.run_case, []
+
+    def cut_after_one(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt("cut")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_case", cut_after_one)
+    args = SMALL + ["--tokens", "16", "32", "--output-dir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.partial.json"))
+    assert [r["tokens_per_rank"] for r in rec.read_json(path)] == [16] * 3
+    os.remove(path)
+    monkeypatch.setattr(bench, "run_case", real)
+    assert bench.main(args) == 0
+    assert not glob.glob(str(tmp_path / "*.partial.json"))
+    assert len(glob.glob(str(tmp_path / "bench-ep1-*.json"))) == 1
+
+
 def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
     argv = SMALL + ["--layers", "layer0", "moe", "--output-dir", str(tmp_path)]
     assert bench.main(argv) == 0

@@ -260,6 +260,24 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
     print(f"wrote {base}.md")
 
 
+class _Partial:
+    """The records so far, rewritten after every case (rank 0, with an output folder), so
+    a sweep cut short -- a device call's time limit, a hang -- still leaves its results;
+    removed once the full report is written."""
+
+    def __init__(self, output_dir: str | None, stem: str, rank: int):
+        self.path = (os.path.join(output_dir, stem + ".partial.json")
+                     if output_dir and rank == 0 else None)
+
+    def save(self, records: list[dict]) -> None:
+        if self.path:
+            rec.write_json(records, self.path)
+
+    def done(self) -> None:
+        if self.path and os.path.exists(self.path):
+            os.remove(self.path)
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -338,7 +356,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     loaded_peers = load_peers(args.peers, device, world, group)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
-    partial = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}.partial.json"
+    stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
+    partial = _Partial(args.output_dir, stem, rank)
     from tqdm import tqdm
     bar = tqdm(total=len(cases), desc="comet bench", disable=rank != 0, dynamic_ncols=True)
     for name, base_cfg in configs:
@@ -361,9 +380,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
                                   args.layers, peers):
                     records.append({**meta, **r, "notes": notes})
-                if rank == 0 and args.output_dir:
-                    # Partial results survive an interrupted sweep.
-                    rec.write_json(records, os.path.join(args.output_dir, partial))
+                partial.save(records)
                 bar.update()
         if peers is not None:
             peers.close()
@@ -372,10 +389,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             torch.cuda.empty_cache()
     bar.close()
     if rank == 0:
-        _emit(records, notes, args.output_dir, f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}",
-              not args.no_plot)
-        if args.output_dir and os.path.exists(os.path.join(args.output_dir, partial)):
-            os.remove(os.path.join(args.output_dir, partial))
+        _emit(records, notes, args.output_dir, stem, not args.no_plot)
+    partial.done()
     return 0
 
 
@@ -390,6 +405,8 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
     layout = meta["layout"]
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
+    stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
+    partial = _Partial(args.output_dir, stem, st.rank)
     bar = tqdm(total=len(cases), desc=f"comet bench {layout}", disable=st.rank != 0,
                dynamic_ncols=True)
     for name, base_cfg in configs:
@@ -414,14 +431,15 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
                 for r in run_mesh_case(Case(name, cfg, t, routing), st, mesh,
                                        args.convention, shard, groups, fused, args.layers):
                     records.append({**meta, **r, "notes": notes})
+                partial.save(records)
                 bar.update()
         del w13, w2, shard, fused
         if st.device.type == "cuda":
             torch.cuda.empty_cache()
     bar.close()
     if st.rank == 0:
-        _emit(records, notes, args.output_dir, f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}",
-              not args.no_plot)
+        _emit(records, notes, args.output_dir, stem, not args.no_plot)
+    partial.done()
     return 0
 
 
