@@ -292,6 +292,22 @@ def test_check_report_compares_each_pick_with_the_best():
     assert "| 128 | both | 126 | 150 | 155 | 125 | 1.008 | 1.200 | 1.240 |" in text
 
 
+def test_check_pools_layer1_where_its_split_changes_nothing():
+    """With the scatter epilogue every split runs the same layer1 program: its timings
+    are pooled per tile, so no pick loses to the luckiest of identical runs."""
+    times = {(0, False, ()): (100.0, 50.0), (4, False, ()): (80.0, 44.0),
+             (16, False, ()): (90.0, 56.0), (0, True, ()): (101.0, 60.0),
+             (4, True, ()): (81.0, 62.0), (16, True, ()): (91.0, 61.0)}
+    pooled = tune.pool_split_free(times)
+    assert {k: v[1] for k, v in pooled.items() if k[1] is False} == {
+        (0, False, ()): 50.0, (4, False, ()): 50.0, (16, False, ()): 50.0}
+    assert pooled[(4, True, ())] == (81.0, 61.0)
+    rows = tune.check_rows(pooled, {"tuned": (4, 0, False, ()), "fixed": (16, 16, True, ())})
+    assert rows[1]["tuned_over_best"] == 1.0
+    assert rows[1]["fixed_over_best"] == pytest.approx(61 / 50)
+    assert rows[0]["tuned_over_best"] == 1.0     # layer0's splits stay apart
+
+
 def test_check_counts_the_tables_tile_fields_among_the_candidates():
     """A pick with tile fields is timed with them at its split; such a time can be the
     best, and the report marks the pick (``*``) and names its fields."""

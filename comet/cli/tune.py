@@ -382,9 +382,21 @@ Pick = tuple[int, int, bool | None, tuple[tuple[str, int], ...]]
 CheckTimes = dict[tuple[int, bool | None, tuple[tuple[str, int], ...]], search.Times]
 
 
+def pool_split_free(times: CheckTimes) -> CheckTimes:
+    """``times`` with layer1's time of every split replaced by the median over the
+    splits of its (decode tile, tile fields): with the scatter epilogue layer1 has no
+    comm role, so its split changes nothing, and the fastest of several timings of one
+    program is luck (up to 1.11x at EP=4, 2026-11-26), not a better split."""
+    pooled: dict[tuple, list[float]] = {}
+    for (_, tile, fields), (_, t1) in times.items():
+        pooled.setdefault((tile, fields), []).append(t1)
+    return {k: (t0, median(pooled[k[1:]])) for k, (t0, _) in times.items()}
+
+
 def check_rows(times: CheckTimes, picks: dict[str, Pick]) -> list[dict]:
     """Per layer (and both together), each pick's time against the exhaustive best;
-    ``times`` is keyed by (comm blocks, decode tile, tile fields)."""
+    ``times`` is keyed by (comm blocks, decode tile, tile fields) (pooled by
+    :func:`pool_split_free` where layer1's split is ignored)."""
     rows = []
     for i, layer_name in enumerate(("layer0", "layer1")):
         best = min(times, key=lambda k: times[k][i])
@@ -445,7 +457,7 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                                                     layout))
     except tuned.TunedTableError as e:
         print(f"note: a layer would not use {path}: {e}", file=sys.stderr)
-    report = []
+    report, raw = [], []
     for tokens in tqdm(args.tokens, desc="comet tune --check", disable=rank != 0):
         tiles = tiles_to_time(layer, tokens)
         choice = tuned.nearest_bucket(table, tokens)
@@ -471,6 +483,11 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                                  dict(pick[3]))
             for n in sorted(set(pick[:2])):
                 times[(n, pick[2], pick[3])] = timer(n)
+        raw += [{"tokens": tokens, "comm_blocks": n, "decode_tile": tile, "tile": dict(fields),
+                 "layer0_us": t0, "layer1_us": t1}
+                for (n, tile, fields), (t0, t1) in sorted(times.items(), key=str)]
+        if layer.tile.layer1_scatter:
+            times = pool_split_free(times)
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
         print(f"table: {path}")
@@ -481,7 +498,9 @@ def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
                            f"F{cfg.intermediate_size}-k{cfg.top_k}-{layout}.json")
         with open(out, "w") as f:
             json.dump({"table": path, "meta": data.get("meta"), "device": name, **provenance(),
-                       "iters": args.iters, "routings": args.routings, "rows": report},
+                       "iters": args.iters, "routings": args.routings,
+                       "layer1_split_pooled": layer.tile.layer1_scatter, "rows": report,
+                       "times": raw},
                       f, indent=1)
         print(f"wrote {out}")
     return 0
