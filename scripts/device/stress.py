@@ -116,8 +116,10 @@ def run_case(layer, name, cfg, spec, calls, w13_all, w2_all, rng):
     return {
         "config": name, "hidden_size": cfg.hidden_size, "tp": mesh.tp, "ep": mesh.ep,
         "convention": layer.convention,
-        "tokens_per_rank": ([rank_tokens(spec, world, r) for r in range(world)]
-                            if spec == "uneven" else int(spec)),
+        # What each rank passed: under "replicated" its TP group's source rank's tokens
+        # (at (W, 1) the uneven set is an empty call on every rank).
+        "tokens_per_rank": ([rank_tokens(spec, world, mesh.token_source(r, layer.convention))
+                             for r in range(world)] if spec == "uneven" else int(spec)),
         "routings": list(ROUTINGS),
         "splits": ["auto" if s is None else list(s) for s in splits],
         "calls": calls, "delays": sum(v["delays"] for v in verdict),
