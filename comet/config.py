@@ -264,6 +264,14 @@ class TileConfig:
             ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
         decode_block_n1: layer1's column block in calls too small to give it a work item
             per SM with ``block_n1`` (:meth:`decode_tile`; 0: none).
+        layer1_split_k: K (= F) splits of layer1's scatter GEMM in calls whose work items
+            leave programs idle (1: none). Each split streams ``F / layer1_split_k`` rows
+            of an expert's W2, so a 1-token call keeps that many times more weight bytes
+            in flight; the last split of an item to finish adds the partial tiles in
+            split order (bitwise the same output whoever finishes last) and sends the
+            rows home. Decided on the device per call, by the rank alone
+            (comet.kernels.layer1.KSplit; the decode tile's column blocks only); a local
+            scratch of 4 MiB when on.
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -310,6 +318,7 @@ class TileConfig:
     combine_block_h: int = 4096
     combine_warps: int = 8
     decode_block_n1: int = 128
+    layer1_split_k: int = 1
     layer1_scatter: bool = True
 
     def __post_init__(self):
@@ -317,6 +326,8 @@ class TileConfig:
         if GATE_UP_BLOCK % self.block_n0:
             raise ValueError(f"block_n0 must divide the W13 interleave block "
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
+        if self.layer1_split_k < 1:
+            raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's

@@ -115,6 +115,34 @@ def test_scatter_sums_only_real_pairs(kind):
         _close(ys, reference.ep_forward(xs, ids, wts, w13, w2), torch.float32)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+def test_small_calls_split_layer1_over_k(split_k):
+    """With ``layer1_split_k``, a call whose layer1 items leave programs idle runs each
+    item in K splits (4 of them: one split has no K left), the last split summing the
+    partials; the same call on too few programs runs whole items. Both match the
+    reference, and the counters say which ran. With expert biases: added once."""
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=12)
+    g = torch.Generator().manual_seed(split_k)
+    w13 = [torch.randn(4, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
+    w2 = [torch.randn(4, f, h, generator=g) * 0.2 for _ in range(2)]
+    b13 = [torch.randn(4, 2 * f, generator=g) * 0.1 for _ in range(2)]
+    b2 = [torch.randn(4, h, generator=g) * 0.1 for _ in range(2)]
+    tile = dataclasses.replace(TileConfig.small(), layer1_split_k=split_k)
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    ids = make_ids("random", [5, 3], e, k, g)
+    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
+    for programs, in_splits in ((48, True), (3, False)):
+        _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
+        for ws in ep.ws:
+            items = int(ws.plan.tiles.num) * -(-h // tile.block_n1)
+            arrived = ws.count.arrived[:items]
+            assert items > 0 and arrived.tolist() == [split_k if in_splits else 0] * items
+
+
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])
 def test_comm_program_counts(comm_programs):
     ys, expect, _ = _run(2, "qwen2-moe", "skewed", torch.float16, seed=comm_programs,

@@ -152,12 +152,22 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
             acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([expert * g.N + n0, k]).T,
                          acc, input_precision=t.DOT_PRECISION)
     else:
-        acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, t.BLOCK_K):
-            acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
-                         input_precision=t.DOT_PRECISION)
+        acc = gemm_acc_k(a_desc, b_desc, g, t, expert, row_start, n0, 0, K)
         if t.BIAS:
             acc += bias_row(g.bias, expert, g.N, n0, g.N, t.BLOCK_N)
+    return acc
+
+
+@triton.jit
+def gemm_acc_k(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
+    """The fp32 tile ``A[row_start:+BLOCK_M, k0:k1] @ B[expert][k0:k1, n0:+BLOCK_N]`` of a
+    plain GEMM, no bias (``k0``, ``k1``: multiples of ``BLOCK_K``): the whole K, or one K
+    split of layer1 (comet.kernels.layer1.KSplit)."""
+    b_row = expert * g.K
+    acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k1, t.BLOCK_K):
+        acc = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, n0]), acc,
+                     input_precision=t.DOT_PRECISION)
     return acc
 
 

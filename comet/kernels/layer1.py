@@ -35,6 +35,16 @@ GroupGEMM and its epilogue (:func:`scatter_home`) writes each row, weighted, int
 as well (docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the
 last block to finish releases ``flag1`` as above.
 
+With ``TileConfig.layer1_split_k`` > 1 the scatter kernel on a column block of at most
+``SPLIT_K_BLOCK_N`` (the decode tile) first asks, on the device, whether the call is
+small enough for K splits (:func:`split_k_pays`: every split of every
+work item gets its own program). Then each program multiplies one split of ``F`` for one
+item into a local fp32 scratch; the last of an item's splits to arrive adds the partial
+tiles in split order and runs the scatter epilogue (:func:`split_k_role`). A 1-token call
+has too few items to keep the GPU's loads in flight (Mixtral at EP=2: 64 items for 132
+SMs); splitting ``F`` multiplies the weight bytes streaming at once. The choice is the
+rank's own: nothing another rank reads changes.
+
 The backward (comet.runtime.backward) runs the reduce kernel on ``d(gate, up) @ W13^T``
 (``TRANS_B``): the reduce then sums a token's rows unweighted (the routing weights are
 already in ``d(gate, up)``) and, with ``pairs``, also returns each (token, slot)'s
@@ -58,14 +68,33 @@ from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SIT
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
 from comet.kernels.activation import act_tile
-from comet.kernels.group_gemm import (Gemm, GemmTile, column_work, descriptor, dot_precision,
-                                      gemm_acc, gemm_tile)
+from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
+                                      dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
 from comet.kernels.plan import EntryTables, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
 from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp, take,
                                 wait_at_least, wait_chunks)
+
+
+#: Programs a split-K call may use (one per K split of a work item): at least the SMs of
+#: any GPU comet runs on (132 on an H100 or H200, 148 on a B200); sizes the scratch.
+SPLIT_K_SLOTS = constexpr(256)
+#: Most rows of an m-tile in a split-K call (rows a partial tile keeps): small calls only.
+SPLIT_K_ROWS = constexpr(32)
+#: Widest layer1 column block that runs K splits (the decode tile's): the last split's
+#: sum of two fp32 tiles of 256 columns spills registers at 8 warps (sm_90, triton 3.6).
+SPLIT_K_BLOCK_N = constexpr(128)
+
+
+class KSplit(NamedTuple):
+    """layer1's K splits in small calls (``TileConfig.layer1_split_k``; off: 1, and no
+    tensors)."""
+
+    partial: torch.Tensor | None   # fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: split tiles
+    arrived: torch.Tensor | None   # int32 [SPLIT_K_SLOTS]: splits finished per item (zeroed per call)
+    SPLIT_K: tl.constexpr = constexpr(1)
 
 
 class Splits(NamedTuple):
@@ -168,11 +197,13 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
 
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
                           tiles: Tiles, progress: Progress, homes: Homes, sync: Sync,
-                          trace: Trace, shape: Shape, tile: TileConfig) -> None:
-    """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs."""
+                          trace: Trace, shape: Shape, tile: TileConfig,
+                          ksplit: KSplit = KSplit(None, None)) -> None:
+    """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs (in K
+    splits where ``ksplit`` has them and the call is small)."""
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
-        homes=homes, sync=sync, trace=trace, shape=shape,
+        homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
@@ -262,6 +293,65 @@ def scatter_home(acc, homes, row_start, row_end, n0, H, BLOCK_M: tl.constexpr,
     for q in tl.static_range(FANOUT):
         row_ptr = peer(homes.pair_out, rank - rank % FANOUT + q) + offset
         tl.store(row_ptr[:, None] + cols[None, :], value, mask=mask)
+
+
+@triton.jit
+def split_k_pays(tiles, N, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Whether this call's layer1 runs in K splits: each split of each work item gets a
+    program of its own and a scratch slot, and no m-tile has more rows than a partial
+    tile keeps. Read from the plan's tables, so every program of the launch gets the
+    same answer."""
+    num_tiles = tl.load(tiles.num)
+    t = tl.arange(0, SPLIT_K_SLOTS)
+    live = t < num_tiles
+    rows = (tl.load(tiles.row_end + t, mask=live, other=0)
+            - tl.load(tiles.row_start + t, mask=live, other=0))
+    room = tl.minimum(tl.num_programs(0), SPLIT_K_SLOTS)
+    return ((num_tiles * tl.cdiv(N, BLOCK_N) * SPLIT_K <= room)
+            & (tl.max(rows, axis=0) <= SPLIT_K_ROWS))
+
+
+@triton.jit
+def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, trace, events):
+    """One K split of one work item on this program (program ``p``: item ``p // SPLIT_K``,
+    split ``p % SPLIT_K``; item ``i``: m-tile ``i // n_blocks``, column block ``i %
+    n_blocks``), its partial tile into the scratch; the item's last split to arrive sums
+    the partials in split order -- the same bits whoever is last -- adds the bias and
+    sends the rows home (:func:`scatter_home`). Returns the trace events."""
+    SPLIT_K: tl.constexpr = ksplit.SPLIT_K
+    BLOCK_M: tl.constexpr = item.BLOCK_M
+    BLOCK_N: tl.constexpr = item.BLOCK_N
+    SLOT: tl.constexpr = SPLIT_K_ROWS * BLOCK_N
+    n_blocks = tl.cdiv(gemm.N, BLOCK_N)
+    p = tl.program_id(0)
+    unit = p // SPLIT_K
+    if unit < tl.load(tiles.num) * n_blocks:
+        if trace.ON:
+            start = clock_ns()
+        t = unit // n_blocks
+        n0 = (unit % n_blocks) * BLOCK_N
+        expert = tl.load(tiles.expert + t)
+        row_start = tl.load(tiles.row_start + t)
+        row_end = tl.load(tiles.row_end + t)
+        k_per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), SPLIT_K) * item.BLOCK_K
+        k0 = (p % SPLIT_K) * k_per
+        acc = gemm_acc_k(a_desc, b_desc, gemm, item, expert, row_start, n0, k0,
+                         tl.minimum(k0 + k_per, gemm.K))
+        r = tl.arange(0, BLOCK_M)[:, None]
+        c = tl.arange(0, BLOCK_N)[None, :]
+        keep = (r < row_end - row_start) & (c < BLOCK_N)
+        tl.store(ksplit.partial + p.to(tl.int64) * SLOT + r * BLOCK_N + c, acc, mask=keep)
+        if arrive(ksplit.arrived + unit, "gpu") == SPLIT_K - 1:
+            first = ksplit.partial + (unit * SPLIT_K).to(tl.int64) * SLOT
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                total += tl.load(first + j * SLOT + r * BLOCK_N + c, mask=keep, other=0.0)
+            if item.BIAS:
+                total += bias_row(gemm.bias, expert, gemm.N, n0, gemm.N, BLOCK_N)
+            scatter_home(total, homes, row_start, row_end, n0, gemm.N, BLOCK_M, BLOCK_N)
+        if trace.ON:
+            events = stamp(trace, events, 0, t, start)
+    return events
 
 
 @triton.jit
@@ -432,15 +522,30 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
 
 
 @triton.jit
-def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, sync,
-                          trace, shape):
+def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, ksplit,
+                          sync, trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
-    whose epilogue sends each row, weighted, to its token's home (:class:`Homes`); no
-    comm role, no wait. The last program to finish releases ``flag1`` on every
-    source."""
+    whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
+    K splits where :class:`KSplit` has them and :func:`split_k_pays`; no comm role, no
+    wait. The last program to finish releases ``flag1`` on every source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
-    events = layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), a_desc, b_desc,
-                                 gemm, item, splits, tiles, progress.split_done, homes, trace,
-                                 events, True)
+    if (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N):
+        if split_k_pays(tiles, gemm.N, item.BLOCK_N, ksplit.SPLIT_K):
+            events = split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, trace,
+                                  events)
+        else:
+            events = _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress,
+                                    homes, trace, events)
+    else:
+        events = _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress, homes,
+                                trace, events)
     _release_sources(progress, epoch, sync)
+
+
+@triton.jit
+def _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, trace, events):
+    """Whole work items, every program striding over them, scattering from the epilogue."""
+    return layer1_compute_role(0, tl.program_id(0), tl.num_programs(0), a_desc, b_desc, gemm,
+                               item, splits, tiles, progress.split_done, homes, trace, events,
+                               True)

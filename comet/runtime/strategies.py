@@ -30,7 +30,7 @@ from comet.constants import constexpr
 from comet.kernels.combine import Parts
 from comet.kernels.group_gemm import Gemm, GemmTile
 from comet.kernels.layer0 import Homes as DispatchHomes
-from comet.kernels.layer1 import (Homes, Pairs, Progress, Reduce, Splits,
+from comet.kernels.layer1 import (Homes, KSplit, Pairs, Progress, Reduce, Splits,
                                   launch_layer1_reduce, launch_layer1_scatter)
 from comet.kernels.plan import EntryTables
 from comet.kernels.sync import Trace
@@ -128,9 +128,12 @@ class Scatter:
         cfg = ws.cfg
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
                       cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
+        ksplit = (KSplit(ws.l1_partial, ws.count.arrived, constexpr(tile.layer1_split_k))
+                  if tile.layer1_split_k > 1 else KSplit(None, None))
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
-                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile)
+                              ksplit=ksplit, sync=ws.sync, trace=trace, shape=ws.shape,
+                              tile=tile)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:

@@ -36,6 +36,7 @@ from comet.config import MoEConfig, TileConfig
 from comet.constants import COUNT_BUFFERS, ERROR_WORD
 from comet.kernels.address import PeerBuffer
 from comet.kernels.layer0 import Arrivals
+from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
 from comet.kernels.sync import Sync
@@ -101,11 +102,13 @@ class Counters(NamedTuple):
     l0_queue: torch.Tensor       # [1] layer0's GEMM work queue
     l1_reduce: torch.Tensor      # [1] layer1's reduce item queue
     l1_done: torch.Tensor        # [1] blocks finished with layer1
+    arrived: torch.Tensor        # [SPLIT_K_SLOTS or 0] K splits finished per layer1 item
     split: torch.Tensor          # [n_splits_max] layer1 tiles finished per column split
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "Counters":
-        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[4:])
+    def of(cls, t: torch.Tensor, k_slots: int) -> "Counters":
+        q = _QUEUE_COUNTERS
+        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:q + k_slots], t[q + k_slots:])
 
 
 @dataclass
@@ -121,17 +124,21 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [4 + n_splits_max], see :class:`Counters`
+    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) + n_splits_max]: :class:`Counters`
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
+    #: fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: layer1's partial tiles, with
+    #: ``TileConfig.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
+    l1_partial: torch.Tensor | None = None
     _keepalive: list = field(default_factory=list, repr=False)
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
     #: (comet.mesh.MeshLayout.home_fanout); set by the layer before its first call.
     fanout: int = 1
 
     def __post_init__(self):
-        self.count = Counters.of(self.counters)
+        self.count = Counters.of(self.counters,
+                                 0 if self.l1_partial is None else self.l1_partial.shape[0])
         self.shape = Shape.of(self.cfg.num_experts, self.cfg.top_k, self.world)
         self.sync = Sync(self.epoch, self.peer_ptrs["error"], self.rank, self.timeout,
                          self.shape.WORLD)
@@ -192,10 +199,17 @@ _QUEUE_COUNTERS = 4
 def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict:
     rows = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
     n_splits = tile.n_splits_max(cfg.hidden_size)
+    partial, k_slots = None, 0
+    if tile.layer1_split_k > 1:
+        k_slots = SPLIT_K_SLOTS.value
+        partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
+                              dtype=torch.float32, device=device)
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
         out1=torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device),
-        counters=torch.zeros(_QUEUE_COUNTERS + n_splits, dtype=torch.int32, device=device),
+        counters=torch.zeros(_QUEUE_COUNTERS + k_slots + n_splits, dtype=torch.int32,
+                             device=device),
+        l1_partial=partial,
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
@@ -210,7 +224,7 @@ def workspace_bytes(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
     _, symmetric = _layout(symmetric_specs(cfg, world, tile))
     scratch = _local_scratch(cfg, world, "meta", tile)
     plan = scratch.pop("plan")
-    tensors = [*scratch.values(), *_tensors_of(plan)]
+    tensors = [t for t in scratch.values() if t is not None] + _tensors_of(plan)
     return symmetric + sum(t.nbytes for t in tensors)
 
 
