@@ -54,7 +54,7 @@ class FakeFusedMoE:
 
 
 
-def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None):
+def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None, align=None):
     """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE."""
     layer.last_comm_blocks = (2, 3)
     return _synthetic_timeline(blocks=6, n_comm=2)
@@ -247,6 +247,32 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
     assert trace.main([path]) == 0 and trace.main([path + ".gz"]) == 0
     plain, packed = capsys.readouterr().out.split(path + ".gz\n")
     assert plain.rsplit(path + "\n", 1)[1] == packed and "gemm_start" in packed
+
+
+def test_the_recorded_call_starts_after_the_alignment():
+    """record_timeline: the first (compiling) call, then ``align`` (the ranks' barrier),
+    then the recorded call; its stamps come back relative to the earliest."""
+    log = []
+
+    class Layer:
+        programs, device = 2, torch.device("cpu")
+        par = type("Par", (), {"world_size": 2})()
+
+        def select_comm_blocks(self, m, requested):
+            return (0, 0)
+
+        def check_errors_now(self):
+            pass
+
+        def __call__(self, x, ids, w, comm_blocks, trace):
+            log.append(("call", comm_blocks))
+            trace["layer0"][1, 0] = torch.tensor([0, 3, 5_000, 7_000])
+
+    x = torch.zeros(4, 8)
+    records = trace.record_timeline(Layer(), x, None, None, align=lambda: log.append("align"))
+    assert log == [("call", (1, 0)), "align", ("call", (1, 0))]
+    assert [(r["block"], r["layer"], r["start_ns"], r["end_ns"]) for r in records] == [
+        (1, "layer0", 0, 2_000)]
 
 
 def test_timeline_without_gpu_says_why(capsys):

@@ -22,7 +22,7 @@ import gzip
 import json
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -51,7 +51,8 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
 
 
 def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, comm_blocks=None) -> list[dict]:
+                    topk_weights: torch.Tensor, comm_blocks=None,
+                    align: Callable[[], None] | None = None) -> list[dict]:
     """One fused call of the :class:`~comet.runtime.layer.FusedMoE` ``layer`` with every
     block stamping the start and end of each unit of work (global timer, ns). Returns
     records ``{block, role, layer, unit, what, start_ns, end_ns}``, times relative to the
@@ -59,7 +60,11 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
     layer0 runs fused with at least one comm block (with none it is two untraced
     launches); layer1 keeps the chosen split, 0 included (every block runs the GEMM, then
     the reduce) -- or, with the scatter epilogue, has no comm role (every block runs the
-    GEMM, which sends)."""
+    GEMM, which sends). ``align`` (e.g. a barrier of the layer's group) runs after the
+    first call has finished on this GPU, so that the ranks start the recorded call
+    together: without it a rank still busy on the host entered a recorded call 450 us
+    after its peers, whose timelines then showed their wait for its rows (qwen2-moe,
+    EP=4, ``2026-11-26/h200x4-timeline-ep4-qwen2-moe-4096``)."""
     n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
     n0 = max(n0, 1)
     shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)
@@ -67,11 +72,15 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
                for name in ("layer0", "layer1")}
     # The first traced call compiles the traced kernels between the launches of the two
     # layers; only the second call's stamps show the layer as it runs.
-    for _ in range(2):
+    for call in range(2):
         # Blocks take work from queues, so a block's event count differs from call to
         # call: clear the first call's stamps.
         for t in buffers.values():
             t.fill_(-1)
+        if call == 1 and align is not None:
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            align()
         layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers)
     layer.check_errors_now()
     raw = {k: v.cpu() for k, v in buffers.items()}

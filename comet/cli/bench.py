@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -464,8 +465,10 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
                         st.device)[0]
     # The first call compiles the kernels; the timeline is of a warm call.
     fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
+    align = (functools.partial(dist.barrier, group=st.group) if dist.is_initialized()
+             else None)
     entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,
-                                    comm_blocks=st.comm_blocks)
+                                    comm_blocks=st.comm_blocks, align=align)
     timelines = dict(enumerate(_gather_objects(entries, st.group)))
     if st.rank != 0:
         return 0
