@@ -168,6 +168,7 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
     moe = records[1]
     assert set(moe["comet_phases_us"]) == {"fused", "sequential", "compute_only", "comm_only"}
     assert set(moe["comet_phases_us"]["fused"]) == {"plan", "layer0", "layer1", "combine"}
+    assert moe["fused_host_us"] > 0 and records[0]["fused_host_us"] is None
     try:
         importlib.import_module("matplotlib")
     except ImportError:

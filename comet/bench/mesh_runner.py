@@ -31,8 +31,8 @@ from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                case_columns, gemm_fn, hbm_floors, phase_columns, rel_err,
-                                run_columns)
+                                case_columns, fused_host_us, fused_series, gemm_fn,
+                                hbm_floors, phase_columns, rel_err, run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -124,12 +124,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     out["baseline"] = Series(phases, _BASELINE_PHASES)
     if fused is not None:
         for mode in FUSED_MODES:
-            def call(i, t, mode=mode):
-                return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
-                                   comm_blocks=st.comm_blocks, mode=mode, timer=t)
-            phases = timed(call, fused.make_timer)
-            phases["total"] = timed(call)["total"]
-            out[mode] = Series(phases, LAYER_PHASES["comet"])
+            out[mode] = fused_series(timed, fused, sets, st.comm_blocks, mode)
     plans = _shard_plans(sets, mesh, cfg.num_experts, st.rank, convention, group)
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, w2.shape[1], device=dev, dtype=cfg.dtype))
@@ -160,6 +155,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
             "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
+            "fused_host_us": fused_host_us(out, layer),
             "shard_rows_per_rank": median([p.rows for p in plans]),
             "n_comm": (list(fused.layer.last_comm_blocks)
                        if fused is not None and fused.layer.last_comm_blocks else None),

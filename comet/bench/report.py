@@ -77,6 +77,7 @@ EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("best fixed (n) us", lambda r: "-" if r.get("best_fixed_us") is None else
      f"{r['best_fixed_us']:.1f} ({r['best_fixed_split']})"),
     ("b/best fixed", _num("fused_over_best_fixed", "{:.2f}")),
+    ("b host us", _num("fused_host_us")),
 ]
 
 #: Where the unfused baseline's time goes ("moe" rows): its phases (comet.baseline).

@@ -212,20 +212,11 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     decode_tile = None
     tile_overrides = None
     if fused is not None:
-        def time_fused(comm_blocks, mode) -> Series:
-            def call(i, t):
-                return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
-                                   comm_blocks=comm_blocks, mode=mode, timer=t)
-            # Phases come from calls with events (eager launches); the whole-call time from
-            # calls without, which replay comet's CUDA graph as a user's call would.
-            phases = timed(call, fused.make_timer)
-            phases["total"] = timed(call)["total"]
-            return Series(phases, LAYER_PHASES["comet"])
-
         for mode in FUSED_MODES:
-            out[mode] = time_fused(None if mode == "sequential" else st.comm_blocks, mode)
+            out[mode] = fused_series(timed, fused, sets,
+                                     None if mode == "sequential" else st.comm_blocks, mode)
         for n in fixed_splits(st, fused):
-            out[f"fixed{n}"] = time_fused(n, "fused")
+            out[f"fixed{n}"] = fused_series(timed, fused, sets, n, "fused")
         fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
                     comm_blocks=st.comm_blocks, mode="fused")
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
@@ -290,6 +281,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             # Whole layer only: a peer has no phases, so its layer rows are None.
             **({**{f"peer_{name}_us": med(f"peer_{name}") for name in peers.names},
                 "peers": peer_status} if peers is not None else {}),
+            "fused_host_us": fused_host_us(out, layer),
             "n_comm": n_comm[0] if n_comm else None,
             "n_comm_per_rank": n_comm,
             "decode_tile": decode_tile,
@@ -334,6 +326,28 @@ def case_columns(case: Case, layer: str) -> dict:
             "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer}
 
 
+def fused_series(timed: Callable, fused: Fused, sets: Sequence[InputSet], comm_blocks,
+                 mode: str) -> Series:
+    """comet's layer in ``mode``, timed by ``timed`` (a :func:`comet.bench.timing.time_calls`
+    reduced over ranks): phases from calls with events (eager launches), the whole-call
+    time and the host's time per call from calls without, which replay comet's CUDA graph
+    as a user's call would."""
+    def call(i, t):
+        return fused.layer(sets[i].x, sets[i].topk_ids, sets[i].topk_weights,
+                           comm_blocks=comm_blocks, mode=mode, timer=t)
+    phases = timed(call, fused.make_timer)
+    whole = timed(call)
+    phases["total"], phases["host"] = whole["total"], whole["host"]
+    return Series(phases, LAYER_PHASES["comet"])
+
+
+def fused_host_us(out: dict[str, Series], layer: str) -> float | None:
+    """A whole-layer record's host time to issue one fused call (staging and graph
+    replay; slowest rank's iteration, median): where it exceeds ``fused_us`` the GPU
+    waited for the host."""
+    return median(out["fused"].series.get("host")) if layer == "moe" and "fused" in out else None
+
+
 def phase_columns(out: dict[str, Series], breakdown: dict[str, tuple[str, ...]]) -> dict:
     """A whole-layer record's breakdowns: the baseline's phases summed into ``breakdown``'s
     columns (those it has), and where comet's time goes, per mode and phase (plan,
@@ -344,7 +358,8 @@ def phase_columns(out: dict[str, Series], breakdown: dict[str, tuple[str, ...]])
             name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
             for name, parts in breakdown.items() if any(p in base for p in parts)},
         "comet_phases_us": {
-            mode: {p: median(v) for p, v in out[mode].series.items() if p != "total"}
+            mode: {p: median(v) for p, v in out[mode].series.items()
+                   if p not in ("total", "host")}
             for mode in FUSED_MODES if mode in out} or None,
     }
 

@@ -125,11 +125,13 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
     per iteration (``None``: no phases); ``fn`` receives it (or None).
 
     Returns:
-        ``{"total": [iters] us, "<phase>": [iters] us, ...}``, this rank's numbers (see
-        :func:`reduce_over_ranks`; :func:`timed_sets` gives each iteration's input set).
+        ``{"total": [iters] us, "host": [iters] us, "<phase>": [iters] us, ...}``, this
+        rank's numbers (see :func:`reduce_over_ranks`; :func:`timed_sets` gives each
+        iteration's input set); ``host``: the host's time to issue one call -- where it
+        exceeds ``total``'s GPU time, the GPU waited for the host.
     """
     clock = Clock(device)
-    marks, timers = [], []
+    marks, timers, hosts = [], [], []
     for i in range(warmup + iters):
         s = i % n_sets
         timed = i >= warmup
@@ -142,13 +144,17 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
         # the call) as far apart as the clocks drift over ~10 ms.
         _align(group, device)
         start = clock.mark()
+        host = time.perf_counter()
         fn(s, timer)
+        host = time.perf_counter() - host
         end = clock.mark()
         if timed:
             marks.append((start, end))
             timers.append(timer)
+            hosts.append(host * 1e6)
     _sync(device)
-    series: dict[str, list[float]] = {"total": [Clock.us(a, b) for a, b in marks]}
+    series: dict[str, list[float]] = {"total": [Clock.us(a, b) for a, b in marks],
+                                      "host": hosts}
     if make_timer is not None:
         phases = [t.elapsed_us() for t in timers]
         for name in phases[0] if phases else ():
