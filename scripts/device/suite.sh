@@ -49,6 +49,12 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
                 step "hybrid-tp$W-sequence" 440 env TP="$W" CONVENTION=sequence BENCH_TIMEOUT_S=300 STRESS_TIMEOUT_S=120 \
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
+    tp_benches) # the TP benches alone, the layouts whose bench the 2026-11-26 suite lost
+                for lc in "2 sequence" "$W replicated" "$W sequence"; do
+                  set -- $lc
+                  step "tp-bench-tp$1-$2" 330 env TP="$1" CONVENTION="$2" STRESS=0 \
+                    BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
+                done ;;
     *) echo "unknown step $s" | tee -a "$DIR/steps.log" ;;
   esac
 done

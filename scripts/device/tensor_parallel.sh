@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: COMET_COMMIT=$(git rev-parse --short HEAD) [TP=2] [CONVENTION=sequence] [BENCH_TIMEOUT_S=330] [STRESS_TIMEOUT_S=220] bash scripts/device/tensor_parallel.sh [comet bench args...]
+# usage: COMET_COMMIT=$(git rev-parse --short HEAD) [TP=2] [CONVENTION=sequence] [BENCH_TIMEOUT_S=330] [STRESS_TIMEOUT_S=220] [STRESS=0] bash scripts/device/tensor_parallel.sh [comet bench args...]
 # A (TP, W/TP) layout on every GPU of the machine, in one device call: the `comet bench
 # --tp` sweep (fused vs the unfused TP pipeline vs torch's grouped GEMMs on the shard
 # rows; 128, 4096 and 16384 tokens per rank, both routings, unless arguments say
@@ -21,5 +21,6 @@ timeout "${BENCH_TIMEOUT_S:-330}" python3 -m torch.distributed.run --standalone 
     --nproc-per-node "$W" -m comet.cli.bench --tp "$TP" --convention "$CONVENTION" \
     --no-plot --output-dir "$OUT" "${args[@]}" 2>&1 | tee -a "$LOG"
 echo "bench exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+[ "${STRESS:-1}" = 0 ] && exit 0     # the bench only (STRESS=0)
 STRESS_NAME="$NAME" STRESS_TIMEOUT_S=${STRESS_TIMEOUT_S:-220} OUT="$OUT" \
     bash scripts/device/stress.sh --tp "$TP" --convention "$CONVENTION"
