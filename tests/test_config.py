@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from comet.config import MoEConfig, ParallelConfig, check_layout, preset
+from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout, preset
 
 
 def test_presets_are_valid_and_named():
@@ -56,3 +56,11 @@ def test_shared_size_defaults():
                     num_shared_experts=2)
     assert cfg.shared_size == 64
     assert cfg.replace(num_shared_experts=0).shared_size == 0
+
+
+def test_tile_fields_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="block_n0 must divide"):
+        TileConfig(block_n0=96)
+    with pytest.raises(ValueError, match="layer1_split_k must be >= 1"):
+        TileConfig(layer1_split_k=0)
+    assert TileConfig(layer1_split_k=2).variant() == {"layer1_split_k": 2}

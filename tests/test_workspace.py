@@ -10,17 +10,23 @@ from comet.runtime.strategies import ColumnReduce, Scatter, strategies_of
 from comet.runtime.workspace import _tensors_of, allocate_virtual, workspace_bytes
 
 
-@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("scatter, split_k", [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_workspace_bytes_is_what_a_rank_allocates(world, scatter):
+def test_workspace_bytes_is_what_a_rank_allocates(world, scatter, split_k):
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=96,
                     dtype=torch.float16, max_tokens=40)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter)
+    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter,
+                               layer1_split_k=split_k)
     ws = allocate_virtual(cfg, world, "cpu", tile)[0]
     storage = ws._keepalive[0]             # one symmetric allocation per rank
     local = [ws.h, ws.out1, ws.counters, ws.epoch, ws.timeout, *_tensors_of(ws.plan)]
+    local += [ws.l1_partial] if split_k > 1 else []
     assert workspace_bytes(cfg, world, tile) == storage.nbytes + sum(t.nbytes for t in local)
     assert ("pair_out" in ws.buffers) == scatter
+    # layer1's K-split scratch is local (no peer writes it): 4 MiB and a counter per slot.
+    assert (ws.l1_partial is not None) == (split_k > 1)
+    assert ws.count.arrived.numel() == (256 if split_k > 1 else 0)
+    assert ws.count.split.numel() == tile.n_splits_max(cfg.hidden_size)
 
 
 def test_the_scatter_epilogue_costs_one_row_per_slot():
