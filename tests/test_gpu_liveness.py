@@ -177,31 +177,12 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     ``scatter`` (the default): layer1's epilogue writes into peers' pair_out while a fast
     peer may already be in its next call; ``reduce``: layer1's reduce role, whose comm
     blocks write into peers' comb."""
-    _drift(name, world, VARIANTS[variant], max_tokens=384, label=variant)
-
-
-@pytest.mark.parametrize("name, world, split_k", [
-    ("mixtral", 2, 2), ("phi3.5-moe", 2, 4), ("deepseek-v3-like", 4, 2)])
-def test_split_k_small_calls_drift_full_size(name, world, split_k):
-    """``layer1_split_k``: calls of 0-8 tokens per rank, whose layer1 runs in K splits
-    where its items fit the programs (the last split of each item sums and scatters),
-    220 drifting calls at full size, every output checked; the last call (one token a
-    rank) ran in splits."""
-    layers = _drift(name, world, {"layer1_split_k": split_k}, max_tokens=8,
-                    label=f"split_k={split_k}", last_tokens=1)
-    for layer in layers:
-        assert int(layer.ws.count.arrived.max()) == split_k
-
-
-def _drift(name, world, tile_fields, max_tokens, label, last_tokens=None):
-    """220 concurrent drifting calls of ``world`` virtual ranks (tokens per rank random
-    up to ``max_tokens``; the last call ``last_tokens`` each if given), every output
-    against the reference; returns the layers."""
     import dataclasses
     from comet.config import TileConfig
     from comet.runtime.virtual import concurrent_forward
+    max_tokens = 384
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), **tile_fields))
+                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     kinds = ["random", "skewed", "one_expert"]
@@ -209,8 +190,6 @@ def _drift(name, world, tile_fields, max_tokens, label, last_tokens=None):
     calls = []
     for i in range(220):
         tokens = [rng.randint(0, max_tokens) for _ in range(world)]
-        if i == 219 and last_tokens is not None:
-            tokens = [last_tokens] * world
         calls.append(_inputs(cfg, world, kinds[i % len(kinds)], tokens, seed=i))
     torch.cuda.synchronize()
     streams = _streams(world)
@@ -230,11 +209,45 @@ def _drift(name, world, tile_fields, max_tokens, label, last_tokens=None):
         ref = reference.ep_forward(xs, ids, ws, w13, w2, round_to=cfg.dtype)
         for y, r in zip(ys, ref):
             worst = max(worst, _rel_err(y, r))
-    print(f"{name} W={world} {label}: 220 concurrent calls in {elapsed:.1f}s, "
+    print(f"{name} W={world} {variant}: 220 concurrent calls in {elapsed:.1f}s, "
           f"worst rel err {worst:.2e}")
     assert worst < 2e-2
     assert all(int(layer.ws.epoch) == 220 for layer in layers)
-    return layers
+
+
+@pytest.mark.parametrize("name, split_k", [("mixtral", 2), ("phi3.5-moe", 4),
+                                           ("qwen2-moe", 2)])
+def test_split_k_small_calls_full_size(name, split_k):
+    """``layer1_split_k`` on one rank with the whole GPU (virtual ranks share its SMs, too
+    few for K splits at full size): 200 back-to-back calls of 0-4 tokens at full size,
+    different routings, every output checked; a 1-token call runs layer1 in K splits."""
+    import dataclasses
+    from comet.config import TileConfig
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS[name].replace(max_tokens=8)
+    g = torch.Generator(device="cuda").manual_seed(split_k)
+    h, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
+    w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
+    layer = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(),
+                                                          layer1_split_k=split_k))
+    rng = random.Random(split_k)
+    kinds = ["random", "skewed", "one_expert"]
+    calls = [_inputs(cfg, 1, kinds[i % 3], [rng.randint(0, 4)], seed=i) for i in range(200)]
+    outputs = [layer(xs[0], ids[0], ws[0]) for xs, ids, ws in calls]
+    layer.check_errors_now()
+    worst = max(_rel_err(y, reference.moe_forward(xs[0], ids[0], ws[0], w13, w2,
+                                                  round_to=cfg.dtype))
+                for (xs, ids, ws), y in zip(calls, outputs))
+    xs, ids, ws = _inputs(cfg, 1, "random", [1], seed=1000)
+    y = layer(xs[0], ids[0], ws[0])
+    torch.cuda.synchronize()
+    splits = int(layer.ws.count.arrived.max())
+    print(f"{name} split_k={split_k}: 200 calls, worst rel err {worst:.2e}; a 1-token "
+          f"call ran layer1 in {splits} K splits")
+    assert worst < 2e-2 and 2 <= splits <= split_k
+    assert _rel_err(y, reference.moe_forward(xs[0], ids[0], ws[0], w13, w2,
+                                             round_to=cfg.dtype)) < 2e-2
 
 
 @pytest.mark.parametrize("name, tp, ep, convention, variant", [

@@ -118,9 +118,9 @@ def test_scatter_sums_only_real_pairs(kind):
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 def test_small_calls_split_layer1_over_k(split_k):
     """With ``layer1_split_k``, a call whose layer1 items leave programs idle runs each
-    item in K splits (4 of them: one split has no K left), the last split summing the
-    partials; the same call on too few programs runs whole items. Both match the
-    reference, and the counters say which ran. With expert biases: added once."""
+    item in as many K splits as fit, up to ``layer1_split_k`` (with 4, one split has no K
+    left), the last split summing the partials; on too few programs, whole items. All
+    match the reference, and the counters say what ran. Expert biases: added once."""
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float32, max_tokens=12)
@@ -135,12 +135,16 @@ def test_small_calls_split_layer1_over_k(split_k):
     xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
     wts = [torch.rand(i.shape, generator=g) for i in ids]
     expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
-    for programs, in_splits in ((48, True), (3, False)):
+    engaged = set()
+    for programs in (48, 9, 3):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
         for ws in ep.ws:
             items = int(ws.plan.tiles.num) * -(-h // tile.block_n1)
-            arrived = ws.count.arrived[:items]
-            assert items > 0 and arrived.tolist() == [split_k if in_splits else 0] * items
+            splits = min(split_k, programs // items)     # as many as fit, up to split_k
+            splits = splits if splits >= 2 else 0
+            assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
+            engaged.add(splits)
+    assert {0, split_k} <= engaged
 
 
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])

@@ -37,8 +37,8 @@ last block to finish releases ``flag1`` as above.
 
 With ``TileConfig.layer1_split_k`` > 1 the scatter kernel on a column block of at most
 ``SPLIT_K_BLOCK_N`` (the decode tile) first asks, on the device, whether the call is
-small enough for K splits (:func:`split_k_pays`: every split of every
-work item gets its own program). Then each program multiplies one split of ``F`` for one
+small enough for K splits (:func:`split_k_count`: up to ``layer1_split_k`` of them, as
+many as give every split of every work item its own program). Then each program multiplies one split of ``F`` for one
 item into a local fp32 scratch; the last of an item's splits to arrive adds the partial
 tiles in split order and runs the scatter epilogue (:func:`split_k_role`). A 1-token call
 has too few items to keep the GPU's loads in flight (Mixtral at EP=2: 64 items for 132
@@ -296,35 +296,34 @@ def scatter_home(acc, homes, row_start, row_end, n0, H, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def split_k_pays(tiles, N, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Whether this call's layer1 runs in K splits: each split of each work item gets a
-    program of its own and a scratch slot, and no m-tile has more rows than a partial
-    tile keeps. Read from the plan's tables, so every program of the launch gets the
-    same answer."""
+def split_k_count(tiles, N, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """K splits of this call's layer1 items: the most, up to ``SPLIT_K``, that give each
+    split of each work item a program (and a scratch slot) of its own -- or 0 when that
+    is fewer than 2 or an m-tile has more rows than a partial tile keeps. Read from the
+    plan's tables, so every program of the launch gets the same answer."""
     num_tiles = tl.load(tiles.num)
     t = tl.arange(0, SPLIT_K_SLOTS)
     live = t < num_tiles
     rows = (tl.load(tiles.row_end + t, mask=live, other=0)
             - tl.load(tiles.row_start + t, mask=live, other=0))
     room = tl.minimum(tl.num_programs(0), SPLIT_K_SLOTS)
-    return ((num_tiles * tl.cdiv(N, BLOCK_N) * SPLIT_K <= room)
-            & (tl.max(rows, axis=0) <= SPLIT_K_ROWS))
+    k_splits = tl.minimum(room // tl.maximum(num_tiles * tl.cdiv(N, BLOCK_N), 1), SPLIT_K)
+    return tl.where((k_splits >= 2) & (tl.max(rows, axis=0) <= SPLIT_K_ROWS), k_splits, 0)
 
 
 @triton.jit
-def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, trace, events):
-    """One K split of one work item on this program (program ``p``: item ``p // SPLIT_K``,
-    split ``p % SPLIT_K``; item ``i``: m-tile ``i // n_blocks``, column block ``i %
+def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, k_splits, trace, events):
+    """One K split of one work item on this program (program ``p``: item ``p // k_splits``,
+    split ``p % k_splits``; item ``i``: m-tile ``i // n_blocks``, column block ``i %
     n_blocks``), its partial tile into the scratch; the item's last split to arrive sums
     the partials in split order -- the same bits whoever is last -- adds the bias and
     sends the rows home (:func:`scatter_home`). Returns the trace events."""
-    SPLIT_K: tl.constexpr = ksplit.SPLIT_K
     BLOCK_M: tl.constexpr = item.BLOCK_M
     BLOCK_N: tl.constexpr = item.BLOCK_N
     SLOT: tl.constexpr = SPLIT_K_ROWS * BLOCK_N
     n_blocks = tl.cdiv(gemm.N, BLOCK_N)
     p = tl.program_id(0)
-    unit = p // SPLIT_K
+    unit = p // k_splits
     if unit < tl.load(tiles.num) * n_blocks:
         if trace.ON:
             start = clock_ns()
@@ -333,18 +332,18 @@ def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, trace, events
         expert = tl.load(tiles.expert + t)
         row_start = tl.load(tiles.row_start + t)
         row_end = tl.load(tiles.row_end + t)
-        k_per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), SPLIT_K) * item.BLOCK_K
-        k0 = (p % SPLIT_K) * k_per
+        k_per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), k_splits) * item.BLOCK_K
+        k0 = (p % k_splits) * k_per
         acc = gemm_acc_k(a_desc, b_desc, gemm, item, expert, row_start, n0, k0,
                          tl.minimum(k0 + k_per, gemm.K))
         r = tl.arange(0, BLOCK_M)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         keep = (r < row_end - row_start) & (c < BLOCK_N)
         tl.store(ksplit.partial + p.to(tl.int64) * SLOT + r * BLOCK_N + c, acc, mask=keep)
-        if arrive(ksplit.arrived + unit, "gpu") == SPLIT_K - 1:
-            first = ksplit.partial + (unit * SPLIT_K).to(tl.int64) * SLOT
+        if arrive(ksplit.arrived + unit, "gpu") == k_splits - 1:
+            first = ksplit.partial + (unit * k_splits).to(tl.int64) * SLOT
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):
+            for j in range(k_splits):
                 total += tl.load(first + j * SLOT + r * BLOCK_N + c, mask=keep, other=0.0)
             if item.BIAS:
                 total += bias_row(gemm.bias, expert, gemm.N, n0, gemm.N, BLOCK_N)
@@ -526,14 +525,15 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
                           sync, trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
-    K splits where :class:`KSplit` has them and :func:`split_k_pays`; no comm role, no
+    K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm role, no
     wait. The last program to finish releases ``flag1`` on every source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     if (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N):
-        if split_k_pays(tiles, gemm.N, item.BLOCK_N, ksplit.SPLIT_K):
-            events = split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, trace,
-                                  events)
+        k_splits = split_k_count(tiles, gemm.N, item.BLOCK_N, ksplit.SPLIT_K)
+        if k_splits > 0:
+            events = split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, k_splits,
+                                  trace, events)
         else:
             events = _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress,
                                     homes, trace, events)
