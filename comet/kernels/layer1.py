@@ -38,9 +38,10 @@ last block to finish releases ``flag1`` as above.
 With ``TileConfig.layer1_split_k`` > 1 the scatter kernel on a column block of at most
 ``SPLIT_K_BLOCK_N`` (the decode tile) first asks, on the device, whether the call is
 small enough for K splits (:func:`split_k_count`: up to ``layer1_split_k`` of them, as
-many as give every split of every work item its own program). Then each program multiplies one split of ``F`` for one
-item into a local fp32 scratch; the last of an item's splits to arrive adds the partial
-tiles in split order and runs the scatter epilogue (:func:`split_k_role`). A 1-token call
+many as give every split of every work item its own program). Then each program
+multiplies one split of ``F`` for one item into a local fp32 scratch; the last of an
+item's splits to arrive adds the partial tiles in split order and runs the scatter
+epilogue (:func:`split_k_role`). A 1-token call
 has too few items to keep the GPU's loads in flight (Mixtral at EP=2: 64 items for 132
 SMs); splitting ``F`` multiplies the weight bytes streaming at once. The choice is the
 rank's own: nothing another rank reads changes.
@@ -92,8 +93,8 @@ class KSplit(NamedTuple):
     """layer1's K splits in small calls (``TileConfig.layer1_split_k``; off: 1, and no
     tensors)."""
 
-    partial: torch.Tensor | None   # fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: split tiles
-    arrived: torch.Tensor | None   # int32 [SPLIT_K_SLOTS]: splits finished per item (zeroed per call)
+    partial: torch.Tensor | None   # fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]
+    arrived: torch.Tensor | None   # int32 [SPLIT_K_SLOTS]: splits done per item (zeroed per call)
     SPLIT_K: tl.constexpr = constexpr(1)
 
 
@@ -525,8 +526,8 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
                           sync, trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
-    K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm role, no
-    wait. The last program to finish releases ``flag1`` on every source."""
+    K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm
+    role, no wait. The last program to finish releases ``flag1`` on every source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     if (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N):
