@@ -23,7 +23,7 @@ without waiting, ``"comm_only"`` moves the data without GEMMs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import torch
@@ -149,6 +149,7 @@ class ForwardCall:
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     shard_routing: ShardRouting | None = None
+    _phases: list[Phase] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -187,7 +188,11 @@ class ForwardCall:
                 ("combine", self._combine_phases())]
 
     def phases(self) -> list[Phase]:
-        return [phase for _, phases in self.stages() for phase in phases]
+        """Every phase of :meth:`stages` in order; built once (a call's launches are fixed
+        when it is built, and a layer's calls ask for them on every user call)."""
+        if self._phases is None:
+            self._phases = [phase for _, phases in self.stages() for phase in phases]
+        return self._phases
 
     def run(self) -> None:
         for phase in self.phases():
