@@ -311,6 +311,13 @@ def test_summary_checks_each_target_record_by_record():
     # skewed: any record slower than sequential counts, per-layer rows included
     assert "b/sequential, any layer <= 1 in 8/12 (worst 1.07)" in skew
     assert "hidden" not in skew
+    assert "host-bound" not in uniform                        # no host times recorded
+    hosted = [dict(r, fused_host_us=0.95 * r["fused_us"] if r["tokens_per_rank"] == 128
+                   and r["layer"] == "moe" else 10.0) for r in records]
+    line = report.summary(hosted)[0]
+    assert line.endswith("host-bound (b host us >= 0.9 b) at "
+                         + ", ".join(f"{r['config']} 128" for r in hosted
+                                     if r["layer"] == "moe" and r["tokens_per_rank"] == 128))
 
 
 def test_bad_arguments_are_refused():

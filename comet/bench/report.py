@@ -216,8 +216,22 @@ def summary(records: Sequence[dict]) -> list[str]:
         if any(r.get("fused_over_best_fixed") is not None for r in rows):
             parts.append(_check(rows, "fused_over_best_fixed", "b/best fixed split", "max",
                                 1.0))
+        bound = [r for r in rows if _host_bound(r)]
+        if bound:
+            parts.append("host-bound (b host us >= " f"{HOST_BOUND:g} b) at "
+                         + ", ".join(f"{r['config']} {r['tokens_per_rank']}" for r in bound))
         lines.append(f"{routing}: " + "; ".join(parts))
     return lines
+
+
+#: A fused call whose host time is at least this share of (b) had the GPU wait for the
+#: host (or close to it): its (b) is the host's pace, not the kernels'.
+HOST_BOUND = 0.9
+
+
+def _host_bound(r: dict) -> bool:
+    host, fused = r.get("fused_host_us"), r.get("fused_us")
+    return host is not None and fused is not None and host >= HOST_BOUND * fused
 
 
 #: Issue 39's targets over the best peer (geomean of best peer / b, whole layer).
