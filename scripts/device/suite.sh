@@ -9,9 +9,9 @@
 #   call n:  sleep 500; tar -C /tmp/suite -cf $OUT/suite.tar .; tail -20 /tmp/suite/suite.log
 # (the copy: a later call re-sends the working tree, which must not change under a running
 # step). $SUITE_DIR/steps.log has each step's start, end and exit status. On 4x H200
-# (2026-11-26, 55f873b) stress to tune_check took 22 min; the TP benches need more than
-# the 130 s they had there when their kernels compile cold (a cut bench keeps its
-# finished cases in bench-*.partial.json).
+# (2026-11-26, 55f873b) stress to tune_check took 22 min; three of the four TP benches
+# needed more than the 130 s they had there (a cut bench keeps its finished cases in
+# bench-*.partial.json).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
