@@ -83,6 +83,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.kernels.act_backward import act_backward
     from comet.kernels.act_forward import gated_rows
     from comet.kernels.mesh_routing import shard_routing
+    from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
     from comet.mesh import MeshLayout
     from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
     from comet.runtime.forward import CallInputs, ForwardCall, Grids
@@ -110,6 +111,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # The whole fused call (plan, fused layer0, layer1's scatter, combine over slots):
         # the store of the scatter epilogue to per-row peer addresses must be 16-byte wide.
         call().run()
+        # A layer's first launch: the caller's routing into the staged rows.
+        launch_stage_routing(RoutingStage(torch.zeros(2, dtype=torch.int64), split, ids, wts))
         # layer0 in every role; layer1's reduce kernel in every role, and its combine.
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             call().launch_layer0(role, 132)

@@ -28,7 +28,8 @@ def test_all_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for kernel in ("count_kernel", "layout_kernel", "place_kernel", "exchange_counts_kernel",
                    "layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel",
-                   "combine_kernel", "act_backward_kernel", "row_weights_kernel"):
+                   "combine_kernel", "act_backward_kernel", "row_weights_kernel",
+                   "stage_routing_kernel", "shard_routing_kernel"):
         assert f"ok   {kernel}" in proc.stdout
     assert "local=0" in proc.stdout and "FAIL" not in proc.stdout
     assert "pipelined=yes" in proc.stdout and "pipelined=no" not in proc.stdout, proc.stdout

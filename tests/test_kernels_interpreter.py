@@ -254,6 +254,31 @@ def test_fused_layer_w1_on_cpu_and_bad_inputs_leave_it_usable():
     assert int(layer.ws.epoch) == 2
 
 
+def test_the_first_launch_stages_any_routing_a_caller_passes():
+    """The call's first launch copies the routing from the caller's tensors (addresses
+    staged with the scalars): int32 ids, half-precision weights (converted on the host),
+    transposed views, an empty call and a full one all give the reference's output."""
+    from comet.runtime.layer import FusedMoE
+    cfg, w13, w2, _, _, _ = _w1_inputs("mixtral", seed=11, max_tokens=16)
+    e, k, h = cfg.num_experts, cfg.top_k, cfg.hidden_size
+    layer = FusedMoE(cfg, w13, w2)
+    g = torch.Generator().manual_seed(11)
+    for m, ids_dtype, w_dtype, transposed in [(7, torch.int64, torch.float32, False),
+                                              (5, torch.int32, torch.float16, False),
+                                              (9, torch.int64, torch.float32, True),
+                                              (0, torch.int64, torch.float32, False),
+                                              (16, torch.int64, torch.bfloat16, False)]:
+        x = torch.randn(m, h, generator=g).half()
+        ids = torch.randint(0, e, (k, m) if transposed else (m, k), generator=g)
+        w = torch.rand(*ids.shape, generator=g)
+        if transposed:
+            ids, w = ids.t(), w.t()
+        y = layer(x, ids.to(ids_dtype), w.to(w_dtype))
+        ref = reference.moe_forward(x, ids, w.to(w_dtype).float(), w13, w2,
+                                    round_to=torch.float16)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_a_layer_built_under_inference_mode_serves_calls_outside_it():
     """A server warms up under torch.inference_mode(); the layer's state (workspace,
     staging, counters) must still take in-place updates from calls made outside it."""

@@ -35,6 +35,7 @@ from comet.kernels.combine import launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
+from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import Chunking, Routing, launch_counts, launch_layout, launch_place
@@ -133,7 +134,9 @@ class ForwardCall:
     the workspace config's. ``shard_routing``: a (tp, ep) layout's first launch, which
     writes ``inputs.ids`` / ``inputs.weights`` (shard slots) from the caller's routing
     (:mod:`comet.kernels.mesh_routing`); None for expert parallelism, whose staged
-    routing the kernels read as it is."""
+    routing the kernels read as it is. ``routing_stage``: the very first launch, which
+    copies the caller's routing into the staged rows the plan reads
+    (:mod:`comet.kernels.stage_routing`); None where the rows are written already."""
 
     ws: Workspace
     w13: torch.Tensor
@@ -149,6 +152,7 @@ class ForwardCall:
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
     shard_routing: ShardRouting | None = None
+    routing_stage: RoutingStage | None = None
     _phases: list[Phase] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -183,6 +187,8 @@ class ForwardCall:
         plan = list(plan_phases(self.ws, self._routing, self.tile))
         if self.shard_routing is not None:
             plan.insert(0, lambda: launch_shard_routing(self.shard_routing))
+        if self.routing_stage is not None:
+            plan.insert(0, lambda: launch_stage_routing(self.routing_stage))
         return [("plan", plan),
                 ("layer0", self._layer0_phases()), ("layer1", self._layer1_phases()),
                 ("combine", self._combine_phases())]

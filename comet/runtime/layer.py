@@ -30,6 +30,7 @@ from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
 from comet.kernels.mesh_routing import shard_routing
+from comet.kernels.stage_routing import RoutingStage
 from comet.mesh import Convention, MeshLayout
 from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids, kernel_decomposition
 from comet.runtime.graphs import CallGraphs
@@ -401,9 +402,11 @@ class FusedMoE:
                             else (shards.shard_ids, shards.shard_weights))
             inputs = CallInputs(s.addr[0:1], s.addr[1:2], s.num_tokens, s.split[0:1],
                                 s.split[1:2], ids, weights)
+            stage = RoutingStage(s.routing_addr, s.num_tokens, s.ids, s.weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
                                layer0_comm, cooperative=not self._virtual, trace=trace,
-                               b13=self.b13, b2=self.b2, shard_routing=shards)
+                               b13=self.b13, b2=self.b2, shard_routing=shards,
+                               routing_stage=stage)
             if trace is not None:
                 return call
             self._calls[key] = call
@@ -415,6 +418,10 @@ class FusedMoE:
         """Stage the inputs and issue one call's work (graph replay when possible)."""
         m = x.shape[0]
         n0, n1 = split
+        # The call's first launch copies the routing into the staged rows (no host copy
+        # for int64 ids and fp32 weights; rows past m are never read: the plan stops at m).
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
         call = self._call(mode, n0 > 0, tile, trace)
         n1 = call.strategy.comm_blocks(n1)
         self.last_comm_blocks = (n0, n1)
@@ -423,9 +430,7 @@ class FusedMoE:
         s = self._static
         self._refresh_timeout()
         x = aligned(x)
-        s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1)
-        s.ids[:m].copy_(topk_ids)     # rows past m are never read (the plan stops at m)
-        s.weights[:m].copy_(topk_weights)
+        s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1, ids.data_ptr(), weights.data_ptr())
         if timer is None:
             segments = [(True, call.phases())]
         else:

@@ -5,7 +5,7 @@ The kernels never take a call's sizes or addresses as launch arguments: the rout
 into ``max_tokens``-row buffers (the plan reads the call's rows only, given the token
 count on the device), and the call's scalars -- input and output addresses, token count,
 block split -- into one small int64 device buffer the kernels load. The forward stages
-five scalars (:class:`StaticInputs`), the backward six (:mod:`comet.runtime.backward`).
+seven scalars (:class:`StaticInputs`), the backward six (:mod:`comet.runtime.backward`).
 
 The scalars reach the device in one copy from a pinned host ring rather than one fill per
 scalar: each small device op costs the host ~8-11 us (H100, ``h100-host-cost.json``), and
@@ -75,9 +75,11 @@ class StagedScalars:
 
 class StaticInputs:
     """A forward call's staging: routing rows (:attr:`ids`, :attr:`weights`, ``[max_tokens,
-    k]``) and scalars ``(x address, y address, tokens, layer0 split, layer1 split)``, with
-    the views the kernels take (:attr:`addr`, :attr:`num_tokens`, :attr:`split`).
-    The backward stages its routing into the same rows (it follows its forward)."""
+    k]``) and scalars ``(x address, y address, tokens, layer0 split, layer1 split, ids
+    address, weights address)``, with the views the kernels take (:attr:`addr`,
+    :attr:`num_tokens`, :attr:`split`, :attr:`routing_addr`: the call's first launch
+    copies the routing into the rows, comet.kernels.stage_routing). The backward stages its
+    routing into the same rows (it follows its forward)."""
 
     RING = StagedScalars.RING
 
@@ -86,10 +88,12 @@ class StaticInputs:
                               device=device)
         self.weights = torch.zeros(cfg.max_tokens, cfg.top_k, dtype=torch.float32,
                                    device=device)
-        self._scalars = StagedScalars(5, device)
+        self._scalars = StagedScalars(7, device)
         s = self._scalars.values
         self.addr, self.num_tokens, self.split = s[0:2], s[2:3], s[3:5]
+        self.routing_addr = s[5:7]
 
-    def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int) -> None:
+    def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int,
+              ids_addr: int, weights_addr: int) -> None:
         """Write the call's scalars (stream-ordered)."""
-        self._scalars.stage([x_addr, y_addr, num_tokens, n0, n1])
+        self._scalars.stage([x_addr, y_addr, num_tokens, n0, n1, ids_addr, weights_addr])
