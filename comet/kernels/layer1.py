@@ -530,6 +530,8 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
     role, no wait. The last program to finish releases ``flag1`` on every source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
+    # The outer test is a constexpr (with SPLIT_K = 1 the kernel compiles as it did before
+    # K splits existed), the inner one a run-time choice: hence two calls of the same role.
     if (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N):
         k_splits = split_k_count(tiles, gemm.N, item.BLOCK_N, ksplit.SPLIT_K)
         if k_splits > 0:

@@ -128,12 +128,12 @@ class Scatter:
         cfg = ws.cfg
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
                       cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
-        ksplit = (KSplit(ws.l1_partial, ws.count.arrived, constexpr(tile.layer1_split_k))
-                  if tile.layer1_split_k > 1 else KSplit(None, None))
+        ksplit = ({"ksplit": KSplit(ws.l1_partial, ws.count.arrived,
+                                    constexpr(tile.layer1_split_k))}
+                  if tile.layer1_split_k > 1 else {})
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
-                              ksplit=ksplit, sync=ws.sync, trace=trace, shape=ws.shape,
-                              tile=tile)
+                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile, **ksplit)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
