@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # usage: COMET_COMMIT=$(git rev-parse --short HEAD) SUITE_DIR=/tmp/suite [STEPS="stress bench ..."] bash scripts/device/suite.sh
+# One GPU: STEPS="tile_probe gpu_liveness gpu_tests" with VARIANTS, PROBE_NAME, PROBE_ARGS and
+# GPU_TESTS_K (a pytest -k filter for the liveness file, which outlasts one step whole).
 # Every multi-GPU run of a machine in one go, for a machine lent for the first time in a
 # while (e.g. four GPUs): the steps below in order, each under its own time limit, each
 # writing under $SUITE_DIR/<step>/ as soon as it ends. The whole suite outlasts one
@@ -55,6 +57,13 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   step "tp-bench-tp$1-$2" 330 env TP="$1" CONVENTION="$2" STRESS=0 \
                     BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
                 done ;;
+    # one-GPU steps: a kernel change's regression check and the small-call tile probe
+    gpu_liveness) step gpu_liveness 560 env GPU_TEST_FILES=tests/test_gpu_liveness.py GPU_TESTS_TIMEOUT_S=550 \
+                  bash scripts/device/gpu_tests.sh ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
+    gpu_tests)  step gpu_tests 560 env GPU_TEST_FILES=tests/test_gpu.py GPU_TESTS_TIMEOUT_S=550 \
+                  bash scripts/device/gpu_tests.sh ;;
+    tile_probe) step tile_probe 900 env NAME="${PROBE_NAME:-probe}" PROBE_TIMEOUT_S=280 \
+                  bash scripts/device/tile_probe.sh ${PROBE_ARGS:---config mixtral --tokens 1 8} ;;
     *) echo "unknown step $s" | tee -a "$DIR/steps.log" ;;
   esac
 done
