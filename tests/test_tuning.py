@@ -545,6 +545,22 @@ def test_the_decode_rule_at_model_sizes(name, world, tokens, programs, decode):
                                     programs) is decode
 
 
+@pytest.mark.parametrize("name, world, tokens, decode", [
+    ("mixtral", 1, 0, False),
+    ("mixtral", 1, 1, True),     # 2 experts with a row: 32 wide items, 64 decode ones
+    ("mixtral", 1, 8, False),    # 8 experts with rows: 128 items already fill the SMs
+    ("mixtral", 2, 8, True),     # 4 experts with rows: 64 items
+    ("qwen2-moe", 2, 1, True),   # 4 of 30 experts: 32 items of 2048 columns
+])
+def test_the_decode_rule_counts_only_the_experts_with_rows(name, world, tokens, decode):
+    """A small call's items are those of the experts it reaches: a 1-token Mixtral call
+    reaches 2 experts, whatever the rank holds (Selector.decode_by_rule)."""
+    from comet.runtime.selection import Selector
+    selection = Selector(preset(name), world, TileConfig(), 132, torch.device("cpu"),
+                         folder=None)
+    assert selection.decode_by_rule(tokens) is decode
+
+
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     # DBRX sizes, EP=1, 3000 tokens: 2304 default items in 17.5 waves, 4608 decode items
     # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.

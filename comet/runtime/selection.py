@@ -124,13 +124,17 @@ class Selector:
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
-        :meth:`TileConfig.decode_pays` with the rows spread evenly over the experts
-        (every rank sending as many tokens as this one)."""
+        :meth:`TileConfig.decode_pays` with this rank's rows (every rank sending as many
+        tokens as this one, spread evenly) on as many of its experts as there are rows:
+        a 1-token Mixtral call at EP=1 has 2 experts with work, not 8 (counting all 8
+        made the rule see 128 items where there are 32, and keep the wide tile)."""
         if num_tokens not in self._small:
             c = self.cfg
-            rows = -(-num_tokens * self.world * c.top_k // c.num_experts)
-            self._small[num_tokens] = self.tile.decode_pays(
-                rows, c.num_experts // self.world, c.hidden_size, self.programs)
+            local = c.num_experts // self.world
+            rows = -(-num_tokens * self.world * c.top_k * local // c.num_experts)
+            busy = min(local, rows)
+            self._small[num_tokens] = busy > 0 and self.tile.decode_pays(
+                -(-rows // busy), busy, c.hidden_size, self.programs)
         return self._small[num_tokens]
 
     def overrides_in(self, tile: TileConfig) -> dict[str, int]:

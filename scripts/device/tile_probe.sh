@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# usage: VARIANTS="default block_n0=64 num_stages=4,block_n1=128" NAME=tp-qwen2 \
+# usage: [NPROC=1] VARIANTS="default block_n0=64 num_stages=4,block_n1=128" NAME=tp-qwen2 \
 #        bash scripts/device/tile_probe.sh [comet bench args...]
 # The same comet bench cases once per TileConfig variant (`--tile FIELD=V,...`; "default":
-# the layer's own tile), one rank, from the repository root with no install: which tile
+# the layer's own tile), one rank (NPROC=2: two, expert-parallel), from the repository root with no install: which tile
 # fields pay for a shape before any default changes. Writes $OUT/NAME-<variant>.json/.md
 # (the variant's "=" as "-" and "," as "+": device machines return plain names only),
 # $OUT/NAME.log, and $OUT/NAME-summary.txt (per variant and record: fused, compute-only,
@@ -19,7 +19,7 @@ mkdir -p "$out"
     tile=(); [ "$v" != default ] && tile=(--tile "$v")
     tag=$(echo "$v" | tr '=,' '-+')
     echo "== $v"
-    timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc 1 --no-plot \
+    timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc "${NPROC:-1}" --no-plot \
       --output-dir "$dir" "${tile[@]}" "$@" > "$dir/run.log" 2>&1 || echo "variant $v: exit $?"
     tail -n 3 "$dir/run.log"
     for f in "$dir"/bench-*.json; do [ -f "$f" ] && cp "$f" "$out/$name-$tag.json"; done
@@ -44,6 +44,7 @@ for path in sorted(glob.glob(os.path.join(out, f"{name}-*.json"))):
             and layers[l].get("comet_gmm_us") and layers[l].get("torch_gmm_us"))
         print(f"{variant:28s} {key[0]:18s} {key[1]:6d} {key[2]:8s} fused {moe.get('fused_us') or 0:9.1f} "
               f"compute {moe.get('compute_only_us') or 0:9.1f} torch {moe.get('torch_gmm_us') or 0:9.1f} "
-              f"hbm {moe.get('hbm_floor_us') or 0:8.1f} comet/torch {ratios}")
+              f"hbm {moe.get('hbm_floor_us') or 0:8.1f} host {moe.get('fused_host_us') or 0:6.1f} "
+              f"comet/torch {ratios}")
 PY
 } 2>&1 | tee "$out/$name.log"
