@@ -26,25 +26,5 @@ mkdir -p "$out"
     for f in "$dir"/bench-*.md; do [ -f "$f" ] && cp "$f" "$out/$name-$tag.md"; done
     rm -rf "$dir"
   done
-  python3 - "$out" "$name" <<'PY' | tee "$out/$name-summary.txt"
-import glob, json, os, sys
-out, name = sys.argv[1:]
-for path in sorted(glob.glob(os.path.join(out, f"{name}-*.json"))):
-    variant = path[len(os.path.join(out, name)) + 1:-5]
-    records = json.load(open(path))
-    records = records if isinstance(records, list) else records["records"]
-    by = {}
-    for r in records:
-        by.setdefault((r["config"], r["tokens_per_rank"], r["routing"]), {})[r["layer"]] = r
-    for key, layers in sorted(by.items()):
-        moe = layers.get("moe", {})
-        ratios = " ".join(
-            f"{l}={layers[l]['comet_gmm_us'] / layers[l]['torch_gmm_us']:.3f}"
-            for l in ("layer0", "layer1") if l in layers
-            and layers[l].get("comet_gmm_us") and layers[l].get("torch_gmm_us"))
-        print(f"{variant:28s} {key[0]:18s} {key[1]:6d} {key[2]:8s} fused {moe.get('fused_us') or 0:9.1f} "
-              f"compute {moe.get('compute_only_us') or 0:9.1f} torch {moe.get('torch_gmm_us') or 0:9.1f} "
-              f"hbm {moe.get('hbm_floor_us') or 0:8.1f} host {moe.get('fused_host_us') or 0:6.1f} "
-              f"comet/torch {ratios}")
-PY
+  python3 scripts/device/probe_summary.py "$out" "$name" | tee "$out/$name-summary.txt"
 } 2>&1 | tee "$out/$name.log"
