@@ -122,16 +122,15 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         decode = tile.decode_tile()
         call(t=decode).launch_layer0(ROLE_FUSED, 132)
         call("sequential", decode).launch_layer1(ROLE_FUSED, 132)
-        # layer1 in K splits for small calls (TileConfig.layer1_split_k): default and
-        # decode tile, with and without expert biases.
-        split_k = dataclasses.replace(tile, layer1_split_k=2)
-        split_ws = allocate_virtual(cfg, world, "cpu", split_k)[0]
-        ForwardCall(split_ws, w13, w2, split_k, inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        ForwardCall(split_ws, w13, w2, split_k.decode_tile(), inputs,
-                    grids).launch_layer1(ROLE_FUSED, 132)
-        ForwardCall(allocate_virtual(cfg.replace(expert_bias=True), world, "cpu", split_k)[0],
-                    w13, w2, split_k, inputs, grids, b13=torch.zeros(el, 512, dtype=dtype),
+        # layer1 in K splits for small calls (TileConfig.layer1_split_k, on by default):
+        # the decode tile with and without expert biases, and with K splits off.
+        ForwardCall(ws, w13, w2, decode, inputs, grids).launch_layer1(ROLE_FUSED, 132)
+        ForwardCall(allocate_virtual(cfg.replace(expert_bias=True), world, "cpu", tile)[0],
+                    w13, w2, decode, inputs, grids, b13=torch.zeros(el, 512, dtype=dtype),
                     b2=torch.zeros(el, 256, dtype=dtype)).launch_layer1(ROLE_FUSED, 132)
+        off = dataclasses.replace(tile, layer1_split_k=1)
+        ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
+                    inputs, grids).launch_layer1(ROLE_FUSED, 132)
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()
