@@ -191,3 +191,39 @@ def test_scatter_published_by_the_first_program_to_finish_fails(monkeypatch):
     with pytest.raises(ScheduleError, match="combine, rows of its tokens' slots"):
         for seed in range(10):
             simulate_calls(calls, w13, w2, mx, SimConfig(seed=seed))
+
+
+@pytest.mark.parametrize("scatter", [True, False], ids=["scatter", "reduce"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_simulate_dispatch_dedupe_matches_reference(world, kind, scatter):
+    """Rows once per (token, destination), placed by the destination: top-4 over two
+    experts a rank, so most tokens have two experts on a rank."""
+    xs, ids, wts, w13, w2, mx = _case(world, kind, seed=world * 7 + len(kind), top_k=4)
+    expect = reference.ep_forward(xs, ids, wts, w13, w2)
+    for seed in range(2):
+        cfg = SimConfig(seed=seed, layer1_scatter=scatter, dispatch_dedupe=True)
+        for g, e in zip(simulate(xs, ids, wts, w13, w2, mx, cfg), expect):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_drift_dispatch_dedupe_consecutive_fused_calls_match_reference(world):
+    calls, w13, w2, mx = _drift_case(world, 3, n_calls=len(KINDS), top_k=4)
+    for seed in range(2):
+        cfg = SimConfig(seed=seed, speeds=_one_fast_rank(world, seed % world),
+                        dispatch_dedupe=True)
+        result = simulate_calls(calls, w13, w2, mx, cfg)
+        _assert_calls_match(result, calls, ["fused"] * len(calls), w13, w2)
+        assert result.drift == 1
+
+
+def test_drift_dispatch_dedupe_flag_set_by_the_first_chunk_fails():
+    # flag_x must wait for every row chunk of the source: set by the first to land, the
+    # destination places rows and pairs that have not arrived (or are the last call's).
+    calls, w13, w2, mx = _drift_case(2, 4, n_calls=3, top_k=4)
+    with pytest.raises(ScheduleError, match="placing chunk"):
+        for seed in range(10):
+            cfg = SimConfig(seed=seed, speeds=_one_fast_rank(2, 0), dispatch_dedupe=True,
+                            dedupe_last_chunk=False)
+            simulate_calls(calls, w13, w2, mx, cfg)

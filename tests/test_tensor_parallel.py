@@ -100,13 +100,14 @@ MATRIX = {
 
 
 def _virtual(mesh: MeshLayout, convention: str, strategy: str, dtype, gen, max_tokens=6,
-             hidden=32):
+             hidden=32, dedupe=False):
     """``(VirtualEP, w13, w2)``: the layout's ranks and the full layer's weights, every
     part buffer (pair_out, comb) filled with rows a dead part must not pick up."""
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=_ffn(mesh),
                     dtype=dtype, max_tokens=max_tokens)
     w13, w2 = _weights(mesh, gen, hidden, dtype)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy])
+    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy],
+                               dispatch_dedupe=dedupe)
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for ws in ep.ws:
         for name in ("pair_out", "comb"):
@@ -121,11 +122,11 @@ def _close(ys, expect, dtype):
         torch.testing.assert_close(y.float(), e, **tol)
 
 
-def _check_matrix_cell(layout, convention):
+def _check_matrix_cell(layout, convention, dedupe=False):
     strategy, dtype, kind = MATRIX[(layout, convention)]
     mesh = MeshLayout(*layout)
     gen = torch.Generator().manual_seed(sum(layout) * 7 + len(kind))
-    ep, w13, w2 = _virtual(mesh, convention, strategy, dtype, gen)
+    ep, w13, w2 = _virtual(mesh, convention, strategy, dtype, gen, dedupe=dedupe)
     assert all(ws.fanout == mesh.home_fanout(convention) for ws in ep.ws)
     xs, ids, wts = _inputs(mesh, convention, kind, gen, ep.cfg.max_tokens, w13.shape[1], dtype)
     ys = ep.forward(xs, ids, wts)
@@ -146,6 +147,15 @@ def test_tensor_parallel_kernels_match_mesh_forward(layout, convention):
 @pytest.mark.parametrize("layout", HYBRID, ids=lambda t: f"tp{t[0]}-ep{t[1]}")
 def test_hybrid_kernels_match_mesh_forward(layout, convention):
     _check_matrix_cell(layout, convention)
+
+
+@interpreter
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=lambda t: f"tp{t[0]}-ep{t[1]}")
+def test_tensor_parallel_and_hybrid_dispatch_dedupe_match_mesh_forward(layout, convention):
+    """Rows once per (token, destination) (TileConfig.dispatch_dedupe): a TP peer gets a
+    token's row once for all of its experts' shards there, and places it per pair."""
+    _check_matrix_cell(layout, convention, dedupe=True)
 
 
 @interpreter
@@ -295,11 +305,11 @@ def _one_fast_rank(world: int, fast: int) -> tuple[float, ...]:
     return tuple(1.0 if r == fast else 0.02 for r in range(world))
 
 
-def _check_drift(layout, convention, strategy, seed):
+def _check_drift(layout, convention, strategy, seed, **sim):
     mesh = MeshLayout(*layout)
     calls, inputs, (w13, w2), shards = _drift_calls(mesh, convention, seed, len(KINDS))
     cfg = _sim_config(mesh, convention, strategy, seed=seed,
-                      speeds=_one_fast_rank(mesh.world, seed % mesh.world))
+                      speeds=_one_fast_rank(mesh.world, seed % mesh.world), **sim)
     result = simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg)
     for (xs, ids, wts), outs in zip(inputs, result.outputs):
         for got, expect in zip(outs, reference.mesh_forward(xs, ids, wts, w13, w2, mesh,
@@ -323,6 +333,13 @@ def test_tensor_parallel_drift_consecutive_calls_match_mesh_forward(layout, conv
 @pytest.mark.parametrize("layout", HYBRID, ids=lambda t: f"tp{t[0]}-ep{t[1]}")
 def test_hybrid_drift_consecutive_calls_match_mesh_forward(layout, convention, strategy):
     _check_drift(layout, convention, strategy, seed=sum(layout))
+
+
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=lambda t: f"tp{t[0]}-ep{t[1]}")
+def test_tensor_parallel_and_hybrid_drift_dispatch_dedupe_match_mesh_forward(layout,
+                                                                             convention):
+    _check_drift(layout, convention, "scatter", seed=sum(layout) + 1, dispatch_dedupe=True)
 
 
 def test_tensor_parallel_simulate_rejects_a_fanout_that_does_not_divide_the_ranks():

@@ -2,11 +2,13 @@
 
 One line per (tile variant, record) of the bench JSONs ``DIR/NAME-<variant>.json`` that
 ``tile_probe.sh`` writes: the whole call (fused, compute-only, torch GEMM, HBM floor, the
-host's time per call), the comm blocks it ran with, and each layer's comet GEMM time over
-torch's. The comm blocks are shown because a ``--tile`` variant is not served by the
-tuned tables: its calls run the analytic split where the default variant runs the
-table's, and a difference in the fused time may be the split, not the tile -- compare
-``compute`` (no comm blocks) or pin ``--comm-blocks``.
+host's time per call), the comm blocks it ran with, the best fixed split's time (with
+``--fixed-splits``), and each layer's comet GEMM time over torch's. The comm blocks are
+shown because a ``--tile`` variant is not served by the tuned tables: its calls run the
+analytic split where the default variant runs the table's, so a difference in the fused
+time may be the split, not the tile. Compare the best fixed splits, or the fused call's
+phases (``comet_phases_us``); not the compute-only column, whose decomposed call runs
+layer1's column-split reduce whatever the tile (comet.runtime.strategies.strategy_for).
 """
 
 import glob
@@ -35,7 +37,8 @@ def main(out: str, name: str) -> None:
                   f"torch {moe.get('torch_gmm_us') or 0:9.1f} "
                   f"hbm {moe.get('hbm_floor_us') or 0:8.1f} "
                   f"host {moe.get('fused_host_us') or 0:6.1f} "
-                  f"comm {moe.get('n_comm')} comet/torch {ratios}")
+                  f"comm {moe.get('n_comm')} best fixed {moe.get('best_fixed_us') or 0:9.1f} "
+                  f"comet/torch {ratios}")
 
 
 if __name__ == "__main__":
