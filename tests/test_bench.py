@@ -371,6 +371,16 @@ def test_gemm_floor_is_the_fastest_gemm_measured():
     assert r["gemm_floor_us"] == 60.0            # a zero time is no measurement
 
 
+def test_link_rows_count_pairs_and_token_destinations_sent_elsewhere():
+    from comet.bench.floors import link_rows
+    # 2 experts a rank, 3 ranks, this is rank 0: token 0 has two experts on rank 1 and
+    # one on rank 2; token 1 one here and a dropped slot; token 2 two on rank 2.
+    ids = torch.tensor([[2, 3, 4], [0, -1, 1], [4, 5, -1]])
+    assert link_rows(ids, 2, 0, 3) == (5, 3)
+    assert link_rows(ids, 2, 1, 3) == (5, 3)       # as rank 1: 4; 0, 1; 4, 5 elsewhere
+    assert link_rows(torch.empty(0, 2, dtype=torch.long), 2, 0, 2) == (0, 0)
+
+
 def test_hbm_floor_reads_each_touched_expert_once():
     from comet.bench.floors import expert_bytes, hbm_floor_us, hbm_read_gbps
     per = expert_bytes(hidden=4096, ffn=14336, element_size=2)

@@ -1,10 +1,15 @@
-"""Lower bounds a layer's time is held against, besides the GEMM floor of the records.
+"""Lower bounds a layer's time is held against, besides the GEMM floor of the records,
+and what its dispatch must move.
 
 The *HBM floor*: a call must read the weights of every local expert that received a row
 at least once from HBM -- at small token counts (decode) nothing else bounds it. Its time
 is those bytes over the device's HBM read bandwidth, measured in the same run
 (:func:`hbm_read_gbps`), per rank; the layer's floor is the slowest rank's, since the
 layer ends with its last rank.
+
+The *link rows* (:func:`link_rows`): the token rows a rank's dispatch sends to other
+ranks, once per (token, expert) as the push sends them, and once per (token, rank) as
+``TileConfig.dispatch_dedupe`` does -- their ratio is what deduplication can save.
 """
 
 from __future__ import annotations
@@ -52,3 +57,16 @@ def hbm_floor_us(expert_rows: list[int], per_expert: dict[str, int],
     touched = sum(1 for r in expert_rows if r > 0)
     return {layer: (touched * b / (gbps * 1e9) * 1e6 if gbps else None)
             for layer, b in per_expert.items()}
+
+
+def link_rows(topk_ids: torch.Tensor, local_experts: int, rank: int, world: int
+              ) -> tuple[int, int]:
+    """``(pairs, tokens)``: rows of ``topk_ids [M, k]`` (``-1``: no expert) that rank
+    ``rank`` of ``world`` sends other ranks -- once per (token, expert there), and once
+    per (token, rank there)."""
+    dest = torch.where(topk_ids >= 0, topk_ids // local_experts, -1)
+    remote = (dest >= 0) & (dest != rank)
+    hit = torch.zeros(topk_ids.shape[0], world, dtype=torch.bool, device=topk_ids.device)
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None].expand_as(dest)
+    hit[rows[remote], dest[remote]] = True
+    return int(remote.sum()), int(hit.sum())

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from comet import reference
 from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
-from comet.bench.floors import expert_bytes, hbm_floor_us
+from comet.bench.floors import expert_bytes, hbm_floor_us, link_rows
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.peers import PEER_MAX_REL_ERR, PeerLayer, Peers
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
@@ -242,6 +242,9 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                                for name in rec.LAYERS}, group, sums=rec.LAYERS)
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size,
                            w13.element_size(), st)
+    link = [link_rows(s.topk_ids, el, st.rank, st.world) for s in sets]
+    link = reduce_over_ranks({"pairs": [float(p) for p, _ in link],
+                              "tokens": [float(t) for _, t in link]}, group)
     checks = {**_checks(sets[0], ref, w13, w2, st, fused),
               **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
                  if "max_rel_err" in s}}
@@ -287,6 +290,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "decode_tile": decode_tile,
             "tile_overrides": tile_overrides,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            "link_rows": median(link["pairs"]), "link_token_rows": median(link["tokens"]),
             "max_rel_err": checks,
             **run_columns(st, hbm_floor, layer),
         }
