@@ -63,7 +63,11 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   bash scripts/device/stress.sh --tile dispatch_dedupe=1
                 step dedupe-probe 700 env NPROC="$W" NAME="dedupe-ep$W" PROBE_TIMEOUT_S=330 \
                   VARIANTS="default dispatch_dedupe=1" bash scripts/device/tile_probe.sh \
-                  --tokens 128 4096 16384 --layers moe --fixed-splits 0 8 16 32 ;;
+                  --tokens 128 4096 16384 --layers moe --fixed-splits 0 8 16 32
+                step dedupe-probe-tp2 420 env NPROC="$W" NAME="dedupe-tp2-sequence" PROBE_TIMEOUT_S=200 \
+                  VARIANTS="default dispatch_dedupe=1" bash scripts/device/tile_probe.sh --tp 2 \
+                  --convention sequence --config deepseek-v3-like qwen2-moe --tokens 4096 16384 \
+                  --layers moe --routing uniform ;;
     # one-GPU steps: a kernel change's regression check and the small-call tile probe
     gpu_liveness) step gpu_liveness 560 env GPU_TEST_FILES=tests/test_gpu_liveness.py GPU_TESTS_TIMEOUT_S=550 \
                   bash scripts/device/gpu_tests.sh ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
