@@ -158,7 +158,7 @@ def test_comm_program_counts(comm_programs):
 DEDUPE = dataclasses.replace(TileConfig.small(), dispatch_dedupe=True)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_dispatch_dedupe_places_every_pair_row(world, kind):
     """Top-4 routing, so tokens have several experts on one rank: each source's token

@@ -412,13 +412,14 @@ def place_role(dispatch, segments, H, epoch, sync, shape, comm):
     rank = sync.rank
     dd = dispatch.dedupe
     mx = dispatch.max_tokens
+    PEERS: tl.constexpr = WORLD - 1 if WORLD > 1 else 1   # (one rank alone places nothing)
     rounds = 0
     for o in range(1, WORLD):
         rounds = tl.maximum(rounds, tl.cdiv(_rows_from(o, segments, shape), comm.ROWS))
     g = take(dd.queue)
     while g < rounds * (WORLD - 1):
-        o = 1 + g % (WORLD - 1)
-        c = g // (WORLD - 1)
+        o = 1 + g % PEERS
+        c = g // PEERS
         rows = _rows_from(o, segments, shape)
         if c * comm.ROWS < rows:
             s = (rank + o) % WORLD
