@@ -115,3 +115,5 @@ CHUNK_SCAN = constexpr(32)
 MAX_TRACE_EVENTS = constexpr(512)
 #: layer1 trace kinds: a GEMM work item stamps its split, a reduce item this + its split.
 TRACE_REDUCE = constexpr(1 << 16)
+#: layer0 trace kind of a placing item (dispatch_dedupe): this + the source rank.
+TRACE_PLACE = constexpr(1 << 17)

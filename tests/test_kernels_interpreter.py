@@ -15,7 +15,8 @@ import triton.language as tl
 from comet import reference
 from comet.config import MoEConfig, TileConfig
 from comet.constants import (ADDRESS_ALIGN, MAX_TRACE_EVENTS, ROLE_COMM, ROLE_COMPUTE,
-                             ROLE_FUSED, ROLE_PLACE, TRACE_REDUCE, interpreting)
+                             ROLE_FUSED, ROLE_PLACE, TRACE_PLACE, TRACE_REDUCE,
+                             interpreting)
 from comet.kernels import exchange
 from comet.kernels.group_gemm import lane_shape, strided_take
 from comet.kernels.plan import Routing, launch_counts
@@ -248,6 +249,28 @@ def test_missing_token_rows_are_a_clear_error():
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* token rows "
                                                 r"\(flag_x\[1\]\) from rank 1"):
         raise_if_failed(ep.ws[0].fatal_word, 0)
+
+
+def test_placing_items_are_traced():
+    """A traced placing launch (``comet bench --timeline``) stamps each item with its
+    source rank (TRACE_PLACE + s) and chunk."""
+    _, _, ep = _run(2, "qwen2-moe", "random", torch.float16, seed=5, tile=DEDUPE)
+    g = torch.Generator().manual_seed(9)
+    ids = [torch.tensor([[0, 9, 10, 11], [12, 13, 1, 2]]), torch.tensor([[1, 2, 8, 3]])]
+    xs = [torch.randn(i.shape[0], ep.cfg.hidden_size, generator=g).half() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    calls = [_rank_call(ep, r, xs[r], ids[r], wts[r]) for r in range(2)]
+    for step in range(2):                       # every rank opens, then every rank plans
+        for call in calls:
+            call.stages()[0][1][step]()
+    for call in calls:
+        call.launch_layer0(ROLE_COMM, 1)
+    trace = torch.full((2, MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
+    calls[0].launch_layer0(ROLE_PLACE, 2, trace=Trace.on(trace))
+    raise_if_failed(ep.ws[0].fatal_word, 0)
+    kinds = trace[..., 0]
+    placed = kinds[kinds >= int(TRACE_PLACE)] - int(TRACE_PLACE)
+    assert placed.numel() >= 1 and set(placed.tolist()) == {1}   # rank 1's rows
 
 
 def _open_alone(ws, ep):

@@ -56,7 +56,7 @@ import triton.language as tl
 from comet.activation import SILU, GatedActivation
 from comet.config import TileConfig
 from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED,
-                             ROLE_PLACE, SITE_DISPATCH, SITE_TOKENS)
+                             ROLE_PLACE, SITE_DISPATCH, SITE_TOKENS, TRACE_PLACE)
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
@@ -399,14 +399,15 @@ def _rows_from(o, segments, shape):
 
 
 @triton.jit
-def place_role(dispatch, segments, H, epoch, sync, shape, comm):
+def place_role(dispatch, segments, H, epoch, sync, trace, events, shape, comm):
     """The receiving half of ``DEDUPE`` (:class:`Dedupe`): chunk ``c`` of every peer's
     pairs, peers abreast (chunk ``c`` of each before ``c + 1`` of any), taken from the
     placing queue: once ``flag_x[s]`` says source ``s``'s token rows and send list have
     landed, copy each pair's token row from ``x_recv[s]`` into its row of ``a0`` (with
     its home and weight under ``ROW_HOME``) -- local HBM to HBM -- and set ``flag0[s, c]``
     as the pushing source would have: the chunks the GEMM tiles wait for are unchanged.
-    This rank's own rows were pushed into ``a0`` directly."""
+    This rank's own rows were pushed into ``a0`` directly. Returns the trace events
+    recorded so far."""
     WORLD: tl.constexpr = shape.WORLD
     TOPK: tl.constexpr = shape.TOPK
     rank = sync.rank
@@ -423,6 +424,8 @@ def place_role(dispatch, segments, H, epoch, sync, shape, comm):
         rows = _rows_from(o, segments, shape)
         if c * comm.ROWS < rows:
             s = (rank + o) % WORLD
+            if trace.ON:
+                start = clock_ns()
             if wait_at_least(dd.flag_x.local + s, epoch, sync, SITE_TOKENS, s, "sys"):
                 if healthy(sync):
                     base = s * mx * TOPK
@@ -441,7 +444,10 @@ def place_role(dispatch, segments, H, epoch, sync, shape, comm):
                     if healthy(sync):
                         release(dispatch.flag0.local + s * dispatch.chunk_slots + c, epoch,
                                 "gpu")
+            if trace.ON:
+                events = stamp(trace, events, TRACE_PLACE + s, c, start)
         g = take(dd.queue)
+    return events
 
 
 @triton.jit
@@ -544,7 +550,8 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, 
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     if ROLE == ROLE_PLACE:
-        place_role(dispatch, segments, gemm.K, epoch, sync, shape, comm)
+        events = place_role(dispatch, segments, gemm.K, epoch, sync, trace, events, shape,
+                            comm)
     else:
         comm_role, _, _ = assign_role(split, ROLE)
         if ROLE != ROLE_COMPUTE:
@@ -554,7 +561,8 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, 
                 # Fused, the comm blocks place the peers' rows too; the pushes of every
                 # rank come first, so a placing block waits only on pushes under way.
                 if comm.DEDUPE and ROLE == ROLE_FUSED:
-                    place_role(dispatch, segments, gemm.K, epoch, sync, shape, comm)
+                    events = place_role(dispatch, segments, gemm.K, epoch, sync, trace, events,
+                                        shape, comm)
         # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for
         # the rest of the call); it never holds a tile while a peer waits on its pushes.
         if ROLE != ROLE_COMM:
