@@ -138,7 +138,7 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) (+ W + 1) + n_splits_max]: :class:`Counters`
+    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) (+ W + 1) + n_splits]: Counters
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
