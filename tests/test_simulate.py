@@ -227,3 +227,15 @@ def test_drift_dispatch_dedupe_flag_set_by_the_first_chunk_fails():
             cfg = SimConfig(seed=seed, speeds=_one_fast_rank(2, 0), dispatch_dedupe=True,
                             dedupe_last_chunk=False)
             simulate_calls(calls, w13, w2, mx, cfg)
+
+
+def test_drift_dispatch_dedupe_flags_without_epochs_fail(monkeypatch):
+    # flag_x (and the placed chunks' flag0) left set by call N let call N + 1 place rows
+    # and pairs its sources have not pushed yet -- the previous call's.
+    from comet.scheduler import simulate as sim
+    monkeypatch.setattr(sim, "_chunk_flag", lambda cfg, epoch: 1)
+    calls, w13, w2, mx = _drift_case(2, 5, n_calls=3, top_k=4)
+    with pytest.raises(ScheduleError, match="placing chunk|before its rows arrived"):
+        for seed in range(10):
+            cfg = SimConfig(seed=seed, speeds=_one_fast_rank(2, 0), dispatch_dedupe=True)
+            simulate_calls(calls, w13, w2, mx, cfg)
