@@ -238,8 +238,10 @@ GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel"
 def pipelined(name: str, kwargs: dict, shared: int) -> str:
     """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
     ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
-    e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM."""
-    if name not in GEMM_KERNELS or kwargs.get("ROLE") == 1:
+    e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM (layer0's
+    comm and placing roles apart)."""
+    from comet.constants import ROLE_COMM, ROLE_PLACE
+    if name not in GEMM_KERNELS or kwargs.get("ROLE") in (ROLE_COMM, ROLE_PLACE):
         return "-"
     item = kwargs["item"]
     gate_up = item.GATED     # gate and up columns per tile
