@@ -379,6 +379,12 @@ def test_link_rows_count_pairs_and_token_destinations_sent_elsewhere():
     assert link_rows(ids, 2, 0, 3) == (5, 3)
     assert link_rows(ids, 2, 1, 3) == (5, 3)       # as rank 1: 4; 0, 1; 4, 5 elsewhere
     assert link_rows(torch.empty(0, 2, dtype=torch.long), 2, 0, 2) == (0, 0)
+    # A (2, 1) layout's shard slots: every choice is a row to the TP peer (k per token);
+    # an invalid id (E * tp, kept for the plan to report) is no row.
+    from comet.mesh import MeshLayout
+    shard_ids, _ = MeshLayout(tp=2, ep=1).shard_routing(
+        torch.tensor([[0, 1], [2, 3], [3, 9]]), torch.rand(3, 2), 4, 0, "sequence")
+    assert link_rows(shard_ids, 4, 0, 2) == (5, 3)
 
 
 def test_hbm_floor_reads_each_touched_expert_once():
@@ -583,6 +589,10 @@ def test_tensor_parallel_bench_records(convention, tmp_path):
         assert moe["baseline_us"] > 0 and moe["torch_gmm_us"] > 0 and moe["fused_us"] is None
         k = bench.CONFIGS[bench.CPU_CONFIG].top_k
         assert moe["shard_rows_per_rank"] == (2 if convention == "sequence" else 1) * 32 * k
+        # Sequence: every choice of the rank's 32 tokens is a row to its TP peer, once per
+        # choice (the push) or once per token (dispatch_dedupe); replicated: nothing.
+        assert (moe["link_rows"], moe["link_token_rows"]) == (
+            (32 * k, 32) if convention == "sequence" else (0, 0))
         assert set(moe["baseline_phases_us"]) >= {"a2a", "gemm", "act", "permute"}
 
 

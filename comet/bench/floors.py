@@ -61,10 +61,12 @@ def hbm_floor_us(expert_rows: list[int], per_expert: dict[str, int],
 
 def link_rows(topk_ids: torch.Tensor, local_experts: int, rank: int, world: int
               ) -> tuple[int, int]:
-    """``(pairs, tokens)``: rows of ``topk_ids [M, k]`` (``-1``: no expert) that rank
-    ``rank`` of ``world`` sends other ranks -- once per (token, expert there), and once
-    per (token, rank there)."""
-    dest = torch.where(topk_ids >= 0, topk_ids // local_experts, -1)
+    """``(pairs, tokens)``: rows of ``topk_ids [M, k]`` (ids outside ``[0, local_experts
+    * world)``: no expert) that rank ``rank`` of ``world`` sends other ranks -- once per
+    (token, expert there), and once per (token, rank there). A (tp, ep) layout passes
+    its shard-slot ids (:meth:`comet.mesh.MeshLayout.shard_routing`)."""
+    valid = (topk_ids >= 0) & (topk_ids < local_experts * world)
+    dest = torch.where(valid, topk_ids // local_experts, -1)
     remote = (dest >= 0) & (dest != rank)
     hit = torch.zeros(topk_ids.shape[0], world, dtype=torch.bool, device=topk_ids.device)
     rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None].expand_as(dest)

@@ -32,7 +32,8 @@ from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
                                 case_columns, fused_host_us, fused_series, gemm_fn,
-                                hbm_floors, phase_columns, rel_err, run_columns)
+                                hbm_floors, link_columns, phase_columns, rel_err,
+                                run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -136,6 +137,9 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
 
     order = timed_sets(st.n_sets, st.iters, st.warmup)
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, w2.shape[1], w13.element_size(), st)
+    link = link_columns([mesh.shard_routing(s.topk_ids, s.topk_weights, cfg.num_experts,
+                                            st.rank, convention)[0] for s in sets],
+                        cfg.num_experts // mesh.ep, st)
     errs = {}
     if fused is not None:
         ref = baseline(sets[0])
@@ -157,6 +161,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
             "fused_host_us": fused_host_us(out, layer),
             "shard_rows_per_rank": median([p.rows for p in plans]),
+            **link,
             "n_comm": (list(fused.layer.last_comm_blocks)
                        if fused is not None and fused.layer.last_comm_blocks else None),
             "max_rel_err": errs,

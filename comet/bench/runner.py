@@ -242,9 +242,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                                for name in rec.LAYERS}, group, sums=rec.LAYERS)
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size,
                            w13.element_size(), st)
-    link = [link_rows(s.topk_ids, el, st.rank, st.world) for s in sets]
-    link = reduce_over_ranks({"pairs": [float(p) for p, _ in link],
-                              "tokens": [float(t) for _, t in link]}, group)
+    link = link_columns([s.topk_ids for s in sets], el, st)
     checks = {**_checks(sets[0], ref, w13, w2, st, fused),
               **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
                  if "max_rel_err" in s}}
@@ -290,7 +288,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "decode_tile": decode_tile,
             "tile_overrides": tile_overrides,
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
-            "link_rows": median(link["pairs"]), "link_token_rows": median(link["tokens"]),
+            **link,
             "max_rel_err": checks,
             **run_columns(st, hbm_floor, layer),
         }
@@ -311,6 +309,16 @@ def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int
     by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
     return reduce_over_ranks({name: [by_set[s][name] for s in order] for name in rec.LAYERS},
                              st.group)
+
+
+def link_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings) -> dict:
+    """``link_rows`` / ``link_token_rows`` of a case (:func:`comet.bench.floors.link_rows`
+    of each input set's routing as the kernels see it): the slowest rank's, median over
+    the sets. Collective."""
+    counts = [link_rows(i, local_experts, st.rank, st.world) for i in ids]
+    link = reduce_over_ranks({"pairs": [float(p) for p, _ in counts],
+                              "tokens": [float(t) for _, t in counts]}, st.group)
+    return {"link_rows": median(link["pairs"]), "link_token_rows": median(link["tokens"])}
 
 
 def run_columns(st: Settings, hbm_floor: dict | None, layer: str) -> dict:
