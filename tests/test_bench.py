@@ -602,6 +602,16 @@ def test_tensor_parallel_layout_must_divide_the_ranks(capsys):
     assert "--tp must divide the number of ranks (1)" in capsys.readouterr().err
 
 
+def test_a_tile_variant_says_its_comm_blocks_are_not_the_defaults(tmp_path):
+    """--tile without --comm-blocks: the records say the tuned tables did not serve the
+    variant (so a whole-call difference may be the split, not the tile)."""
+    assert bench.main(SMALL + ["--tile", "group_m=4", "--output-dir", str(tmp_path)]) == 0
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    records = rec.read_json(path)
+    assert all(bench.TILE_VARIANT_NOTE in r["notes"] for r in records)
+    assert records[0]["tile"] == {"group_m": 4}
+
+
 def test_tile_fields_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tile", "no_such_field=1", "--tokens", "8"])

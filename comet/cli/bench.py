@@ -172,6 +172,14 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
     return 0
 
 
+#: Why two --tile variants' whole-call times may differ by more than the tile.
+TILE_VARIANT_NOTE = (
+    "--tile builds a TileConfig variant: tables tuned for the default TileConfig (every "
+    "shipped one) do not serve it, so its comm blocks come from a table tuned for the "
+    "variant if there is one, else the analytic model -- against the default's tuned "
+    "ones. Compare variants by their --fixed-splits, --comm-blocks or phases.")
+
+
 def _tile_field(kv: str) -> tuple[str, int]:
     """``"FIELD=V"`` -> ``(FIELD, int(V))``, FIELD an integer TileConfig field."""
     import dataclasses
@@ -338,6 +346,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         parser.error(f"--tile: {err}")
     if tile_fields:
         meta["tile"] = tile_fields
+        if args.comm_blocks is None:
+            notes.append(TILE_VARIANT_NOTE)
     st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
