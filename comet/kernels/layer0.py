@@ -229,25 +229,34 @@ def _push_rows(x_ptr, dst, pairs, rows, weights, dst_home, dst_weight, home_base
         if comm.ROW_HOME:
             tl.store(dst_home + row, home_base + pair, mask=live)
             tl.store(dst_weight + row, tl.load(weights + i, mask=live), mask=live)
-        for h0 in range(0, H, comm.BLOCK_H):
-            cols = h0 + tl.arange(0, comm.BLOCK_H)
-            mask = live[:, None] & (cols[None, :] < H)
-            v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
-            tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
+        _copy_rows(x_ptr, tok, dst, row, live, H, comm)
 
 
 @triton.jit
-def _push_pair_rows(x_ptr, dispatch, d, rank, first, last, H, TOPK: tl.constexpr, comm):
-    """Pairs ``[first, last)`` of the send list, each with its token's row, into
-    destination ``d``'s ``a0`` (and, with ``ROW_HOME``, each row's home and weight)."""
-    send = dispatch.send
+def _copy_rows(src, src_rows, dst, dst_rows, live, H, comm):
+    """Rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (both ``[*, H]``;
+    ``live`` masks the vector of rows), ``BLOCK_H`` columns at a time."""
+    for h0 in range(0, H, comm.BLOCK_H):
+        cols = h0 + tl.arange(0, comm.BLOCK_H)
+        mask = live[:, None] & (cols[None, :] < H)
+        v = tl.load(src + src_rows[:, None] * H + cols[None, :], mask=mask)
+        tl.store(dst + dst_rows[:, None] * H + cols[None, :], v, mask=mask)
+
+
+@triton.jit
+def _pairs_into(x_ptr, dispatch, d, pairs, rows, weights, home_base, first, last, H,
+                TOPK: tl.constexpr, comm):
+    """Pairs ``[first, last)`` of a send list (``pairs``, ``rows``, ``weights``), each with
+    its token's row of ``x_ptr``, into rank ``d``'s ``a0`` (and, with ``ROW_HOME``, each
+    row's home ``home_base + pair`` and weight): a source's push, or a destination placing
+    a peer's rows into its own (``d`` = this rank)."""
     if comm.ROW_HOME:
-        _push_rows(x_ptr, peer(dispatch.a0, d), send.pair, send.row, send.weight,
-                   peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d),
-                   rank * dispatch.max_tokens * TOPK, first, last, H, TOPK, comm)
+        _push_rows(x_ptr, peer(dispatch.a0, d), pairs, rows, weights,
+                   peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d), home_base,
+                   first, last, H, TOPK, comm)
     else:
-        _push_rows(x_ptr, peer(dispatch.a0, d), send.pair, send.row, send.weight, None, None,
-                   0, first, last, H, TOPK, comm)
+        _push_rows(x_ptr, peer(dispatch.a0, d), pairs, rows, weights, None, None, 0, first,
+                   last, H, TOPK, comm)
 
 
 @triton.jit
@@ -265,11 +274,7 @@ def _push_tokens(x_ptr, dispatch, d, rank, c, first, last, H, TOPK: tl.constexpr
         q = r0 + tl.arange(0, comm.COPY_ROWS)
         live = q < tl.minimum((c + 1) * comm.ROWS, n_ent)
         tok = tl.load(tokens + q, mask=live, other=0).to(tl.int64)
-        for h0 in range(0, H, comm.BLOCK_H):
-            cols = h0 + tl.arange(0, comm.BLOCK_H)
-            mask = live[:, None] & (cols[None, :] < H)
-            v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
-            tl.store(dst_x + tok[:, None] * H + cols[None, :], v, mask=mask)
+        _copy_rows(x_ptr, tok, dst_x, tok, live, H, comm)
     lo = tl.load(dispatch.send.off + d)
     region = rank * mx * TOPK
     for i0 in range(first, last, comm.COPY_ROWS):
@@ -351,15 +356,17 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
                     # (The constexpr test outside, the run-time one inside: without
                     # DEDUPE the kernel compiles as it did before it existed.)
+                    send, home_base = dispatch.send, rank * max_tokens * TOPK
                     if comm.DEDUPE:
                         if d != rank:
                             _push_tokens(x_ptr, dispatch, d, rank, c, first, last, H, TOPK,
                                          comm)
                         else:
-                            _push_pair_rows(x_ptr, dispatch, d, rank, first, last, H, TOPK,
-                                            comm)
+                            _pairs_into(x_ptr, dispatch, d, send.pair, send.row, send.weight,
+                                        home_base, first, last, H, TOPK, comm)
                     else:
-                        _push_pair_rows(x_ptr, dispatch, d, rank, first, last, H, TOPK, comm)
+                        _pairs_into(x_ptr, dispatch, d, send.pair, send.row, send.weight,
+                                    home_base, first, last, H, TOPK, comm)
                 else:
                     e0 = (c - row_chunks) * comm.ENTRIES
                     _push_entries(dispatch.entries.token + src,
@@ -431,16 +438,9 @@ def place_role(dispatch, segments, H, epoch, sync, trace, events, shape, comm):
                     base = s * mx * TOPK
                     x_s = dd.x_recv.local + s.to(tl.int64) * mx * H
                     first = c * comm.ROWS
-                    last = tl.minimum(first + comm.ROWS, rows)
-                    if comm.ROW_HOME:
-                        _push_rows(x_s, dispatch.a0.local, dd.sent_pair.local + base,
-                                   dd.sent_row.local + base, dd.sent_weight.local + base,
-                                   dispatch.homes.home.local, dispatch.homes.weight.local,
-                                   base, first, last, H, TOPK, comm)
-                    else:
-                        _push_rows(x_s, dispatch.a0.local, dd.sent_pair.local + base,
-                                   dd.sent_row.local + base, dd.sent_weight.local + base,
-                                   None, None, 0, first, last, H, TOPK, comm)
+                    _pairs_into(x_s, dispatch, rank, dd.sent_pair.local + base,
+                                dd.sent_row.local + base, dd.sent_weight.local + base, base,
+                                first, tl.minimum(first + comm.ROWS, rows), H, TOPK, comm)
                     if healthy(sync):
                         release(dispatch.flag0.local + s * dispatch.chunk_slots + c, epoch,
                                 "gpu")
