@@ -100,14 +100,13 @@ MATRIX = {
 
 
 def _virtual(mesh: MeshLayout, convention: str, strategy: str, dtype, gen, max_tokens=6,
-             hidden=32, dedupe=False):
+             hidden=32):
     """``(VirtualEP, w13, w2)``: the layout's ranks and the full layer's weights, every
     part buffer (pair_out, comb) filled with rows a dead part must not pick up."""
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=_ffn(mesh),
                     dtype=dtype, max_tokens=max_tokens)
     w13, w2 = _weights(mesh, gen, hidden, dtype)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy],
-                               dispatch_dedupe=dedupe)
+    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy])
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for ws in ep.ws:
         for name in ("pair_out", "comb"):
@@ -122,11 +121,11 @@ def _close(ys, expect, dtype):
         torch.testing.assert_close(y.float(), e, **tol)
 
 
-def _check_matrix_cell(layout, convention, dedupe=False):
+def _check_matrix_cell(layout, convention):
     strategy, dtype, kind = MATRIX[(layout, convention)]
     mesh = MeshLayout(*layout)
     gen = torch.Generator().manual_seed(sum(layout) * 7 + len(kind))
-    ep, w13, w2 = _virtual(mesh, convention, strategy, dtype, gen, dedupe=dedupe)
+    ep, w13, w2 = _virtual(mesh, convention, strategy, dtype, gen)
     assert all(ws.fanout == mesh.home_fanout(convention) for ws in ep.ws)
     xs, ids, wts = _inputs(mesh, convention, kind, gen, ep.cfg.max_tokens, w13.shape[1], dtype)
     ys = ep.forward(xs, ids, wts)
@@ -150,12 +149,18 @@ def test_hybrid_kernels_match_mesh_forward(layout, convention):
 
 
 @interpreter
-@pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=lambda t: f"tp{t[0]}-ep{t[1]}")
-def test_tensor_parallel_and_hybrid_dispatch_dedupe_match_mesh_forward(layout, convention):
-    """Rows once per (token, destination) (TileConfig.dispatch_dedupe): a TP peer gets a
-    token's row once for all of its experts' shards there, and places it per pair."""
-    _check_matrix_cell(layout, convention, dedupe=True)
+def test_tensor_parallel_replicated_reduce_fans_each_sum_out_to_four_ranks():
+    """The matrix's (4, 1) replicated cell runs the scatter; the reduce's fan-out to a
+    group of four (one sum, stored on every rank of the group) runs here."""
+    mesh = MeshLayout(4, 1)
+    gen = torch.Generator().manual_seed(44)
+    ep, w13, w2 = _virtual(mesh, "replicated", "reduce", torch.float32, gen)
+    assert all(ws.fanout == 4 for ws in ep.ws)
+    xs, ids, wts = _inputs(mesh, "replicated", "random", gen, ep.cfg.max_tokens, w13.shape[1],
+                           torch.float32)
+    ys = ep.forward(xs, ids, wts)
+    _close(ys, reference.mesh_forward(xs, ids, wts, w13, w2, mesh, "replicated",
+                                      round_to=torch.float32), torch.float32)
 
 
 @interpreter
@@ -305,11 +310,11 @@ def _one_fast_rank(world: int, fast: int) -> tuple[float, ...]:
     return tuple(1.0 if r == fast else 0.02 for r in range(world))
 
 
-def _check_drift(layout, convention, strategy, seed, **sim):
+def _check_drift(layout, convention, strategy, seed):
     mesh = MeshLayout(*layout)
     calls, inputs, (w13, w2), shards = _drift_calls(mesh, convention, seed, len(KINDS))
     cfg = _sim_config(mesh, convention, strategy, seed=seed,
-                      speeds=_one_fast_rank(mesh.world, seed % mesh.world), **sim)
+                      speeds=_one_fast_rank(mesh.world, seed % mesh.world))
     result = simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg)
     for (xs, ids, wts), outs in zip(inputs, result.outputs):
         for got, expect in zip(outs, reference.mesh_forward(xs, ids, wts, w13, w2, mesh,
@@ -333,13 +338,6 @@ def test_tensor_parallel_drift_consecutive_calls_match_mesh_forward(layout, conv
 @pytest.mark.parametrize("layout", HYBRID, ids=lambda t: f"tp{t[0]}-ep{t[1]}")
 def test_hybrid_drift_consecutive_calls_match_mesh_forward(layout, convention, strategy):
     _check_drift(layout, convention, strategy, seed=sum(layout))
-
-
-@pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize("layout", [(2, 1), (2, 2)], ids=lambda t: f"tp{t[0]}-ep{t[1]}")
-def test_tensor_parallel_and_hybrid_drift_dispatch_dedupe_match_mesh_forward(layout,
-                                                                             convention):
-    _check_drift(layout, convention, "scatter", seed=sum(layout) + 1, dispatch_dedupe=True)
 
 
 def test_tensor_parallel_simulate_rejects_a_fanout_that_does_not_divide_the_ranks():

@@ -376,12 +376,16 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 
 
 @triton.jit
-def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start, end,
-                    col0, col1, pair_src, pair_dst, TOPK: tl.constexpr, rtile):
+def _reduce_entries(out1_ptr, H, comb, group0, offset, recv_token, recv_rows, recv_weight,
+                    start, end, col0, col1, pair_src, pair_dst, TOPK: tl.constexpr, rtile,
+                    FANOUT: tl.constexpr):
     """``dst[token] = sum_j weight_j * out1[row_j]`` (``WEIGHTED``, else the plain sum)
-    over columns ``[col0, col1)`` for entries ``[start, end)``, ``ENTRIES`` at a time;
-    rows of ``-1`` are slots that live on other ranks. With ``PAIRS``, the items of the
-    first columns also return each held slot's scalar (:func:`_return_pairs`)."""
+    over columns ``[col0, col1)`` for entries ``[start, end)``, ``ENTRIES`` at a time, into
+    ``dst`` = ``comb`` at ``offset`` on each of the ``FANOUT`` ranks from ``group0``: one
+    sum, stored ``FANOUT`` times (summing once per destination read the rows ``FANOUT``
+    times: at TP=4 the reduce was read-bound). Rows of ``-1`` are slots that live on
+    other ranks. With ``PAIRS``, the items of the first columns also return each held
+    slot's scalar (:func:`_return_pairs`)."""
     ENTRIES: tl.constexpr = rtile.ENTRIES
     BLOCK_C: tl.constexpr = rtile.BLOCK_C
     for e0 in range(start, end, ENTRIES):
@@ -404,8 +408,10 @@ def _reduce_entries(out1_ptr, H, dst, recv_token, recv_rows, recv_weight, start,
                     acc += v.to(tl.float32) * wgt[:, None]
                 else:
                     acc += v.to(tl.float32)
-            tl.store(dst + tok[:, None] * H + cols[None, :], acc.to(dst.dtype.element_ty),
-                     mask=live[:, None] & cmask)
+            for g in tl.static_range(FANOUT):
+                dst = peer(comb, group0 + g) + offset
+                tl.store(dst + tok[:, None] * H + cols[None, :],
+                         acc.to(dst.dtype.element_ty), mask=live[:, None] & cmask)
 
 
 @triton.jit
@@ -476,14 +482,12 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
                 pair_dst = peer(reduce.pairs.dst, source)
             # A replicated TP layout returns the sum to every rank of the source's group:
             # the all-reduce of the partial sums, as sends.
-            for q in tl.static_range(reduce.FANOUT):
-                dst = peer(reduce.comb, source - source % reduce.FANOUT + q)
-                _reduce_entries(gemm.out, H, dst + rank * max_tokens * H,
-                                reduce.recv.token + region, reduce.recv.rows + region * TOPK,
-                                reduce.recv.weight + region * TOPK, first,
-                                tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                                tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK,
-                                rtile)
+            _reduce_entries(gemm.out, H, reduce.comb, source - source % reduce.FANOUT,
+                            rank * max_tokens * H, reduce.recv.token + region,
+                            reduce.recv.rows + region * TOPK, reduce.recv.weight + region * TOPK,
+                            first, tl.minimum(first + ITEM, tl.load(entries + source)), col0,
+                            tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK, rtile,
+                            reduce.FANOUT)
         if trace.ON:
             events = stamp(trace, events, split + TRACE_REDUCE, source, start)
         i = take(reduce.queue)
