@@ -296,15 +296,6 @@ class TileConfig:
             More bytes cross the link when a token has several experts on one rank; no
             reduce pass. The other modes and the backward keep the reduce
             (comet.runtime.strategies).
-        dispatch_dedupe: layer0's rows cross the link once per (token, destination)
-            rank, not once per (token, expert): a source pushes each token's row into
-            the destination's ``x_recv`` with its send list, and the destination's comm
-            blocks copy it into the shared tensor's rows for each of the token's experts
-            there (comet.kernels.layer0.Dedupe) -- top-k >= 4 sends half the bytes or
-            fewer. Costs a ``W x max_tokens x H`` receive buffer per rank, and the GEMM's
-            rows from a source wait for all of that source's rows (one flag per source)
-            before they are placed. Off by default: not yet measured on a GPU. The
-            backward keeps the per-pair push.
     """
 
     block_m: int = 128
@@ -331,7 +322,6 @@ class TileConfig:
     decode_block_n1: int = 128
     layer1_split_k: int = 4
     layer1_scatter: bool = True
-    dispatch_dedupe: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.

@@ -67,9 +67,6 @@ KERNEL_REVISION = 10
 ROLE_FUSED = constexpr(0)
 ROLE_COMM = constexpr(1)
 ROLE_COMPUTE = constexpr(2)
-#: layer0 with ``TileConfig.dispatch_dedupe`` in separate launches: the receivers' placing
-#: of landed token rows into the shared tensor (fused, the comm programs do it last).
-ROLE_PLACE = constexpr(3)
 
 # ---------------------------------------------------------------- memory
 #: Bytes every address-held buffer is aligned to (one 16-byte vector access): workspace
@@ -106,7 +103,6 @@ SITE_SPLIT = constexpr(3)         # layer1: a column split's tiles (local)
 SITE_COMBINE = constexpr(4)       # the combine: partial outputs
 SITE_ENTRIES = constexpr(6)       # layer1's reduce: return entries
 SITE_ROW_ENTRIES = constexpr(7)   # the backward's row weights: return entries
-SITE_TOKENS = constexpr(8)        # layer0, dispatch_dedupe: a source's token rows
 
 # ---------------------------------------------------------------- waits and traces
 #: Chunk flags checked per vector of acquire loads when a wait covers a run of chunks.
@@ -115,5 +111,3 @@ CHUNK_SCAN = constexpr(32)
 MAX_TRACE_EVENTS = constexpr(512)
 #: layer1 trace kinds: a GEMM work item stamps its split, a reduce item this + its split.
 TRACE_REDUCE = constexpr(1 << 16)
-#: layer0 trace kind of a placing item (dispatch_dedupe): this + the source rank.
-TRACE_PLACE = constexpr(1 << 17)

@@ -79,7 +79,7 @@ def launcher_source(src, compiled) -> str | None:
 def fused_launches(dtype=torch.bfloat16, world=4):
     from comet.activation import GatedActivation
     from comet.config import MoEConfig, TileConfig
-    from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, ROLE_PLACE
+    from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
     from comet.kernels.act_backward import act_backward
     from comet.kernels.act_forward import gated_rows
     from comet.kernels.mesh_routing import shard_routing
@@ -131,14 +131,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         off = dataclasses.replace(tile, layer1_split_k=1)
         ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
                     inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        # layer0's rows once per (token, destination) (TileConfig.dispatch_dedupe): fused,
-        # and the comm and placing roles apart.
-        dedupe = dataclasses.replace(tile, dispatch_dedupe=True)
-        dedupe_ws = allocate_virtual(cfg, world, "cpu", dedupe)
-        for role in (ROLE_FUSED, ROLE_COMM, ROLE_PLACE):
-            ForwardCall(dedupe_ws[0], w13, w2, dedupe, inputs, grids).launch_layer0(role, 132)
-        # Rank 1: an int argument equal to 1 compiles as a constant.
-        ForwardCall(dedupe_ws[1], w13, w2, dedupe, inputs, grids).launch_layer0(ROLE_FUSED, 132)
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()
@@ -239,9 +231,9 @@ def pipelined(name: str, kwargs: dict, shared: int) -> str:
     """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
     ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
     e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM (layer0's
-    comm and placing roles apart)."""
-    from comet.constants import ROLE_COMM, ROLE_PLACE
-    if name not in GEMM_KERNELS or kwargs.get("ROLE") in (ROLE_COMM, ROLE_PLACE):
+    comm role apart)."""
+    from comet.constants import ROLE_COMM
+    if name not in GEMM_KERNELS or kwargs.get("ROLE") == ROLE_COMM:
         return "-"
     item = kwargs["item"]
     gate_up = item.GATED     # gate and up columns per tile

@@ -590,7 +590,8 @@ def test_tensor_parallel_bench_records(convention, tmp_path):
         k = bench.CONFIGS[bench.CPU_CONFIG].top_k
         assert moe["shard_rows_per_rank"] == (2 if convention == "sequence" else 1) * 32 * k
         # Sequence: every choice of the rank's 32 tokens is a row to its TP peer, once per
-        # choice (the push) or once per token (dispatch_dedupe); replicated: nothing.
+        # choice (the push) or once per token (a row once per (token, rank)); replicated:
+        # nothing.
         assert (moe["link_rows"], moe["link_token_rows"]) == (
             (32 * k, 32) if convention == "sequence" else (0, 0))
         assert set(moe["baseline_phases_us"]) >= {"a2a", "gemm", "act", "permute"}

@@ -15,8 +15,7 @@ import triton.language as tl
 from comet import reference
 from comet.config import MoEConfig, TileConfig
 from comet.constants import (ADDRESS_ALIGN, MAX_TRACE_EVENTS, ROLE_COMM, ROLE_COMPUTE,
-                             ROLE_FUSED, ROLE_PLACE, TRACE_PLACE, TRACE_REDUCE,
-                             interpreting)
+                             ROLE_FUSED, TRACE_REDUCE, interpreting)
 from comet.kernels import exchange
 from comet.kernels.group_gemm import lane_shape, strided_take
 from comet.kernels.plan import Routing, launch_counts
@@ -155,44 +154,14 @@ def test_comm_program_counts(comm_programs):
     _close(ys, expect, torch.float16)
 
 
-#: layer0's rows once per (token, destination), placed by the destination.
-DEDUPE = dataclasses.replace(TileConfig.small(), dispatch_dedupe=True)
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("kind", KINDS)
-def test_dispatch_dedupe_places_every_pair_row(world, kind):
-    """Top-4 routing, so tokens have several experts on one rank: each source's token
-    rows land once per destination and the destination places them per pair; a source
-    that sends a rank pairs publishes its flag_x there at the call's epoch, one that
-    sends none leaves it."""
-    ys, expect, ep = _run(world, "qwen2-moe", kind, torch.float16, seed=world * 5 + len(kind),
-                          tile=DEDUPE)
-    _close(ys, expect, torch.float16)
-    for d, ws in enumerate(ep.ws):
-        for s, src in enumerate(ep.ws):
-            sends = int(src.plan.send.off[d + 1] - src.plan.send.off[d]) > 0
-            if s != d:
-                assert int(ws.flag_x[s]) == (int(ws.epoch) if sends else 0), (s, d)
-
-
-@pytest.mark.parametrize("name", list(SCALED))
-def test_dispatch_dedupe_with_the_layer1_reduce(name):
-    """No homes sent with the rows: the reduce takes its return entries as before."""
-    tile = dataclasses.replace(REDUCE, dispatch_dedupe=True)
-    ys, expect, _ = _run(2, name, "random", torch.float16, seed=11, tile=tile)
-    _close(ys, expect, torch.float16)
-
-
-@pytest.mark.parametrize("tile", [None, DEDUPE], ids=["push", "dedupe"])
-def test_back_to_back_calls_reuse_the_workspace(tile):
+def test_back_to_back_calls_reuse_the_workspace():
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=12)
     g = torch.Generator().manual_seed(0)
     w13 = [(torch.randn(4, h, 2 * f, generator=g) * 0.2).half() for _ in range(2)]
     w2 = [(torch.randn(4, f, h, generator=g) * 0.2).half() for _ in range(2)]
-    ep = VirtualEP(cfg, w13, w2, tile)
+    ep = VirtualEP(cfg, w13, w2)
     for call in range(3):
         kind = KINDS[call % len(KINDS)]
         ids = make_ids(kind, make_tokens(kind, 2, 12, g), e, k, g)
@@ -237,40 +206,6 @@ def test_missing_peer_is_a_clear_error():
     call.launch_layer0(ROLE_COMPUTE, 2)
     with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* from rank 1"):
         raise_if_failed(ep.ws[0].fatal_word, 0)
-
-
-def test_missing_token_rows_are_a_clear_error():
-    """dispatch_dedupe, rank 1 never pushes: rank 0's placing gives up on its token rows
-    and names the rank."""
-    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=3, tile=DEDUPE)
-    call = _plan_rank0_of_two(ep)
-    call.launch_layer0(ROLE_COMM, 1)
-    call.launch_layer0(ROLE_PLACE, 1)
-    with pytest.raises(CometTimeoutError, match=r"layer0 on rank 0 .* token rows "
-                                                r"\(flag_x\[1\]\) from rank 1"):
-        raise_if_failed(ep.ws[0].fatal_word, 0)
-
-
-def test_placing_items_are_traced():
-    """A traced placing launch (``comet bench --timeline``) stamps each item with its
-    source rank (TRACE_PLACE + s) and chunk."""
-    _, _, ep = _run(2, "qwen2-moe", "random", torch.float16, seed=5, tile=DEDUPE)
-    g = torch.Generator().manual_seed(9)
-    ids = [torch.tensor([[0, 9, 10, 11], [12, 13, 1, 2]]), torch.tensor([[1, 2, 8, 3]])]
-    xs = [torch.randn(i.shape[0], ep.cfg.hidden_size, generator=g).half() for i in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
-    calls = [_rank_call(ep, r, xs[r], ids[r], wts[r]) for r in range(2)]
-    for step in range(2):                       # every rank opens, then every rank plans
-        for call in calls:
-            call.stages()[0][1][step]()
-    for call in calls:
-        call.launch_layer0(ROLE_COMM, 1)
-    trace = torch.full((2, MAX_TRACE_EVENTS, 4), -1, dtype=torch.int64)
-    calls[0].launch_layer0(ROLE_PLACE, 2, trace=Trace.on(trace))
-    raise_if_failed(ep.ws[0].fatal_word, 0)
-    kinds = trace[..., 0]
-    placed = kinds[kinds >= int(TRACE_PLACE)] - int(TRACE_PLACE)
-    assert placed.numel() >= 1 and set(placed.tolist()) == {1}   # rank 1's rows
 
 
 def _open_alone(ws, ep):

@@ -29,24 +29,6 @@ def test_workspace_bytes_is_what_a_rank_allocates(world, scatter, split_k):
     assert ws.count.split.numel() == tile.n_splits_max(cfg.hidden_size)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_dispatch_dedupe_costs_a_receive_buffer_per_source(world):
-    """x_recv ``[W, Mx, H]`` and the sent lists ``[W, Mx * k]`` (pair, row, weight), a
-    flag per source; locally a counter per destination and the placing queue."""
-    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=96,
-                    dtype=torch.float16, max_tokens=40)
-    tile = dataclasses.replace(TileConfig.small(), dispatch_dedupe=True)
-    extra = workspace_bytes(cfg, world, tile) - workspace_bytes(cfg, world, TileConfig.small())
-    x_recv = world * cfg.max_tokens * cfg.hidden_size * 2
-    sent = world * cfg.max_tokens * cfg.top_k * 12
-    assert x_recv + sent + 8 * world <= extra < x_recv + sent + 5 * 256 + 4 * (world + 1) + 8
-    ws = allocate_virtual(cfg, world, "cpu", tile)[0]
-    assert ws.dedupe and ws.count.pushed.numel() == world and ws.count.place.numel() == 1
-    assert ws.count.split.numel() == tile.n_splits_max(cfg.hidden_size)
-    plain = allocate_virtual(cfg, world, "cpu", TileConfig.small())[0]
-    assert not plain.dedupe and plain.count.pushed.numel() == plain.count.place.numel() == 0
-
-
 def test_the_scatter_epilogue_costs_one_row_per_slot():
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=96,
                     dtype=torch.bfloat16, max_tokens=512)

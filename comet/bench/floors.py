@@ -8,8 +8,8 @@ is those bytes over the device's HBM read bandwidth, measured in the same run
 layer ends with its last rank.
 
 The *link rows* (:func:`link_rows`): the token rows a rank's dispatch sends to other
-ranks, once per (token, expert) as the push sends them, and once per (token, rank) as
-``TileConfig.dispatch_dedupe`` does -- their ratio is what deduplication can save.
+ranks, once per (token, expert) as the push sends them, and once per (token, rank) --
+their ratio is what sending a row once per (token, rank) would save on the link.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from comet.constants import MAX_TRACE_EVENTS, TRACE_PLACE, TRACE_REDUCE
+from comet.constants import MAX_TRACE_EVENTS, TRACE_REDUCE
 
 #: chrome://tracing's reserved colour names (Perfetto colours by event name instead).
 _CNAME = {("comm", "layer0"): "rail_load", ("comm", "layer1"): "terrible",
@@ -42,8 +42,6 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
     change work during a call (comm blocks join the GEMM, GEMM blocks join the reduce),
     so the role is that of the unit of work, not of the block that started it."""
     if layer == "layer0":
-        if kind >= TRACE_PLACE:
-            return "comm", f"place rows from rank {kind - TRACE_PLACE}"
         if kind < world:
             return "comm", f"push to rank {kind}"
         return "compute", f"expert {kind - world} tile"

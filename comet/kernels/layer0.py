@@ -30,10 +30,6 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   items, :func:`comet.kernels.group_gemm.strided_take`), and a comm block that has
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call.
-* placing (:func:`place_role`, with ``TileConfig.dispatch_dedupe`` only) -- a source then
-  pushes each token's row once per destination, into the destination's ``x_recv``, with
-  its send list (:class:`Dedupe`); the destination's comm blocks, after their own pushes,
-  copy each pair's row into its row of ``a0`` and set ``flag0`` as the source would have.
 
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
@@ -55,8 +51,7 @@ import triton.language as tl
 
 from comet.activation import SILU, GatedActivation
 from comet.config import TileConfig
-from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED,
-                             ROLE_PLACE, SITE_DISPATCH, SITE_TOKENS, TRACE_PLACE)
+from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
@@ -64,8 +59,8 @@ from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision,
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_async_proxy, healthy,
-                                release, stamp, take, wait_at_least, wait_chunks)
+from comet.kernels.sync import (Sync, Trace, clock_ns, fence_async_proxy, healthy, release,
+                                stamp, take, wait_chunks)
 from comet.weights import GATE_UP_BLOCK
 
 #: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
@@ -84,22 +79,6 @@ class Homes(NamedTuple):
     weight: PeerBuffer       # fp32: the slot's routing weight
 
 
-class Dedupe(NamedTuple):
-    """``TileConfig.dispatch_dedupe``: a token's row crosses the link once per
-    (token, destination) -- into the destination's ``x_recv``, by source and token --
-    with the source's send list for that destination; the destination's comm programs
-    then place each pair's row into ``a0`` (:func:`place_role`) and publish ``flag0`` as a
-    pushing source would, so the GEMM waits exactly as it does for pushed rows."""
-
-    x_recv: PeerBuffer       # [W, Mx, H]: source s's token rows, at their token index
-    sent_pair: PeerBuffer    # int32 [W, Mx * k]: source s's pairs for this rank, send order
-    sent_row: PeerBuffer     # int32 [W, Mx * k]: each pair's row of ``a0``
-    sent_weight: PeerBuffer  # fp32 [W, Mx * k]: its routing weight
-    flag_x: PeerBuffer       # int64 [W]: flag_x[s] = epoch: all of s's rows and pairs landed
-    pushed: torch.Tensor     # int32 [W]: row chunks pushed per destination (zeroed per call)
-    queue: torch.Tensor      # int32 [1]: the placing queue (zeroed per call)
-
-
 class Dispatch(NamedTuple):
     """What layer0's comm role sends and where: this rank's rows and return entries, into
     every destination's symmetric buffers."""
@@ -115,7 +94,6 @@ class Dispatch(NamedTuple):
     chunk_slots: int         # flag0's row stride: chunks one source may send one destination
     max_tokens: int
     queue: torch.Tensor      # int32 [1]: the dispatch's chunk queue (zeroed per call)
-    dedupe: Dedupe | None = None  # rows once per (token, destination); None: per pair
 
 
 class DispatchTile(NamedTuple):
@@ -127,7 +105,6 @@ class DispatchTile(NamedTuple):
     ENTRIES: tl.constexpr     # return entries per chunk
     ENTRY_TILE: tl.constexpr  # entries per copy step
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
-    DEDUPE: tl.constexpr      # rows once per (token, destination) (:class:`Dedupe`)
 
 
 class Lanes(NamedTuple):
@@ -149,10 +126,10 @@ class Arrivals(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def dispatch_tile(tile: TileConfig, row_home: bool, dedupe: bool = False) -> DispatchTile:
+def dispatch_tile(tile: TileConfig, row_home: bool) -> DispatchTile:
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, dedupe)))
+        tile.comm_entries, row_home)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -204,18 +181,16 @@ def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
     layer0_kernel[(grid,)](
         dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, queue=queue,
         sync=sync, split=split, trace=trace, shape=shape,
-        comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.dedupe is not None),
-        item=item,
+        comm=dispatch_tile(tile, dispatch.homes is not None), item=item,
         lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **extra)
 
 
 @triton.jit
-def _push_rows(x_ptr, dst, pairs, rows, weights, dst_home, dst_weight, home_base, start, end,
-               H, TOPK: tl.constexpr, comm):
-    """Copy the token rows of pairs ``pairs[start:end]`` of x into rows ``rows[...]`` of
-    dst (a send list: ``pairs``, ``rows``, ``weights``), ``COPY_ROWS`` x ``BLOCK_H`` at a
-    time. With ``ROW_HOME``,
+def _push_rows(x_ptr, dst, send, dst_home, dst_weight, home_base, start, end, H,
+               TOPK: tl.constexpr, comm):
+    """Copy the token rows of pairs ``send.pair[start:end]`` of x into rows
+    ``send.row[...]`` of dst, ``COPY_ROWS`` x ``BLOCK_H`` at a time. With ``ROW_HOME``,
     also tell the destination where each row's layer1 output goes and with what weight:
     ``dst_home[row] = home_base + pair`` (this rank's slot in every rank's ``pair_out``
     numbering) and ``dst_weight[row]`` -- a few bytes per row, published by the same
@@ -223,70 +198,17 @@ def _push_rows(x_ptr, dst, pairs, rows, weights, dst_home, dst_weight, home_base
     for r0 in range(start, end, comm.COPY_ROWS):
         i = r0 + tl.arange(0, comm.COPY_ROWS)
         live = i < end
-        pair = tl.load(pairs + i, mask=live, other=0)
+        pair = tl.load(send.pair + i, mask=live, other=0)
         tok = (pair // TOPK).to(tl.int64)
-        row = tl.load(rows + i, mask=live, other=0).to(tl.int64)
+        row = tl.load(send.row + i, mask=live, other=0).to(tl.int64)
         if comm.ROW_HOME:
             tl.store(dst_home + row, home_base + pair, mask=live)
-            tl.store(dst_weight + row, tl.load(weights + i, mask=live), mask=live)
-        _copy_rows(x_ptr, tok, dst, row, live, H, comm)
-
-
-@triton.jit
-def _copy_rows(src, src_rows, dst, dst_rows, live, H, comm):
-    """Rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (both ``[*, H]``;
-    ``live`` masks the vector of rows), ``BLOCK_H`` columns at a time."""
-    for h0 in range(0, H, comm.BLOCK_H):
-        cols = h0 + tl.arange(0, comm.BLOCK_H)
-        mask = live[:, None] & (cols[None, :] < H)
-        v = tl.load(src + src_rows[:, None] * H + cols[None, :], mask=mask)
-        tl.store(dst + dst_rows[:, None] * H + cols[None, :], v, mask=mask)
-
-
-@triton.jit
-def _pairs_into(x_ptr, dispatch, d, pairs, rows, weights, home_base, first, last, H,
-                TOPK: tl.constexpr, comm):
-    """Pairs ``[first, last)`` of a send list (``pairs``, ``rows``, ``weights``), each with
-    its token's row of ``x_ptr``, into rank ``d``'s ``a0`` (and, with ``ROW_HOME``, each
-    row's home ``home_base + pair`` and weight): a source's push, or a destination placing
-    a peer's rows into its own (``d`` = this rank)."""
-    if comm.ROW_HOME:
-        _push_rows(x_ptr, peer(dispatch.a0, d), pairs, rows, weights,
-                   peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d), home_base,
-                   first, last, H, TOPK, comm)
-    else:
-        _push_rows(x_ptr, peer(dispatch.a0, d), pairs, rows, weights, None, None, 0, first,
-                   last, H, TOPK, comm)
-
-
-@triton.jit
-def _push_tokens(x_ptr, dispatch, d, rank, c, first, last, H, TOPK: tl.constexpr, comm):
-    """Row chunk ``c`` to destination ``d`` under ``DEDUPE``: the rows of this rank's
-    return entries ``[c * ROWS, (c + 1) * ROWS)`` for ``d`` (one per token with an expert
-    there), each once, into ``x_recv[rank, token]`` on ``d``; and pairs ``[first, last)``
-    of the send list into ``sent_*[rank]`` on ``d``, at their index in its list."""
-    dd = dispatch.dedupe
-    mx = dispatch.max_tokens
-    n_ent = tl.load(dispatch.entry_count + d)
-    tokens = dispatch.entries.token + d * mx
-    dst_x = peer(dd.x_recv, d) + tl.cast(rank, tl.int64) * mx * H   # rank: maybe a constexpr
-    for r0 in range(c * comm.ROWS, tl.minimum((c + 1) * comm.ROWS, n_ent), comm.COPY_ROWS):
-        q = r0 + tl.arange(0, comm.COPY_ROWS)
-        live = q < tl.minimum((c + 1) * comm.ROWS, n_ent)
-        tok = tl.load(tokens + q, mask=live, other=0).to(tl.int64)
-        _copy_rows(x_ptr, tok, dst_x, tok, live, H, comm)
-    lo = tl.load(dispatch.send.off + d)
-    region = rank * mx * TOPK
-    for i0 in range(first, last, comm.COPY_ROWS):
-        i = i0 + tl.arange(0, comm.COPY_ROWS)
-        live = i < last
-        at = region + i - lo
-        tl.store(peer(dd.sent_pair, d) + at, tl.load(dispatch.send.pair + i, mask=live),
-                 mask=live)
-        tl.store(peer(dd.sent_row, d) + at, tl.load(dispatch.send.row + i, mask=live),
-                 mask=live)
-        tl.store(peer(dd.sent_weight, d) + at, tl.load(dispatch.send.weight + i, mask=live),
-                 mask=live)
+            tl.store(dst_weight + row, tl.load(send.weight + i, mask=live), mask=live)
+        for h0 in range(0, H, comm.BLOCK_H):
+            cols = h0 + tl.arange(0, comm.BLOCK_H)
+            mask = live[:, None] & (cols[None, :] < H)
+            v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
+            tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -354,19 +276,13 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                 if c < row_chunks:
                     first = lo + c * comm.ROWS
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
-                    # (The constexpr test outside, the run-time one inside: without
-                    # DEDUPE the kernel compiles as it did before it existed.)
-                    send, home_base = dispatch.send, rank * max_tokens * TOPK
-                    if comm.DEDUPE:
-                        if d != rank:
-                            _push_tokens(x_ptr, dispatch, d, rank, c, first, last, H, TOPK,
-                                         comm)
-                        else:
-                            _pairs_into(x_ptr, dispatch, d, send.pair, send.row, send.weight,
-                                        home_base, first, last, H, TOPK, comm)
+                    if comm.ROW_HOME:
+                        _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send,
+                                   peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d),
+                                   rank * max_tokens * TOPK, first, last, H, TOPK, comm)
                     else:
-                        _pairs_into(x_ptr, dispatch, d, send.pair, send.row, send.weight,
-                                    home_base, first, last, H, TOPK, comm)
+                        _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send, None, None,
+                                   0, first, last, H, TOPK, comm)
                 else:
                     e0 = (c - row_chunks) * comm.ENTRIES
                     _push_entries(dispatch.entries.token + src,
@@ -380,73 +296,10 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                 # Never publish after a failure: a chunk skipped because the group failed
                 # must not look delivered. (The vote is also the barrier the release needs.)
                 if healthy(sync):
-                    if comm.DEDUPE:
-                        if (d != rank) & (c < row_chunks):
-                            # The last row chunk to land tells d all of them have: d
-                            # places them (place_role) and sets flag0 itself.
-                            if arrive(dispatch.dedupe.pushed + d, "sys") == row_chunks - 1:
-                                release(peer(dispatch.dedupe.flag_x, d) + rank, epoch, "sys")
-                        else:
-                            release(flags + c, epoch, "sys")
-                    else:
-                        release(flags + c, epoch, "sys")
+                    release(flags + c, epoch, "sys")
                 if trace.ON:
                     events = stamp(trace, events, d, c, start)
         g = take(dispatch.queue)
-    return events
-
-
-@triton.jit
-def _rows_from(o, segments, shape):
-    """Rows (pairs) the source at ring offset ``o`` sends this rank, all experts."""
-    e = tl.arange(0, shape.EL_P2)
-    rows = tl.load(segments.rows + o * shape.LOCAL_EXPERTS + e, mask=e < shape.LOCAL_EXPERTS,
-                   other=0)
-    return tl.sum(rows, axis=0)
-
-
-@triton.jit
-def place_role(dispatch, segments, H, epoch, sync, trace, events, shape, comm):
-    """The receiving half of ``DEDUPE`` (:class:`Dedupe`): chunk ``c`` of every peer's
-    pairs, peers abreast (chunk ``c`` of each before ``c + 1`` of any), taken from the
-    placing queue: once ``flag_x[s]`` says source ``s``'s token rows and send list have
-    landed, copy each pair's token row from ``x_recv[s]`` into its row of ``a0`` (with
-    its home and weight under ``ROW_HOME``) -- local HBM to HBM -- and set ``flag0[s, c]``
-    as the pushing source would have: the chunks the GEMM tiles wait for are unchanged.
-    This rank's own rows were pushed into ``a0`` directly. Returns the trace events
-    recorded so far."""
-    WORLD: tl.constexpr = shape.WORLD
-    TOPK: tl.constexpr = shape.TOPK
-    rank = sync.rank
-    dd = dispatch.dedupe
-    mx = dispatch.max_tokens
-    PEERS: tl.constexpr = WORLD - 1 if WORLD > 1 else 1   # (one rank alone places nothing)
-    rounds = 0
-    for o in range(1, WORLD):
-        rounds = tl.maximum(rounds, tl.cdiv(_rows_from(o, segments, shape), comm.ROWS))
-    g = take(dd.queue)
-    while g < rounds * (WORLD - 1):
-        o = 1 + g % PEERS
-        c = g // PEERS
-        rows = _rows_from(o, segments, shape)
-        if c * comm.ROWS < rows:
-            s = (rank + o) % WORLD
-            if trace.ON:
-                start = clock_ns()
-            if wait_at_least(dd.flag_x.local + s, epoch, sync, SITE_TOKENS, s, "sys"):
-                if healthy(sync):
-                    base = s * mx * TOPK
-                    x_s = dd.x_recv.local + s.to(tl.int64) * mx * H
-                    first = c * comm.ROWS
-                    _pairs_into(x_s, dispatch, rank, dd.sent_pair.local + base,
-                                dd.sent_row.local + base, dd.sent_weight.local + base, base,
-                                first, tl.minimum(first + comm.ROWS, rows), H, TOPK, comm)
-                    if healthy(sync):
-                        release(dispatch.flag0.local + s * dispatch.chunk_slots + c, epoch,
-                                "gpu")
-            if trace.ON:
-                events = stamp(trace, events, TRACE_PLACE + s, c, start)
-        g = take(dd.queue)
     return events
 
 
@@ -548,23 +401,13 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, 
     comm, item, lanes: constexpr :class:`DispatchTile`,
     :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
     epoch = tl.load(sync.epoch)
+    comm_role, _, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)
-    if ROLE == ROLE_PLACE:
-        events = place_role(dispatch, segments, gemm.K, epoch, sync, trace, events, shape,
-                            comm)
-    else:
-        comm_role, _, _ = assign_role(split, ROLE)
-        if ROLE != ROLE_COMPUTE:
-            if comm_role:
-                events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape,
-                                       comm)
-                # Fused, the comm blocks place the peers' rows too; the pushes of every
-                # rank come first, so a placing block waits only on pushes under way.
-                if comm.DEDUPE and ROLE == ROLE_FUSED:
-                    events = place_role(dispatch, segments, gemm.K, epoch, sync, trace, events,
-                                        shape, comm)
-        # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for
-        # the rest of the call); it never holds a tile while a peer waits on its pushes.
-        if ROLE != ROLE_COMM:
-            layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue,
-                                dispatch, epoch, sync, trace, events, shape, WAIT, comm.ROWS)
+    if ROLE != ROLE_COMPUTE:
+        if comm_role:
+            events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm)
+    # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
+    # rest of the call); it never holds a tile while a peer waits on its pushes.
+    if ROLE != ROLE_COMM:
+        layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue,
+                            dispatch, epoch, sync, trace, events, shape, WAIT, comm.ROWS)

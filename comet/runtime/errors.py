@@ -19,7 +19,7 @@ import torch
 
 from comet.constants import (ERR_TIMEOUT, ERROR_WORD, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT,
                              SITE_COMBINE, SITE_COUNTS, SITE_DISPATCH, SITE_ENTRIES,
-                             SITE_ROW_ENTRIES, SITE_SPLIT, SITE_TOKENS)
+                             SITE_ROW_ENTRIES, SITE_SPLIT)
 
 #: Fatal word code of a failed wait.
 TIMEOUT_CODE = int(ERR_TIMEOUT)
@@ -32,7 +32,6 @@ SITES = {
     int(SITE_COMBINE): ("combine", "partial outputs (flag1[{index}]) from rank {index}"),
     int(SITE_ENTRIES): ("layer1", "return entries (flag0[{index}]) from rank {index}"),
     int(SITE_ROW_ENTRIES): ("backward", "return entries (flag0[{index}]) from rank {index}"),
-    int(SITE_TOKENS): ("layer0", "token rows (flag_x[{index}]) from rank {index}"),
 }
 
 #: Input error codes (comet.constants.INPUT_*).

@@ -29,10 +29,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from comet.config import TileConfig
-from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, ROLE_PLACE, interpreting
+from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
 from comet.kernels import exchange
 from comet.kernels.combine import launch_combine
-from comet.kernels.layer0 import Dedupe, Dispatch, launch_layer0, layer0_gemm
+from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
@@ -110,21 +110,12 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phas
     return open_call, plan
 
 
-def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes, dedupe: bool = False
-                ) -> Dispatch:
+def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes) -> Dispatch:
     """layer0's :class:`~comet.kernels.layer0.Dispatch` of ``ws`` for the input whose
-    address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows;
-    ``dedupe``: rows once per (token, destination), in a workspace that has the buffers)."""
-    dd = None
-    if dedupe:
-        if not ws.dedupe:
-            raise ValueError("dispatch_dedupe needs a workspace allocated with it "
-                             "(TileConfig.dispatch_dedupe)")
-        dd = Dedupe(*(ws.peer(n) for n in ("x_recv", "sent_pair", "sent_row", "sent_weight",
-                                           "flag_x")), ws.count.pushed, ws.count.place)
+    address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows)."""
     return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peer("a0"),
                     ws.recv, homes, ws.peer("flag0"), ws.chunk_slots, ws.cfg.max_tokens,
-                    ws.count.l0_dispatch, dd)
+                    ws.count.l0_dispatch)
 
 
 @dataclass
@@ -179,8 +170,7 @@ class ForwardCall:
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
         gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
                                    activation=ws.cfg.activation, bias=self.b13)
-        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes,
-                                                 tile.dispatch_dedupe), gemm=gemm0,
+        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes), gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
                             queue=ws.count.l0_queue, sync=ws.sync, split=self.inputs.split0,
                             shape=ws.shape, tile=tile)
@@ -245,8 +235,6 @@ class ForwardCall:
         phases = []
         if mode != "compute_only":
             phases.append(lambda: self.launch_layer0(ROLE_COMM, grids.layer0_comm))
-            if self.tile.dispatch_dedupe:   # every rank's pushes, then the placing
-                phases.append(lambda: self.launch_layer0(ROLE_PLACE, grids.layer0_comm))
         if mode != "comm_only":
             phases.append(lambda: self.launch_layer0(ROLE_COMPUTE, grids.compute,
                                                      wait=mode != "compute_only"))

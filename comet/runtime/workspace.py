@@ -82,14 +82,6 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
-    if tile.dispatch_dedupe:
-        # [source, ...]: its token rows by token, its send list for this rank (pair, row
-        # of a0, weight) in its order, and the epoch of the call whose rows all landed
-        protocol += [BufferSpec("x_recv", (world, mx, h), cfg.dtype),
-                     BufferSpec("sent_pair", (world, mx * k), torch.int32),
-                     BufferSpec("sent_row", (world, mx * k), torch.int32),
-                     BufferSpec("sent_weight", (world, mx * k), torch.float32),
-                     BufferSpec("flag_x", (world,), torch.int64)]
     return protocol + [s for strategy in strategies_of(tile)
                        for s in strategy.specs(cfg, world)]
 
@@ -111,18 +103,12 @@ class Counters(NamedTuple):
     l1_reduce: torch.Tensor      # [1] layer1's reduce item queue
     l1_done: torch.Tensor        # [1] blocks finished with layer1
     arrived: torch.Tensor        # [SPLIT_K_SLOTS or 0] K splits finished per layer1 item
-    pushed: torch.Tensor         # [W or 0] dispatch_dedupe: row chunks pushed per destination
-    place: torch.Tensor          # [1 or 0] dispatch_dedupe: the placing queue
     split: torch.Tensor          # [n_splits_max] layer1 tiles finished per column split
 
     @classmethod
-    def of(cls, t: torch.Tensor, k_slots: int, pushed: int) -> "Counters":
-        """Views of ``t``: the queues, ``k_slots`` K-split counters, ``pushed`` (0 or W)
-        destination counters and a placing queue with them, the split counters."""
-        q, p = _QUEUE_COUNTERS, _QUEUE_COUNTERS + k_slots
-        places = 1 if pushed else 0
-        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:p], t[p:p + pushed],
-                   t[p + pushed:p + pushed + places], t[p + pushed + places:])
+    def of(cls, t: torch.Tensor, k_slots: int) -> "Counters":
+        q = _QUEUE_COUNTERS
+        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:q + k_slots], t[q + k_slots:])
 
 
 @dataclass
@@ -138,7 +124,7 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) (+ W + 1) + n_splits]: Counters
+    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) + n_splits_max]: :class:`Counters`
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
@@ -152,8 +138,7 @@ class Workspace:
 
     def __post_init__(self):
         self.count = Counters.of(self.counters,
-                                 0 if self.l1_partial is None else self.l1_partial.shape[0],
-                                 self.world if self.dedupe else 0)
+                                 0 if self.l1_partial is None else self.l1_partial.shape[0])
         self.shape = Shape.of(self.cfg.num_experts, self.cfg.top_k, self.world)
         self.sync = Sync(self.epoch, self.peer_ptrs["error"], self.rank, self.timeout,
                          self.shape.WORLD)
@@ -168,12 +153,6 @@ class Workspace:
         if name in buffers:
             return buffers[name]
         raise AttributeError(name)
-
-    @property
-    def dedupe(self) -> bool:
-        """Whether layer0's rows cross the link once per (token, destination)
-        (``TileConfig.dispatch_dedupe``: the workspace has its buffers)."""
-        return "x_recv" in self.buffers
 
     def peer(self, name: str) -> PeerBuffer:
         """The symmetric buffer ``name`` as kernels take it."""
@@ -198,9 +177,8 @@ class Workspace:
         """Zero every flag, counter, epoch and error word (device ops on the current
         stream). Only safe while no rank of the group has a call in flight: see
         :meth:`comet.runtime.layer.FusedMoE.reset`."""
-        for name in ("count_flags", "flag0", "flag1", "flag_x", "error"):
-            if name in self.buffers:
-                self.buffers[name].zero_()
+        for name in ("count_flags", "flag0", "flag1", "error"):
+            self.buffers[name].zero_()
         for t in (self.epoch, self.counters):
             t.zero_()
 
@@ -229,9 +207,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
         out1=torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device),
-        counters=torch.zeros(_QUEUE_COUNTERS + k_slots
-                             + (world + 1 if tile.dispatch_dedupe else 0) + n_splits,
-                             dtype=torch.int32, device=device),
+        counters=torch.zeros(_QUEUE_COUNTERS + k_slots + n_splits, dtype=torch.int32,
+                             device=device),
         l1_partial=partial,
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),

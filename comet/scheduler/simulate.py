@@ -98,9 +98,6 @@ class SimConfig:
     home_fanout: ranks each part of a token is written to -- the group of that many
         consecutive ranks holding its home (comet.mesh.MeshLayout.home_fanout: ``tp``
         under the ``"replicated"`` convention, else 1); must divide W.
-    dispatch_dedupe: layer0's rows once per (token, destination), placed by the
-        destination (kernels.layer0.Dedupe); ``dedupe_last_chunk``: the source's last
-        row chunk to land sets ``flag_x`` -- False models the first one doing it.
     fanout_liveness: with ``home_fanout > 1`` the combine takes part ``i``'s liveness
         from the part of its own TP index in ``i``'s group (kernels.combine.Parts); False
         models a combine that reads ``i``'s own entry, which its plan fills only for its
@@ -128,8 +125,6 @@ class SimConfig:
     layer1_scatter: bool = True
     home_fanout: int = 1
     fanout_liveness: bool = True
-    dispatch_dedupe: bool = False
-    dedupe_last_chunk: bool = True
 
 
 @dataclass
@@ -233,14 +228,6 @@ class _Rank:
         self.home_tag = _Tags("row_home", r, (rows,))
         self.pair_out = torch.zeros(max_tokens, top_k, h_dim)
         self.pair_tag = _Tags("pair_out", r, (max_tokens, top_k, _cdiv(h_dim, cfg.block_n1)))
-        # dispatch_dedupe: each source's token rows by token, its send list for this
-        # rank by index, and the epoch of the call whose rows all landed.
-        self.x_recv = torch.zeros(world, max_tokens, h_dim)
-        self.x_recv_tag = _Tags("x_recv", r, (world, max_tokens))
-        self.sent = torch.zeros(world, max_tokens * top_k, 3,    # pair, row of a0, weight
-                                dtype=torch.float64)
-        self.sent_tag = _Tags("sent list", r, (world, max_tokens * top_k))
-        self.flag_x = [0] * world
 
 
 class _Call:
@@ -270,9 +257,8 @@ class _Call:
         self.split_count = [0] * _cdiv(_cdiv(h_dim, cfg.block_n1), cfg.blocks_per_split)
         # Work queues (kernels.sync.take): next lane of layer0's GEMM, next item of
         # layer1's reduce, next dispatch chunk; programs finished with the reduce.
-        self.queue = {"l0": 0, "reduce": 0, "dispatch": 0, "place": 0}
+        self.queue = {"l0": 0, "reduce": 0, "dispatch": 0}
         self.reduce_finished = 0
-        self.pushed = [0] * world    # dispatch_dedupe: row chunks pushed per destination
 
     def take(self, queue: str) -> int:
         """Next item of a work queue (the kernels' atomic counter)."""
@@ -368,9 +354,7 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
         call, fused = rk.call, mode == "fused"
         comm = range(cfg.comm_programs if fused else 0)
         programs = len(comm) + len(compute)
-        def placing():   # a comm program's placing after its pushes (dispatch_dedupe)
-            return [_place_program(rk, call, cfg)] if cfg.dispatch_dedupe else []
-        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, cfg), *placing(),
+        yield "layer0", ([_chain(_dispatch_program(rk, call, ranks, cfg),
                                  _layer0_program(rk, call, fused, programs, cfg)) for _ in comm]
                          + [_layer0_program(rk, call, fused, programs, cfg) for _ in compute])
         scatter = fused and cfg.layer1_scatter
@@ -433,10 +417,6 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
         n_ent = int(s.entry_count[d])
         row_chunks, total = chunks(d)
         if c < total:
-            if cfg.dispatch_dedupe and d != rk.r and c < row_chunks:
-                _push_tokens(rk, call, dst, d, c, lo, hi, row_chunks, cfg)
-                yield None
-                continue
             if c < row_chunks:
                 i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
                 rows = s.send_row[i].long()
@@ -459,59 +439,6 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
                 dst.recv_tag.write((rk.r, q), n, rk.r)
             dst.flag0[rk.r][c] = _chunk_flag(cfg, n)
             yield None
-
-
-def _push_tokens(rk: _Rank, call: _Call, dst: _Rank, d: int, c: int, lo: int, hi: int,
-                 row_chunks: int, cfg: SimConfig) -> None:
-    """Row chunk ``c`` to ``d`` under dispatch_dedupe (kernels.layer0._push_tokens): the
-    rows of return entries ``[c R, (c + 1) R)`` once each into ``x_recv[r, token]`` and the
-    chunk's pairs into ``sent[r]``; the last row chunk to land sets ``flag_x[r]``."""
-    n, s, r = call.n, call.send, rk.r
-    n_ent = int(s.entry_count[d])
-    q = torch.arange(min(c * cfg.comm_rows, n_ent), min((c + 1) * cfg.comm_rows, n_ent))
-    tok = s.entry_token[d, q].long()
-    dst.x_recv[r, tok] = call.x[tok]
-    dst.x_recv_tag.write((r, tok), n, r)
-    i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
-    dst.sent[r, i - lo] = torch.stack([s.send_pair[i].double(), s.send_row[i].double(),
-                                       s.send_weight[i].double()], dim=1)
-    dst.sent_tag.write((r, i - lo), n, r)
-    call.pushed[d] += 1
-    if call.pushed[d] == (row_chunks if cfg.dedupe_last_chunk else 1):
-        dst.flag_x[r] = _chunk_flag(cfg, n)
-
-
-def _place_program(rk: _Rank, call: _Call, cfg: SimConfig):
-    """The receiving half of dispatch_dedupe (kernels.layer0.place_role): chunk ``c`` of
-    every peer's pairs, peers abreast; once ``flag_x[s]`` holds the call, each pair's row
-    from ``x_recv[s]`` into ``a0`` (with its home), then ``flag0[s, c]``."""
-    world, n = call.world, call.n
-
-    def rows_from(o):
-        return int(call.seg_rows[o].sum())
-
-    rounds = max((_cdiv(rows_from(o), cfg.comm_rows) for o in range(1, world)), default=0)
-    while (g := call.take("place")) < rounds * (world - 1):
-        o, c = 1 + g % (world - 1), g // (world - 1)
-        rows = rows_from(o)
-        if c * cfg.comm_rows >= rows:
-            continue
-        s = (rk.r + o) % world
-        yield lambda s=s: rk.flag_x[s] >= _chunk_flag(cfg, n)
-        i = torch.arange(c * cfg.comm_rows, min((c + 1) * cfg.comm_rows, rows))
-        rk.sent_tag.check((s, i), n, f"rank {rk.r} call {n} placing chunk {c} of rank {s}")
-        pair, row, weight = rk.sent[s, i].unbind(1)
-        pair, row = pair.long(), row.long()
-        tok = pair // call.top_k
-        rk.x_recv_tag.check((s, tok), n, f"rank {rk.r} call {n} placing chunk {c} of rank {s}")
-        rk.a0[row] = rk.x_recv[s, tok]
-        rk.a0_tag.write(row, n, s)
-        if cfg.layer1_scatter:
-            rk.row_home[row] = s * call.slots + pair
-            rk.row_w[row] = weight.float()
-            rk.home_tag.write(row, n, s)
-        rk.flag0[s][c] = _chunk_flag(cfg, n)
-        yield None
 
 
 def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) -> int:

@@ -57,17 +57,6 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   step "tp-bench-tp$1-$2" 330 env TP="$1" CONVENTION="$2" STRESS=0 \
                     BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
                 done ;;
-    dedupe)     # TileConfig.dispatch_dedupe: liveness at full size, then paired against the
-                # push on the same machine (best of fixed splits: the variant has no table)
-                step dedupe-stress 200 env STRESS_TIMEOUT_S=190 STRESS_NAME="ep$W-dedupe" \
-                  bash scripts/device/stress.sh --tile dispatch_dedupe=1
-                step dedupe-probe 700 env NPROC="$W" NAME="dedupe-ep$W" PROBE_TIMEOUT_S=330 \
-                  VARIANTS="default dispatch_dedupe=1" bash scripts/device/tile_probe.sh \
-                  --tokens 128 4096 16384 --layers moe --fixed-splits 0 8 16 32
-                step dedupe-probe-tp2 420 env NPROC="$W" NAME="dedupe-tp2-sequence" PROBE_TIMEOUT_S=200 \
-                  VARIANTS="default dispatch_dedupe=1" bash scripts/device/tile_probe.sh --tp 2 \
-                  --convention sequence --config deepseek-v3-like qwen2-moe --tokens 4096 16384 \
-                  --layers moe --routing uniform ;;
     # one-GPU steps: a kernel change's regression check and the small-call tile probe
     gpu_liveness) step gpu_liveness 560 env GPU_TEST_FILES=tests/test_gpu_liveness.py GPU_TESTS_TIMEOUT_S=550 \
                   bash scripts/device/gpu_tests.sh ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
