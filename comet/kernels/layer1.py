@@ -388,6 +388,9 @@ def _reduce_entries(out1_ptr, H, comb, group0, offset, recv_token, recv_rows, re
     slot's scalar (:func:`_return_pairs`)."""
     ENTRIES: tl.constexpr = rtile.ENTRIES
     BLOCK_C: tl.constexpr = rtile.BLOCK_C
+    # The first destination's address is loaded once, as before the fan-out shared the
+    # sum: loaded per store it kept the EP kernels' reduce 2-14 registers fuller.
+    dst0 = peer(comb, group0) + offset
     for e0 in range(start, end, ENTRIES):
         q = e0 + tl.arange(0, ENTRIES)
         live = q < end
@@ -409,7 +412,9 @@ def _reduce_entries(out1_ptr, H, comb, group0, offset, recv_token, recv_rows, re
                 else:
                     acc += v.to(tl.float32)
             for g in tl.static_range(FANOUT):
-                dst = peer(comb, group0 + g) + offset
+                dst = dst0
+                if g > 0:
+                    dst = peer(comb, group0 + g) + offset
                 tl.store(dst + tok[:, None] * H + cols[None, :],
                          acc.to(dst.dtype.element_ty), mask=live[:, None] & cmask)
 
