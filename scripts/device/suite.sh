@@ -13,7 +13,8 @@
 # step). $SUITE_DIR/steps.log has each step's start, end and exit status. On 4x H200
 # (2026-11-26, 55f873b) stress to tune_check took 22 min; three of the four TP benches
 # needed more than the 130 s they had there (a cut bench keeps its finished cases in
-# bench-*.partial.json).
+# bench-*.partial.json). On 4x H100 (2026-11-26, 7dc6294) stress 83 s, bench 191 s, the
+# three TP benches 141 / 221 / 118 s (the last cut by the baseline's OOM).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
@@ -51,11 +52,22 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
                 step "hybrid-tp$W-sequence" 440 env TP="$W" CONVENTION=sequence BENCH_TIMEOUT_S=300 STRESS_TIMEOUT_S=120 \
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
-    tp_benches) # the TP benches alone, the layouts whose bench the 2026-11-26 suite lost
-                for lc in "2 sequence" "$W replicated" "$W sequence"; do
-                  set -- $lc
-                  step "tp-bench-tp$1-$2" 330 env TP="$1" CONVENTION="$2" STRESS=0 \
-                    BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
+    tp_benches) # the TP benches alone (TP_LAYOUTS: "tp:convention ..."; TP_BENCH_ARGS: the
+                # bench's cases, e.g. "--config deepseek-v3-like --tokens 16384" for one case)
+                for lc in ${TP_LAYOUTS:-2:sequence $W:replicated $W:sequence}; do
+                  t=${lc%%:*} c=${lc#*:}
+                  step "tp-bench-tp$t-$c" 330 env TP="$t" CONVENTION="$c" STRESS=0 \
+                    BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh \
+                    ${TP_BENCH_ARGS:---tokens 128 4096 16384}
+                done ;;
+    tp_reduce)  # layer1's column reduce (one summed row per token and rank of the group)
+                # against the scatter (a row per slot) in the replicated layouts, paired in
+                # one call: the fan-out that makes (4,1) replicated no faster than unfused
+                for t in $(printf '%s\n' 2 "$W" | sort -un); do
+                  step "tp-reduce-tp$t" 420 env NPROC="$W" NAME="tp-reduce-tp$t-replicated" \
+                    PROBE_TIMEOUT_S=200 VARIANTS="default layer1_scatter=0" \
+                    bash scripts/device/tile_probe.sh --tp "$t" --convention replicated \
+                    --tokens 128 4096 16384 --layers moe --routing uniform
                 done ;;
     # one-GPU steps: a kernel change's regression check and the small-call tile probe
     gpu_liveness) step gpu_liveness 560 env GPU_TEST_FILES=tests/test_gpu_liveness.py GPU_TESTS_TIMEOUT_S=550 \
