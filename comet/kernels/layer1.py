@@ -376,21 +376,27 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 
 
 @triton.jit
-def _reduce_entries(out1_ptr, H, comb, group0, offset, recv_token, recv_rows, recv_weight,
-                    start, end, col0, col1, pair_src, pair_dst, TOPK: tl.constexpr, rtile,
-                    FANOUT: tl.constexpr):
+def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, pair_src,
+                    pair_dst, TOPK: tl.constexpr, rtile):
     """``dst[token] = sum_j weight_j * out1[row_j]`` (``WEIGHTED``, else the plain sum)
-    over columns ``[col0, col1)`` for entries ``[start, end)``, ``ENTRIES`` at a time, into
-    ``dst`` = ``comb`` at ``offset`` on each of the ``FANOUT`` ranks from ``group0``: one
-    sum, stored ``FANOUT`` times (summing once per destination read the rows ``FANOUT``
-    times: at TP=4 the reduce was read-bound). Rows of ``-1`` are slots that live on
-    other ranks. With ``PAIRS``, the items of the first columns also return each held
-    slot's scalar (:func:`_return_pairs`)."""
+    over columns ``[col0, col1)`` for ``source``'s return entries ``[start, end)``,
+    ``ENTRIES`` at a time, into ``comb[rank]`` on each rank of ``source``'s group of
+    ``FANOUT``: one sum, stored ``FANOUT`` times (summing once per destination read the
+    rows ``FANOUT`` times: at TP=4 the reduce was read-bound). Rows of ``-1`` are slots
+    that live on other ranks. With ``PAIRS``, the items of the first columns also return
+    each held slot's scalar (:func:`_return_pairs`)."""
+    FANOUT: tl.constexpr = reduce.FANOUT
+    region = source * reduce.max_tokens
+    recv_token = reduce.recv.token + region
+    recv_rows = reduce.recv.rows + region * TOPK
+    recv_weight = reduce.recv.weight + region * TOPK
+    group0 = source - source % FANOUT
+    offset = rank * reduce.max_tokens * H
     ENTRIES: tl.constexpr = rtile.ENTRIES
     BLOCK_C: tl.constexpr = rtile.BLOCK_C
     # The first destination's address is loaded once, as before the fan-out shared the
     # sum: loaded per store it kept the EP kernels' reduce 2-14 registers fuller.
-    dst0 = peer(comb, group0) + offset
+    dst0 = peer(reduce.comb, group0) + offset
     for e0 in range(start, end, ENTRIES):
         q = e0 + tl.arange(0, ENTRIES)
         live = q < end
@@ -414,7 +420,7 @@ def _reduce_entries(out1_ptr, H, comb, group0, offset, recv_token, recv_rows, re
             for g in tl.static_range(FANOUT):
                 dst = dst0
                 if g > 0:
-                    dst = peer(comb, group0 + g) + offset
+                    dst = peer(reduce.comb, group0 + g) + offset
                 tl.store(dst + tok[:, None] * H + cols[None, :],
                          acc.to(dst.dtype.element_ty), mask=live[:, None] & cmask)
 
@@ -453,7 +459,6 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
     ITEM: tl.constexpr = rtile.ITEM
     rank = sync.rank
     H = gemm.N
-    max_tokens = reduce.max_tokens
     entries = arrivals.entries
     for s in range(WORLD):
         wait_chunks(arrivals.flags + s * arrivals.slots, 0, tl.load(arrivals.chunks + s),
@@ -480,19 +485,15 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
             ready_split = split
         if ready:
             col0 = split * split_cols
-            region = source * max_tokens
             pair_src, pair_dst = None, None
             if rtile.PAIRS:
                 pair_src = reduce.pairs.src
                 pair_dst = peer(reduce.pairs.dst, source)
             # A replicated TP layout returns the sum to every rank of the source's group:
             # the all-reduce of the partial sums, as sends.
-            _reduce_entries(gemm.out, H, reduce.comb, source - source % reduce.FANOUT,
-                            rank * max_tokens * H, reduce.recv.token + region,
-                            reduce.recv.rows + region * TOPK, reduce.recv.weight + region * TOPK,
-                            first, tl.minimum(first + ITEM, tl.load(entries + source)), col0,
-                            tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK, rtile,
-                            reduce.FANOUT)
+            _reduce_entries(gemm.out, H, reduce, source, rank, first,
+                            tl.minimum(first + ITEM, tl.load(entries + source)), col0,
+                            tl.minimum(col0 + split_cols, H), pair_src, pair_dst, TOPK, rtile)
         if trace.ON:
             events = stamp(trace, events, split + TRACE_REDUCE, source, start)
         i = take(reduce.queue)
