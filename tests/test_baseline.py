@@ -98,6 +98,24 @@ def test_plan_groups_rows_by_expert():
     assert plan.order.tolist() == [1, 2, 4, 7, 0, 5, 6]
 
 
+def test_topk_sum_drops_the_rows_never_computed():
+    """The TP pipeline's grouped GEMMs leave the rows of pairs of no expert (sorted last)
+    unwritten: whatever they hold -- NaN here -- must not reach a token's sum."""
+    from comet.baseline import _topk_reduce
+    g = torch.Generator().manual_seed(3)
+    m, k = 5, 3
+    weights = torch.rand(m, k, generator=g)
+    order = torch.randperm(m * k, generator=g)
+    computed = 11                                  # the last 4 pairs have no expert
+    back = torch.randn(m * k, H, generator=g)
+    back[computed:] = float("nan")
+    want = torch.zeros(m, H)
+    for i, pair in enumerate(order[:computed].tolist()):
+        want[pair // k] += weights[pair // k, pair % k] * back[i]
+    got = _topk_reduce(back, order, weights, computed=torch.tensor(computed))
+    torch.testing.assert_close(got, want)
+
+
 def test_phase_timer_sees_every_phase():
     xs, ids, ws, s13, s2 = _world_inputs(1, [6], 7)
     clock = PhaseClock(torch.device("cpu"))
