@@ -431,8 +431,9 @@ def tp_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     them: sort the (token, slot) pairs by expert (``route``), gather their rows
     (``permute``), grouped GEMM with W13 (``gemm0``), the gated activation (``act``),
     grouped GEMM with W2 (``gemm1``), the weighted sum of each token's rows (``unpermute``,
-    as :func:`ep_moe_forward`'s: fp32 accumulation), and the partial sums reduce-scattered in the model dtype
-    (``reduce``; all_reduce where the backend has no reduce_scatter, e.g. gloo).
+    as :func:`ep_moe_forward`'s: fp32 accumulation), and the partial sums reduce-scattered
+    in the model dtype (``reduce``; all_reduce where the backend has no reduce_scatter,
+    e.g. gloo).
     ``"replicated"``: no gather; the partial sums are all-reduced. ``shard``: this rank's
     part (:meth:`comet.mesh.MeshLayout.shard`); ``timer`` as for :func:`ep_moe_forward`.
     """

@@ -394,8 +394,8 @@ def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, p
     offset = rank * reduce.max_tokens * H
     ENTRIES: tl.constexpr = rtile.ENTRIES
     BLOCK_C: tl.constexpr = rtile.BLOCK_C
-    # The first destination's address is loaded once, as before the fan-out shared the
-    # sum: loaded per store it kept the EP kernels' reduce 2-14 registers fuller.
+    # The first (with EP, the only) destination's address loaded once, out of the loops:
+    # loaded per store it cost the EP reduce kernels 2-14 registers.
     dst0 = peer(reduce.comb, group0) + offset
     for e0 in range(start, end, ENTRIES):
         q = e0 + tl.arange(0, ENTRIES)
