@@ -217,9 +217,8 @@ def _topk_reduce(back: torch.Tensor, order: torch.Tensor, topk_weights: torch.Te
     m, k = topk_weights.shape
     h = back.shape[1]
     if computed is not None:
-        spare = torch.full_like(order, m * k)
-        order = torch.where(torch.arange(order.numel(), device=order.device) < computed,
-                            order, spare)
+        order = order.masked_fill(torch.arange(order.numel(), device=order.device) >= computed,
+                                  m * k)
     buf = back.new_zeros(m * k + 1, h).index_copy_(0, order, back)
     w = topk_weights.to(back.dtype).view(m, 1, k)
     return torch.bmm(w, buf[:m * k].view(m, k, h)).view(m, h).float()

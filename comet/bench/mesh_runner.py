@@ -62,10 +62,11 @@ def layout_name(mesh: MeshLayout) -> str:
 class _ShardPlan(NamedTuple):
     """The rows of this rank's shard experts in one input set, as
     :func:`comet.bench.runner.gemm_fn` reads a plan: rows per expert and their end
-    offsets."""
+    offsets; and this rank's routing in the shard-slot view it was counted from."""
 
     expert_rows: list[int]
     offs: torch.Tensor
+    shard_ids: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -87,7 +88,7 @@ def _shard_plans(sets: list[InputSet], mesh: MeshLayout, num_experts: int, rank:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts, group=group)
         mine = counts[rank * el:(rank + 1) * el]
-        plans.append(_ShardPlan(mine.tolist(), torch.cumsum(mine, 0).to(torch.int32)))
+        plans.append(_ShardPlan(mine.tolist(), torch.cumsum(mine, 0).to(torch.int32), ids))
     return plans
 
 
@@ -137,9 +138,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
 
     order = timed_sets(st.n_sets, st.iters, st.warmup)
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, w2.shape[1], w13.element_size(), st)
-    link = link_columns([mesh.shard_routing(s.topk_ids, s.topk_weights, cfg.num_experts,
-                                            st.rank, convention)[0] for s in sets],
-                        cfg.num_experts // mesh.ep, st)
+    link = link_columns([p.shard_ids for p in plans], cfg.num_experts // mesh.ep, st)
     errs = {}
     if fused is not None:
         ref = baseline(sets[0])
