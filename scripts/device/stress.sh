@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # usage: COMET_COMMIT=$(git rev-parse --short HEAD) [STRESS_TIMEOUT_S=540] [STRESS_NAME=tp2-sequence] bash scripts/device/stress.sh [stress.py args]
-# Liveness stress on every GPU of the machine (2 or more GPUs), in one device call:
+# Liveness stress on NPROC GPUs (default: every GPU of the machine, 2 or more), in one device call:
 # the four presets at full size, 200 back-to-back calls per (preset, token count), with
 # drift; writes $OUT/stress-ep<W>-<device>.json and $OUT/stress-ep<W>.log. Copy both to
 # benchmarks/results/<date>/ afterwards. A hang ends at the `timeout` below (exit 124).
@@ -9,7 +9,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export COMET_TIMEOUT_S=${COMET_TIMEOUT_S:-10}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-W=$(nvidia-smi --list-gpus | wc -l)
+W=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | awk '{print $NF}')
 NAME=${STRESS_NAME:-ep$W}     # e.g. tp2-sequence with --tp 2 --convention sequence
 LOG="$OUT/stress-$NAME.log"

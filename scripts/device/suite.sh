@@ -53,10 +53,12 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                 step "hybrid-tp$W-sequence" 440 env TP="$W" CONVENTION=sequence BENCH_TIMEOUT_S=300 STRESS_TIMEOUT_S=120 \
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
     tp_benches) # the TP benches alone (TP_LAYOUTS: "tp:convention ..."; TP_BENCH_ARGS: the
-                # bench's cases, e.g. "--config deepseek-v3-like --tokens 16384" for one case)
+                # bench's cases, e.g. "--config deepseek-v3-like --tokens 16384" for one case;
+                # "tp:convention:ranks" runs on that many GPUs, e.g. "2:sequence:2" for the
+                # (2, 1) layout on a four-GPU machine)
                 for lc in ${TP_LAYOUTS:-2:sequence $W:replicated $W:sequence}; do
-                  t=${lc%%:*} c=${lc#*:}
-                  step "tp-bench-tp$t-$c" 330 env TP="$t" CONVENTION="$c" STRESS=0 \
+                  IFS=: read -r t c n <<<"$lc"; n=${n:-$W}
+                  step "tp-bench-w$n-tp$t-$c" 330 env NPROC="$n" TP="$t" CONVENTION="$c" STRESS=0 \
                     BENCH_TIMEOUT_S=320 bash scripts/device/tensor_parallel.sh \
                     ${TP_BENCH_ARGS:---tokens 128 4096 16384}
                 done ;;

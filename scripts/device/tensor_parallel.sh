@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# usage: COMET_COMMIT=$(git rev-parse --short HEAD) [TP=2] [CONVENTION=sequence] [BENCH_TIMEOUT_S=330] [STRESS_TIMEOUT_S=220] [STRESS=0] bash scripts/device/tensor_parallel.sh [comet bench args...]
-# A (TP, W/TP) layout on every GPU of the machine, in one device call: the `comet bench
+# usage: COMET_COMMIT=$(git rev-parse --short HEAD) [TP=2] [CONVENTION=sequence] [NPROC=<all GPUs>] [BENCH_TIMEOUT_S=330] [STRESS_TIMEOUT_S=220] [STRESS=0] bash scripts/device/tensor_parallel.sh [comet bench args...]
+# A (TP, W/TP) layout on W = NPROC GPUs (every GPU of the machine unless NPROC says), in one device call: the `comet bench
 # --tp` sweep (fused vs the unfused TP pipeline vs torch's grouped GEMMs on the shard
 # rows; 128, 4096 and 16384 tokens per rank, both routings, unless arguments say
 # otherwise), then the liveness stress of the layout (scripts/device/stress.py --tp).
@@ -11,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 OUT=${OUT:-out}; mkdir -p "$OUT"
 TP=${TP:-2}; CONVENTION=${CONVENTION:-sequence}
-W=$(nvidia-smi --list-gpus | wc -l)
+W=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
 NAME="tp$TP-$CONVENTION"
 LOG="$OUT/bench-$NAME.log"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$LOG"
