@@ -295,7 +295,9 @@ class TileConfig:
             token's rows per rank and send one row per (token, rank) after each split.
             More bytes cross the link when a token has several experts on one rank; no
             reduce pass. The other modes and the backward keep the reduce
-            (comet.runtime.strategies).
+            (comet.runtime.strategies), and so does the default tile of a ``(tp, 1)``
+            replicated layout (comet.runtime.layer.default_tile), where every one of a
+            token's k rows is on every rank.
     """
 
     block_m: int = 128

@@ -249,11 +249,11 @@ class CometMoE(nn.Module):
             debugging); a mismatch raises ValueError on every rank of the group. Off, such
             a mismatch gives wrong outputs silently: the kernels trust the convention.
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
-            layer's own). E.g. ``TileConfig(layer1_scatter=False)``: layer1's column-split
-            reduce instead of its scatter epilogue -- 0.88-0.94x the time for a
-            replicated TP=2 qwen2-moe layer on 2x H200 (commit ``c469e9d``,
-            docs/benchmarks.md); tuned tables
-            of the default tile then do not apply (docs/tuning.md).
+            layout's, :func:`comet.runtime.layer.default_tile`: layer1's scatter
+            epilogue, except the column-split reduce in a ``(tp, 1)`` replicated
+            layout). E.g. ``TileConfig(layer1_scatter=False)`` runs the reduce
+            elsewhere too; tuned tables of the default tile then do not apply
+            (docs/tuning.md).
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,

@@ -163,6 +163,32 @@ def test_tensor_parallel_replicated_reduce_fans_each_sum_out_to_four_ranks():
                                       round_to=torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("convention", CONVENTIONS)
+@pytest.mark.parametrize("layout", TENSOR_PARALLEL + HYBRID, ids=lambda t: f"tp{t[0]}-ep{t[1]}")
+def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layout, convention):
+    """Where every rank holds every expert's shard and passes the same tokens ((tp, 1)
+    replicated), a fused call's layer1 is the column reduce: one summed row per token
+    to each rank of the group, not ``k`` slot rows. Every other layout keeps the
+    scatter; every rank of a layout builds the same choice, and a given tile wins."""
+    from comet.runtime.layer import FusedMoE, default_tile
+    from comet.runtime.strategies import ColumnReduce, Scatter, strategy_for
+    mesh = MeshLayout(*layout)
+    reduce = convention == "replicated" and mesh.ep == 1 and mesh.tp > 1
+    assert default_tile(mesh, convention).layer1_scatter is not reduce
+    cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=_ffn(mesh),
+                    dtype=torch.float32, max_tokens=4)
+    w13, w2 = _weights(mesh, torch.Generator().manual_seed(3), 32)
+    shards = _shards(mesh, w13, w2)
+    layers = FusedMoE.virtual_group(cfg, *shards, mesh=mesh, convention=convention,
+                                    use_graphs=False)
+    assert {strategy_for(layer.tile, "fused") for layer in layers} == {
+        ColumnReduce if reduce else Scatter}
+    given = dataclasses.replace(TileConfig.small(), layer1_scatter=True)
+    layer = FusedMoE.virtual_group(cfg, *shards, tile=given, mesh=mesh,
+                                   convention=convention, use_graphs=False)[0]
+    assert strategy_for(layer.tile, "fused") is Scatter
+
+
 @interpreter
 @pytest.mark.parametrize("convention,bad", [("sequence", E), ("replicated", -2)])
 def test_tensor_parallel_bad_expert_id_is_reported_and_the_layout_stays_usable(convention,

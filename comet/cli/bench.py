@@ -192,14 +192,16 @@ def _tile_field(kv: str) -> tuple[str, int]:
     return name, int(value)
 
 
-def _tile_of(meta: dict) -> dict:
-    """``{"tile": TileConfig}`` of this run's --tile fields (``meta["tile"]``), or ``{}``
-    for the layer's default: keyword arguments of :func:`_build_fused`."""
+def _tile_of(meta: dict, mesh: MeshLayout | None = None, convention: str = "sequence") -> dict:
+    """``{"tile": TileConfig}`` of this run's --tile fields (``meta["tile"]``) over the
+    layout's default tile, or ``{}`` for the layer's default: keyword arguments of
+    :func:`_build_fused`."""
     import dataclasses
 
-    from comet.config import TileConfig
+    from comet.runtime.layer import default_tile
     fields = meta.get("tile")
-    return {"tile": dataclasses.replace(TileConfig(), **fields)} if fields else {}
+    return ({"tile": dataclasses.replace(default_tile(mesh, convention), **fields)}
+            if fields else {})
 
 
 def _comm_blocks(values, parser):
@@ -433,7 +435,8 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
                                       args.seed, st.device)
         shard = {"w13": w13, "w2": w2}
         fused, why = _build_fused(cfg, w13, w2, st.group, st.device, mesh=mesh,
-                                  convention=args.convention, **_tile_of(meta))
+                                  convention=args.convention,
+                                  **_tile_of(meta, mesh, args.convention))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -465,7 +468,8 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
     w13, w2 = make_expert_weights(shard_cfg, cfg.num_experts // mesh.ep, name, st.rank,
                                   args.seed, st.device)
     layout = {} if mesh.tp == 1 else {"mesh": mesh, "convention": args.convention}
-    fused, why = _build_fused(cfg, w13, w2, st.group, st.device, **_tile_of(meta), **layout)
+    fused, why = _build_fused(cfg, w13, w2, st.group, st.device,
+                              **_tile_of(meta, mesh, args.convention), **layout)
     if fused is None:
         if st.rank == 0:
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")

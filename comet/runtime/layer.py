@@ -18,6 +18,7 @@ The backward (comet.runtime.backward) runs the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
 from comet.runtime.staging import StagedScalars, StaticInputs, aligned
+from comet.runtime.strategies import scatter_pays
 from comet.runtime.workspace import Workspace, allocate_symmetric, allocate_virtual, timeout_ns
 from comet.weights import interleave_gate_up
 
@@ -77,9 +79,15 @@ def sm_count(device: torch.device) -> int:
                              else torch.cuda.current_device())
 
 
-def default_tile() -> TileConfig:
-    """Hopper tiles on a GPU; tiny ones under the interpreter."""
-    return TileConfig.small() if interpreting() else TileConfig()
+def default_tile(mesh: MeshLayout | None = None, convention: Convention = "sequence"
+                 ) -> TileConfig:
+    """Hopper tiles on a GPU, tiny ones under the interpreter; layer1 the scatter epilogue
+    unless the layout is one where the reduce pays (:func:`scatter_pays`)."""
+    tile = TileConfig.small() if interpreting() else TileConfig()
+    mesh = mesh or MeshLayout()
+    if not scatter_pays(mesh.tp, mesh.ep, convention):
+        tile = dataclasses.replace(tile, layer1_scatter=False)
+    return tile
 
 
 def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
@@ -161,7 +169,7 @@ class FusedMoE:
                  convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
         mesh = _mesh_of(mesh, par.world_size)
-        tile = tile or default_tile()
+        tile = tile or default_tile(mesh, convention)
         self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         kernel_cfg = mesh.kernel_config(cfg)
         # State the calls update in place must not be inference tensors, or a layer first
@@ -206,7 +214,7 @@ class FusedMoE:
             raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
                              "synchronize waits for its call, which needs the other ranks' "
                              "calls; use 'lazy' and check_errors_now() after the calls")
-        tile = tile or default_tile()
+        tile = tile or default_tile(mesh, convention)
         if programs is None:
             sms = sm_count(device) if device.type == "cuda" else 4 * world
             programs = max(1, sms // world)

@@ -142,6 +142,22 @@ class Scatter:
                      constexpr(ws.fanout))
 
 
+def scatter_pays(tp: int, ep: int, convention: str) -> bool:
+    """Whether the scatter epilogue is a layout's default layer1 (``TileConfig.layer1_scatter``).
+
+    Not where every rank holds every expert's F shard and every rank passes the same
+    tokens (the replicated convention with ``ep == 1``): there each token's ``k`` slots
+    are all on every rank, and the scatter stores ``k`` rows per token on each rank of
+    the group where the reduce sends one summed row. Measured on 4x H100
+    (benchmarks/results/2026-11-26, ``h100x4-r3-tile-probe-tp-reduce-*``): at (4, 1)
+    replicated the reduce took 0.68x the scatter's time (geomean, four presets, 4096
+    and 16384 tokens) and 1.04x at 128; at (2, 2) replicated 0.95x and 1.13x -- no
+    default change there. A choice by layout, not by call: every rank of a layout makes
+    the same one, which the combine on each token's rank relies on.
+    """
+    return not (convention == "replicated" and tp > 1 and ep == 1)
+
+
 def strategies_of(tile: TileConfig) -> list[type]:
     """The strategies a layer with ``tile`` may run (whose buffers it allocates): the
     column-split reduce always (the backward and the decomposed modes), the scatter

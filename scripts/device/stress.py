@@ -38,10 +38,10 @@ from comet import reference  # noqa: E402
 from comet.bench.inputs import derive_seed, make_expert_weights  # noqa: E402
 from comet.bench.mesh_runner import layout_name  # noqa: E402
 from comet.bench.provenance import provenance  # noqa: E402
-from comet.config import PRESETS, TileConfig  # noqa: E402
+from comet.config import PRESETS  # noqa: E402
 from comet.mesh import CONVENTIONS, MeshLayout  # noqa: E402
 from comet.runtime.errors import CometError  # noqa: E402
-from comet.runtime.layer import FusedMoE  # noqa: E402
+from comet.runtime.layer import FusedMoE, default_tile  # noqa: E402
 
 ROUTINGS = ("uniform", "hot_expert", "one_rank")
 TOKENS = (7, 128, 3000, 4096, 16384)
@@ -142,8 +142,6 @@ def main() -> int:
                     help="tensor-parallel size of a (tp, W/tp) layout (default 1: EP)")
     ap.add_argument("--convention", choices=CONVENTIONS, default="sequence")
     args = ap.parse_args()
-    tile = dataclasses.replace(TileConfig(), **{
-        k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                       NVSHMEM_DISABLE_NVLS="1")     # NVLink multicast off, as the launchers
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -154,6 +152,8 @@ def main() -> int:
     max_tokens = max(rank_tokens(t, world, r) for t in args.tokens for r in range(world))
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
+    tile = dataclasses.replace(default_tile(mesh, args.convention), **{
+        k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
     records = []
     for name in args.presets:
         cfg = PRESETS[name].replace(max_tokens=max_tokens)
