@@ -274,6 +274,13 @@ class TileConfig:
             scratch of 4 MiB when on. On by default: a 1-token Mixtral call at EP=2 ran
             layer1 35-40% faster in 2 splits, calls with no room unchanged (2x H200,
             docs/benchmarks.md, "layer1 in K splits").
+        layer0_stream_k: layer0's gated GEMM as stream-K in calls whose work items would
+            leave programs idle: the call's K steps cut into one equal run per program,
+            a work item's parts summed in program order by the last to finish (bitwise
+            the same output whoever is last), then bias and activation. Decided on the
+            device per call, by the rank alone (comet.kernels.layer0.stream_k_pays;
+            one-dot tiles, ``block_n0`` = the W13 interleave block); a local scratch of
+            2 x 256 partial boxes (16 MiB at ``block_n0`` 128) when on.
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -323,6 +330,7 @@ class TileConfig:
     combine_warps: int = 8
     decode_block_n1: int = 128
     layer1_split_k: int = 4
+    layer0_stream_k: bool = True
     layer1_scatter: bool = True
 
     def __post_init__(self):

@@ -26,7 +26,7 @@ from comet.runtime.staging import address_of, aligned
 from comet.runtime.virtual import VirtualEP
 from comet.scheduler.plan import lane_of_take
 from comet.scheduler.plan import lane_shape as lane_shape_py
-from comet.weights import gate_up_first
+from comet.weights import GATE_UP_BLOCK, gate_up_first
 from routings import KINDS, make_ids, make_tokens
 
 pytestmark = pytest.mark.skipif(not interpreting(),
@@ -145,6 +145,57 @@ def test_small_calls_split_layer1_over_k(split_k):
             assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
             engaged.add(splits)
     assert {0, split_k} <= engaged
+
+
+def _stream_k_parts(items: int, steps: int, programs: int) -> list[int] | None:
+    """Parts per item that a stream-K call sums (0 for an item one run holds whole), or
+    None where whole items run from the queue: the rule of
+    :func:`comet.kernels.layer0.stream_k_pays`, written out."""
+    slots = -(-items // programs) * programs
+    if not (items * steps >= programs and items < 2 * programs
+            and (slots - items) * 100 >= 10 * slots):
+        return None
+    total = items * steps
+    owner = [max(p for p in range(programs) if p * total // programs <= s)
+             for s in range(total)]
+    parts = [len(set(owner[i * steps:(i + 1) * steps])) for i in range(items)]
+    return [n if n > 1 else 0 for n in parts]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_calls_run_layer0_as_stream_k(bias):
+    """With one-dot layer0 tiles (``block_n0`` the W13 interleave block), a call whose
+    work items would leave programs idle runs layer0 as stream-K: equal runs of K steps
+    per program, an item cut between runs summed in program order by its last part, then
+    bias and activation. On 3 and 5 programs the four items of a rank are cut (two parts
+    each for some); on 4 (no program idle) and 2 (two rounds) the queue runs whole items.
+    Every output matches the reference; the counters say which items were cut."""
+    e, k, h, f = 4, 2, 64, 2 * GATE_UP_BLOCK       # 2 column blocks, 4 K steps of 16
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=4)
+    g = torch.Generator().manual_seed(5 + bias)
+    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
+    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
+    b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
+    b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK)
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    # Each rank's two experts get rows: four items per rank.
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
+    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
+    cut = set()
+    for programs in (3, 5, 4, 2):
+        _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
+        for ws in ep.ws:
+            items = int(ws.plan.tiles.num) * (f // GATE_UP_BLOCK)
+            assert items == 4
+            parts = _stream_k_parts(items, h // tile.block_k, programs)
+            got = ws.count.l0_arrived[:items].tolist()
+            assert got == (parts or [0] * items), (programs, got, parts)
+            cut.add(programs if parts and any(parts) else None)
+    assert cut == {3, 5, None}
 
 
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])

@@ -22,11 +22,26 @@ def test_workspace_bytes_is_what_a_rank_allocates(world, scatter, split_k):
     local = [ws.h, ws.out1, ws.counters, ws.epoch, ws.timeout, *_tensors_of(ws.plan)]
     local += [ws.l1_partial] if split_k > 1 else []
     assert workspace_bytes(cfg, world, tile) == storage.nbytes + sum(t.nbytes for t in local)
+    assert ws.l0_partial is None     # layer0's 16-column items are two dots: no stream-K
     assert ("pair_out" in ws.buffers) == scatter
     # layer1's K-split scratch is local (no peer writes it): 4 MiB and a counter per slot.
     assert (ws.l1_partial is not None) == (split_k > 1)
     assert ws.count.arrived.numel() == (256 if split_k > 1 else 0)
     assert ws.count.split.numel() == tile.n_splits_max(cfg.hidden_size)
+
+
+def test_layer0_stream_k_scratch_is_local_and_only_where_it_can_run():
+    """Two partial boxes per program (fp32, 32 rows x 2 * block_n0) and a counter per
+    item, no peer writes them; none without one-dot layer0 items."""
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=256,
+                    dtype=torch.float16, max_tokens=40)
+    off = dataclasses.replace(TileConfig(), layer0_stream_k=False)
+    extra = workspace_bytes(cfg, 2, TileConfig()) - workspace_bytes(cfg, 2, off)
+    assert extra == 2 * 256 * (32 * 2 * 128 * 4 + 4)
+    ws = allocate_virtual(cfg, 2, "cpu", TileConfig())[0]
+    assert ws.count.l0_arrived.numel() == 512 and "l0_partial" not in ws.buffers
+    narrow = dataclasses.replace(TileConfig(), block_n0=64)
+    assert allocate_virtual(cfg, 2, "cpu", narrow)[0].l0_partial is None
 
 
 def test_the_scatter_epilogue_costs_one_row_per_slot():

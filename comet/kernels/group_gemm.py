@@ -119,17 +119,8 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
     K = g.K
     b_row = expert * K
     if t.GATED and t.ONE_DOT:
-        both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, t.BLOCK_K):
-            both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]), both,
-                          input_precision=t.DOT_PRECISION)
-        if t.BIAS:
-            both += bias_row(g.bias, expert, 2 * g.N, 2 * n0, 2 * g.N, 2 * t.BLOCK_N)
-        if t.HALF_TAIL:
-            acc = half_tail_epilogue(both, n0 + t.BLOCK_N > g.N, t)
-        else:
-            gate, up = both.reshape(t.BLOCK_M, 2, t.BLOCK_N).permute(0, 2, 1).split()
-            acc = gated(gate, up, t.ACT)
+        both = one_dot_acc(a_desc, b_desc, g, t, expert, row_start, n0, 0, K)
+        acc = one_dot_epilogue(both, g, t, expert, n0, t.BLOCK_M)
     elif t.GATED:
         gate_col, up_col = gate_up_columns(n0, g.N, t.GATE_UP)
         acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
@@ -159,6 +150,33 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
 
 
 @triton.jit
+def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
+    """The fp32 box ``A[row_start:+BLOCK_M, k0:k1] @ W13[expert][k0:k1, gate and up of
+    n0:+BLOCK_N]`` (``ONE_DOT``: ``[BLOCK_M, 2 * BLOCK_N]``, before bias and activation):
+    the whole K, or one stream-K segment of layer0 (comet.kernels.layer0.Work)."""
+    b_row = expert * g.K
+    both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k1, t.BLOCK_K):
+        both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]), both,
+                      input_precision=t.DOT_PRECISION)
+    return both
+
+
+@triton.jit
+def one_dot_epilogue(both, g, t, expert, n0, ROWS: tl.constexpr):
+    """``act(gate) * up`` ``[ROWS, BLOCK_N]`` of a one-dot box ``both [ROWS, 2 * BLOCK_N]``
+    (:func:`one_dot_acc`, summed over all of K), after adding the expert's bias."""
+    if t.BIAS:
+        both += bias_row(g.bias, expert, 2 * g.N, 2 * n0, 2 * g.N, 2 * t.BLOCK_N)
+    if t.HALF_TAIL:
+        acc = half_tail_epilogue(both, n0 + t.BLOCK_N > g.N, t, ROWS)
+    else:
+        gate, up = both.reshape(ROWS, 2, t.BLOCK_N).permute(0, 2, 1).split()
+        acc = gated(gate, up, t.ACT)
+    return acc
+
+
+@triton.jit
 def gemm_acc_k(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
     """The fp32 tile ``A[row_start:+BLOCK_M, k0:k1] @ B[expert][k0:k1, n0:+BLOCK_N]`` of a
     plain GEMM, no bias (``k0``, ``k1``: multiples of ``BLOCK_K``): the whole K, or one K
@@ -172,19 +190,19 @@ def gemm_acc_k(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
 
 
 @triton.jit
-def half_tail_epilogue(both, tail, t):
-    """``act(gate) * up`` of a one-dot box ``both [BLOCK_M, 2 * BLOCK_N]`` when F ends in
+def half_tail_epilogue(both, tail, t, ROWS: tl.constexpr):
+    """``act(gate) * up`` of a one-dot box ``both [ROWS, 2 * BLOCK_N]`` when F ends in
     a half interleave block: a whole block's box is ``[gate | up]``, the last item's
     ``[gate/2 | up/2 | zeros]`` (the box runs past W13's last column, which TMA fills with
     zeros), so its up columns sit where a whole block's second gate half does. The box is
     cut in quarters (column ``a * BLOCK_N + b * BLOCK_N/2 + i``) and each half of the
     output computed from its quarters; the tail item's second half is never stored."""
-    lo, hi = both.reshape(t.BLOCK_M, 2, 2, t.BLOCK_N // 2).permute(0, 3, 1, 2).split()
+    lo, hi = both.reshape(ROWS, 2, 2, t.BLOCK_N // 2).permute(0, 3, 1, 2).split()
     gate_lo, up_lo = lo.split()
     gate_hi, up_hi = hi.split()
     up_lo = tl.where(tail, gate_hi, up_lo)
     out = tl.join(gated(gate_lo, up_lo, t.ACT), gated(gate_hi, up_hi, t.ACT))
-    return out.permute(0, 2, 1).reshape(t.BLOCK_M, t.BLOCK_N)
+    return out.permute(0, 2, 1).reshape(ROWS, t.BLOCK_N)
 
 
 @triton.jit

@@ -55,12 +55,13 @@ from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
-                                      grouped_work, lane_shape, strided_take)
+                                      grouped_work, lane_shape, one_dot_acc, one_dot_epilogue,
+                                      strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, clock_ns, fence_async_proxy, healthy, release,
-                                stamp, take, wait_chunks)
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_async_proxy, healthy,
+                                release, stamp, take, wait_chunks)
 from comet.weights import GATE_UP_BLOCK
 
 #: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
@@ -69,6 +70,15 @@ from comet.weights import GATE_UP_BLOCK
 #: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
 #: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
 LANE_ITEMS = constexpr(4)
+#: Most programs a stream-K call may use (two partial tiles each in the scratch): at
+#: least the SMs of any GPU comet runs on (132 on an H100 or H200, 148 on a B200).
+STREAM_K_PROGRAMS = constexpr(256)
+#: Most rows of an m-tile in a stream-K call (rows a partial tile keeps): small calls only.
+STREAM_K_ROWS = constexpr(32)
+#: Stream-K runs when whole work items would leave at least this share (percent) of the
+#: programs' rounds idle (the last round's empty programs): 100 items on 132 programs
+#: leave 24%, 224 items 15%, 128 items 3% (not worth a fix-up per item).
+STREAM_K_IDLE_PCT = constexpr(10)
 
 
 class Homes(NamedTuple):
@@ -94,6 +104,17 @@ class Dispatch(NamedTuple):
     chunk_slots: int         # flag0's row stride: chunks one source may send one destination
     max_tokens: int
     queue: torch.Tensor      # int32 [1]: the dispatch's chunk queue (zeroed per call)
+
+
+class Work(NamedTuple):
+    """How the GEMM programs share layer0's work items: a queue of whole items -- or, in
+    a small call with ``STREAM_K`` (:func:`stream_k_pays`), equal runs of K steps
+    (:func:`stream_k_role`)."""
+
+    queue: torch.Tensor               # int32 [1]: the work queue (zeroed per call)
+    partial: torch.Tensor | None = None   # fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * BLOCK_N]
+    arrived: torch.Tensor | None = None   # int32 [2 * STREAM_K_PROGRAMS]: partials in, per item (zeroed per call)
+    STREAM_K: tl.constexpr = constexpr(False)
 
 
 class DispatchTile(NamedTuple):
@@ -138,6 +159,13 @@ def lanes(tile: TileConfig) -> Lanes:
                                              tile.lane_tail_rounds)))
 
 
+def one_dot_tiles(block_n0: int, ffn: int) -> bool:
+    """Whether layer0's gated items over F = ``ffn`` columns are one dot each: whole
+    interleave blocks, or a last half block whose box the half-tail epilogue unpacks
+    (F = 704, 2880: TP shards, GPT-OSS). Stream-K runs on such items only."""
+    return block_n0 == GATE_UP_BLOCK and ffn % (GATE_UP_BLOCK // 2) == 0
+
+
 def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: TileConfig,
                 gated: bool, transposed: bool = False, activation: GatedActivation = SILU,
                 bias: torch.Tensor | None = None) -> tuple[Gemm, GemmTile]:
@@ -152,11 +180,8 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     bk = tile.k_step(h)
     if gated:
         block_n = tile.block_n0
-        # One dot per tile needs whole interleave blocks, or a last half block whose box
-        # the half-tail epilogue unpacks (F = 704, 2880: TP shards, GPT-OSS).
-        half_tail = n % GATE_UP_BLOCK == GATE_UP_BLOCK // 2
-        one_dot = block_n == GATE_UP_BLOCK and (n % GATE_UP_BLOCK == 0 or half_tail)
-        half_tail = half_tail and one_dot
+        one_dot = one_dot_tiles(block_n, n)
+        half_tail = one_dot and n % GATE_UP_BLOCK == GATE_UP_BLOCK // 2
         b = descriptor(w.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
     else:
         block_n, one_dot, half_tail = tile.block_n1, False, False
@@ -169,17 +194,17 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
-                  tiles: Tiles, segments: Segments, queue: torch.Tensor, sync: Sync,
+                  tiles: Tiles, segments: Segments, work: Work, sync: Sync,
                   split: torch.Tensor, trace: Trace, shape: Shape, tile: TileConfig,
                   role: int, wait: bool = True, cooperative: bool = False) -> None:
     """Dispatch + GroupGEMM for one rank on ``grid`` programs (``role``: fused -- the
     first ``split[0]`` programs dispatch, then join the GEMM --, comm or compute);
-    ``queue`` is the GEMM's work queue (zeroed per call). ``cooperative``: launch so that
+    ``work``: the GEMM's work queue and stream-K scratch. ``cooperative``: launch so that
     every program is co-resident or the launch fails (a fused launch on a GPU of its
     own); ``wait=False``: the GEMM assumes the rows are in place."""
     extra = {"launch_cooperative_grid": True} if cooperative else {}
     layer0_kernel[(grid,)](
-        dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, queue=queue,
+        dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, work=work,
         sync=sync, split=split, trace=trace, shape=shape,
         comm=dispatch_tile(tile, dispatch.homes is not None), item=item,
         lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
@@ -384,7 +409,126 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queu
 
 
 @triton.jit
-def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, split, trace,
+def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Whether this call's GEMM runs stream-K: its whole work items would leave at least
+    ``STREAM_K_IDLE_PCT`` percent of the programs' rounds idle, there are fewer than two
+    rounds of them but at least a K step per program (so that every run has one, and
+    consecutive programs own distinct steps), and no m-tile has more rows than a partial
+    tile keeps. Read from the plan's tables, so every program of the launch gets the same
+    answer."""
+    num_tiles = tl.load(tiles.num)
+    items = num_tiles * tl.cdiv(N, BLOCK_N)
+    programs = tl.num_programs(0)
+    t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
+    live = t < num_tiles
+    rows = (tl.load(tiles.row_end + t, mask=live, other=0)
+            - tl.load(tiles.row_start + t, mask=live, other=0))
+    slots = tl.cdiv(items, programs) * programs
+    return ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < 2 * programs)
+            & (programs <= STREAM_K_PROGRAMS)
+            & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots)
+            & (tl.max(rows, axis=0) <= STREAM_K_ROWS))
+
+
+@triton.jit
+def _stream_k_owner(step, total, programs):
+    """The program whose run of K steps holds step ``step`` (runs: ``[p * total //
+    programs, (p + 1) * total // programs)``)."""
+    return ((step + 1) * programs - 1) // total
+
+
+@triton.jit
+def _gated_store(acc, gemm, row_start, row_end, n0, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """``out[row_start:row_end, n0:+BLOCK_N] = acc[:row_end - row_start]``."""
+    rows = row_start + tl.arange(0, ROWS)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < gemm.N)
+    tl.store(gemm.out + rows[:, None].to(tl.int64) * gemm.N + cols[None, :],
+             acc.to(gemm.out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, epoch, sync,
+                  trace, events, shape, WAIT: tl.constexpr, ROWS: tl.constexpr):
+    """The gated GroupGEMM of a small call as stream-K: the call's ``items x K / BLOCK_K``
+    K steps cut into one equal run per program (item ``i``: m-tile ``i // n_blocks``,
+    column block ``i % n_blocks``), so every program streams weights whatever the number
+    of items -- 44 items of a 1-token qwen2-moe call at EP=2 would leave 88 of 132 SMs
+    idle. A run covers the end of one item, whole items and the start of another: a
+    whole item is stored as in the queue's GEMM; a part goes, as its fp32 box before the
+    activation, to the scratch (the run's first part to slot ``2p``, its last to ``2p +
+    1``), and the item's last part to arrive sums the parts in program order -- the same
+    bits whoever is last -- and runs the epilogue (bias, activation). Each part waits for
+    its item's rows first, as the queue's GEMM does. Returns the trace events."""
+    BLOCK_N: tl.constexpr = item.BLOCK_N
+    BOX: tl.constexpr = 2 * BLOCK_N
+    SLOT: tl.constexpr = STREAM_K_ROWS * BOX   # the scratch (< 2^31 elements) needs no int64
+    num_tiles = tl.load(tiles.num)
+    n_blocks = tl.cdiv(gemm.N, BLOCK_N)
+    steps = tl.cdiv(gemm.K, item.BLOCK_K)
+    total = num_tiles * n_blocks * steps
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    lo = p * total // programs
+    hi = (p + 1) * total // programs
+    seen = tl.zeros([shape.W_P2], dtype=tl.int32)
+    r = tl.arange(0, STREAM_K_ROWS)[:, None]
+    c = tl.arange(0, BOX)[None, :]
+    s = lo
+    while s < hi:
+        i = s // steps
+        first = i * steps
+        end = tl.minimum(hi, first + steps)
+        t = i // n_blocks
+        n0 = (i % n_blocks) * BLOCK_N
+        expert = tl.load(tiles.expert + t)
+        row_start = tl.load(tiles.row_start + t)
+        row_end = tl.load(tiles.row_end + t)
+        ready = 1
+        if WAIT:
+            seen, ready = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
+                                      tl.load(tiles.wait + t), expert, row_start, row_end,
+                                      seen, epoch, sync, shape, ROWS)
+            fence_async_proxy()
+        if ready:   # after a failure the call's output is void: skip the GEMMs
+            if trace.ON:
+                start = clock_ns()
+            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, n0,
+                               (s - first) * item.BLOCK_K,
+                               tl.minimum((end - first) * item.BLOCK_K, gemm.K))
+            if (s == first) & (end == first + steps):
+                _gated_store(one_dot_epilogue(both, gemm, item, expert, n0, item.BLOCK_M),
+                             gemm, row_start, row_end, n0, item.BLOCK_M, BLOCK_N)
+            else:
+                slot = 2 * p + (s != lo).to(tl.int32)
+                rb = tl.arange(0, item.BLOCK_M)[:, None]
+                cb = tl.arange(0, BOX)[None, :]
+                tl.store(work.partial + slot * SLOT + rb * BOX + cb, both,
+                         mask=(rb < tl.minimum(row_end - row_start, STREAM_K_ROWS))
+                         & (cb < BOX))
+                p0 = _stream_k_owner(first, total, programs)
+                p1 = _stream_k_owner(first + steps - 1, total, programs)
+                if arrive(work.arrived + i, "gpu") == p1 - p0:
+                    keep = (r < row_end - row_start) & (c < BOX)
+                    # p0's part of item i is its run's last (slot 2 p0 + 1) unless its run
+                    # starts inside item i; every later program's is its run's first.
+                    head = 2 * p0 + (p0 * total // programs < first).to(tl.int32)
+                    box = tl.load(work.partial + head * SLOT + r * BOX + c,
+                                  mask=keep, other=0.0)
+                    for q in range(p0 + 1, p1 + 1):
+                        box += tl.load(work.partial + 2 * q * SLOT + r * BOX + c,
+                                       mask=keep, other=0.0)
+                    _gated_store(one_dot_epilogue(box, gemm, item, expert, n0, STREAM_K_ROWS),
+                                 gemm, row_start, row_end, n0, STREAM_K_ROWS, BLOCK_N)
+            if trace.ON:
+                events = stamp(trace, events, shape.WORLD + expert, t, start)
+        s = end
+    return events
+
+
+@triton.jit
+def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, split, trace,
                   shape, comm, item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
     """layer0 of one rank: the comm role (:func:`dispatch_role`, programs below
     ``split[0]`` when ``ROLE`` is fused) pushes this rank's rows into every
@@ -394,8 +538,8 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, 
 
     a_desc, b_desc, gemm: the TMA descriptors of A (the shared tensor) and B (the
     weights) and the :class:`~comet.kernels.group_gemm.GemmOut` (K = H; N = F when gated);
-    dispatch: :class:`Dispatch`; tiles, segments: the plan's; queue: the
-    GEMM's work queue; sync: :class:`~comet.kernels.sync.Sync`; split: int64 [1], the
+    dispatch: :class:`Dispatch`; tiles, segments: the plan's; work: :class:`Work`, the
+    GEMM's queue (and stream-K scratch); sync: :class:`~comet.kernels.sync.Sync`; split: int64 [1], the
     comm programs (read on the device, so one captured launch serves every split);
     trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
     comm, item, lanes: constexpr :class:`DispatchTile`,
@@ -409,5 +553,17 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, queue, sync, 
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue,
-                            dispatch, epoch, sync, trace, events, shape, WAIT, comm.ROWS)
+        # The outer test is a constexpr (without STREAM_K the kernel compiles as it did
+        # before stream-K existed), the inner one a run-time choice.
+        if work.STREAM_K and item.GATED and item.ONE_DOT:
+            if stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K):
+                stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch,
+                              epoch, sync, trace, events, shape, WAIT, comm.ROWS)
+            else:
+                layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments,
+                                    work.queue, dispatch, epoch, sync, trace, events, shape,
+                                    WAIT, comm.ROWS)
+        else:
+            layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments,
+                                work.queue, dispatch, epoch, sync, trace, events, shape,
+                                WAIT, comm.ROWS)

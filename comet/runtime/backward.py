@@ -211,7 +211,7 @@ class BackwardCall:
         gemm, item = layer0_gemm(ws.a0, w, out, self.tile, gated=False, transposed=transposed,
                                  bias=bias)
         args = dict(dispatch=dispatch_of(ws, self._addr[src], None), gemm=gemm, item=item,
-                    tiles=ws.plan.tiles, segments=ws.plan.segments, queue=ws.count.l0_queue,
+                    tiles=ws.plan.tiles, segments=ws.plan.segments, work=ws.layer0_work(False),
                     sync=ws.sync, split=self._split[0], trace=self._quiet, shape=ws.shape,
                     tile=self.tile)
 

@@ -172,7 +172,8 @@ class ForwardCall:
                                    activation=ws.cfg.activation, bias=self.b13)
         self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes), gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
-                            queue=ws.count.l0_queue, sync=ws.sync, split=self.inputs.split0,
+                            work=ws.layer0_work(tile.layer0_stream_k), sync=ws.sync,
+                            split=self.inputs.split0,
                             shape=ws.shape, tile=tile)
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,

@@ -33,9 +33,10 @@ from typing import NamedTuple
 import torch
 
 from comet.config import MoEConfig, TileConfig
-from comet.constants import COUNT_BUFFERS, ERROR_WORD
+from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
-from comet.kernels.layer0 import Arrivals
+from comet.kernels.layer0 import (STREAM_K_PROGRAMS, STREAM_K_ROWS, Arrivals, Work,
+                                  one_dot_tiles)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
@@ -103,12 +104,14 @@ class Counters(NamedTuple):
     l1_reduce: torch.Tensor      # [1] layer1's reduce item queue
     l1_done: torch.Tensor        # [1] blocks finished with layer1
     arrived: torch.Tensor        # [SPLIT_K_SLOTS or 0] K splits finished per layer1 item
+    l0_arrived: torch.Tensor     # [2 * STREAM_K_PROGRAMS or 0] stream-K parts in per layer0 item
     split: torch.Tensor          # [n_splits_max] layer1 tiles finished per column split
 
     @classmethod
-    def of(cls, t: torch.Tensor, k_slots: int) -> "Counters":
-        q = _QUEUE_COUNTERS
-        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:q + k_slots], t[q + k_slots:])
+    def of(cls, t: torch.Tensor, k_slots: int, l0_slots: int) -> "Counters":
+        q, s = _QUEUE_COUNTERS, _QUEUE_COUNTERS + k_slots
+        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:s], t[s:s + l0_slots],
+                   t[s + l0_slots:])
 
 
 @dataclass
@@ -124,13 +127,16 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) + n_splits_max]: :class:`Counters`
+    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
     #: fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: layer1's partial tiles, with
     #: ``TileConfig.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
     l1_partial: torch.Tensor | None = None
+    #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * block_n0]: layer0's stream-K parts,
+    #: with ``TileConfig.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
+    l0_partial: torch.Tensor | None = None
     _keepalive: list = field(default_factory=list, repr=False)
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
     #: (comet.mesh.MeshLayout.home_fanout); set by the layer before its first call.
@@ -138,7 +144,8 @@ class Workspace:
 
     def __post_init__(self):
         self.count = Counters.of(self.counters,
-                                 0 if self.l1_partial is None else self.l1_partial.shape[0])
+                                 0 if self.l1_partial is None else self.l1_partial.shape[0],
+                                 0 if self.l0_partial is None else self.l0_partial.shape[0])
         self.shape = Shape.of(self.cfg.num_experts, self.cfg.top_k, self.world)
         self.sync = Sync(self.epoch, self.peer_ptrs["error"], self.rank, self.timeout,
                          self.shape.WORLD)
@@ -167,6 +174,14 @@ class Workspace:
     def input_word(self) -> torch.Tensor:
         """int32 [4]: bad routing seen by this rank's plan kernels."""
         return self.buffers["error"][ERROR_WORD:]
+
+    def layer0_work(self, stream_k: bool) -> Work:
+        """layer0's :class:`~comet.kernels.layer0.Work`: its queue, and with ``stream_k``
+        (the forward's gated GEMM, if this workspace has the scratch) its stream-K parts."""
+        if not stream_k or self.l0_partial is None:
+            return Work(self.count.l0_queue)
+        return Work(self.count.l0_queue, self.l0_partial, self.count.l0_arrived,
+                    constexpr(True))
 
     def begin_call(self) -> None:
         """Device ops opening a call: next epoch, zero the local counters."""
@@ -204,12 +219,17 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         k_slots = SPLIT_K_SLOTS.value
         partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
                               dtype=torch.float32, device=device)
+    l0_partial, l0_slots = None, 0
+    if tile.layer0_stream_k and one_dot_tiles(tile.block_n0, cfg.intermediate_size):
+        l0_slots = 2 * STREAM_K_PROGRAMS.value
+        l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.block_n0,
+                                 dtype=torch.float32, device=device)
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
         out1=torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device),
-        counters=torch.zeros(_QUEUE_COUNTERS + k_slots + n_splits, dtype=torch.int32,
-                             device=device),
-        l1_partial=partial,
+        counters=torch.zeros(_QUEUE_COUNTERS + k_slots + l0_slots + n_splits,
+                             dtype=torch.int32, device=device),
+        l1_partial=partial, l0_partial=l0_partial,
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
