@@ -280,7 +280,10 @@ class TileConfig:
             the same output whoever is last), then bias and activation. Decided on the
             device per call, by the rank alone (comet.kernels.layer0.stream_k_pays;
             one-dot tiles, ``block_n0`` = the W13 interleave block); a local scratch of
-            2 x 256 partial boxes (16 MiB at ``block_n0`` 128) when on.
+            2 x 256 partial boxes (16 MiB at ``block_n0`` 128) when on. Off by default:
+            on 2x H100 at EP=2 it took layer0 of a 1-token call 0.87x (deepseek-v3-like)
+            and 0.89x (phi3.5-moe) the time, but 8-128-token calls, which it does not
+            cut, 1.02-1.045x (docs/benchmarks.md, "layer0 as stream-K").
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -330,7 +333,7 @@ class TileConfig:
     combine_warps: int = 8
     decode_block_n1: int = 128
     layer1_split_k: int = 4
-    layer0_stream_k: bool = True
+    layer0_stream_k: bool = False
     layer1_scatter: bool = True
 
     def __post_init__(self):

@@ -118,6 +118,16 @@ def fused_launches(dtype=torch.bfloat16, world=4):
             call().launch_layer0(role, 132)
             call("sequential").launch_layer1(role, 132)
         call("sequential").launch_combine(132)
+        # layer0 as stream-K (TileConfig.layer0_stream_k, off by default): the fused
+        # launch, and with expert biases and a half-tail F (the epilogue on a partial box).
+        sk = dataclasses.replace(tile, layer0_stream_k=True)
+        ForwardCall(allocate_virtual(cfg, world, "cpu", sk)[0], w13, w2, sk, inputs,
+                    grids).launch_layer0(ROLE_FUSED, 132)
+        sk_half = cfg.replace(intermediate_size=320, expert_bias=True)
+        ForwardCall(allocate_virtual(sk_half, world, "cpu", sk)[0],
+                    torch.zeros(el, 256, 640, dtype=dtype), torch.zeros(el, 320, 256, dtype=dtype),
+                    sk, inputs, grids, b13=torch.zeros(el, 640, dtype=dtype),
+                    b2=torch.zeros(el, 256, dtype=dtype)).launch_layer0(ROLE_FUSED, 132)
         # The decode tile (small calls): its GEMM roles must pipeline too.
         decode = tile.decode_tile()
         call(t=decode).launch_layer0(ROLE_FUSED, 132)

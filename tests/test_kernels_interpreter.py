@@ -178,7 +178,7 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
     b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
     b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK)
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
     ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
     # Each rank's two experts get rows: four items per rank.
     ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]

@@ -29,7 +29,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   Tiles come from a device work queue in the table's order (strided lanes of a few
   items, :func:`comet.kernels.group_gemm.strided_take`), and a comm block that has
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
-  SM is lost to communication for the rest of the call.
+  SM is lost to communication for the rest of the call. Optionally, a small call whose
+  items would leave programs idle runs as stream-K instead (:func:`stream_k_role`,
+  ``TileConfig.layer0_stream_k``): equal runs of K steps per program.
 
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
@@ -419,15 +421,17 @@ def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     num_tiles = tl.load(tiles.num)
     items = num_tiles * tl.cdiv(N, BLOCK_N)
     programs = tl.num_programs(0)
-    t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
-    live = t < num_tiles
-    rows = (tl.load(tiles.row_end + t, mask=live, other=0)
-            - tl.load(tiles.row_start + t, mask=live, other=0))
     slots = tl.cdiv(items, programs) * programs
-    return ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < 2 * programs)
+    pays = ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < 2 * programs)
             & (programs <= STREAM_K_PROGRAMS)
-            & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots)
-            & (tl.max(rows, axis=0) <= STREAM_K_ROWS))
+            & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots))
+    if pays:    # the tile table is read only for calls small enough
+        t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
+        live = t < num_tiles
+        rows = (tl.load(tiles.row_end + t, mask=live, other=0)
+                - tl.load(tiles.row_start + t, mask=live, other=0))
+        pays = tl.max(rows, axis=0) <= STREAM_K_ROWS
+    return pays
 
 
 @triton.jit

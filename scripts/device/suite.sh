@@ -64,10 +64,10 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                 done ;;
     tp_reduce)  # layer1's column reduce (one summed row per token and rank of the group)
                 # against the scatter (a row per slot) in the replicated layouts, paired in
-                # one call: the fan-out that makes (4,1) replicated no faster than unfused
+                # one call, both named (the default differs by layout: strategies.scatter_pays)
                 for t in $(printf '%s\n' 2 "$W" | sort -un); do
                   step "tp-reduce-tp$t" 420 env NPROC="$W" NAME="tp-reduce-tp$t-replicated" \
-                    PROBE_TIMEOUT_S=200 VARIANTS="default layer1_scatter=0" \
+                    PROBE_TIMEOUT_S=200 VARIANTS="layer1_scatter=1 layer1_scatter=0" \
                     bash scripts/device/tile_probe.sh --tp "$t" --convention replicated \
                     --tokens 128 4096 16384 --layers moe --routing uniform
                 done ;;
