@@ -222,9 +222,16 @@ def bias_row(bias, expert, row_len, col0, col_end, WIDTH: tl.constexpr):
 def gemm_tile(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ bias,
     + the gated activation, or B transposed: see :func:`gemm_acc`)."""
-    acc = gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0)
-    rows = row_start + tl.arange(0, t.BLOCK_M)
-    cols = n0 + tl.arange(0, t.BLOCK_N)
+    store_tile(gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0), g, row_start, row_end,
+               n0, t.BLOCK_M, t.BLOCK_N)
+
+
+@triton.jit
+def store_tile(acc, g, row_start, row_end, n0, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[row_start:row_end, n0:n0+BLOCK_N] = acc[:row_end - row_start]`` (``acc``:
+    ``[ROWS, BLOCK_N]``, in the output's dtype)."""
+    rows = row_start + tl.arange(0, ROWS)
+    cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < row_end) & (cols[None, :] < g.N)
     tl.store(g.out + rows[:, None].to(tl.int64) * g.N + cols[None, :],
              acc.to(g.out.dtype.element_ty), mask=mask)

@@ -58,7 +58,7 @@ from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
 from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
                                       grouped_work, lane_shape, one_dot_acc, one_dot_epilogue,
-                                      strided_take)
+                                      store_tile, strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
@@ -442,17 +442,6 @@ def _stream_k_owner(step, total, programs):
 
 
 @triton.jit
-def _gated_store(acc, gemm, row_start, row_end, n0, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """``out[row_start:row_end, n0:+BLOCK_N] = acc[:row_end - row_start]``."""
-    rows = row_start + tl.arange(0, ROWS)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < row_end) & (cols[None, :] < gemm.N)
-    tl.store(gemm.out + rows[:, None].to(tl.int64) * gemm.N + cols[None, :],
-             acc.to(gemm.out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, epoch, sync,
                   trace, events, shape, WAIT: tl.constexpr, ROWS: tl.constexpr):
     """The gated GroupGEMM of a small call as stream-K: the call's ``items x K / BLOCK_K``
@@ -502,8 +491,8 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
                                (s - first) * item.BLOCK_K,
                                tl.minimum((end - first) * item.BLOCK_K, gemm.K))
             if (s == first) & (end == first + steps):
-                _gated_store(one_dot_epilogue(both, gemm, item, expert, n0, item.BLOCK_M),
-                             gemm, row_start, row_end, n0, item.BLOCK_M, BLOCK_N)
+                store_tile(one_dot_epilogue(both, gemm, item, expert, n0, item.BLOCK_M),
+                           gemm, row_start, row_end, n0, item.BLOCK_M, BLOCK_N)
             else:
                 slot = 2 * p + (s != lo).to(tl.int32)
                 rb = tl.arange(0, item.BLOCK_M)[:, None]
@@ -523,8 +512,8 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
                     for q in range(p0 + 1, p1 + 1):
                         box += tl.load(work.partial + 2 * q * SLOT + r * BOX + c,
                                        mask=keep, other=0.0)
-                    _gated_store(one_dot_epilogue(box, gemm, item, expert, n0, STREAM_K_ROWS),
-                                 gemm, row_start, row_end, n0, STREAM_K_ROWS, BLOCK_N)
+                    store_tile(one_dot_epilogue(box, gemm, item, expert, n0, STREAM_K_ROWS),
+                               gemm, row_start, row_end, n0, STREAM_K_ROWS, BLOCK_N)
             if trace.ON:
                 events = stamp(trace, events, shape.WORLD + expert, t, start)
         s = end
@@ -543,9 +532,9 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     a_desc, b_desc, gemm: the TMA descriptors of A (the shared tensor) and B (the
     weights) and the :class:`~comet.kernels.group_gemm.GemmOut` (K = H; N = F when gated);
     dispatch: :class:`Dispatch`; tiles, segments: the plan's; work: :class:`Work`, the
-    GEMM's queue (and stream-K scratch); sync: :class:`~comet.kernels.sync.Sync`; split: int64 [1], the
-    comm programs (read on the device, so one captured launch serves every split);
-    trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
+    GEMM's queue (and stream-K scratch); sync: :class:`~comet.kernels.sync.Sync`; split:
+    int64 [1], the comm programs (read on the device, so one captured launch serves every
+    split); trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
     comm, item, lanes: constexpr :class:`DispatchTile`,
     :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
     epoch = tl.load(sync.epoch)
