@@ -617,3 +617,17 @@ def test_tile_fields_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tile", "no_such_field=1", "--tokens", "8"])
     assert "expected FIELD=INT with FIELD a TileConfig field" in capsys.readouterr().err
+
+
+def test_a_tile_variant_builds_on_the_layouts_default_tile():
+    """--tile changes only the fields it names: a (tp, 1) replicated layout keeps its
+    default layer1 (the column reduce) under ``--tile group_m=4``, and
+    ``layer1_scatter=1`` brings the scatter back."""
+    from comet.mesh import MeshLayout
+    mesh = MeshLayout(tp=4, ep=1)
+    kept = bench._tile_of({"tile": {"group_m": 4}}, mesh, "replicated")["tile"]
+    assert (kept.group_m, kept.layer1_scatter) == (4, False)
+    back = bench._tile_of({"tile": {"layer1_scatter": 1}}, mesh, "replicated")["tile"]
+    assert back.layer1_scatter
+    assert bench._tile_of({"tile": {"group_m": 4}}, mesh, "sequence")["tile"].layer1_scatter
+    assert bench._tile_of({}, mesh, "replicated") == {}
