@@ -448,7 +448,7 @@ def test_missing_peer_times_out_quickly(monkeypatch):
     start = time.time()
     ids = torch.tensor([[0, 5]], device="cuda")
     launch_counts(ws.plan, Routing.of(ids, torch.ones(ids.shape, device="cuda")),
-                  ws.input_word, ws.epoch, ws.shape)
+                  ws.input_word, ws.sync, ws.shape, ws.exchange(in_plan=False))
     exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
                              ws.peer("count_flags"), ws.sync, ws.shape)
     torch.cuda.synchronize()

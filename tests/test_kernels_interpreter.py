@@ -263,7 +263,7 @@ def _open_alone(ws, ep):
     """Rank ``ws.rank`` opens a call and runs the whole count exchange alone."""
     ws.begin_call()
     launch_counts(ws.plan, Routing.of(torch.tensor([[0, 1]]), torch.ones(1, 2)),
-                  ws.input_word, ws.epoch, ws.shape)
+                  ws.input_word, ws.sync, ws.shape, ws.exchange(in_plan=False))
     exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
                              ws.peer("count_flags"), ws.sync, ws.shape)
 
@@ -272,6 +272,20 @@ def test_exchange_timeout_names_the_peer():
     _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
     ws = ep.ws[0]
     _open_alone(ws, ep)                               # rank 1 never publishes
+    with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
+        raise_if_failed(ws.fatal_word, 0)
+
+
+def test_the_layout_kernel_waits_for_every_peers_counts():
+    """A forward call's count exchange rides on its plan kernels (the scan pushes, the
+    layout waits): a rank whose peer never opens the call times out in the layout
+    kernel, naming the peer, and builds no plan from counts that are not there."""
+    _, _, ep = _run(2, "mixtral", "random", torch.float16, seed=4)
+    ws = ep.ws[0]
+    open_call, plan = plan_phases(ws, Routing.of(torch.tensor([[0, 1]]), torch.ones(1, 2)),
+                                  ep.tile)
+    open_call()                                       # rank 1 never opens
+    plan()
     with pytest.raises(CometTimeoutError, match=r"exchange on rank 0 .* from rank 1"):
         raise_if_failed(ws.fatal_word, 0)
 

@@ -115,6 +115,7 @@ def test_scan_carries_across_steps_and_programs(tokens, has_count):
     """The block-count scan at small constexpr steps, so one call takes several row steps
     per program and several programs (the launcher's 256 x 16 needs > 4096 token blocks
     for that): rows past the call's blocks stay as they were, the totals land last."""
+    from comet.kernels.exchange import Exchange
     from comet.kernels.plan import scan_kernel
     blocks, cols, block_t = 30, 10, 3
     g = torch.Generator().manual_seed(tokens)
@@ -125,10 +126,26 @@ def test_scan_carries_across_steps_and_programs(tokens, has_count):
     n = torch.tensor([tokens], device=DEVICE)
     scan_kernel[(triton.cdiv(cols, 4),)](bc, blocks, Routing.of(routing, routing,
                                                                 n if has_count else None),
-                                         COLS=cols, BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
+                                         Exchange(None, None), None, None, COLS=cols,
+                                         BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
                                          num_warps=1)
     used = -(-tokens // block_t)
     want = counts.clone()
     want[1:used + 1] = torch.cumsum(counts[1:used + 1], 0)
     want[blocks] = counts[1:used + 1].sum(0)
     assert torch.equal(bc.cpu(), want)
+
+
+def test_the_scan_pushes_the_counts_after_every_program_has_summed():
+    """The scan's last program pushes a forward call's counts (the exchange in the plan):
+    with several token blocks and two scan programs (E + W = 20 columns), a push by any
+    earlier program would send the second program's columns (tokens per rank) unsummed."""
+    from comet.kernels.plan import SCAN_COLS, plan_block_tokens
+    world, el, k, mx = 4, 4, 4, 40
+    assert world * el + world > SCAN_COLS and mx > plan_block_tokens(k)
+    _, ids, _, wss, counts, _, _ = _plan_both(world, el, k, mx, "random", seed=9)
+    assert sum(i.shape[0] > plan_block_tokens(k) for i in ids) >= 2   # several blocks
+    for r in range(world):
+        got = wss[r].counts[int(wss[r].epoch) % 2].view(world, world, el + 1).cpu()
+        assert torch.equal(got, counts.cpu().int())
+        assert int(wss[r].count.scanned) == 2       # both programs arrived; the last pushed

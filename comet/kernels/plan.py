@@ -42,8 +42,9 @@ import triton.language as tl
 
 from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT
 from comet.config import TileConfig
+from comet.kernels.exchange import Exchange, push_counts, wait_counts
 from comet.kernels.shape import Shape, next_pow2
-from comet.kernels.sync import record_input_error
+from comet.kernels.sync import Sync, arrive, record_input_error
 from comet.routing import recv_capacity
 
 #: Per-cell tables each layout program keeps in its scratch (layout_kernel).
@@ -179,27 +180,31 @@ class Chunking(NamedTuple):
 
 
 # ----------------------------------------------------------------------- launchers
-def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor,
-                  epoch: torch.Tensor, shape: Shape) -> None:
+def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Sync,
+                  shape: Shape, exchange: Exchange) -> None:
     """Per-block routing counts, prefix-summed: ``plan.block_counts[-1]`` holds this
-    rank's totals (pairs per expert, tokens per rank), what the count exchange sends."""
+    rank's totals (pairs per expert, tokens per rank), what the count exchange sends --
+    and with ``exchange.IN_PLAN`` the scan's last program sends them."""
     bt = plan_block_tokens(shape.TOPK)
     blocks = plan.block_counts.shape[0] - 1
     count_kernel[(blocks,)](
-        routing=routing, block_counts=plan.block_counts, input_err=input_err, epoch=epoch,
-        shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt, num_warps=4)
+        routing=routing, block_counts=plan.block_counts, input_err=input_err,
+        epoch=sync.epoch, shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt,
+        num_warps=4)
     cols = int(shape.NUM_EXPERTS) + int(shape.WORLD)
     scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
-        block_counts=plan.block_counts, blocks=blocks, routing=routing, COLS=cols,
-        BLOCK_T=bt, SCAN_ROWS=SCAN_ROWS, SCAN_COLS=SCAN_COLS, num_warps=4)
+        block_counts=plan.block_counts, blocks=blocks, routing=routing, exchange=exchange,
+        sync=sync, shape=shape, COLS=cols, BLOCK_T=bt, SCAN_ROWS=SCAN_ROWS,
+        SCAN_COLS=SCAN_COLS, num_warps=4)
 
 
-def launch_layout(plan: Plan, counts: torch.Tensor, epoch: torch.Tensor, rank: int,
-                  shape: Shape, chunking: Chunking, block_m: int, head_tiles: int) -> None:
-    """Offsets and the tile table from the exchanged ``counts`` (this rank's symmetric
-    ``[COUNT_BUFFERS, W, W * (El + 1)]``)."""
+def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
+                  chunking: Chunking, block_m: int, head_tiles: int) -> None:
+    """Offsets and the tile table from the exchanged counts (``exchange.counts``, this
+    rank's symmetric ``[COUNT_BUFFERS, W, W * (El + 1)]``), which with
+    ``exchange.IN_PLAN`` every program first waits for."""
     layout_kernel[(min(LAYOUT_PROGRAMS, int(shape.NUM_EXPERTS)),)](
-        counts=counts, epoch=epoch, rank=rank, send_base=plan.send_base,
+        exchange=exchange, sync=sync, send_base=plan.send_base,
         dst_base=plan.dst_base, send_off=plan.send.off, entry_count=plan.entry_count,
         segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
         tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
@@ -279,12 +284,14 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
 
 
 @triton.jit
-def scan_kernel(block_counts, blocks, routing, COLS: tl.constexpr, BLOCK_T: tl.constexpr,
-                SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr):
+def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.constexpr,
+                BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr):
     """Inclusive prefix sum over the counted rows ``1..used`` of ``block_counts`` (one
     program per ``SCAN_COLS`` columns, ``SCAN_ROWS`` rows per step), so row ``b`` holds
     what blocks before ``b`` counted; the totals also go to the last row, ``blocks``,
-    which the count exchange reads whatever the call's size."""
+    which the count exchange reads whatever the call's size. With ``exchange.IN_PLAN``
+    the last program to finish pushes them (comet.kernels.exchange.push_counts): its
+    arrival sees every program's totals."""
     cols = tl.program_id(0) * SCAN_COLS + tl.arange(0, SCAN_COLS)
     cmask = cols < COLS
     used = tl.cdiv(_token_rows(routing), BLOCK_T)
@@ -297,16 +304,21 @@ def scan_kernel(block_counts, blocks, routing, COLS: tl.constexpr, BLOCK_T: tl.c
         tl.store(ptrs, tl.cumsum(v, axis=0) + carry[None, :], mask=mask)
         carry += tl.sum(v, axis=0)
     tl.store(block_counts + blocks * COLS + cols, carry, mask=cmask)
+    if exchange.IN_PLAN:
+        if arrive(exchange.scanned, "gpu") == tl.num_programs(0) - 1:
+            push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync,
+                        shape, exchange.BLOCK)
 
 
 @triton.jit
-def layout_kernel(counts, epoch, rank, send_base, dst_base, send_off, entry_count, segments,
+def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, segments,
                   chunks, recv_entries, tiles, scratch, shape, chunking,
                   BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
-    ``counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot of its
-    epoch's parity, ``counts_all``. Tables written (``[W, El]`` unless noted):
+    ``exchange.counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot
+    of its epoch's parity, ``counts_all`` -- with ``exchange.IN_PLAN`` once every peer's
+    flag says its counts are there (each program waits for itself). Tables written (``[W, El]`` unless noted):
     send_base/dst_base -- for pairs to expert ``el`` of destination ``d``: first index in
     this rank's send list / first row in ``d``'s shared tensor; send.off ``[W + 1]``;
     entry_count ``[W]``; the segments; chunks/recv_entries ``[W]`` -- dispatch chunks and
@@ -330,7 +342,11 @@ def layout_kernel(counts, epoch, rank, send_base, dst_base, send_off, entry_coun
     n_prog = tl.num_programs(0)
     lead = pid == 0
     EL1: tl.constexpr = LOCAL_EXPERTS + 1
-    counts_all = counts + (tl.load(epoch) % COUNT_BUFFERS) * WORLD * WORLD * EL1
+    rank = sync.rank
+    if exchange.IN_PLAN:
+        wait_counts(exchange.flags, sync, shape)
+    counts_all = (exchange.counts.local
+                  + (tl.load(sync.epoch) % COUNT_BUFFERS) * WORLD * WORLD * EL1)
     s_idx = tl.arange(0, W_P2)
     el_idx = tl.arange(0, EL_P2)
     grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)

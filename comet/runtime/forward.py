@@ -2,7 +2,7 @@
 
 A call is
 
-    open (epoch, counts, exchange push) -> plan (exchange wait, layout, place)
+    open (epoch, counts, scan + exchange push) -> plan (exchange wait + layout, place)
     -> layer0 -> layer1 -> combine
 
 (a tensor- or hybrid-parallel layout first writes its shard slots from the caller's
@@ -30,7 +30,6 @@ import torch
 
 from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
-from comet.kernels import exchange
 from comet.kernels.combine import launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
@@ -92,20 +91,18 @@ class Grids(NamedTuple):
 
 
 def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phase, Phase]:
-    """``(open, plan)`` of a call: open it and push this rank's counts to every peer;
-    then wait for every peer's counts and build the offsets, tile table and send list."""
+    """``(open, plan)`` of a call: open it, count, and push this rank's counts to every
+    peer (the scan's last program); then wait for every peer's counts (the layout
+    kernel's programs) and build the offsets, tile table and send list."""
+    count_exchange = ws.exchange(in_plan=True)
+
     def open_call() -> None:
         ws.begin_call()
-        launch_counts(ws.plan, routing, ws.input_word, ws.epoch, ws.shape)
-        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.PUSH)
+        launch_counts(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange)
 
     def plan() -> None:
-        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.WAIT)
-        launch_layout(ws.plan, ws.counts, ws.epoch, ws.rank, ws.shape,
-                      Chunking.of(tile), tile.block_m,
-                      tile.local_head_tiles)
+        launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, Chunking.of(tile),
+                      tile.block_m, tile.local_head_tiles)
         launch_place(ws.plan, routing, ws.input_word, ws.epoch, ws.cfg.max_tokens, ws.shape)
     return open_call, plan
 

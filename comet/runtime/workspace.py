@@ -35,6 +35,7 @@ import torch
 from comet.config import MoEConfig, TileConfig
 from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
+from comet.kernels.exchange import Exchange, exchange_block
 from comet.kernels.layer0 import (STREAM_K_PROGRAMS, STREAM_K_ROWS, Arrivals, Work,
                                   one_dot_tiles)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
@@ -103,6 +104,7 @@ class Counters(NamedTuple):
     l0_queue: torch.Tensor       # [1] layer0's GEMM work queue
     l1_reduce: torch.Tensor      # [1] layer1's reduce item queue
     l1_done: torch.Tensor        # [1] blocks finished with layer1
+    scanned: torch.Tensor        # [1] plan scan programs finished (the last pushes the counts)
     arrived: torch.Tensor        # [SPLIT_K_SLOTS or 0] K splits finished per layer1 item
     l0_arrived: torch.Tensor     # [2 * STREAM_K_PROGRAMS or 0] stream-K parts in per layer0 item
     split: torch.Tensor          # [n_splits_max] layer1 tiles finished per column split
@@ -110,7 +112,7 @@ class Counters(NamedTuple):
     @classmethod
     def of(cls, t: torch.Tensor, k_slots: int, l0_slots: int) -> "Counters":
         q, s = _QUEUE_COUNTERS, _QUEUE_COUNTERS + k_slots
-        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[q:s], t[s:s + l0_slots],
+        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[4:5], t[q:s], t[s:s + l0_slots],
                    t[s + l0_slots:])
 
 
@@ -127,7 +129,7 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [4 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
+    counters: torch.Tensor    # int32 [5 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
@@ -183,6 +185,12 @@ class Workspace:
         return Work(self.count.l0_queue, self.l0_partial, self.count.l0_arrived,
                     constexpr(True))
 
+    def exchange(self, in_plan: bool) -> Exchange:
+        """The count exchange's buffers as the plan kernels take them; ``in_plan``: the
+        scan pushes and the layout waits (comet.kernels.exchange.Exchange)."""
+        return Exchange(self.peer("counts"), self.peer("count_flags"), self.count.scanned,
+                        constexpr(exchange_block(self.shape)), constexpr(in_plan))
+
     def begin_call(self) -> None:
         """Device ops opening a call: next epoch, zero the local counters."""
         self.epoch.add_(1)
@@ -208,7 +216,7 @@ def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
 
 
 #: Local counters of a call before the per-split tile counts (see :class:`Counters`).
-_QUEUE_COUNTERS = 4
+_QUEUE_COUNTERS = 5
 
 
 def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict:

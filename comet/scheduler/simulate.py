@@ -372,7 +372,8 @@ def _stream(rk: _Rank, ranks, calls, modes, w13, w2, max_tokens: int, outputs, c
 
 
 def _exchange_program(rk: _Rank, ranks, n: int, counts, cfg: SimConfig):
-    """Workspace.begin_call, then kernels.layer0.exchange_counts_kernel: push this rank's
+    """Workspace.begin_call, then the count exchange (comet.kernels.exchange: in a forward
+    call the plan scan's last program pushes, the layout kernel waits): push this rank's
     counts into row ``r`` of every peer's counts buffer of this epoch's parity, set every
     peer's ``count_flags[r]``, and wait for every peer's. The wait is the handshake that
     opens a call: no peer writes anything else of call ``n`` into this rank before it."""
