@@ -75,7 +75,10 @@ def push_counts(totals, counts, flags, sync, shape, BLOCK: tl.constexpr):
     d = offs // EL1
     c = offs % EL1
     src = tl.where(c < LOCAL_EXPERTS, d * LOCAL_EXPERTS + c, WORLD * LOCAL_EXPERTS + d)
-    row = tl.load(totals + src, mask=mask)
+    # Through L2 (".cg"): in the plan scan, other programs stored these totals just
+    # before this program's arrival, and a line of them may sit in this SM's L1 from its
+    # own part of the scan.
+    row = tl.load(totals + src, mask=mask, cache_modifier=".cg")
     slot = (epoch % COUNT_BUFFERS) * WORLD * ROW + rank * ROW
     if healthy(sync):    # a failed rank writes nothing into peers
         for p in range(WORLD):
