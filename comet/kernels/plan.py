@@ -319,11 +319,11 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
     ``exchange.counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot
     of its epoch's parity, ``counts_all`` -- with ``exchange.IN_PLAN`` once every peer's
     flag says its counts are there (each program waits for itself). Tables written
-    (``[W, El]`` unless noted): send_base/dst_base -- for pairs to expert ``el`` of destination ``d``: first index in
-    this rank's send list / first row in ``d``'s shared tensor; send.off ``[W + 1]``;
-    entry_count ``[W]``; the segments; chunks/recv_entries ``[W]`` -- dispatch chunks and
-    return entries each source sends here; the tile table, in the
-    order of :func:`comet.scheduler.plan.build_tile_table` (``HEAD_TILES`` stage-0 tiles,
+    (``[W, El]`` unless noted): send_base/dst_base -- for pairs to expert ``el`` of
+    destination ``d``: first index in this rank's send list / first row in ``d``'s
+    shared tensor; send.off ``[W + 1]``; entry_count ``[W]``; the segments;
+    chunks/recv_entries ``[W]`` -- dispatch chunks and return entries each source sends
+    here; the tile table, in the order of :func:`comet.scheduler.plan.build_tile_table` (``HEAD_TILES`` stage-0 tiles,
     then expert-major).
 
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
