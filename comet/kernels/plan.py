@@ -323,8 +323,8 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
     destination ``d``: first index in this rank's send list / first row in ``d``'s
     shared tensor; send.off ``[W + 1]``; entry_count ``[W]``; the segments;
     chunks/recv_entries ``[W]`` -- dispatch chunks and return entries each source sends
-    here; the tile table, in the order of :func:`comet.scheduler.plan.build_tile_table` (``HEAD_TILES`` stage-0 tiles,
-    then expert-major).
+    here; the tile table, in the order of :func:`comet.scheduler.plan.build_tile_table`
+    (``HEAD_TILES`` stage-0 tiles, then expert-major).
 
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
     them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
