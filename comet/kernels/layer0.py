@@ -113,9 +113,11 @@ class Work(NamedTuple):
     a small call with ``STREAM_K`` (:func:`stream_k_pays`), equal runs of K steps
     (:func:`stream_k_role`)."""
 
-    queue: torch.Tensor               # int32 [1]: the work queue (zeroed per call)
-    partial: torch.Tensor | None = None   # fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * BLOCK_N]
-    arrived: torch.Tensor | None = None   # int32 [2 * STREAM_K_PROGRAMS]: partials in, per item (zeroed per call)
+    queue: torch.Tensor                   # int32 [1]: the work queue (zeroed per call)
+    #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * BLOCK_N]: two parts per program
+    partial: torch.Tensor | None = None
+    #: int32 [2 * STREAM_K_PROGRAMS]: parts in, per item (zeroed per call)
+    arrived: torch.Tensor | None = None
     STREAM_K: tl.constexpr = constexpr(False)
 
 

@@ -129,7 +129,8 @@ class Workspace:
     peer_ptrs: dict[str, torch.Tensor]
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
-    counters: torch.Tensor    # int32 [5 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
+    #: int32 [5 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
+    counters: torch.Tensor
     epoch: torch.Tensor       # int64 [1]
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
