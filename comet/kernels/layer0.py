@@ -468,7 +468,8 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
     lo = p * total // programs
     hi = (p + 1) * total // programs
     seen = tl.zeros([shape.W_P2], dtype=tl.int32)
-    r = tl.arange(0, STREAM_K_ROWS)[:, None]
+    r = tl.arange(0, STREAM_K_ROWS)[:, None]     # a summed part's rows ...
+    rb = tl.arange(0, item.BLOCK_M)[:, None]     # ... and a computed part's
     c = tl.arange(0, BOX)[None, :]
     s = lo
     while s < hi:
@@ -497,11 +498,9 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
                            gemm, row_start, row_end, n0, item.BLOCK_M, BLOCK_N)
             else:
                 slot = 2 * p + (s != lo).to(tl.int32)
-                rb = tl.arange(0, item.BLOCK_M)[:, None]
-                cb = tl.arange(0, BOX)[None, :]
-                tl.store(work.partial + slot * SLOT + rb * BOX + cb, both,
+                tl.store(work.partial + slot * SLOT + rb * BOX + c, both,
                          mask=(rb < tl.minimum(row_end - row_start, STREAM_K_ROWS))
-                         & (cb < BOX))
+                         & (c < BOX))
                 p0 = _stream_k_owner(first, total, programs)
                 p1 = _stream_k_owner(first + steps - 1, total, programs)
                 if arrive(work.arrived + i, "gpu") == p1 - p0:
