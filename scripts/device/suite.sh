@@ -63,20 +63,33 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                     ${TP_BENCH_ARGS:---tokens 128 4096 16384}
                 done ;;
     tp_reduce)  # layer1's column reduce (one summed row per token and rank of the group)
-                # against the scatter (a row per slot) in the replicated layouts, paired in
-                # one call, both named (the default differs by layout: strategies.scatter_pays)
-                for t in $(printf '%s\n' 2 "$W" | sort -un); do
-                  step "tp-reduce-tp$t" 420 env NPROC="$W" NAME="tp-reduce-tp$t-replicated" \
-                    PROBE_TIMEOUT_S=200 VARIANTS="layer1_scatter=1 layer1_scatter=0" \
-                    bash scripts/device/tile_probe.sh --tp "$t" --convention replicated \
-                    --tokens 128 4096 16384 --layers moe --routing uniform
+                # against the scatter (a row per slot) at tp = 2 and W, in each convention of
+                # TP_REDUCE_CONVENTIONS (default: replicated; TP_REDUCE_ROUTING: uniform), paired in one call, both named
+                # (the default differs by layout: strategies.scatter_pays)
+                for c in ${TP_REDUCE_CONVENTIONS:-replicated}; do
+                  for t in $(printf '%s\n' 2 "$W" | sort -un); do
+                    step "tp-reduce-tp$t-$c" 420 env NPROC="$W" NAME="tp-reduce-tp$t-$c" \
+                      PROBE_TIMEOUT_S=200 VARIANTS="layer1_scatter=1 layer1_scatter=0" \
+                      bash scripts/device/tile_probe.sh --tp "$t" --convention "$c" \
+                      --tokens 128 4096 16384 --layers moe --routing ${TP_REDUCE_ROUTING:-uniform}
+                  done
                 done ;;
+    tp_stress)  # the liveness stress alone in TP layouts (TP_STRESS_LAYOUTS: "tp:convention ...")
+                for lc in ${TP_STRESS_LAYOUTS:-$W:replicated 2:sequence}; do
+                  IFS=: read -r t c <<<"$lc"
+                  step "stress-tp$t-$c" 200 env STRESS_TIMEOUT_S=190 STRESS_NAME="tp$t-$c" \
+                    bash scripts/device/stress.sh --tp "$t" --convention "$c"
+                done ;;
+    paired)     # this tree against PAIRED_BASE (a package tree, e.g. `git archive REV comet`),
+                # comet bench with PAIRED_ARGS, runs new, base, new (scripts/device/paired_bench.sh)
+                step paired 600 env PAIRED_RUN_TIMEOUT_S=180 bash scripts/device/paired_bench.sh \
+                  "${PAIRED_BASE:?PAIRED_BASE: the tree to compare with}" "$W" ${PAIRED_ARGS:-} ;;
     # one-GPU steps: a kernel change's regression check and the small-call tile probe
     gpu_liveness) step gpu_liveness 560 env GPU_TEST_FILES=tests/test_gpu_liveness.py GPU_TESTS_TIMEOUT_S=550 \
                   bash scripts/device/gpu_tests.sh ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
     gpu_tests)  step gpu_tests 560 env GPU_TEST_FILES=tests/test_gpu.py GPU_TESTS_TIMEOUT_S=550 \
                   bash scripts/device/gpu_tests.sh ;;
-    tile_probe) step tile_probe 900 env NAME="${PROBE_NAME:-probe}" PROBE_TIMEOUT_S=280 \
+    tile_probe) step "probe-${PROBE_NAME:-probe}" 900 env NAME="${PROBE_NAME:-probe}" PROBE_TIMEOUT_S=280 \
                   bash scripts/device/tile_probe.sh ${PROBE_ARGS:---config mixtral --tokens 1 8} ;;
     *) echo "unknown step $s" | tee -a "$DIR/steps.log" ;;
   esac
