@@ -64,12 +64,14 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                 done ;;
     tp_reduce)  # layer1's column reduce (one summed row per token and rank of the group)
                 # against the scatter (a row per slot) at tp = 2 and W, in each convention of
-                # TP_REDUCE_CONVENTIONS (default: replicated; TP_REDUCE_ROUTING: uniform), paired in one call, both named
+                # TP_REDUCE_CONVENTIONS (default: replicated; TP_REDUCE_ROUTING: uniform;
+                # TP_REDUCE_TIMEOUT_S: per variant, 200), paired in one call, both named
                 # (the default differs by layout: strategies.scatter_pays)
                 for c in ${TP_REDUCE_CONVENTIONS:-replicated}; do
                   for t in $(printf '%s\n' 2 "$W" | sort -un); do
-                    step "tp-reduce-tp$t-$c" 420 env NPROC="$W" NAME="tp-reduce-tp$t-$c" \
-                      PROBE_TIMEOUT_S=200 VARIANTS="layer1_scatter=1 layer1_scatter=0" \
+                    step "tp-reduce-tp$t-$c" $((2 * ${TP_REDUCE_TIMEOUT_S:-200} + 20)) \
+                      env NPROC="$W" NAME="tp-reduce-tp$t-$c" \
+                      PROBE_TIMEOUT_S="${TP_REDUCE_TIMEOUT_S:-200}" VARIANTS="layer1_scatter=1 layer1_scatter=0" \
                       bash scripts/device/tile_probe.sh --tp "$t" --convention "$c" \
                       --tokens 128 4096 16384 --layers moe --routing ${TP_REDUCE_ROUTING:-uniform}
                   done
