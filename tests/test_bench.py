@@ -546,7 +546,33 @@ def test_paired_comparison_reports_ratios_worst_and_noise(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------- tensor-parallel layouts
-def _tensor_parallel_bench_worker(rank, world, store, convention, results):
+class FakeMeshFusedMoE:
+    """Stands in for a (tp, ep) FusedMoE on the CPU: the unfused TP pipeline's output,
+    the fused layer's interface (modes, phases, block split)."""
+
+    programs = 8
+
+    def __init__(self, shard, groups, convention, cfg, tp):
+        self.shard, self.groups, self.convention, self.cfg, self.tp = (
+            shard, groups, convention, cfg, tp)
+        self.last_comm_blocks = None
+        self.splits_asked = set()
+
+    def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
+        from comet.baseline import mesh_moe_forward
+        self.splits_asked.add(comm_blocks)
+        self.last_comm_blocks = (3, 0)
+        y = None
+        for name in ("plan", "layer0", "layer1", "combine"):
+            with timer.phase(name) if timer is not None else contextlib.nullcontext():
+                if name == "layer0":
+                    y = mesh_moe_forward(x, topk_ids, topk_weights, self.shard, self.groups,
+                                         self.convention, self.cfg.activation,
+                                         token_counts=[x.shape[0]] * self.tp)
+        return y
+
+
+def _tensor_parallel_bench_worker(rank, world, store, convention, fixed_splits, results):
     import torch.distributed as dist
     torch.set_num_threads(1)  # forked: keep clear of the parent's OpenMP pool
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -561,9 +587,16 @@ def _tensor_parallel_bench_worker(rank, world, store, convention, results):
         w13, w2 = make_expert_weights(cfg.replace(intermediate_size=cfg.intermediate_size // 2),
                                       cfg.num_experts, "cpu-tiny", rank, 0, torch.device("cpu"))
         st = Settings(device=torch.device("cpu"), world=world, rank=rank, iters=2, warmup=1,
-                      n_sets=2)
+                      n_sets=2, fixed_splits=fixed_splits)
+        shard, groups = {"w13": w13, "w2": w2}, MeshGroups.new(mesh)
+        fused = None
+        if fixed_splits:
+            layer = FakeMeshFusedMoE(shard, groups, convention, cfg, mesh.tp)
+            fused = Fused(layer, lambda: PhaseClock(torch.device("cpu")))
         records = run_mesh_case(Case("cpu-tiny", cfg, 32, "uniform"), st, mesh, convention,
-                                {"w13": w13, "w2": w2}, MeshGroups.new(mesh))
+                                shard, groups, fused=fused)
+        if fused is not None:
+            records.append(sorted(s for s in fused.layer.splits_asked if s is not None))
         results.put((rank, convention, records))
     except Exception as err:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", repr(err)))
@@ -580,7 +613,7 @@ def test_tensor_parallel_bench_records(convention, tmp_path):
     every TP peer's tokens under "sequence", its own group's under "replicated"."""
     import gloo_ranks
     codes, items = gloo_ranks.fork(_tensor_parallel_bench_worker, 2, tmp_path / "store",
-                                   (convention,), expected=2)
+                                   (convention, ()), expected=2)
     assert codes == [0, 0], items
     for _, _, records in items:
         assert [r["layer"] for r in records] == list(rec.LAYERS)
@@ -595,6 +628,24 @@ def test_tensor_parallel_bench_records(convention, tmp_path):
         assert (moe["link_rows"], moe["link_token_rows"]) == (
             (32 * k, 32) if convention == "sequence" else (0, 0))
         assert set(moe["baseline_phases_us"]) >= {"a2a", "gemm", "act", "permute"}
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+def test_tensor_parallel_bench_times_the_fixed_splits(tmp_path):
+    """``comet bench --tp 2 --fixed-splits``: the TP runner times the fused layer at each
+    split this layer can run (fewer comm blocks than programs) and records the best."""
+    import gloo_ranks
+    codes, items = gloo_ranks.fork(_tensor_parallel_bench_worker, 2, tmp_path / "store",
+                                   ("sequence", (0, 2, 99)), expected=2)
+    assert codes == [0, 0], items
+    for _, _, records in items:
+        *records, asked = records
+        assert asked == [0, 2]                   # 99 >= the fake's 8 programs: not run
+        moe = records[-1]
+        assert set(moe["fixed_split_us"]) == {"0", "2"}
+        assert moe["best_fixed_us"] == min(moe["fixed_split_us"].values())
+        assert moe["fused_over_best_fixed"] == pytest.approx(
+            moe["fused_us"] / moe["best_fixed_us"])
 
 
 def test_tensor_parallel_layout_must_divide_the_ranks(capsys):

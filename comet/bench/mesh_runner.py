@@ -31,8 +31,8 @@ from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                case_columns, fused_host_us, fused_series, gemm_fn,
-                                hbm_floors, link_columns, phase_columns, rel_err,
+                                case_columns, fixed_columns, fixed_splits, fused_host_us,
+                                fused_series, gemm_fn, hbm_floors, link_columns, phase_columns, rel_err,
                                 run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
@@ -127,6 +127,8 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     if fused is not None:
         for mode in FUSED_MODES:
             out[mode] = fused_series(timed, fused, sets, st.comm_blocks, mode)
+        for n in fixed_splits(st, fused):
+            out[f"fixed{n}"] = fused_series(timed, fused, sets, n, "fused")
     plans = _shard_plans(sets, mesh, cfg.num_experts, st.rank, convention, group)
     gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
                  torch.randn(p.rows, w2.shape[1], device=dev, dtype=cfg.dtype))
@@ -158,6 +160,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             "baseline_us": med("baseline"), "fused_us": med("fused"),
             "sequential_us": med("sequential"), "compute_only_us": med("compute_only"),
             "comm_only_us": med("comm_only"), "torch_gmm_us": med("torch_gmm"),
+            **fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
             "fused_host_us": fused_host_us(out, layer),
             "shard_rows_per_rank": median([p.rows for p in plans]),
             **link,

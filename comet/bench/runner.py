@@ -278,7 +278,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
                              if layer != "moe" else None),
             "cutlass_gmm_us": med("cutlass_gmm"),
             "nccl_a2a_us": med("nccl"),
-            **_fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
+            **fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
             # Whole layer only: a peer has no phases, so its layer rows are None.
             **({**{f"peer_{name}_us": med(f"peer_{name}") for name in peers.names},
                 "peers": peer_status} if peers is not None else {}),
@@ -382,7 +382,7 @@ def fixed_splits(st: Settings, fused: Fused) -> list[int]:
     return [n for n in st.fixed_splits if 0 <= n < programs]
 
 
-def _fixed_columns(times: dict[int, float | None]) -> dict:
+def fixed_columns(times: dict[int, float | None]) -> dict:
     """``fixed_split_us`` (by split) and the best of them, for one record."""
     timed = {n: t for n, t in times.items() if t is not None}
     best = min(timed, key=timed.get, default=None)
