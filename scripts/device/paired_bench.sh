@@ -7,6 +7,8 @@
 # after PAIRED_START_BEFORE_S seconds is skipped), then prints and writes the
 # record-by-record ratios (comet bench --from-json NEW... --against BASE). Writes under
 # $OUT (./out if unset): new-1/, base-1/, new-2/ (JSON records), paired-*.json, paired.log.
+# The base runs' records name PAIRED_BASE_COMMIT as their commit (set it to the base's
+# revision; COMET_COMMIT names this tree's).
 set -uo pipefail
 base="${1:?usage: paired_bench.sh BASE_DIR NPROC [comet bench args...]}"
 nproc="${2:?usage: paired_bench.sh BASE_DIR NPROC [comet bench args...]}"
@@ -24,10 +26,11 @@ base="$(cd "$base" && pwd)"
     if [ "$SECONDS" -gt "${PAIRED_START_BEFORE_S:-100000}" ]; then
       echo "== $run skipped: ${SECONDS}s in"; continue
     fi
-    tree="$here"; [ "${run%-*}" = base ] && tree="$base"
+    tree="$here"; commit="${COMET_COMMIT:-}"
+    if [ "${run%-*}" = base ]; then tree="$base"; commit="${PAIRED_BASE_COMMIT:-base}"; fi
     echo "== $run ($tree) at ${SECONDS}s"
     # From the tree itself: `python -m` puts the working directory first on sys.path.
-    (cd "$tree" && PYTHONPATH="$tree" timeout "${PAIRED_RUN_TIMEOUT_S:-300}" \
+    (cd "$tree" && COMET_COMMIT="$commit" PYTHONPATH="$tree" timeout "${PAIRED_RUN_TIMEOUT_S:-300}" \
       python3 -m comet.cli.bench --nproc "$nproc" --no-plot --output-dir "$out/$run" "$@" \
       | tail -n 3)
   done
