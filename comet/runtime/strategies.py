@@ -151,9 +151,12 @@ def scatter_pays(tp: int, ep: int, convention: str) -> bool:
     the group where the reduce sends one summed row. Measured on 4x H100
     (benchmarks/results/2026-11-26, ``h100x4-r3-tile-probe-tp-reduce-*``): at (4, 1)
     replicated the reduce took 0.68x the scatter's time (geomean, four presets, 4096
-    and 16384 tokens) and 1.04x at 128; at (2, 2) replicated 0.95x and 1.13x -- no
-    default change there. A choice by layout, not by call: every rank of a layout makes
-    the same one, which the combine on each token's rank relies on.
+    and 16384 tokens) and 1.04x at 128; at (2, 1) replicated 0.935x and 1.056x
+    (2x H100, paired, ``h100x2-r4-tile-probe-tp-reduce-*``); at (2, 2) replicated 0.95x
+    and 1.13x -- no default change there. Nor in the sequence convention, where each
+    token has one home: at (2, 1) the reduce took 1.03x the scatter's time (1.07x at
+    128). A choice by layout, not by call: every rank of a layout makes the same one,
+    which the combine on each token's rank relies on.
     """
     return not (convention == "replicated" and tp > 1 and ep == 1)
 
