@@ -277,13 +277,17 @@ class TileConfig:
         layer0_stream_k: layer0's gated GEMM as stream-K in calls whose work items would
             leave programs idle: the call's K steps cut into one equal run per program,
             a work item's parts summed in program order by the last to finish (bitwise
-            the same output whoever is last), then bias and activation. Decided on the
-            device per call, by the rank alone (comet.kernels.layer0.stream_k_pays;
-            one-dot tiles, ``block_n0`` = the W13 interleave block); a local scratch of
-            2 x 256 partial boxes (16 MiB at ``block_n0`` 128) when on. Off by default:
-            on 2x H100 at EP=2 it took layer0 of a 1-token call 0.87x (deepseek-v3-like)
-            and 0.89x (phi3.5-moe) the time, but 8-128-token calls, which it does not
-            cut, 1.02-1.045x (docs/benchmarks.md, "layer0 as stream-K").
+            the same output whoever is last), then bias and activation. Compiled in only
+            for calls whose expected items make fewer than two rounds of the programs
+            (the host's gate, comet.runtime.selection.Selector.stream_k_by_rule), then
+            decided on the device per call, by the rank alone
+            (comet.kernels.layer0.stream_k_pays; one-dot tiles, ``block_n0`` = the W13
+            interleave block); a local scratch of 2 x 256 partial boxes (16 MiB at
+            ``block_n0`` 128) when on. Off by default: on 2x H100 at EP=2 it took layer0
+            of a 1-token call 0.87x (deepseek-v3-like) and 0.89x (phi3.5-moe) the time,
+            but 8-128-token calls, which it does not cut, 1.02-1.06x when compiled in
+            (docs/benchmarks.md, "layer0 as stream-K"); the host's gate, which keeps it
+            out of those calls, is not yet timed.
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of

@@ -198,6 +198,33 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     assert cut == {3, 5, None}
 
 
+def test_the_layer_compiles_stream_k_in_only_for_calls_small_enough():
+    """A layer with ``layer0_stream_k`` on 4 programs: a 1-token call (2 items of one
+    column block) runs the stream-K variant and the device cuts its items; a 40-token
+    call (8 items expected: two rounds) runs the tile without the variant
+    (Selector.stream_k_by_rule); both, and the small call again, give the reference."""
+    from comet.runtime.layer import FusedMoE
+    e, k, h, f = 4, 2, 64, GATE_UP_BLOCK
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=40)
+    g = torch.Generator().manual_seed(9)
+    w13 = torch.randn(e, h, 2 * f, generator=g) * 0.2
+    w2 = torch.randn(e, f, h, generator=g) * 0.2
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
+    layer = FusedMoE(cfg, w13, w2, tile=tile)
+    assert layer.programs == 4
+    for m, streamed in ((1, True), (40, False), (1, True)):
+        x = torch.randn(m, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+        w = torch.rand(m, k, generator=g)
+        y = layer(x, ids, w)
+        torch.testing.assert_close(y, reference.moe_forward(x, ids, w, w13, w2),
+                                   rtol=1e-4, atol=1e-4)
+        assert layer.last_tile.layer0_stream_k is streamed, m
+        if streamed:      # two items, 4 K steps each, on 4 programs: each cut in two
+            assert layer.ws.count.l0_arrived[:2].tolist() == [2, 2]
+
+
 @pytest.mark.parametrize("comm_programs", [1, 3, 5])
 def test_comm_program_counts(comm_programs):
     ys, expect, _ = _run(2, "qwen2-moe", "skewed", torch.float16, seed=comm_programs,

@@ -561,6 +561,32 @@ def test_the_decode_rule_counts_only_the_experts_with_rows(name, world, tokens, 
     assert selection.decode_by_rule(tokens) is decode
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like"])
+def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
+    """With ``layer0_stream_k``, a call runs the kernel with the stream-K variant only
+    where its expected layer0 items (EP=2, 132 SMs) make fewer than two rounds -- every
+    preset at 1 token (44-224 items) -- and the tile without it from 8 tokens on
+    (330-1024 items: measured, the compiled-in variant cost those calls 2-6%)."""
+    from comet.runtime.selection import Selector
+    tile = dataclasses.replace(TileConfig(), layer0_stream_k=True)
+    selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
+    small = selection.tile_for(1)                 # on the decode tile, where it has one
+    assert small.layer0_stream_k
+    for tokens in (8, 128, 4096):
+        whole = selection.tile_for(tokens)
+        assert not whole.layer0_stream_k, tokens
+        # the same tile otherwise, built once
+        assert whole is selection.whole_items(dataclasses.replace(whole, layer0_stream_k=True))
+    assert selection.tile_for(1, overrides={"group_m": 4}).layer0_stream_k
+    assert not selection.tile_for(8, overrides={"group_m": 4}).layer0_stream_k
+    # every tile a call may run is warmed up before the first call
+    assert {small, selection.tile_for(8), selection.tile_for(4096)} <= set(
+        selection.tile_variants())
+    off = Selector(preset(name), 2, TileConfig(), 132, torch.device("cpu"), folder=None)
+    assert not off.tile_for(1).layer0_stream_k
+    assert all(not t.layer0_stream_k for t in off.tile_variants())
+
+
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     # DBRX sizes, EP=1, 3000 tokens: 2304 default items in 17.5 waves, 4608 decode items
     # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.

@@ -75,6 +75,10 @@ LANE_ITEMS = constexpr(4)
 #: Most programs a stream-K call may use (two partial tiles each in the scratch): at
 #: least the SMs of any GPU comet runs on (132 on an H100 or H200, 148 on a B200).
 STREAM_K_PROGRAMS = constexpr(256)
+#: Stream-K runs only where whole work items make fewer than this many rounds of the
+#: programs (a call with more keeps the queue: its idle share is small). The host's
+#: gate (comet.runtime.selection) applies the same bound to its estimate of the items.
+STREAM_K_ROUNDS = constexpr(2)
 #: Most rows of an m-tile in a stream-K call (rows a partial tile keeps): small calls only.
 STREAM_K_ROWS = constexpr(32)
 #: Stream-K runs when whole work items would leave at least this share (percent) of the
@@ -424,7 +428,7 @@ def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     items = num_tiles * tl.cdiv(N, BLOCK_N)
     programs = tl.num_programs(0)
     slots = tl.cdiv(items, programs) * programs
-    pays = ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < 2 * programs)
+    pays = ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < STREAM_K_ROUNDS * programs)
             & (programs <= STREAM_K_PROGRAMS)
             & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots))
     if pays:    # the tile table is read only for calls small enough

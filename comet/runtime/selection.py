@@ -4,7 +4,8 @@ The block split (comm blocks of each layer) comes from an explicit override, els
 tuned table of this shape, device and tile variant (comet.scheduler.tuned), else the
 analytic model (comet.scheduler.split). The tile is the layer's TileConfig with the tunable
 fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
-table or a rule says a call is too small to fill the GPU. Both are rank-local choices --
+table or a rule says a call is too small to fill the GPU, and with layer0's stream-K
+variant compiled in only for calls small enough that the device may take it. Both are rank-local choices --
 nothing a peer reads depends on them except the split, which every rank of a group
 derives from the same table -- and both are remembered per token count, so the forward
 path does not search folders or run the model's loop on every call.
@@ -12,12 +13,14 @@ path does not search folders or run the model's loop on every call.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
 import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
+from comet.kernels.layer0 import STREAM_K_ROUNDS
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -42,6 +45,8 @@ class Selector:
         self.layout = layout
         self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
         self._small: dict[int, bool] = {}
+        self._stream_k: dict[int, bool] = {}
+        self._whole_items: dict[TileConfig, TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
     # ------------------------------------------------------------------ split
@@ -98,12 +103,25 @@ class Selector:
             if decode_tile:
                 raise ValueError("decode_tile=True, but this layer's TileConfig has no "
                                  "decode tile (decode_block_n1 is 0 or block_n1)")
-            return base
-        if decode_tile is None:
-            decode_tile = picked.decode_tile
-        if decode_tile is None:
-            decode_tile = self.decode_by_rule(num_tokens)
-        return decode if decode_tile else base
+            tile = base
+        else:
+            if decode_tile is None:
+                decode_tile = picked.decode_tile
+            if decode_tile is None:
+                decode_tile = self.decode_by_rule(num_tokens)
+            tile = decode if decode_tile else base
+        if tile.layer0_stream_k and not self.stream_k_by_rule(num_tokens):
+            return self.whole_items(tile)
+        return tile
+
+    def whole_items(self, tile: TileConfig) -> TileConfig:
+        """``tile`` without layer0's stream-K variant (built once per tile): the kernel a
+        call too large for stream-K runs -- the same as a layer that never enables it
+        (compiled in, the variant cost 8-128-token calls 2-6% that it never cut: 2x H100,
+        docs/benchmarks.md, "layer0 as stream-K")."""
+        if tile not in self._whole_items:
+            self._whole_items[tile] = dataclasses.replace(tile, layer0_stream_k=False)
+        return self._whole_items[tile]
 
     def _variant(self, overrides: tuple[tuple[str, int], ...]
                  ) -> tuple[TileConfig, TileConfig | None]:
@@ -116,26 +134,51 @@ class Selector:
 
     def tile_variants(self) -> list[TileConfig]:
         """Every tile configuration a call may select: the layer's, the tuned table's
-        per-bucket ones, and the decode tile of each."""
+        per-bucket ones, the decode tile of each, and each without stream-K where it has
+        it."""
         table = tuned.load_table(self.cfg, self.world, self.device, self.folder,
                                  tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
-        return [t for o in sorted(picks) for t in self._variant(o) if t is not None]
+        tiles = [t for o in sorted(picks) for t in self._variant(o) if t is not None]
+        return tiles + [self.whole_items(t) for t in tiles if t.layer0_stream_k]
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
         :meth:`TileConfig.decode_pays` with this rank's rows (every rank sending as many
-        tokens as this one, spread evenly) on as many of its experts as there are rows:
-        a 1-token Mixtral call at EP=1 has 2 experts with work, not 8 (counting all 8
-        made the rule see 128 items where there are 32, and keep the wide tile)."""
+        tokens as this one, spread evenly: :meth:`_expected_rows`); counting all of a
+        rank's experts made the rule see 128 items of a 1-token Mixtral call where there
+        are 32, and keep the wide tile."""
         if num_tokens not in self._small:
-            c = self.cfg
-            local = c.num_experts // self.world
-            rows = -(-num_tokens * self.world * c.top_k * local // c.num_experts)
-            busy = min(local, rows)
+            per_expert, busy = self._expected_rows(num_tokens)
             self._small[num_tokens] = busy > 0 and self.tile.decode_pays(
-                -(-rows // busy), busy, c.hidden_size, self.programs)
+                per_expert, busy, self.cfg.hidden_size, self.programs)
         return self._small[num_tokens]
+
+    def stream_k_by_rule(self, num_tokens: int) -> bool:
+        """Whether a call with ``num_tokens`` on this rank may run layer0 as stream-K:
+        layer0's work items expected as :meth:`decode_by_rule` expects rows (m-tiles of
+        the experts with rows x ``block_n0`` column blocks) make fewer than
+        ``STREAM_K_ROUNDS`` rounds of the programs -- the bound of the device's own test
+        (comet.kernels.layer0.stream_k_pays), which decides from the plan's real tiles.
+        Where this says no, the call runs the kernel without the variant."""
+        if num_tokens not in self._stream_k:
+            per_expert, busy = self._expected_rows(num_tokens)
+            t = self.tile
+            items = (busy * -(-per_expert // t.block_m)
+                     * -(-self.cfg.intermediate_size // t.block_n0))
+            self._stream_k[num_tokens] = 0 < items < STREAM_K_ROUNDS.value * self.programs
+        return self._stream_k[num_tokens]
+
+    def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
+        """(rows per expert with rows, experts with rows) of this rank in a call where
+        every rank sends as many tokens as this one, spread evenly over the experts: as
+        many experts as there are rows, up to this rank's -- a 1-token Mixtral call at
+        EP=1 has 2 experts with work, not 8."""
+        c = self.cfg
+        local = c.num_experts // self.world
+        rows = -(-num_tokens * self.world * c.top_k * local // c.num_experts)
+        busy = min(local, rows)
+        return (-(-rows // busy) if busy else 0), busy
 
     def overrides_in(self, tile: TileConfig) -> dict[str, int]:
         """The tunable fields in which ``tile`` differs from the layer's TileConfig."""
