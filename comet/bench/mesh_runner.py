@@ -32,8 +32,8 @@ from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
                                 case_columns, fixed_columns, fixed_splits, fused_host_us,
-                                fused_series, gemm_fn, hbm_floors, link_columns, phase_columns, rel_err,
-                                run_columns)
+                                fused_series, gemm_fn, hbm_floors, link_columns,
+                                phase_columns, rel_err, run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm

@@ -5,10 +5,10 @@ tuned table of this shape, device and tile variant (comet.scheduler.tuned), else
 analytic model (comet.scheduler.split). The tile is the layer's TileConfig with the tunable
 fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
 table or a rule says a call is too small to fill the GPU, and with layer0's stream-K
-variant compiled in only for calls small enough that the device may take it. Both are rank-local choices --
-nothing a peer reads depends on them except the split, which every rank of a group
-derives from the same table -- and both are remembered per token count, so the forward
-path does not search folders or run the model's loop on every call.
+variant compiled in only for calls small enough that the device may take it. Both are
+rank-local choices -- nothing a peer reads depends on them except the split, which every
+rank of a group derives from the same table -- and both are remembered per token count,
+so the forward path does not search folders or run the model's loop on every call.
 """
 
 from __future__ import annotations
