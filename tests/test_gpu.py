@@ -449,8 +449,8 @@ def test_missing_peer_times_out_quickly(monkeypatch):
     ids = torch.tensor([[0, 5]], device="cuda")
     launch_counts(ws.plan, Routing.of(ids, torch.ones(ids.shape, device="cuda")),
                   ws.input_word, ws.sync, ws.shape, ws.exchange(in_plan=False))
-    exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                             ws.peer("count_flags"), ws.sync, ws.shape)
+    exchange.launch_exchange(ws.plan.block_counts[-1], ws.exchange(in_plan=False),
+                             ws.sync, ws.shape)
     torch.cuda.synchronize()
     with pytest.raises(CometTimeoutError, match="rank 1"):
         raise_if_failed(ws.fatal_word, 0)

@@ -291,8 +291,8 @@ def _open_alone(ws, ep):
     ws.begin_call()
     launch_counts(ws.plan, Routing.of(torch.tensor([[0, 1]]), torch.ones(1, 2)),
                   ws.input_word, ws.sync, ws.shape, ws.exchange(in_plan=False))
-    exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                             ws.peer("count_flags"), ws.sync, ws.shape)
+    exchange.launch_exchange(ws.plan.block_counts[-1], ws.exchange(in_plan=False),
+                             ws.sync, ws.shape)
 
 
 def test_exchange_timeout_names_the_peer():

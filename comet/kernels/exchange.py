@@ -47,14 +47,15 @@ def exchange_block(shape: Shape) -> int:
     return next_pow2(shape.WORLD * (shape.LOCAL_EXPERTS + 1))
 
 
-def launch_exchange(totals: torch.Tensor, counts: PeerBuffer, flags: PeerBuffer,
-                    sync: Sync, shape: Shape, halves: int = BOTH) -> None:
+def launch_exchange(totals: torch.Tensor, exchange: Exchange, sync: Sync, shape: Shape,
+                    halves: int = BOTH) -> None:
     """Push ``totals`` (``[E + W]``: this rank's pairs per expert, then tokens per rank;
-    the plan's last block-count row) into every peer's ``counts`` and set this rank's
-    ``flags`` entry there; then wait for every peer's (``halves``: PUSH, WAIT or BOTH)."""
+    the plan's last block-count row) into every peer's ``exchange.counts`` and set this
+    rank's ``exchange.flags`` entry there; then wait for every peer's (``halves``: PUSH,
+    WAIT or BOTH)."""
     exchange_counts_kernel[(1,)](
-        totals=totals, counts=counts, flags=flags, sync=sync, shape=shape,
-        BLOCK=exchange_block(shape), PUSH=bool(halves & PUSH), WAIT=bool(halves & WAIT),
+        totals=totals, counts=exchange.counts, flags=exchange.flags, sync=sync, shape=shape,
+        BLOCK=exchange.BLOCK, PUSH=bool(halves & PUSH), WAIT=bool(halves & WAIT),
         num_warps=1)
 
 

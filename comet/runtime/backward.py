@@ -149,6 +149,8 @@ class BackwardCall:
         ws = self.ws
         self._routing = Routing.of(self.staged_ids, self.staged_weights, self._m)
         self._open_call, self._plan = plan_phases(ws, self._routing, self.tile)
+        # The second handshake's exchange: a kernel of its own (no plan runs with it).
+        self._handshake = (ws.plan.block_counts[-1], ws.exchange(in_plan=False))
         self._quiet = Trace.off()
 
     def start(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -238,13 +240,11 @@ class BackwardCall:
         # Same routing, same plan: only the handshake (and the epoch) is new.
         ws = self.ws
         ws.begin_call()
-        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.PUSH)
+        exchange.launch_exchange(*self._handshake, ws.sync, ws.shape, exchange.PUSH)
 
     def _wait_open(self) -> None:
         ws = self.ws
-        exchange.launch_exchange(ws.plan.block_counts[-1], ws.peer("counts"),
-                                 ws.peer("count_flags"), ws.sync, ws.shape, exchange.WAIT)
+        exchange.launch_exchange(*self._handshake, ws.sync, ws.shape, exchange.WAIT)
 
     def _act(self) -> None:
         """Gated-activation backward on this rank's rows (in place: d(gate, up); w * h; d w)."""
