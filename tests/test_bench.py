@@ -49,8 +49,11 @@ class FakeFusedMoE:
         for name in ("plan", "layer0", "layer1", "combine"):
             with timer.phase(name) if timer is not None else contextlib.nullcontext():
                 if name == "layer0":
-                    y = ep_moe_forward(x, topk_ids, topk_weights, self.w13, self.w2, self.group)
+                    y = self.forward(x, topk_ids, topk_weights)
         return y.to(x.dtype)
+
+    def forward(self, x, topk_ids, topk_weights):
+        return ep_moe_forward(x, topk_ids, topk_weights, self.w13, self.w2, self.group)
 
 
 
@@ -546,30 +549,20 @@ def test_paired_comparison_reports_ratios_worst_and_noise(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------- tensor-parallel layouts
-class FakeMeshFusedMoE:
+class FakeMeshFusedMoE(FakeFusedMoE):
     """Stands in for a (tp, ep) FusedMoE on the CPU: the unfused TP pipeline's output,
     the fused layer's interface (modes, phases, block split)."""
 
-    programs = 8
-
     def __init__(self, shard, groups, convention, cfg, tp):
+        super().__init__(cfg, shard["w13"], shard["w2"])
         self.shard, self.groups, self.convention, self.cfg, self.tp = (
             shard, groups, convention, cfg, tp)
-        self.last_comm_blocks = None
-        self.splits_asked = set()
 
-    def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
+    def forward(self, x, topk_ids, topk_weights):
         from comet.baseline import mesh_moe_forward
-        self.splits_asked.add(comm_blocks)
-        self.last_comm_blocks = (3, 0)
-        y = None
-        for name in ("plan", "layer0", "layer1", "combine"):
-            with timer.phase(name) if timer is not None else contextlib.nullcontext():
-                if name == "layer0":
-                    y = mesh_moe_forward(x, topk_ids, topk_weights, self.shard, self.groups,
-                                         self.convention, self.cfg.activation,
-                                         token_counts=[x.shape[0]] * self.tp)
-        return y
+        return mesh_moe_forward(x, topk_ids, topk_weights, self.shard, self.groups,
+                                self.convention, self.cfg.activation,
+                                token_counts=[x.shape[0]] * self.tp)
 
 
 def _tensor_parallel_bench_worker(rank, world, store, convention, fixed_splits, results):
