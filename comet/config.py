@@ -283,11 +283,10 @@ class TileConfig:
             decided on the device per call, by the rank alone
             (comet.kernels.layer0.stream_k_pays; one-dot tiles, ``block_n0`` = the W13
             interleave block); a local scratch of 2 x 256 partial boxes (16 MiB at
-            ``block_n0`` 128) when on. Off by default: on 2x H100 at EP=2 it took layer0
-            of a 1-token call 0.87x (deepseek-v3-like) and 0.89x (phi3.5-moe) the time,
-            but 8-128-token calls, which it does not cut, 1.02-1.06x when compiled in
-            (docs/benchmarks.md, "layer0 as stream-K"); the host's gate, which keeps it
-            out of those calls, is not yet timed.
+            ``block_n0`` 128). On by default: on 2x H100 at EP=2 layer0 of a 1-token
+            call took 0.87x (deepseek-v3-like), 0.90x (phi3.5-moe), 0.97x (qwen2-moe)
+            and 1.00x (mixtral) the time, and 8-128-token calls, which the gate keeps
+            it out of, 0.99-1.00x (docs/benchmarks.md, "layer0 as stream-K").
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -337,7 +336,7 @@ class TileConfig:
     combine_warps: int = 8
     decode_block_n1: int = 128
     layer1_split_k: int = 4
-    layer0_stream_k: bool = False
+    layer0_stream_k: bool = True
     layer1_scatter: bool = True
 
     def __post_init__(self):

@@ -568,7 +568,8 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     preset at 1 token (44-224 items) -- and the tile without it from 8 tokens on
     (330-1024 items: measured, the compiled-in variant cost those calls 2-6%)."""
     from comet.runtime.selection import Selector
-    tile = dataclasses.replace(TileConfig(), layer0_stream_k=True)
+    tile = TileConfig()                                                # on by default
+    assert tile.layer0_stream_k
     selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
     small = selection.tile_for(1)                 # on the decode tile, where it has one
     assert small.layer0_stream_k
@@ -582,9 +583,15 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     # every tile a call may run is warmed up before the first call
     assert {small, selection.tile_for(8), selection.tile_for(4096)} <= set(
         selection.tile_variants())
-    off = Selector(preset(name), 2, TileConfig(), 132, torch.device("cpu"), folder=None)
+    off = Selector(preset(name), 2, dataclasses.replace(tile, layer0_stream_k=False), 132,
+                   torch.device("cpu"), folder=None)
     assert not off.tile_for(1).layer0_stream_k
     assert all(not t.layer0_stream_k for t in off.tile_variants())
+    # items of two dots (block_n0 64): no scratch, no variant to compile or swap out
+    narrow_tile = dataclasses.replace(tile, block_n0=64)
+    narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
+    assert not narrow.may_stream_k and narrow.tile_for(4096) is narrow_tile
+    assert len(narrow.tile_variants()) == len(off.tile_variants())
 
 
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():

@@ -35,12 +35,13 @@ def test_layer0_stream_k_scratch_is_local_and_only_where_it_can_run():
     item, no peer writes them; none without one-dot layer0 items."""
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=256,
                     dtype=torch.float16, max_tokens=40)
-    on = dataclasses.replace(TileConfig(), layer0_stream_k=True)
-    extra = workspace_bytes(cfg, 2, on) - workspace_bytes(cfg, 2, TileConfig())
+    on = TileConfig()                                                  # on by default
+    off = dataclasses.replace(on, layer0_stream_k=False)
+    extra = workspace_bytes(cfg, 2, on) - workspace_bytes(cfg, 2, off)
     assert extra == 2 * 256 * (32 * 2 * 128 * 4 + 4)
     ws = allocate_virtual(cfg, 2, "cpu", on)[0]
     assert ws.count.l0_arrived.numel() == 512 and "l0_partial" not in ws.buffers
-    assert allocate_virtual(cfg, 2, "cpu", TileConfig())[0].l0_partial is None   # off by default
+    assert allocate_virtual(cfg, 2, "cpu", off)[0].l0_partial is None
     narrow = dataclasses.replace(on, block_n0=64)
     assert allocate_virtual(cfg, 2, "cpu", narrow)[0].l0_partial is None
 

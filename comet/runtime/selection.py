@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
-from comet.kernels.layer0 import STREAM_K_ROUNDS
+from comet.kernels.layer0 import STREAM_K_ROUNDS, one_dot_tiles
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -46,6 +46,10 @@ class Selector:
         self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
         self._small: dict[int, bool] = {}
         self._stream_k: dict[int, bool] = {}
+        #: layer0's items are one dot each (block_n0 is no per-call field): only then has
+        #: the workspace stream-K's scratch, and the variant a kernel of its own
+        self.may_stream_k = tile.layer0_stream_k and one_dot_tiles(tile.block_n0,
+                                                                   cfg.intermediate_size)
         self._whole_items: dict[TileConfig, TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
@@ -110,7 +114,7 @@ class Selector:
             if decode_tile is None:
                 decode_tile = self.decode_by_rule(num_tokens)
             tile = decode if decode_tile else base
-        if tile.layer0_stream_k and not self.stream_k_by_rule(num_tokens):
+        if self.may_stream_k and not self.stream_k_by_rule(num_tokens):
             return self.whole_items(tile)
         return tile
 
@@ -134,13 +138,13 @@ class Selector:
 
     def tile_variants(self) -> list[TileConfig]:
         """Every tile configuration a call may select: the layer's, the tuned table's
-        per-bucket ones, the decode tile of each, and each without stream-K where it has
-        it."""
+        per-bucket ones, the decode tile of each, and each without stream-K where the
+        layer may run it."""
         table = tuned.load_table(self.cfg, self.world, self.device, self.folder,
                                  tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
         tiles = [t for o in sorted(picks) for t in self._variant(o) if t is not None]
-        return tiles + [self.whole_items(t) for t in tiles if t.layer0_stream_k]
+        return tiles + [self.whole_items(t) for t in tiles if self.may_stream_k]
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
