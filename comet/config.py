@@ -311,6 +311,14 @@ class TileConfig:
             (comet.runtime.strategies), and so does the default tile of a ``(tp, 1)``
             replicated layout (comet.runtime.layer.default_tile), where every one of a
             token's k rows is on every rank.
+        layer0_gather: layer0's dispatch sends each token's row once per destination
+            (with the first of its pairs there, in send order), and every pair only as
+            an index entry (``a0_src``, with its row home); the GEMM reads its A rows
+            through that index (``tl.load`` of gathered rows, not a TMA box). The link
+            carries one row per (token, destination) instead of one per pair, and no
+            rank writes ``k`` copies of a token into its shared tensor. Needs one-dot
+            layer0 items (``block_n0`` = the W13 interleave block); the forward only (the
+            backward keeps rows placed per pair).
     """
 
     block_m: int = 128
@@ -338,6 +346,7 @@ class TileConfig:
     layer1_split_k: int = 4
     layer0_stream_k: bool = True
     layer1_scatter: bool = True
+    layer0_gather: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.

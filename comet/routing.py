@@ -127,6 +127,9 @@ class SendPlan:
     send_row:    ``[P]`` row it lands on in the destination's shared tensor.
     send_weight: ``[P]`` fp32 routing weight of that pair (0 where not finite).
     send_off:    ``[W + 1]`` rows for destination ``d`` are ``send_off[d]:send_off[d+1]``.
+    send_first:  ``[P]`` int32, 1 where the i-th pair is the first of its token's pairs to
+                 its destination in this order (a gathered dispatch sends the token's
+                 row with it, once per destination).
     entry_token: ``[W, Mx]`` return entry ``q`` for destination ``d``: the token.
     entry_rows:  ``[W, Mx, k]`` rows of the destination's shared tensor holding that
                  token's slots (``-1``: slot not on ``d``).
@@ -142,6 +145,7 @@ class SendPlan:
     send_row: torch.Tensor
     send_weight: torch.Tensor
     send_off: torch.Tensor
+    send_first: torch.Tensor
     entry_token: torch.Tensor
     entry_rows: torch.Tensor
     entry_weight: torch.Tensor
@@ -197,6 +201,13 @@ def build_send_plan(
     send_row[: m * k] = row_sorted.to(torch.int32)
     w_flat = topk_weights.float().reshape(-1)
     send_weight[: m * k] = torch.where(torch.isfinite(w_flat), w_flat, 0.0)[perm]
+    # First pair of each (destination, token) in send order.
+    key = dest * m + torch.div(perm, k, rounding_mode="floor")
+    order = torch.arange(m * k, device=dev)
+    first_of_key = torch.full((world * m,), m * k, dtype=torch.int64, device=dev)
+    first_of_key.scatter_reduce_(0, key, order, "amin")
+    send_first = torch.zeros(cap_pairs, dtype=torch.int32, device=dev)
+    send_first[: m * k] = (valid_sorted & (first_of_key[key] == order)).to(torch.int32)
     per_dest = pair_counts.view(world, el_count).sum(dim=1)
     send_off = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
                           torch.cumsum(per_dest, 0)]).to(torch.int32)
@@ -235,6 +246,7 @@ def build_send_plan(
         send_row=send_row,
         send_weight=send_weight,
         send_off=send_off,
+        send_first=send_first,
         entry_token=entry_token.view(world, max_tokens + 1)[:, :max_tokens].contiguous(),
         entry_rows=entry_rows.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),
         entry_weight=entry_weight.view(world, max_tokens + 1, k)[:, :max_tokens].contiguous(),

@@ -118,7 +118,13 @@ def fused_launches(dtype=torch.bfloat16, world=4):
             call().launch_layer0(role, 132)
             call("sequential").launch_layer1(role, 132)
         call("sequential").launch_combine(132)
-        # layer0 as stream-K (TileConfig.layer0_stream_k, off by default): the fused
+        # A gathered dispatch (TileConfig.layer0_gather): layer0 in every role, its GEMM
+        # reading A through the index (cp.async loads, not TMA boxes).
+        ga = dataclasses.replace(tile, layer0_gather=True)
+        gws = allocate_virtual(cfg, world, "cpu", ga)[0]
+        for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
+            ForwardCall(gws, w13, w2, ga, inputs, grids).launch_layer0(role, 132)
+        # layer0 as stream-K (TileConfig.layer0_stream_k, on by default): the fused
         # launch, and with expert biases and a half-tail F (the epilogue on a partial box).
         sk = dataclasses.replace(tile, layer0_stream_k=True)
         ForwardCall(allocate_virtual(cfg, world, "cpu", sk)[0], w13, w2, sk, inputs,

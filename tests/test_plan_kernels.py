@@ -84,6 +84,7 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
         assert torch.equal(p.send.pair[:n].cpu(), spec.send_pair[:n].cpu())
         assert torch.equal(p.send.row[:n].cpu(), spec.send_row[:n].cpu())
         assert torch.equal(p.send.weight[:n].cpu(), spec.send_weight[:n].cpu())
+        assert torch.equal(p.send.first[:n].cpu(), spec.send_first[:n].cpu())
         assert torch.equal(p.entry_count.cpu(), spec.entry_count.cpu())
         for d in range(world):
             q = int(spec.entry_count[d])

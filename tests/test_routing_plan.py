@@ -95,6 +95,26 @@ def test_rows_land_where_the_spec_says(case):
 
 
 @SETTINGS
+@given(routings())
+def test_a_gathered_dispatch_sends_each_token_once_before_its_other_pairs(case):
+    """``send_first`` marks one pair per (token, destination) with a pair there -- the
+    first in send order, so every later pair of the token on that destination sits in
+    the same or a later row chunk, whose prefix a tile waits for."""
+    world, el, top_k, max_tokens, ids, g = case
+    counts, layout, wts, sends = _plans(world, el, max_tokens, ids, g)
+    for s, plan in enumerate(sends):
+        for d in range(world):
+            lo, hi = int(plan.send_off[d]), int(plan.send_off[d + 1])
+            seen = set()
+            for i in range(lo, hi):
+                token = int(plan.send_pair[i]) // top_k
+                assert bool(plan.send_first[i]) == (token not in seen)
+                seen.add(token)
+            assert len(seen) == int(plan.entry_count[d])
+        assert not plan.send_first[int(plan.send_off[-1]):].any()
+
+
+@SETTINGS
 @given(routings(), st.sampled_from([1, 2, 4]), st.sampled_from([0, 1, 3, 1000]))
 def test_layer0_tiles(case, block_m, head_tiles):
     world, el, top_k, max_tokens, ids, g = case

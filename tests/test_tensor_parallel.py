@@ -33,6 +33,7 @@ from comet.runtime.errors import CometInputError, ErrorReports
 from comet.runtime.virtual import VirtualEP
 from comet.scheduler import simulate as sim
 from comet.scheduler.simulate import ScheduleError, SimConfig, simulate, simulate_calls
+from comet.weights import GATE_UP_BLOCK
 from routings import KINDS, make_ids, make_tokens
 
 interpreter = pytest.mark.skipif(not interpreting(),
@@ -429,3 +430,91 @@ def test_hybrid_drift_single_count_buffer_fails_after_compute_only_calls(convent
             cfg = _sim_config(mesh, convention, "scatter", seed=seed, count_buffers=1,
                               speeds=_one_fast_rank(mesh.world, 0))
             simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg, modes=modes)
+
+
+# ----------------------------------------------------------------- the gathered dispatch
+#: Each layout with the layer1 strategy its default tile runs (strategies.scatter_pays).
+GATHERED = [((2, 1), "sequence", "scatter"), ((2, 1), "replicated", "reduce"),
+            ((4, 1), "sequence", "scatter"), ((4, 1), "replicated", "reduce"),
+            ((2, 2), "sequence", "scatter"), ((2, 4), "replicated", "scatter")]
+_ids = [f"tp{t[0]}-ep{t[1]}-{c}" for t, c, _ in GATHERED]
+
+
+@pytest.mark.parametrize("layout, convention, strategy", GATHERED, ids=_ids)
+def test_tensor_parallel_and_hybrid_gathered_dispatch_simulates_and_drifts(layout, convention,
+                                                                           strategy):
+    """``layer0_gather``: a token's row once per destination, pairs as index entries, the
+    GEMM reading ``tokens[a0_src[row]]`` -- every read tag-checked, one call and drifting
+    calls, against mesh_forward."""
+    mesh = MeshLayout(*layout)
+    for seed in range(2):
+        case = _sim_case(mesh, convention, seed=seed * 5 + 31, kind=("random", "skewed")[seed])
+        got = _simulate(mesh, convention, case,
+                        _sim_config(mesh, convention, strategy, seed=seed, layer0_gather=True))
+        for g, e in zip(got, _expect(mesh, convention, case)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    calls, inputs, (w13, w2), shards = _drift_calls(mesh, convention, sum(layout), len(KINDS))
+    cfg = _sim_config(mesh, convention, strategy, seed=3, layer0_gather=True,
+                      speeds=_one_fast_rank(mesh.world, 1))
+    result = simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg)
+    for (xs, ids, wts), outs in zip(inputs, result.outputs):
+        for got, expect in zip(outs, reference.mesh_forward(xs, ids, wts, w13, w2, mesh,
+                                                            convention)):
+            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    assert result.drift == 1
+
+
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_tensor_parallel_gathered_row_sent_with_a_later_pair_is_caught(convention):
+    """The ``tokens`` row: sent with the token's *last* pair to a rank instead of its
+    first, a tile of an earlier expert reads the row before its chunk landed (the tile
+    waits only for the chunks up to its own last row)."""
+    mesh = MeshLayout(2, 1)
+    case = _sim_case(mesh, convention, seed=40)
+    with pytest.raises(ScheduleError, match="before its token rows arrived"):
+        for seed in range(10):
+            _simulate(mesh, convention, case,
+                      _sim_config(mesh, convention, "scatter", seed=seed, layer0_gather=True,
+                                  gather_with_first=False))
+
+
+@pytest.mark.parametrize("convention", CONVENTIONS)
+def test_tensor_parallel_gathered_index_without_its_chunk_wait_is_caught(convention,
+                                                                         monkeypatch):
+    """The ``a0_src`` entries: a tile that waits for one chunk too few reads index
+    entries (and token rows) of another call."""
+    mesh = MeshLayout(2, 1)
+    real = sim._chunks_needed
+    monkeypatch.setattr(sim, "_chunks_needed", lambda *a: max(real(*a) - 1, 0))
+    case = _sim_case(mesh, convention, seed=41)
+    with pytest.raises(ScheduleError, match="read an old index|before its token rows"):
+        for seed in range(10):
+            _simulate(mesh, convention, case,
+                      _sim_config(mesh, convention, "scatter", seed=seed, layer0_gather=True))
+
+
+@interpreter
+@pytest.mark.parametrize("layout, convention", [((2, 1), "sequence"), ((2, 1), "replicated"),
+                                                ((2, 2), "sequence")],
+                         ids=["tp2-ep1-sequence", "tp2-ep1-replicated", "tp2-ep2-sequence"])
+def test_tensor_parallel_and_hybrid_gathered_kernels_match_mesh_forward(layout, convention):
+    """The kernels with ``layer0_gather`` (one-dot layer0 items: F shards of half an
+    interleave block, the half-tail epilogue) on the default strategy of each layout,
+    two calls, against mesh_forward; no row of a0 past the token rows is written."""
+    mesh = MeshLayout(*layout)
+    hidden, f = 32, GATE_UP_BLOCK // 2 * mesh.tp
+    gen = torch.Generator().manual_seed(sum(layout) + len(convention))
+    cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=6)
+    w13 = torch.randn(E, hidden, 2 * f, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(E, f, hidden, generator=gen) * f ** -0.5
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
+                               comm_copy_rows=2, layer0_gather=True,
+                               layer1_scatter=convention == "sequence")
+    ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
+    for kind in ("random", "skewed"):
+        xs, ids, wts = _inputs(mesh, convention, kind, gen, cfg.max_tokens, hidden)
+        _close(ep.forward(xs, ids, wts),
+               reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention), torch.float32)
+    for ws in ep.ws:
+        assert not ws.buffers["a0"][mesh.world * cfg.max_tokens:].any()

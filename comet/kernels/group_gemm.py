@@ -51,6 +51,16 @@ class GemmOut(NamedTuple):
     K: int
     N: int
     bias: torch.Tensor | None = None   # [El, N] (gated: [El, 2N], W13's columns); BIAS
+    rows: "Gathered | None" = None     # A read through an index (A_GATHER)
+
+
+class Gathered(NamedTuple):
+    """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
+    ``TileConfig.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``."""
+
+    tokens: torch.Tensor     # [W * max_tokens, K]: every source's token rows
+    src: torch.Tensor        # int32 [rows]: the token row each shared-tensor row reads
+    rows: int                # rows of ``src`` (the shared tensor's capacity)
 
 
 class Gemm(NamedTuple):
@@ -65,10 +75,11 @@ class Gemm(NamedTuple):
     K: int
     N: int
     bias: torch.Tensor | None = None   # each expert's bias row, added before the epilogue
+    rows: Gathered | None = None       # A through an index instead of ``a``'s boxes
 
     def kernel_args(self) -> dict:
         return dict(a_desc=self.a, b_desc=self.b,
-                    gemm=GemmOut(self.out, self.K, self.N, self.bias))
+                    gemm=GemmOut(self.out, self.K, self.N, self.bias, self.rows))
 
 
 class GemmTile(NamedTuple):
@@ -85,6 +96,7 @@ class GemmTile(NamedTuple):
     DOT_PRECISION: tl.constexpr
     ACT: Act                     # the gated activation (GATED)
     BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
+    A_GATHER: tl.constexpr = constexpr(False)  # ONE_DOT: A's rows by index (``GemmOut.rows``)
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -153,12 +165,24 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
 def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
     """The fp32 box ``A[row_start:+BLOCK_M, k0:k1] @ W13[expert][k0:k1, gate and up of
     n0:+BLOCK_N]`` (``ONE_DOT``: ``[BLOCK_M, 2 * BLOCK_N]``, before bias and activation):
-    the whole K, or one stream-K segment of layer0 (comet.kernels.layer0.Work)."""
+    the whole K, or one stream-K segment of layer0 (comet.kernels.layer0.Work). With
+    ``A_GATHER`` A's rows are ``tokens[src[row]]`` (:class:`Gathered`), loaded with
+    ``tl.load`` (cp.async on Hopper) rather than a TMA box: the index is read once per
+    tile; rows past the tile's end read whatever valid row their entry names, and the
+    store drops them."""
     b_row = expert * g.K
     both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k1, t.BLOCK_K):
-        both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]), both,
-                      input_precision=t.DOT_PRECISION)
+    if t.A_GATHER:
+        rows = row_start + tl.arange(0, t.BLOCK_M)
+        src = tl.load(g.rows.src + rows, mask=rows < g.rows.rows, other=0).to(tl.int64)
+        a = g.rows.tokens + src[:, None] * g.K + tl.arange(0, t.BLOCK_K)[None, :]
+        for k in range(k0, k1, t.BLOCK_K):
+            both = tl.dot(tl.load(a + k), b_desc.load([b_row + k, 2 * n0]), both,
+                          input_precision=t.DOT_PRECISION)
+    else:
+        for k in range(k0, k1, t.BLOCK_K):
+            both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
+                          both, input_precision=t.DOT_PRECISION)
     return both
 
 

@@ -56,9 +56,9 @@ from comet.config import TileConfig
 from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
-from comet.kernels.group_gemm import (Gemm, GemmTile, descriptor, dot_precision, gemm_tile,
-                                      grouped_work, lane_shape, one_dot_acc, one_dot_epilogue,
-                                      store_tile, strided_take)
+from comet.kernels.group_gemm import (Gathered, Gemm, GemmTile, descriptor, dot_precision,
+                                      gemm_tile, grouped_work, lane_shape, one_dot_acc,
+                                      one_dot_epilogue, store_tile, strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
@@ -110,6 +110,18 @@ class Dispatch(NamedTuple):
     chunk_slots: int         # flag0's row stride: chunks one source may send one destination
     max_tokens: int
     queue: torch.Tensor      # int32 [1]: the dispatch's chunk queue (zeroed per call)
+    #: GATHER: each destination's token rows and a0 row index (a0 itself is not written)
+    gather: "GatherTargets | None" = None
+
+
+class GatherTargets(NamedTuple):
+    """Where a gathered dispatch (``TileConfig.layer0_gather``) writes on a destination:
+    a token's row once, at ``tokens[source * max_tokens + t]``, and for every pair the
+    index entry ``src[row]`` the GEMM reads its A row through
+    (comet.kernels.group_gemm.Gathered)."""
+
+    tokens: PeerBuffer       # [W * max_tokens, H] (the first rows of ``a0``'s memory)
+    src: PeerBuffer          # int32 [rows]
 
 
 class Work(NamedTuple):
@@ -134,6 +146,7 @@ class DispatchTile(NamedTuple):
     ENTRIES: tl.constexpr     # return entries per chunk
     ENTRY_TILE: tl.constexpr  # entries per copy step
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
+    GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
 
 
 class Lanes(NamedTuple):
@@ -155,10 +168,10 @@ class Arrivals(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def dispatch_tile(tile: TileConfig, row_home: bool) -> DispatchTile:
+def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool) -> DispatchTile:
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home)))
+        tile.comm_entries, row_home, gather)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,29 +189,39 @@ def one_dot_tiles(block_n0: int, ffn: int) -> bool:
 
 def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: TileConfig,
                 gated: bool, transposed: bool = False, activation: GatedActivation = SILU,
-                bias: torch.Tensor | None = None) -> tuple[Gemm, GemmTile]:
+                bias: torch.Tensor | None = None, rows: Gathered | None = None
+                ) -> tuple[Gemm, GemmTile]:
     """Operands and work-item shape of layer0's GroupGEMM on the shared tensor ``a0
     [rows, H]``, into ``out [rows, N]``: ``gated``, ``act(a0 @ gate) * (a0 @ up)``
     (``activation``) with ``w [El, H, 2N]`` in the interleaved layout (comet.weights), on
     ``block_n0``-column items (one dot each when they are whole interleave blocks); else
     the backward's plain ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for ``w [El, N,
     H]`` (``transposed``), on ``block_n1``-column items. ``bias``: ``[El, 2N]`` (gated,
-    W13's columns) or ``[El, N]``, added to each expert's rows before the activation."""
+    W13's columns) or ``[El, N]``, added to each expert's rows before the activation.
+    ``rows``: the gated GEMM reads A through an index (a gathered dispatch); one-dot
+    items only."""
     el, h, n = w.shape[0], a0.shape[1], out.shape[1]
     bk = tile.k_step(h)
     if gated:
         block_n = tile.block_n0
         one_dot = one_dot_tiles(block_n, n)
+        if rows is not None and not one_dot:
+            raise ValueError(f"layer0_gather needs one-dot layer0 items (block_n0 = "
+                             f"{GATE_UP_BLOCK} and F a multiple of {GATE_UP_BLOCK // 2}); "
+                             f"got block_n0 {block_n}, F {n}")
         half_tail = one_dot and n % GATE_UP_BLOCK == GATE_UP_BLOCK // 2
         b = descriptor(w.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
     else:
+        if rows is not None:
+            raise ValueError("only layer0's gated GEMM reads A through an index")
         block_n, one_dot, half_tail = tile.block_n1, False, False
         b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w.view(el * h, n), [bk, block_n]))
-    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias)
+    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias, rows)
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
-        dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None))
+        dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
+        constexpr(rows is not None))
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
@@ -214,7 +237,8 @@ def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
     layer0_kernel[(grid,)](
         dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, work=work,
         sync=sync, split=split, trace=trace, shape=shape,
-        comm=dispatch_tile(tile, dispatch.homes is not None), item=item,
+        comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.gather is not None),
+        item=item,
         lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **extra)
 
@@ -242,6 +266,41 @@ def _push_rows(x_ptr, dst, send, dst_home, dst_weight, home_base, start, end, H,
             mask = live[:, None] & (cols[None, :] < H)
             v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mask)
             tl.store(dst + row[:, None] * H + cols[None, :], v, mask=mask)
+
+
+@triton.jit
+def _push_gathered(x_ptr, gather, d, send, dst_home, dst_weight, home_base, token_base,
+                   start, end, H, TOPK: tl.constexpr, comm):
+    """A gathered dispatch's chunk of pairs ``send[start:end]`` (``ROWS`` at most) to
+    destination ``d``: every pair as the index entry ``src[row] = token_base + t`` (with
+    its home and weight under ``ROW_HOME``), and the rows of the tokens whose first pair
+    to ``d`` is in the chunk (``send.first``) into ``tokens[token_base + t]``,
+    ``COPY_ROWS`` at a time (the chunk's firsts picked out in order: a full copy tile
+    even where a token has all its pairs on ``d``). Every later pair of a token sits in
+    the same or a later chunk, and a tile waits for all chunks up to its last row's."""
+    i = start + tl.arange(0, comm.ROWS)
+    live = i < end
+    pair = tl.load(send.pair + i, mask=live, other=0)
+    tok = pair // TOPK
+    row = tl.load(send.row + i, mask=live, other=0).to(tl.int64)
+    tl.store(peer(gather.src, d) + row, token_base + tok, mask=live)
+    if comm.ROW_HOME:
+        tl.store(dst_home + row, home_base + pair, mask=live)
+        tl.store(dst_weight + row, tl.load(send.weight + i, mask=live), mask=live)
+    first = (tl.load(send.first + i, mask=live, other=0) != 0) & live
+    nth = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    firsts = tl.sum(first.to(tl.int32), axis=0)
+    dst = peer(gather.tokens, d)
+    for c0 in range(0, firsts, comm.COPY_ROWS):
+        slot = c0 + tl.arange(0, comm.COPY_ROWS)
+        pick = first[None, :] & (nth[None, :] == slot[:, None])
+        t = tl.sum(tl.where(pick, tok[None, :], 0), axis=1).to(tl.int64)
+        has = slot < firsts
+        for h0 in range(0, H, comm.BLOCK_H):
+            cols = h0 + tl.arange(0, comm.BLOCK_H)
+            mask = has[:, None] & (cols[None, :] < H)
+            v = tl.load(x_ptr + t[:, None] * H + cols[None, :], mask=mask)
+            tl.store(dst + (token_base + t)[:, None] * H + cols[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -309,7 +368,18 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                 if c < row_chunks:
                     first = lo + c * comm.ROWS
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
-                    if comm.ROW_HOME:
+                    if comm.GATHER:
+                        if comm.ROW_HOME:
+                            _push_gathered(x_ptr, dispatch.gather, d, dispatch.send,
+                                           peer(dispatch.homes.home, d),
+                                           peer(dispatch.homes.weight, d),
+                                           rank * max_tokens * TOPK, rank * max_tokens,
+                                           first, last, H, TOPK, comm)
+                        else:
+                            _push_gathered(x_ptr, dispatch.gather, d, dispatch.send, None,
+                                           None, 0, rank * max_tokens, first, last, H, TOPK,
+                                           comm)
+                    elif comm.ROW_HOME:
                         _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send,
                                    peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d),
                                    rank * max_tokens * TOPK, first, last, H, TOPK, comm)

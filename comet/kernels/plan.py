@@ -84,6 +84,9 @@ class SendList(NamedTuple):
     row: torch.Tensor        # int32: its row in the destination's shared tensor
     weight: torch.Tensor     # fp32: its routing weight
     off: torch.Tensor        # int32 [W + 1]: first entry of each destination
+    #: int32: 1 where the pair is its token's first to the destination in this order
+    #: (the smallest expert, then slot): a gathered dispatch sends the token's row with it
+    first: torch.Tensor
 
 
 class EntryTables(NamedTuple):
@@ -154,7 +157,8 @@ def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, dev
         block_counts=torch.zeros(blocks + 1, num_experts + world, **i32),
         send_base=torch.zeros(world, el, **i32), dst_base=torch.zeros(world, el, **i32),
         send=SendList(torch.zeros(mx * k, **i32), torch.zeros(mx * k, **i32),
-                      torch.zeros(mx * k, **f32), torch.zeros(world + 1, **i32)),
+                      torch.zeros(mx * k, **f32), torch.zeros(world + 1, **i32),
+                      torch.zeros(mx * k, **i32)),
         entries=EntryTables(torch.zeros(world, mx, **i32), torch.zeros(world, mx, k, **i32),
                             torch.zeros(world, mx, k, **f32)),
         entry_count=torch.zeros(world, **i32),
@@ -514,8 +518,12 @@ def _place_block(routing, block_counts, send_base, dst_base, send, entries, dest
     live_t = t < max_tokens
     tl.store(pair_live + pair, valid.to(tl.int32),
              mask=live_t[:, None] & (t[:, None] < rows) & (j[None, :] < TOPK))
+    # A pair is its token's first to d if no pair of the token on d sorts before it.
+    code = e_safe * TOPK_P2 + j[None, :]
     for d in range(WORLD):
         on = valid & (dest == d)
+        first = on & (code == tl.min(tl.where(on, code, NUM_EXPERTS * TOPK_P2), axis=1)[:, None])
+        tl.store(send.first + idx, first.to(tl.int32), mask=on)
         any_d = tl.max(on.to(tl.int32), axis=1)
         q = tl.load(row + NUM_EXPERTS + d) + tl.cumsum(any_d, axis=0) - any_d
         slot = (d * max_tokens + q).to(tl.int64)

@@ -107,12 +107,14 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phas
     return open_call, plan
 
 
-def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes) -> Dispatch:
+def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes, gather: bool = False
+                ) -> Dispatch:
     """layer0's :class:`~comet.kernels.layer0.Dispatch` of ``ws`` for the input whose
-    address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows)."""
+    address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows;
+    ``gather``: a row per token and destination, pairs as index entries)."""
     return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peer("a0"),
                     ws.recv, homes, ws.peer("flag0"), ws.chunk_slots, ws.cfg.max_tokens,
-                    ws.count.l0_dispatch)
+                    ws.count.l0_dispatch, ws.gather_targets() if gather else None)
 
 
 @dataclass
@@ -165,9 +167,12 @@ class ForwardCall:
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
+        gather = tile.layer0_gather
         gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
-                                   activation=ws.cfg.activation, bias=self.b13)
-        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes), gemm=gemm0,
+                                   activation=ws.cfg.activation, bias=self.b13,
+                                   rows=ws.gathered_rows() if gather else None)
+        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes, gather),
+                            gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
                             work=ws.layer0_work(tile.layer0_stream_k), sync=ws.sync,
                             split=self.inputs.split0,

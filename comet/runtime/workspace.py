@@ -36,8 +36,9 @@ from comet.config import MoEConfig, TileConfig
 from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
 from comet.kernels.exchange import Exchange, exchange_block
-from comet.kernels.layer0 import (STREAM_K_PROGRAMS, STREAM_K_ROWS, Arrivals, Work,
-                                  one_dot_tiles)
+from comet.kernels.group_gemm import Gathered
+from comet.kernels.layer0 import (STREAM_K_PROGRAMS, STREAM_K_ROWS, Arrivals, GatherTargets,
+                                  Work, one_dot_tiles)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
@@ -84,6 +85,9 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
+    if tile.layer0_gather:
+        # the a0 row each GEMM row reads (the token rows themselves go into a0's memory)
+        protocol.append(BufferSpec("a0_src", (rows,), torch.int32))
     return protocol + [s for strategy in strategies_of(tile)
                        for s in strategy.specs(cfg, world)]
 
@@ -185,6 +189,21 @@ class Workspace:
             return Work(self.count.l0_queue)
         return Work(self.count.l0_queue, self.l0_partial, self.count.l0_arrived,
                     constexpr(True))
+
+    def gather_targets(self) -> GatherTargets:
+        """A gathered dispatch's destinations (``TileConfig.layer0_gather``): token rows
+        into the first ``W * max_tokens`` rows of ``a0``'s memory, index entries into
+        ``a0_src``."""
+        return GatherTargets(PeerBuffer(self._gathered_tokens(), self.peer_ptrs["a0"]),
+                             self.peer("a0_src"))
+
+    def gathered_rows(self) -> Gathered:
+        """layer0's A rows as a gathered dispatch leaves them: ``a0[a0_src[row]]``."""
+        return Gathered(self._gathered_tokens(), self.buffers["a0_src"],
+                        self.buffers["a0_src"].shape[0])
+
+    def _gathered_tokens(self) -> torch.Tensor:
+        return self.buffers["a0"][:self.world * self.cfg.max_tokens]
 
     def exchange(self, in_plan: bool) -> Exchange:
         """The count exchange's buffers as the plan kernels take them; ``in_plan``: the

@@ -98,6 +98,12 @@ class SimConfig:
     home_fanout: ranks each part of a token is written to -- the group of that many
         consecutive ranks holding its home (comet.mesh.MeshLayout.home_fanout: ``tp``
         under the ``"replicated"`` convention, else 1); must divide W.
+    layer0_gather: layer0's dispatch sends a token's row once per destination, into
+        ``tokens[source * Mx + t]``, and each pair as an index entry ``a0_src[row]``; the
+        GEMM reads ``tokens[a0_src[row]]`` (kernels.layer0._push_gathered,
+        TileConfig.layer0_gather). gather_with_first: the row goes with the token's first
+        pair in send order (``send_first``); False models sending it with the last, which
+        a tile waiting for the chunks up to its own last row does not cover.
     fanout_liveness: with ``home_fanout > 1`` the combine takes part ``i``'s liveness
         from the part of its own TP index in ``i``'s group (kernels.combine.Parts); False
         models a combine that reads ``i``'s own entry, which its plan fills only for its
@@ -125,6 +131,8 @@ class SimConfig:
     layer1_scatter: bool = True
     home_fanout: int = 1
     fanout_liveness: bool = True
+    layer0_gather: bool = False
+    gather_with_first: bool = True
 
 
 @dataclass
@@ -209,6 +217,11 @@ class _Rank:
         self.count_flags = [0] * world
         self.a0 = torch.zeros(rows, h_dim)
         self.a0_tag = _Tags("a0", r, (rows,))
+        # A gathered dispatch's: every source's token rows, and the row each a0 row reads.
+        self.tokens = torch.zeros(world * max_tokens, h_dim)
+        self.tokens_tag = _Tags("tokens", r, (world * max_tokens,))
+        self.a0_src = torch.zeros(rows, dtype=torch.int64)
+        self.src_tag = _Tags("a0_src", r, (rows,))
         self.recv_token = torch.zeros(world, max_tokens, dtype=torch.int64)
         self.recv_rows = torch.full((world, max_tokens, top_k), -1, dtype=torch.int64)
         self.recv_weight = torch.zeros(world, max_tokens, top_k)
@@ -240,8 +253,12 @@ class _Call:
         layout = build_recv_layout(counts_all)
         self.r, self.n, self.world, self.top_k = r, n, world, ids.shape[1]
         self.slots = max_tokens * self.top_k      # one rank's pair_out rows
+        self.max_tokens = max_tokens
         self.x, self.w13, self.w2 = x.float(), w13.float(), w2.float()
         self.send = build_send_plan(ids, wts, counts_all, layout, r, max_tokens)
+        # Which pair carries its token's row in a gathered dispatch.
+        self.carries_row = (self.send.send_first.bool() if cfg.gather_with_first
+                            else _last_of_token(self.send, self.top_k))
         self.tiles = build_tile_table(layout, r, rk.rows, cfg.block_m, cfg.local_head_tiles)
         self.num_tiles = int(self.tiles.num_tiles)
         self.entries = layout.entries[r].tolist()
@@ -421,12 +438,21 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
             if c < row_chunks:
                 i = torch.arange(lo + c * cfg.comm_rows, min(lo + (c + 1) * cfg.comm_rows, hi))
                 rows = s.send_row[i].long()
-                if bool((dst.a0_tag.epoch[rows] == n).any()):
+                placed = dst.src_tag if cfg.layer0_gather else dst.a0_tag
+                if bool((placed.epoch[rows] == n).any()):
                     raise ScheduleError(f"rank {rk.r} call {n} overwrote rows of rank {d} "
                                         f"written in the same call")
                 pair = s.send_pair[i].long()
-                dst.a0[rows] = call.x[pair // call.top_k]
-                dst.a0_tag.write(rows, n, rk.r)
+                if cfg.layer0_gather:
+                    token_row = rk.r * call.max_tokens + pair // call.top_k
+                    dst.a0_src[rows] = token_row
+                    dst.src_tag.write(rows, n, rk.r)
+                    carried = token_row[call.carries_row[i]]
+                    dst.tokens[carried] = call.x[carried - rk.r * call.max_tokens]
+                    dst.tokens_tag.write(carried, n, rk.r)
+                else:
+                    dst.a0[rows] = call.x[pair // call.top_k]
+                    dst.a0_tag.write(rows, n, rk.r)
                 if cfg.layer1_scatter:
                     dst.row_home[rows] = rk.r * call.slots + pair
                     dst.row_w[rows] = s.send_weight[i]
@@ -440,6 +466,20 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
                 dst.recv_tag.write((rk.r, q), n, rk.r)
             dst.flag0[rk.r][c] = _chunk_flag(cfg, n)
             yield None
+
+
+def _last_of_token(send, top_k: int) -> torch.Tensor:
+    """The pairs that are their token's last to their destination in send order (what
+    ``SimConfig.gather_with_first=False`` sends a token's row with)."""
+    last = torch.zeros_like(send.send_first, dtype=torch.bool)
+    world = send.send_off.numel() - 1
+    for d in range(world):
+        seen = set()
+        for i in range(int(send.send_off[d + 1]) - 1, int(send.send_off[d]) - 1, -1):
+            token = int(send.send_pair[i]) // top_k
+            last[i] = token not in seen
+            seen.add(token)
+    return last
 
 
 def _chunks_needed(call: _Call, s: int, expert: int, r1: int, cfg: SimConfig) -> int:
@@ -490,11 +530,18 @@ def _layer0_program(rk: _Rank, call: _Call, wait: bool, programs: int, cfg: SimC
                                         for s, c in need.items())
         for tile, nb in lane:
             r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
-            if wait:
-                rk.a0_tag.check(slice(r0, r1), n, f"rank {rk.r} call {n} tile {tile} (rows "
-                                f"{r0}:{r1}) ran before its rows arrived")
+            where = f"rank {rk.r} call {n} tile {tile} (rows {r0}:{r1})"
+            if cfg.layer0_gather:
+                if wait:
+                    rk.src_tag.check(slice(r0, r1), n, f"{where} read an old index")
+                    rk.tokens_tag.check(rk.a0_src[r0:r1], n,
+                                        f"{where} ran before its token rows arrived")
+                a = rk.tokens[rk.a0_src[r0:r1]]
+            else:
+                if wait:
+                    rk.a0_tag.check(slice(r0, r1), n, f"{where} ran before its rows arrived")
+                a = rk.a0[r0:r1]
             c0, c1 = nb * cfg.block_n0, min((nb + 1) * cfg.block_n0, f_dim)
-            a = rk.a0[r0:r1]
             gate = a @ call.w13[e][:, c0:c1]
             up = a @ call.w13[e][:, f_dim + c0:f_dim + c1]
             rk.h[r0:r1, c0:c1] = F.silu(gate) * up
