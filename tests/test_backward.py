@@ -255,6 +255,40 @@ def test_fused_backward_of_virtual_ranks_matches_the_spec(world):
             torch.testing.assert_close(d2, want_2[mine], atol=1e-4, rtol=1e-4, msg=msg)
 
 
+def test_fused_backward_between_gathered_forwards_matches_the_spec():
+    """A layer with ``layer0_gather`` (its forward's token rows live in a0's memory) runs
+    the backward on rows placed per pair, as every layer does: the gradients match the
+    spec, and a gathered forward after it gives the reference again (the backward's
+    rows overwrote the token rows; the next forward sends them anew)."""
+    import dataclasses
+
+    from comet.config import TileConfig
+    from comet.reference import ep_forward
+    from comet.runtime.virtual import VirtualEP
+    from comet.weights import GATE_UP_BLOCK
+    world, case = 2, dict(CASES[2], tokens=CASES[2]["tokens"][:2])   # ffn 256: one-dot items
+    per_rank, w13, w2 = _problem(**case)
+    want_dx, want_dw, want_13, want_2 = _spec_grads(per_rank, w13, w2)
+    el = w13.shape[0] // world
+    cfg = _fused_config(w13.shape[0], w2.shape[1], case["tokens"])
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
+    shards13 = [w13[r * el:(r + 1) * el] for r in range(world)]
+    shards2 = [w2[r * el:(r + 1) * el] for r in range(world)]
+    ep = VirtualEP(cfg, shards13, shards2, tile)
+    xs, ids, ws, dys = (list(t) for t in zip(*per_rank))
+    expect = ep_forward(xs, ids, ws, shards13, shards2)
+    for y, e in zip(ep.forward(xs, ids, ws), expect):
+        torch.testing.assert_close(y, e, atol=1e-4, rtol=1e-4)
+    for r, (dx, dw, d13, d2) in enumerate(ep.backward(dys, xs, ids, ws)):
+        mine = slice(r * el, (r + 1) * el)
+        torch.testing.assert_close(dx, want_dx[r], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dw, want_dw[r], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(d13, interleave_gate_up(want_13[mine]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(d2, want_2[mine], atol=1e-4, rtol=1e-4)
+    for y, e in zip(ep.forward(xs, ids, ws), expect):
+        torch.testing.assert_close(y, e, atol=1e-4, rtol=1e-4)
+
+
 def test_fused_backward_frozen_experts_and_back_to_back_calls():
     """Without weight gradients only dx and d weights come back (and match); calls
     after it -- forward and backward -- are still right (epochs, staging, pair slots)."""

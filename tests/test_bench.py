@@ -668,10 +668,12 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     default layer1 (the column reduce) under ``--tile group_m=4``, and
     ``layer1_scatter=1`` brings the scatter back."""
     from comet.mesh import MeshLayout
+    from comet.config import preset
     mesh = MeshLayout(tp=4, ep=1)
-    kept = bench._tile_of({"tile": {"group_m": 4}}, mesh, "replicated")["tile"]
+    cfg = preset("mixtral")
+    kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "replicated")["tile"]
     assert (kept.group_m, kept.layer1_scatter) == (4, False)
-    back = bench._tile_of({"tile": {"layer1_scatter": 1}}, mesh, "replicated")["tile"]
+    back = bench._tile_of({"tile": {"layer1_scatter": 1}}, cfg, mesh, "replicated")["tile"]
     assert back.layer1_scatter
-    assert bench._tile_of({"tile": {"group_m": 4}}, mesh, "sequence")["tile"].layer1_scatter
-    assert bench._tile_of({}, mesh, "replicated") == {}
+    assert bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"].layer1_scatter
+    assert bench._tile_of({}, cfg, mesh, "replicated") == {}

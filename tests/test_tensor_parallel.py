@@ -464,6 +464,32 @@ def test_tensor_parallel_and_hybrid_gathered_dispatch_simulates_and_drifts(layou
     assert result.drift == 1
 
 
+@pytest.mark.parametrize("name, top_k", [("deepseek-v3-like", 8), ("qwen2-moe", 4),
+                                         ("mixtral", 2), ("phi3.5-moe", 2)])
+def test_tensor_parallel_and_hybrid_layouts_gather_where_tokens_have_four_pairs_per_rank(
+        name, top_k, monkeypatch):
+    """The default tile of a preset (Hopper tiles) takes the gathered dispatch where a
+    token has ``top_k / ep >= 4`` slots per rank (strategies.gather_pays), in both
+    conventions, and keeps rows per pair elsewhere; a model whose F shard is no whole
+    number of half interleave blocks (no one-dot items) never gathers."""
+    from comet.config import preset
+    from comet.runtime import layer as layer_module
+    from comet.runtime.strategies import gather_pays
+    monkeypatch.setattr(layer_module, "interpreting", lambda: False)
+    cfg = preset(name)
+    assert cfg.top_k == top_k
+    for tp, ep in ((1, 2), (2, 1), (4, 1), (2, 2), (2, 4), (1, 4)):
+        for convention in CONVENTIONS:
+            tile = layer_module.default_tile(MeshLayout(tp, ep), convention, cfg)
+            assert (top_k >= 4 * ep) is gather_pays(top_k, ep)
+            # qwen2-moe's F = 1408 at tp 4: shards of 352 columns, no one-dot items
+            one_dot = (cfg.intermediate_size // tp) % (GATE_UP_BLOCK // 2) == 0
+            assert tile.layer0_gather is (top_k >= 4 * ep and one_dot), (tp, ep)
+    odd = cfg.replace(intermediate_size=2 * 96)          # F shard 96 at tp 2
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence", odd).layer0_gather
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence").layer0_gather
+
+
 @pytest.mark.parametrize("convention", CONVENTIONS)
 def test_tensor_parallel_gathered_row_sent_with_a_later_pair_is_caught(convention):
     """The ``tokens`` row: sent with the token's *last* pair to a rank instead of its

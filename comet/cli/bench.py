@@ -192,15 +192,16 @@ def _tile_field(kv: str) -> tuple[str, int]:
     return name, int(value)
 
 
-def _tile_of(meta: dict, mesh: MeshLayout | None = None, convention: str = "sequence") -> dict:
+def _tile_of(meta: dict, cfg, mesh: MeshLayout | None = None,
+             convention: str = "sequence") -> dict:
     """``{"tile": TileConfig}`` of this run's --tile fields (``meta["tile"]``) over the
-    layout's default tile, or ``{}`` for the layer's default: keyword arguments of
-    :func:`_build_fused`."""
+    default tile of ``cfg`` in the layout, or ``{}`` for the layer's default: keyword
+    arguments of :func:`_build_fused`."""
     import dataclasses
 
     from comet.runtime.layer import default_tile
     fields = meta.get("tile")
-    return ({"tile": dataclasses.replace(default_tile(mesh, convention), **fields)}
+    return ({"tile": dataclasses.replace(default_tile(mesh, convention, cfg), **fields)}
             if fields else {})
 
 
@@ -383,7 +384,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused, why = _build_fused(cfg, w13, w2, group, device, **_tile_of(meta))
+        fused, why = _build_fused(cfg, w13, w2, group, device, **_tile_of(meta, cfg))
         if why and why not in notes:
             notes.append(why)
         peers = build_peers(loaded_peers, cfg, w13, w2, group, device) if args.peers else None
@@ -436,7 +437,7 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
         shard = {"w13": w13, "w2": w2}
         fused, why = _build_fused(cfg, w13, w2, st.group, st.device, mesh=mesh,
                                   convention=args.convention,
-                                  **_tile_of(meta, mesh, args.convention))
+                                  **_tile_of(meta, cfg, mesh, args.convention))
         if why and why not in notes:
             notes.append(why)
         for t in tokens:
@@ -469,7 +470,7 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
                                   args.seed, st.device)
     layout = {} if mesh.tp == 1 else {"mesh": mesh, "convention": args.convention}
     fused, why = _build_fused(cfg, w13, w2, st.group, st.device,
-                              **_tile_of(meta, mesh, args.convention), **layout)
+                              **_tile_of(meta, cfg, mesh, args.convention), **layout)
     if fused is None:
         if st.rank == 0:
             print(f"comet bench --timeline: {why or 'the fused layer needs a GPU'}")

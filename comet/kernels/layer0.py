@@ -21,6 +21,12 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   destination's rows go the *return entries* layer1's reduce will need. Each chunk has its
   own flag, ``flag0[r, c]`` on the destination, set to the call's epoch once chunk ``c``
   of rank ``r`` landed: chunks publish independently, no chunk waits for another.
+  *Gathered* (``TileConfig.layer0_gather``, :func:`_push_gathered`): the same chunks of
+  pairs, but a pair is only an index entry ``a0_src[row]`` (and its home), and a token's
+  row crosses once per destination -- into ``tokens[source * Mx + t]`` (a0's first rows),
+  with the first of the token's pairs there; the GEMM reads ``tokens[a0_src[row]]``
+  (comet.kernels.group_gemm.Gathered). The waits are unchanged: every other pair of the
+  token sits in the same or a later chunk, and a tile waits for the chunks up to its own.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the tile table (a local
   head, then expert-major: comet.scheduler.plan);
   before a tile, wait for exactly the sources of its wait set, and of each for the

@@ -27,6 +27,7 @@ import torch
 from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.constants import interpreting
 from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
+from comet.kernels.layer0 import one_dot_tiles
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
@@ -38,7 +39,7 @@ from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
 from comet.runtime.staging import StagedScalars, StaticInputs, aligned
-from comet.runtime.strategies import scatter_pays
+from comet.runtime.strategies import gather_pays, scatter_pays
 from comet.runtime.workspace import Workspace, allocate_symmetric, allocate_virtual, timeout_ns
 from comet.weights import interleave_gate_up
 
@@ -79,14 +80,19 @@ def sm_count(device: torch.device) -> int:
                              else torch.cuda.current_device())
 
 
-def default_tile(mesh: MeshLayout | None = None, convention: Convention = "sequence"
-                 ) -> TileConfig:
+def default_tile(mesh: MeshLayout | None = None, convention: Convention = "sequence",
+                 cfg: MoEConfig | None = None) -> TileConfig:
     """Hopper tiles on a GPU, tiny ones under the interpreter; layer1 the scatter epilogue
-    unless the layout is one where the reduce pays (:func:`scatter_pays`)."""
+    unless the layout is one where the reduce pays (:func:`scatter_pays`); for the
+    model ``cfg``, layer0's gathered dispatch where it pays (:func:`gather_pays`) and
+    layer0's items are one dot each."""
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):
         tile = dataclasses.replace(tile, layer1_scatter=False)
+    if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
+            and one_dot_tiles(tile.block_n0, cfg.intermediate_size // mesh.tp)):
+        tile = dataclasses.replace(tile, layer0_gather=True)
     return tile
 
 
@@ -169,7 +175,7 @@ class FusedMoE:
                  convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
         mesh = _mesh_of(mesh, par.world_size)
-        tile = tile or default_tile(mesh, convention)
+        tile = tile or default_tile(mesh, convention, cfg)
         self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         kernel_cfg = mesh.kernel_config(cfg)
         # State the calls update in place must not be inference tensors, or a layer first
@@ -214,7 +220,7 @@ class FusedMoE:
             raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
                              "synchronize waits for its call, which needs the other ranks' "
                              "calls; use 'lazy' and check_errors_now() after the calls")
-        tile = tile or default_tile(mesh, convention)
+        tile = tile or default_tile(mesh, convention, cfg)
         if programs is None:
             sms = sm_count(device) if device.type == "cuda" else 4 * world
             programs = max(1, sms // world)

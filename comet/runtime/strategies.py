@@ -161,6 +161,28 @@ def scatter_pays(tp: int, ep: int, convention: str) -> bool:
     return not (convention == "replicated" and tp > 1 and ep == 1)
 
 
+#: Mean (token, slot) pairs per (token, destination rank) from which layer0's gathered
+#: dispatch (``TileConfig.layer0_gather``) is a layout's default.
+GATHER_PAIRS_PER_RANK = 4
+
+
+def gather_pays(top_k: int, ep: int) -> bool:
+    """Whether a layout's layer0 sends each token's row once per rank and reads its A rows
+    through an index (``TileConfig.layer0_gather``) by default: where a token has, on
+    average, at least :data:`GATHER_PAIRS_PER_RANK` of its (shard) slots on a rank --
+    ``top_k / ep`` in a (tp, ep) layout, whose kernels see ``tp * top_k`` shard slots
+    over ``tp * ep`` ranks. Below that the index's loads (1.03-1.06x the GEMM's
+    compute-only time) cost more than the rows and copies they save.
+
+    Measured on 2x H100, paired against rows placed per pair (benchmarks/results/
+    2026-11-26, ``h100x2-r6-tile-probe-gather-*``, 4096 and 16384 tokens): deepseek-v3-like
+    (8 pairs per rank at (2, 1), 4 at EP=2) 0.90-0.98x the fused time, qwen2-moe at (2, 1)
+    (4) 0.94-1.01x; at 2 pairs per rank (qwen2-moe EP=2, mixtral and phi3.5-moe at
+    (2, 1)) 0.98-1.03x, at 1 (mixtral, phi3.5-moe EP=2) 1.01-1.02x. A choice by layout:
+    it sets which buffers every rank allocates."""
+    return top_k >= GATHER_PAIRS_PER_RANK * ep
+
+
 def strategies_of(tile: TileConfig) -> list[type]:
     """The strategies a layer with ``tile`` may run (whose buffers it allocates): the
     column-split reduce always (the backward and the decomposed modes), the scatter

@@ -152,11 +152,11 @@ def main() -> int:
     max_tokens = max(rank_tokens(t, world, r) for t in args.tokens for r in range(world))
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
-    tile = dataclasses.replace(default_tile(mesh, args.convention), **{
-        k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)})
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in args.tile.split(",") if kv)}
     records = []
     for name in args.presets:
         cfg = PRESETS[name].replace(max_tokens=max_tokens)
+        tile = dataclasses.replace(default_tile(mesh, args.convention, cfg), **fields)
         el = cfg.num_experts // mesh.ep
         shards = [make_expert_weights(cfg, el, name, r, SEED, torch.device("cuda"))
                   for r in range(mesh.ep)]
