@@ -292,14 +292,14 @@ def _matches(got, expect) -> bool:
     return all(torch.allclose(g, e, rtol=1e-5, atol=1e-5) for g, e in zip(got, expect))
 
 
-def _check_simulate(layout, convention, strategy):
+def _check_simulate(layout, convention, strategy, **variant):
     mesh = MeshLayout(*layout)
     # A replicated layout's only TP group with no tokens would leave every rank idle.
     idle = "zero_token_rank" if convention == "sequence" or mesh.ep > 1 else "skewed"
     for seed, kind in enumerate(("random", idle)):
         case = _sim_case(mesh, convention, seed=seed * 13 + mesh.world, kind=kind)
         got = _simulate(mesh, convention, case, _sim_config(mesh, convention, strategy,
-                                                            seed=seed))
+                                                            seed=seed, **variant))
         for g, e in zip(got, _expect(mesh, convention, case)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
@@ -337,11 +337,11 @@ def _one_fast_rank(world: int, fast: int) -> tuple[float, ...]:
     return tuple(1.0 if r == fast else 0.02 for r in range(world))
 
 
-def _check_drift(layout, convention, strategy, seed):
+def _check_drift(layout, convention, strategy, seed, **variant):
     mesh = MeshLayout(*layout)
     calls, inputs, (w13, w2), shards = _drift_calls(mesh, convention, seed, len(KINDS))
     cfg = _sim_config(mesh, convention, strategy, seed=seed,
-                      speeds=_one_fast_rank(mesh.world, seed % mesh.world))
+                      speeds=_one_fast_rank(mesh.world, seed % mesh.world), **variant)
     result = simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg)
     for (xs, ids, wts), outs in zip(inputs, result.outputs):
         for got, expect in zip(outs, reference.mesh_forward(xs, ids, wts, w13, w2, mesh,
@@ -446,22 +446,8 @@ def test_tensor_parallel_and_hybrid_gathered_dispatch_simulates_and_drifts(layou
     """``layer0_gather``: a token's row once per destination, pairs as index entries, the
     GEMM reading ``tokens[a0_src[row]]`` -- every read tag-checked, one call and drifting
     calls, against mesh_forward."""
-    mesh = MeshLayout(*layout)
-    for seed in range(2):
-        case = _sim_case(mesh, convention, seed=seed * 5 + 31, kind=("random", "skewed")[seed])
-        got = _simulate(mesh, convention, case,
-                        _sim_config(mesh, convention, strategy, seed=seed, layer0_gather=True))
-        for g, e in zip(got, _expect(mesh, convention, case)):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-    calls, inputs, (w13, w2), shards = _drift_calls(mesh, convention, sum(layout), len(KINDS))
-    cfg = _sim_config(mesh, convention, strategy, seed=3, layer0_gather=True,
-                      speeds=_one_fast_rank(mesh.world, 1))
-    result = simulate_calls(calls, *shards, SIM_MAX_TOKENS, cfg)
-    for (xs, ids, wts), outs in zip(inputs, result.outputs):
-        for got, expect in zip(outs, reference.mesh_forward(xs, ids, wts, w13, w2, mesh,
-                                                            convention)):
-            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-    assert result.drift == 1
+    _check_simulate(layout, convention, strategy, layer0_gather=True)
+    _check_drift(layout, convention, strategy, seed=sum(layout), layer0_gather=True)
 
 
 @pytest.mark.parametrize("name, top_k", [("deepseek-v3-like", 8), ("qwen2-moe", 4),
