@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -226,6 +227,16 @@ def test_tune_measures_a_stale_table_again(tmp_path, capsys):
     assert "stale" in capsys.readouterr().err
 
 
+def test_tune_measures_a_table_of_another_variant_again(tmp_path, capsys):
+    """A table tuned before the layout's default tile changed (here: before layer0's
+    gathered dispatch) is measured again for the new variant, not refused."""
+    gathered = dataclasses.replace(TileConfig(), layer0_gather=True)
+    meta = tuned.expected_meta(CFG, 4, "cpu", gathered)
+    path = _write(tmp_path)                           # tuned on the default variant
+    assert tune.load_existing(str(path), meta) == {"meta": meta, "buckets": {}}
+    assert "TileConfig variant" in capsys.readouterr().err
+
+
 def _cpu_tile(decode_block_n1=0):
     """Interpreter tiles, with a decode tile of ``decode_block_n1`` columns if nonzero."""
     return dataclasses.replace(TileConfig.small(), decode_block_n1=decode_block_n1)
@@ -241,10 +252,12 @@ def _cpu_layer(folder, decode_block_n1=0, tile=None):
                     tile=tile or _cpu_tile(decode_block_n1))
 
 
-def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path):
+def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path, caplog):
     """A table records its layer's TileConfig variant; a layer of another variant (here
     layer1's reduce instead of the scatter) falls back to the analytic model instead of
-    using splits tuned for the other kernels -- and one of the same variant uses it."""
+    using splits tuned for the other kernels, saying so in the log (no warning: a
+    layout's default tile may change under a shipped table) -- and one of the same
+    variant uses it."""
     cfg = CFG.replace(max_tokens=64)
     scatter, reduce = _cpu_tile(), dataclasses.replace(_cpu_tile(), layer1_scatter=False)
     assert scatter.variant() != reduce.variant()
@@ -252,9 +265,11 @@ def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path):
     _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2}},
            tile=scatter)
     assert _cpu_layer(tmp_path, tile=scatter).select_comm_blocks(32) == (1, 2)
-    with pytest.warns(UserWarning, match="TileConfig variant"):
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="comet"):
+        warnings.simplefilter("error")
         other = _cpu_layer(tmp_path, tile=reduce)
         assert other.select_comm_blocks(32) == other.selection.analytic(32)
+    assert "TileConfig variant" in caplog.text
     # The default variant writes no "tile" at all: the shipped tables stay valid.
     assert "tile" not in tuned.expected_meta(cfg, 1, "cpu")
     assert tuned.expected_meta(cfg, 1, "cpu", reduce)["tile"] == reduce.variant()

@@ -150,13 +150,13 @@ LEGACY_ROUTINGS = ["uniform"]
 def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> dict:
     """The table already at ``path`` (to resume / merge), or a fresh one. A stale table
     (older kernels) or one timed on another routing mix is replaced; one of another
-    shape is refused."""
+    shape is refused; one of another TileConfig variant is replaced too."""
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
         try:
             tuned.parse_table(data, meta)
-        except tuned.StaleTableError as e:
+        except (tuned.StaleTableError, tuned.VariantTableError) as e:
             print(f"{path}: {e}; measuring every bucket again", file=sys.stderr)
             return {"meta": meta, "buckets": {}}
         had = data["meta"].get("routings", LEGACY_ROUTINGS)

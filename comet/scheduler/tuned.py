@@ -131,6 +131,11 @@ class StaleTableError(TunedTableError):
     """A table measured on another revision of the kernels."""
 
 
+class VariantTableError(TunedTableError):
+    """A table tuned for another TileConfig variant of the same shape (a file name holds
+    one): not a bad file -- e.g. a layout whose default tile changed since it was tuned."""
+
+
 def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
     """Validate a loaded table; returns ``{tokens: Choice}``."""
     if not isinstance(data, dict) or "buckets" not in data or "meta" not in data:
@@ -149,8 +154,9 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
             raise TunedTableError(f"tuned for the layout {meta.get('layout') or 'ep'}, this "
                                   f"layer is {expect.get('layout') or 'ep'}")
         if meta.get("tile", {}) != expect.get("tile", {}):
-            raise TunedTableError(f"tuned for the TileConfig variant {meta.get('tile', {})}, "
-                                  f"this layer is {expect.get('tile', {})}")
+            raise VariantTableError(f"tuned for the TileConfig variant "
+                                    f"{meta.get('tile', {})}, this layer is "
+                                    f"{expect.get('tile', {})}")
     out = {}
     for tokens, entry in data["buckets"].items():
         try:
@@ -177,6 +183,10 @@ def _load(path: str, expect_json: str) -> dict[int, Choice] | None:
         with open(path) as f:
             data = json.load(f)
         return parse_table(data, json.loads(expect_json))
+    except VariantTableError as e:
+        log.info("comet: not using tuning file %s: %s; using the analytic model (run "
+                 "`comet tune` for this variant)", path, e)
+        return None
     except (OSError, json.JSONDecodeError, TunedTableError) as e:
         warnings.warn(f"comet: ignoring tuning file {path}: {e}", stacklevel=3)
         return None
