@@ -21,6 +21,7 @@ from comet.bench.inputs import HOT_EXPERT, make_routing
 from comet.bench.runner import Fused
 from comet.bench.timing import PhaseClock, combine_ranks, reduce_over_ranks
 from comet.cli import bench
+from comet.config import TileConfig
 
 SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
          "--routing", "uniform"]
@@ -38,6 +39,7 @@ class FakeFusedMoE:
         self.last_comm_blocks = None
         self.last_decode, self.last_tile_overrides = False, {}
         self.splits_asked = set()
+        self.tile = TileConfig(layer0_gather=True)   # recorded as the record's dispatch
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
@@ -163,6 +165,7 @@ def test_fused_columns_with_a_fake_layer(tmp_path, capsys, fake_fused):
         assert r["n_comm"] == [2, 3]
         assert r["decode_tile"] is (r["tokens_per_rank"] < 64)
         assert r["tile_overrides"] == ({} if r["tokens_per_rank"] < 64 else {"group_m": 16})
+        assert r["layer0_gather"] is True
         assert r["speedup"] == pytest.approx(r["baseline_us"] / r["fused_us"])
         assert r["hidden_comm_fraction"] == pytest.approx(rec.hidden_fraction(
             r["compute_only_us"], r["comm_only_us"], r["fused_us"]))

@@ -32,8 +32,8 @@ from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
                                 case_columns, fixed_columns, fixed_splits, fused_host_us,
-                                fused_series, gemm_fn, hbm_floors, link_columns,
-                                phase_columns, rel_err, run_columns)
+                                fused_series, gather_column, gemm_fn, hbm_floors,
+                                link_columns, phase_columns, rel_err, run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.grouped import grouped_mm
@@ -166,6 +166,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
             **link,
             "n_comm": (list(fused.layer.last_comm_blocks)
                        if fused is not None and fused.layer.last_comm_blocks else None),
+            **gather_column(fused),
             "max_rel_err": errs,
             **run_columns(st, hbm_floor, layer),
         }

@@ -20,9 +20,10 @@ or a per-layer row of a variant that has no layers). Variants:
   ``hbm_read_gbps``, the HBM read bandwidth measured in the same run (a floor, not a
   measurement of the layer).
 * ``link_rows`` / ``link_token_rows`` -- rows the slowest rank's dispatch sends to other
-  ranks, once per (token, expert) as the push sends them and once per (token, rank), what
-  a dispatch sending each row once per destination would move (median over the input
-  sets; counts, not times).
+  ranks, once per (token, expert) as the placing push sends them and once per (token,
+  rank), what the gathered dispatch moves (median over the input sets; counts, not
+  times); ``layer0_gather`` says which one comet's layer ran
+  (``TileConfig.layer0_gather``).
 * ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
   count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
 * ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs

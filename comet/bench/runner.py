@@ -287,6 +287,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             "n_comm_per_rank": n_comm,
             "decode_tile": decode_tile,
             "tile_overrides": tile_overrides,
+            **gather_column(fused),
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
             **link,
             "max_rel_err": checks,
@@ -309,6 +310,13 @@ def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int
     by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
     return reduce_over_ranks({name: [by_set[s][name] for s in order] for name in rec.LAYERS},
                              st.group)
+
+
+def gather_column(fused: Fused | None) -> dict:
+    """``layer0_gather``: whether comet's layer sent a token's row once per rank (its
+    link rows are then ``link_token_rows``, else ``link_rows``); None without one."""
+    tile = getattr(fused.layer, "tile", None) if fused is not None else None
+    return {"layer0_gather": None if tile is None else tile.layer0_gather}
 
 
 def link_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings) -> dict:
