@@ -680,3 +680,29 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     assert back.layer1_scatter
     assert bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"].layer1_scatter
     assert bench._tile_of({}, cfg, mesh, "replicated") == {}
+
+
+def test_whole_calls_may_be_issued_ahead_of_the_gpu(tmp_path, monkeypatch, fake_fused):
+    """``--lead-us``: every whole-call iteration first parks the GPU that long (in sleep
+    cycles at up to 2 GHz) so the host issues the call ahead; phase-timed iterations keep
+    their 10 ms; the records say so. Without it, whole calls run back to back."""
+    from comet.bench import timing
+    slept = []
+    monkeypatch.setattr(timing, "_queue_ahead",
+                        lambda device, cycles=timing.QUEUE_AHEAD_CYCLES: slept.append(cycles))
+    series = timing.time_calls(lambda i, t: None, n_sets=1, iters=3, warmup=1,
+                               device=torch.device("cpu"), lead_us=250)
+    assert slept == [250 * timing.LEAD_CYCLES_PER_US] * 4 and len(series["total"]) == 3
+    slept.clear()
+    timing.time_calls(lambda i, t: None, n_sets=1, iters=2, warmup=0,
+                      device=torch.device("cpu"), make_timer=lambda: timing.PhaseClock("cpu"))
+    assert slept == [timing.QUEUE_AHEAD_CYCLES] * 2
+    slept.clear()
+    timing.time_calls(lambda i, t: None, n_sets=1, iters=2, warmup=0, device=torch.device("cpu"))
+    assert slept == [0, 0]
+    assert bench.main(SMALL + ["--layers", "moe", "--lead-us", "500",
+                               "--output-dir", str(tmp_path)]) == 0
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    assert all(r["lead_us"] == 500 for r in rec.read_json(path))
+    with pytest.raises(SystemExit):
+        bench.main(SMALL + ["--lead-us", "-1"])

@@ -110,7 +110,8 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
 
     def timed(fn, make_timer=None) -> dict[str, list[float]]:
         series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
-                            device=dev, group=group, make_timer=make_timer, flush=flush)
+                            device=dev, group=group, make_timer=make_timer, flush=flush,
+                            lead_us=st.lead_us)
         return reduce_over_ranks(series, group)
 
     def baseline(s: InputSet, timer=None):

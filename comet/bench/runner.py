@@ -97,6 +97,9 @@ class Settings:
     #: HBM read bandwidth measured in this run (:func:`comet.bench.floors.hbm_read_gbps`),
     #: for the records' HBM floor; None off a GPU.
     hbm_gbps: float | None = None
+    #: Microseconds the GPU sleeps before each whole-call iteration, so the host issues
+    #: the call ahead (comet.bench.timing.time_calls; 0: calls back to back).
+    lead_us: float = 0.0
 
 
 @dataclass
@@ -183,7 +186,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
 
     def timed(fn, make_timer=None) -> dict[str, list[float]]:
         series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
-                            device=dev, group=group, make_timer=make_timer, flush=flush)
+                            device=dev, group=group, make_timer=make_timer, flush=flush,
+                            lead_us=st.lead_us)
         return reduce_over_ranks(series, group)
 
     def baseline(s: InputSet, timer=None):

@@ -11,7 +11,13 @@ Triton kernel costs the host ~200 us (measured on an H100: dispatch alone, 113 u
 in a 333 us phase). So a phase-timed iteration first parks the GPU in a sleep long enough
 for the host to enqueue the whole call: the phases then measure the device's work, not
 the host's launches. Whole-call times come from calls without phases (comet replays its
-CUDA graph there, as a user's call does), which keep whatever host cost they have.
+CUDA graph there, as a user's call does), which keep whatever host cost they have: the
+start event is on the GPU as soon as the ranks are aligned, and the call's first kernel
+only when the host has staged it, so a call whose GPU work is not much longer than the
+host's issue time (~90-200 us) is timed partly as host time. ``lead_us`` (``comet bench
+--lead-us``) parks the GPU that long before a whole call's start event instead, so the
+host issues the call ahead and the time is the device's; long enough to cover the host,
+short against the power cap's clock changes (the phases' 10 ms rest is not).
 """
 
 from __future__ import annotations
@@ -104,10 +110,15 @@ def _align(group, device: torch.device) -> None:
 QUEUE_AHEAD_CYCLES = 20_000_000
 
 
-def _queue_ahead(device: torch.device) -> None:
+def _queue_ahead(device: torch.device, cycles: int = QUEUE_AHEAD_CYCLES) -> None:
     """Keep the GPU busy while the host enqueues the next call (see the module doc)."""
-    if device.type == "cuda":
-        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+    if device.type == "cuda" and cycles > 0:
+        torch.cuda._sleep(cycles)
+
+
+#: GPU cycles per microsecond a lead sleep counts with: H100 and H200 run at most
+#: ~1.98 GHz, so ``lead_us`` microseconds of these cycles last at least that long.
+LEAD_CYCLES_PER_US = 2000
 
 
 def _sync(device: torch.device) -> None:
@@ -117,12 +128,13 @@ def _sync(device: torch.device) -> None:
 
 def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, warmup: int,
                device: torch.device, group=None, make_timer: Callable[[], object] | None = None,
-               flush: L2Flush | None = None) -> dict[str, list[float]]:
+               flush: L2Flush | None = None, lead_us: float = 0.0) -> dict[str, list[float]]:
     """Time ``fn(set_index, timer)`` on this rank.
 
     Iteration ``i`` uses input set ``i % n_sets`` (warm-up iterations included, so the
     timed ones start wherever warm-up left off). ``make_timer`` builds a fresh phase timer
-    per iteration (``None``: no phases); ``fn`` receives it (or None).
+    per iteration (``None``: no phases); ``fn`` receives it (or None). Without one, the
+    GPU first sleeps ``lead_us`` (0: not at all) so the host issues the call ahead.
 
     Returns:
         ``{"total": [iters] us, "host": [iters] us, "<phase>": [iters] us, ...}``, this
@@ -140,6 +152,8 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
             flush()
         if make_timer is not None:
             _queue_ahead(device)
+        else:
+            _queue_ahead(device, int(lead_us * LEAD_CYCLES_PER_US))
         # After the sleep: ranks whose clocks differ would otherwise leave it (and start
         # the call) as far apart as the clocks drift over ~10 ms.
         _align(group, device)

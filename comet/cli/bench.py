@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the fused layer at each of these comm-block counts (both "
                         "layers), so every record shows comet's choice against the best "
                         "fixed split (columns best fixed, b/best fixed); e.g. 0 8 16 32")
+    g.add_argument("--lead-us", type=float, default=0.0, metavar="US",
+                   help="park the GPU this long before each whole-call iteration, so the "
+                        "host issues the call ahead and small calls are timed as device "
+                        "work, not partly as the host's issue time (default 0: calls back "
+                        "to back); e.g. 500")
     g.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
                    help="integer TileConfig fields of comet's layer (e.g. layer1_scatter=0 "
                         "for layer1's column-split reduce; default: the layer's defaults)")
@@ -351,10 +356,15 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         meta["tile"] = tile_fields
         if args.comm_blocks is None:
             notes.append(TILE_VARIANT_NOTE)
+    if args.lead_us < 0:
+        parser.error(f"--lead-us must be >= 0, got {args.lead_us}")
     st = Settings(device=device, group=group, world=world, rank=rank, iters=iters,
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
-                  chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits))
+                  chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits),
+                  lead_us=args.lead_us)
+    if args.lead_us:
+        meta["lead_us"] = args.lead_us
     if args.timeline:
         return _timeline(args, configs[0], st, dtype, meta, stamp, mesh)
     st.hbm_gbps = hbm_read_gbps(device)
