@@ -2,7 +2,8 @@
 # usage: [NPROC=1] VARIANTS="default block_n0=64 num_stages=4,block_n1=128" NAME=tp-qwen2 \
 #        bash scripts/device/tile_probe.sh [comet bench args...]
 # The same comet bench cases once per TileConfig variant (`--tile FIELD=V,...`; "default":
-# the layer's own tile), one rank (NPROC=2: two, expert-parallel), from the repository root with no install: which tile
+# the layer's own tile; "lead_us=N": the default tile, whole calls issued ahead with
+# `--lead-us N`), one rank (NPROC=2: two, expert-parallel), from the repository root with no install: which tile
 # fields pay for a shape before any default changes. Writes $OUT/NAME-<variant>.json/.md
 # (the variant's "=" as "-" and "," as "+": device machines return plain names only),
 # $OUT/NAME.log, and $OUT/NAME-summary.txt (per variant and record: fused, compute-only,
@@ -16,7 +17,12 @@ mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for v in ${VARIANTS:-default}; do
     dir=$(mktemp -d)
-    tile=(); [ "$v" != default ] && tile=(--tile "$v")
+    # "lead_us=N" is no tile field: it times the whole calls issued ahead (--lead-us N)
+    case "$v" in
+      default)   tile=() ;;
+      lead_us=*) tile=(--lead-us "${v#lead_us=}") ;;
+      *)         tile=(--tile "$v") ;;
+    esac
     tag=$(echo "$v" | tr '=,' '-+')
     echo "== $v"
     timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc "${NPROC:-1}" --no-plot \
