@@ -530,3 +530,20 @@ def test_tensor_parallel_and_hybrid_gathered_kernels_match_mesh_forward(layout, 
                reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention), torch.float32)
     for ws in ep.ws:
         assert not ws.buffers["a0"][mesh.world * cfg.max_tokens:].any()
+
+
+def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_built():
+    """``layer0_gather`` on F shards that are no whole number of half interleave blocks
+    (96 columns at tp 2): a ValueError naming the field when the layer is built -- before
+    a workspace exists -- not at its first call."""
+    from comet.runtime.layer import FusedMoE
+    mesh = MeshLayout(2, 1)
+    cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=2 * 96,
+                    dtype=torch.float32, max_tokens=4)
+    w13, w2 = _shards(mesh, torch.zeros(E, 32, 4 * 96), torch.zeros(E, 2 * 96, 32))
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
+    with pytest.raises(ValueError, match="layer0_gather needs one-dot layer0 items"):
+        FusedMoE.virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
+    single = cfg.replace(intermediate_size=96)
+    with pytest.raises(ValueError, match="F 96"):
+        FusedMoE(single, torch.zeros(E, 32, 192), torch.zeros(E, 96, 32), tile=tile)

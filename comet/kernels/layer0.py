@@ -193,6 +193,15 @@ def one_dot_tiles(block_n0: int, ffn: int) -> bool:
     return block_n0 == GATE_UP_BLOCK and ffn % (GATE_UP_BLOCK // 2) == 0
 
 
+def check_gather(block_n0: int, ffn: int) -> None:
+    """ValueError unless layer0's items over F = ``ffn`` columns can read A through an
+    index (``TileConfig.layer0_gather``): one-dot items only (:func:`one_dot_tiles`)."""
+    if not one_dot_tiles(block_n0, ffn):
+        raise ValueError(f"layer0_gather needs one-dot layer0 items (block_n0 = "
+                         f"{GATE_UP_BLOCK} and F a multiple of {GATE_UP_BLOCK // 2}); got "
+                         f"block_n0 {block_n0}, F {ffn}")
+
+
 def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: TileConfig,
                 gated: bool, transposed: bool = False, activation: GatedActivation = SILU,
                 bias: torch.Tensor | None = None, rows: Gathered | None = None
@@ -211,10 +220,8 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     if gated:
         block_n = tile.block_n0
         one_dot = one_dot_tiles(block_n, n)
-        if rows is not None and not one_dot:
-            raise ValueError(f"layer0_gather needs one-dot layer0 items (block_n0 = "
-                             f"{GATE_UP_BLOCK} and F a multiple of {GATE_UP_BLOCK // 2}); "
-                             f"got block_n0 {block_n}, F {n}")
+        if rows is not None:
+            check_gather(block_n, n)
         half_tail = one_dot and n % GATE_UP_BLOCK == GATE_UP_BLOCK // 2
         b = descriptor(w.view(el * h, 2 * n), [bk, block_n * (2 if one_dot else 1)])
     else:

@@ -27,7 +27,7 @@ import torch
 from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.constants import interpreting
 from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
-from comet.kernels.layer0 import one_dot_tiles
+from comet.kernels.layer0 import check_gather, one_dot_tiles
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
@@ -178,6 +178,8 @@ class FusedMoE:
         tile = tile or default_tile(mesh, convention, cfg)
         self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         kernel_cfg = mesh.kernel_config(cfg)
+        if tile.layer0_gather:          # before any buffer exists (a collective)
+            check_gather(tile.block_n0, kernel_cfg.intermediate_size)
         # State the calls update in place must not be inference tensors, or a layer first
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
@@ -221,6 +223,8 @@ class FusedMoE:
                              "synchronize waits for its call, which needs the other ranks' "
                              "calls; use 'lazy' and check_errors_now() after the calls")
         tile = tile or default_tile(mesh, convention, cfg)
+        if tile.layer0_gather:
+            check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
         if programs is None:
             sms = sm_count(device) if device.type == "cuda" else 4 * world
             programs = max(1, sms // world)
