@@ -96,6 +96,16 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     return tile
 
 
+def _layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
+                cfg: MoEConfig) -> TileConfig:
+    """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg``;
+    ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
+    tile = tile or default_tile(mesh, convention, cfg)
+    if tile.layer0_gather:
+        check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
+    return tile
+
+
 def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
                    b2: torch.Tensor | None) -> tuple:
     """``(w13, b13, b2)`` with W13's columns (and b13's, the same columns) in the kernels'
@@ -175,11 +185,9 @@ class FusedMoE:
                  convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
         mesh = _mesh_of(mesh, par.world_size)
-        tile = tile or default_tile(mesh, convention, cfg)
         self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        tile = _layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
         kernel_cfg = mesh.kernel_config(cfg)
-        if tile.layer0_gather:          # before any buffer exists (a collective)
-            check_gather(tile.block_n0, kernel_cfg.intermediate_size)
         # State the calls update in place must not be inference tensors, or a layer first
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
@@ -222,9 +230,7 @@ class FusedMoE:
             raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
                              "synchronize waits for its call, which needs the other ranks' "
                              "calls; use 'lazy' and check_errors_now() after the calls")
-        tile = tile or default_tile(mesh, convention, cfg)
-        if tile.layer0_gather:
-            check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
+        tile = _layer_tile(tile, mesh, convention, cfg)
         if programs is None:
             sms = sm_count(device) if device.type == "cuda" else 4 * world
             programs = max(1, sms // world)
