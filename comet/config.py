@@ -322,6 +322,16 @@ class TileConfig:
             default tile turns it on where a token has at least four of its slots per
             rank (comet.runtime.strategies.gather_pays: deepseek-v3-like at (2, 1) and
             EP=2, 0.87-0.98x the fused time on 2x H100; top-2 models 0.98-1.03x).
+
+    Launch:
+        programmatic_launch: a forward call's kernels launched with programmatic dependent
+            launch (Hopper's ``griddepcontrol``): each starts launching once every program
+            of the one before it is running, and waits at its first step for that one to
+            finish (comet.kernels.sync.follow_previous) -- the ~8 launches of a call then
+            overlap their set-up with the kernel before, a fixed cost that weighs in
+            decode-sized calls. A rank on a GPU of its own only (virtual ranks sharing one
+            GPU launch as before: a parked program there could hold an SM a peer's kernel
+            needs). Off by default until measured.
     """
 
     block_m: int = 128
@@ -350,6 +360,7 @@ class TileConfig:
     layer0_stream_k: bool = True
     layer1_scatter: bool = True
     layer0_gather: bool = False
+    programmatic_launch: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.

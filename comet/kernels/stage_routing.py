@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from comet.kernels.sync import follow_previous, launch_options
+
 #: (token, slot) pairs per program.
 PAIRS_PER_PROGRAM = 1024
 
@@ -33,15 +35,18 @@ class RoutingStage(NamedTuple):
     weights: torch.Tensor        # fp32 [Mx, k]
 
 
-def launch_stage_routing(stage: RoutingStage) -> None:
-    """Copy the call's routing into the staged rows (a fixed grid for ``Mx`` tokens)."""
+def launch_stage_routing(stage: RoutingStage, pdl: bool = False) -> None:
+    """Copy the call's routing into the staged rows (a fixed grid for ``Mx`` tokens;
+    ``pdl``: a programmatic launch, comet.kernels.sync.launch_options)."""
     pairs = stage.ids.numel()
     stage_routing_kernel[(triton.cdiv(pairs, PAIRS_PER_PROGRAM),)](
-        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4)
+        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4, PDL=pdl,
+        **launch_options(pdl=pdl))
 
 
 @triton.jit
-def stage_routing_kernel(stage, K: tl.constexpr, BLOCK: tl.constexpr):
+def stage_routing_kernel(stage, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    follow_previous(PDL)
     n = tl.load(stage.num_tokens) * K
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = pairs < n
