@@ -579,7 +579,7 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
         if ready:   # after a failure the call's output is void: skip the GEMMs
             if trace.ON:
                 start = clock_ns()
-            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0,
+            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, n0,
                                (s - first) * item.BLOCK_K,
                                tl.minimum((end - first) * item.BLOCK_K, gemm.K))
             if (s == first) & (end == first + steps):

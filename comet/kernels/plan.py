@@ -188,9 +188,9 @@ def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: S
                   shape: Shape, exchange: Exchange, pdl: bool = False) -> None:
     """Per-block routing counts, prefix-summed: ``plan.block_counts[-1]`` holds this
     rank's totals (pairs per expert, tokens per rank), what the count exchange sends --
-    and with ``exchange.IN_PLAN`` the scan's last program sends them. ``pdl``: both
-    launches programmatic (:func:`comet.kernels.sync.launch_options`), as every launch
-    of this module."""
+    and with ``exchange.IN_PLAN`` the scan's last program sends them. ``pdl`` (here and
+    in the module's other launchers): programmatic launches,
+    :func:`comet.kernels.sync.launch_options`."""
     bt = plan_block_tokens(shape.TOPK)
     blocks = plan.block_counts.shape[0] - 1
     count_kernel[(blocks,)](
