@@ -630,14 +630,16 @@ def test_tables_are_shipped_for_the_presets():
 
 @pytest.mark.parametrize("path", SHIPPED_TABLES, ids=lambda p: p.name)
 def test_each_shipped_table_is_current_and_matches_its_name(path):
-    """A shipped table must load for the shape its name gives, on these kernels: a kernel
-    change (new KERNEL_REVISION) makes every table stale -- re-tune or remove them."""
+    """A shipped table must load for the shape its name gives, on these kernels, for the
+    TileConfig variant it records (a gathered layer's, e.g.): a kernel change (new
+    KERNEL_REVISION) makes every table stale -- re-tune or remove them."""
     meta = json.loads(path.read_text())["meta"]
     cfg = MoEConfig(num_experts=meta["E"], top_k=meta["top_k"], hidden_size=meta["H"],
                     intermediate_size=meta["F"], dtype=torch.bfloat16)
     layout = meta.get("layout")
     assert tuned.file_name(cfg, meta["world_size"], meta["device_name"], layout) == path.name
-    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"], layout=layout)
+    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"],
+                                 tile=TileConfig(**meta.get("tile", {})), layout=layout)
     table = tuned.parse_table(json.loads(path.read_text()), expect)
     if layout is None:      # the presets' expert-parallel tables: every default bucket
         assert sorted(table) == list(tune.DEFAULT_TOKENS)
