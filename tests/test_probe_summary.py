@@ -1,0 +1,46 @@
+"""scripts/device/probe_summary.py: a tile probe's variants against its baseline, round by
+round (``tile_probe.sh`` with ``ROUNDS``), read from bench JSONs written here."""
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("probe_summary",
+                                              ROOT / "scripts" / "device" / "probe_summary.py")
+probe_summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe_summary)
+
+
+def _write(path, fused):
+    records = [dict(config=c, tokens_per_rank=t, routing="uniform", layer="moe", fused_us=us)
+               for (c, t), us in fused.items()]
+    path.write_text(json.dumps(records))
+
+
+def test_variants_are_paired_round_by_round(tmp_path, capsys):
+    # Round 2 of the machine is slower for everyone: a paired ratio does not see it.
+    for rnd, slow in ((1, 1.0), (2, 1.5), (3, 1.0)):
+        _write(tmp_path / f"p-default-round{rnd}.json",
+               {("mixtral", 1): 300 * slow, ("mixtral", 8): 500 * slow})
+        _write(tmp_path / f"p-programmatic_launch-1-round{rnd}.json",
+               {("mixtral", 1): 270 * slow, ("mixtral", 8): 510 * slow})
+    runs = probe_summary.load_runs(str(tmp_path), "p")
+    assert sorted(runs) == ["default", "programmatic_launch-1"]
+    assert sorted(runs["default"]) == [1, 2, 3]
+    lines = probe_summary.ratio_lines(runs, "default")
+    assert "0.900 [0.900, 0.900] over 3 round(s)" in lines[0]
+    assert "1.020 [1.020, 1.020] over 3 round(s)" in lines[1]
+    assert "geomean 0.958 over 2 records" in lines[2]
+    probe_summary.main(str(tmp_path), "p", "default")
+    out = capsys.readouterr().out
+    assert "programmatic_launch-1#2" in out and "whole call over default" in out
+
+
+def test_a_single_round_keeps_the_plain_names(tmp_path, capsys):
+    _write(tmp_path / "p-default.json", {("qwen2-moe", 128): 300.0})
+    _write(tmp_path / "p-layer0_gather-0.json", {("qwen2-moe", 128): 330.0})
+    probe_summary.main(str(tmp_path), "p")
+    out = capsys.readouterr().out
+    assert "layer0_gather-0              qwen2-moe" in out and "#" not in out
+    assert "1.100 [1.100, 1.100] over 1 round(s)" in out
