@@ -18,7 +18,7 @@ from comet.config import TileConfig
 from comet.constants import ADDRESS_ALIGN, SITE_COMBINE, constexpr
 from comet.kernels.address import pointer_at
 from comet.kernels.shape import next_pow2
-from comet.kernels.sync import Sync, follow_previous, launch_options, wait_at_least
+from comet.kernels.sync import Sync, follow_previous, programmatic, wait_at_least
 
 #: Combine programs per SM on a GPU of its own: loads in flight, not threads, bound a
 #: stream, and one program per SM left HBM two-thirds idle (docs/notebook.md). (Virtual
@@ -49,7 +49,7 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     """Sum the parts into the output whose address is in ``y_addr`` (``[M, H]``, ``M`` in
     the device scalar ``num_tokens``), on at most ``grid`` programs, once every rank's
     ``flag1`` says its parts landed (``wait``; ``pdl``: a programmatic launch,
-    comet.kernels.sync.launch_options)."""
+    comet.kernels.sync.programmatic)."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
     grid = max(1, min(grid, triton.cdiv(max_tokens, tile.combine_rows)))
@@ -59,8 +59,8 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
     combine_kernel[(grid,)](
         parts=parts, flag1=flag1, y_addr=y_addr, num_tokens=num_tokens, H=hidden, sync=sync,
-        WAIT=wait, ROWS=tile.combine_rows, BLOCK_H=block_h, num_warps=warps, PDL=pdl,
-        **launch_options(pdl=pdl))
+        WAIT=wait, ROWS=tile.combine_rows, BLOCK_H=block_h, num_warps=warps,
+        **programmatic(pdl))
 
 
 @triton.jit

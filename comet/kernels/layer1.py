@@ -76,8 +76,8 @@ from comet.kernels.plan import EntryTables, Tiles
 from comet.kernels.roles import RoleLaunch, assign_role
 from comet.kernels.shape import Shape
 from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, follow_previous, healthy,
-                                launch_options, release, stamp, take, wait_at_least,
-                                wait_chunks)
+                                launch_options, programmatic, release, stamp, take,
+                                wait_at_least, wait_chunks)
 
 
 #: Programs a split-K call may use (one per K split of a work item): at least the SMs of
@@ -205,12 +205,11 @@ def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Spli
                           ksplit: KSplit = KSplit(None, None), pdl: bool = False) -> None:
     """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs (in K
     splits where ``ksplit`` has them and the call is small; ``pdl``: a programmatic
-    launch, comet.kernels.sync.launch_options)."""
+    launch, comet.kernels.sync.programmatic)."""
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
-        **launch_options(pdl=pdl))
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **programmatic(pdl))
 
 
 @triton.jit

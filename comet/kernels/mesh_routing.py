@@ -18,7 +18,7 @@ import triton.language as tl
 
 from comet.constants import constexpr
 from comet.kernels.shape import next_pow2
-from comet.kernels.sync import follow_previous, launch_options
+from comet.kernels.sync import follow_previous, programmatic
 
 #: Tokens per program.
 TOKENS_PER_PROGRAM = 64
@@ -52,13 +52,13 @@ def shard_routing(ids: torch.Tensor, weights: torch.Tensor, num_tokens: torch.Te
 def launch_shard_routing(routing: ShardRouting, pdl: bool = False) -> None:
     """Write ``shard_ids`` / ``shard_weights`` for the call's tokens (a fixed grid for
     ``Mx`` tokens; programs past the device-held token count return at once; ``pdl``: a
-    programmatic launch, comet.kernels.sync.launch_options)."""
+    programmatic launch, comet.kernels.sync.programmatic)."""
     rows = routing.ids.shape[0]
     grid = triton.cdiv(rows, TOKENS_PER_PROGRAM)
     slots = int(routing.TOPK) * int(routing.TP)
     shard_routing_kernel[(grid,)](routing=routing, SLOTS_P2=next_pow2(slots),
                                   BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4,
-                                  PDL=pdl, **launch_options(pdl=pdl))
+                                  **programmatic(pdl))
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BA
 from comet.config import TileConfig
 from comet.kernels.exchange import Exchange, push_counts, wait_counts
 from comet.kernels.shape import Shape, next_pow2
-from comet.kernels.sync import Sync, arrive, follow_previous, launch_options, record_input_error
+from comet.kernels.sync import Sync, arrive, follow_previous, programmatic, record_input_error
 from comet.routing import recv_capacity
 
 #: Per-cell tables each layout program keeps in its scratch (layout_kernel).
@@ -190,18 +190,18 @@ def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: S
     rank's totals (pairs per expert, tokens per rank), what the count exchange sends --
     and with ``exchange.IN_PLAN`` the scan's last program sends them. ``pdl`` (here and
     in the module's other launchers): programmatic launches,
-    :func:`comet.kernels.sync.launch_options`."""
+    :func:`comet.kernels.sync.programmatic`."""
     bt = plan_block_tokens(shape.TOPK)
     blocks = plan.block_counts.shape[0] - 1
     count_kernel[(blocks,)](
         routing=routing, block_counts=plan.block_counts, input_err=input_err,
         epoch=sync.epoch, shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt,
-        num_warps=4, PDL=pdl, **launch_options(pdl=pdl))
+        num_warps=4, **programmatic(pdl))
     cols = int(shape.NUM_EXPERTS) + int(shape.WORLD)
     scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
         block_counts=plan.block_counts, blocks=blocks, routing=routing, exchange=exchange,
         sync=sync, shape=shape, COLS=cols, BLOCK_T=bt, SCAN_ROWS=SCAN_ROWS,
-        SCAN_COLS=SCAN_COLS, num_warps=4, PDL=pdl, **launch_options(pdl=pdl))
+        SCAN_COLS=SCAN_COLS, num_warps=4, **programmatic(pdl))
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
@@ -214,7 +214,7 @@ def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
         dst_base=plan.dst_base, send_off=plan.send.off, entry_count=plan.entry_count,
         segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
         tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
-        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4, PDL=pdl, **launch_options(pdl=pdl))
+        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4, **programmatic(pdl))
 
 
 def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
@@ -226,7 +226,7 @@ def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
         dst_base=plan.dst_base, send=plan.send, entries=plan.entries,
         dest_mask=plan.dest_mask, pair_live=plan.pair_live, max_tokens=max_tokens,
         input_err=input_err, epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK),
-        num_warps=4, PDL=pdl, **launch_options(pdl=pdl))
+        num_warps=4, **programmatic(pdl))
 
 
 # ----------------------------------------------------------------------- kernels

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.sync import follow_previous, launch_options
+from comet.kernels.sync import follow_previous, programmatic
 
 #: (token, slot) pairs per program.
 PAIRS_PER_PROGRAM = 1024
@@ -37,11 +37,11 @@ class RoutingStage(NamedTuple):
 
 def launch_stage_routing(stage: RoutingStage, pdl: bool = False) -> None:
     """Copy the call's routing into the staged rows (a fixed grid for ``Mx`` tokens;
-    ``pdl``: a programmatic launch, comet.kernels.sync.launch_options)."""
+    ``pdl``: a programmatic launch, comet.kernels.sync.programmatic)."""
     pairs = stage.ids.numel()
     stage_routing_kernel[(triton.cdiv(pairs, PAIRS_PER_PROGRAM),)](
-        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4, PDL=pdl,
-        **launch_options(pdl=pdl))
+        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4,
+        **programmatic(pdl))
 
 
 @triton.jit

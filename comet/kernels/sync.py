@@ -264,8 +264,9 @@ def fence_async_proxy():
 @triton.jit
 def follow_previous(PDL: tl.constexpr):
     """A kernel's first step under programmatic dependent launch (``PDL``: launched with
-    :func:`launch_options` ``pdl=True``, ``TileConfig.programmatic_launch``): wait until
-    the kernel before it on the stream has finished and its stores are visible
+    :func:`programmatic`, or a layer kernel whose ``RoleLaunch`` holds it;
+    ``TileConfig.programmatic_launch``): wait until the kernel before it on the stream
+    has finished and its stores are visible
     (``griddepcontrol.wait``), then let the next kernel's programs start launching
     (``griddepcontrol.launch_dependents``) -- so a launch's set-up overlaps the kernel
     before it instead of following it. Waiting first keeps at most one kernel's programs
@@ -291,6 +292,13 @@ def launch_options(*, cooperative: bool = False, pdl: bool = False) -> dict:
     if pdl:
         opts["launch_pdl"] = True
     return opts
+
+
+def programmatic(pdl: bool) -> dict:
+    """A kernel's ``PDL`` constexpr and its launch flag as one set of launch arguments,
+    so neither goes without the other: launched programmatically, a kernel that does not
+    wait first (:func:`follow_previous`) would read what the one before it still writes."""
+    return {"PDL": pdl, **launch_options(pdl=pdl)}
 
 
 @triton.jit

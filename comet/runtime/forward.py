@@ -95,7 +95,7 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, pdl: bool = F
     """``(open, plan)`` of a call: open it, count, and push this rank's counts to every
     peer (the scan's last program); then wait for every peer's counts (the layout
     kernel's programs) and build the offsets, tile table and send list (``pdl``:
-    programmatic launches, comet.kernels.sync.launch_options)."""
+    programmatic launches, comet.kernels.sync.programmatic)."""
     count_exchange = ws.exchange(in_plan=True)
 
     def open_call() -> None:
