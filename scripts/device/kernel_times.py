@@ -1,11 +1,13 @@
-# usage: PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens ...] [--ep W] [--modes ...] [--tiles ...] (or torchrun --nproc-per-node W for python3)
+# usage: PYTHONPATH=. python3 scripts/device/kernel_times.py [--configs ...] [--tokens ...] [--ep W] [--tp T] [--modes ...] [--tiles ...] (or torchrun --nproc-per-node W for python3)
 """Device time of every kernel of one comet call, by kernel, one GPU (profiler).
 
 Experiment: where a call's time goes, kernel by kernel, and what a tile configuration
 changes. A one-rank FusedMoE runs fused calls under torch.profiler; the CUDA time of each
 kernel (plan kernels, layer kernels, combine, torch ops) is averaged per call. With
 ``--ep W`` the layer holds E/W experts, which gives one rank of an EP=W layer its GEMM
-shapes (rows per local expert = tokens * top_k * W / E under uniform routing). Under
+shapes (rows per local expert = tokens * top_k * W / E under uniform routing); with
+``--tp T`` each expert's F/T shard (a (T, W) layout's rank: pass the tokens its GEMMs see,
+T times a rank's own in the sequence convention). Under
 torchrun the layer is a real expert-parallel one over all ranks, and each rank reports
 its own kernels (``--modes fused comm_only`` shows what the communication alone costs).
 
@@ -42,14 +44,16 @@ def parse_tile(text: str) -> dict:
     return dict(zip(TILE_FIELDS, map(int, text.split(","))))
 
 
-def rank_layer_inputs(name, tokens, ep=1, world=1, max_tokens=None, generator=None):
+def rank_layer_inputs(name, tokens, ep=1, world=1, max_tokens=None, generator=None, tp=1):
     """``(cfg, experts, w13, w2)`` of one rank: preset ``name`` with ``1/ep`` of its
-    experts (one rank of EP=ep's GEMM shapes when ``world`` is 1), this rank's share of
-    them as random weights, a workspace for ``max(tokens, max_tokens)`` tokens."""
+    experts and ``1/tp`` of their F (one rank of a (tp, ep) layout's GEMM shapes when
+    ``world`` is 1), this rank's share of them as random weights, a workspace for
+    ``max(tokens, max_tokens)`` tokens."""
     base = preset(name)
     experts = base.num_experts // ep
     el = experts // world
     cfg = base.replace(num_experts=experts, top_k=min(base.top_k, experts),
+                       intermediate_size=base.intermediate_size // tp,
                        n_group=min(base.n_group, experts),
                        max_tokens=max(tokens, max_tokens or tokens))
     h, f = cfg.hidden_size, cfg.intermediate_size
@@ -60,8 +64,8 @@ def rank_layer_inputs(name, tokens, ep=1, world=1, max_tokens=None, generator=No
 
 
 def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
-        comm_blocks=None, decode_tile=None):
-    cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens)
+        comm_blocks=None, decode_tile=None, tp=1):
+    cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens, tp=tp)
     h, f = cfg.hidden_size, cfg.intermediate_size
     el = w13.shape[0]
     layer = FusedMoE(cfg, w13, w2, tile=tile, use_graphs=False)
@@ -100,7 +104,7 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
             torch._grouped_mm(a1, b2, offs=offs)
         torch.cuda.synchronize()
     torch_us = sum(e.device_time_total for e in prof.key_averages()) / calls
-    rec = dict(config=name, tokens=tokens, ep=ep, mode=mode, world=world,
+    rec = dict(config=name, tokens=tokens, ep=ep, tp=tp, mode=mode, world=world,
                rank=layer.par.rank, torch_gmm_us=torch_us,
                tile={k: getattr(layer.last_tile, k) for k in TILE_FIELDS + RECORDED},
                comm_blocks=list(layer.last_comm_blocks),
@@ -115,6 +119,7 @@ def main():
                     default=list(PRESETS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--ep", type=int, default=1, help="experts of one rank of EP=ep")
+    ap.add_argument("--tp", type=int, default=1, help="F shards of one rank of TP=tp")
     ap.add_argument("--modes", nargs="+", default=["fused"],
                     help="FusedMoE modes: fused, sequential, compute_only, comm_only")
     ap.add_argument("--tiles", nargs="+", default=None,
@@ -140,7 +145,7 @@ def main():
     _, world, rank = init_ranks()
     splits = [None if s is None else tuple(map(int, s.split(","))) for s in args.comm_blocks]
     recs = [run(c, t, args.ep, tile, mode, world, calls=args.calls,
-                max_tokens=args.max_tokens, comm_blocks=n, decode_tile=decode)
+                max_tokens=args.max_tokens, comm_blocks=n, decode_tile=decode, tp=args.tp)
             for c in args.configs for t in args.tokens for tile, decode in tiles
             for mode in args.modes for n in splits]
     if rank != 0:
