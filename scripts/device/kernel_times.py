@@ -19,6 +19,7 @@ its own kernels (``--modes fused comm_only`` shows what the communication alone 
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -58,13 +59,16 @@ def rank_layer_inputs(name, tokens, ep=1, world=1, max_tokens=None, generator=No
                        max_tokens=max(tokens, max_tokens or tokens))
     h, f = cfg.hidden_size, cfg.intermediate_size
     g = generator or torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(el, h, 2 * f, device="cuda", generator=g) * h ** -0.5).to(cfg.dtype)
-    w2 = (torch.randn(el, f, h, device="cuda", generator=g) * f ** -0.5).to(cfg.dtype)
+    # drawn in the layer's dtype: an fp32 draw of DeepSeek-V3-like's 128 experts is 15 GB
+    w13 = torch.randn(el, h, 2 * f, device="cuda", generator=g, dtype=cfg.dtype) * h ** -0.5
+    w2 = torch.randn(el, f, h, device="cuda", generator=g, dtype=cfg.dtype) * f ** -0.5
     return cfg, experts, w13, w2
 
 
 def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_tokens=None,
         comm_blocks=None, decode_tile=None, tp=1):
+    gc.collect()                # the previous record's layer and weights, before new ones
+    torch.cuda.empty_cache()
     cfg, experts, w13, w2 = rank_layer_inputs(name, tokens, ep, world, max_tokens, tp=tp)
     h, f = cfg.hidden_size, cfg.intermediate_size
     el = w13.shape[0]
