@@ -322,6 +322,14 @@ class TileConfig:
             default tile turns it on where a token has at least four of its slots per
             rank (comet.runtime.strategies.gather_pays: deepseek-v3-like at (2, 1) and
             EP=2, 0.87-0.98x the fused time on 2x H100; top-2 models 0.98-1.03x).
+        layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
+            rows (masked loads; the others, the next expert's rows or padding, are
+            zeros) in calls whose experts' rows each fit one m-tile as the decode rule
+            expects rows (the host's gate, Selector.live_rows_by_rule); larger calls run
+            the kernel without the masks, which cost their full tiles 1-5%. On by
+            default: layer0 of a 16-token qwen2-moe call at EP=2 took 0.70x the time,
+            128 tokens 0.88x, deepseek-v3-like at 1 token 0.64x (1x H100, one rank's
+            shapes, docs/benchmarks.md, "The gathered GEMM's live rows").
 
     Launch:
         programmatic_launch: a forward call's kernels launched with programmatic dependent
@@ -360,6 +368,7 @@ class TileConfig:
     layer0_stream_k: bool = True
     layer1_scatter: bool = True
     layer0_gather: bool = False
+    layer0_live_rows: bool = True
     programmatic_launch: bool = False
 
     def __post_init__(self):

@@ -198,14 +198,18 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     assert cut == {3, 5, None}
 
 
-@pytest.mark.parametrize("scatter, stream_k", [(True, False), (False, True)])
-def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, stream_k):
+@pytest.mark.parametrize("scatter, stream_k, live_rows",
+                         [(True, False, True), (False, True, True), (True, False, False)])
+def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, stream_k,
+                                                                    live_rows):
     """``layer0_gather``: top-3 of 8 experts on 2 ranks, so most tokens have several pairs
     on a rank. Each rank's token rows land once, at ``tokens[source * Mx + t]`` (a0's
     first rows; the rest of a0 is never written), every pair is an index entry naming
     its token's row, and the outputs match the reference -- with layer1's scatter and
     with the reduce, and with layer0 as stream-K (a call small enough on 5 programs),
-    whose parts read A through the same index."""
+    whose parts read A through the same index; the GEMM loading only a tile's own rows
+    (``layer0_live_rows``, a small call's kernel) or whatever rows the tile's index
+    entries name (a large call's)."""
     e, k, h, f = 8, 3, 32, GATE_UP_BLOCK + GATE_UP_BLOCK // 2      # one whole, one half tail
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float32, max_tokens=6)
@@ -214,7 +218,7 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
     w2 = [torch.randn(4, f, h, generator=g) * f ** -0.5 for _ in range(2)]
     tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
                                comm_copy_rows=2, layer0_gather=True, layer1_scatter=scatter,
-                               layer0_stream_k=stream_k)
+                               layer0_stream_k=stream_k, layer0_live_rows=live_rows)
     ep = VirtualEP(cfg, w13, w2, tile)
     ids = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) for m in (6, 3)]
     ids[0][2] = torch.tensor([0, 1, 2])          # all three on rank 0

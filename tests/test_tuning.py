@@ -11,6 +11,7 @@ import torch
 from comet.cli import tune
 from comet.config import MoEConfig, TileConfig, preset
 from comet.constants import KERNEL_REVISION
+from comet.mesh import MeshLayout
 from comet.scheduler import search, tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
 
@@ -592,7 +593,8 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
         whole = selection.tile_for(tokens)
         assert not whole.layer0_stream_k, tokens
         # the same tile otherwise, built once
-        assert whole is selection.whole_items(dataclasses.replace(whole, layer0_stream_k=True))
+        assert whole is selection.without(dataclasses.replace(whole, layer0_stream_k=True),
+                                          ("layer0_stream_k",))
     assert selection.tile_for(1, overrides={"group_m": 4}).layer0_stream_k
     assert not selection.tile_for(8, overrides={"group_m": 4}).layer0_stream_k
     # every tile a call may run is warmed up before the first call
@@ -607,6 +609,45 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
     assert not narrow.may_stream_k and narrow.tile_for(4096) is narrow_tile
     assert len(narrow.tile_variants()) == len(off.tile_variants())
+
+
+@pytest.mark.parametrize("name, world, mesh, last_live, first_full", [
+    ("qwen2-moe", 2, None, 256, 257),                # 32 local experts, T / 8 rows each
+    ("deepseek-v3-like", 2, None, 512, 513),         # 128 local experts, T / 16 rows each
+    ("qwen2-moe", 2, MeshLayout(tp=2, ep=1), 256, 257),   # (2,1): 64 F/2 shards, 2T * 4 / 64
+])
+def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world, mesh,
+                                                                     last_live, first_full):
+    """A gathered layer0 loads only its tiles' own A rows (``layer0_live_rows``) in calls
+    whose experts' rows, expected under uniform routing, fill at most a quarter of an
+    m-tile (32 of 128 rows); larger calls run the kernel without the masks. Every tile a call may run is
+    warmed up; a layer that does not gather never swaps the variant."""
+    from comet.runtime.selection import Selector
+    cfg = preset(name)
+    layout = None
+    if mesh is not None:
+        cfg, world, layout = mesh.kernel_config(cfg), mesh.world, mesh.table_layout("sequence")
+    tile = dataclasses.replace(TileConfig(), layer0_gather=True)
+    selection = Selector(cfg, world, tile, 132, torch.device("cpu"), folder=None,
+                         layout=layout)
+    assert selection.may_live_rows
+    for tokens, live in ((1, True), (16, True), (last_live, True), (first_full, False),
+                         (4096, False), (16384, False)):
+        assert selection.tile_for(tokens).layer0_live_rows is live, tokens
+    # a call that stream-K may cut keeps the live rows, and every pick is warmed up
+    variants = selection.tile_variants()
+    assert selection.tile_for(1).layer0_stream_k
+    assert {selection.tile_for(t) for t in range(1, 5000, 7)} <= set(variants)
+    assert len(variants) == 3 * len(Selector(cfg, world, TileConfig(), 132,
+                                             torch.device("cpu"), folder=None,
+                                             layout=layout).tile_variants()) // 2
+    off = Selector(cfg, world, dataclasses.replace(tile, layer0_live_rows=False), 132,
+                   torch.device("cpu"), folder=None, layout=layout)
+    assert not off.may_live_rows and not off.tile_for(1).layer0_live_rows
+    placed = Selector(cfg, world, TileConfig(), 132, torch.device("cpu"), folder=None,
+                      layout=layout)
+    assert not placed.may_live_rows
+    assert all(t.layer0_live_rows for t in placed.tile_variants())
 
 
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():

@@ -97,6 +97,7 @@ class GemmTile(NamedTuple):
     ACT: Act                     # the gated activation (GATED)
     BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
     A_GATHER: tl.constexpr = constexpr(False)  # ONE_DOT: A's rows by index (``GemmOut.rows``)
+    A_LIVE: tl.constexpr = constexpr(False)    # A_GATHER: load only a tile's own rows
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -120,8 +121,9 @@ def gate_up_columns(n0, F, GATE_UP: tl.constexpr):
 
 
 @triton.jit
-def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
-    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]`` (``g``: the
+def gemm_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
+    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][:, n0:+BLOCK_N]`` (rows from
+    ``row_end`` on are the next tile's or padding: their results are dropped; ``g``: the
     :class:`GemmOut`, ``t``: the :class:`GemmTile`); with ``GATED``,
     ``silu(A @ gate) * (A @ up)`` over W13 in the interleaved layout. ``ONE_DOT`` (a tile
     is one whole interleave block, ``b``'s box ``[BLOCK_K, 2 * BLOCK_N]``): gate and up
@@ -131,7 +133,7 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
     K = g.K
     b_row = expert * K
     if t.GATED and t.ONE_DOT:
-        both = one_dot_acc(a_desc, b_desc, g, t, expert, row_start, n0, 0, K)
+        both = one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, 0, K)
         acc = one_dot_epilogue(both, g, t, expert, n0, t.BLOCK_M)
     elif t.GATED:
         gate_col, up_col = gate_up_columns(n0, g.N, t.GATE_UP)
@@ -162,22 +164,34 @@ def gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0):
 
 
 @triton.jit
-def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, n0, k0, k1):
+def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
     """The fp32 box ``A[row_start:+BLOCK_M, k0:k1] @ W13[expert][k0:k1, gate and up of
     n0:+BLOCK_N]`` (``ONE_DOT``: ``[BLOCK_M, 2 * BLOCK_N]``, before bias and activation):
     the whole K, or one stream-K segment of layer0 (comet.kernels.layer0.Work). With
     ``A_GATHER`` A's rows are ``tokens[src[row]]`` (:class:`Gathered`), loaded with
     ``tl.load`` (cp.async on Hopper) rather than a TMA box: the index is read once per
-    tile; rows past the tile's end read whatever valid row their entry names, and the
-    store drops them."""
+    tile. Rows past the tile's end (``row_end``: the next expert's rows, or padding)
+    read whatever valid row their entry names, and the store drops them -- unless
+    ``A_LIVE``: then they are zeros, loaded from nowhere. A small call's tiles are mostly
+    such rows, whose loads beside the weights' cost its layer0 up to 1.5x (the masks
+    cost a large call's full tiles 1-5%: comet.runtime.selection.Selector.live_rows_by_rule
+    compiles them in for small calls only)."""
     b_row = expert * g.K
     both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
     if t.A_GATHER:
         rows = row_start + tl.arange(0, t.BLOCK_M)
-        src = tl.load(g.rows.src + rows, mask=rows < g.rows.rows, other=0).to(tl.int64)
+        if t.A_LIVE:
+            live = rows < row_end
+        else:
+            live = rows < g.rows.rows
+        src = tl.load(g.rows.src + rows, mask=live, other=0).to(tl.int64)
         a = g.rows.tokens + src[:, None] * g.K + tl.arange(0, t.BLOCK_K)[None, :]
         for k in range(k0, k1, t.BLOCK_K):
-            both = tl.dot(tl.load(a + k), b_desc.load([b_row + k, 2 * n0]), both,
+            if t.A_LIVE:
+                a_k = tl.load(a + k, mask=live[:, None], other=0.0)
+            else:
+                a_k = tl.load(a + k)
+            both = tl.dot(a_k, b_desc.load([b_row + k, 2 * n0]), both,
                           input_precision=t.DOT_PRECISION)
     else:
         for k in range(k0, k1, t.BLOCK_K):
@@ -246,8 +260,8 @@ def bias_row(bias, expert, row_len, col0, col_end, WIDTH: tl.constexpr):
 def gemm_tile(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """``out[row_start:row_end, n0:n0+BLOCK_N] = A[rows] @ B[expert][:, cols]`` (+ bias,
     + the gated activation, or B transposed: see :func:`gemm_acc`)."""
-    store_tile(gemm_acc(a_desc, b_desc, g, t, expert, row_start, n0), g, row_start, row_end,
-               n0, t.BLOCK_M, t.BLOCK_N)
+    store_tile(gemm_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0), g, row_start,
+               row_end, n0, t.BLOCK_M, t.BLOCK_N)
 
 
 @triton.jit

@@ -214,8 +214,8 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     the backward's plain ``a0 @ w`` for ``w [El, H, N]``, or ``a0 @ w^T`` for ``w [El, N,
     H]`` (``transposed``), on ``block_n1``-column items. ``bias``: ``[El, 2N]`` (gated,
     W13's columns) or ``[El, N]``, added to each expert's rows before the activation.
-    ``rows``: the gated GEMM reads A through an index (a gathered dispatch); one-dot
-    items only."""
+    ``rows``: the gated GEMM reads A through an index (a gathered dispatch; only a
+    tile's own rows with ``tile.layer0_live_rows``); one-dot items only."""
     el, h, n = w.shape[0], a0.shape[1], out.shape[1]
     bk = tile.k_step(h)
     if gated:
@@ -235,7 +235,7 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
-        constexpr(rows is not None))
+        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows))
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
@@ -579,7 +579,7 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
         if ready:   # after a failure the call's output is void: skip the GEMMs
             if trace.ON:
                 start = clock_ns()
-            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, n0,
+            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0,
                                (s - first) * item.BLOCK_K,
                                tl.minimum((end - first) * item.BLOCK_K, gemm.K))
             if (s == first) & (end == first + steps):

@@ -259,7 +259,7 @@ def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, spli
                 row_start = tl.load(tiles.row_start + t)
                 row_end = tl.load(tiles.row_end + t)
                 if SCATTER:
-                    acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start,
+                    acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end,
                                    nb * BLOCK_N)
                     scatter_home(acc, homes, row_start, row_end, nb * BLOCK_N, gemm.N,
                                  item.BLOCK_M, BLOCK_N)

@@ -4,8 +4,10 @@ The block split (comm blocks of each layer) comes from an explicit override, els
 tuned table of this shape, device and tile variant (comet.scheduler.tuned), else the
 analytic model (comet.scheduler.split). The tile is the layer's TileConfig with the tunable
 fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
-table or a rule says a call is too small to fill the GPU, and with layer0's stream-K
-variant compiled in only for calls small enough that the device may take it. Both are
+table or a rule says a call is too small to fill the GPU, and with layer0's small-call
+variants compiled in only for calls small enough: stream-K where the device may take
+it, and a gathered GEMM's loads of live rows only where its tiles are mostly others'
+rows. Both are
 rank-local choices -- nothing a peer reads depends on them except the split, which every
 rank of a group derives from the same table -- and both are remembered per token count,
 so the forward path does not search folders or run the model's loop on every call.
@@ -23,6 +25,11 @@ from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.layer0 import STREAM_K_ROUNDS, one_dot_tiles
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
+
+
+#: A gathered layer0 loads only its tiles' own A rows while each expert's expected rows
+#: fill at most this fraction of an m-tile (:meth:`Selector.live_rows_by_rule`).
+LIVE_ROWS_MAX_FILL = 0.25
 
 
 class Selector:
@@ -46,11 +53,13 @@ class Selector:
         self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
         self._small: dict[int, bool] = {}
         self._stream_k: dict[int, bool] = {}
+        self._live_rows: dict[int, bool] = {}
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
         self.may_stream_k = tile.layer0_stream_k and one_dot_tiles(tile.block_n0,
                                                                    cfg.intermediate_size)
-        self._whole_items: dict[TileConfig, TileConfig] = {}
+        self.may_live_rows = tile.layer0_gather and tile.layer0_live_rows
+        self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
     # ------------------------------------------------------------------ split
@@ -114,18 +123,32 @@ class Selector:
             if decode_tile is None:
                 decode_tile = self.decode_by_rule(num_tokens)
             tile = decode if decode_tile else base
-        if self.may_stream_k and not self.stream_k_by_rule(num_tokens):
-            return self.whole_items(tile)
-        return tile
+        return self.without(tile, self.too_large_for(num_tokens))
 
-    def whole_items(self, tile: TileConfig) -> TileConfig:
-        """``tile`` without layer0's stream-K variant (built once per tile): the kernel a
-        call too large for stream-K runs -- the same as a layer that never enables it
-        (compiled in, the variant cost 8-128-token calls 2-6% that it never cut: 2x H100,
-        docs/benchmarks.md, "layer0 as stream-K")."""
-        if tile not in self._whole_items:
-            self._whole_items[tile] = dataclasses.replace(tile, layer0_stream_k=False)
-        return self._whole_items[tile]
+    def too_large_for(self, num_tokens: int) -> tuple[str, ...]:
+        """The small-call variants the layer may run that a call with ``num_tokens`` runs
+        without: layer0's stream-K past :meth:`stream_k_by_rule`, the gathered GEMM's
+        live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
+        keeps them: it is a small one)."""
+        stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
+        off = []
+        if self.may_stream_k and not stream_k:
+            off.append("layer0_stream_k")
+        if self.may_live_rows and not (stream_k or self.live_rows_by_rule(num_tokens)):
+            off.append("layer0_live_rows")
+        return tuple(off)
+
+    def without(self, tile: TileConfig, variants: tuple[str, ...]) -> TileConfig:
+        """``tile`` with the boolean fields ``variants`` off (built once per pair): the
+        kernel a call too large for them runs -- the same as a layer that never enables
+        them (compiled in, stream-K cost 8-128-token calls 2-6% that it never cut, and
+        the live-row masks 1-5% of a large call's layer0: docs/benchmarks.md)."""
+        if not variants:
+            return tile
+        if (tile, variants) not in self._without:
+            self._without[tile, variants] = dataclasses.replace(
+                tile, **dict.fromkeys(variants, False))
+        return self._without[tile, variants]
 
     def _variant(self, overrides: tuple[tuple[str, int], ...]
                  ) -> tuple[TileConfig, TileConfig | None]:
@@ -138,13 +161,18 @@ class Selector:
 
     def tile_variants(self) -> list[TileConfig]:
         """Every tile configuration a call may select: the layer's, the tuned table's
-        per-bucket ones, the decode tile of each, and each without stream-K where the
-        layer may run it."""
+        per-bucket ones, the decode tile of each, and each without the small-call
+        variants that :meth:`too_large_for` may turn off."""
         table = tuned.load_table(self.cfg, self.world, self.device, self.folder,
                                  tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
         tiles = [t for o in sorted(picks) for t in self._variant(o) if t is not None]
-        return tiles + [self.whole_items(t) for t in tiles if self.may_stream_k]
+        offs = [()]
+        if self.may_stream_k:
+            offs.append(("layer0_stream_k",))
+        if self.may_live_rows:          # never off where stream-K is on
+            offs.append(offs[-1] + ("layer0_live_rows",))
+        return [self.without(t, off) for t in tiles for off in offs]
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
@@ -172,6 +200,19 @@ class Selector:
                      * -(-self.cfg.intermediate_size // t.block_n0))
             self._stream_k[num_tokens] = 0 < items < STREAM_K_ROUNDS.value * self.programs
         return self._stream_k[num_tokens]
+
+    def live_rows_by_rule(self, num_tokens: int) -> bool:
+        """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
+        its tiles' own A rows: each expert's rows, expected as :meth:`decode_by_rule`
+        expects them, fit one m-tile. Measured on 1x H100 (one rank's shapes of EP=2
+        and (2,1), docs/benchmarks.md, "The gathered GEMM's live rows"): the masks paid
+        up to 68 rows per expert (0.64-0.99x layer0's time), broke even at 128 and cost
+        from 137 on (1.01-1.09x)."""
+        if num_tokens not in self._live_rows:
+            per_expert, busy = self._expected_rows(num_tokens)
+            self._live_rows[num_tokens] = (
+                busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.block_m)
+        return self._live_rows[num_tokens]
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where
