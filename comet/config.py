@@ -324,12 +324,14 @@ class TileConfig:
             EP=2, 0.87-0.98x the fused time on 2x H100; top-2 models 0.98-1.03x).
         layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
             rows (masked loads; the others, the next expert's rows or padding, are
-            zeros) in calls whose experts' rows each fit one m-tile as the decode rule
-            expects rows (the host's gate, Selector.live_rows_by_rule); larger calls run
-            the kernel without the masks, which cost their full tiles 1-5%. On by
-            default: layer0 of a 16-token qwen2-moe call at EP=2 took 0.70x the time,
-            128 tokens 0.88x, deepseek-v3-like at 1 token 0.64x (1x H100, one rank's
-            shapes, docs/benchmarks.md, "The gathered GEMM's live rows").
+            zeros) in calls whose experts' rows, as the decode rule expects them, fill at
+            most an eighth of an m-tile (the host's gate,
+            comet.runtime.selection.Selector.live_rows_by_rule); larger calls run the
+            kernel without the masks, which cost full tiles 1-5%. On by default: one
+            rank's layer0 at 1-16 rows per expert took 0.64-0.98x the time (1x H100);
+            whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
+            deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
+            docs/benchmarks.md, "The gathered GEMM's live rows").
 
     Launch:
         programmatic_launch: a forward call's kernels launched with programmatic dependent

@@ -612,15 +612,15 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
 
 
 @pytest.mark.parametrize("name, world, mesh, last_live, first_full", [
-    ("qwen2-moe", 2, None, 256, 257),                # 32 local experts, T / 8 rows each
-    ("deepseek-v3-like", 2, None, 512, 513),         # 128 local experts, T / 16 rows each
-    ("qwen2-moe", 2, MeshLayout(tp=2, ep=1), 256, 257),   # (2,1): 64 F/2 shards, 2T * 4 / 64
+    ("qwen2-moe", 2, None, 128, 129),                # 32 local experts, T / 8 rows each
+    ("deepseek-v3-like", 2, None, 256, 257),         # 128 local experts, T / 16 rows each
+    ("qwen2-moe", 2, MeshLayout(tp=2, ep=1), 128, 129),   # (2,1): 64 F/2 shards, 2T * 4 / 64
 ])
 def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world, mesh,
                                                                      last_live, first_full):
     """A gathered layer0 loads only its tiles' own A rows (``layer0_live_rows``) in calls
-    whose experts' rows, expected under uniform routing, fill at most a quarter of an
-    m-tile (32 of 128 rows); larger calls run the kernel without the masks. Every tile a call may run is
+    whose experts' rows, expected under uniform routing, fill at most an eighth of an
+    m-tile (16 of 128 rows); larger calls run the kernel without the masks. Every tile a call may run is
     warmed up; a layer that does not gather never swaps the variant."""
     from comet.runtime.selection import Selector
     cfg = preset(name)

@@ -173,7 +173,7 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
     tile. Rows past the tile's end (``row_end``: the next expert's rows, or padding)
     read whatever valid row their entry names, and the store drops them -- unless
     ``A_LIVE``: then they are zeros, loaded from nowhere. A small call's tiles are mostly
-    such rows, whose loads beside the weights' cost its layer0 up to 1.5x (the masks
+    such rows, whose loads beside the weights' cost its layer0 up to 1.6x (the masks
     cost a large call's full tiles 1-5%: comet.runtime.selection.Selector.live_rows_by_rule
     compiles them in for small calls only)."""
     b_row = expert * g.K

@@ -29,7 +29,7 @@ from comet.scheduler.split import analytic_split, layer_work
 
 #: A gathered layer0 loads only its tiles' own A rows while each expert's expected rows
 #: fill at most this fraction of an m-tile (:meth:`Selector.live_rows_by_rule`).
-LIVE_ROWS_MAX_FILL = 0.25
+LIVE_ROWS_MAX_FILL = 1 / 8
 
 
 class Selector:
@@ -204,10 +204,12 @@ class Selector:
     def live_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
         its tiles' own A rows: each expert's rows, expected as :meth:`decode_by_rule`
-        expects them, fit one m-tile. Measured on 1x H100 (one rank's shapes of EP=2
-        and (2,1), docs/benchmarks.md, "The gathered GEMM's live rows"): the masks paid
-        up to 68 rows per expert (0.64-0.99x layer0's time), broke even at 128 and cost
-        from 137 on (1.01-1.09x)."""
+        expects them, fill at most :data:`LIVE_ROWS_MAX_FILL` of an m-tile. Measured on
+        1x H100 (one rank's shapes at EP=2 and (2, 1); docs/benchmarks.md, "The
+        gathered GEMM's live rows"): the masks paid at 1-16 rows per expert in all 13
+        records (0.64-0.98x layer0's time), were even at 32 (0.97-1.00x) and cost from
+        64 on (up to 1.09x); on 4x H100 the whole qwen2-moe (2, 1) call at 32 rows per
+        expert took 1.017x with them."""
         if num_tokens not in self._live_rows:
             per_expert, busy = self._expected_rows(num_tokens)
             self._live_rows[num_tokens] = (
