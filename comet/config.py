@@ -332,16 +332,6 @@ class TileConfig:
             whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
             deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
             docs/benchmarks.md, "The gathered GEMM's live rows").
-
-    Launch:
-        programmatic_launch: a forward call's kernels launched with programmatic dependent
-            launch (Hopper's ``griddepcontrol``): each starts launching once every program
-            of the one before it is running, and waits at its first step for that one to
-            finish (comet.kernels.sync.follow_previous) -- the ~8 launches of a call then
-            overlap their set-up with the kernel before, a fixed cost that weighs in
-            decode-sized calls. A rank on a GPU of its own only (virtual ranks sharing one
-            GPU launch as before: a parked program there could hold an SM a peer's kernel
-            needs). Off by default until measured.
     """
 
     block_m: int = 128
@@ -371,7 +361,6 @@ class TileConfig:
     layer1_scatter: bool = True
     layer0_gather: bool = False
     layer0_live_rows: bool = True
-    programmatic_launch: bool = False
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.

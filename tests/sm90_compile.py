@@ -156,13 +156,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         off = dataclasses.replace(tile, layer1_split_k=1)
         ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
                     inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        # Programmatic launches (TileConfig.programmatic_launch): every kernel of a
-        # call, the reduce's layer1 and the shard-slot launch, with its griddepcontrol step.
-        pdl = dataclasses.replace(tile, programmatic_launch=True)
-        call(t=pdl).run()
-        call("sequential", pdl).launch_layer1(ROLE_FUSED, 132)
-        launch_stage_routing(RoutingStage(torch.zeros(2, dtype=torch.int64), split, ids, wts),
-                             pdl=True)
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()
@@ -204,8 +197,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         w13_t = torch.zeros(el * 2, 256, 2 * f_shard, dtype=dtype)
         w2_t = torch.zeros(el * 2, f_shard, 256, dtype=dtype)
         ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids,
-                    shard_routing=shards).run()
-        ForwardCall(mesh_ws, w13_t, w2_t, pdl, mesh_inputs, grids,
                     shard_routing=shards).run()
         sequential = ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids, "sequential")
         sequential.launch_layer1(ROLE_FUSED, 132)
@@ -261,19 +252,13 @@ def narrow_accesses(compiled, kwargs: dict) -> int:
 GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel")
 
 
-def role_of(kwargs: dict) -> int:
-    """The role of a layer kernel's launch (its ``launch`` group); -1 for other kernels."""
-    launch = kwargs.get("launch")
-    return int(launch.ROLE) if launch is not None else -1
-
-
 def pipelined(name: str, kwargs: dict, shared: int) -> str:
     """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
     ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
     e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM (layer0's
     comm role apart)."""
     from comet.constants import ROLE_COMM
-    if name not in GEMM_KERNELS or role_of(kwargs) == int(ROLE_COMM):
+    if name not in GEMM_KERNELS or kwargs.get("ROLE") == ROLE_COMM:
         return "-"
     item = kwargs["item"]
     gate_up = item.GATED     # gate and up columns per tile
@@ -293,7 +278,7 @@ def main() -> int:
             failures += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
             continue
-        print(f"ok   {name:24s} role={role_of(kwargs)} smem={k.metadata.shared} "
+        print(f"ok   {name:24s} role={int(kwargs.get('ROLE', -1))} smem={k.metadata.shared} "
               f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
               f"{resource_usage(k)} b16={narrow_accesses(k, kwargs)} ({time.time() - t0:.1f}s)")
     return 1 if failures else 0

@@ -557,31 +557,39 @@ def test_tile_fields_change_the_order_not_the_result():
     layer.check_errors_now()
 
 
-def test_programmatic_launches_give_the_same_output_bit_for_bit():
-    """``TileConfig.programmatic_launch``: a call's kernels launched with programmatic
-    dependent launch (each waits for the one before at its first step) compute what the
-    ordinary launches do, bit for bit, over 200 back-to-back calls of 0 to 2048 tokens
-    with no host sync between them (graph replays; decode-sized calls on their own
-    variants). One EP=2 rank of Mixtral at full size (4 experts)."""
+def test_live_row_loads_give_the_same_output_bit_for_bit():
+    """A gathered layer0 loading only its tiles' own A rows in small calls
+    (``layer0_live_rows``: the other rows are zeros) computes what the unmasked loads
+    do, bit for bit -- an output row depends on its own A row only -- over 200
+    back-to-back calls of 0 to 512 tokens with no host sync between them (the masks in
+    calls of up to 256 tokens, stream-K at 1; graph replays). Qwen2-MoE on one GPU at
+    full size (64 experts, top-4: it gathers there), the first call checked against the
+    reference."""
     import dataclasses
     from comet.config import preset
-    from comet.runtime.layer import FusedMoE, default_tile
-    cfg = preset("mixtral", num_experts=4, max_tokens=2048)
-    g = torch.Generator(device="cuda").manual_seed(11)
+    from comet.runtime.layer import FusedMoE
+    cfg = preset("qwen2-moe", max_tokens=512)
+    g = torch.Generator(device="cuda").manual_seed(13)
     w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
-    plain = FusedMoE(cfg, w13, w2)
-    pdl = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(default_tile(cfg=cfg),
-                                                          programmatic_launch=True))
-    assert pdl.tile.programmatic_launch and not plain.tile.programmatic_launch
-    plain.check_errors = pdl.check_errors = "lazy"
-    sizes = torch.randint(0, 2049, (200,), generator=torch.Generator().manual_seed(5)).tolist()
-    sizes[:4] = [0, 1, 2048, 1]
+    live = FusedMoE(cfg, w13, w2)
+    full = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(live.tile, layer0_live_rows=False))
+    assert live.tile.layer0_gather and live.selection.may_live_rows
+    assert live.selection.tile_for(256).layer0_live_rows
+    assert not live.selection.tile_for(257).layer0_live_rows
+    assert not full.selection.tile_for(1).layer0_live_rows
+    live.check_errors = full.check_errors = "lazy"
+    sizes = torch.randint(0, 513, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    sizes[:4] = [16, 1, 0, 512]
     outs = []
     for m in sizes:
-        x, ids, w = _inputs(plain, "random", g, tokens=m)
-        outs.append((pdl(x, ids, w), plain(x, ids, w)))
-    pdl.check_errors_now()
-    plain.check_errors_now()
+        x, ids, w = _inputs(live, "random", g, tokens=m)
+        outs.append((live(x, ids, w), full(x, ids, w)))
+        if len(outs) == 1:
+            ref = reference.moe_forward(x, ids, w, gate_up_first(live.w13), live.w2,
+                                        round_to=cfg.dtype)
+    live.check_errors_now()
+    full.check_errors_now()
+    assert _rel_err(outs[0][0], ref) < 1e-2
     for i, (a, b) in enumerate(outs):
         assert torch.equal(a, b), (i, sizes[i])
 

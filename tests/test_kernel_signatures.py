@@ -48,30 +48,3 @@ def test_triton_functions_take_few_parameters(name):
 def test_launches_pass_arguments_by_keyword(where):
     n = len(LAUNCHES[where].args)
     assert n <= MAX_POSITIONAL, f"{where} passes {n} arguments positionally"
-
-
-#: Kernels that may be launched programmatically: a ``PDL`` parameter, or a
-#: ``launch`` group (comet.kernels.roles.RoleLaunch) that holds it.
-PROGRAMMATIC = sorted(name for name, fn in JIT.items() if name.endswith("_kernel")
-                      and any(a.arg in ("PDL", "launch") for a in fn.args.args))
-
-
-def test_a_forward_call_launches_programmatically():
-    assert {"plan.count_kernel", "plan.scan_kernel", "plan.layout_kernel",
-            "plan.place_kernel", "layer0.layer0_kernel", "layer1.layer1_scatter_kernel",
-            "layer1.layer1_reduce_kernel", "combine.combine_kernel",
-            "stage_routing.stage_routing_kernel",
-            "mesh_routing.shard_routing_kernel"} <= set(PROGRAMMATIC)
-
-
-@pytest.mark.parametrize("name", PROGRAMMATIC)
-def test_a_programmatic_kernel_waits_before_anything_else(name):
-    """Under programmatic dependent launch a kernel starts while the one before it may
-    still run: its first step (after the docstring) must be the wait,
-    ``follow_previous(PDL)`` -- a load above it could read what that kernel has not
-    written yet."""
-    body = JIT[name].body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    assert ast.unparse(body[0]) in ("follow_previous(PDL)", "follow_previous(launch.PDL)"), name
-

@@ -637,23 +637,3 @@ def test_the_layer0_queue_kernel_matches_its_mirror(total, programs, head, tail)
     expect = [lane_of_take(q, programs, *shape) for q in range(takes)]
     assert [tuple(p) for p in out.view(-1, 2).tolist()] == expect
 
-
-def test_programmatic_launch_is_kept_to_a_gpu_of_its_own():
-    """``TileConfig.programmatic_launch`` asks for programmatic dependent launches
-    (Triton's ``launch_pdl``, each kernel's ``follow_previous`` step); a call runs them
-    only for a rank on a GPU of its own, never under the interpreter (no inline assembly)
-    or for virtual ranks sharing a GPU -- where a layer asking for them still computes
-    the reference."""
-    from comet.kernels.sync import launch_options
-    assert launch_options() == {}
-    assert launch_options(pdl=True) == {"launch_pdl": True}
-    assert launch_options(cooperative=True, pdl=True) == {"launch_cooperative_grid": True,
-                                                          "launch_pdl": True}
-    tile = dataclasses.replace(TileConfig.small(), programmatic_launch=True)
-    ys, expect, ep = _run(2, "mixtral", "random", torch.float16, seed=4, tile=tile)
-    _close(ys, expect, torch.float16)
-    x = torch.zeros(1, ep.cfg.hidden_size, dtype=torch.float16)
-    call = _rank_call(ep, 0, x, torch.zeros(1, ep.cfg.top_k, dtype=torch.int64),
-                      torch.ones(1, ep.cfg.top_k))
-    assert call.tile.programmatic_launch and not call.pdl
-    assert not dataclasses.replace(call, cooperative=True).pdl

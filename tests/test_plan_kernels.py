@@ -129,7 +129,7 @@ def test_scan_carries_across_steps_and_programs(tokens, has_count):
                                                                 n if has_count else None),
                                          Exchange(None, None), None, None, COLS=cols,
                                          BLOCK_T=block_t, SCAN_ROWS=4, SCAN_COLS=4,
-                                         PDL=False, num_warps=1)
+                                         num_warps=1)
     used = -(-tokens // block_t)
     want = counts.clone()
     want[1:used + 1] = torch.cumsum(counts[1:used + 1], 0)

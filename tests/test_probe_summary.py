@@ -23,10 +23,10 @@ def test_variants_are_paired_round_by_round(tmp_path, capsys):
     for rnd, slow in ((1, 1.0), (2, 1.5), (3, 1.0)):
         _write(tmp_path / f"p-default-round{rnd}.json",
                {("mixtral", 1): 300 * slow, ("mixtral", 8): 500 * slow})
-        _write(tmp_path / f"p-programmatic_launch-1-round{rnd}.json",
+        _write(tmp_path / f"p-layer0_live_rows-0-round{rnd}.json",
                {("mixtral", 1): 270 * slow, ("mixtral", 8): 510 * slow})
     runs = probe_summary.load_runs(str(tmp_path), "p")
-    assert sorted(runs) == ["default", "programmatic_launch-1"]
+    assert sorted(runs) == ["default", "layer0_live_rows-0"]
     assert sorted(runs["default"]) == [1, 2, 3]
     lines = probe_summary.ratio_lines(runs, "default")
     assert "0.900 [0.900, 0.900] over 3 round(s)" in lines[0]
@@ -34,7 +34,7 @@ def test_variants_are_paired_round_by_round(tmp_path, capsys):
     assert "geomean 0.958 over 2 records" in lines[2]
     probe_summary.main(str(tmp_path), "p", "default")
     out = capsys.readouterr().out
-    assert "programmatic_launch-1#2" in out and "whole call over default" in out
+    assert "layer0_live_rows-0#2" in out and "whole call over default" in out
 
 
 def test_a_single_round_keeps_the_plain_names(tmp_path, capsys):

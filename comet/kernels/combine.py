@@ -18,7 +18,7 @@ from comet.config import TileConfig
 from comet.constants import ADDRESS_ALIGN, SITE_COMBINE, constexpr
 from comet.kernels.address import pointer_at
 from comet.kernels.shape import next_pow2
-from comet.kernels.sync import Sync, follow_previous, programmatic, wait_at_least
+from comet.kernels.sync import Sync, wait_at_least
 
 #: Combine programs per SM on a GPU of its own: loads in flight, not threads, bound a
 #: stream, and one program per SM left HBM two-thirds idle (docs/notebook.md). (Virtual
@@ -45,11 +45,10 @@ class Parts(NamedTuple):
 
 def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torch.Tensor,
                    num_tokens: torch.Tensor, hidden: int, max_tokens: int, sync: Sync,
-                   tile: TileConfig, wait: bool = True, pdl: bool = False) -> None:
+                   tile: TileConfig, wait: bool = True) -> None:
     """Sum the parts into the output whose address is in ``y_addr`` (``[M, H]``, ``M`` in
     the device scalar ``num_tokens``), on at most ``grid`` programs, once every rank's
-    ``flag1`` says its parts landed (``wait``; ``pdl``: a programmatic launch,
-    comet.kernels.sync.programmatic)."""
+    ``flag1`` says its parts landed (``wait``)."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
     grid = max(1, min(grid, triton.cdiv(max_tokens, tile.combine_rows)))
@@ -59,20 +58,18 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
     combine_kernel[(grid,)](
         parts=parts, flag1=flag1, y_addr=y_addr, num_tokens=num_tokens, H=hidden, sync=sync,
-        WAIT=wait, ROWS=tile.combine_rows, BLOCK_H=block_h, num_warps=warps,
-        **programmatic(pdl))
+        WAIT=wait, ROWS=tile.combine_rows, BLOCK_H=block_h, num_warps=warps)
 
 
 @triton.jit
 def combine_kernel(parts, flag1, y_addr, num_tokens, H, sync, WAIT: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """``y[t] = sum_{i < COUNT, live[t, i]} parts.rows[i * part_stride + t *
     token_stride]`` in fp32, in the fixed order of ``i``. Persistent: a fixed grid loops
     over blocks of ``ROWS`` tokens -- several programs per SM on a GPU of its own (a
     stream needs many loads in flight), few when W virtual ranks share one GPU (spinning
     programs must not fill it). The token count and the output's address are read on the
     device, so one captured launch serves every call."""
-    follow_previous(PDL)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     parts_ptr = parts.rows

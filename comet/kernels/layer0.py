@@ -66,11 +66,10 @@ from comet.kernels.group_gemm import (Gathered, Gemm, GemmTile, descriptor, dot_
                                       gemm_tile, grouped_work, lane_shape, one_dot_acc,
                                       one_dot_epilogue, store_tile, strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
-from comet.kernels.roles import RoleLaunch, assign_role
+from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_async_proxy,
-                                follow_previous, healthy, launch_options, release, stamp,
-                                take, wait_chunks)
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_async_proxy, healthy,
+                                release, stamp, take, wait_chunks)
 from comet.weights import GATE_UP_BLOCK
 
 #: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
@@ -241,21 +240,20 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
                   tiles: Tiles, segments: Segments, work: Work, sync: Sync,
                   split: torch.Tensor, trace: Trace, shape: Shape, tile: TileConfig,
-                  role: int, wait: bool = True, cooperative: bool = False,
-                  pdl: bool = False) -> None:
+                  role: int, wait: bool = True, cooperative: bool = False) -> None:
     """Dispatch + GroupGEMM for one rank on ``grid`` programs (``role``: fused -- the
     first ``split[0]`` programs dispatch, then join the GEMM --, comm or compute);
     ``work``: the GEMM's work queue and stream-K scratch. ``cooperative``: launch so that
     every program is co-resident or the launch fails (a fused launch on a GPU of its
-    own); ``pdl``: a programmatic launch (:func:`comet.kernels.sync.launch_options`);
-    ``wait=False``: the GEMM assumes the rows are in place."""
+    own); ``wait=False``: the GEMM assumes the rows are in place."""
+    extra = {"launch_cooperative_grid": True} if cooperative else {}
     layer0_kernel[(grid,)](
         dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, work=work,
         sync=sync, split=split, trace=trace, shape=shape,
         comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.gather is not None),
         item=item,
-        lanes=lanes(tile), launch=RoleLaunch.of(role, wait, pdl), num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **launch_options(cooperative=cooperative, pdl=pdl))
+        lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **extra)
 
 
 @triton.jit
@@ -612,12 +610,12 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
 
 @triton.jit
 def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, split, trace,
-                  shape, comm, item, lanes, launch):
+                  shape, comm, item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
     """layer0 of one rank: the comm role (:func:`dispatch_role`, programs below
-    ``split[0]`` when ``launch.ROLE`` is fused) pushes this rank's rows into every
+    ``split[0]`` when ``ROLE`` is fused) pushes this rank's rows into every
     destination's shared tensor, then joins the compute role
     (:func:`layer0_compute_role`), the GroupGEMM over ``tiles`` that waits for exactly
-    the rows each tile reads (``launch.WAIT``).
+    the rows each tile reads (``WAIT``).
 
     a_desc, b_desc, gemm: the TMA descriptors of A (the shared tensor) and B (the
     weights) and the :class:`~comet.kernels.group_gemm.GemmOut` (K = H; N = F when gated);
@@ -626,11 +624,7 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     int64 [1], the comm programs (read on the device, so one captured launch serves every
     split); trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
     comm, item, lanes: constexpr :class:`DispatchTile`,
-    :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`;
-    launch: :class:`~comet.kernels.roles.RoleLaunch`."""
-    follow_previous(launch.PDL)
-    ROLE: tl.constexpr = launch.ROLE
-    WAIT: tl.constexpr = launch.WAIT
+    :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
     epoch = tl.load(sync.epoch)
     comm_role, _, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)

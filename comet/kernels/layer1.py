@@ -73,10 +73,9 @@ from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, des
                                       dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
 from comet.kernels.plan import EntryTables, Tiles
-from comet.kernels.roles import RoleLaunch, assign_role
+from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, follow_previous, healthy,
-                                launch_options, programmatic, release, stamp, take,
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp, take,
                                 wait_at_least, wait_chunks)
 
 
@@ -185,31 +184,28 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
                          tiles: Tiles, progress: Progress, reduce: Reduce,
                          arrivals: Arrivals, sync: Sync, split: torch.Tensor, trace: Trace,
                          shape: Shape, tile: TileConfig, role: int, wait: bool = True,
-                         cooperative: bool = False, pdl: bool = False) -> None:
+                         cooperative: bool = False) -> None:
     """The column-wise GroupGEMM and the reduce-and-send for one rank on ``grid``
     programs (``role``: fused -- the first ``split[0]`` programs reduce once split 0 is
-    done --, comm or compute). ``wait=False``: the reduce assumes the GEMM is done;
-    ``cooperative``, ``pdl``: :func:`comet.kernels.sync.launch_options`."""
+    done --, comm or compute). ``wait=False``: the reduce assumes the GEMM is done."""
+    extra = {"launch_cooperative_grid": True} if cooperative else {}
     layer1_reduce_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
         rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None),
-        launch=RoleLaunch.of(role, wait, pdl), num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-        **launch_options(cooperative=cooperative, pdl=pdl))
+        ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
                           tiles: Tiles, progress: Progress, homes: Homes, sync: Sync,
                           trace: Trace, shape: Shape, tile: TileConfig,
-                          ksplit: KSplit = KSplit(None, None), pdl: bool = False) -> None:
+                          ksplit: KSplit = KSplit(None, None)) -> None:
     """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs (in K
-    splits where ``ksplit`` has them and the call is small; ``pdl``: a programmatic
-    launch, comet.kernels.sync.programmatic)."""
+    splits where ``ksplit`` has them and the call is small)."""
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **programmatic(pdl))
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 @triton.jit
@@ -507,9 +503,10 @@ def reduce_send_role(gemm, reduce, arrivals, split_done, tiles, epoch, sync, tra
 
 @triton.jit
 def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, reduce,
-                         arrivals, sync, split, trace, shape, rtile, launch):
+                         arrivals, sync, split, trace, shape, rtile, ROLE: tl.constexpr,
+                         WAIT: tl.constexpr):
     """layer1 of one rank, the paper's schedule: the column-wise GroupGEMM
-    (:func:`layer1_compute_role`) and, on the programs below ``split[0]`` when ``launch.ROLE``
+    (:func:`layer1_compute_role`) and, on the programs below ``split[0]`` when ``ROLE``
     is fused, the reduce-and-send (:func:`reduce_send_role`), which every program joins
     once out of GEMM work; the last to finish releases ``flag1`` on every source.
 
@@ -517,11 +514,7 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
     the :class:`~comet.kernels.group_gemm.GemmOut`, the work item, the column splits);
     tiles: the plan's; progress: :class:`Progress`; reduce: :class:`Reduce`; arrivals:
     :class:`~comet.kernels.layer0.Arrivals`; sync, trace, shape: as everywhere; split:
-    int64 [1] comm programs; rtile: :class:`ReduceTile`; launch:
-    :class:`~comet.kernels.roles.RoleLaunch`."""
-    follow_previous(launch.PDL)
-    ROLE: tl.constexpr = launch.ROLE
-    WAIT: tl.constexpr = launch.WAIT
+    int64 [1] comm programs; rtile: :class:`ReduceTile`."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     comm, n_role, role_pid = assign_role(split, ROLE)
@@ -540,12 +533,11 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
 
 @triton.jit
 def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, ksplit,
-                          sync, trace, shape, PDL: tl.constexpr):
+                          sync, trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
     K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm
     role, no wait. The last program to finish releases ``flag1`` on every source."""
-    follow_previous(PDL)
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     # The outer test is a constexpr (with SPLIT_K = 1 the kernel compiles as it did before

@@ -18,7 +18,6 @@ import triton.language as tl
 
 from comet.constants import constexpr
 from comet.kernels.shape import next_pow2
-from comet.kernels.sync import follow_previous, programmatic
 
 #: Tokens per program.
 TOKENS_PER_PROGRAM = 64
@@ -49,26 +48,22 @@ def shard_routing(ids: torch.Tensor, weights: torch.Tensor, num_tokens: torch.Te
                         constexpr(ids.shape[1]), constexpr(tp))
 
 
-def launch_shard_routing(routing: ShardRouting, pdl: bool = False) -> None:
+def launch_shard_routing(routing: ShardRouting) -> None:
     """Write ``shard_ids`` / ``shard_weights`` for the call's tokens (a fixed grid for
-    ``Mx`` tokens; programs past the device-held token count return at once; ``pdl``: a
-    programmatic launch, comet.kernels.sync.programmatic)."""
+    ``Mx`` tokens; programs past the device-held token count return at once)."""
     rows = routing.ids.shape[0]
     grid = triton.cdiv(rows, TOKENS_PER_PROGRAM)
     slots = int(routing.TOPK) * int(routing.TP)
     shard_routing_kernel[(grid,)](routing=routing, SLOTS_P2=next_pow2(slots),
-                                  BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4,
-                                  **programmatic(pdl))
+                                  BLOCK_T=TOKENS_PER_PROGRAM, num_warps=4)
 
 
 @triton.jit
-def shard_routing_kernel(routing, SLOTS_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-                         PDL: tl.constexpr):
+def shard_routing_kernel(routing, SLOTS_P2: tl.constexpr, BLOCK_T: tl.constexpr):
     """Slot ``i = j * TP + t`` of token ``n``: shard ``t`` of choice ``j`` -- its
     shard-expert id ``(e // El * TP + t) * El + e % El``, or -1 for "no expert" and for
     the slots a replicated rank leaves to its TP peers; an invalid id stays invalid
     (``E * TP``) in the first kept slot, for the plan kernels to report."""
-    follow_previous(PDL)
     TOPK: tl.constexpr = routing.TOPK
     TP: tl.constexpr = routing.TP
     EL: tl.constexpr = routing.LOCAL_EXPERTS

@@ -44,7 +44,7 @@ from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BA
 from comet.config import TileConfig
 from comet.kernels.exchange import Exchange, push_counts, wait_counts
 from comet.kernels.shape import Shape, next_pow2
-from comet.kernels.sync import Sync, arrive, follow_previous, programmatic, record_input_error
+from comet.kernels.sync import Sync, arrive, record_input_error
 from comet.routing import recv_capacity
 
 #: Per-cell tables each layout program keeps in its scratch (layout_kernel).
@@ -185,27 +185,25 @@ class Chunking(NamedTuple):
 
 # ----------------------------------------------------------------------- launchers
 def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Sync,
-                  shape: Shape, exchange: Exchange, pdl: bool = False) -> None:
+                  shape: Shape, exchange: Exchange) -> None:
     """Per-block routing counts, prefix-summed: ``plan.block_counts[-1]`` holds this
     rank's totals (pairs per expert, tokens per rank), what the count exchange sends --
-    and with ``exchange.IN_PLAN`` the scan's last program sends them. ``pdl`` (here and
-    in the module's other launchers): programmatic launches,
-    :func:`comet.kernels.sync.programmatic`."""
+    and with ``exchange.IN_PLAN`` the scan's last program sends them."""
     bt = plan_block_tokens(shape.TOPK)
     blocks = plan.block_counts.shape[0] - 1
     count_kernel[(blocks,)](
         routing=routing, block_counts=plan.block_counts, input_err=input_err,
         epoch=sync.epoch, shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt,
-        num_warps=4, **programmatic(pdl))
+        num_warps=4)
     cols = int(shape.NUM_EXPERTS) + int(shape.WORLD)
     scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
         block_counts=plan.block_counts, blocks=blocks, routing=routing, exchange=exchange,
         sync=sync, shape=shape, COLS=cols, BLOCK_T=bt, SCAN_ROWS=SCAN_ROWS,
-        SCAN_COLS=SCAN_COLS, num_warps=4, **programmatic(pdl))
+        SCAN_COLS=SCAN_COLS, num_warps=4)
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
-                  chunking: Chunking, block_m: int, head_tiles: int, pdl: bool = False) -> None:
+                  chunking: Chunking, block_m: int, head_tiles: int) -> None:
     """Offsets and the tile table from the exchanged counts (``exchange.counts``, this
     rank's symmetric ``[COUNT_BUFFERS, W, W * (El + 1)]``), which with
     ``exchange.IN_PLAN`` every program first waits for."""
@@ -214,11 +212,11 @@ def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
         dst_base=plan.dst_base, send_off=plan.send.off, entry_count=plan.entry_count,
         segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
         tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
-        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4, **programmatic(pdl))
+        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4)
 
 
 def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
-                 epoch: torch.Tensor, max_tokens: int, shape: Shape, pdl: bool = False) -> None:
+                 epoch: torch.Tensor, max_tokens: int, shape: Shape) -> None:
     """Send list and return entries of this rank (one program per token block)."""
     blocks = plan.block_counts.shape[0] - 1
     place_kernel[(blocks,)](
@@ -226,7 +224,7 @@ def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
         dst_base=plan.dst_base, send=plan.send, entries=plan.entries,
         dest_mask=plan.dest_mask, pair_live=plan.pair_live, max_tokens=max_tokens,
         input_err=input_err, epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK),
-        num_warps=4, **programmatic(pdl))
+        num_warps=4)
 
 
 # ----------------------------------------------------------------------- kernels
@@ -267,11 +265,10 @@ def _report(bad, t, input_err, code, epoch, TOPK_P2: tl.constexpr):
 
 @triton.jit
 def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_T: tl.constexpr):
     """Row ``b + 1`` of ``block_counts [blocks + 1, E + W]``: pairs per expert and tokens
     per destination rank of token block ``b`` (row 0 stays zero for the scan); reports
     invalid ids. Blocks past the call's tokens write nothing."""
-    follow_previous(PDL)
     b = tl.program_id(0)
     rows = _token_rows(routing)
     if b * BLOCK_T < rows:
@@ -292,15 +289,13 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
 
 @triton.jit
 def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.constexpr,
-                BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr,
-                PDL: tl.constexpr):
+                BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr):
     """Inclusive prefix sum over the counted rows ``1..used`` of ``block_counts`` (one
     program per ``SCAN_COLS`` columns, ``SCAN_ROWS`` rows per step), so row ``b`` holds
     what blocks before ``b`` counted; the totals also go to the last row, ``blocks``,
     which the count exchange reads whatever the call's size. With ``exchange.IN_PLAN``
     the last program to finish pushes them (comet.kernels.exchange.push_counts): its
     arrival sees every program's totals."""
-    follow_previous(PDL)
     cols = tl.program_id(0) * SCAN_COLS + tl.arange(0, SCAN_COLS)
     cmask = cols < COLS
     used = tl.cdiv(_token_rows(routing), BLOCK_T)
@@ -322,7 +317,7 @@ def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.c
 @triton.jit
 def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, segments,
                   chunks, recv_entries, tiles, scratch, shape, chunking,
-                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``exchange.counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot
@@ -342,7 +337,6 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
     ``[programs, LAYOUT_SCRATCH, W * El]`` int32, each program's own copy of what its
     cells read, so no program reads what another wrote.
     """
-    follow_previous(PDL)
     WORLD: tl.constexpr = shape.WORLD
     W_P2: tl.constexpr = shape.W_P2
     LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
@@ -474,11 +468,10 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
 
 @triton.jit
 def place_kernel(routing, block_counts, send_base, dst_base, send, entries, dest_mask, pair_live,
-                 max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                 max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr):
     """Send list and return entries of token block ``b`` (see module docstring). The
     routing's token count bounds the ids read; ``max_tokens`` is the tables' capacity.
     Reports non-finite weights of real pairs."""
-    follow_previous(PDL)
     b = tl.program_id(0)
     rows = _token_rows(routing)
     if b * BLOCK_T < rows:

@@ -7,27 +7,10 @@ whole grid one role (the "communicate, then compute" schedule, and the virtual-r
 that launches producers before consumers).
 """
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
 
-from comet.constants import ROLE_COMM, ROLE_FUSED, constexpr
-
-
-class RoleLaunch(NamedTuple):
-    """What one launch of a layer kernel is, at compile time: ``ROLE`` (fused, comm or
-    compute); ``WAIT``, whether a consumer waits for its producer's data (False: it is
-    in place -- the benchmark's compute-only mode); ``PDL``, launched programmatically
-    (its first step: comet.kernels.sync.follow_previous)."""
-
-    ROLE: tl.constexpr
-    WAIT: tl.constexpr
-    PDL: tl.constexpr
-
-    @classmethod
-    def of(cls, role: int, wait: bool, pdl: bool) -> "RoleLaunch":
-        return cls(constexpr(role), constexpr(wait), constexpr(pdl))
+from comet.constants import ROLE_COMM, ROLE_FUSED
 
 
 @triton.jit

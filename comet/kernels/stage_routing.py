@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from comet.kernels.sync import follow_previous, programmatic
-
 #: (token, slot) pairs per program.
 PAIRS_PER_PROGRAM = 1024
 
@@ -35,18 +33,15 @@ class RoutingStage(NamedTuple):
     weights: torch.Tensor        # fp32 [Mx, k]
 
 
-def launch_stage_routing(stage: RoutingStage, pdl: bool = False) -> None:
-    """Copy the call's routing into the staged rows (a fixed grid for ``Mx`` tokens;
-    ``pdl``: a programmatic launch, comet.kernels.sync.programmatic)."""
+def launch_stage_routing(stage: RoutingStage) -> None:
+    """Copy the call's routing into the staged rows (a fixed grid for ``Mx`` tokens)."""
     pairs = stage.ids.numel()
     stage_routing_kernel[(triton.cdiv(pairs, PAIRS_PER_PROGRAM),)](
-        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4,
-        **programmatic(pdl))
+        stage=stage, K=stage.ids.shape[1], BLOCK=PAIRS_PER_PROGRAM, num_warps=4)
 
 
 @triton.jit
-def stage_routing_kernel(stage, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    follow_previous(PDL)
+def stage_routing_kernel(stage, K: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.load(stage.num_tokens) * K
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = pairs < n

@@ -262,46 +262,6 @@ def fence_async_proxy():
 
 
 @triton.jit
-def follow_previous(PDL: tl.constexpr):
-    """A kernel's first step under programmatic dependent launch (``PDL``: launched with
-    :func:`programmatic`, or a layer kernel whose ``RoleLaunch`` holds it;
-    ``TileConfig.programmatic_launch``): wait until the kernel before it on the stream
-    has finished and its stores are visible
-    (``griddepcontrol.wait``), then let the next kernel's programs start launching
-    (``griddepcontrol.launch_dependents``) -- so a launch's set-up overlaps the kernel
-    before it instead of following it. Waiting first keeps at most one kernel's programs
-    parked ahead, and only once every program of this one is resident (the trigger counts
-    when all of them have reached it), so a parked program never keeps one of this
-    kernel's off an SM. Nothing before this step may read what an earlier kernel wrote."""
-    if PDL:
-        if USE_ASM:
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $1", "=r,r", [0],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,r", [0],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-def launch_options(*, cooperative: bool = False, pdl: bool = False) -> dict:
-    """Triton's launch flags of a comet kernel: ``cooperative``, every program
-    co-resident or the launch fails (a fused launch on a GPU of its own); ``pdl``,
-    programmatic dependent launch (a rank on a GPU of its own; never under the
-    interpreter), for a kernel given ``PDL = pdl`` (its :func:`follow_previous` step)."""
-    opts: dict = {}
-    if cooperative:
-        opts["launch_cooperative_grid"] = True
-    if pdl:
-        opts["launch_pdl"] = True
-    return opts
-
-
-def programmatic(pdl: bool) -> dict:
-    """A kernel's ``PDL`` constexpr and its launch flag as one set of launch arguments,
-    so neither goes without the other: launched programmatically, a kernel that does not
-    wait first (:func:`follow_previous`) would read what the one before it still writes."""
-    return {"PDL": pdl, **launch_options(pdl=pdl)}
-
-
-@triton.jit
 def release(flag_ptr, value, SCOPE: tl.constexpr):
     """Publish ``value`` into ``*flag_ptr``: one thread's release, after the block barrier
     that ended the work it covers (a vote, a wait or :func:`barrier`)."""

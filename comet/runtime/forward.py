@@ -90,24 +90,20 @@ class Grids(NamedTuple):
     combine: int
 
 
-def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, pdl: bool = False
-                ) -> tuple[Phase, Phase]:
+def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phase, Phase]:
     """``(open, plan)`` of a call: open it, count, and push this rank's counts to every
     peer (the scan's last program); then wait for every peer's counts (the layout
-    kernel's programs) and build the offsets, tile table and send list (``pdl``:
-    programmatic launches, comet.kernels.sync.programmatic)."""
+    kernel's programs) and build the offsets, tile table and send list."""
     count_exchange = ws.exchange(in_plan=True)
 
     def open_call() -> None:
         ws.begin_call()
-        launch_counts(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange,
-                      pdl=pdl)
+        launch_counts(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange)
 
     def plan() -> None:
         launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, Chunking.of(tile),
-                      tile.block_m, tile.local_head_tiles, pdl=pdl)
-        launch_place(ws.plan, routing, ws.input_word, ws.epoch, ws.cfg.max_tokens, ws.shape,
-                     pdl=pdl)
+                      tile.block_m, tile.local_head_tiles)
+        launch_place(ws.plan, routing, ws.input_word, ws.epoch, ws.cfg.max_tokens, ws.shape)
     return open_call, plan
 
 
@@ -166,10 +162,6 @@ class ForwardCall:
         # The interpreter runs one program at a time: a fused launch would have its comm
         # programs wait for compute programs that have not run, so roles go one by one.
         self.fused = self.mode == "fused" and not interpreting() and not self.roles_apart
-        # Programmatic launches for a rank on a GPU of its own (``cooperative``): a
-        # program parked ahead on a GPU that virtual ranks share could hold an SM that a
-        # peer's running kernel still needs.
-        self.pdl = tile.programmatic_launch and self.cooperative and not interpreting()
         traces = self.trace or {}
         self._quiet = Trace.off()
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
@@ -195,12 +187,11 @@ class ForwardCall:
     def stages(self) -> list[tuple[str, list[Phase]]]:
         """``(name, phases)`` of the call in order: "plan", "layer0", "layer1",
         "combine" (the phases a timer reports)."""
-        pdl = self.pdl
-        plan = list(plan_phases(self.ws, self._routing, self.tile, pdl))
+        plan = list(plan_phases(self.ws, self._routing, self.tile))
         if self.shard_routing is not None:
-            plan.insert(0, lambda: launch_shard_routing(self.shard_routing, pdl))
+            plan.insert(0, lambda: launch_shard_routing(self.shard_routing))
         if self.routing_stage is not None:
-            plan.insert(0, lambda: launch_stage_routing(self.routing_stage, pdl))
+            plan.insert(0, lambda: launch_stage_routing(self.routing_stage))
         return [("plan", plan),
                 ("layer0", self._layer0_phases()), ("layer1", self._layer1_phases()),
                 ("combine", self._combine_phases())]
@@ -221,21 +212,20 @@ class ForwardCall:
                       trace: Trace | None = None, cooperative: bool = False) -> None:
         """layer0 of this call in ``role`` on ``grid`` programs."""
         launch_layer0(grid, role=role, wait=wait, trace=trace or self._quiet,
-                      cooperative=cooperative, pdl=self.pdl, **self._layer0)
+                      cooperative=cooperative, **self._layer0)
 
     def launch_layer1(self, role: int, grid: int, *, wait: bool = True,
                       trace: Trace | None = None, cooperative: bool = False) -> None:
         """layer1 of this call (its strategy's kernel) in ``role`` on ``grid`` programs."""
         self.strategy.launch(self.ws, grid, role=role, wait=wait, trace=trace or self._quiet,
-                             cooperative=cooperative, pdl=self.pdl, **self._layer1)
+                             cooperative=cooperative, **self._layer1)
 
     def launch_combine(self, grid: int) -> None:
         """The combine of this call's outputs on at most ``grid`` programs."""
         ws, s = self.ws, self.inputs
         launch_combine(grid, parts=self.strategy.parts(ws), flag1=ws.flag1, y_addr=s.y_addr,
                        num_tokens=s.num_tokens, hidden=ws.cfg.hidden_size,
-                       max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile,
-                       pdl=self.pdl)
+                       max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile)
 
     def _layer0_phases(self) -> list[Phase]:
         """Fused with comm blocks as one launch; else the comm role (unless computing

@@ -71,7 +71,7 @@ class ColumnReduce:
     def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
                splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
                trace: Trace, wait: bool = True, cooperative: bool = False,
-               pairs: Pairs | None = None, pdl: bool = False) -> None:
+               pairs: Pairs | None = None) -> None:
         """layer1 on ``ws`` (``role``: fused, comm or compute; ``pairs``: the backward's
         per-row scalar, returned with the rows)."""
         mx = ws.cfg.max_tokens
@@ -82,7 +82,7 @@ class ColumnReduce:
                                                   ws.count.l1_reduce, pairs,
                                                   constexpr(ws.fanout)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
-            tile=tile, role=role, wait=wait, cooperative=cooperative, pdl=pdl)
+            tile=tile, role=role, wait=wait, cooperative=cooperative)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
@@ -121,7 +121,7 @@ class Scatter:
     def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
                splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
                trace: Trace, wait: bool = True, cooperative: bool = False,
-               pairs: Pairs | None = None, pdl: bool = False) -> None:
+               pairs: Pairs | None = None) -> None:
         """layer1 on every program of ``grid`` (``role``, ``split``, ``wait`` and
         ``cooperative`` do not apply: nothing waits inside the kernel)."""
         assert pairs is None, "the scatter epilogue serves the forward only"
@@ -133,8 +133,7 @@ class Scatter:
                   if tile.layer1_split_k > 1 else {})
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
-                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile, pdl=pdl,
-                              **ksplit)
+                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile, **ksplit)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
