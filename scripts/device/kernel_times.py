@@ -34,7 +34,8 @@ from comet.runtime.layer import FusedMoE
 #: ``--tiles`` fields, in order; the last (layer1's column splits) may be left out.
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages", "splits")
 #: TileConfig fields recorded with every result (besides TILE_FIELDS).
-RECORDED = ("comm_rows", "lane_head_rounds", "lane_tail_rounds")
+RECORDED = ("comm_rows", "lane_head_rounds", "lane_tail_rounds", "layer0_gather",
+            "layer0_live_rows", "layer0_stream_k", "layer1_scatter")
 
 
 def parse_tile(text: str) -> dict:
