@@ -181,14 +181,14 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
     if t.A_GATHER:
         rows = row_start + tl.arange(0, t.BLOCK_M)
         if t.A_LIVE:
-            live = rows < row_end
+            read = rows < row_end           # the tile's own rows; the others are zeros
         else:
-            live = rows < g.rows.rows
-        src = tl.load(g.rows.src + rows, mask=live, other=0).to(tl.int64)
+            read = rows < g.rows.rows       # every row the index holds
+        src = tl.load(g.rows.src + rows, mask=read, other=0).to(tl.int64)
         a = g.rows.tokens + src[:, None] * g.K + tl.arange(0, t.BLOCK_K)[None, :]
         for k in range(k0, k1, t.BLOCK_K):
             if t.A_LIVE:
-                a_k = tl.load(a + k, mask=live[:, None], other=0.0)
+                a_k = tl.load(a + k, mask=read[:, None], other=0.0)
             else:
                 a_k = tl.load(a + k)
             both = tl.dot(a_k, b_desc.load([b_row + k, 2 * n0]), both,
