@@ -53,7 +53,7 @@ class Selector:
         self._variants: dict[tuple, tuple[TileConfig, TileConfig | None]] = {}
         self._small: dict[int, bool] = {}
         self._stream_k: dict[int, bool] = {}
-        self._live_rows: dict[int, bool] = {}
+        self._too_large: dict[int, tuple[str, ...]] = {}
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
         self.may_stream_k = tile.layer0_stream_k and one_dot_tiles(tile.block_n0,
@@ -129,14 +129,16 @@ class Selector:
         """The small-call variants the layer may run that a call with ``num_tokens`` runs
         without: layer0's stream-K past :meth:`stream_k_by_rule`, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
-        keeps them: it is a small one)."""
-        stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
-        off = []
-        if self.may_stream_k and not stream_k:
-            off.append("layer0_stream_k")
-        if self.may_live_rows and not (stream_k or self.live_rows_by_rule(num_tokens)):
-            off.append("layer0_live_rows")
-        return tuple(off)
+        keeps them: it is a small one). Decided once per token count."""
+        if num_tokens not in self._too_large:
+            stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
+            off = []
+            if self.may_stream_k and not stream_k:
+                off.append("layer0_stream_k")
+            if self.may_live_rows and not (stream_k or self.live_rows_by_rule(num_tokens)):
+                off.append("layer0_live_rows")
+            self._too_large[num_tokens] = tuple(off)
+        return self._too_large[num_tokens]
 
     def without(self, tile: TileConfig, variants: tuple[str, ...]) -> TileConfig:
         """``tile`` with the boolean fields ``variants`` off (built once per pair): the
@@ -210,11 +212,8 @@ class Selector:
         records (0.64-0.98x layer0's time), were even at 32 (0.97-1.00x) and cost from
         64 on (up to 1.09x); on 4x H100 the whole qwen2-moe (2, 1) call at 32 rows per
         expert took 1.017x with them."""
-        if num_tokens not in self._live_rows:
-            per_expert, busy = self._expected_rows(num_tokens)
-            self._live_rows[num_tokens] = (
-                busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.block_m)
-        return self._live_rows[num_tokens]
+        per_expert, busy = self._expected_rows(num_tokens)
+        return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.block_m
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where
