@@ -51,8 +51,9 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     ``flag1`` says its parts landed (``wait``)."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
-    grid = max(1, min(grid, triton.cdiv(max_tokens, tile.combine_rows)))
     block_h = min(tile.combine_block_h, next_pow2(hidden))
+    grid = max(1, min(grid, triton.cdiv(max_tokens, tile.combine_rows)
+                      * triton.cdiv(hidden, block_h)))
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
     per_warp = 32 * (int(ADDRESS_ALIGN) // parts.rows.dtype.itemsize)
     warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
@@ -66,10 +67,10 @@ def combine_kernel(parts, flag1, y_addr, num_tokens, H, sync, WAIT: tl.constexpr
                    ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """``y[t] = sum_{i < COUNT, live[t, i]} parts.rows[i * part_stride + t *
     token_stride]`` in fp32, in the fixed order of ``i``. Persistent: a fixed grid loops
-    over blocks of ``ROWS`` tokens -- several programs per SM on a GPU of its own (a
-    stream needs many loads in flight), few when W virtual ranks share one GPU (spinning
-    programs must not fill it). The token count and the output's address are read on the
-    device, so one captured launch serves every call."""
+    over items of ``ROWS`` tokens x ``BLOCK_H`` columns -- several programs per SM on a
+    GPU of its own (a stream needs many loads in flight), few when W virtual ranks share
+    one GPU (spinning programs must not fill it). The token count and the output's
+    address are read on the device, so one captured launch serves every call."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     parts_ptr = parts.rows
@@ -81,22 +82,28 @@ def combine_kernel(parts, flag1, y_addr, num_tokens, H, sync, WAIT: tl.constexpr
         for d in range(sync.WORLD):
             ready = ready & wait_at_least(flag1 + d, epoch, sync, SITE_COMBINE, d, "sys")
     if ready:
-        for b in range(pid, tl.cdiv(n_tokens, ROWS), n_prog):
+        # Items of (token block, column block): a small call's few tokens still spread
+        # over as many programs as their row has column blocks; the parts of an item
+        # are loaded in one unrolled run, so their HBM round trips overlap (a 1-token
+        # DeepSeek-V3-like row, 2 blocks x 8 parts, was 16 round trips one after another).
+        h_blocks = tl.cdiv(H, BLOCK_H)
+        for item in range(pid, tl.cdiv(n_tokens, ROWS) * h_blocks, n_prog):
+            b = item // h_blocks
+            h0 = (item % h_blocks) * BLOCK_H
             rows = b * ROWS + tl.arange(0, ROWS)
             live = rows < n_tokens
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = live[:, None] & (cols[None, :] < H)
-                acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-                for i in range(parts.COUNT):
-                    known = i
-                    if parts.FANOUT > 1:
-                        known = i - i % parts.FANOUT + sync.rank % parts.FANOUT
-                    sent = tl.load(parts.live + rows * parts.COUNT + known, mask=live,
-                                   other=0) != 0
-                    part = (i * parts.part_stride + rows[:, None] * parts.token_stride).to(tl.int64)
-                    v = tl.load(parts_ptr + part * H + cols[None, :],
-                                mask=cmask & sent[:, None], other=0.0)
-                    acc += v.to(tl.float32)
-                tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                         acc.to(y_ptr.dtype.element_ty), mask=cmask)
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = live[:, None] & (cols[None, :] < H)
+            acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+            for i in tl.static_range(parts.COUNT):
+                known = i
+                if parts.FANOUT > 1:
+                    known = i - i % parts.FANOUT + sync.rank % parts.FANOUT
+                sent = tl.load(parts.live + rows * parts.COUNT + known, mask=live,
+                               other=0) != 0
+                part = (i * parts.part_stride + rows[:, None] * parts.token_stride).to(tl.int64)
+                v = tl.load(parts_ptr + part * H + cols[None, :],
+                            mask=cmask & sent[:, None], other=0.0)
+                acc += v.to(tl.float32)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=cmask)
