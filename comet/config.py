@@ -332,6 +332,13 @@ class TileConfig:
             whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
             deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
             docs/benchmarks.md, "The gathered GEMM's live rows").
+        small_plan_blocks: calls of at most this many of the plan's token blocks
+            (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
+            in two launches instead of seven: one program opens the call, stages and
+            counts the routing and pushes the counts (comet.kernels.plan.open_kernel),
+            and the layout kernel's first program places the send list -- one block
+            after another, so only a few blocks pay (the host's gate,
+            comet.runtime.selection.Selector.small_plan_by_rule; 0: never).
     """
 
     block_m: int = 128
@@ -361,6 +368,7 @@ class TileConfig:
     layer1_scatter: bool = True
     layer0_gather: bool = False
     layer0_live_rows: bool = True
+    small_plan_blocks: int = 4
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -369,6 +377,8 @@ class TileConfig:
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
         if self.layer1_split_k < 1:
             raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
+        if self.small_plan_blocks < 0:
+            raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's

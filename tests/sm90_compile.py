@@ -111,8 +111,15 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # The whole fused call (plan, fused layer0, layer1's scatter, combine over slots):
         # the store of the scatter epilogue to per-row peer addresses must be 16-byte wide.
         call().run()
-        # A layer's first launch: the caller's routing into the staged rows.
-        launch_stage_routing(RoutingStage(torch.zeros(2, dtype=torch.int64), split, ids, wts))
+        # A layer's first launch: the caller's routing into the staged rows; the plan of
+        # a small call with that copy in its opening (open_kernel), and of a call of many
+        # token blocks (count, scan, layout, place).
+        staged = RoutingStage(torch.zeros(2, dtype=torch.int64), split, ids, wts)
+        launch_stage_routing(staged)
+        for phase in call(routing_stage=staged).stages()[0][1]:
+            phase()
+        for phase in call(t=dataclasses.replace(tile, small_plan_blocks=0)).stages()[0][1]:
+            phase()
         # layer0 in every role; layer1's reduce kernel in every role, and its combine.
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             call().launch_layer0(role, 132)

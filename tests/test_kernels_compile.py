@@ -26,7 +26,8 @@ def test_all_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for kernel in ("count_kernel", "layout_kernel", "place_kernel", "exchange_counts_kernel",
+    for kernel in ("count_kernel", "open_kernel", "layout_kernel", "place_kernel",
+                   "exchange_counts_kernel",
                    "layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel",
                    "combine_kernel", "act_backward_kernel", "row_weights_kernel",
                    "stage_routing_kernel", "shard_routing_kernel"):

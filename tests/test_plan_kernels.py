@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
                                 reason="needs TRITON_INTERPRET=1 on a CPU")
 
 
-def _run_plan(wss, cfg, tile, ids, wts, num_tokens):
-    phases = [plan_phases(ws, Routing.of(i, w, n), tile)
+def _run_plan(wss, cfg, tile, ids, wts, num_tokens, small=False):
+    phases = [plan_phases(ws, Routing.of(i, w, n), tile, small=small)
               for ws, i, w, n in zip(wss, ids, wts, num_tokens)]
     for open_call, _ in phases:
         open_call()
@@ -28,11 +28,11 @@ def _run_plan(wss, cfg, tile, ids, wts, num_tokens):
         plan()
 
 
-def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
+def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False, small=False):
     """Plan one call on the kernels; with ``staged``, the way a layer stages it: after a
     full-size call (stale tables), the routing padded to ``max_tokens`` rows with real
     expert ids and NaN weights, and the token count on the device -- the padding must
-    never be read."""
+    never be read. ``small``: the two-launch plan (open_kernel, the layout placing)."""
     cfg = MoEConfig(num_experts=world * el, top_k=k, hidden_size=16, intermediate_size=16,
                     dtype=torch.float16, max_tokens=max_tokens)
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +44,7 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
     tile = TileConfig(**{**TileConfig.small().__dict__, "block_m": block_m})
     wss = allocate_virtual(cfg, world, DEVICE, tile)
     if not staged:
-        _run_plan(wss, cfg, tile, ids, wts, [None] * world)
+        _run_plan(wss, cfg, tile, ids, wts, [None] * world, small)
     else:
         def padded(t, fill):
             pad = fill((max_tokens - t.shape[0], k)).to(DEVICE, t.dtype)
@@ -52,12 +52,12 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
         full = [torch.randint(0, world * el, (max_tokens, k), generator=g).to(DEVICE)
                 for _ in range(world)]
         ones = [torch.ones(max_tokens, k, device=DEVICE) for _ in range(world)]
-        _run_plan(wss, cfg, tile, full, ones, [None] * world)
+        _run_plan(wss, cfg, tile, full, ones, [None] * world, small)
         junk_ids = lambda shape: torch.randint(0, world * el, shape, generator=g)
         nan = lambda shape: torch.full(shape, float("nan"))
         _run_plan(wss, cfg, tile, [padded(i, junk_ids) for i in ids],
                   [padded(w, nan) for w in wts],
-                  [torch.tensor([i.shape[0]], device=DEVICE) for i in ids])
+                  [torch.tensor([i.shape[0]], device=DEVICE) for i in ids], small)
         assert not any(int(ws.input_word[0]) for ws in wss), "padding was read"
     counts = torch.stack([local_counts(i, world, el) for i in ids])
     layout = build_recv_layout(counts)
@@ -68,11 +68,27 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False):
                                           (8, 1, 2)])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("staged", [False, True], ids=["exact", "staged"])
-def test_plan_kernels_match_the_spec(world, el, k, kind, staged):
-    mx = 9
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small"])
+def test_plan_kernels_match_the_spec(world, el, k, kind, staged, small):
+    _check_against_spec(world, el, k, 9, kind, staged, small)
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed"])
+@pytest.mark.parametrize("staged", [False, True], ids=["exact", "staged"])
+def test_the_small_plan_matches_the_spec_over_several_blocks(kind, staged):
+    """The two-launch plan counts and places a call's token blocks one after another
+    (right for any size; the host keeps it to a few): 40 tokens at top-4 are 3 blocks
+    of 16, 2 at top-3."""
+    from comet.kernels.plan import plan_block_tokens
+    assert 40 > 2 * plan_block_tokens(4)
+    for world, el, k in ((4, 4, 4), (2, 3, 3)):
+        _check_against_spec(world, el, k, 40, kind, staged, small=True)
+
+
+def _check_against_spec(world, el, k, mx, kind, staged, small):
     cfg, ids, wts, wss, counts, layout, tile = _plan_both(world, el, k, mx, kind,
                                                           seed=world * 10 + el + len(kind),
-                                                          staged=staged)
+                                                          staged=staged, small=small)
     for r in range(world):
         p = wss[r].plan
         parity = int(wss[r].epoch) % 2                      # epoch 1: the second buffer

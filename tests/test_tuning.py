@@ -592,9 +592,10 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     for tokens in (8, 128, 4096):
         whole = selection.tile_for(tokens)
         assert not whole.layer0_stream_k, tokens
-        # the same tile otherwise, built once
-        assert whole is selection.without(dataclasses.replace(whole, layer0_stream_k=True),
-                                          ("layer0_stream_k",))
+        # the same tile otherwise (the small plan as the call's blocks say), built once
+        full = dataclasses.replace(whole, layer0_stream_k=True,
+                                   small_plan_blocks=tile.small_plan_blocks)
+        assert whole is selection.without(full, selection.too_large_for(tokens))
     assert selection.tile_for(1, overrides={"group_m": 4}).layer0_stream_k
     assert not selection.tile_for(8, overrides={"group_m": 4}).layer0_stream_k
     # every tile a call may run is warmed up before the first call
@@ -607,7 +608,8 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     # items of two dots (block_n0 64): no scratch, no variant to compile or swap out
     narrow_tile = dataclasses.replace(tile, block_n0=64)
     narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
-    assert not narrow.may_stream_k and narrow.tile_for(4096) is narrow_tile
+    assert not narrow.may_stream_k
+    assert narrow.tile_for(4096) is narrow.without(narrow_tile, ("small_plan_blocks",))
     assert len(narrow.tile_variants()) == len(off.tile_variants())
 
 
@@ -638,9 +640,10 @@ def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world
     variants = selection.tile_variants()
     assert selection.tile_for(1).layer0_stream_k
     assert {selection.tile_for(t) for t in range(1, 5000, 7)} <= set(variants)
-    assert len(variants) == 3 * len(Selector(cfg, world, TileConfig(), 132,
-                                             torch.device("cpu"), folder=None,
-                                             layout=layout).tile_variants()) // 2
+    # exactly the small-call variants some token count gets (found by the rules' ends)
+    every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
+    assert selection._reachable_offs() == sorted(every)
+    assert len(variants) == len(set(variants)) == 2 * len(every)    # the tile and decode
     off = Selector(cfg, world, dataclasses.replace(tile, layer0_live_rows=False), 132,
                    torch.device("cpu"), folder=None, layout=layout)
     assert not off.may_live_rows and not off.tile_for(1).layer0_live_rows

@@ -19,6 +19,15 @@ The count exchange between steps 1 and 2 is :mod:`comet.kernels.exchange`. The t
 allocated once per workspace (:func:`allocate_plan`) and grouped as the kernels take them
 (:class:`Plan`).
 
+A small call (``TileConfig.small_plan_blocks``) plans in two launches instead of seven:
+:func:`open_kernel` opens the call (next epoch, zeroed counters -- two torch ops
+otherwise), copies the caller's routing into the staged rows (otherwise a launch of
+:mod:`comet.kernels.stage_routing`), counts and sums the token blocks and pushes the
+totals, all in one program; and the layout kernel's first program places the send list
+(``PLACE``) once its offsets are stored. Both loop over the call's blocks one after the
+other, so they are right for any token count and fast for a few blocks only: the host
+picks them per call (comet.runtime.selection).
+
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
 decode-sized call costs what its tokens cost, not what the workspace holds. (Sized for
@@ -44,7 +53,8 @@ from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BA
 from comet.config import TileConfig
 from comet.kernels.exchange import Exchange, push_counts, wait_counts
 from comet.kernels.shape import Shape, next_pow2
-from comet.kernels.sync import Sync, arrive, record_input_error
+from comet.kernels.stage_routing import RoutingStage, caller_ids, stage_pairs
+from comet.kernels.sync import Sync, arrive, barrier, record_input_error
 from comet.routing import recv_capacity
 
 #: Per-cell tables each layout program keeps in its scratch (layout_kernel).
@@ -202,17 +212,39 @@ def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: S
         SCAN_COLS=SCAN_COLS, num_warps=4)
 
 
+def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Sync,
+                shape: Shape, exchange: Exchange, counters: torch.Tensor,
+                stage: RoutingStage | None = None) -> None:
+    """A small call's opening and counts in one program (:func:`open_kernel`): what
+    ``Workspace.begin_call``, the routing's staging (with ``stage``) and
+    :func:`launch_counts` do in five launches. ``counters``: the call's local int32
+    counters, zeroed."""
+    n = counters.numel()
+    open_kernel[(1,)](
+        routing=routing, stage=stage, block_counts=plan.block_counts,
+        blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
+        exchange=exchange, sync=sync, shape=shape, COUNTERS=n, COUNTERS_P2=next_pow2(n),
+        STAGE=stage is not None, BINS=next_pow2(shape.NUM_EXPERTS + 1),
+        BLOCK_T=plan_block_tokens(shape.TOPK), num_warps=4)
+
+
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
-                  chunking: Chunking, block_m: int, head_tiles: int) -> None:
+                  chunking: Chunking, block_m: int, head_tiles: int, routing: Routing,
+                  input_err: torch.Tensor, max_tokens: int, place: bool = False) -> None:
     """Offsets and the tile table from the exchanged counts (``exchange.counts``, this
     rank's symmetric ``[COUNT_BUFFERS, W, W * (El + 1)]``), which with
-    ``exchange.IN_PLAN`` every program first waits for."""
+    ``exchange.IN_PLAN`` every program first waits for; with ``place``, also the send
+    list and return entries (what :func:`launch_place` does), by the first program."""
     layout_kernel[(min(LAYOUT_PROGRAMS, int(shape.NUM_EXPERTS)),)](
         exchange=exchange, sync=sync, send_base=plan.send_base,
-        dst_base=plan.dst_base, send_off=plan.send.off, entry_count=plan.entry_count,
+        dst_base=plan.dst_base, entry_count=plan.entry_count,
         segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
         tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
-        BLOCK_M=block_m, HEAD_TILES=head_tiles, num_warps=4)
+        routing=routing, block_counts=plan.block_counts, send=plan.send,
+        entries=plan.entries, dest_mask=plan.dest_mask, pair_live=plan.pair_live,
+        max_tokens=max_tokens, input_err=input_err, BLOCK_M=block_m,
+        HEAD_TILES=head_tiles, PLACE=place, BLOCK_T=plan_block_tokens(shape.TOPK),
+        num_warps=4)
 
 
 def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
@@ -288,6 +320,58 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
 
 
 @triton.jit
+def open_kernel(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
+                shape, COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr,
+                STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A small call's opening in one program: the next epoch and ``COUNTERS`` zeroed
+    counters; with ``STAGE`` the caller's routing copied into the staged rows; rows ``1..
+    used`` of ``block_counts`` as :func:`count_kernel` then :func:`scan_kernel` leave them
+    (each block's counts added to those before it, in block order) and the totals in row
+    ``blocks``; then the totals pushed to every peer. One block after another, so any
+    token count is right but only a few blocks are fast."""
+    tl.store(sync.epoch, tl.load(sync.epoch) + 1)
+    c = tl.arange(0, COUNTERS_P2)
+    tl.store(counters + c, tl.zeros([COUNTERS_P2], tl.int32), mask=c < COUNTERS)
+    barrier()    # what follows reads the new epoch (error reports, the push)
+    COLS: tl.constexpr = shape.NUM_EXPERTS + shape.WORLD
+    rows = _token_rows(routing)
+    ids = routing.ids
+    if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
+        ids = caller_ids(stage)
+    dests = tl.arange(0, shape.W_P2)
+    per_expert = tl.zeros([BINS], tl.int32)
+    per_dest = tl.zeros([shape.W_P2], tl.int32)
+    j = tl.arange(0, shape.TOPK_P2)
+    for b in range(0, tl.cdiv(rows, BLOCK_T)):
+        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        if STAGE:
+            stage_pairs(stage, t[:, None] * shape.TOPK + j[None, :],
+                        (t[:, None] < rows) & (j[None, :] < shape.TOPK))
+        e, valid, bad = _pairs(ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS, rows)
+        _report(bad, t, input_err, INPUT_BAD_EXPERT, sync.epoch, shape.TOPK_P2)
+        binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (BLOCK_T * shape.TOPK_P2,))
+        per_expert += tl.histogram(binned, BINS)
+        dest = e // shape.LOCAL_EXPERTS
+        for d in range(shape.WORLD):
+            on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
+            per_dest += tl.where(dests == d, tl.sum(on, axis=0), 0)
+        _store_counts(block_counts + (b + 1) * COLS, per_expert, per_dest, shape, BINS)
+    _store_counts(block_counts + blocks * COLS, per_expert, per_dest, shape, BINS)
+    barrier()    # the push reads the totals back
+    push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync, shape,
+                exchange.BLOCK)
+
+
+@triton.jit
+def _store_counts(row, per_expert, per_dest, shape, BINS: tl.constexpr):
+    """A ``block_counts`` row: pairs per expert, then tokens per destination rank."""
+    bins = tl.arange(0, BINS)
+    dests = tl.arange(0, shape.W_P2)
+    tl.store(row + bins, per_expert, mask=bins < shape.NUM_EXPERTS)
+    tl.store(row + shape.NUM_EXPERTS + dests, per_dest, mask=dests < shape.WORLD)
+
+
+@triton.jit
 def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.constexpr,
                 BLOCK_T: tl.constexpr, SCAN_ROWS: tl.constexpr, SCAN_COLS: tl.constexpr):
     """Inclusive prefix sum over the counted rows ``1..used`` of ``block_counts`` (one
@@ -315,9 +399,11 @@ def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.c
 
 
 @triton.jit
-def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, segments,
-                  chunks, recv_entries, tiles, scratch, shape, chunking,
-                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr):
+def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
+                  chunks, recv_entries, tiles, scratch, shape, chunking, routing,
+                  block_counts, send, entries, dest_mask, pair_live, max_tokens, input_err,
+                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr, PLACE: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``exchange.counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot
@@ -332,7 +418,9 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
 
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
     them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
-    among themselves. Filling a cell is a chain of dependent loads and stores (~150 ns),
+    among themselves; with ``PLACE`` program 0 then places the call's token blocks
+    (:func:`place_kernel`'s work, one block after another). Filling a cell is a chain of
+    dependent loads and stores (~150 ns),
     and with 256 cells (256 experts) one program spent ~38 us on an H100. ``scratch``:
     ``[programs, LAYOUT_SCRATCH, W * El]`` int32, each program's own copy of what its
     cells read, so no program reads what another wrote.
@@ -365,8 +453,8 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
         tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base,
                  mask=grid_mask)
         per_dest = tl.sum(sent, axis=1)
-        tl.store(send_off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
-        tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
+        tl.store(send.off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
+        tl.store(send.off + WORLD, tl.sum(per_dest, axis=0))
         unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
                          mask=w_mask, other=0)
         tl.store(entry_count + s_idx, unique, mask=w_mask)
@@ -381,6 +469,13 @@ def layout_kernel(exchange, sync, send_base, dst_base, send_off, entry_count, se
                             axis=0)
             tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
                      mask=el_idx < LOCAL_EXPERTS)
+        if PLACE:
+            barrier()    # the offsets just stored, before this program's placing reads them
+            rows = _token_rows(routing)
+            for b in range(0, tl.cdiv(rows, BLOCK_T)):
+                _place_block(routing, block_counts, send_base, dst_base, send, entries,
+                             dest_mask, pair_live, rows, max_tokens, input_err, sync.epoch,
+                             b, shape, BLOCK_T)
 
     # -- as a destination: segments, waits and tiles -----------------------------------
     m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + rank * EL1 + el_idx[None, :],

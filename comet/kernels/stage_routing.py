@@ -44,10 +44,22 @@ def launch_stage_routing(stage: RoutingStage) -> None:
 def stage_routing_kernel(stage, K: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.load(stage.num_tokens) * K
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = pairs < n
     if tl.program_id(0) * BLOCK < n:
-        # No alignment is claimed: a caller's routing may be a view at any element offset.
-        ids = tl.load(stage.addr).to(tl.pointer_type(stage.ids.dtype.element_ty))
-        weights = tl.load(stage.addr + 1).to(tl.pointer_type(stage.weights.dtype.element_ty))
-        tl.store(stage.ids + pairs, tl.load(ids + pairs, mask=live), mask=live)
-        tl.store(stage.weights + pairs, tl.load(weights + pairs, mask=live), mask=live)
+        stage_pairs(stage, pairs, pairs < n)
+
+
+@triton.jit
+def caller_ids(stage):
+    """The caller's expert ids (a pointer read from ``stage.addr``)."""
+    # No alignment is claimed: a caller's routing may be a view at any element offset.
+    return tl.load(stage.addr).to(tl.pointer_type(stage.ids.dtype.element_ty))
+
+
+@triton.jit
+def stage_pairs(stage, pairs, live):
+    """Copy the caller's ids and weights of the (token, slot) pairs ``pairs`` (flat
+    indices, any shape; ``live`` masks them) into the staged rows. Also run inside the
+    plan's one-program opening of a small call (comet.kernels.plan.open_kernel)."""
+    weights = tl.load(stage.addr + 1).to(tl.pointer_type(stage.weights.dtype.element_ty))
+    tl.store(stage.ids + pairs, tl.load(caller_ids(stage) + pairs, mask=live), mask=live)
+    tl.store(stage.weights + pairs, tl.load(weights + pairs, mask=live), mask=live)

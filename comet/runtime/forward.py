@@ -37,7 +37,8 @@ from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
 from comet.scheduler.shared_tensor import layout_decomposition
-from comet.kernels.plan import Chunking, Routing, launch_counts, launch_layout, launch_place
+from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
+                                launch_open, launch_place)
 from comet.kernels.sync import Trace
 from comet.runtime.strategies import strategy_for
 from comet.runtime.workspace import Workspace
@@ -90,20 +91,34 @@ class Grids(NamedTuple):
     combine: int
 
 
-def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig) -> tuple[Phase, Phase]:
-    """``(open, plan)`` of a call: open it, count, and push this rank's counts to every
-    peer (the scan's last program); then wait for every peer's counts (the layout
-    kernel's programs) and build the offsets, tile table and send list."""
+def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, *, small: bool = False,
+                stage: RoutingStage | None = None) -> tuple[Phase, Phase]:
+    """``(open, plan)`` of a call: (with ``stage``, copy the caller's routing into the
+    staged rows,) open it, count, and push this rank's counts to every peer (the scan's
+    last program); then wait for every peer's counts (the layout kernel's programs) and
+    build the offsets, tile table and send list. ``small``: in two launches, the open in
+    one program and the send list by the layout kernel (comet.kernels.plan), for calls
+    of a few token blocks (``TileConfig.small_plan_blocks``)."""
     count_exchange = ws.exchange(in_plan=True)
+    chunking, cfg = Chunking.of(tile), ws.cfg
 
     def open_call() -> None:
+        if small:
+            launch_open(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange,
+                        ws.counters, stage)
+            return
+        if stage is not None:
+            launch_stage_routing(stage)
         ws.begin_call()
         launch_counts(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange)
 
     def plan() -> None:
-        launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, Chunking.of(tile),
-                      tile.block_m, tile.local_head_tiles)
-        launch_place(ws.plan, routing, ws.input_word, ws.epoch, ws.cfg.max_tokens, ws.shape)
+        launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, chunking, tile.block_m,
+                      tile.local_head_tiles, routing, ws.input_word, cfg.max_tokens,
+                      place=small)
+        if not small:
+            launch_place(ws.plan, routing, ws.input_word, ws.epoch, cfg.max_tokens,
+                         ws.shape)
     return open_call, plan
 
 
@@ -187,11 +202,16 @@ class ForwardCall:
     def stages(self) -> list[tuple[str, list[Phase]]]:
         """``(name, phases)`` of the call in order: "plan", "layer0", "layer1",
         "combine" (the phases a timer reports)."""
-        plan = list(plan_phases(self.ws, self._routing, self.tile))
-        if self.shard_routing is not None:
-            plan.insert(0, lambda: launch_shard_routing(self.shard_routing))
-        if self.routing_stage is not None:
-            plan.insert(0, lambda: launch_stage_routing(self.routing_stage))
+        # The routing is staged in the plan's opening unless a (tp, ep) layout's shard
+        # routing, which reads the staged rows, must run between the two.
+        shards, stage = self.shard_routing, self.routing_stage
+        plan = list(plan_phases(self.ws, self._routing, self.tile,
+                                small=self.tile.small_plan_blocks > 0,
+                                stage=stage if shards is None else None))
+        if shards is not None:
+            plan.insert(0, lambda: launch_shard_routing(shards))
+            if stage is not None:
+                plan.insert(0, lambda: launch_stage_routing(stage))
         return [("plan", plan),
                 ("layer0", self._layer0_phases()), ("layer1", self._layer1_phases()),
                 ("combine", self._combine_phases())]

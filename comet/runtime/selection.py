@@ -7,9 +7,9 @@ fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) w
 table or a rule says a call is too small to fill the GPU, and with layer0's small-call
 variants compiled in only for calls small enough: stream-K where the device may take
 it, and a gathered GEMM's loads of live rows only where its tiles are mostly others'
-rows. Both are
+rows; and the plan in two launches for calls of a few token blocks. All are
 rank-local choices -- nothing a peer reads depends on them except the split, which every
-rank of a group derives from the same table -- and both are remembered per token count,
+rank of a group derives from the same table -- and all are remembered per token count,
 so the forward path does not search folders or run the model's loop on every call.
 """
 
@@ -23,6 +23,7 @@ import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.layer0 import STREAM_K_ROUNDS, one_dot_tiles
+from comet.kernels.plan import plan_block_tokens
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -59,6 +60,7 @@ class Selector:
         self.may_stream_k = tile.layer0_stream_k and one_dot_tiles(tile.block_n0,
                                                                    cfg.intermediate_size)
         self.may_live_rows = tile.layer0_gather and tile.layer0_live_rows
+        self.may_small_plan = tile.small_plan_blocks > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
@@ -129,7 +131,8 @@ class Selector:
         """The small-call variants the layer may run that a call with ``num_tokens`` runs
         without: layer0's stream-K past :meth:`stream_k_by_rule`, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
-        keeps them: it is a small one). Decided once per token count."""
+        keeps them: it is a small one), the two-launch plan past
+        :meth:`small_plan_by_rule`. Decided once per token count."""
         if num_tokens not in self._too_large:
             stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
             off = []
@@ -137,19 +140,21 @@ class Selector:
                 off.append("layer0_stream_k")
             if self.may_live_rows and not (stream_k or self.live_rows_by_rule(num_tokens)):
                 off.append("layer0_live_rows")
+            if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
+                off.append("small_plan_blocks")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
     def without(self, tile: TileConfig, variants: tuple[str, ...]) -> TileConfig:
-        """``tile`` with the boolean fields ``variants`` off (built once per pair): the
-        kernel a call too large for them runs -- the same as a layer that never enables
+        """``tile`` with the fields ``variants`` off (False, or 0; built once per pair):
+        what a call too large for them runs -- the same as a layer that never enables
         them (compiled in, stream-K cost 8-128-token calls 2-6% that it never cut, and
         the live-row masks 1-5% of a large call's layer0: docs/benchmarks.md)."""
         if not variants:
             return tile
         if (tile, variants) not in self._without:
             self._without[tile, variants] = dataclasses.replace(
-                tile, **dict.fromkeys(variants, False))
+                tile, **{f: type(getattr(tile, f))(0) for f in variants})
         return self._without[tile, variants]
 
     def _variant(self, overrides: tuple[tuple[str, int], ...]
@@ -169,12 +174,21 @@ class Selector:
                                  tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
         tiles = [t for o in sorted(picks) for t in self._variant(o) if t is not None]
-        offs = [()]
-        if self.may_stream_k:
-            offs.append(("layer0_stream_k",))
-        if self.may_live_rows:          # never off where stream-K is on
-            offs.append(offs[-1] + ("layer0_live_rows",))
-        return [self.without(t, off) for t in tiles for off in offs]
+        return [self.without(t, off) for t in tiles for off in self._reachable_offs()]
+
+    def _reachable_offs(self) -> list[tuple[str, ...]]:
+        """Every answer of :meth:`too_large_for` some token count in ``[0, max_tokens]``
+        gets. Each rule holds from 1 token up to a last count and not after (more
+        tokens, more rows and items), so the answers change only there: the counts
+        tried are 0, 1, ``max_tokens`` and each rule's last and next."""
+        counts = {0, 1, self.cfg.max_tokens}
+        for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule):
+            lo, hi = 0, self.cfg.max_tokens        # rule(lo) (or lo = 0), not rule(hi + 1)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if rule(mid) else (lo, mid - 1)
+            counts |= {lo, lo + 1}
+        return sorted({self.too_large_for(n) for n in counts if n <= self.cfg.max_tokens})
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
@@ -214,6 +228,13 @@ class Selector:
         expert took 1.017x with them."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.block_m
+
+    def small_plan_by_rule(self, num_tokens: int) -> bool:
+        """Whether a call with ``num_tokens`` on this rank plans in two launches: its
+        tokens make at most ``TileConfig.small_plan_blocks`` of the plan's token blocks
+        (comet.kernels.plan.open_kernel counts them one after another)."""
+        blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
+        return blocks <= self.tile.small_plan_blocks
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where
