@@ -335,9 +335,9 @@ class TileConfig:
         small_plan_blocks: calls of at most this many of the plan's token blocks
             (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
             in two launches instead of seven: one program opens the call, stages and
-            counts the routing and pushes the counts (comet.kernels.plan.open_kernel),
-            and the layout kernel's first program places the send list -- one block
-            after another, so only a few blocks pay (the host's gate,
+            counts the routing and pushes the counts (comet.kernels.plan.open_kernel;
+            one block after another, so only a few blocks pay), and the layout kernel's
+            programs place the send list, a block each (the host's gate,
             comet.runtime.selection.Selector.small_plan_by_rule; 0: never).
     """
 

@@ -23,10 +23,10 @@ A small call (``TileConfig.small_plan_blocks``) plans in two launches instead of
 :func:`open_kernel` opens the call (next epoch, zeroed counters -- two torch ops
 otherwise), copies the caller's routing into the staged rows (otherwise a launch of
 :mod:`comet.kernels.stage_routing`), counts and sums the token blocks and pushes the
-totals, all in one program; and the layout kernel's first program places the send list
-(``PLACE``) once its offsets are stored. Both loop over the call's blocks one after the
-other, so they are right for any token count and fast for a few blocks only: the host
-picks them per call (comet.runtime.selection).
+totals, all in one program; and the layout kernel's programs place the send list
+(``PLACE``), a token block each. The opening counts the call's blocks one after the
+other, so it is right for any token count and fast for a few blocks only: the host picks
+the two-launch plan per call (comet.runtime.selection).
 
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
@@ -57,8 +57,11 @@ from comet.kernels.stage_routing import RoutingStage, caller_ids, stage_pairs
 from comet.kernels.sync import Sync, arrive, barrier, record_input_error
 from comet.routing import recv_capacity
 
-#: Per-cell tables each layout program keeps in its scratch (layout_kernel).
-LAYOUT_SCRATCH = constexpr(7)
+#: Per-cell tables each layout program keeps in its scratch (layout_kernel): seven for
+#: its tile-table cells, then (from ``SOURCE_SCRATCH``) its copies of send_base and
+#: dst_base, which its blocks' placing reads (``PLACE``).
+LAYOUT_SCRATCH = constexpr(9)
+SOURCE_SCRATCH = constexpr(7)
 #: Pairs the plan kernels handle per program (a block of whole tokens).
 PLAN_BLOCK_PAIRS = 64
 #: Programs that fill the tile table (layout_kernel), at most.
@@ -418,12 +421,12 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
 
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
     them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
-    among themselves; with ``PLACE`` program 0 then places the call's token blocks
-    (:func:`place_kernel`'s work, one block after another). Filling a cell is a chain of
-    dependent loads and stores (~150 ns),
-    and with 256 cells (256 experts) one program spent ~38 us on an H100. ``scratch``:
-    ``[programs, LAYOUT_SCRATCH, W * El]`` int32, each program's own copy of what its
-    cells read, so no program reads what another wrote.
+    among themselves; with ``PLACE`` they also split the call's token blocks
+    (:func:`place_kernel`'s work). Filling a cell is a chain of dependent loads and
+    stores (~150 ns), and with 256 cells (256 experts) one program spent ~38 us on an
+    H100; placing a block ~3 us. ``scratch``: ``[programs, LAYOUT_SCRATCH, W * El]``
+    int32, each program's own copy of what its cells and blocks read, so no program
+    reads what another wrote.
     """
     WORLD: tl.constexpr = shape.WORLD
     W_P2: tl.constexpr = shape.W_P2
@@ -445,37 +448,18 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     w_mask = s_idx < WORLD
 
     # -- as a source: where my pairs land, and my send list ------------------------------
+    n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
+    mine = scratch + pid * LAYOUT_SCRATCH * n_cells
     if lead:
-        sent = tl.load(counts_all + rank * WORLD * EL1 + s_idx[:, None] * EL1
-                       + el_idx[None, :], mask=grid_mask, other=0)     # [d, el]
-        flat = tl.reshape(sent, (W_P2 * EL_P2,))
-        base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (W_P2, EL_P2))
-        tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base,
-                 mask=grid_mask)
-        per_dest = tl.sum(sent, axis=1)
+        per_dest = _source_offsets(counts_all, rank, send_base, dst_base, shape)
         tl.store(send.off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
         tl.store(send.off + WORLD, tl.sum(per_dest, axis=0))
         unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
                          mask=w_mask, other=0)
         tl.store(entry_count + s_idx, unique, mask=w_mask)
-        for d in range(WORLD):
-            # rows of every source s for d's experts: m[s, el]
-            m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
-                        mask=grid_mask, other=0)
-            ex_rows = tl.sum(m, axis=0)
-            ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
-            ring = (s_idx - d + WORLD) % WORLD                     # ring offset of source s
-            before = tl.sum(tl.where((ring < (rank - d + WORLD) % WORLD)[:, None], m, 0),
-                            axis=0)
-            tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
-                     mask=el_idx < LOCAL_EXPERTS)
-        if PLACE:
-            barrier()    # the offsets just stored, before this program's placing reads them
-            rows = _token_rows(routing)
-            for b in range(0, tl.cdiv(rows, BLOCK_T)):
-                _place_block(routing, block_counts, send_base, dst_base, send, entries,
-                             dest_mask, pair_live, rows, max_tokens, input_err, sync.epoch,
-                             b, shape, BLOCK_T)
+    if PLACE:    # every program places some blocks, from its own copy of the offsets
+        _source_offsets(counts_all, rank, mine + SOURCE_SCRATCH * n_cells,
+                        mine + (SOURCE_SCRATCH + 1) * n_cells, shape)
 
     # -- as a destination: segments, waits and tiles -----------------------------------
     m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + rank * EL1 + el_idx[None, :],
@@ -518,8 +502,6 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
         tl.store(seg_start + cell, seg0, mask=grid_mask)
         tl.store(seg_rows + cell, ring_rows, mask=grid_mask)
         tl.store(tiles.num, tl.sum(tl.sum(per_stage, axis=1), axis=0))
-    n_cells: tl.constexpr = WORLD * LOCAL_EXPERTS
-    mine = scratch + pid * LAYOUT_SCRATCH * n_cells
     tl.store(mine + cell, before, mask=grid_mask)
     tl.store(mine + n_cells + cell, per_stage, mask=grid_mask)
     tl.store(mine + 2 * n_cells + cell, tl.broadcast_to(head_base[None, :], (W_P2, EL_P2)),
@@ -529,6 +511,13 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     tl.store(mine + 5 * n_cells + cell, seg0, mask=grid_mask)
     tl.store(mine + 6 * n_cells + cell, ring_rows, mask=grid_mask)
     tl.debug_barrier()
+    if PLACE:
+        rows = _token_rows(routing)
+        for b in range(pid, tl.cdiv(rows, BLOCK_T), n_prog):
+            _place_block(routing, block_counts, mine + SOURCE_SCRATCH * n_cells,
+                         mine + (SOURCE_SCRATCH + 1) * n_cells, send, entries, dest_mask,
+                         pair_live, rows, max_tokens, input_err, sync.epoch, b, shape,
+                         BLOCK_T)
     for c in range(pid, n_cells, n_prog):
         o = c // LOCAL_EXPERTS
         el = c % LOCAL_EXPERTS
@@ -559,6 +548,36 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
             tl.store(tiles.row_end + dst, r1, mask=live)
             tl.store(tiles.wait + dst, tl.sum(bits, axis=1), mask=live)
             tl.store(tiles.stage + dst, tl.full([TILE_CHUNK], o, tl.int32), mask=live)
+
+
+@triton.jit
+def _source_offsets(counts_all, rank, send_base, dst_base, shape):
+    """Store ``send_base`` and ``dst_base`` (``[W, El]``, see :func:`layout_kernel`) from
+    ``counts_all``; return this rank's pairs per destination (``[W_P2]``)."""
+    WORLD: tl.constexpr = shape.WORLD
+    LOCAL_EXPERTS: tl.constexpr = shape.LOCAL_EXPERTS
+    EL1: tl.constexpr = LOCAL_EXPERTS + 1
+    s_idx = tl.arange(0, shape.W_P2)
+    el_idx = tl.arange(0, shape.EL_P2)
+    grid_mask = (s_idx[:, None] < WORLD) & (el_idx[None, :] < LOCAL_EXPERTS)
+    sent = tl.load(counts_all + rank * WORLD * EL1 + s_idx[:, None] * EL1
+                   + el_idx[None, :], mask=grid_mask, other=0)     # [d, el]
+    flat = tl.reshape(sent, (shape.W_P2 * shape.EL_P2,))
+    base = tl.reshape(tl.cumsum(flat, axis=0) - flat, (shape.W_P2, shape.EL_P2))
+    tl.store(send_base + s_idx[:, None] * LOCAL_EXPERTS + el_idx[None, :], base,
+             mask=grid_mask)
+    for d in range(WORLD):
+        # rows of every source s for d's experts: m[s, el]
+        m = tl.load(counts_all + s_idx[:, None] * WORLD * EL1 + d * EL1 + el_idx[None, :],
+                    mask=grid_mask, other=0)
+        ex_rows = tl.sum(m, axis=0)
+        ex_off = tl.cumsum(ex_rows, axis=0) - ex_rows
+        ring = (s_idx - d + WORLD) % WORLD                     # ring offset of source s
+        before = tl.sum(tl.where((ring < (rank - d + WORLD) % WORLD)[:, None], m, 0),
+                        axis=0)
+        tl.store(dst_base + d * LOCAL_EXPERTS + el_idx, ex_off + before,
+                 mask=el_idx < LOCAL_EXPERTS)
+    return tl.sum(sent, axis=1)
 
 
 @triton.jit
