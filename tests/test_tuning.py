@@ -780,3 +780,23 @@ def test_tensor_parallel_tables_are_kept_apart_by_layout(tmp_path):
     (tmp_path / tuned.file_name(CFG, 4, "cpu")).write_text(json.dumps(data))
     with pytest.warns(UserWarning, match="tuned for the layout tp2-sequence, this layer is ep"):
         assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path) is None
+
+
+@pytest.mark.parametrize("name, last_small", [("mixtral", 128), ("qwen2-moe", 64),
+                                              ("deepseek-v3-like", 32)])
+def test_the_small_plan_gate_counts_the_plans_token_blocks(name, last_small):
+    """A call plans in two launches (open_kernel, the layout placing) while its tokens make
+    at most ``small_plan_blocks`` (4) of the plan's blocks of 64 slots: 128 tokens at
+    top-2, 64 at top-4, 32 at top-8; one more token and it plans in seven. The rule is
+    the rank's own -- no peer reads which plan a rank ran -- and every pick is warmed up."""
+    from comet.runtime.selection import Selector
+    selection = Selector(preset(name), 2, TileConfig(), 132, torch.device("cpu"), folder=None)
+    for tokens, small in ((0, True), (1, True), (last_small, True), (last_small + 1, False),
+                          (4096, False)):
+        assert (selection.tile_for(tokens).small_plan_blocks > 0) is small, tokens
+    assert {selection.tile_for(t) for t in range(0, 300)} <= set(selection.tile_variants())
+    never = Selector(preset(name), 2, TileConfig(small_plan_blocks=0), 132,
+                     torch.device("cpu"), folder=None)
+    assert not never.may_small_plan and never.tile_for(1).small_plan_blocks == 0
+    with pytest.raises(ValueError, match="small_plan_blocks"):
+        TileConfig(small_plan_blocks=-1)

@@ -237,7 +237,8 @@ def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
     """Offsets and the tile table from the exchanged counts (``exchange.counts``, this
     rank's symmetric ``[COUNT_BUFFERS, W, W * (El + 1)]``), which with
     ``exchange.IN_PLAN`` every program first waits for; with ``place``, also the send
-    list and return entries (what :func:`launch_place` does), by the first program."""
+    list and return entries (what :func:`launch_place` does), a token block per
+    program."""
     layout_kernel[(min(LAYOUT_PROGRAMS, int(shape.NUM_EXPERTS)),)](
         exchange=exchange, sync=sync, send_base=plan.send_base,
         dst_base=plan.dst_base, entry_count=plan.entry_count,

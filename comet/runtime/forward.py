@@ -148,9 +148,10 @@ class ForwardCall:
     the workspace config's. ``shard_routing``: a (tp, ep) layout's first launch, which
     writes ``inputs.ids`` / ``inputs.weights`` (shard slots) from the caller's routing
     (:mod:`comet.kernels.mesh_routing`); None for expert parallelism, whose staged
-    routing the kernels read as it is. ``routing_stage``: the very first launch, which
-    copies the caller's routing into the staged rows the plan reads
-    (:mod:`comet.kernels.stage_routing`); None where the rows are written already."""
+    routing the kernels read as it is. ``routing_stage``: the copy of the caller's
+    routing into the staged rows the plan reads -- the very first launch
+    (:mod:`comet.kernels.stage_routing`), or part of a small call's one-program opening
+    (comet.kernels.plan.open_kernel); None where the rows are written already."""
 
     ws: Workspace
     w13: torch.Tensor
