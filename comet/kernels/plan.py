@@ -151,6 +151,28 @@ class Plan(NamedTuple):
     pair_live: torch.Tensor      # [Mx, k]: slot j of token t is a real pair
 
 
+class Placing(NamedTuple):
+    """What placing a call's token blocks reads and writes (:func:`place_kernel`, or the
+    layout kernel's programs with ``PLACE``)."""
+
+    routing: Routing
+    block_counts: torch.Tensor   # the scanned counts: row ``b`` is block ``b``'s offsets
+    send: SendList
+    entries: EntryTables
+    dest_mask: torch.Tensor
+    pair_live: torch.Tensor
+    max_tokens: int              # the tables' capacity
+    input_err: torch.Tensor      # non-finite weights of real pairs are reported here
+    BLOCK_T: tl.constexpr        # tokens per block (plan_block_tokens)
+
+    @classmethod
+    def of(cls, plan: "Plan", routing: Routing, input_err: torch.Tensor, max_tokens: int,
+           shape: Shape) -> "Placing":
+        return cls(routing, plan.block_counts, plan.send, plan.entries, plan.dest_mask,
+                   plan.pair_live, max_tokens, input_err,
+                   constexpr(plan_block_tokens(shape.TOPK)))
+
+
 def plan_block_tokens(top_k: int) -> int:
     """Tokens per program of the plan kernels (``PLAN_BLOCK_PAIRS`` slots, whole tokens)."""
     return max(1, PLAN_BLOCK_PAIRS // next_pow2(int(top_k)))
@@ -244,11 +266,8 @@ def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
         dst_base=plan.dst_base, entry_count=plan.entry_count,
         segments=plan.segments, chunks=plan.chunks, recv_entries=plan.recv_entries,
         tiles=plan.tiles, scratch=plan.scratch, shape=shape, chunking=chunking,
-        routing=routing, block_counts=plan.block_counts, send=plan.send,
-        entries=plan.entries, dest_mask=plan.dest_mask, pair_live=plan.pair_live,
-        max_tokens=max_tokens, input_err=input_err, BLOCK_M=block_m,
-        HEAD_TILES=head_tiles, PLACE=place, BLOCK_T=plan_block_tokens(shape.TOPK),
-        num_warps=4)
+        placing=Placing.of(plan, routing, input_err, max_tokens, shape), BLOCK_M=block_m,
+        HEAD_TILES=head_tiles, PLACE=place, num_warps=4)
 
 
 def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
@@ -256,10 +275,8 @@ def launch_place(plan: Plan, routing: Routing, input_err: torch.Tensor,
     """Send list and return entries of this rank (one program per token block)."""
     blocks = plan.block_counts.shape[0] - 1
     place_kernel[(blocks,)](
-        routing=routing, block_counts=plan.block_counts, send_base=plan.send_base,
-        dst_base=plan.dst_base, send=plan.send, entries=plan.entries,
-        dest_mask=plan.dest_mask, pair_live=plan.pair_live, max_tokens=max_tokens,
-        input_err=input_err, epoch=epoch, shape=shape, BLOCK_T=plan_block_tokens(shape.TOPK),
+        placing=Placing.of(plan, routing, input_err, max_tokens, shape),
+        send_base=plan.send_base, dst_base=plan.dst_base, epoch=epoch, shape=shape,
         num_warps=4)
 
 
@@ -404,10 +421,8 @@ def scan_kernel(block_counts, blocks, routing, exchange, sync, shape, COLS: tl.c
 
 @triton.jit
 def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
-                  chunks, recv_entries, tiles, scratch, shape, chunking, routing,
-                  block_counts, send, entries, dest_mask, pair_live, max_tokens, input_err,
-                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr, PLACE: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+                  chunks, recv_entries, tiles, scratch, shape, chunking, placing,
+                  BLOCK_M: tl.constexpr, HEAD_TILES: tl.constexpr, PLACE: tl.constexpr):
     """Offsets of this rank as a source and as a destination, and its tile table.
 
     ``exchange.counts [COUNT_BUFFERS, W_src, W_dst, El + 1]``: this call reads the slot
@@ -415,7 +430,7 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     flag says its counts are there (each program waits for itself). Tables written
     (``[W, El]`` unless noted): send_base/dst_base -- for pairs to expert ``el`` of
     destination ``d``: first index in this rank's send list / first row in ``d``'s
-    shared tensor; send.off ``[W + 1]``; entry_count ``[W]``; the segments;
+    shared tensor; placing.send.off ``[W + 1]``; entry_count ``[W]``; the segments;
     chunks/recv_entries ``[W]`` -- dispatch chunks and return entries each source sends
     here; the tile table, in the order of :func:`comet.scheduler.plan.build_tile_table`
     (``HEAD_TILES`` stage-0 tiles, then expert-major).
@@ -453,8 +468,9 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     mine = scratch + pid * LAYOUT_SCRATCH * n_cells
     if lead:
         per_dest = _source_offsets(counts_all, rank, send_base, dst_base, shape)
-        tl.store(send.off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
-        tl.store(send.off + WORLD, tl.sum(per_dest, axis=0))
+        send_off = placing.send.off
+        tl.store(send_off + s_idx, tl.cumsum(per_dest, axis=0) - per_dest, mask=w_mask)
+        tl.store(send_off + WORLD, tl.sum(per_dest, axis=0))
         unique = tl.load(counts_all + rank * WORLD * EL1 + s_idx * EL1 + LOCAL_EXPERTS,
                          mask=w_mask, other=0)
         tl.store(entry_count + s_idx, unique, mask=w_mask)
@@ -513,12 +529,10 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     tl.store(mine + 6 * n_cells + cell, ring_rows, mask=grid_mask)
     tl.debug_barrier()
     if PLACE:
-        rows = _token_rows(routing)
-        for b in range(pid, tl.cdiv(rows, BLOCK_T), n_prog):
-            _place_block(routing, block_counts, mine + SOURCE_SCRATCH * n_cells,
-                         mine + (SOURCE_SCRATCH + 1) * n_cells, send, entries, dest_mask,
-                         pair_live, rows, max_tokens, input_err, sync.epoch, b, shape,
-                         BLOCK_T)
+        rows = _token_rows(placing.routing)
+        for b in range(pid, tl.cdiv(rows, placing.BLOCK_T), n_prog):
+            _place_block(placing, mine + SOURCE_SCRATCH * n_cells,
+                         mine + (SOURCE_SCRATCH + 1) * n_cells, rows, sync.epoch, b, shape)
     for c in range(pid, n_cells, n_prog):
         o = c // LOCAL_EXPERTS
         el = c % LOCAL_EXPERTS
@@ -582,22 +596,23 @@ def _source_offsets(counts_all, rank, send_base, dst_base, shape):
 
 
 @triton.jit
-def place_kernel(routing, block_counts, send_base, dst_base, send, entries, dest_mask, pair_live,
-                 max_tokens, input_err, epoch, shape, BLOCK_T: tl.constexpr):
+def place_kernel(placing, send_base, dst_base, epoch, shape):
     """Send list and return entries of token block ``b`` (see module docstring). The
-    routing's token count bounds the ids read; ``max_tokens`` is the tables' capacity.
-    Reports non-finite weights of real pairs."""
+    routing's token count bounds the ids read; ``placing.max_tokens`` is the tables'
+    capacity. Reports non-finite weights of real pairs."""
     b = tl.program_id(0)
-    rows = _token_rows(routing)
-    if b * BLOCK_T < rows:
-        _place_block(routing, block_counts, send_base, dst_base, send, entries, dest_mask,
-                     pair_live, rows, max_tokens, input_err, epoch, b, shape, BLOCK_T)
+    rows = _token_rows(placing.routing)
+    if b * placing.BLOCK_T < rows:
+        _place_block(placing, send_base, dst_base, rows, epoch, b, shape)
 
 
 @triton.jit
-def _place_block(routing, block_counts, send_base, dst_base, send, entries, dest_mask,
-                 pair_live, rows, max_tokens, input_err, epoch, b, shape,
-                 BLOCK_T: tl.constexpr):
+def _place_block(placing, send_base, dst_base, rows, epoch, b, shape):
+    routing, block_counts, send, entries = (placing.routing, placing.block_counts,
+                                            placing.send, placing.entries)
+    dest_mask, pair_live = placing.dest_mask, placing.pair_live
+    max_tokens, input_err = placing.max_tokens, placing.input_err
+    BLOCK_T: tl.constexpr = placing.BLOCK_T
     TOPK: tl.constexpr = shape.TOPK
     TOPK_P2: tl.constexpr = shape.TOPK_P2
     NUM_EXPERTS: tl.constexpr = shape.NUM_EXPERTS
