@@ -325,19 +325,26 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
     b = tl.program_id(0)
     rows = _token_rows(routing)
     if b * BLOCK_T < rows:
-        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
-        e, valid, bad = _pairs(routing.ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS,
-                               rows)
-        _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch, shape.TOPK_P2)
-        row = block_counts + (b + 1) * (shape.NUM_EXPERTS + shape.WORLD)
-        binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (BLOCK_T * shape.TOPK_P2,))
-        hist = tl.histogram(binned, BINS)
-        bins = tl.arange(0, BINS)
-        tl.store(row + bins, hist, mask=bins < shape.NUM_EXPERTS)
-        dest = e // shape.LOCAL_EXPERTS
-        for d in range(shape.WORLD):
-            on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
-            tl.store(row + shape.NUM_EXPERTS + d, tl.sum(on, axis=0))
+        per_expert, per_dest = _count_block(routing.ids, b * BLOCK_T + tl.arange(0, BLOCK_T),
+                                            rows, input_err, epoch, shape, BINS)
+        _store_counts(block_counts + (b + 1) * (shape.NUM_EXPERTS + shape.WORLD),
+                      per_expert, per_dest, shape, BINS)
+
+
+@triton.jit
+def _count_block(ids, t, rows, input_err, epoch, shape, BINS: tl.constexpr):
+    """Pairs per expert (``[BINS]``; bin E holds the slots with no expert) and tokens per
+    destination rank (``[W_P2]``) of tokens ``t``; reports invalid ids."""
+    e, valid, bad = _pairs(ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS, rows)
+    _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch, shape.TOPK_P2)
+    binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (t.shape[0] * shape.TOPK_P2,))
+    dests = tl.arange(0, shape.W_P2)
+    per_dest = tl.zeros([shape.W_P2], tl.int32)
+    dest = e // shape.LOCAL_EXPERTS
+    for d in range(shape.WORLD):
+        on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
+        per_dest += tl.where(dests == d, tl.sum(on, axis=0), 0)
+    return tl.histogram(binned, BINS), per_dest
 
 
 @triton.jit
@@ -359,7 +366,6 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     ids = routing.ids
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
-    dests = tl.arange(0, shape.W_P2)
     per_expert = tl.zeros([BINS], tl.int32)
     per_dest = tl.zeros([shape.W_P2], tl.int32)
     j = tl.arange(0, shape.TOPK_P2)
@@ -368,14 +374,10 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
         if STAGE:
             stage_pairs(stage, t[:, None] * shape.TOPK + j[None, :],
                         (t[:, None] < rows) & (j[None, :] < shape.TOPK))
-        e, valid, bad = _pairs(ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS, rows)
-        _report(bad, t, input_err, INPUT_BAD_EXPERT, sync.epoch, shape.TOPK_P2)
-        binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (BLOCK_T * shape.TOPK_P2,))
-        per_expert += tl.histogram(binned, BINS)
-        dest = e // shape.LOCAL_EXPERTS
-        for d in range(shape.WORLD):
-            on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
-            per_dest += tl.where(dests == d, tl.sum(on, axis=0), 0)
+        block_experts, block_dests = _count_block(ids, t, rows, input_err, sync.epoch, shape,
+                                                  BINS)
+        per_expert += block_experts
+        per_dest += block_dests
         _store_counts(block_counts + (b + 1) * COLS, per_expert, per_dest, shape, BINS)
     _store_counts(block_counts + blocks * COLS, per_expert, per_dest, shape, BINS)
     barrier()    # the push reads the totals back
