@@ -332,11 +332,6 @@ class TileConfig:
             whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
             deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
             docs/benchmarks.md, "The gathered GEMM's live rows").
-        weight_prefetch: K steps of weights each program of a small call's GEMMs asks L2
-            for before its first item (a bulk prefetch per weight row, no wait; 0: none):
-            layer0's are requested before its waits for rows, so the weights stream from
-            HBM on every SM while the rows are in flight, and neither layer's weight
-            stream is held to its pipeline's depth at the start.
         small_plan_blocks: calls of at most this many of the plan's token blocks
             (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
             in two launches instead of seven: one program opens the call, stages and
@@ -374,7 +369,6 @@ class TileConfig:
     layer0_gather: bool = False
     layer0_live_rows: bool = True
     small_plan_blocks: int = 4
-    weight_prefetch: int = 0
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -385,8 +379,6 @@ class TileConfig:
             raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
-        if self.weight_prefetch < 0:
-            raise ValueError(f"weight_prefetch must be >= 0, got {self.weight_prefetch}")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's

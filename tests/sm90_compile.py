@@ -163,17 +163,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         off = dataclasses.replace(tile, layer1_split_k=1)
         ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
                     inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        # Weights asked of L2 up front (TileConfig.weight_prefetch): layer0 as stream-K and
-        # on its queue, layer1 in K splits and on whole items.
-        pf = dataclasses.replace(tile, weight_prefetch=8)
-        pf_ws = allocate_virtual(cfg, world, "cpu", pf)[0]
-        for t in (pf, dataclasses.replace(pf, layer0_stream_k=False)):
-            ForwardCall(pf_ws, w13, w2, t, inputs, grids).launch_layer0(ROLE_FUSED, 132)
-        ForwardCall(pf_ws, w13, w2, pf.decode_tile(), inputs, grids).launch_layer1(ROLE_FUSED,
-                                                                                   132)
-        pf_off = dataclasses.replace(pf, layer1_split_k=1)
-        ForwardCall(allocate_virtual(cfg, world, "cpu", pf_off)[0], w13, w2,
-                    pf_off.decode_tile(), inputs, grids).launch_layer1(ROLE_FUSED, 132)
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()

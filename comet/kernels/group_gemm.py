@@ -35,16 +35,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from comet.config import SIZE_ALIGNMENT
-from comet.constants import USE_ASM, constexpr
+from comet.constants import constexpr
 from comet.kernels.activation import Act, gated
 from comet.kernels.sync import take
 
 
 #: Offsets of a bias row load are multiples of this many elements.
 BIAS_ALIGN = constexpr(SIZE_ALIGNMENT)
-#: Weight rows one sweep of :func:`prefetch_box` asks for: one per thread at 8 warps (at
-#: fewer warps a thread asks for several), so no two threads ask for the same row.
-PREFETCH_ROWS = constexpr(256)
 
 
 class GemmOut(NamedTuple):
@@ -55,7 +52,6 @@ class GemmOut(NamedTuple):
     N: int
     bias: torch.Tensor | None = None   # [El, N] (gated: [El, 2N], W13's columns); BIAS
     rows: "Gathered | None" = None     # A read through an index (A_GATHER)
-    weights: torch.Tensor | None = None  # what ``b_desc`` views (:func:`prefetch_box`)
 
 
 class Gathered(NamedTuple):
@@ -80,12 +76,10 @@ class Gemm(NamedTuple):
     N: int
     bias: torch.Tensor | None = None   # each expert's bias row, added before the epilogue
     rows: Gathered | None = None       # A through an index instead of ``a``'s boxes
-    weights: torch.Tensor | None = None  # the 2-D tensor ``b`` views
 
     def kernel_args(self) -> dict:
         return dict(a_desc=self.a, b_desc=self.b,
-                    gemm=GemmOut(self.out, self.K, self.N, self.bias, self.rows,
-                                 self.weights))
+                    gemm=GemmOut(self.out, self.K, self.N, self.bias, self.rows))
 
 
 class GemmTile(NamedTuple):
@@ -104,9 +98,6 @@ class GemmTile(NamedTuple):
     BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
     A_GATHER: tl.constexpr = constexpr(False)  # ONE_DOT: A's rows by index (``GemmOut.rows``)
     A_LIVE: tl.constexpr = constexpr(False)    # A_GATHER: load only a tile's own rows
-    #: K steps of weights a program asks L2 for before its first item (0: none;
-    #: ``TileConfig.weight_prefetch``, :func:`prefetch_box`)
-    PREFETCH: tl.constexpr = constexpr(0)
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -263,26 +254,6 @@ def bias_row(bias, expert, row_len, col0, col_end, WIDTH: tl.constexpr):
     cols = tl.arange(0, WIDTH)
     row = tl.load(bias + start + cols, mask=cols < end, other=0.0)
     return row.to(tl.float32)[None, :]
-
-
-@triton.jit
-def prefetch_box(w, row, col0, live, ROW_LEN, BOX_COLS: tl.constexpr):
-    """Ask L2 for ``w[row, col0:col0 + BOX_COLS]`` of the row-major weights ``w [rows,
-    ROW_LEN]`` (``row``, ``live``: tensors, one bulk prefetch per live row; columns past
-    ``ROW_LEN`` left out): the bytes a GEMM's later K steps will load start streaming
-    from HBM now instead of a pipeline's depth at a time (``TileConfig.weight_prefetch``).
-    A hint: nothing waits for it, and under the interpreter it does nothing. Rows and
-    ``col0`` are 16-byte aligned (sizes are multiples of SIZE_ALIGNMENT elements)."""
-    if USE_ASM:
-        cols = tl.minimum(BOX_COLS, ROW_LEN - col0)
-        nbytes = ((cols * (w.dtype.element_ty.primitive_bitwidth // 8)).to(tl.int32)
-                  + tl.zeros(row.shape, tl.int32))
-        ptr = w + row.to(tl.int64) * ROW_LEN + col0
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; }",
-            "=r,l,r,r", [ptr, nbytes, live.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

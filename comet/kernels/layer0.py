@@ -62,10 +62,9 @@ from comet.config import TileConfig
 from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
-from comet.kernels.group_gemm import (PREFETCH_ROWS, Gathered, Gemm, GemmTile, descriptor,
-                                      dot_precision, gemm_tile, grouped_work, lane_shape,
-                                      one_dot_acc, one_dot_epilogue, prefetch_box,
-                                      store_tile, strided_take)
+from comet.kernels.group_gemm import (Gathered, Gemm, GemmTile, descriptor, dot_precision,
+                                      gemm_tile, grouped_work, lane_shape, one_dot_acc,
+                                      one_dot_epilogue, store_tile, strided_take)
 from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
@@ -231,14 +230,11 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
         block_n, one_dot, half_tail = tile.block_n1, False, False
         b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w.view(el * h, n), [bk, block_n]))
-    prefetch = tile.weight_prefetch if gated and one_dot else 0
-    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias, rows,
-                b.base if prefetch else None)
+    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias, rows)
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
-        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows),
-        constexpr(prefetch))
+        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows))
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
@@ -613,44 +609,6 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
 
 
 @triton.jit
-def prefetch_weights(gemm, item, tiles, stream_k, GROUP_M: tl.constexpr):
-    """Ask L2 for the W13 boxes of the first ``PREFETCH`` K steps this program will
-    compute (:func:`comet.kernels.group_gemm.prefetch_box`), before any wait for rows: a
-    small call's weights stream from HBM while its rows are in flight, on every SM. With
-    ``stream_k``, the start of the program's own run; else of items ``pid, pid +
-    programs, ...`` of the queue's order -- not necessarily the ones this program takes,
-    but together the programs ask for the first items the queue hands out."""
-    BLOCK_K: tl.constexpr = item.BLOCK_K
-    num_tiles = tl.load(tiles.num)
-    n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
-    steps = tl.cdiv(gemm.K, BLOCK_K)
-    total = num_tiles * n_blocks
-    p = tl.program_id(0)
-    programs = tl.num_programs(0)
-    if stream_k:
-        lo = p * (total * steps) // programs
-        count = tl.minimum((p + 1) * (total * steps) // programs - lo, item.PREFETCH)
-    else:
-        lo = 0
-        count = item.PREFETCH
-    for j0 in range(0, count * BLOCK_K, PREFETCH_ROWS):
-        j = j0 + tl.arange(0, PREFETCH_ROWS)
-        q = lo + j // BLOCK_K                    # the step, in the order chosen above
-        if stream_k:
-            w = q // steps
-            t = w // n_blocks
-            nb = w % n_blocks
-        else:
-            w = p + (q // steps) * programs
-            t, nb = grouped_work(w, num_tiles, n_blocks, GROUP_M)
-        k = (q % steps) * BLOCK_K + j % BLOCK_K
-        live = (j < count * BLOCK_K) & (k < gemm.K) & (w < total)
-        expert = tl.load(tiles.expert + t, mask=live, other=0)
-        prefetch_box(gemm.weights, expert * gemm.K + k, 2 * nb * item.BLOCK_N, live,
-                     2 * gemm.N, 2 * item.BLOCK_N)
-
-
-@triton.jit
 def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, split, trace,
                   shape, comm, item, lanes, ROLE: tl.constexpr, WAIT: tl.constexpr):
     """layer0 of one rank: the comm role (:func:`dispatch_role`, programs below
@@ -670,22 +628,16 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     epoch = tl.load(sync.epoch)
     comm_role, _, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)
-    # The outer tests are constexprs (without STREAM_K or PREFETCH the kernel compiles as
-    # it did before they existed), the inner one a run-time choice.
-    STREAM_K: tl.constexpr = work.STREAM_K and item.GATED and item.ONE_DOT
-    stream_k = 0
-    if STREAM_K:
-        stream_k = stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K)
-    if (item.PREFETCH > 0) and (ROLE != ROLE_COMM):
-        prefetch_weights(gemm, item, tiles, stream_k, lanes.GROUP_M)
     if ROLE != ROLE_COMPUTE:
         if comm_role:
             events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:
-        if STREAM_K:
-            if stream_k:
+        # The outer test is a constexpr (without STREAM_K the kernel compiles as it did
+        # before stream-K existed), the inner one a run-time choice.
+        if work.STREAM_K and item.GATED and item.ONE_DOT:
+            if stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K):
                 stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch,
                               epoch, sync, trace, events, shape, WAIT, comm.ROWS)
             else:

@@ -69,9 +69,8 @@ from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SIT
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
 from comet.kernels.activation import act_tile
-from comet.kernels.group_gemm import (PREFETCH_ROWS, Gemm, GemmTile, bias_row, column_work,
-                                      descriptor, dot_precision, gemm_acc, gemm_acc_k,
-                                      gemm_tile, prefetch_box)
+from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
+                                      dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
 from comet.kernels.plan import EntryTables, Tiles
 from comet.kernels.roles import assign_role
@@ -166,15 +165,13 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
     bk = tile.k_step(k)
     b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
          else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
-    prefetch = 0 if transposed else tile.weight_prefetch
     item = GemmTile(*(constexpr(v) for v in (
         tile.block_m, tile.block_n1, bk, False, False, transposed, 0, False,
         dot_precision(h.dtype))),
-        act_tile(), constexpr(bias is not None), PREFETCH=constexpr(prefetch))
+        act_tile(), constexpr(bias is not None))
     splits = Splits(constexpr(tile.blocks_per_split(hidden)),
                     constexpr(tile.n_splits(hidden)))
-    return (Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden, bias,
-                 weights=b.base if prefetch else None), item, splits)
+    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden, bias), item, splits
 
 
 @functools.lru_cache(maxsize=64)
@@ -313,37 +310,6 @@ def split_k_count(tiles, N, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     room = tl.minimum(tl.num_programs(0), SPLIT_K_SLOTS)
     k_splits = tl.minimum(room // tl.maximum(num_tiles * tl.cdiv(N, BLOCK_N), 1), SPLIT_K)
     return tl.where((k_splits >= 2) & (tl.max(rows, axis=0) <= SPLIT_K_ROWS), k_splits, 0)
-
-
-@triton.jit
-def prefetch_weights(gemm, item, tiles, k_splits, BLOCKS_PER_SPLIT: tl.constexpr):
-    """Ask L2 for the W2 boxes of the first ``PREFETCH`` K steps this program will
-    compute (:func:`comet.kernels.group_gemm.prefetch_box`) before its first load: with
-    ``k_splits``, the start of its one split; else of its items ``pid, pid + programs,
-    ...`` in split order (:func:`layer1_compute_role`'s first split)."""
-    BLOCK_K: tl.constexpr = item.BLOCK_K
-    num_tiles = tl.load(tiles.num)
-    n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
-    steps = tl.cdiv(gemm.K, BLOCK_K)
-    p = tl.program_id(0)
-    programs = tl.num_programs(0)
-    for j0 in range(0, item.PREFETCH * BLOCK_K, PREFETCH_ROWS):
-        j = j0 + tl.arange(0, PREFETCH_ROWS)
-        q = j // BLOCK_K
-        if k_splits > 0:
-            w = p // k_splits + tl.zeros_like(q)
-            k = (p % k_splits) * tl.cdiv(steps, k_splits) * BLOCK_K + j
-            live = k < tl.minimum(((p % k_splits) + 1) * tl.cdiv(steps, k_splits) * BLOCK_K,
-                                  gemm.K)
-        else:
-            w = p + (q // steps) * programs
-            k = (q % steps) * BLOCK_K + j % BLOCK_K
-            live = k < gemm.K
-        t, nb, _ = column_work(w, num_tiles, n_blocks, BLOCKS_PER_SPLIT)
-        live = live & (j < item.PREFETCH * BLOCK_K) & (w < num_tiles * n_blocks)
-        expert = tl.load(tiles.expert + t, mask=live, other=0)
-        prefetch_box(gemm.weights, expert * gemm.K + k, nb * item.BLOCK_N, live, gemm.N,
-                     item.BLOCK_N)
 
 
 @triton.jit
@@ -574,16 +540,10 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
     role, no wait. The last program to finish releases ``flag1`` on every source."""
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
-    # The outer tests are constexprs (with SPLIT_K = 1 and no PREFETCH the kernel compiles
-    # as it did before they existed), the inner one a run-time choice: hence two calls of
-    # the same role.
-    SPLIT_K: tl.constexpr = (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N)
-    k_splits = 0
-    if SPLIT_K:
+    # The outer test is a constexpr (with SPLIT_K = 1 the kernel compiles as it did before
+    # K splits existed), the inner one a run-time choice: hence two calls of the same role.
+    if (ksplit.SPLIT_K > 1) and (item.BLOCK_N <= SPLIT_K_BLOCK_N):
         k_splits = split_k_count(tiles, gemm.N, item.BLOCK_N, ksplit.SPLIT_K)
-    if item.PREFETCH > 0:
-        prefetch_weights(gemm, item, tiles, k_splits, splits.BLOCKS_PER_SPLIT)
-    if SPLIT_K:
         if k_splits > 0:
             events = split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, k_splits,
                                   trace, events)

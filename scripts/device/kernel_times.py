@@ -35,8 +35,7 @@ from comet.runtime.layer import FusedMoE
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages", "splits")
 #: TileConfig fields recorded with every result (besides TILE_FIELDS).
 RECORDED = ("comm_rows", "lane_head_rounds", "lane_tail_rounds", "layer0_gather",
-            "layer0_live_rows", "layer0_stream_k", "layer1_scatter", "small_plan_blocks",
-            "weight_prefetch")
+            "layer0_live_rows", "layer0_stream_k", "layer1_scatter", "small_plan_blocks")
 
 
 def parse_tile(text: str) -> dict:
