@@ -287,9 +287,6 @@ class TileConfig:
             call took 0.87x (deepseek-v3-like), 0.90x (phi3.5-moe), 0.97x (qwen2-moe)
             and 1.00x (mixtral) the time, and 8-128-token calls, which the gate keeps
             it out of, 0.99-1.00x (docs/benchmarks.md, "layer0 as stream-K").
-        stream_k_rounds: layer0 runs stream-K only in calls whose whole work items make
-            fewer than this many rounds of the programs (the host's gate and the
-            device's test alike).
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -368,7 +365,6 @@ class TileConfig:
     decode_block_n1: int = 128
     layer1_split_k: int = 4
     layer0_stream_k: bool = True
-    stream_k_rounds: int = 2
     layer1_scatter: bool = True
     layer0_gather: bool = False
     layer0_live_rows: bool = True
@@ -381,8 +377,6 @@ class TileConfig:
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
         if self.layer1_split_k < 1:
             raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
-        if self.stream_k_rounds < 1:
-            raise ValueError(f"stream_k_rounds must be >= 1, got {self.stream_k_rounds}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
 

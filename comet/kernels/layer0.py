@@ -81,8 +81,12 @@ LANE_ITEMS = constexpr(4)
 #: Most programs a stream-K call may use (two partial tiles each in the scratch): at
 #: least the SMs of any GPU comet runs on (132 on an H100 or H200, 148 on a B200).
 STREAM_K_PROGRAMS = constexpr(256)
+#: Stream-K runs only where whole work items make fewer than this many rounds of the
+#: programs (a call with more keeps the queue: its idle share is small). The host's
+#: gate (comet.runtime.selection) applies the same bound to its estimate of the items.
+STREAM_K_ROUNDS = constexpr(2)
 #: Most rows of an m-tile in a stream-K call (rows a partial tile keeps): small calls only.
-STREAM_K_ROWS = constexpr(64)
+STREAM_K_ROWS = constexpr(32)
 #: Stream-K runs when whole work items would leave at least this share (percent) of the
 #: programs' rounds idle (the last round's empty programs): 100 items on 132 programs
 #: leave 24%, 224 items 15%, 128 items 3% (not worth a fix-up per item).
@@ -137,9 +141,6 @@ class Work(NamedTuple):
     #: int32 [2 * STREAM_K_PROGRAMS]: parts in, per item (zeroed per call)
     arrived: torch.Tensor | None = None
     STREAM_K: tl.constexpr = constexpr(False)
-    #: stream-K only where whole items make fewer rounds of the programs than this
-    #: (``TileConfig.stream_k_rounds``)
-    ROUNDS: tl.constexpr = constexpr(2)
 
 
 class DispatchTile(NamedTuple):
@@ -499,11 +500,10 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queu
 
 
 @triton.jit
-def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ROUNDS: tl.constexpr):
+def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Whether this call's GEMM runs stream-K: its whole work items would leave at least
-    ``STREAM_K_IDLE_PCT`` percent of the programs' rounds idle, there are fewer than
-    ``ROUNDS`` rounds of them but at least a K step per program (so that every run has one, and
+    ``STREAM_K_IDLE_PCT`` percent of the programs' rounds idle, there are fewer than two
+    rounds of them but at least a K step per program (so that every run has one, and
     consecutive programs own distinct steps), and no m-tile has more rows than a partial
     tile keeps. Read from the plan's tables, so every program of the launch gets the same
     answer."""
@@ -511,7 +511,7 @@ def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     items = num_tiles * tl.cdiv(N, BLOCK_N)
     programs = tl.num_programs(0)
     slots = tl.cdiv(items, programs) * programs
-    pays = ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < ROUNDS * programs)
+    pays = ((items * tl.cdiv(K, BLOCK_K) >= programs) & (items < STREAM_K_ROUNDS * programs)
             & (programs <= STREAM_K_PROGRAMS)
             & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots))
     if pays:    # the tile table is read only for calls small enough
@@ -637,7 +637,7 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
         # The outer test is a constexpr (without STREAM_K the kernel compiles as it did
         # before stream-K existed), the inner one a run-time choice.
         if work.STREAM_K and item.GATED and item.ONE_DOT:
-            if stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K, work.ROUNDS):
+            if stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K):
                 stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch,
                               epoch, sync, trace, events, shape, WAIT, comm.ROWS)
             else:

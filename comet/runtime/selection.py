@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
-from comet.kernels.layer0 import one_dot_tiles
+from comet.kernels.layer0 import STREAM_K_ROUNDS, one_dot_tiles
 from comet.kernels.plan import plan_block_tokens
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
@@ -206,7 +206,7 @@ class Selector:
         """Whether a call with ``num_tokens`` on this rank may run layer0 as stream-K:
         layer0's work items expected as :meth:`decode_by_rule` expects rows (m-tiles of
         the experts with rows x ``block_n0`` column blocks) make fewer than
-        ``TileConfig.stream_k_rounds`` rounds of the programs -- the bound of the device's own test
+        ``STREAM_K_ROUNDS`` rounds of the programs -- the bound of the device's own test
         (comet.kernels.layer0.stream_k_pays), which decides from the plan's real tiles.
         Where this says no, the call runs the kernel without the variant."""
         if num_tokens not in self._stream_k:
@@ -214,7 +214,7 @@ class Selector:
             t = self.tile
             items = (busy * -(-per_expert // t.block_m)
                      * -(-self.cfg.intermediate_size // t.block_n0))
-            self._stream_k[num_tokens] = 0 < items < t.stream_k_rounds * self.programs
+            self._stream_k[num_tokens] = 0 < items < STREAM_K_ROUNDS.value * self.programs
         return self._stream_k[num_tokens]
 
     def live_rows_by_rule(self, num_tokens: int) -> bool:

@@ -182,14 +182,13 @@ class Workspace:
         """int32 [4]: bad routing seen by this rank's plan kernels."""
         return self.buffers["error"][ERROR_WORD:]
 
-    def layer0_work(self, stream_k: bool, rounds: int = 2) -> Work:
+    def layer0_work(self, stream_k: bool) -> Work:
         """layer0's :class:`~comet.kernels.layer0.Work`: its queue, and with ``stream_k``
-        (the forward's gated GEMM, if this workspace has the scratch) its stream-K parts,
-        for calls of fewer than ``rounds`` rounds of items."""
+        (the forward's gated GEMM, if this workspace has the scratch) its stream-K parts."""
         if not stream_k or self.l0_partial is None:
             return Work(self.count.l0_queue)
         return Work(self.count.l0_queue, self.l0_partial, self.count.l0_arrived,
-                    constexpr(True), constexpr(rounds))
+                    constexpr(True))
 
     def gather_targets(self) -> GatherTargets:
         """A gathered dispatch's destinations (``TileConfig.layer0_gather``): token rows
