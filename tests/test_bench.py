@@ -326,6 +326,23 @@ def test_summary_checks_each_target_record_by_record():
                                      if r["layer"] == "moe" and r["tokens_per_rank"] == 128))
 
 
+def test_a_wrong_fused_output_is_named_first_and_fails_the_sweep():
+    """A fused output further than MAX_REL_ERR from the baseline's (or not finite) heads
+    the summary with its record named, and the sweep exits 1; within it, 0."""
+    records = [dict(r, max_rel_err={"fused": 1e-2}) for r in _synthetic_records()]
+    assert rec.wrong_fused(records) == [] and bench._status(records) == 0
+    assert not report.summary(records)[0].startswith("WRONG")
+    records[0]["max_rel_err"] = {"fused": 0.36}
+    records[-1]["max_rel_err"] = {"fused": float("nan")}
+    assert rec.wrong_fused(records) == [records[0], records[-1]]
+    assert bench._status(records) == 1
+    first = report.summary(records)[0]
+    r = records[0]
+    assert first.startswith("WRONG fused output (max rel err > 0.02")
+    assert f"{r['config']} {r['tokens_per_rank']} {r['routing']} {r['layer']} (0.36)" in first
+    assert first.endswith("(nan)")
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench.main(["--experts", "8", "--topk", "2"])          # --hidden/--ffn missing

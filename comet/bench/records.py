@@ -47,6 +47,12 @@ REQUIRED_KEYS = (
 
 LAYERS = ("layer0", "layer1", "moe")
 
+#: An output further than this from the unfused baseline's (max abs difference over max
+#: abs value, worst rank) is wrong: the bound the stress runs hold comet's bf16 outputs
+#: to (scripts/device/stress.py). A peer's wrong output is not timed (comet.bench.peers);
+#: comet's fused one is timed and reported as wrong (:func:`wrong_fused`).
+MAX_REL_ERR = 2e-2
+
 
 def ratio(num: float | None, den: float | None) -> float | None:
     """``num / den``, None if either is missing or ``den`` is not positive."""
@@ -114,6 +120,14 @@ def derive(rec: dict) -> dict:
     rec["best_peer_us"] = peers.get(rec["best_peer"])
     rec["speedup_vs_best_peer"] = ratio(rec["best_peer_us"], rec.get("fused_us"))
     return rec
+
+
+def wrong_fused(records) -> list[dict]:
+    """The records whose fused output is further than :data:`MAX_REL_ERR` from the
+    baseline's (or not finite): their times are not those of a correct layer."""
+    return [r for r in records
+            if (err := (r.get("max_rel_err") or {}).get("fused")) is not None
+            and not err <= MAX_REL_ERR]
 
 
 def peer_names(rec: dict) -> list[str]:

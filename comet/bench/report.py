@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from comet.bench.records import geomean, peer_names
+from comet.bench.records import MAX_REL_ERR, geomean, peer_names, wrong_fused
 
 Column = tuple[str, Callable[[dict], str]]
 
@@ -185,9 +185,16 @@ def summary(records: Sequence[dict]) -> list[str]:
     record. Skewed routing: fused no slower than sequential in any record, layers
     included. Both: against the peers (``--peers``), the geomean of best peer / b at >=
     4096 and at <= 128 tokens/rank (issue 39's 1.2 and 1.5); the per-call split against
-    the best fixed one (``--fixed-splits``).
+    the best fixed one (``--fixed-splits``). First, if any, the records whose fused output
+    was wrong.
     """
     lines = []
+    wrong = wrong_fused(records)
+    if wrong:
+        lines.append(f"WRONG fused output (max rel err > {MAX_REL_ERR:g}; not a correct "
+                     "layer's times) in " + ", ".join(
+                         f"{r['config']} {r['tokens_per_rank']} {r['routing']} {r['layer']} "
+                         f"({r['max_rel_err']['fused']:.3g})" for r in wrong))
     moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
     for routing in sorted({r["routing"] for r in moe}):
         rows = [r for r in moe if r["routing"] == routing]

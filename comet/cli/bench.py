@@ -415,7 +415,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if rank == 0:
         _emit(records, notes, args.output_dir, stem, not args.no_plot)
     partial.done()
-    return 0
+    return _status(records)
 
 
 def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
@@ -465,7 +465,13 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
     if st.rank == 0:
         _emit(records, notes, args.output_dir, stem, not args.no_plot)
     partial.done()
-    return 0
+    return _status(records)
+
+
+def _status(records: list[dict]) -> int:
+    """The sweep's exit status: 1 if some fused output was wrong (the summary names it;
+    every rank has the same verdicts), else 0."""
+    return 1 if rec.wrong_fused(records) else 0
 
 
 def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) -> int:

@@ -1,4 +1,4 @@
-"""usage: python scripts/device/probe_summary.py DIR NAME [BASELINE]
+"""usage: PYTHONPATH=. python scripts/device/probe_summary.py DIR NAME [BASELINE]
 
 One line per (tile variant, round, record) of the bench JSONs ``DIR/NAME-<variant>.json``
 (or ``DIR/NAME-<variant>-round<i>.json`` with ``ROUNDS``) that ``tile_probe.sh`` writes:
@@ -26,6 +26,8 @@ import os
 import re
 import statistics
 import sys
+
+from comet.bench.records import wrong_fused
 
 Key = tuple[str, int, str]
 
@@ -60,7 +62,8 @@ def record_line(label: str, key: Key, layers: dict) -> str:
             f"hbm {moe.get('hbm_floor_us') or 0:8.1f} "
             f"host {moe.get('fused_host_us') or 0:6.1f} "
             f"comm {moe.get('n_comm')} best fixed {moe.get('best_fixed_us') or 0:9.1f} "
-            f"comet/torch {ratios}")
+            f"comet/torch {ratios}"
+            + (f" WRONG output ({moe['max_rel_err']['fused']:.3g})" if wrong_fused([moe]) else ""))
 
 
 def _fused(layers: dict | None) -> float | None:
