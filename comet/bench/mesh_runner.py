@@ -31,10 +31,10 @@ from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                case_columns, fixed_columns, fixed_splits, fused_host_us,
+                                case_columns, case_timer, fixed_columns, fixed_splits, fused_host_us,
                                 fused_series, gather_column, gemm_fn, hbm_floors,
                                 link_columns, phase_columns, rel_err, run_columns)
-from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
+from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks,
                                 timed_sets)
 from comet.grouped import grouped_mm
 from comet.mesh import Convention, MeshLayout
@@ -108,11 +108,7 @@ def run_mesh_case(case: Case, st: Settings, mesh: MeshLayout, convention: Conven
     flush = L2Flush(dev)
     w13, w2 = shard["w13"], shard["w2"]
 
-    def timed(fn, make_timer=None) -> dict[str, list[float]]:
-        series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
-                            device=dev, group=group, make_timer=make_timer, flush=flush,
-                            lead_us=st.lead_us)
-        return reduce_over_ranks(series, group)
+    timed = case_timer(st, flush)
 
     def baseline(s: InputSet, timer=None):
         return mesh_moe_forward(s.x, s.topk_ids, s.topk_weights, shard, groups, convention,

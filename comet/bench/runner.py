@@ -155,6 +155,18 @@ def _gemm_flops(rows: int, cfg: MoEConfig) -> dict[str, float]:
     return {"layer0": l0, "layer1": l1, "moe": l0 + l1}
 
 
+def case_timer(st: Settings, flush: L2Flush) -> Callable[..., dict[str, list[float]]]:
+    """``timed(fn, make_timer=None)``: ``fn``'s series over a case's input sets
+    (:func:`comet.bench.timing.time_calls`), each reduced over the ranks to the slowest --
+    the timing every variant of a case shares."""
+    def timed(fn, make_timer=None) -> dict[str, list[float]]:
+        series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
+                            device=st.device, group=st.group, make_timer=make_timer,
+                            flush=flush, lead_us=st.lead_us)
+        return reduce_over_ranks(series, st.group)
+    return timed
+
+
 def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
              fused: Fused | None = None,
              cutlass_mm: Callable | None = None,
@@ -184,11 +196,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     plans = [plan_dispatch(s.topk_ids, el, group) for s in sets]
     flush = L2Flush(dev)
 
-    def timed(fn, make_timer=None) -> dict[str, list[float]]:
-        series = time_calls(fn, n_sets=st.n_sets, iters=st.iters, warmup=st.warmup,
-                            device=dev, group=group, make_timer=make_timer, flush=flush,
-                            lead_us=st.lead_us)
-        return reduce_over_ranks(series, group)
+    timed = case_timer(st, flush)
 
     def baseline(s: InputSet, timer=None):
         return ep_moe_forward(s.x, s.topk_ids, s.topk_weights, w13, w2, group, timer=timer)
