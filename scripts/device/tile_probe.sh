@@ -33,7 +33,12 @@ mkdir -p "$out"
     tag=$(echo "$v" | tr '=,' '-+')
     [ "$rounds" -gt 1 ] && tag="$tag-round$round"
     echo "== $v (round $round of $rounds)"
-    timeout "${PROBE_TIMEOUT_S:-240}" python3 -m comet.cli.bench --nproc "${NPROC:-1}" --no-plot \
+    # The first run of a fresh machine compiles every kernel: it gets twice the limit
+    # (PROBE_FIRST_TIMEOUT_S) so that the first variant's first round is not cut short.
+    limit=${PROBE_TIMEOUT_S:-240}
+    [ -z "${probe_warm:-}" ] && limit=${PROBE_FIRST_TIMEOUT_S:-$((2 * limit))}
+    probe_warm=1
+    timeout "$limit" python3 -m comet.cli.bench --nproc "${NPROC:-1}" --no-plot \
       --output-dir "$dir" "${tile[@]}" "$@" > "$dir/run.log" 2>&1 || echo "variant $v: exit $?"
     tail -n 3 "$dir/run.log"
     for f in "$dir"/bench-*.json; do [ -f "$f" ] && cp "$f" "$out/$name-$tag.json"; done
