@@ -31,9 +31,10 @@ from comet.baseline import MeshGroups, mesh_moe_forward
 from comet.bench import records as rec
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.runner import (FUSED_MODES, LAYER_PHASES, Case, Fused, Series, Settings,
-                                case_columns, case_timer, fixed_columns, fixed_splits, fused_host_us,
-                                fused_series, gather_column, gemm_fn, hbm_floors,
-                                link_columns, phase_columns, rel_err, run_columns)
+                                case_columns, case_timer, fixed_columns, fixed_splits,
+                                fused_host_us, fused_series, gather_column, gemm_fn,
+                                hbm_floors, link_columns, phase_columns, rel_err,
+                                run_columns)
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks,
                                 timed_sets)
 from comet.grouped import grouped_mm
