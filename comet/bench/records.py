@@ -49,7 +49,7 @@ LAYERS = ("layer0", "layer1", "moe")
 
 #: An output further than this from the unfused baseline's (max abs difference over max
 #: abs value, worst rank) is wrong: the bound the stress runs hold comet's bf16 outputs
-#: to (scripts/device/stress.py). A peer's wrong output is not timed (comet.bench.peers);
+#: to (scripts/device/stress.py, which fails past it). A peer's wrong output is not timed (comet.bench.peers);
 #: comet's fused one is timed and reported as wrong (:func:`wrong_fused`).
 MAX_REL_ERR = 2e-2
 
