@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# usage: [TIMELINES="mixtral ..."] bash scripts/device/run_bench.sh NPROC [comet bench args...]
+# usage: [TIMELINES="mixtral ..."] [TIMELINE_TOKENS="1 4096"] bash scripts/device/run_bench.sh NPROC [comet bench args...]
 #   e.g. run_bench.sh 1 (one GPU: EP=1, no communication, the compute columns only),
 #        run_bench.sh 2 --iters 20 --warmup 3, run_bench.sh 4 --config mixtral --tokens 4096
 # comet bench on a GPU machine, from the repository root with no install: the sweep on
 # NPROC GPUs (default configs and sizes unless arguments say otherwise), then a per-block
-# timeline of one 4096-token call of each preset in $TIMELINES (default: the four).
+# timeline of one call of each preset in $TIMELINES (default: the four) at each token
+# count in $TIMELINE_TOKENS (default: 4096; a small call's, e.g. 1, shows how each
+# block's weight stream runs against the HBM floor).
 # Writes under $OUT (./out if unset) bench-epN-*.json/.md/.png, bench.log and
 # timelines.tar (the timelines' JSON and PNG) -- few files, as few come back from a
 # device machine. Carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column (its
@@ -33,8 +35,11 @@ mkdir -p "$out"
   python3 -m comet.cli.bench --nproc "$nproc" --output-dir "$out" "$@" || status=$?
   mkdir -p "$out/timelines"
   for c in ${TIMELINES:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
-    python3 -m comet.cli.bench --nproc "$nproc" --timeline --config "$c" \
-      --output-dir "$out/timelines" || echo "timeline $c: not written (exit $?)"
+    for t in ${TIMELINE_TOKENS:-4096}; do
+      python3 -m comet.cli.bench --nproc "$nproc" --timeline --config "$c" \
+        --timeline-tokens "$t" --output-dir "$out/timelines" \
+        || echo "timeline $c $t: not written (exit $?)"
+    done
   done
   tar -C "$out" -cf "$out/timelines.tar" timelines && rm -r "$out/timelines"
   exit "$status"
