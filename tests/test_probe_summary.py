@@ -44,3 +44,13 @@ def test_a_single_round_keeps_the_plain_names(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "layer0_gather-0              qwen2-moe" in out and "#" not in out
     assert "1.100 [1.100, 1.100] over 1 round(s)" in out
+
+
+def test_a_wrong_output_is_marked(tmp_path, capsys):
+    records = [dict(config="deepseek-v3-like", tokens_per_rank=t, routing="uniform",
+                    layer="moe", fused_us=1000.0, max_rel_err={"fused": err})
+               for t, err in ((8, 0.97), (32, 0.011))]
+    (tmp_path / "p-default.json").write_text(json.dumps(records))
+    probe_summary.main(str(tmp_path), "p")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.endswith("WRONG output (0.97)") for line in lines[:2]] == [True, False]
