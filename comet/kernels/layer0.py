@@ -84,6 +84,8 @@ STREAM_K_PROGRAMS = constexpr(256)
 #: Stream-K runs only where whole work items make fewer than this many rounds of the
 #: programs (a call with more keeps the queue: its idle share is small). The host's
 #: gate (comet.runtime.selection) applies the same bound to its estimate of the items.
+#: The arrival counters, one per item (``Work.arrived``, 2 x STREAM_K_PROGRAMS), rely on
+#: it: a bound of 8 overflowed them (docs/notebook.md, "stream-K past two rounds").
 STREAM_K_ROUNDS = constexpr(2)
 #: Most rows of an m-tile in a stream-K call (rows a partial tile keeps): small calls only.
 STREAM_K_ROWS = constexpr(32)
