@@ -34,13 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from comet.bench.records import MAX_REL_ERR
 from comet.config import MoEConfig
 from comet.grouped import grouped_mm
-
-#: A peer whose output is further than this from the unfused baseline's is reported
-#: wrong and not timed (comet.bench.records.MAX_REL_ERR).
-PEER_MAX_REL_ERR = MAX_REL_ERR
 
 #: ``layer(x [M, H], topk_ids [M, k], topk_weights [M, k]) -> y [M, H]``.
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

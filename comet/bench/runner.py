@@ -41,7 +41,7 @@ from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
 from comet.bench.floors import expert_bytes, hbm_floor_us, link_rows
 from comet.bench.inputs import InputSet, make_input_sets
-from comet.bench.peers import PEER_MAX_REL_ERR, PeerLayer, Peers
+from comet.bench.peers import PeerLayer, Peers
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.config import MoEConfig
@@ -476,7 +476,7 @@ def _time_peers(peers: Peers, sets: list[InputSet], ref: torch.Tensor, timed, ou
     time those that match as whole calls, into ``out["peer_<name>"]``.
 
     Returns each peer's status: ``timed``, ``wrong`` (max relative error over
-    :data:`comet.bench.peers.PEER_MAX_REL_ERR`), ``failed`` (the call raised, or gave
+    :data:`comet.bench.records.MAX_REL_ERR`), ``failed`` (the call raised, or gave
     non-finite values, on some rank) or ``unavailable``, with ``reason``, ``backend`` and
     ``max_rel_err`` where known. Every rank reaches the same verdicts.
     """
@@ -487,9 +487,9 @@ def _time_peers(peers: Peers, sets: list[InputSet], ref: torch.Tensor, timed, ou
         entry = {"backend": p.backend, "max_rel_err": err}
         if failure is not None:
             entry.update(status="failed", reason=failure)
-        elif not err <= PEER_MAX_REL_ERR:
+        elif not err <= rec.MAX_REL_ERR:
             entry.update(status="wrong",
-                         reason=f"max relative error {err:.3g} > {PEER_MAX_REL_ERR:g}")
+                         reason=f"max relative error {err:.3g} > {rec.MAX_REL_ERR:g}")
         else:
             entry["status"] = "timed"
             out[f"peer_{p.name}"] = Series(timed(lambda i, t, p=p: p.layer(
