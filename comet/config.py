@@ -294,6 +294,13 @@ class TileConfig:
         comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
             each); dispatch_entries: return entries per dispatch chunk.
         comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+        dispatch_parts: most parts a dispatch chunk's copy is cut into, in calls with
+            fewer chunks than comm blocks (1: one program copies each chunk). The sender's
+            choice alone, made on the device per call (comet.kernels.layer0.dispatch_role):
+            the chunks, each with its flag, stay what a destination waits for, and the
+            chunk's last part publishes it. A small call's rows to a destination are one
+            chunk, which one program copied at ~35 GB/s while the GEMM waited (30 us of a
+            128-token Mixtral call on 2x H100, docs/benchmarks.md, "Small calls").
         comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns), and
             the copy tile of return entries in the dispatch.
         reduce_item: return entries per item of layer1's reduce queue (a multiple of
@@ -350,6 +357,7 @@ class TileConfig:
     splits: int = 2
     comm_rows: int = 256
     comm_copy_rows: int = 32
+    dispatch_parts: int = 8
     comm_block_h: int = 512
     group_m: int = 8
     local_head_tiles: int = 16
@@ -377,6 +385,8 @@ class TileConfig:
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
         if self.layer1_split_k < 1:
             raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
+        if self.dispatch_parts < 1:
+            raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
 

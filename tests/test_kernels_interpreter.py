@@ -282,6 +282,40 @@ def test_comm_program_counts(comm_programs):
     _close(ys, expect, torch.float16)
 
 
+@pytest.mark.parametrize("parts", [1, 4])
+def test_a_small_calls_chunks_are_copied_in_parts(parts):
+    """A call with fewer dispatch chunks than comm programs cuts each row chunk's copy
+    into parts (``TileConfig.dispatch_parts``), the last part to arrive publishing the
+    chunk: 12 rows to each destination are one 16-row chunk, and with 8 dispatch
+    programs for 4 chunks (a row chunk and a return-entry chunk per destination) each
+    chunk is taken as 2 parts -- the row chunk copied as 8 + 4 rows, the entry chunk by
+    its first part. Outputs match the reference twice over (the counters are zeroed
+    when a call opens); with ``dispatch_parts=1`` no part is counted."""
+    e, k, h, f = SCALED["mixtral"]
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float16, max_tokens=12)
+    g = torch.Generator().manual_seed(5)
+    w13 = [(torch.randn(4, h, 2 * f, generator=g) * h ** -0.5).half() for _ in range(2)]
+    w2 = [(torch.randn(4, f, h, generator=g) * f ** -0.5).half() for _ in range(2)]
+    tile = dataclasses.replace(TileConfig.small(), comm_rows=16, comm_copy_rows=8,
+                               dispatch_parts=parts)
+    ep = VirtualEP(cfg, w13, w2, tile)
+    # every token has one expert on each rank: 12 rows to each destination
+    ids = [torch.stack([torch.tensor([t % 4, 4 + (t + r) % 4]) for t in range(12)])
+           for r in range(2)]
+    xs = [torch.randn(12, h, generator=g).half() for _ in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    expect = reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16)
+    for _ in range(2):
+        _close(ep.forward(xs, ids, wts, dispatchers=8), expect, torch.float16)
+        for ws in ep.ws:
+            counted = ws.count.l0_parts
+            if parts == 1:
+                assert not counted.any()
+            else:
+                assert counted[:4].tolist() == [2, 2, 2, 2] and not counted[4:].any()
+
+
 def test_back_to_back_calls_reuse_the_workspace():
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,

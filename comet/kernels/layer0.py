@@ -78,6 +78,13 @@ from comet.weights import GATE_UP_BLOCK
 #: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
 #: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
 LANE_ITEMS = constexpr(4)
+#: Dispatch chunks that may be copied in parts, per call (one arrival counter each,
+#: ``Dispatch.parts``): parts are cut only when the call's chunks are fewer than the comm
+#: programs, which are fewer than the SMs of any GPU comet runs on.
+DISPATCH_PART_SLOTS = constexpr(256)
+#: Added to a part's arrival when the part skipped its copy (the group had failed): the
+#: chunk's last part then leaves its flag unpublished (a part count stays far below it).
+PART_SKIPPED = constexpr(1 << 16)
 #: Most programs a stream-K call may use (two partial tiles each in the scratch): at
 #: least the SMs of any GPU comet runs on (132 on an H100 or H200, 148 on a B200).
 STREAM_K_PROGRAMS = constexpr(256)
@@ -120,6 +127,9 @@ class Dispatch(NamedTuple):
     queue: torch.Tensor      # int32 [1]: the dispatch's chunk queue (zeroed per call)
     #: GATHER: each destination's token rows and a0 row index (a0 itself is not written)
     gather: "GatherTargets | None" = None
+    #: int32 [DISPATCH_PART_SLOTS]: parts copied per chunk, when chunks are cut in parts
+    #: (``DispatchTile.PARTS`` > 1; zeroed per call)
+    parts: torch.Tensor | None = None
 
 
 class GatherTargets(NamedTuple):
@@ -155,6 +165,7 @@ class DispatchTile(NamedTuple):
     ENTRY_TILE: tl.constexpr  # entries per copy step
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
     GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
+    PARTS: tl.constexpr       # most parts a chunk's copy is cut into (TileConfig.dispatch_parts)
 
 
 class Lanes(NamedTuple):
@@ -179,7 +190,7 @@ class Arrivals(NamedTuple):
 def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool) -> DispatchTile:
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather)))
+        tile.comm_entries, row_home, gather, tile.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -344,17 +355,57 @@ def _chunks_to(d, dispatch, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
 
 
 @triton.jit
-def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
+def _parts_per_chunk(units, n_comm, comm):
+    """How many parts each chunk's copy is cut into this call: 1 while the chunks keep
+    every comm program busy, else as many as give each program a part, up to ``PARTS``.
+    A small call's rows to one destination are a single chunk (256 rows), which one
+    program copied alone at ~35 GB/s while every GEMM tile waited for it: 30 us of a
+    128-token Mixtral call (EP=2, ``2026-11-27/h100x4-r18-timeline-*``). The sender's
+    choice alone: a destination waits for the same chunks either way."""
+    parts = 1
+    if comm.PARTS > 1:
+        parts = tl.minimum(tl.maximum(n_comm // tl.maximum(units, 1), 1), comm.PARTS)
+        parts = tl.where(units <= DISPATCH_PART_SLOTS, parts, 1)
+    return parts
+
+
+@triton.jit
+def _publish(flag, epoch, parts, part_counts, u, skipped, sync, PARTS: tl.constexpr):
+    """Publish chunk ``u`` when its copy -- or, with ``parts`` > 1, this program's part
+    of it -- is done: ``flag = epoch``, unless the group failed. With parts, the chunk's
+    last part to arrive (``part_counts[u]``) publishes, after every part's stores (the
+    arrivals' acq_rel chain orders them before its release), and not at all if any part
+    skipped its copy."""
+    cut = False
+    if PARTS > 1:
+        cut = parts > 1
+    if cut:
+        mine = 1 + skipped * PART_SKIPPED
+        before = arrive(part_counts + u, "sys", mine)
+        if before % PART_SKIPPED == parts - 1:
+            if (before + mine < PART_SKIPPED) & healthy(sync):
+                release(flag, epoch, "sys")
+    else:
+        # Never publish after a failure: a chunk skipped because the group failed must
+        # not look delivered. (The vote is also the barrier the release needs.)
+        if healthy(sync):
+            release(flag, epoch, "sys")
+
+
+@triton.jit
+def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
     """Push this rank's rows, then its return entries, to every destination, in chunks
-    the comm programs take from the dispatch queue: take ``g`` is chunk ``g // W`` of the
-    destination at ring offset ``g % W`` (all destinations abreast, see the module doc; a
-    queue rather than a fixed stride, so that when destinations have unequal chunk counts
-    every program still shares the work of the longest); after copying chunk ``c`` a
-    program sets the destination's ``flag0[rank, c] = epoch``. No chunk waits for another
-    to publish: an in-order chain (each chunk published after the previous one) cost one
-    system-scope release round trip per chunk in series, which capped dispatch at ~7 us
-    per chunk whatever the number of comm blocks. Returns the trace events recorded so
-    far."""
+    the ``n_comm`` comm programs take from the dispatch queue: unit ``u`` is chunk ``u //
+    W`` of the destination at ring offset ``u % W`` (all destinations abreast, see the
+    module doc; a queue rather than a fixed stride, so that when destinations have
+    unequal chunk counts every program still shares the work of the longest); after a
+    chunk is copied the destination's ``flag0[rank, c] = epoch``. A call with fewer
+    chunks than comm programs cuts each row chunk's copy into parts
+    (:func:`_parts_per_chunk`), taken from the queue like chunks; the last part to finish
+    publishes. No chunk waits for another to publish: an in-order chain (each chunk
+    published after the previous one) cost one system-scope release round trip per
+    chunk in series, which capped dispatch at ~7 us per chunk whatever the number of
+    comm blocks. Returns the trace events recorded so far."""
     WORLD: tl.constexpr = shape.WORLD
     TOPK: tl.constexpr = shape.TOPK
     rank = sync.rank
@@ -366,10 +417,13 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
     rounds = 0
     for d in range(WORLD):
         rounds = tl.maximum(rounds, _chunks_to(d, dispatch, comm.ROWS, comm.ENTRIES)[1])
+    parts = _parts_per_chunk(rounds * WORLD, n_comm, comm)
     g = take(dispatch.queue)
-    while g < rounds * WORLD:
-        c = g // WORLD
-        d = (rank - g % WORLD + WORLD) % WORLD
+    while g < rounds * WORLD * parts:
+        u = g // parts
+        part = g % parts
+        c = u // WORLD
+        d = (rank - u % WORLD + WORLD) % WORLD
         lo = tl.load(dispatch.send.off + d)
         hi = tl.load(dispatch.send.off + d + 1)
         n_ent = tl.load(dispatch.entry_count + d)
@@ -379,10 +433,15 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
             flags = peer(dispatch.flag0, d) + rank * chunk_slots
             if trace.ON:
                 start = clock_ns()
-            if healthy(sync):
+            ok = healthy(sync)
+            if ok:
                 if c < row_chunks:
                     first = lo + c * comm.ROWS
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
+                    if parts > 1:   # this part's rows: whole copy tiles, the last short
+                        size = tl.cdiv(tl.cdiv(last - first, parts), comm.COPY_ROWS) * comm.COPY_ROWS
+                        first = tl.minimum(first + part * size, last)
+                        last = tl.minimum(first + size, last)
                     if comm.GATHER:
                         if comm.ROW_HOME:
                             _push_gathered(x_ptr, dispatch.gather, d, dispatch.send,
@@ -401,7 +460,7 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                     else:
                         _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send, None, None,
                                    0, first, last, H, TOPK, comm)
-                else:
+                elif part == 0:   # return entries: one part copies the chunk
                     e0 = (c - row_chunks) * comm.ENTRIES
                     _push_entries(dispatch.entries.token + src,
                                   dispatch.entries.rows + src * TOPK,
@@ -411,12 +470,10 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm):
                                   peer(dispatch.recv.weight, d) + region * TOPK,
                                   e0, tl.minimum(e0 + comm.ENTRIES, n_ent), TOPK,
                                   shape.TOPK_P2, comm.ENTRY_TILE)
-                # Never publish after a failure: a chunk skipped because the group failed
-                # must not look delivered. (The vote is also the barrier the release needs.)
-                if healthy(sync):
-                    release(flags + c, epoch, "sys")
-                if trace.ON:
-                    events = stamp(trace, events, d, c, start)
+            _publish(flags + c, epoch, parts, dispatch.parts, u, (ok == 0).to(tl.int32), sync,
+                     comm.PARTS)
+            if trace.ON:
+                events = stamp(trace, events, d, c, start)
         g = take(dispatch.queue)
     return events
 
@@ -628,11 +685,12 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     comm, item, lanes: constexpr :class:`DispatchTile`,
     :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
     epoch = tl.load(sync.epoch)
-    comm_role, _, _ = assign_role(split, ROLE)
+    comm_role, n_role, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
         if comm_role:
-            events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm)
+            events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm,
+                                   n_role)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:

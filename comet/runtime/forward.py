@@ -129,7 +129,8 @@ def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes, gather: bool = False
     ``gather``: a row per token and destination, pairs as index entries)."""
     return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peer("a0"),
                     ws.recv, homes, ws.peer("flag0"), ws.chunk_slots, ws.cfg.max_tokens,
-                    ws.count.l0_dispatch, ws.gather_targets() if gather else None)
+                    ws.count.l0_dispatch, ws.gather_targets() if gather else None,
+                    ws.count.l0_parts)
 
 
 @dataclass

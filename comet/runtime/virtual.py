@@ -90,16 +90,20 @@ class VirtualEP:
 
     def forward(self, xs: list[torch.Tensor], topk_ids: list[torch.Tensor],
                 topk_weights: list[torch.Tensor], comm_programs: int = 2,
-                compute_programs: int = 3) -> list[torch.Tensor]:
+                compute_programs: int = 3, dispatchers: int | None = None
+                ) -> list[torch.Tensor]:
         """Every rank's routed-expert output ``[M_r, H]`` (``x.dtype``), layer1 as the
         tile says (``layer1_scatter``: the scatter epilogue, else GEMM then reduce).
 
-        Under the interpreter the dispatch runs on one program: its chunks are published
-        in order, and a later chunk on program 0 would wait for a program not yet run."""
+        ``dispatchers``: programs of layer0's dispatch launch (default ``comm_programs``,
+        or one under the interpreter, where programs run one after another and the
+        first takes every chunk anyway; more make a small call cut its chunks' copies
+        into parts, ``TileConfig.dispatch_parts``)."""
         xs = [aligned(x) for x in xs]
         ys = [torch.empty_like(x) for x in xs]
         unused = torch.zeros(1, dtype=torch.int64, device=self.device)   # roles apart
-        dispatchers = 1 if interpreting() else comm_programs
+        if dispatchers is None:
+            dispatchers = 1 if interpreting() else comm_programs
         grids = Grids(compute_programs, dispatchers, comm_programs, compute_programs)
         calls = []
         for r, ws in enumerate(self.ws):

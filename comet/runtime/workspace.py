@@ -37,8 +37,8 @@ from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
 from comet.kernels.exchange import Exchange, exchange_block
 from comet.kernels.group_gemm import Gathered
-from comet.kernels.layer0 import (STREAM_K_PROGRAMS, STREAM_K_ROWS, Arrivals, GatherTargets,
-                                  Work, one_dot_tiles)
+from comet.kernels.layer0 import (DISPATCH_PART_SLOTS, STREAM_K_PROGRAMS, STREAM_K_ROWS,
+                                  Arrivals, GatherTargets, Work, one_dot_tiles)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
@@ -109,15 +109,17 @@ class Counters(NamedTuple):
     l1_reduce: torch.Tensor      # [1] layer1's reduce item queue
     l1_done: torch.Tensor        # [1] blocks finished with layer1
     scanned: torch.Tensor        # [1] plan scan programs finished (the last pushes the counts)
+    l0_parts: torch.Tensor       # [DISPATCH_PART_SLOTS] parts copied per dispatch chunk
     arrived: torch.Tensor        # [SPLIT_K_SLOTS or 0] K splits finished per layer1 item
     l0_arrived: torch.Tensor     # [2 * STREAM_K_PROGRAMS or 0] stream-K parts in per layer0 item
     split: torch.Tensor          # [n_splits_max] layer1 tiles finished per column split
 
     @classmethod
     def of(cls, t: torch.Tensor, k_slots: int, l0_slots: int) -> "Counters":
-        q, s = _QUEUE_COUNTERS, _QUEUE_COUNTERS + k_slots
-        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[4:5], t[q:s], t[s:s + l0_slots],
-                   t[s + l0_slots:])
+        q = _QUEUE_COUNTERS + DISPATCH_PART_SLOTS.value
+        s = q + k_slots
+        return cls(t[0:1], t[1:2], t[2:3], t[3:4], t[4:5], t[_QUEUE_COUNTERS:q], t[q:s],
+                   t[s:s + l0_slots], t[s + l0_slots:])
 
 
 @dataclass
@@ -255,7 +257,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
         out1=torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device),
-        counters=torch.zeros(_QUEUE_COUNTERS + k_slots + l0_slots + n_splits,
+        counters=torch.zeros(_QUEUE_COUNTERS + DISPATCH_PART_SLOTS.value + k_slots
+                             + l0_slots + n_splits,
                              dtype=torch.int32, device=device),
         l1_partial=partial, l0_partial=l0_partial,
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
