@@ -290,7 +290,8 @@ def test_a_small_calls_chunks_are_copied_in_parts(parts):
     programs for 4 chunks (a row chunk and a return-entry chunk per destination) each
     chunk is taken as 2 parts -- the row chunk copied as 8 + 4 rows, the entry chunk by
     its first part. Outputs match the reference twice over (the counters are zeroed
-    when a call opens); with ``dispatch_parts=1`` no part is counted."""
+    when a call opens); with ``dispatch_parts=1`` no part is counted, nor in a 1-token
+    call (a row per destination: one copy tile, so one part)."""
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float16, max_tokens=12)
@@ -314,6 +315,11 @@ def test_a_small_calls_chunks_are_copied_in_parts(parts):
                 assert not counted.any()
             else:
                 assert counted[:4].tolist() == [2, 2, 2, 2] and not counted[4:].any()
+    one = [i[:1] for i in ids]
+    _close(ep.forward([x[:1] for x in xs], one, [w[:1] for w in wts], dispatchers=8),
+           reference.ep_forward([x[:1] for x in xs], one, [w[:1] for w in wts], w13, w2,
+                                round_to=torch.float16), torch.float16)
+    assert not any(ws.count.l0_parts.any() for ws in ep.ws)
 
 
 def test_back_to_back_calls_reuse_the_workspace():

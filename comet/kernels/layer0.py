@@ -355,16 +355,19 @@ def _chunks_to(d, dispatch, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
 
 
 @triton.jit
-def _parts_per_chunk(units, n_comm, comm):
-    """How many parts each chunk's copy is cut into this call: 1 while the chunks keep
-    every comm program busy, else as many as give each program a part, up to ``PARTS``.
-    A small call's rows to one destination are a single chunk (256 rows), which one
-    program copied alone at ~35 GB/s while every GEMM tile waited for it: 30 us of a
-    128-token Mixtral call (EP=2, ``2026-11-27/h100x4-r18-timeline-*``). The sender's
+def _parts_per_chunk(units, rows, n_comm, comm):
+    """How many parts each chunk's copy is cut into this call (``units`` chunks, the
+    largest holding ``rows`` rows): 1 while the chunks keep every comm program busy,
+    else as many as give each program a part, up to ``PARTS`` and to one copy tile of
+    rows per part. A small call's rows to one destination are a single chunk (256
+    rows), which one program copied alone at ~35 GB/s while every GEMM tile waited for
+    it: 30 us of a 128-token Mixtral call (EP=2, 2x H100); a 1-token call's chunks are a
+    row or two, and its empty parts only cost arrivals (1-2% of the call). The sender's
     choice alone: a destination waits for the same chunks either way."""
     parts = 1
     if comm.PARTS > 1:
         parts = tl.minimum(tl.maximum(n_comm // tl.maximum(units, 1), 1), comm.PARTS)
+        parts = tl.minimum(parts, tl.maximum(tl.cdiv(rows, comm.COPY_ROWS), 1))
         parts = tl.where(units <= DISPATCH_PART_SLOTS, parts, 1)
     return parts
 
@@ -415,9 +418,12 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
     # This rank's region in a destination's return-entry tables.
     region = rank * max_tokens
     rounds = 0
+    rows = 0     # of the largest row chunk
     for d in range(WORLD):
         rounds = tl.maximum(rounds, _chunks_to(d, dispatch, comm.ROWS, comm.ENTRIES)[1])
-    parts = _parts_per_chunk(rounds * WORLD, n_comm, comm)
+        rows = tl.maximum(rows, tl.minimum(tl.load(dispatch.send.off + d + 1)
+                                           - tl.load(dispatch.send.off + d), comm.ROWS))
+    parts = _parts_per_chunk(rounds * WORLD, rows, n_comm, comm)
     g = take(dispatch.queue)
     while g < rounds * WORLD * parts:
         u = g // parts
