@@ -299,8 +299,9 @@ class TileConfig:
             choice alone, made on the device per call (comet.kernels.layer0.dispatch_role):
             the chunks, each with its flag, stay what a destination waits for, and the
             chunk's last part publishes it. A small call's rows to a destination are one
-            chunk, which one program copied at ~35 GB/s while the GEMM waited (30 us of a
-            128-token Mixtral call on 2x H100, docs/benchmarks.md, "Small calls").
+            chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
+            128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
+            0.96-0.97x the time (docs/benchmarks.md, "Small calls").
         comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns), and
             the copy tile of return entries in the dispatch.
         reduce_item: return entries per item of layer1's reduce queue (a multiple of

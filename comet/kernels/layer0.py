@@ -445,7 +445,8 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
                     first = lo + c * comm.ROWS
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
                     if parts > 1:   # this part's rows: whole copy tiles, the last short
-                        size = tl.cdiv(tl.cdiv(last - first, parts), comm.COPY_ROWS) * comm.COPY_ROWS
+                        size = (tl.cdiv(tl.cdiv(last - first, parts), comm.COPY_ROWS)
+                                * comm.COPY_ROWS)
                         first = tl.minimum(first + part * size, last)
                         last = tl.minimum(first + size, last)
                     if comm.GATHER:
