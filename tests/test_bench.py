@@ -60,8 +60,11 @@ class FakeFusedMoE:
 
 
 def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None, align=None):
-    """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE."""
+    """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE (calling the
+    CLI's ``align``, as the real one does before the recorded call)."""
     layer.last_comm_blocks = (2, 3)
+    if align is not None:
+        align()
     return _synthetic_timeline(blocks=6, n_comm=2)
 
 

@@ -116,6 +116,16 @@ def _queue_ahead(device: torch.device, cycles: int = QUEUE_AHEAD_CYCLES) -> None
         torch.cuda._sleep(cycles)
 
 
+def park_and_align(device: torch.device, group=None,
+                   cycles: int = QUEUE_AHEAD_CYCLES) -> None:
+    """Park the GPU for ``cycles`` so that the host enqueues what follows ahead of it,
+    then start every rank's next kernel together (:func:`_align`, after the sleep: ranks
+    whose clocks differ would otherwise leave it as far apart as the clocks drift over
+    the sleep)."""
+    _queue_ahead(device, cycles)
+    _align(group, device)
+
+
 #: GPU cycles per microsecond a lead sleep counts with: H100 and H200 run at most
 #: ~1.98 GHz, so ``lead_us`` microseconds of these cycles last at least that long.
 LEAD_CYCLES_PER_US = 2000
@@ -150,13 +160,8 @@ def time_calls(fn: Callable[[int, object], object], *, n_sets: int, iters: int, 
         timer = make_timer() if make_timer is not None else None
         if flush is not None:
             flush()
-        if make_timer is not None:
-            _queue_ahead(device)
-        else:
-            _queue_ahead(device, int(lead_us * LEAD_CYCLES_PER_US))
-        # After the sleep: ranks whose clocks differ would otherwise leave it (and start
-        # the call) as far apart as the clocks drift over ~10 ms.
-        _align(group, device)
+        park_and_align(device, group, QUEUE_AHEAD_CYCLES if make_timer is not None
+                       else int(lead_us * LEAD_CYCLES_PER_US))
         start = clock.mark()
         host = time.perf_counter()
         fn(s, timer)

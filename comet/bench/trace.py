@@ -60,11 +60,16 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
     layer0 runs fused with at least one comm block (with none it is two untraced
     launches); layer1 keeps the chosen split, 0 included (every block runs the GEMM, then
     the reduce) -- or, with the scatter epilogue, has no comm role (every block runs the
-    GEMM, which sends). ``align`` (e.g. a barrier of the layer's group) runs after the
-    first call has finished on this GPU, so that the ranks start the recorded call
-    together: without it a rank still busy on the host entered a recorded call 450 us
-    after its peers, whose timelines then showed their wait for its rows (qwen2-moe,
-    EP=4, ``2026-11-26/h200x4-timeline-ep4-qwen2-moe-4096``)."""
+    GEMM, which sends). ``align`` runs after the first call has finished on this GPU, so
+    that the ranks start the recorded call together: without it a rank still busy on the
+    host entered a recorded call 450 us after its peers, whose timelines then showed
+    their wait for its rows (qwen2-moe, EP=4,
+    ``2026-11-26/h200x4-timeline-ep4-qwen2-moe-4096``). ``comet bench --timeline`` passes
+    a barrier that then parks the GPU while the host issues the call
+    (comet.bench.timing.park_and_align): the traced call is eager, its launches cost the
+    host tens of microseconds each, and a small call's kernels otherwise reached the GPU
+    late -- layer1 29-255 us after layer0 in 1-32-token traces
+    (``2026-11-27/h100x4-r19-timeline-*``)."""
     n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
     n0 = max(n0, 1)
     shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import shlex
@@ -35,6 +34,7 @@ from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance
+from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case
@@ -496,8 +496,11 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
                         st.device)[0]
     # The first call compiles the kernels; the timeline is of a warm call.
     fused.layer(s.x, s.topk_ids, s.topk_weights, comm_blocks=st.comm_blocks, mode="fused")
-    align = (functools.partial(dist.barrier, group=st.group) if dist.is_initialized()
-             else None)
+    def align() -> None:
+        if dist.is_initialized():
+            dist.barrier(group=st.group)
+        park_and_align(st.device, st.group)
+
     entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,
                                     comm_blocks=st.comm_blocks, align=align)
     timelines = dict(enumerate(_gather_objects(entries, st.group)))
