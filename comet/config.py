@@ -287,6 +287,15 @@ class TileConfig:
             call took 0.87x (deepseek-v3-like), 0.90x (phi3.5-moe), 0.97x (qwen2-moe)
             and 1.00x (mixtral) the time, and 8-128-token calls, which the gate keeps
             it out of, 0.99-1.00x (docs/benchmarks.md, "layer0 as stream-K").
+        layer0_tail_split: most K splits of each item of layer0's last partial round of
+            work items, in calls whose last round fills at most half the programs and
+            whose m-tiles have at most 64 rows (comet.kernels.layer0.tail_split, decided
+            on the device per call, by the rank alone): the queue hands out the whole
+            rounds as before, then the last round's items as K splits, each split's fp32
+            box summed in split order by the item's last split to arrive (bitwise the
+            same output whoever is last). A 128-token phi3.5-moe call at EP=2 ran its
+            last four items on four SMs for 38-40 us (docs/benchmarks.md, "Small calls").
+            Uses stream-K's scratch. 1 (off) by default: not yet timed on a GPU.
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of
@@ -374,6 +383,7 @@ class TileConfig:
     decode_block_n1: int = 128
     layer1_split_k: int = 4
     layer0_stream_k: bool = True
+    layer0_tail_split: int = 1
     layer1_scatter: bool = True
     layer0_gather: bool = False
     layer0_live_rows: bool = True
@@ -386,6 +396,8 @@ class TileConfig:
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
         if self.layer1_split_k < 1:
             raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
+        if self.layer0_tail_split < 0:
+            raise ValueError(f"layer0_tail_split must be >= 0, got {self.layer0_tail_split}")
         if self.dispatch_parts < 1:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
         if self.small_plan_blocks < 0:

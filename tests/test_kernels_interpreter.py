@@ -198,6 +198,36 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     assert cut == {3, 5, None}
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_last_partial_round_of_layer0_runs_in_k_splits(bias):
+    """``layer0_tail_split``: the queue hands out whole rounds of items, then each item
+    of a last round that fills at most half the programs as K splits, summed in split
+    order by the item's last split before bias and activation. Four items per rank on 3
+    programs: one round, then one item in 3 splits (of 4 K steps: 2, 2 and none); on 2
+    programs (no partial round) and 5 (no whole round) nothing is cut. Every output
+    matches the reference; the counters say which item was cut into how many splits."""
+    e, k, h, f = 4, 2, 64, 2 * GATE_UP_BLOCK       # 2 column blocks, 4 K steps of 16
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=4)
+    g = torch.Generator().manual_seed(7 + bias)
+    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
+    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
+    b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
+    b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
+    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK,
+                               layer0_stream_k=False, layer0_tail_split=4)
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
+    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
+    for programs, splits in ((3, [3, 0, 0, 0]), (2, [0] * 4), (5, [0] * 4)):
+        _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
+        for ws in ep.ws:
+            assert int(ws.plan.tiles.num) * (f // GATE_UP_BLOCK) == 4
+            assert ws.count.l0_arrived[:4].tolist() == splits, programs
+
+
 @pytest.mark.parametrize("scatter, stream_k, live_rows",
                          [(True, False, True), (False, True, True), (True, False, False)])
 def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, stream_k,

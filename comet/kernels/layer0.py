@@ -37,7 +37,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call. Optionally, a small call whose
   items would leave programs idle runs as stream-K instead (:func:`stream_k_role`,
-  ``TileConfig.layer0_stream_k``): equal runs of K steps per program.
+  ``TileConfig.layer0_stream_k``): equal runs of K steps per program; and a call whose
+  last round of items is mostly empty may take that round's items as K splits
+  (:func:`tail_split`, ``TileConfig.layer0_tail_split``).
 
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
@@ -100,6 +102,10 @@ STREAM_K_ROWS = constexpr(32)
 #: programs' rounds idle (the last round's empty programs): 100 items on 132 programs
 #: leave 24%, 224 items 15%, 128 items 3% (not worth a fix-up per item).
 STREAM_K_IDLE_PCT = constexpr(10)
+#: Most rows of an m-tile whose item a tail split cuts (``Work.TAIL_SPLIT``): the
+#: stream-K scratch viewed as ``STREAM_K_PROGRAMS`` boxes of twice ``STREAM_K_ROWS`` rows,
+#: one per unit (a unit per program at most) -- a 128-token call's experts have 32-64.
+TAIL_ROWS = constexpr(64)
 
 
 class Homes(NamedTuple):
@@ -145,7 +151,8 @@ class GatherTargets(NamedTuple):
 class Work(NamedTuple):
     """How the GEMM programs share layer0's work items: a queue of whole items -- or, in
     a small call with ``STREAM_K`` (:func:`stream_k_pays`), equal runs of K steps
-    (:func:`stream_k_role`)."""
+    (:func:`stream_k_role`); with ``TAIL_SPLIT``, the queue's last partial round in K
+    splits (:func:`tail_split`)."""
 
     queue: torch.Tensor                   # int32 [1]: the work queue (zeroed per call)
     #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * BLOCK_N]: two parts per program
@@ -153,6 +160,9 @@ class Work(NamedTuple):
     #: int32 [2 * STREAM_K_PROGRAMS]: parts in, per item (zeroed per call)
     arrived: torch.Tensor | None = None
     STREAM_K: tl.constexpr = constexpr(False)
+    #: most K splits of each item of the queue's last partial round (1: none;
+    #: ``TileConfig.layer0_tail_split``)
+    TAIL_SPLIT: tl.constexpr = constexpr(1)
 
 
 class DispatchTile(NamedTuple):
@@ -379,20 +389,25 @@ def _publish(flag, epoch, parts, part_counts, u, skipped, sync, PARTS: tl.conste
     last part to arrive (``part_counts[u]``) publishes, after every part's stores (the
     arrivals' acq_rel chain orders them before its release), and not at all if any part
     skipped its copy."""
-    cut = False
-    if PARTS > 1:
-        cut = parts > 1
-    if cut:
-        mine = 1 + skipped * PART_SKIPPED
-        before = arrive(part_counts + u, "sys", mine)
-        if before % PART_SKIPPED == parts - 1:
-            if (before + mine < PART_SKIPPED) & healthy(sync):
-                release(flag, epoch, "sys")
+    if PARTS > 1:   # a constexpr: without parts the kernel compiles as before them
+        if parts > 1:
+            mine = 1 + skipped * PART_SKIPPED
+            before = arrive(part_counts + u, "sys", mine)
+            if before % PART_SKIPPED == parts - 1:
+                if (before + mine < PART_SKIPPED) & healthy(sync):
+                    release(flag, epoch, "sys")
+        else:
+            _release_if_healthy(flag, epoch, sync)
     else:
-        # Never publish after a failure: a chunk skipped because the group failed must
-        # not look delivered. (The vote is also the barrier the release needs.)
-        if healthy(sync):
-            release(flag, epoch, "sys")
+        _release_if_healthy(flag, epoch, sync)
+
+
+@triton.jit
+def _release_if_healthy(flag, epoch, sync):
+    # Never publish after a failure: a chunk skipped because the group failed must not
+    # look delivered. (The vote is also the barrier the release needs.)
+    if healthy(sync):
+        release(flag, epoch, "sys")
 
 
 @triton.jit
@@ -518,51 +533,166 @@ def _await_rows(flags, chunk_slots, segments, wait, expert, r0, r1, seen, epoch,
 
 
 @triton.jit
-def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, queue, dispatch,
+def tail_split(tiles, total, SPLIT: tl.constexpr):
+    """``(whole, splits)``: layer0's queue hands out items ``[0, whole)`` whole and each
+    of the others -- its last partial round, when that fills at most half the programs
+    -- as ``splits`` K splits (up to ``SPLIT``, as many as give each a program), so that
+    the round's weights stream on every SM: 400 items on 132 programs leave 4 for the
+    last round, which ran 38-40 us on four SMs of a 128-token phi3.5-moe call at EP=2
+    (``2026-11-27/h100x4-r19-timeline-ep2-phi3.5-moe-128``). Only calls whose m-tiles
+    have at most ``TAIL_ROWS`` rows (a split keeps its box in the scratch) and at least
+    one whole round. Read from the plan's tables, so every program gets the same answer."""
+    programs = tl.num_programs(0)
+    tail = total % programs
+    splits = tl.minimum(programs // tl.maximum(tail, 1), SPLIT)
+    cut = ((total > programs) & (tail > 0) & (splits >= 2)
+           & (programs <= STREAM_K_PROGRAMS))
+    if cut:     # the tile table is read only where the round shape allows a cut
+        num_tiles = tl.load(tiles.num)
+        t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
+        live = t < num_tiles
+        rows = (tl.load(tiles.row_end + t, mask=live, other=0)
+                - tl.load(tiles.row_start + t, mask=live, other=0))
+        cut = (tl.max(rows, axis=0) <= TAIL_ROWS) & (num_tiles <= 2 * STREAM_K_PROGRAMS)
+    return tl.where(cut, total - tail, total), tl.where(cut, splits, 1)
+
+
+@triton.jit
+def _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start, row_end,
+               n0):
+    """Unit ``u`` of a tail split: K split ``u % splits`` of the round's item ``j``, its
+    fp32 box before the activation into scratch slot ``u``; the item's last split to
+    arrive sums the boxes in split order -- the same bits whoever is last -- and runs the
+    epilogue (bias, activation) and the store."""
+    BOX: tl.constexpr = 2 * item.BLOCK_N
+    SLOT: tl.constexpr = TAIL_ROWS * BOX     # the scratch (< 2^31 elements) needs no int64
+    per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), splits) * item.BLOCK_K
+    k0 = (u % splits) * per
+    both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0, k0,
+                       tl.minimum(k0 + per, gemm.K))
+    n_rows = row_end - row_start
+    rb = tl.arange(0, item.BLOCK_M)[:, None]
+    c = tl.arange(0, BOX)[None, :]
+    tl.store(work.partial + u * SLOT + rb * BOX + c, both,
+             mask=(rb < tl.minimum(n_rows, TAIL_ROWS)) & (c < BOX))
+    if arrive(work.arrived + j, "gpu") == splits - 1:
+        r = tl.arange(0, TAIL_ROWS)[:, None]
+        keep = (r < n_rows) & (c < BOX)
+        box = tl.zeros((TAIL_ROWS, BOX), dtype=tl.float32)
+        for q in range(splits):
+            box += tl.load(work.partial + (j * splits + q) * SLOT + r * BOX + c, mask=keep,
+                           other=0.0)
+        store_tile(one_dot_epilogue(box, gemm, item, expert, n0, TAIL_ROWS), gemm,
+                   row_start, row_end, n0, TAIL_ROWS, item.BLOCK_N)
+
+
+@triton.jit
+def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatch,
                         epoch, sync, trace, events, shape, WAIT: tl.constexpr,
                         ROWS: tl.constexpr):
     """GroupGEMM ``out = silu(a0 @ W13_gate) * (a0 @ W13_up)`` (``GATED``; ``N`` = F) --
     or, for the backward, a plain ``out = a0 @ W`` or ``a0 @ W^T`` (``TRANS_B``) with
     ``N`` output columns -- over the tiles in the table's order (comet.scheduler.plan),
-    taken from the work queue ``queue`` (a counter every GEMM block of this rank bumps) a
-    lane at a time (:func:`strided_take`; ``HEAD_ROUNDS`` and ``TAIL_ROUNDS`` rounds of
-    single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`): blocks take
-    work in the scheduler's order whenever they are free, so a block that joins late (a
-    comm block done dispatching) takes the next lane, not a fixed share. A lane's rows
-    are all waited for before its flattened loop starts: the pipeliner issues a tile's
-    loads while the previous tile still runs, so no wait may sit between them."""
+    taken from the work queue ``work.queue`` (a counter every GEMM block of this rank
+    bumps) a lane at a time (:func:`strided_take`; ``HEAD_ROUNDS`` and ``TAIL_ROUNDS``
+    rounds of single items at its ends, :func:`comet.kernels.group_gemm.lane_shape`):
+    blocks take work in the scheduler's order whenever they are free, so a block that
+    joins late (a comm block done dispatching) takes the next lane, not a fixed share. A
+    lane's rows are all waited for before its flattened loop starts: the pipeliner
+    issues a tile's loads while the previous tile still runs, so no wait may sit between
+    them. With ``work.TAIL_SPLIT`` the queue's last partial round may follow as K splits
+    of its items (:func:`tail_split`), taken one per take after the whole items."""
     num_tiles = tl.load(tiles.num)
     n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
     total = num_tiles * n_blocks
     programs = tl.num_programs(0)
-    items, head, lanes_end = lane_shape(total, programs, LANE_ITEMS, lanes.HEAD_ROUNDS,
+    # Gated one-dot items only (the forward's GEMM): a split keeps the one-dot box.
+    TAIL: tl.constexpr = (work.TAIL_SPLIT > 1) and item.GATED and item.ONE_DOT
+    whole = total
+    splits = 1
+    if TAIL:
+        whole, splits = tail_split(tiles, total, work.TAIL_SPLIT)
+    units = whole + (total - whole) * splits
+    items, head, lanes_end = lane_shape(whole, programs, LANE_ITEMS, lanes.HEAD_ROUNDS,
                                         lanes.TAIL_ROUNDS)
     seen = tl.zeros([shape.W_P2], dtype=tl.int32)
-    first, end = strided_take(queue, programs, items, head, lanes_end)
-    while first < total:
-        end = tl.minimum(end, total)
-        ready = 1
-        if WAIT:
-            for w in range(first, end, programs):
-                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
-                seen, ok = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
-                                       tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
-                                       tl.load(tiles.row_start + tile),
-                                       tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
-                                       ROWS)
-                ready = ready & ok
-            fence_async_proxy()
-        if ready:   # after a failure the call's output is void: skip the GEMMs
-            for w in tl.range(first, end, programs, flatten=True):
-                if trace.ON:
-                    start = clock_ns()
-                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
-                expert = tl.load(tiles.expert + tile)
-                gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
-                          tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
-                if trace.ON:
-                    events = stamp(trace, events, shape.WORLD + expert, tile, start)
-        first, end = strided_take(queue, programs, items, head, lanes_end)
+    first, end = strided_take(work.queue, programs, items, head, lanes_end)
+    while first < units:
+        if TAIL:                    # a constexpr: without it the kernel compiles as before
+            if first >= whole:      # one K split of a last-round item
+                seen, events = _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments,
+                                          work, dispatch, first - whole, whole, splits,
+                                          num_tiles, n_blocks, seen, epoch, sync, trace,
+                                          events, shape, WAIT, ROWS)
+            else:
+                seen, events = _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments,
+                                     dispatch, first, tl.minimum(end, whole), num_tiles,
+                                     n_blocks, seen, epoch, sync, trace, events, shape, WAIT,
+                                     ROWS)
+        else:
+            seen, events = _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments,
+                                 dispatch, first, tl.minimum(end, whole), num_tiles, n_blocks,
+                                 seen, epoch, sync, trace, events, shape, WAIT, ROWS)
+        first, end = strided_take(work.queue, programs, items, head, lanes_end)
+    return events
+
+
+@triton.jit
+def _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments, dispatch, first, end,
+          num_tiles, n_blocks, seen, epoch, sync, trace, events, shape, WAIT: tl.constexpr,
+          ROWS: tl.constexpr):
+    """One take of the queue: items ``first, first + programs, ...`` below ``end``, all
+    their rows waited for first, then one flattened loop. Returns ``(seen, events)``."""
+    programs = tl.num_programs(0)
+    ready = 1
+    if WAIT:
+        for w in range(first, end, programs):
+            tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+            seen, ok = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
+                                   tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
+                                   tl.load(tiles.row_start + tile),
+                                   tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
+                                   ROWS)
+            ready = ready & ok
+        fence_async_proxy()
+    if ready:   # after a failure the call's output is void: skip the GEMMs
+        for w in tl.range(first, end, programs, flatten=True):
+            if trace.ON:
+                start = clock_ns()
+            tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+            expert = tl.load(tiles.expert + tile)
+            gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
+                      tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
+            if trace.ON:
+                events = stamp(trace, events, shape.WORLD + expert, tile, start)
+    return seen, events
+
+
+@triton.jit
+def _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatch, u, whole,
+               splits, num_tiles, n_blocks, seen, epoch, sync, trace, events, shape,
+               WAIT: tl.constexpr, ROWS: tl.constexpr):
+    """Unit ``u`` of a tail split (:func:`tail_split`): its item's rows waited for, then
+    :func:`_tail_part`. Returns ``(seen, events)``."""
+    j = u // splits
+    tile, nb = grouped_work(whole + j, num_tiles, n_blocks, lanes.GROUP_M)
+    expert = tl.load(tiles.expert + tile)
+    row_start = tl.load(tiles.row_start + tile)
+    row_end = tl.load(tiles.row_end + tile)
+    ready = 1
+    if WAIT:
+        seen, ready = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
+                                  tl.load(tiles.wait + tile), expert, row_start, row_end,
+                                  seen, epoch, sync, shape, ROWS)
+        fence_async_proxy()
+    if ready:
+        if trace.ON:
+            start = clock_ns()
+        _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start,
+                   row_end, nb * item.BLOCK_N)
+        if trace.ON:
+            events = stamp(trace, events, shape.WORLD + expert, tile, start)
+    return seen, events
 
 
 @triton.jit
@@ -709,9 +839,9 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
                               epoch, sync, trace, events, shape, WAIT, comm.ROWS)
             else:
                 layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments,
-                                    work.queue, dispatch, epoch, sync, trace, events, shape,
+                                    work, dispatch, epoch, sync, trace, events, shape,
                                     WAIT, comm.ROWS)
         else:
             layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments,
-                                work.queue, dispatch, epoch, sync, trace, events, shape,
+                                work, dispatch, epoch, sync, trace, events, shape,
                                 WAIT, comm.ROWS)

@@ -191,7 +191,8 @@ class ForwardCall:
         self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes, gather),
                             gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
-                            work=ws.layer0_work(tile.layer0_stream_k), sync=ws.sync,
+                            work=ws.layer0_work(tile.layer0_stream_k,
+                                                tile.layer0_tail_split), sync=ws.sync,
                             split=self.inputs.split0,
                             shape=ws.shape, tile=tile)
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)

@@ -184,13 +184,15 @@ class Workspace:
         """int32 [4]: bad routing seen by this rank's plan kernels."""
         return self.buffers["error"][ERROR_WORD:]
 
-    def layer0_work(self, stream_k: bool) -> Work:
-        """layer0's :class:`~comet.kernels.layer0.Work`: its queue, and with ``stream_k``
-        (the forward's gated GEMM, if this workspace has the scratch) its stream-K parts."""
-        if not stream_k or self.l0_partial is None:
+    def layer0_work(self, stream_k: bool, tail_split: int = 1) -> Work:
+        """layer0's :class:`~comet.kernels.layer0.Work`: its queue, and -- for the
+        forward's gated GEMM, if this workspace has the scratch -- with ``stream_k`` its
+        stream-K parts, with ``tail_split`` > 1 its last round's K splits."""
+        tail_split = max(tail_split, 1)
+        if not (stream_k or tail_split > 1) or self.l0_partial is None:
             return Work(self.count.l0_queue)
         return Work(self.count.l0_queue, self.l0_partial, self.count.l0_arrived,
-                    constexpr(True))
+                    constexpr(stream_k), constexpr(tail_split))
 
     def gather_targets(self) -> GatherTargets:
         """A gathered dispatch's destinations (``TileConfig.layer0_gather``): token rows
@@ -250,7 +252,8 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
                               dtype=torch.float32, device=device)
     l0_partial, l0_slots = None, 0
-    if tile.layer0_stream_k and one_dot_tiles(tile.block_n0, cfg.intermediate_size):
+    if ((tile.layer0_stream_k or tile.layer0_tail_split > 1)
+            and one_dot_tiles(tile.block_n0, cfg.intermediate_size)):
         l0_slots = 2 * STREAM_K_PROGRAMS.value
         l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.block_n0,
                                  dtype=torch.float32, device=device)
