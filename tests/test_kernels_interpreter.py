@@ -162,6 +162,26 @@ def _stream_k_parts(items: int, steps: int, programs: int) -> list[int] | None:
     return [n if n > 1 else 0 for n in parts]
 
 
+def _four_items_per_rank(tile, bias, seed):
+    """A layer of 2 ranks x 2 experts (H 64: 4 K steps of 16; F two one-dot column
+    blocks) whose call gives each rank's two experts rows -- four layer0 items per rank
+    -- with or without expert biases: ``(ep, (xs, ids, wts), the reference output)``."""
+    e, k, h, f = 4, 2, 64, 2 * GATE_UP_BLOCK
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
+                    dtype=torch.float32, max_tokens=4)
+    g = torch.Generator().manual_seed(seed)
+    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
+    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
+    b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
+    b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
+    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
+    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    return ep, (xs, ids, wts), reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13,
+                                                   b2_shards=b2)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_calls_run_layer0_as_stream_k(bias):
     """With one-dot layer0 tiles (``block_n0`` the W13 interleave block), a call whose
@@ -170,21 +190,9 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     bias and activation. On 3 and 5 programs the four items of a rank are cut (two parts
     each for some); on 4 (no program idle) and 2 (two rounds) the queue runs whole items.
     Every output matches the reference; the counters say which items were cut."""
-    e, k, h, f = 4, 2, 64, 2 * GATE_UP_BLOCK       # 2 column blocks, 4 K steps of 16
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                    dtype=torch.float32, max_tokens=4)
-    g = torch.Generator().manual_seed(5 + bias)
-    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
-    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
-    b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
-    b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
     tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
-    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
-    # Each rank's two experts get rows: four items per rank.
-    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
-    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
-    expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
+    ep, (xs, ids, wts), expect = _four_items_per_rank(tile, bias, seed=5 + bias)
+    h, f = ep.cfg.hidden_size, ep.cfg.intermediate_size
     cut = set()
     for programs in (3, 5, 4, 2):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
@@ -206,25 +214,13 @@ def test_the_last_partial_round_of_layer0_runs_in_k_splits(bias):
     programs: one round, then one item in 3 splits (of 4 K steps: 2, 2 and none); on 2
     programs (no partial round) and 5 (no whole round) nothing is cut. Every output
     matches the reference; the counters say which item was cut into how many splits."""
-    e, k, h, f = 4, 2, 64, 2 * GATE_UP_BLOCK       # 2 column blocks, 4 K steps of 16
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                    dtype=torch.float32, max_tokens=4)
-    g = torch.Generator().manual_seed(7 + bias)
-    w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(2)]
-    w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(2)]
-    b13 = [torch.randn(2, 2 * f, generator=g) * 0.1 for _ in range(2)] if bias else None
-    b2 = [torch.randn(2, h, generator=g) * 0.1 for _ in range(2)] if bias else None
     tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK,
                                layer0_stream_k=False, layer0_tail_split=4)
-    ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
-    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
-    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
-    expect = reference.ep_forward(xs, ids, wts, w13, w2, b13_shards=b13, b2_shards=b2)
+    ep, (xs, ids, wts), expect = _four_items_per_rank(tile, bias, seed=7 + bias)
     for programs, splits in ((3, [3, 0, 0, 0]), (2, [0] * 4), (5, [0] * 4)):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
         for ws in ep.ws:
-            assert int(ws.plan.tiles.num) * (f // GATE_UP_BLOCK) == 4
+            assert int(ws.plan.tiles.num) * 2 == 4
             assert ws.count.l0_arrived[:4].tolist() == splits, programs
 
 

@@ -669,13 +669,11 @@ def _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments, dispatch, first, e
 
 
 @triton.jit
-def _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatch, u, whole,
-               splits, num_tiles, n_blocks, seen, epoch, sync, trace, events, shape,
-               WAIT: tl.constexpr, ROWS: tl.constexpr):
-    """Unit ``u`` of a tail split (:func:`tail_split`): its item's rows waited for, then
-    :func:`_tail_part`. Returns ``(seen, events)``."""
-    j = u // splits
-    tile, nb = grouped_work(whole + j, num_tiles, n_blocks, lanes.GROUP_M)
+def _item_ready(tiles, tile, dispatch, segments, seen, epoch, sync, shape,
+                WAIT: tl.constexpr, ROWS: tl.constexpr):
+    """``(expert, row_start, row_end, seen, ready)`` of m-tile ``tile``, once its rows
+    have landed (``WAIT``; ``ready`` is 0 if the wait gave up): a work item cut in parts
+    (stream-K, a tail split) waits for each part as the queue waits for a lane."""
     expert = tl.load(tiles.expert + tile)
     row_start = tl.load(tiles.row_start + tile)
     row_end = tl.load(tiles.row_end + tile)
@@ -685,6 +683,20 @@ def _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatc
                                   tl.load(tiles.wait + tile), expert, row_start, row_end,
                                   seen, epoch, sync, shape, ROWS)
         fence_async_proxy()
+    return expert, row_start, row_end, seen, ready
+
+
+@triton.jit
+def _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatch, u, whole,
+               splits, num_tiles, n_blocks, seen, epoch, sync, trace, events, shape,
+               WAIT: tl.constexpr, ROWS: tl.constexpr):
+    """Unit ``u`` of a tail split (:func:`tail_split`): its item's rows waited for, then
+    :func:`_tail_part`. Returns ``(seen, events)``."""
+    j = u // splits
+    tile, nb = grouped_work(whole + j, num_tiles, n_blocks, lanes.GROUP_M)
+    expert, row_start, row_end, seen, ready = _item_ready(tiles, tile, dispatch, segments,
+                                                          seen, epoch, sync, shape, WAIT,
+                                                          ROWS)
     if ready:
         if trace.ON:
             start = clock_ns()
@@ -761,15 +773,9 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
         end = tl.minimum(hi, first + steps)
         t = i // n_blocks
         n0 = (i % n_blocks) * BLOCK_N
-        expert = tl.load(tiles.expert + t)
-        row_start = tl.load(tiles.row_start + t)
-        row_end = tl.load(tiles.row_end + t)
-        ready = 1
-        if WAIT:
-            seen, ready = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
-                                      tl.load(tiles.wait + t), expert, row_start, row_end,
-                                      seen, epoch, sync, shape, ROWS)
-            fence_async_proxy()
+        expert, row_start, row_end, seen, ready = _item_ready(tiles, t, dispatch, segments,
+                                                              seen, epoch, sync, shape,
+                                                              WAIT, ROWS)
         if ready:   # after a failure the call's output is void: skip the GEMMs
             if trace.ON:
                 start = clock_ns()
