@@ -601,7 +601,8 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, work
     lane's rows are all waited for before its flattened loop starts: the pipeliner
     issues a tile's loads while the previous tile still runs, so no wait may sit between
     them. With ``work.TAIL_SPLIT`` the queue's last partial round may follow as K splits
-    of its items (:func:`tail_split`), taken one per take after the whole items."""
+    of its items (:func:`tail_split`), taken one per take after the whole items
+    (:func:`_tail_part`)."""
     num_tiles = tl.load(tiles.num)
     n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
     total = num_tiles * n_blocks
@@ -617,55 +618,46 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, work
                                         lanes.TAIL_ROUNDS)
     seen = tl.zeros([shape.W_P2], dtype=tl.int32)
     first, end = strided_take(work.queue, programs, items, head, lanes_end)
-    while first < units:
-        if TAIL:                    # a constexpr: without it the kernel compiles as before
-            if first >= whole:      # one K split of a last-round item
-                seen, events = _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments,
-                                          work, dispatch, first - whole, whole, splits,
-                                          num_tiles, n_blocks, seen, epoch, sync, trace,
-                                          events, shape, WAIT, ROWS)
-            else:
-                seen, events = _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments,
-                                     dispatch, first, tl.minimum(end, whole), num_tiles,
-                                     n_blocks, seen, epoch, sync, trace, events, shape, WAIT,
-                                     ROWS)
-        else:
-            seen, events = _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments,
-                                 dispatch, first, tl.minimum(end, whole), num_tiles, n_blocks,
-                                 seen, epoch, sync, trace, events, shape, WAIT, ROWS)
+    while first < whole:
+        end = tl.minimum(end, whole)
+        ready = 1
+        if WAIT:
+            for w in range(first, end, programs):
+                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+                seen, ok = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
+                                       tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
+                                       tl.load(tiles.row_start + tile),
+                                       tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
+                                       ROWS)
+                ready = ready & ok
+            fence_async_proxy()
+        if ready:   # after a failure the call's output is void: skip the GEMMs
+            for w in tl.range(first, end, programs, flatten=True):
+                if trace.ON:
+                    start = clock_ns()
+                tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
+                expert = tl.load(tiles.expert + tile)
+                gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
+                          tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
+                if trace.ON:
+                    events = stamp(trace, events, shape.WORLD + expert, tile, start)
         first, end = strided_take(work.queue, programs, items, head, lanes_end)
-    return events
-
-
-@triton.jit
-def _lane(a_desc, b_desc, gemm, item, lanes, tiles, segments, dispatch, first, end,
-          num_tiles, n_blocks, seen, epoch, sync, trace, events, shape, WAIT: tl.constexpr,
-          ROWS: tl.constexpr):
-    """One take of the queue: items ``first, first + programs, ...`` below ``end``, all
-    their rows waited for first, then one flattened loop. Returns ``(seen, events)``."""
-    programs = tl.num_programs(0)
-    ready = 1
-    if WAIT:
-        for w in range(first, end, programs):
-            tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
-            seen, ok = _await_rows(dispatch.flag0.local, dispatch.chunk_slots, segments,
-                                   tl.load(tiles.wait + tile), tl.load(tiles.expert + tile),
-                                   tl.load(tiles.row_start + tile),
-                                   tl.load(tiles.row_end + tile), seen, epoch, sync, shape,
-                                   ROWS)
-            ready = ready & ok
-        fence_async_proxy()
-    if ready:   # after a failure the call's output is void: skip the GEMMs
-        for w in tl.range(first, end, programs, flatten=True):
-            if trace.ON:
-                start = clock_ns()
-            tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
-            expert = tl.load(tiles.expert + tile)
-            gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
-                      tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
-            if trace.ON:
-                events = stamp(trace, events, shape.WORLD + expert, tile, start)
-    return seen, events
+    if TAIL:    # a constexpr: without it the kernel compiles as before
+        # The takes past the whole items are the last round's K splits, one per take.
+        while first < units:
+            u = first - whole
+            j = u // splits
+            tile, nb = grouped_work(whole + j, num_tiles, n_blocks, lanes.GROUP_M)
+            expert, row_start, row_end, seen, ready = _item_ready(
+                tiles, tile, dispatch, segments, seen, epoch, sync, shape, WAIT, ROWS)
+            if ready:
+                if trace.ON:
+                    start = clock_ns()
+                _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start,
+                           row_end, nb * item.BLOCK_N)
+                if trace.ON:
+                    events = stamp(trace, events, shape.WORLD + expert, tile, start)
+            first, end = strided_take(work.queue, programs, items, head, lanes_end)
 
 
 @triton.jit
@@ -684,27 +676,6 @@ def _item_ready(tiles, tile, dispatch, segments, seen, epoch, sync, shape,
                                   seen, epoch, sync, shape, ROWS)
         fence_async_proxy()
     return expert, row_start, row_end, seen, ready
-
-
-@triton.jit
-def _tail_unit(a_desc, b_desc, gemm, item, lanes, tiles, segments, work, dispatch, u, whole,
-               splits, num_tiles, n_blocks, seen, epoch, sync, trace, events, shape,
-               WAIT: tl.constexpr, ROWS: tl.constexpr):
-    """Unit ``u`` of a tail split (:func:`tail_split`): its item's rows waited for, then
-    :func:`_tail_part`. Returns ``(seen, events)``."""
-    j = u // splits
-    tile, nb = grouped_work(whole + j, num_tiles, n_blocks, lanes.GROUP_M)
-    expert, row_start, row_end, seen, ready = _item_ready(tiles, tile, dispatch, segments,
-                                                          seen, epoch, sync, shape, WAIT,
-                                                          ROWS)
-    if ready:
-        if trace.ON:
-            start = clock_ns()
-        _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start,
-                   row_end, nb * item.BLOCK_N)
-        if trace.ON:
-            events = stamp(trace, events, shape.WORLD + expert, tile, start)
-    return seen, events
 
 
 @triton.jit
