@@ -105,7 +105,7 @@ STREAM_K_IDLE_PCT = constexpr(10)
 #: Most rows of an m-tile whose item a tail split cuts (``Work.TAIL_SPLIT``): the
 #: stream-K scratch viewed as ``STREAM_K_PROGRAMS`` boxes of twice ``STREAM_K_ROWS`` rows,
 #: one per unit (a unit per program at most) -- a 128-token call's experts have 32-64.
-TAIL_ROWS = constexpr(64)
+TAIL_ROWS = constexpr(2 * STREAM_K_ROWS.value)
 
 
 class Homes(NamedTuple):
@@ -549,11 +549,7 @@ def tail_split(tiles, total, SPLIT: tl.constexpr):
            & (programs <= STREAM_K_PROGRAMS))
     if cut:     # the tile table is read only where the round shape allows a cut
         num_tiles = tl.load(tiles.num)
-        t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
-        live = t < num_tiles
-        rows = (tl.load(tiles.row_end + t, mask=live, other=0)
-                - tl.load(tiles.row_start + t, mask=live, other=0))
-        cut = (tl.max(rows, axis=0) <= TAIL_ROWS) & (num_tiles <= 2 * STREAM_K_PROGRAMS)
+        cut = _rows_fit(tiles, num_tiles, TAIL_ROWS) & (num_tiles <= 2 * STREAM_K_PROGRAMS)
     return tl.where(cut, total - tail, total), tl.where(cut, splits, 1)
 
 
@@ -694,12 +690,19 @@ def stream_k_pays(tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
             & (programs <= STREAM_K_PROGRAMS)
             & ((slots - items) * 100 >= STREAM_K_IDLE_PCT * slots))
     if pays:    # the tile table is read only for calls small enough
-        t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
-        live = t < num_tiles
-        rows = (tl.load(tiles.row_end + t, mask=live, other=0)
-                - tl.load(tiles.row_start + t, mask=live, other=0))
-        pays = tl.max(rows, axis=0) <= STREAM_K_ROWS
+        pays = _rows_fit(tiles, num_tiles, STREAM_K_ROWS)
     return pays
+
+
+@triton.jit
+def _rows_fit(tiles, num_tiles, MAX_ROWS: tl.constexpr):
+    """Whether no m-tile among the table's first ``2 * STREAM_K_PROGRAMS`` has more than
+    ``MAX_ROWS`` rows (what a partial box of stream-K or a tail split keeps)."""
+    t = tl.arange(0, 2 * STREAM_K_PROGRAMS)
+    live = t < num_tiles
+    rows = (tl.load(tiles.row_end + t, mask=live, other=0)
+            - tl.load(tiles.row_start + t, mask=live, other=0))
+    return tl.max(rows, axis=0) <= MAX_ROWS
 
 
 @triton.jit
