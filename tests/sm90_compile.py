@@ -150,10 +150,11 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     torch.zeros(el, 256, 640, dtype=dtype), torch.zeros(el, 320, 256, dtype=dtype),
                     sk, inputs, grids, b13=torch.zeros(el, 640, dtype=dtype),
                     b2=torch.zeros(el, 256, dtype=dtype)).launch_layer0(ROLE_FUSED, 132)
-        # layer0's last partial round in K splits (TileConfig.layer0_tail_split, off by
-        # default): the fused launch of a call too large for stream-K, and with stream-K.
-        for t in (dataclasses.replace(tile, layer0_stream_k=False, layer0_tail_split=4),
-                  dataclasses.replace(tile, layer0_tail_split=4)):
+        # layer0's last partial round in K splits (TileConfig.layer0_tail_split, on by
+        # default, so in every launch above): the fused launch of a call too large for
+        # stream-K, and of one too large for both.
+        for t in (dataclasses.replace(tile, layer0_stream_k=False),
+                  dataclasses.replace(tile, layer0_stream_k=False, layer0_tail_split=1)):
             ForwardCall(allocate_virtual(cfg, world, "cpu", t)[0], w13, w2, t, inputs,
                         grids).launch_layer0(ROLE_FUSED, 132)
         # The decode tile (small calls): its GEMM roles must pipeline too.

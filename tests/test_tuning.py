@@ -594,6 +594,7 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
         assert not whole.layer0_stream_k, tokens
         # the same tile otherwise (the small plan as the call's blocks say), built once
         full = dataclasses.replace(whole, layer0_stream_k=True,
+                                   layer0_tail_split=tile.layer0_tail_split,
                                    small_plan_blocks=tile.small_plan_blocks)
         assert whole is selection.without(full, selection.too_large_for(tokens))
     assert selection.tile_for(1, overrides={"group_m": 4}).layer0_stream_k
@@ -606,11 +607,48 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     assert not off.tile_for(1).layer0_stream_k
     assert all(not t.layer0_stream_k for t in off.tile_variants())
     # items of two dots (block_n0 64): no scratch, no variant to compile or swap out
+    # (neither stream-K nor the tail split, which shares its scratch)
     narrow_tile = dataclasses.replace(tile, block_n0=64)
     narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
-    assert not narrow.may_stream_k
+    assert not narrow.may_stream_k and not narrow.may_tail_split
     assert narrow.tile_for(4096) is narrow.without(narrow_tile, ("small_plan_blocks",))
-    assert len(narrow.tile_variants()) == len(off.tile_variants())
+    plain = Selector(preset(name), 2, dataclasses.replace(tile, layer0_stream_k=False,
+                                                          layer0_tail_split=1),
+                     132, torch.device("cpu"), folder=None)
+    assert len(narrow.tile_variants()) == len(plain.tile_variants())
+
+
+@pytest.mark.parametrize("name, cut", [
+    ("mixtral", (2, 128)),           # 4 local experts x 112 column blocks: 448, 52 last
+    ("phi3.5-moe", (3, 256)),        # 8 x 50: 400 items, 4 in the last round
+    ("qwen2-moe", None),             # 32 x 11: 352 items, 88 last (more than half)
+    ("deepseek-v3-like", None),      # 128 x 16: 2048 items, 68 last
+])
+def test_the_tail_split_gate_compiles_it_in_only_where_the_last_round_is_nearly_empty(
+        name, cut):
+    """With ``layer0_tail_split`` (on by default), a call runs the kernel with the K
+    splits of layer0's last round compiled in only where its expected items (EP=2, 132
+    SMs, uniform rows) make a whole round and a last one of at most 66 items, on m-tiles
+    of at most 64 rows: mixtral's and phi3.5-moe's 8-128-token calls, never qwen2-moe's
+    352 items from 8 tokens on (compiled in there, it cost 1-2%) nor deepseek-v3-like's.
+    Every tile a call may run is warmed up."""
+    from comet.runtime.selection import Selector
+    tile = TileConfig()
+    assert tile.layer0_tail_split > 1
+    selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
+    assert selection.may_tail_split
+    on = [t for t in range(0, 1100) if selection.tile_for(t).layer0_tail_split > 1]
+    if cut is None:
+        assert not on or max(on) < 8, on
+    else:
+        assert on == list(range(cut[0], cut[1] + 1))
+    assert {selection.tile_for(t) for t in range(0, 1100)} <= set(selection.tile_variants())
+    every = {selection.too_large_for(t) for t in range(selection.cfg.max_tokens + 1)}
+    assert selection._reachable_offs() == sorted(every)
+    off = Selector(preset(name), 2, TileConfig(layer0_tail_split=1), 132,
+                   torch.device("cpu"), folder=None)
+    assert not off.may_tail_split
+    assert all(t.layer0_tail_split == 1 for t in off.tile_variants())
 
 
 @pytest.mark.parametrize("name, world, mesh, last_live, first_full", [

@@ -6,8 +6,9 @@ analytic model (comet.scheduler.split). The tile is the layer's TileConfig with 
 fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
 table or a rule says a call is too small to fill the GPU, and with layer0's small-call
 variants compiled in only for calls small enough: stream-K where the device may take
-it, and a gathered GEMM's loads of live rows only where its tiles are mostly others'
-rows; and the plan in two launches for calls of a few token blocks. All are
+it, the K splits of layer0's last round where that round is nearly empty, and a
+gathered GEMM's loads of live rows only where its tiles are mostly others' rows; and the
+plan in two launches for calls of a few token blocks. All are
 rank-local choices -- nothing a peer reads depends on them except the split, which every
 rank of a group derives from the same table -- and all are remembered per token count,
 so the forward path does not search folders or run the model's loop on every call.
@@ -22,7 +23,7 @@ import warnings
 import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
-from comet.kernels.layer0 import STREAM_K_ROUNDS, one_dot_tiles
+from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, one_dot_tiles
 from comet.kernels.plan import plan_block_tokens
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
@@ -57,8 +58,9 @@ class Selector:
         self._too_large: dict[int, tuple[str, ...]] = {}
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
-        self.may_stream_k = tile.layer0_stream_k and one_dot_tiles(tile.block_n0,
-                                                                   cfg.intermediate_size)
+        one_dot = one_dot_tiles(tile.block_n0, cfg.intermediate_size)
+        self.may_stream_k = tile.layer0_stream_k and one_dot
+        self.may_tail_split = tile.layer0_tail_split > 1 and one_dot
         self.may_live_rows = tile.layer0_gather and tile.layer0_live_rows
         self.may_small_plan = tile.small_plan_blocks > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
@@ -129,7 +131,8 @@ class Selector:
 
     def too_large_for(self, num_tokens: int) -> tuple[str, ...]:
         """The small-call variants the layer may run that a call with ``num_tokens`` runs
-        without: layer0's stream-K past :meth:`stream_k_by_rule`, the gathered GEMM's
+        without: layer0's stream-K past :meth:`stream_k_by_rule`, its last round's K
+        splits where :meth:`tail_split_by_rule` says no, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
         keeps them: it is a small one), the two-launch plan past
         :meth:`small_plan_by_rule`. Decided once per token count."""
@@ -138,6 +141,8 @@ class Selector:
             off = []
             if self.may_stream_k and not stream_k:
                 off.append("layer0_stream_k")
+            if self.may_tail_split and not self.tail_split_by_rule(num_tokens):
+                off.append("layer0_tail_split")
             if self.may_live_rows and not (stream_k or self.live_rows_by_rule(num_tokens)):
                 off.append("layer0_live_rows")
             if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
@@ -178,17 +183,27 @@ class Selector:
 
     def _reachable_offs(self) -> list[tuple[str, ...]]:
         """Every answer of :meth:`too_large_for` some token count in ``[0, max_tokens]``
-        gets. Each rule holds from 1 token up to a last count and not after (more
-        tokens, more rows and items), so the answers change only there: the counts
-        tried are 0, 1, ``max_tokens`` and each rule's last and next."""
+        gets. Each size rule holds from 1 token up to a last count and not after (more
+        tokens, more rows and items), so its answers change only there: the counts
+        tried are 0, 1, ``max_tokens`` and each size rule's last and next. The tail
+        rule's answer turns with the last round's fill, so every count up to its last
+        (small m-tiles) is tried."""
         counts = {0, 1, self.cfg.max_tokens}
         for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule):
-            lo, hi = 0, self.cfg.max_tokens        # rule(lo) (or lo = 0), not rule(hi + 1)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if rule(mid) else (lo, mid - 1)
+            lo = self._last_true(rule)
             counts |= {lo, lo + 1}
+        if self.may_tail_split:
+            counts |= set(range(self._last_true(self._tail_rows_fit) + 2))
         return sorted({self.too_large_for(n) for n in counts if n <= self.cfg.max_tokens})
+
+    def _last_true(self, rule) -> int:
+        """The last token count in ``[0, max_tokens]`` where ``rule`` (true from 1 token
+        up to some count, false after) holds; 0 if none."""
+        lo, hi = 0, self.cfg.max_tokens            # rule(lo) (or lo = 0), not rule(hi + 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if rule(mid) else (lo, mid - 1)
+        return lo
 
     def decode_by_rule(self, num_tokens: int) -> bool:
         """Whether the untuned choice of :meth:`tile_for` is the decode tile:
@@ -216,6 +231,30 @@ class Selector:
                      * -(-self.cfg.intermediate_size // t.block_n0))
             self._stream_k[num_tokens] = 0 < items < STREAM_K_ROUNDS.value * self.programs
         return self._stream_k[num_tokens]
+
+    def tail_split_by_rule(self, num_tokens: int) -> bool:
+        """Whether a call with ``num_tokens`` on this rank may run layer0's last partial
+        round as K splits: its items, expected as :meth:`stream_k_by_rule` expects them,
+        make at least one whole round and a last round that fills at most half the
+        programs, on m-tiles of at most ``TAIL_ROWS`` rows -- the device's own test
+        (comet.kernels.layer0.tail_split) on expected tiles. Compiled in where it did not
+        cut, the variant cost qwen2-moe's 8-512-token calls at EP=2 1-2% (352 items on
+        132 programs, a last round of 88) on 2 GPUs of a 4x H100 (docs/benchmarks.md,
+        "Small calls")."""
+        if not self._tail_rows_fit(num_tokens):
+            return False
+        per_expert, busy = self._expected_rows(num_tokens)
+        t = self.tile
+        items = (busy * -(-per_expert // t.block_m)
+                 * -(-self.cfg.intermediate_size // t.block_n0))
+        tail = items % self.programs
+        return items > self.programs and 0 < tail and self.programs // tail >= 2
+
+    def _tail_rows_fit(self, num_tokens: int) -> bool:
+        """Whether the m-tiles of a call with ``num_tokens``, rows expected as
+        :meth:`decode_by_rule` expects them, have at most ``TAIL_ROWS`` rows."""
+        per_expert, _ = self._expected_rows(num_tokens)
+        return min(per_expert, self.tile.block_m) <= TAIL_ROWS.value
 
     def live_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
