@@ -298,7 +298,8 @@ class TileConfig:
             comet.runtime.selection.Selector.tail_split_by_rule). Uses stream-K's
             scratch. 4 by default: on 2 GPUs of a 4x H100 at EP=2, phi3.5-moe's 8-128-token
             calls (400 items, 4 in the last round) took 0.96-0.98x the time, mixtral's
-            (448 items, 52) 0.99-1.00x (docs/benchmarks.md, "Small calls").
+            (448 items, 52) 0.994-1.002x; the gate keeps it out of qwen2-moe's and
+            deepseek-v3-like's (docs/benchmarks.md, "Small calls").
 
     Communication tiles:
         splits: target number of layer1 column splits (the reduce role's unit of

@@ -702,6 +702,27 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     assert bench._tile_of({}, cfg, mesh, "replicated") == {}
 
 
+def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch):
+    """A variant of an EP sweep builds on the default tile of the sweep's own layout:
+    qwen2-moe (top-4) gathers its dispatch at EP=1 (4 slots per rank) but not at EP=2
+    (2), and ``--tile group_m=4`` at EP=2 changes group_m alone. (Built on the EP=1
+    default, as the sweep once did, every qwen2-moe variant at EP=2 gathered while the
+    default did not: 2-4% apart in probes of fields that changed nothing.)"""
+    import dataclasses
+
+    from comet.config import preset
+    from comet.mesh import MeshLayout
+    from comet.runtime import layer
+    from comet.runtime.layer import default_tile
+    monkeypatch.setattr(layer, "interpreting", lambda: False)     # the GPU's tiles
+    cfg = preset("qwen2-moe")
+    for ep, gathers in ((1, True), (2, False)):
+        mesh = MeshLayout(ep=ep)
+        tile = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh)["tile"]
+        assert tile == dataclasses.replace(default_tile(mesh, cfg=cfg), group_m=4)
+        assert tile.layer0_gather is gathers, ep
+
+
 def test_whole_calls_may_be_issued_ahead_of_the_gpu(tmp_path, monkeypatch, fake_fused):
     """``--lead-us``: every whole-call iteration first parks the GPU that long (in sleep
     cycles at up to 2 GHz) so the host issues the call ahead; phase-timed iterations keep

@@ -630,8 +630,8 @@ def test_the_tail_split_gate_compiles_it_in_only_where_the_last_round_is_nearly_
     splits of layer0's last round compiled in only where its expected items (EP=2, 132
     SMs, uniform rows) make a whole round and a last one of at most 66 items, on m-tiles
     of at most 64 rows: mixtral's and phi3.5-moe's 8-128-token calls, never qwen2-moe's
-    352 items from 8 tokens on (compiled in there, it cost 1-2%) nor deepseek-v3-like's.
-    Every tile a call may run is warmed up."""
+    352 items from 8 tokens on nor deepseek-v3-like's. Every tile a call may run is
+    warmed up."""
     from comet.runtime.selection import Selector
     tile = TileConfig()
     assert tile.layer0_tail_split > 1

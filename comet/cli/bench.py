@@ -197,10 +197,11 @@ def _tile_field(kv: str) -> tuple[str, int]:
     return name, int(value)
 
 
-def _tile_of(meta: dict, cfg, mesh: MeshLayout | None = None,
-             convention: str = "sequence") -> dict:
+def _tile_of(meta: dict, cfg, mesh: MeshLayout, convention: str = "sequence") -> dict:
     """``{"tile": TileConfig}`` of this run's --tile fields (``meta["tile"]``) over the
-    default tile of ``cfg`` in the layout, or ``{}`` for the layer's default: keyword
+    default tile of ``cfg`` in the layout ``mesh`` -- the tile the layer itself would
+    pick, so that a variant differs from the default by its fields alone (whether the
+    dispatch gathers depends on the layout) -- or ``{}`` for the layer's default: keyword
     arguments of :func:`_build_fused`."""
     import dataclasses
 
@@ -394,7 +395,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused, why = _build_fused(cfg, w13, w2, group, device, **_tile_of(meta, cfg))
+        fused, why = _build_fused(cfg, w13, w2, group, device,
+                                  **_tile_of(meta, cfg, MeshLayout(ep=world)))
         if why and why not in notes:
             notes.append(why)
         peers = build_peers(loaded_peers, cfg, w13, w2, group, device) if args.peers else None

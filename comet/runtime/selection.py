@@ -237,10 +237,11 @@ class Selector:
         round as K splits: its items, expected as :meth:`stream_k_by_rule` expects them,
         make at least one whole round and a last round that fills at most half the
         programs, on m-tiles of at most ``TAIL_ROWS`` rows -- the device's own test
-        (comet.kernels.layer0.tail_split) on expected tiles. Compiled in where it did not
-        cut, the variant cost qwen2-moe's 8-512-token calls at EP=2 1-2% (352 items on
-        132 programs, a last round of 88) on 2 GPUs of a 4x H100 (docs/benchmarks.md,
-        "Small calls")."""
+        (comet.kernels.layer0.tail_split) on expected tiles. Elsewhere the call runs the
+        kernel without it, as stream-K's gate does: compiled in and never cutting, it
+        took 512-token calls at EP=2 1.001-1.004x the time and 4096-token calls
+        1.008-1.034x (one round; 2 GPUs of a 4x H100, docs/benchmarks.md, "Small
+        calls")."""
         if not self._tail_rows_fit(num_tokens):
             return False
         per_expert, busy = self._expected_rows(num_tokens)
