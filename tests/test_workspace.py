@@ -32,16 +32,20 @@ def test_workspace_bytes_is_what_a_rank_allocates(world, scatter, split_k):
 
 def test_layer0_stream_k_scratch_is_local_and_only_where_it_can_run():
     """Two partial boxes per program (fp32, 32 rows x 2 * block_n0) and a counter per
-    item, no peer writes them; none without one-dot layer0 items."""
+    item, no peer writes them; shared by stream-K and the tail split (either keeps
+    them); none without both, or without one-dot layer0 items."""
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=256,
                     dtype=torch.float16, max_tokens=40)
-    on = TileConfig()                                                  # on by default
-    off = dataclasses.replace(on, layer0_stream_k=False)
+    on = TileConfig()                                                  # both on by default
+    off = dataclasses.replace(on, layer0_stream_k=False, layer0_tail_split=1)
     extra = workspace_bytes(cfg, 2, on) - workspace_bytes(cfg, 2, off)
     assert extra == 2 * 256 * (32 * 2 * 128 * 4 + 4)
     ws = allocate_virtual(cfg, 2, "cpu", on)[0]
     assert ws.count.l0_arrived.numel() == 512 and "l0_partial" not in ws.buffers
     assert allocate_virtual(cfg, 2, "cpu", off)[0].l0_partial is None
+    for one in (dataclasses.replace(on, layer0_stream_k=False),
+                dataclasses.replace(on, layer0_tail_split=1)):
+        assert workspace_bytes(cfg, 2, one) == workspace_bytes(cfg, 2, on)
     narrow = dataclasses.replace(on, block_n0=64)
     assert allocate_virtual(cfg, 2, "cpu", narrow)[0].l0_partial is None
 
