@@ -59,12 +59,18 @@ class FakeFusedMoE:
 
 
 
-def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None, align=None):
+def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None, align=None,
+                          kernels=None):
     """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE (calling the
-    CLI's ``align``, as the real one does before the recorded call)."""
+    CLI's ``align``, as the real one does before the recorded call, and filling
+    ``kernels`` as a profiled call would)."""
+    from comet.bench import trace
     layer.last_comm_blocks = (2, 3)
     if align is not None:
         align()
+    if kernels is not None:
+        kernels[:] = trace.kernel_spans([("layer0_kernel", 3_000, 20_000),
+                                         ("layer1_kernel", 25_000, 10_000)])
     return _synthetic_timeline(blocks=6, n_comm=2)
 
 
@@ -250,6 +256,8 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(_synthetic_timeline(blocks=6, n_comm=2))
     assert "comm blocks [2, 3]" in data["otherData"]["title"]
+    assert [k["name"] for k in data["otherData"]["kernels"]["0"]] == ["layer0_kernel",
+                                                                      "layer1_kernel"]
     # The milestones read back the same from the gzipped copy the results folders keep.
     from comet.bench import trace
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
@@ -257,6 +265,25 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
     assert trace.main([path]) == 0 and trace.main([path + ".gz"]) == 0
     plain, packed = capsys.readouterr().out.split(path + ".gz\n")
     assert plain.rsplit(path + "\n", 1)[1] == packed and "gemm_start" in packed
+    assert "span 32.0 us, idle 2.0 us" in packed
+
+
+def test_kernel_spans_keep_the_recorded_calls_kernels_on_the_gpus_clock():
+    """After the ranks' alignment (the last NCCL kernel) and without the GPU's park (the
+    spin kernel), in start order; each kernel's start relative to the first and the idle
+    time before it (overlapping kernels leave none)."""
+    from comet.bench import trace
+    spans = trace.kernel_spans([
+        ("layer0_kernel", 20_000, 30_000), ("spin_kernel(long)", 0, 9_000),
+        ("open_kernel", 10_000, 5_000), ("ncclDevKernel_AllReduce_Sum_f32", 9_000, 500),
+        ("layer1_kernel", 49_000, 10_000), ("fill_kernel", 1_000, 100),
+        ("combine_kernel", 62_000, 3_000)])
+    assert [(k["name"], k["start_us"], k["dur_us"], k["gap_us"]) for k in spans] == [
+        ("open_kernel", 0.0, 5.0, 0.0), ("layer0_kernel", 10.0, 30.0, 5.0),
+        ("layer1_kernel", 39.0, 10.0, 0.0), ("combine_kernel", 52.0, 3.0, 3.0)]
+    assert trace.kernel_spans([]) == []
+    text = trace.format_kernels({0: spans, 1: []})
+    assert "span 55.0 us, idle 8.0 us" in text and "rank 1: no kernels profiled" in text
 
 
 def test_the_recorded_call_starts_after_the_alignment():
@@ -279,8 +306,11 @@ def test_the_recorded_call_starts_after_the_alignment():
             trace["layer0"][1, 0] = torch.tensor([0, 3, 5_000, 7_000])
 
     x = torch.zeros(4, 8)
-    records = trace.record_timeline(Layer(), x, None, None, align=lambda: log.append("align"))
+    kernels = []
+    records = trace.record_timeline(Layer(), x, None, None, align=lambda: log.append("align"),
+                                    kernels=kernels)
     assert log == [("call", (1, 0)), "align", ("call", (1, 0))]
+    assert kernels == []                                       # no GPU: nothing profiled
     assert [(r["block"], r["layer"], r["start_ns"], r["end_ns"]) for r in records] == [
         (1, "layer0", 0, 2_000)]
 

@@ -477,10 +477,21 @@ def test_timeline_records_both_roles():
         kinds = [r["role"] for r in records if r["layer"] == "layer1" and r["block"] == block]
         assert kinds == sorted(kinds, key=lambda k: k == "comm"), f"block {block}: {kinds}"
     assert {r["role"] for r in records if r["layer"] == "layer1"} == {"comm", "compute"}
-    # The default layer1 scatters from its epilogue: no comm role at all.
+    # The default layer1 scatters from its epilogue: no comm role at all. Profiled, the
+    # call's kernels come back on the GPU's clock, the two layers' among them, each no
+    # shorter than its units' stamped span.
     layer, g = _fused("mixtral", torch.bfloat16)
-    records = record_timeline(layer, x, ids, w, comm_blocks=4)
+    kernels = []
+    records = record_timeline(layer, x, ids, w, comm_blocks=4, kernels=kernels)
     assert {r["role"] for r in records if r["layer"] == "layer1"} == {"compute"}
+    names = [k["name"] for k in kernels]
+    assert any("layer0_kernel" in n for n in names) and any("layer1_kernel" in n for n in names)
+    assert any("combine_kernel" in n for n in names)
+    assert not any("nccl" in n.lower() for n in names)
+    for name in ("layer0", "layer1"):
+        stamped = [r for r in records if r["layer"] == name]
+        span_us = (max(r["end_ns"] for r in stamped) - min(r["start_ns"] for r in stamped)) / 1e3
+        assert max(k["dur_us"] for k in kernels if f"{name}_kernel" in k["name"]) >= span_us
 
 
 def test_blocks_change_role_at_full_size():

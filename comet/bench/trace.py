@@ -18,6 +18,7 @@ prints them for saved traces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -52,7 +53,8 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
 
 def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, comm_blocks=None,
-                    align: Callable[[], None] | None = None) -> list[dict]:
+                    align: Callable[[], None] | None = None,
+                    kernels: list | None = None) -> list[dict]:
     """One fused call of the :class:`~comet.runtime.layer.FusedMoE` ``layer`` with every
     block stamping the start and end of each unit of work (global timer, ns). Returns
     records ``{block, role, layer, unit, what, start_ns, end_ns}``, times relative to the
@@ -69,7 +71,14 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
     (comet.bench.timing.park_and_align): the traced call is eager, its launches cost the
     host tens of microseconds each, and a small call's kernels otherwise reached the GPU
     late -- layer1 29-255 us after layer0 in 1-32-token traces
-    (``2026-11-27/h100x4-r19-timeline-*``)."""
+    (``2026-11-27/h100x4-r19-timeline-*``).
+
+    With a list ``kernels`` (and a GPU), the recorded call also runs under torch's
+    profiler, and ``kernels`` receives its kernels on the GPU's own clock
+    (:func:`kernel_spans`): what the units' stamps do not show -- each kernel's time
+    before its first unit and after its last, and the gaps between kernels (the plan's,
+    the layers', the combine's). The profiler starts before ``align``, so that its
+    start-up does not reach the GPU's park."""
     n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
     n0 = max(n0, 1)
     shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)
@@ -82,11 +91,20 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
         # call: clear the first call's stamps.
         for t in buffers.values():
             t.fill_(-1)
-        if call == 1 and align is not None:
-            if x.is_cuda:
+        profiled = call == 1 and kernels is not None and x.is_cuda
+        with contextlib.ExitStack() as stack:
+            if profiled:
+                prof = stack.enter_context(torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]))
+            if call == 1 and align is not None:
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                align()
+            layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers)
+            if profiled:
                 torch.cuda.synchronize(x.device)
-            align()
-        layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers)
+        if profiled:
+            kernels[:] = kernel_spans(profiled_kernels(prof))
     layer.check_errors_now()
     raw = {k: v.cpu() for k, v in buffers.items()}
     world = layer.par.world_size
@@ -104,6 +122,54 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
         r["start_ns"] -= t0
         r["end_ns"] -= t0
     return records
+
+
+def profiled_kernels(prof) -> list[tuple[str, int, int]]:
+    """``(name, start_ns, duration_ns)`` of every GPU activity a finished
+    ``torch.profiler.profile`` recorded (kernels, copies, fills), in no set order."""
+    return [(e.name(), e.start_ns(), e.duration_ns())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_spans(activities: Sequence[tuple[str, int, int]]) -> list[dict]:
+    """The recorded call's kernels from :func:`profiled_kernels`: the activities after
+    the last NCCL kernel (the ranks' alignment before the call; a call runs none) other
+    than the GPU's park (``torch.cuda._sleep``'s spin kernel), in start order, each
+    ``{name, start_us, dur_us, gap_us}`` -- its start relative to the first kernel's, and
+    the time the GPU ran none of them before it. The profiler's clock is not the global
+    timer of the units' stamps: the two are shown apart, not aligned."""
+    events = sorted(activities, key=lambda e: e[1])
+    last = max((i for i, e in enumerate(events) if "nccl" in e[0].lower()), default=-1)
+    call = [e for e in events[last + 1:] if "spin" not in e[0].lower()]
+    spans, t0 = [], call[0][1] if call else 0
+    busy_until = t0
+    for name, start, dur in call:
+        spans.append({"name": name, "start_us": (start - t0) / 1e3, "dur_us": dur / 1e3,
+                      "gap_us": max(start - busy_until, 0) / 1e3})
+        busy_until = max(busy_until, start + dur)
+    return spans
+
+
+#: Longest kernel name :func:`format_kernels` prints (Triton's are the jit function's).
+KERNEL_NAME_CHARS = 28
+
+
+def format_kernels(kernels: Mapping[int, Sequence[Mapping]]) -> str:
+    """Per rank, the recorded call's kernels (:func:`kernel_spans`) one per line -- gap
+    before, duration, name -- then the call's span on the GPU and the idle time in it."""
+    lines = []
+    for rank, spans in sorted(kernels.items()):
+        if not spans:
+            lines.append(f"rank {rank}: no kernels profiled")
+            continue
+        span = max(k["start_us"] + k["dur_us"] for k in spans)
+        idle = sum(k["gap_us"] for k in spans)
+        lines.append(f"rank {rank}, the call's kernels on the GPU's clock: span "
+                     f"{span:.1f} us, idle {idle:.1f} us\n    idle before   kernel us  name")
+        lines += [f"  {k['gap_us']:13.1f} {k['dur_us']:11.1f}  "
+                  f"{k['name'][:KERNEL_NAME_CHARS]}" for k in spans]
+    return "\n".join(lines)
 
 
 def _origin(entries: Sequence[dict]) -> int:
@@ -259,7 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("traces", nargs="+", help="timeline-*.json files (or .json.gz)")
     args = ap.parse_args(argv)
     for path in args.traces:
-        print(f"{path}\n{format_where_time_goes(where_time_goes(read_trace(path)))}")
+        loaded = read_trace(path)
+        print(f"{path}\n{format_where_time_goes(where_time_goes(loaded))}")
+        kernels = loaded.get("otherData", {}).get("kernels")
+        if kernels:
+            print(format_kernels({int(r): k for r, k in kernels.items()}))
     return 0
 
 
