@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -104,7 +105,10 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
             if profiled:
                 torch.cuda.synchronize(x.device)
         if profiled:
-            kernels[:] = kernel_spans(profiled_kernels(prof))
+            try:
+                kernels[:] = kernel_spans(profiled_kernels(prof))
+            except (AttributeError, RuntimeError) as err:   # a torch without these fields
+                warnings.warn(f"the traced call's kernels were not read: {err}")
     layer.check_errors_now()
     raw = {k: v.cpu() for k, v in buffers.items()}
     world = layer.par.world_size
