@@ -54,3 +54,18 @@ def test_a_wrong_output_is_marked(tmp_path, capsys):
     probe_summary.main(str(tmp_path), "p")
     lines = capsys.readouterr().out.splitlines()
     assert [line.endswith("WRONG output (0.97)") for line in lines[:2]] == [True, False]
+
+
+def test_a_variant_on_another_layer_is_marked(tmp_path):
+    """A variant whose layer gathered its dispatch where the baseline's did not (a field
+    the layer derives, not the variant's) is marked; a variant of that very field is not."""
+    def write(name, gathers):
+        (tmp_path / f"p-{name}.json").write_text(json.dumps([
+            dict(config="qwen2-moe", tokens_per_rank=8, routing="uniform", layer="moe",
+                 fused_us=300.0, layer0_gather=gathers)]))
+    write("default", False)
+    write("layer0_tail_split-1", True)
+    write("layer0_gather-1", True)
+    lines = probe_summary.ratio_lines(probe_summary.load_runs(str(tmp_path), "p"), "default")
+    marked = [line for line in lines if "NOT PAIRED: layer0_gather differs" in line]
+    assert len(marked) == 1 and marked[0].startswith("layer0_tail_split-1")

@@ -74,8 +74,24 @@ def _fused(layers: dict | None) -> float | None:
     return rec.get("fused_us") or None
 
 
+#: Record fields a layer derives from its layout and model, not from a probe's variant:
+#: where a variant's differ from the baseline's without being the variant's own field, the
+#: two ran different layers. (An EP sweep once built its variants on the EP=1 default
+#: tile: qwen2-moe's variants gathered their dispatch, the default did not, ~2% apart --
+#: docs/notebook.md, "layer0's tail split timed".)
+DERIVED = ("layer0_gather",)
+
+
+def _derived_differs(variant: str, base: dict | None, other: dict | None) -> list[str]:
+    """The :data:`DERIVED` fields in which two records' moe layers differ, but for the
+    fields the variant's tag names."""
+    a, b = ((layers or {}).get("moe", {}) for layers in (base, other))
+    return [f for f in DERIVED if f not in variant and f in a and f in b and a[f] != b[f]]
+
+
 def ratio_lines(runs: dict, baseline: str) -> list[str]:
-    """Each variant's whole call over ``baseline``'s, paired round by round."""
+    """Each variant's whole call over ``baseline``'s, paired round by round; a record
+    whose layers differ in a :data:`DERIVED` field is marked."""
     base = runs[baseline]
     lines = []
     for variant, rounds in runs.items():
@@ -90,9 +106,13 @@ def ratio_lines(runs: dict, baseline: str) -> list[str]:
                 continue
             mid = statistics.median(ratios)
             logs.append(math.log(mid))
+            differs = sorted({f for r, by in rounds.items()
+                              for f in _derived_differs(variant, base.get(r, {}).get(key),
+                                                        by.get(key))})
             lines.append(f"{variant:28s} {key[0]:18s} {key[1]:6d} {key[2]:8s} "
                          f"{mid:.3f} [{min(ratios):.3f}, {max(ratios):.3f}] over "
-                         f"{len(ratios)} round(s)")
+                         f"{len(ratios)} round(s)"
+                         + (f" NOT PAIRED: {', '.join(differs)} differs" if differs else ""))
         if logs:
             lines.append(f"{variant:28s} geomean {math.exp(sum(logs) / len(logs)):.3f} over "
                          f"{len(logs)} records")
