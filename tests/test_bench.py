@@ -351,6 +351,14 @@ def test_summary_checks_each_target_record_by_record():
     assert "b/sequential, any layer <= 1 in 8/12 (worst 1.07)" in skew
     assert "hidden" not in skew
     assert "host-bound" not in uniform                        # no host times recorded
+    assert "HBM floor" not in uniform                         # no floor recorded
+    # issue 41's bound on small calls: b (1000 us) against 1.2 x the HBM floor + 30 us
+    floors = {"mixtral": 800.0, "qwen2-moe": 900.0}            # bounds 990 and 1110 us
+    hbm = [dict(r, hbm_floor_us=floors[r["config"]]) for r in records]
+    assert ("b <= 1.2 HBM floor + 30 us at <= 128 tokens/rank in 1/2 (worst: mixtral "
+            "128, 10.0 us over)") in report.summary(hbm)[0]
+    hbm = [dict(r, hbm_floor_us=900.0) for r in records]
+    assert "in 2/2 (worst: mixtral 128, 110.0 us under)" in report.summary(hbm)[0]
     hosted = [dict(r, fused_host_us=0.95 * r["fused_us"] if r["tokens_per_rank"] == 128
                    and r["layer"] == "moe" else 10.0) for r in records]
     line = report.summary(hosted)[0]

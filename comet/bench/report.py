@@ -182,7 +182,8 @@ def summary(records: Sequence[dict]) -> list[str]:
     geomean speedup over the unfused baseline (1.5; and what a layer costing only its
     fastest measured GEMMs would reach, the bound) and over the chunked one (1.2), then
     each of :data:`LARGE_TARGETS` record by record; at <= 128 tokens/rank a/b >= 2 in every
-    record. Skewed routing: fused no slower than sequential in any record, layers
+    record, and (b) within issue 41's bound where the HBM floor was measured
+    (:data:`DECODE_BOUND_FACTOR` x floor + :data:`DECODE_BOUND_US`). Skewed routing: fused no slower than sequential in any record, layers
     included. Both: against the peers (``--peers``), the geomean of best peer / b at >=
     4096 and at <= 128 tokens/rank (issue 39's 1.2 and 1.5); the per-call split against
     the best fixed one (``--fixed-splits``). First, if any, the records whose fused output
@@ -218,6 +219,8 @@ def summary(records: Sequence[dict]) -> list[str]:
                          if r.get("speedup_at_floor") is not None), default=None)
             parts.append(_check(small, "speedup", "a/b at <= 128 tokens/rank", "min", 2.0)
                          + _at_floor(worst, "worst "))
+            if any(r.get("hbm_floor_us") for r in small):
+                parts.append(_decode_bound(small))
         if any(r.get("speedup_vs_best_peer") is not None for r in rows):
             parts.append(_peer_targets(big, small))
         if any(r.get("fused_over_best_fixed") is not None for r in rows):
@@ -229,6 +232,27 @@ def summary(records: Sequence[dict]) -> list[str]:
                          + ", ".join(f"{r['config']} {r['tokens_per_rank']}" for r in bound))
         lines.append(f"{routing}: " + "; ".join(parts))
     return lines
+
+
+#: Issue 41's bound on a small call (<= 128 tokens/rank): (b) at most this many times the
+#: HBM floor (the touched experts' weight bytes at the measured read rate) ...
+DECODE_BOUND_FACTOR = 1.2
+#: ... plus this many microseconds, for the launches and cross-GPU handshakes every call
+#: pays.
+DECODE_BOUND_US = 30.0
+
+
+def _decode_bound(small: Sequence[dict]) -> str:
+    """How many small records meet issue 41's bound on (b), and the worst one: the furthest
+    over it, or the nearest under it."""
+    over = {f"{r['config']} {r['tokens_per_rank']}": r["fused_us"] - (
+        DECODE_BOUND_FACTOR * r["hbm_floor_us"] + DECODE_BOUND_US)
+        for r in small if r.get("hbm_floor_us")}
+    met = sum(v <= 0 for v in over.values())
+    name, worst = max(over.items(), key=lambda kv: kv[1])
+    return (f"b <= {DECODE_BOUND_FACTOR:g} HBM floor + {DECODE_BOUND_US:g} us at <= 128 "
+            f"tokens/rank in {met}/{len(over)} (worst: {name}, "
+            f"{abs(worst):.1f} us {'over' if worst > 0 else 'under'})")
 
 
 #: A fused call whose host time is at least this share of (b) had the GPU wait for the
