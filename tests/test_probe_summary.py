@@ -69,3 +69,16 @@ def test_a_variant_on_another_layer_is_marked(tmp_path):
     lines = probe_summary.ratio_lines(probe_summary.load_runs(str(tmp_path), "p"), "default")
     marked = [line for line in lines if "NOT PAIRED: layer0_gather differs" in line]
     assert len(marked) == 1 and marked[0].startswith("layer0_tail_split-1")
+
+
+def test_a_small_call_is_held_to_issue_41s_bound(tmp_path, capsys):
+    """Records of <= 128 tokens with an HBM floor show (b) over (+) or under (-)
+    1.2 x floor + 30 us; larger ones do not."""
+    (tmp_path / "p-default.json").write_text(json.dumps([
+        dict(config="qwen2-moe", tokens_per_rank=t, routing="uniform", layer="moe",
+             fused_us=us, hbm_floor_us=100.0) for t, us in ((1, 160.0), (128, 140.0),
+                                                            (4096, 900.0))]))
+    probe_summary.main(str(tmp_path), "p")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("bound +10.0") and lines[1].endswith("bound -10.0")
+    assert "bound" not in lines[2].split("comet/torch")[1]

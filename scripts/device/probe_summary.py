@@ -28,6 +28,7 @@ import statistics
 import sys
 
 from comet.bench.records import wrong_fused
+from comet.bench.report import DECODE_BOUND_FACTOR, DECODE_BOUND_US
 
 Key = tuple[str, int, str]
 
@@ -63,7 +64,17 @@ def record_line(label: str, key: Key, layers: dict) -> str:
             f"host {moe.get('fused_host_us') or 0:6.1f} "
             f"comm {moe.get('n_comm')} best fixed {moe.get('best_fixed_us') or 0:9.1f} "
             f"comet/torch {ratios}"
+            + _bound(key, moe)
             + (f" WRONG output ({moe['max_rel_err']['fused']:.3g})" if wrong_fused([moe]) else ""))
+
+
+def _bound(key: Key, moe: dict) -> str:
+    """A small call's (b) against issue 41's bound (comet.bench.report), in microseconds
+    over (+) or under (-) it."""
+    if key[1] > 128 or not moe.get("fused_us") or not moe.get("hbm_floor_us"):
+        return ""
+    bound = DECODE_BOUND_FACTOR * moe["hbm_floor_us"] + DECODE_BOUND_US
+    return f" bound {moe['fused_us'] - bound:+.1f}"
 
 
 def _fused(layers: dict | None) -> float | None:
