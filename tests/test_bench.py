@@ -359,8 +359,17 @@ def test_summary_checks_each_target_record_by_record():
             "128, 10.0 us over)") in report.summary(hbm)[0]
     hbm = [dict(r, hbm_floor_us=900.0) for r in records]
     assert "in 2/2 (worst: mixtral 128, 110.0 us under)" in report.summary(hbm)[0]
+    # (a) far above its GPU phases was issued late: its a/b carries the host
+    unpaced = [dict(r, baseline_phases_us={"gemm": 1900.0}) for r in records]
+    assert "a above its GPU phases" not in report.summary(unpaced)[0]
+    paced = [dict(r, baseline_phases_us={"gemm": 1000.0 if r["tokens_per_rank"] == 128
+                                         else 1900.0}) for r in records]   # a: 2000 us
+    assert report.summary(paced)[0].endswith(
+        "a above its GPU phases (a >= 1.2 x their sum: issued late, a/b carries the host) at "
+        + ", ".join(f"{r['config']} 128" for r in paced
+                    if r["layer"] == "moe" and r["tokens_per_rank"] == 128))
     hosted = [dict(r, fused_host_us=0.95 * r["fused_us"] if r["tokens_per_rank"] == 128
-                   and r["layer"] == "moe" else 10.0) for r in records]
+                   and r["layer"] == "moe" else 10.0) for r in unpaced]
     line = report.summary(hosted)[0]
     assert line.endswith("host-bound (b host us >= 0.9 b) at "
                          + ", ".join(f"{r['config']} 128" for r in hosted

@@ -230,6 +230,11 @@ def summary(records: Sequence[dict]) -> list[str]:
         if bound:
             parts.append("host-bound (b host us >= " f"{HOST_BOUND:g} b) at "
                          + ", ".join(f"{r['config']} {r['tokens_per_rank']}" for r in bound))
+        paced = [r for r in rows if _baseline_paced(r)]
+        if paced:
+            parts.append(f"a above its GPU phases (a >= {BASELINE_PACED:g} x their sum: "
+                         "issued late, a/b carries the host) at " + ", ".join(
+                             f"{r['config']} {r['tokens_per_rank']}" for r in paced))
         lines.append(f"{routing}: " + "; ".join(parts))
     return lines
 
@@ -263,6 +268,19 @@ HOST_BOUND = 0.9
 def _host_bound(r: dict) -> bool:
     host, fused = r.get("fused_host_us"), r.get("fused_us")
     return host is not None and fused is not None and host >= HOST_BOUND * fused
+
+
+#: An unfused call (a) at least this many times the sum of its phases -- timed issued
+#: ahead, so on the GPU -- spent the rest waiting for the host: the TP pipeline at 128
+#: tokens took 1.3-3.4x its phases, its a/b up to twice what the GPUs alone gave
+#: (benchmarks/results/2026-11-27/h100x2-r24-bench-tp2-*; `--lead-us` issues it ahead).
+BASELINE_PACED = 1.2
+
+
+def _baseline_paced(r: dict) -> bool:
+    phases = sum((r.get("baseline_phases_us") or {}).values())
+    return bool(phases) and r.get("baseline_us") is not None \
+        and r["baseline_us"] >= BASELINE_PACED * phases
 
 
 #: Issue 39's targets over the best peer (geomean of best peer / b, whole layer).
