@@ -219,16 +219,12 @@ class Selector:
 
     def stream_k_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank may run layer0 as stream-K:
-        layer0's work items expected as :meth:`decode_by_rule` expects rows (m-tiles of
-        the experts with rows x ``block_n0`` column blocks) make fewer than
+        layer0's expected work items (:meth:`_expected_items`) make fewer than
         ``STREAM_K_ROUNDS`` rounds of the programs -- the bound of the device's own test
         (comet.kernels.layer0.stream_k_pays), which decides from the plan's real tiles.
         Where this says no, the call runs the kernel without the variant."""
         if num_tokens not in self._stream_k:
-            per_expert, busy = self._expected_rows(num_tokens)
-            t = self.tile
-            items = (busy * -(-per_expert // t.block_m)
-                     * -(-self.cfg.intermediate_size // t.block_n0))
+            items = self._expected_items(num_tokens)
             self._stream_k[num_tokens] = 0 < items < STREAM_K_ROUNDS.value * self.programs
         return self._stream_k[num_tokens]
 
@@ -244,12 +240,18 @@ class Selector:
         calls")."""
         if not self._tail_rows_fit(num_tokens):
             return False
-        per_expert, busy = self._expected_rows(num_tokens)
-        t = self.tile
-        items = (busy * -(-per_expert // t.block_m)
-                 * -(-self.cfg.intermediate_size // t.block_n0))
+        items = self._expected_items(num_tokens)
         tail = items % self.programs
         return items > self.programs and 0 < tail and self.programs // tail >= 2
+
+    def _expected_items(self, num_tokens: int) -> int:
+        """layer0's work items of a call with ``num_tokens``, rows expected as
+        :meth:`decode_by_rule` expects them: m-tiles of the experts with rows x
+        ``block_n0`` column blocks."""
+        per_expert, busy = self._expected_rows(num_tokens)
+        t = self.tile
+        return (busy * -(-per_expert // t.block_m)
+                * -(-self.cfg.intermediate_size // t.block_n0))
 
     def _tail_rows_fit(self, num_tokens: int) -> bool:
         """Whether the m-tiles of a call with ``num_tokens``, rows expected as

@@ -28,7 +28,7 @@ import statistics
 import sys
 
 from comet.bench.records import wrong_fused
-from comet.bench.report import DECODE_BOUND_FACTOR, DECODE_BOUND_US
+from comet.bench.report import over_decode_bound
 
 Key = tuple[str, int, str]
 
@@ -71,10 +71,8 @@ def record_line(label: str, key: Key, layers: dict) -> str:
 def _bound(key: Key, moe: dict) -> str:
     """A small call's (b) against issue 41's bound (comet.bench.report), in microseconds
     over (+) or under (-) it."""
-    if key[1] > 128 or not moe.get("fused_us") or not moe.get("hbm_floor_us"):
-        return ""
-    bound = DECODE_BOUND_FACTOR * moe["hbm_floor_us"] + DECODE_BOUND_US
-    return f" bound {moe['fused_us'] - bound:+.1f}"
+    over = over_decode_bound(moe)
+    return "" if key[1] > 128 or over is None else f" bound {over:+.1f}"
 
 
 def _fused(layers: dict | None) -> float | None:
