@@ -107,7 +107,11 @@ SITE_ROW_ENTRIES = constexpr(7)   # the backward's row weights: return entries
 # ---------------------------------------------------------------- waits and traces
 #: Chunk flags checked per vector of acquire loads when a wait covers a run of chunks.
 CHUNK_SCAN = constexpr(32)
-#: Events each program may record when tracing (``comet bench --timeline``).
+#: Events each program may record when tracing (``comet bench --timeline``): units of
+#: work, and in the last slot the program's own run (:data:`TRACE_PROGRAM`).
 MAX_TRACE_EVENTS = constexpr(512)
+#: Trace kind of a program's whole run in a traced launch, entry to exit (negative: never
+#: a unit's kind).
+TRACE_PROGRAM = constexpr(-2)
 #: layer1 trace kinds: a GEMM work item stamps its split, a reduce item this + its split.
 TRACE_REDUCE = constexpr(1 << 16)

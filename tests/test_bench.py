@@ -22,6 +22,7 @@ from comet.bench.runner import Fused
 from comet.bench.timing import PhaseClock, combine_ranks, reduce_over_ranks
 from comet.cli import bench
 from comet.config import TileConfig
+from comet.constants import TRACE_PROGRAM
 
 SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
          "--routing", "uniform"]
@@ -60,17 +61,15 @@ class FakeFusedMoE:
 
 
 def _fake_record_timeline(layer, x, topk_ids, topk_weights, comm_blocks=None, align=None,
-                          kernels=None):
+                          phases=None, programs=None):
     """Stands in for comet.bench.trace.record_timeline on a FakeFusedMoE (calling the
     CLI's ``align``, as the real one does before the recorded call, and filling
-    ``kernels`` as a profiled call would)."""
-    from comet.bench import trace
+    ``phases`` as a timed call would)."""
     layer.last_comm_blocks = (2, 3)
     if align is not None:
         align()
-    if kernels is not None:
-        kernels[:] = trace.kernel_spans([("layer0_kernel", 3_000, 20_000),
-                                         ("layer1_kernel", 25_000, 10_000)])
+    if phases is not None:
+        phases.update(plan=5.0, layer0=10.0, layer1=8.0, combine=2.0)
     return _synthetic_timeline(blocks=6, n_comm=2)
 
 
@@ -256,8 +255,12 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(_synthetic_timeline(blocks=6, n_comm=2))
     assert "comm blocks [2, 3]" in data["otherData"]["title"]
-    assert [k["name"] for k in data["otherData"]["kernels"]["0"]] == ["layer0_kernel",
-                                                                      "layer1_kernel"]
+    # Each layer's units span 6 us of its phase (synthetic stamps, no program runs), the
+    # rest is outside.
+    budget = data["otherData"]["phases"]["0"]
+    assert (budget["layer0_units"], budget["layer0_outside"]) == (6.0, 4.0)
+    assert (budget["layer1_units"], budget["layer1_outside"]) == (6.0, 2.0)
+    assert budget["sum"] == 25.0
     # The milestones read back the same from the gzipped copy the results folders keep.
     from comet.bench import trace
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
@@ -265,25 +268,31 @@ def test_timeline_writes_a_trace(tmp_path, capsys, fake_fused, monkeypatch):
     assert trace.main([path]) == 0 and trace.main([path + ".gz"]) == 0
     plain, packed = capsys.readouterr().out.split(path + ".gz\n")
     assert plain.rsplit(path + "\n", 1)[1] == packed and "gemm_start" in packed
-    assert "span 32.0 us, idle 2.0 us" in packed
+    assert "layer0 10.0 (set-up 0.0, units 6.0, drain 0.0, outside 4.0)" in packed
+    assert "sum 25.0 us" in packed
 
 
-def test_kernel_spans_keep_the_recorded_calls_kernels_on_the_gpus_clock():
-    """After the ranks' alignment (the last NCCL kernel) and without the GPU's park (the
-    spin kernel), in start order; each kernel's start relative to the first and the idle
-    time before it (overlapping kernels leave none)."""
+def test_phase_budget_sets_each_layers_units_beside_its_kernel_time():
+    """A layer's units span from its first start to its last end; its programs' runs
+    add the set-up before the first unit and the drain after the last; the rest of its
+    phase is outside them. A layer with no units spans 0; a call whose phases were not
+    timed says so."""
     from comet.bench import trace
-    spans = trace.kernel_spans([
-        ("layer0_kernel", 20_000, 30_000), ("spin_kernel(long)", 0, 9_000),
-        ("open_kernel", 10_000, 5_000), ("ncclDevKernel_AllReduce_Sum_f32", 9_000, 500),
-        ("layer1_kernel", 49_000, 10_000), ("fill_kernel", 1_000, 100),
-        ("combine_kernel", 62_000, 3_000)])
-    assert [(k["name"], k["start_us"], k["dur_us"], k["gap_us"]) for k in spans] == [
-        ("open_kernel", 0.0, 5.0, 0.0), ("layer0_kernel", 10.0, 30.0, 5.0),
-        ("layer1_kernel", 39.0, 10.0, 0.0), ("combine_kernel", 52.0, 3.0, 3.0)]
-    assert trace.kernel_spans([]) == []
-    text = trace.format_kernels({0: spans, 1: []})
-    assert "span 55.0 us, idle 8.0 us" in text and "rank 1: no kernels profiled" in text
+    entries = [dict(layer="layer0", start_ns=2_000, end_ns=9_000),
+               dict(layer="layer0", start_ns=1_000, end_ns=5_000)]
+    runs = [dict(layer="layer0", start_ns=500, end_ns=9_500),
+            dict(layer="layer0", start_ns=0, end_ns=10_000)]
+    phases = {"plan": 20.0, "layer0": 12.5, "layer1": 3.0, "combine": 1.5}
+    b = trace.phase_budget(phases, entries)
+    assert (b["layer0_units"], b["layer0_outside"]) == (8.0, 4.5)
+    assert (b["layer1_units"], b["layer1_outside"]) == (0.0, 3.0)
+    assert b["sum"] == 37.0
+    b = trace.phase_budget(phases, entries, runs)
+    assert (b["layer0_setup"], b["layer0_units"], b["layer0_drain"]) == (1.0, 8.0, 1.0)
+    assert b["layer0_outside"] == 2.5
+    text = trace.format_phase_budget({0: b, 1: trace.phase_budget({}, entries)})
+    assert "plan 20.0 | layer0 12.5 (set-up 1.0, units 8.0, drain 1.0, outside 2.5)" in text
+    assert "rank 1: the call's phases were not timed" in text
 
 
 def test_the_recorded_call_starts_after_the_alignment():
@@ -301,18 +310,25 @@ def test_the_recorded_call_starts_after_the_alignment():
         def check_errors_now(self):
             pass
 
-        def __call__(self, x, ids, w, comm_blocks, trace):
-            log.append(("call", comm_blocks))
+        def __call__(self, x, ids, w, comm_blocks, trace, timer=None):
+            log.append(("call", comm_blocks, timer is not None))
+            if timer is not None:
+                with timer.phase("layer0", x.device):
+                    pass
             trace["layer0"][1, 0] = torch.tensor([0, 3, 5_000, 7_000])
+            trace["layer0"][1, -1] = torch.tensor([int(TRACE_PROGRAM), 0, 4_000, 7_500])
 
     x = torch.zeros(4, 8)
-    kernels = []
+    phases, programs = {}, []
     records = trace.record_timeline(Layer(), x, None, None, align=lambda: log.append("align"),
-                                    kernels=kernels)
-    assert log == [("call", (1, 0)), "align", ("call", (1, 0))]
-    assert kernels == []                                       # no GPU: nothing profiled
+                                    phases=phases, programs=programs)
+    # Only the recorded call is timed (the first compiles).
+    assert log == [("call", (1, 0), False), "align", ("call", (1, 0), True)]
+    assert list(phases) == ["layer0"] and phases["layer0"] >= 0
+    # The program's run (the row's last slot) sets the origin with the units.
+    assert programs == [dict(block=1, layer="layer0", start_ns=0, end_ns=3_500)]
     assert [(r["block"], r["layer"], r["start_ns"], r["end_ns"]) for r in records] == [
-        (1, "layer0", 0, 2_000)]
+        (1, "layer0", 1_000, 3_000)]
 
 
 def test_timeline_without_gpu_says_why(capsys):

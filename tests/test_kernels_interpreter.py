@@ -15,7 +15,7 @@ import triton.language as tl
 from comet import reference
 from comet.config import MoEConfig, TileConfig
 from comet.constants import (ADDRESS_ALIGN, MAX_TRACE_EVENTS, ROLE_COMM, ROLE_COMPUTE,
-                             ROLE_FUSED, TRACE_REDUCE, interpreting)
+                             ROLE_FUSED, TRACE_PROGRAM, TRACE_REDUCE, interpreting)
 from comet.kernels import exchange
 from comet.kernels.group_gemm import lane_shape, strided_take
 from comet.kernels.plan import Routing, launch_counts
@@ -661,6 +661,9 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     assert any(k < reduce_kind for k in l1) and any(k >= reduce_kind for k in l1)
     assert max(i for i, k in enumerate(l1) if k < reduce_kind) < min(
         i for i, k in enumerate(l1) if k >= reduce_kind), "GEMM tiles, then reduce items"
+    # Every program of each traced launch records its own run in its row's last slot.
+    assert traces[0][:, -1, 0].tolist() == [int(TRACE_PROGRAM)] * grid
+    assert traces[1][0, -1, 0].item() == int(TRACE_PROGRAM)
     n_items = int(ws.count.l1_reduce) - 1    # the program takes one item past the end
     assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.reduce_item)
 

@@ -18,17 +18,15 @@ prints them for saved traces.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
 import statistics
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from comet.constants import MAX_TRACE_EVENTS, TRACE_REDUCE
+from comet.constants import MAX_TRACE_EVENTS, TRACE_PROGRAM, TRACE_REDUCE
 
 #: chrome://tracing's reserved colour names (Perfetto colours by event name instead).
 _CNAME = {("comm", "layer0"): "rail_load", ("comm", "layer1"): "terrible",
@@ -55,7 +53,8 @@ def _describe(layer: str, kind: int, world: int) -> tuple[str, str]:
 def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, comm_blocks=None,
                     align: Callable[[], None] | None = None,
-                    kernels: list | None = None) -> list[dict]:
+                    phases: dict | None = None, programs: list | None = None
+                    ) -> list[dict]:
     """One fused call of the :class:`~comet.runtime.layer.FusedMoE` ``layer`` with every
     block stamping the start and end of each unit of work (global timer, ns). Returns
     records ``{block, role, layer, unit, what, start_ns, end_ns}``, times relative to the
@@ -74,17 +73,23 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
     late -- layer1 29-255 us after layer0 in 1-32-token traces
     (``2026-11-27/h100x4-r19-timeline-*``).
 
-    With a list ``kernels`` (and a GPU), the recorded call also runs under torch's
-    profiler, and ``kernels`` receives its kernels on the GPU's own clock
-    (:func:`kernel_spans`): what the units' stamps do not show -- each kernel's time
-    before its first unit and after its last, and the gaps between kernels (the plan's,
-    the layers', the combine's). The profiler starts before ``align``, so that its
-    start-up does not reach the GPU's park."""
+    With a list ``programs``, it receives each program's whole run in each layer kernel
+    (the last slot of its trace row, :func:`comet.kernels.sync.stamp_program`) as
+    ``{block, layer, start_ns, end_ns}``, on the units' clock and origin.
+
+    With a dict ``phases``, the recorded call is also timed by the layer's phase timer
+    (CUDA events between its launches), and ``phases`` receives ``{plan, layer0, layer1,
+    combine}`` in microseconds: with :func:`phase_budget`, each layer kernel's time
+    outside its stamped units. Not torch's profiler: under it the same call's
+    cross-GPU handshakes slowed several-fold (a 1-token qwen2-moe call spanned 385 us
+    profiled against 107 unprofiled, its dispatch unit 83 us against 5;
+    ``2026-11-27/h100x4-r25-timeline-*``)."""
     n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
     n0 = max(n0, 1)
     shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)
     buffers = {name: torch.full(shape, -1, dtype=torch.int64, device=layer.device)
                for name in ("layer0", "layer1")}
+    timer = None
     # The first traced call compiles the traced kernels between the launches of the two
     # layers; only the second call's stamps show the layer as it runs.
     for call in range(2):
@@ -92,87 +97,89 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
         # call: clear the first call's stamps.
         for t in buffers.values():
             t.fill_(-1)
-        profiled = call == 1 and kernels is not None and x.is_cuda
-        with contextlib.ExitStack() as stack:
-            if profiled:
-                prof = stack.enter_context(torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CUDA]))
-            if call == 1 and align is not None:
+        timed = {}
+        if call == 1:
+            if phases is not None:
+                from comet.runtime.layer import PhaseTimer
+                timer = PhaseTimer()
+                timed = {"timer": timer}
+            if align is not None:
                 if x.is_cuda:
                     torch.cuda.synchronize(x.device)
                 align()
-            layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers)
-            if profiled:
-                torch.cuda.synchronize(x.device)
-        if profiled:
-            try:
-                kernels[:] = kernel_spans(profiled_kernels(prof))
-            except (AttributeError, RuntimeError) as err:   # a torch without these fields
-                warnings.warn(f"the traced call's kernels were not read: {err}")
-    layer.check_errors_now()
+        layer(x, topk_ids, topk_weights, comm_blocks=(n0, n1), trace=buffers, **timed)
+    layer.check_errors_now()     # synchronises: the events and stamps are complete
+    if timer is not None:
+        phases.update(timer.elapsed_us())
     raw = {k: v.cpu() for k, v in buffers.items()}
     world = layer.par.world_size
-    records = []
+    records, runs = [], []
     for name in ("layer0", "layer1"):
         for block in range(layer.programs):
-            for kind, unit, start, end in raw[name][block].tolist():
+            *units, (kind, _, start, end) = raw[name][block].tolist()
+            if kind == TRACE_PROGRAM and start >= 0:
+                runs.append({"block": block, "layer": name, "start_ns": start, "end_ns": end})
+            for kind, unit, start, end in units:
                 if start < 0:
                     break
                 role, what = _describe(name, kind, world)
                 records.append({"block": block, "role": role, "layer": name, "unit": unit,
                                 "what": what, "start_ns": start, "end_ns": end})
-    t0 = min((r["start_ns"] for r in records), default=0)
-    for r in records:
+    t0 = min((r["start_ns"] for r in records + runs), default=0)
+    for r in records + runs:
         r["start_ns"] -= t0
         r["end_ns"] -= t0
+    if programs is not None:
+        programs[:] = runs
     return records
 
 
-def profiled_kernels(prof) -> list[tuple[str, int, int]]:
-    """``(name, start_ns, duration_ns)`` of every GPU activity a finished
-    ``torch.profiler.profile`` recorded (kernels, copies, fills), in no set order."""
-    return [(e.name(), e.start_ns(), e.duration_ns())
-            for e in prof.profiler.kineto_results.events()
-            if e.device_type() == torch.autograd.DeviceType.CUDA]
+#: The phases of a call, in order (comet.runtime.layer.PhaseTimer's names).
+PHASES = ("plan", "layer0", "layer1", "combine")
 
 
-def kernel_spans(activities: Sequence[tuple[str, int, int]]) -> list[dict]:
-    """The recorded call's kernels from :func:`profiled_kernels`: the activities after
-    the last NCCL kernel (the ranks' alignment before the call; a call runs none) other
-    than the GPU's park (``torch.cuda._sleep``'s spin kernel), in start order, each
-    ``{name, start_us, dur_us, gap_us}`` -- its start relative to the first kernel's, and
-    the time the GPU ran none of them before it. The profiler's clock is not the global
-    timer of the units' stamps: the two are shown apart, not aligned."""
-    events = sorted(activities, key=lambda e: e[1])
-    last = max((i for i, e in enumerate(events) if "nccl" in e[0].lower()), default=-1)
-    call = [e for e in events[last + 1:] if "spin" not in e[0].lower()]
-    spans, t0 = [], call[0][1] if call else 0
-    busy_until = t0
-    for name, start, dur in call:
-        spans.append({"name": name, "start_us": (start - t0) / 1e3, "dur_us": dur / 1e3,
-                      "gap_us": max(start - busy_until, 0) / 1e3})
-        busy_until = max(busy_until, start + dur)
-    return spans
+def phase_budget(phases: Mapping[str, float], entries: Sequence[Mapping],
+                 programs: Sequence[Mapping] = ()) -> dict:
+    """One rank's recorded call as its phases' GPU times (:func:`record_timeline`'s
+    ``phases``) beside its stamped units and programs. Per layer: ``<layer>_units``, the
+    span from its first unit's start to its last unit's end; with ``programs``,
+    ``<layer>_setup`` (the first program's entry to the first unit) and
+    ``<layer>_drain`` (the last unit's end to the last program's exit); and
+    ``<layer>_outside``, the phase's time outside all of these (launch, and what the
+    stamps cannot see). ``sum``: the phases' total."""
+    out = {name: float(phases.get(name, 0.0)) for name in PHASES}
+    for name in ("layer0", "layer1"):
+        units = [e for e in entries if e["layer"] == name]
+        runs = [p for p in programs if p["layer"] == name]
+        first = min((e["start_ns"] for e in units), default=0)
+        last = max((e["end_ns"] for e in units), default=first)
+        entered = min((p["start_ns"] for p in runs), default=first)
+        exited = max((p["end_ns"] for p in runs), default=last)
+        out[f"{name}_units"] = (last - first) / 1e3
+        out[f"{name}_setup"] = (first - entered) / 1e3 if units else 0.0
+        out[f"{name}_drain"] = (exited - last) / 1e3 if units else 0.0
+        seen = (exited - entered) / 1e3 if units or runs else 0.0
+        out[f"{name}_outside"] = out[name] - seen if name in phases else 0.0
+    out["sum"] = sum(out[name] for name in PHASES)
+    return out
 
 
-#: Longest kernel name :func:`format_kernels` prints (Triton's are the jit function's).
-KERNEL_NAME_CHARS = 28
-
-
-def format_kernels(kernels: Mapping[int, Sequence[Mapping]]) -> str:
-    """Per rank, the recorded call's kernels (:func:`kernel_spans`) one per line -- gap
-    before, duration, name -- then the call's span on the GPU and the idle time in it."""
+def format_phase_budget(budgets: Mapping[int, Mapping[str, float]]) -> str:
+    """Per rank, :func:`phase_budget` on one line."""
     lines = []
-    for rank, spans in sorted(kernels.items()):
-        if not spans:
-            lines.append(f"rank {rank}: no kernels profiled")
+    for rank, b in sorted(budgets.items()):
+        if not b.get("sum"):
+            lines.append(f"rank {rank}: the call's phases were not timed")
             continue
-        span = max(k["start_us"] + k["dur_us"] for k in spans)
-        idle = sum(k["gap_us"] for k in spans)
-        lines.append(f"rank {rank}, the call's kernels on the GPU's clock: span "
-                     f"{span:.1f} us, idle {idle:.1f} us\n    idle before   kernel us  name")
-        lines += [f"  {k['gap_us']:13.1f} {k['dur_us']:11.1f}  "
-                  f"{k['name'][:KERNEL_NAME_CHARS]}" for k in spans]
+        layers = " | ".join(
+            f"{n} {b[n]:.1f} (set-up {b.get(n + '_setup', 0.0):.1f}, units "
+            f"{b[n + '_units']:.1f}, drain {b.get(n + '_drain', 0.0):.1f}, outside "
+            f"{b[n + '_outside']:.1f})" for n in ("layer0", "layer1"))
+        lines.append(f"rank {rank}, the call's phases on the GPU (CUDA events): plan "
+                     f"{b['plan']:.1f} | {layers} | combine {b['combine']:.1f} | sum "
+                     f"{b['sum']:.1f} us")
+    lines.append("  set-up: first program's entry to first unit; drain: last unit's end to "
+                 "last program's exit; outside: the phase's time beyond both (launch)")
     return "\n".join(lines)
 
 
@@ -331,9 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.traces:
         loaded = read_trace(path)
         print(f"{path}\n{format_where_time_goes(where_time_goes(loaded))}")
-        kernels = loaded.get("otherData", {}).get("kernels")
-        if kernels:
-            print(format_kernels({int(r): k for r, k in kernels.items()}))
+        budgets = loaded.get("otherData", {}).get("phases")
+        if budgets:
+            print(format_phase_budget({int(r): b for r, b in budgets.items()}))
     return 0
 
 

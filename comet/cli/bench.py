@@ -503,11 +503,14 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
             dist.barrier(group=st.group)
         park_and_align(st.device, st.group)
 
-    kernels: list[dict] = []
+    phases: dict[str, float] = {}
+    programs: list[dict] = []
     entries = trace.record_timeline(fused.layer, s.x, s.topk_ids, s.topk_weights,
-                                    comm_blocks=st.comm_blocks, align=align, kernels=kernels)
+                                    comm_blocks=st.comm_blocks, align=align, phases=phases,
+                                    programs=programs)
     timelines = dict(enumerate(_gather_objects(entries, st.group)))
-    kernels_of = dict(enumerate(_gather_objects(kernels, st.group)))
+    budget = trace.phase_budget(phases, entries, programs)
+    budgets = dict(enumerate(_gather_objects(budget, st.group)))
     if st.rank != 0:
         return 0
     stem = f"timeline-{meta['layout']}-{name}-{tokens}-{stamp:%Y%m%d-%H%M%S}"
@@ -515,10 +518,10 @@ def _timeline(args, config, st: Settings, dtype, meta, stamp, mesh: MeshLayout) 
     title = (f"{name}, {tokens} tokens/rank, {routing}, {meta['layout']} on {meta['device']}, "
              f"comm blocks {list(fused.layer.last_comm_blocks)}")
     written = trace.write_trace(timelines, base + ".json",
-                                {**meta, "title": title, "kernels": kernels_of})
+                                {**meta, "title": title, "phases": budgets})
     print(f"wrote {base}.json")
     print(trace.format_where_time_goes(written["otherData"]["where_time_goes"]))
-    print(trace.format_kernels(kernels_of))
+    print(trace.format_phase_budget(budgets))
     if not args.no_plot:
         print(trace.plot_timeline(timelines, base + ".png", title)[1])
     return 0

@@ -71,7 +71,7 @@ from comet.kernels.plan import EntryTables, Segments, SendList, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
 from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_async_proxy, healthy,
-                                release, stamp, take, wait_chunks)
+                                release, stamp, stamp_program, take, wait_chunks)
 from comet.weights import GATE_UP_BLOCK
 
 #: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
@@ -801,6 +801,8 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     split); trace: :class:`~comet.kernels.sync.Trace`; shape: :class:`~comet.kernels.shape.Shape`;
     comm, item, lanes: constexpr :class:`DispatchTile`,
     :class:`~comet.kernels.group_gemm.GemmTile` (a GEMM work item), :class:`Lanes`."""
+    if trace.ON:
+        entered = clock_ns()
     epoch = tl.load(sync.epoch)
     comm_role, n_role, _ = assign_role(split, ROLE)
     events = tl.full([], 0, tl.int32)
@@ -825,3 +827,5 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
             layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments,
                                 work, dispatch, epoch, sync, trace, events, shape,
                                 WAIT, comm.ROWS)
+    if trace.ON:
+        stamp_program(trace, entered)

@@ -75,8 +75,8 @@ from comet.kernels.layer0 import Arrivals
 from comet.kernels.plan import EntryTables, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp, take,
-                                wait_at_least, wait_chunks)
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp,
+                                stamp_program, take, wait_at_least, wait_chunks)
 
 
 #: Programs a split-K call may use (one per K split of a work item): at least the SMs of
@@ -515,6 +515,8 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
     tiles: the plan's; progress: :class:`Progress`; reduce: :class:`Reduce`; arrivals:
     :class:`~comet.kernels.layer0.Arrivals`; sync, trace, shape: as everywhere; split:
     int64 [1] comm programs; rtile: :class:`ReduceTile`."""
+    if trace.ON:
+        entered = clock_ns()
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     comm, n_role, role_pid = assign_role(split, ROLE)
@@ -529,6 +531,8 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
                                   sync, trace, events, rtile, item.BLOCK_N,
                                   splits.BLOCKS_PER_SPLIT, shape.TOPK, WAIT)
         _release_sources(progress, epoch, sync)
+    if trace.ON:
+        stamp_program(trace, entered)
 
 
 @triton.jit
@@ -538,6 +542,8 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
     K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm
     role, no wait. The last program to finish releases ``flag1`` on every source."""
+    if trace.ON:
+        entered = clock_ns()
     epoch = tl.load(sync.epoch)
     events = tl.full([], 0, tl.int32)
     # The outer test is a constexpr (with SPLIT_K = 1 the kernel compiles as it did before
@@ -554,6 +560,8 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
         events = _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress, homes,
                                 trace, events)
     _release_sources(progress, epoch, sync)
+    if trace.ON:
+        stamp_program(trace, entered)
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from comet.constants import (ERR_CODE, ERR_INDEX, ERR_RANK, ERR_SITE, ERR_TIMEOUT,
                              INPUT_CODE, INPUT_EPOCH, INPUT_SLOT, INPUT_TOKEN,
-                             MAX_TRACE_EVENTS, USE_ASM, constexpr)
+                             MAX_TRACE_EVENTS, TRACE_PROGRAM, USE_ASM, constexpr)
 
 #: Interpreter: spins before a wait counts as failed (programs run sequentially there).
 INTERPRETER_SPINS = constexpr(64)
@@ -119,16 +119,29 @@ def clock_ns():
 @triton.jit
 def stamp(trace, n, kind, unit, start):
     """Record one unit of work ``(kind, unit, start, now)`` as event ``n`` of this
-    program's row of ``trace``; returns ``n + 1`` (events past ``MAX_TRACE_EVENTS`` are
-    dropped)."""
-    if n < MAX_TRACE_EVENTS:
-        ev = trace.events + (tl.program_id(0) * MAX_TRACE_EVENTS + n) * 4
-        wide = tl.zeros([], dtype=tl.int64)     # kind/unit may be plain ints (interpreter)
-        tl.store(ev, kind + wide)
-        tl.store(ev + 1, unit + wide)
-        tl.store(ev + 2, start)
-        tl.store(ev + 3, clock_ns())
+    program's row of ``trace``; returns ``n + 1`` (events past the row's last slot but
+    one are dropped: the last is the program's, :func:`stamp_program`)."""
+    if n < MAX_TRACE_EVENTS - 1:
+        _record(trace, n, kind, unit, start)
     return n + 1
+
+
+@triton.jit
+def stamp_program(trace, entered):
+    """Record this program's whole run in the launch, ``(TRACE_PROGRAM, 0, entered,
+    now)``, in the last slot of its row: from its first instruction to its last, so a
+    timeline shows the set-up before its first unit and the waits after its last."""
+    _record(trace, MAX_TRACE_EVENTS - 1, TRACE_PROGRAM, 0, entered)
+
+
+@triton.jit
+def _record(trace, n, kind, unit, start):
+    ev = trace.events + (tl.program_id(0) * MAX_TRACE_EVENTS + n) * 4
+    wide = tl.zeros([], dtype=tl.int64)     # kind/unit may be plain ints (interpreter)
+    tl.store(ev, kind + wide)
+    tl.store(ev + 1, unit + wide)
+    tl.store(ev + 2, start)
+    tl.store(ev + 3, clock_ns())
 
 
 @triton.jit
