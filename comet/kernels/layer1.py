@@ -75,9 +75,8 @@ from comet.kernels.layer0 import Arrivals
 from comet.kernels.plan import EntryTables, Tiles
 from comet.kernels.roles import assign_role
 from comet.kernels.shape import Shape
-from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, fence_sys, healthy,
-                                stamp, stamp_program, store_release, take, wait_at_least,
-                                wait_chunks)
+from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release, stamp,
+                                stamp_program, take, wait_at_least, wait_chunks)
 
 
 #: Programs a split-K call may use (one per K split of a work item): at least the SMs of
@@ -359,16 +358,11 @@ def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, k_splits, tra
 def _release_sources(progress, epoch, sync):
     """The last block of the launch to get here tells every source its rows of this
     call are there (``flag1[this rank] = epoch`` on each) -- unless the group failed
-    meanwhile: rows skipped after a failure must not look sent. Each block fences its
-    own rows at system scope and arrives at GPU scope; the last one's release stores
-    follow every block's rows. (Every block arriving at system scope, and the last one
-    exchanging each peer's flag in turn, kept the last block 7-10 us past its last tile
-    at any call size: docs/notebook.md, "layer1's drain".)"""
-    fence_sys()
-    if arrive(progress.done, "gpu") == tl.num_programs(0) - 1:
+    meanwhile: rows skipped after a failure must not look sent."""
+    if arrive(progress.done, "sys") == tl.num_programs(0) - 1:
         if healthy(sync):
             for s in range(sync.WORLD):
-                store_release(peer(progress.flag1, s) + sync.rank, epoch, "sys")
+                release(peer(progress.flag1, s) + sync.rank, epoch, "sys")
 
 
 @triton.jit

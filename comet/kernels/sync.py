@@ -266,40 +266,6 @@ def wait_chunks(flags, lo, hi, target, sync, site, index, SCOPE: tl.constexpr,
 
 
 @triton.jit
-def fence_sys():
-    """This thread's earlier writes performed for every GPU before its later ones (a
-    system-scope fence, each thread its own): a block whose threads all fence before a
-    GPU-scope arrival has published to its peers what a system-scope arrival would --
-    without the arrivals of every block queueing at system scope on one counter."""
-    if USE_ASM:
-        tl.inline_asm_elementwise("fence.acq_rel.sys; // $1", "=r,r", [0],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def store_release(flag_ptr, value, SCOPE: tl.constexpr):
-    """Publish ``value`` into a 64-bit ``*flag_ptr`` like :func:`release` (one thread,
-    after the block barrier that ended the work it covers), but as a release store, which
-    returns nothing: a block publishing to several peers waits for no round trip between
-    them (the interpreter: an exchange)."""
-    if USE_ASM:
-        if SCOPE == "sys":
-            tl.inline_asm_elementwise(
-                "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; "
-                "setp.eq.u32 first, tid, 0; @first st.release.sys.global.b64 [$1], $2; } // $0",
-                "=r,l,l", [flag_ptr, value.to(tl.int64)], dtype=tl.int32, is_pure=False,
-                pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred first; .reg .b32 tid; mov.u32 tid, %tid.x; "
-                "setp.eq.u32 first, tid, 0; @first st.release.gpu.global.b64 [$1], $2; } // $0",
-                "=r,l,l", [flag_ptr, value.to(tl.int64)], dtype=tl.int32, is_pure=False,
-                pack=1)
-    else:
-        tl.atomic_xchg(flag_ptr, value, sem="release", scope=SCOPE)
-
-
-@triton.jit
 def fence_async_proxy():
     """Order this thread's generic-proxy view (the acquire that saw a flag) before the
     async-proxy (TMA) loads that follow: peers wrote the rows with ordinary stores."""
