@@ -258,8 +258,10 @@ def over_decode_bound(r: dict) -> float | None:
 def _decode_bound(small: Sequence[dict]) -> str:
     """How many small records meet issue 41's bound on (b), and the worst one: the furthest
     over it, or the nearest under it."""
-    over = {f"{r['config']} {r['tokens_per_rank']}": over_decode_bound(r)
-            for r in small if over_decode_bound(r) is not None}
+    over = {f"{r['config']} {r['tokens_per_rank']}": v
+            for r in small if (v := over_decode_bound(r)) is not None}
+    if not over:
+        return "b against the HBM floor: no record has both"
     met = sum(v <= 0 for v in over.values())
     name, worst = max(over.items(), key=lambda kv: kv[1])
     return (f"b <= {DECODE_BOUND_FACTOR:g} HBM floor + {DECODE_BOUND_US:g} us at <= 128 "

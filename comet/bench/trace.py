@@ -172,8 +172,8 @@ def format_phase_budget(budgets: Mapping[int, Mapping[str, float]]) -> str:
             lines.append(f"rank {rank}: the call's phases were not timed")
             continue
         layers = " | ".join(
-            f"{n} {b[n]:.1f} (set-up {b.get(n + '_setup', 0.0):.1f}, units "
-            f"{b[n + '_units']:.1f}, drain {b.get(n + '_drain', 0.0):.1f}, outside "
+            f"{n} {b[n]:.1f} (set-up {b[n + '_setup']:.1f}, units "
+            f"{b[n + '_units']:.1f}, drain {b[n + '_drain']:.1f}, outside "
             f"{b[n + '_outside']:.1f})" for n in ("layer0", "layer1"))
         lines.append(f"rank {rank}, the call's phases on the GPU (CUDA events): plan "
                      f"{b['plan']:.1f} | {layers} | combine {b['combine']:.1f} | sum "
