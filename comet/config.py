@@ -343,6 +343,12 @@ class TileConfig:
             default tile turns it on where a token has at least four of its slots per
             rank (comet.runtime.strategies.gather_pays: deepseek-v3-like at (2, 1) and
             EP=2, 0.87-0.98x the fused time on 2x H100; top-2 models 0.98-1.03x).
+        layer0_own_in_place: with ``layer0_gather``, this rank's own tokens are not
+            copied into its shared tensor: their index entries name rows of the caller's
+            x, which the GEMM reads in place. The dispatch then copies rows only to
+            peers, and the tiles of the local head wait for index entries, not for a
+            copy of every local row (which one comm program per 256-row chunk made
+            layer0's GEMM wait 140 us for in deepseek-v3-like's 4096-token EP=2 call).
         layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
             rows (masked loads; the others, the next expert's rows or padding, are
             zeros) in calls whose experts' rows, as the decode rule expects them, fill at
@@ -390,6 +396,7 @@ class TileConfig:
     layer0_tail_split: int = 4
     layer1_scatter: bool = True
     layer0_gather: bool = False
+    layer0_own_in_place: bool = True
     layer0_live_rows: bool = True
     small_plan_blocks: int = 4
 

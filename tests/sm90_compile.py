@@ -129,7 +129,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # reading A through the index (cp.async loads, not TMA boxes) -- all of each
         # tile's index entries; then a small call's kernels, which load only a tile's own
         # rows (layer0_live_rows) in every role and as stream-K or not, and a large
-        # call's fused kernel (neither small-call variant).
+        # call's fused kernel (neither small-call variant), with this rank's own rows read
+        # in place (layer0_own_in_place, the default) and copied.
         ga = dataclasses.replace(tile, layer0_gather=True, layer0_live_rows=False)
         gws = allocate_virtual(cfg, world, "cpu", ga)[0]
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
@@ -138,7 +139,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             ForwardCall(gws, w13, w2, live, inputs, grids).launch_layer0(role, 132)
         for t in (dataclasses.replace(live, layer0_stream_k=False),
-                  dataclasses.replace(ga, layer0_stream_k=False)):
+                  dataclasses.replace(ga, layer0_stream_k=False),
+                  dataclasses.replace(ga, layer0_own_in_place=False)):
             ForwardCall(gws, w13, w2, t, inputs, grids).launch_layer0(ROLE_FUSED, 132)
         # layer0 as stream-K (TileConfig.layer0_stream_k, on by default): the fused
         # launch, and with expert biases and a half-tail F (the epilogue on a partial box).

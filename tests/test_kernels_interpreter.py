@@ -224,18 +224,21 @@ def test_the_last_partial_round_of_layer0_runs_in_k_splits(bias):
             assert ws.count.l0_arrived[:4].tolist() == splits, programs
 
 
-@pytest.mark.parametrize("scatter, stream_k, live_rows",
-                         [(True, False, True), (False, True, True), (True, False, False)])
+@pytest.mark.parametrize("scatter, stream_k, live_rows, in_place",
+                         [(True, False, True, True), (False, True, True, True),
+                          (True, False, False, True), (True, False, True, False)])
 def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, stream_k,
-                                                                    live_rows):
+                                                                    live_rows, in_place):
     """``layer0_gather``: top-3 of 8 experts on 2 ranks, so most tokens have several pairs
     on a rank. Each rank's token rows land once, at ``tokens[source * Mx + t]`` (a0's
-    first rows; the rest of a0 is never written), every pair is an index entry naming
-    its token's row, and the outputs match the reference -- with layer1's scatter and
-    with the reduce, and with layer0 as stream-K (a call small enough on 5 programs),
-    whose parts read A through the same index; the GEMM loading only a tile's own rows
-    (``layer0_live_rows``, a small call's kernel) or whatever rows the tile's index
-    entries name (a large call's)."""
+    first rows; the rest of a0 is never written) -- a peer's always, its own only
+    without ``layer0_own_in_place`` (with it, the GEMM reads them from x) --, every pair
+    is an index entry naming its token's row, and the outputs match the reference --
+    with layer1's scatter and with the reduce, and with layer0 as stream-K (a call small
+    enough on 5 programs), whose parts read A through the same index; the GEMM loading
+    only a tile's own rows (``layer0_live_rows``, a small call's kernel) or whatever rows
+    the tile's index entries name (a large call's). A last, smaller call leaves entries
+    of the earlier ones past its tokens, and still matches."""
     e, k, h, f = 8, 3, 32, GATE_UP_BLOCK + GATE_UP_BLOCK // 2      # one whole, one half tail
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     dtype=torch.float32, max_tokens=6)
@@ -244,17 +247,23 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
     w2 = [torch.randn(4, f, h, generator=g) * f ** -0.5 for _ in range(2)]
     tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
                                comm_copy_rows=2, layer0_gather=True, layer1_scatter=scatter,
-                               layer0_stream_k=stream_k, layer0_live_rows=live_rows)
+                               layer0_stream_k=stream_k, layer0_live_rows=live_rows,
+                               layer0_own_in_place=in_place)
     ep = VirtualEP(cfg, w13, w2, tile)
-    ids = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) for m in (6, 3)]
+    programs = 5 if stream_k else 3
+
+    def routed(sizes):
+        ids = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+               for m in sizes]
+        return ids, [torch.randn(i.shape[0], h, generator=g) for i in ids], \
+            [torch.rand(i.shape, generator=g) for i in ids]
+
+    ids, xs, wts = routed((6, 3))
     ids[0][2] = torch.tensor([0, 1, 2])          # all three on rank 0
     ids[1][0] = torch.tensor([-1, 5, -1])        # one pair
-    xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
     expect = reference.ep_forward(xs, ids, wts, w13, w2)
     for _ in range(2):                            # the second call over the first's rows
-        _close(ep.forward(xs, ids, wts, compute_programs=5 if stream_k else 3), expect,
-               torch.float32)
+        _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
         if stream_k:                              # some item was cut into parts
             assert any(ws.count.l0_arrived.any() for ws in ep.ws)
     mx = cfg.max_tokens
@@ -266,12 +275,16 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
             on_d = ((ids[s] >= 4 * d) & (ids[s] < 4 * d + 4)).any(dim=1)
             for t in range(ids[s].shape[0]):
                 landed = a0[s * mx + t]
-                assert torch.equal(landed, xs[s][t]) if on_d[t] else not landed.any()
+                copied = on_d[t] and not (in_place and s == d)
+                assert torch.equal(landed, xs[s][t]) if copied else not landed.any()
             rows += int(((ids[s] >= 4 * d) & (ids[s] < 4 * d + 4)).sum())
         src = ws.buffers["a0_src"][:rows].long()
         assert sorted(set(src.tolist())) == [s * mx + t for s in range(2)
                                              for t in range(ids[s].shape[0])
                                              if ((ids[s][t] >= 4 * d) & (ids[s][t] < 4 * d + 4)).any()]
+    ids, xs, wts = routed((2, 1))
+    _close(ep.forward(xs, ids, wts, compute_programs=programs),
+           reference.ep_forward(xs, ids, wts, w13, w2), torch.float32)
 
 
 def test_the_layer_compiles_stream_k_in_only_for_calls_small_enough():

@@ -440,14 +440,17 @@ GATHERED = [((2, 1), "sequence", "scatter"), ((2, 1), "replicated", "reduce"),
 _ids = [f"tp{t[0]}-ep{t[1]}-{c}" for t, c, _ in GATHERED]
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["own-in-place", "own-copied"])
 @pytest.mark.parametrize("layout, convention, strategy", GATHERED, ids=_ids)
 def test_tensor_parallel_and_hybrid_gathered_dispatch_simulates_and_drifts(layout, convention,
-                                                                           strategy):
+                                                                           strategy, in_place):
     """``layer0_gather``: a token's row once per destination, pairs as index entries, the
-    GEMM reading ``tokens[a0_src[row]]`` -- every read tag-checked, one call and drifting
-    calls, against mesh_forward."""
-    _check_simulate(layout, convention, strategy, layer0_gather=True)
-    _check_drift(layout, convention, strategy, seed=sum(layout), layer0_gather=True)
+    GEMM reading ``tokens[a0_src[row]]`` -- or, ``own_in_place``, its own rank's rows from
+    its input -- every read tag-checked, one call and drifting calls, against
+    mesh_forward."""
+    _check_simulate(layout, convention, strategy, layer0_gather=True, own_in_place=in_place)
+    _check_drift(layout, convention, strategy, seed=sum(layout), layer0_gather=True,
+                 own_in_place=in_place)
 
 
 @pytest.mark.parametrize("name, top_k", [("deepseek-v3-like", 8), ("qwen2-moe", 4),
@@ -480,14 +483,15 @@ def test_tensor_parallel_and_hybrid_layouts_gather_where_tokens_have_four_pairs_
 def test_tensor_parallel_gathered_row_sent_with_a_later_pair_is_caught(convention):
     """The ``tokens`` row: sent with the token's *last* pair to a rank instead of its
     first, a tile of an earlier expert reads the row before its chunk landed (the tile
-    waits only for the chunks up to its own last row)."""
+    waits only for the chunks up to its own last row). Rows copied to the rank itself
+    too (no ``own_in_place``): replicated, a rank's rows go only there."""
     mesh = MeshLayout(2, 1)
     case = _sim_case(mesh, convention, seed=40)
     with pytest.raises(ScheduleError, match="before its token rows arrived"):
         for seed in range(10):
             _simulate(mesh, convention, case,
                       _sim_config(mesh, convention, "scatter", seed=seed, layer0_gather=True,
-                                  gather_with_first=False))
+                                  gather_with_first=False, own_in_place=False))
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)

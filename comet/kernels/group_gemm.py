@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from comet.config import SIZE_ALIGNMENT
 from comet.constants import constexpr
 from comet.kernels.activation import Act, gated
+from comet.kernels.address import pointer_at
 from comet.kernels.sync import take
 
 
@@ -56,11 +57,25 @@ class GemmOut(NamedTuple):
 
 class Gathered(NamedTuple):
     """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
-    ``TileConfig.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``."""
+    ``TileConfig.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``
+    -- or, with ``OWN``, row ``src[r] - own.base`` of this rank's input when that is one
+    of the call's tokens (:class:`OwnRows`)."""
 
     tokens: torch.Tensor     # [W * max_tokens, K]: every source's token rows
     src: torch.Tensor        # int32 [rows]: the token row each shared-tensor row reads
     rows: int                # rows of ``src`` (the shared tensor's capacity)
+    own: "OwnRows | None" = None
+    OWN: tl.constexpr = constexpr(False)
+
+
+class OwnRows(NamedTuple):
+    """This rank's own tokens, read in place (``TileConfig.layer0_own_in_place``): the
+    dispatch writes their index entries (``base + t``) but copies no row, so the GEMM
+    reads row ``t`` of x itself."""
+
+    x_addr: torch.Tensor     # int64 [1]: address of x [M, K], read on the device
+    num_tokens: torch.Tensor  # int64 [1]: M -- entries of older calls past it stay in tokens
+    base: int                # this rank's first entry: rank * max_tokens
 
 
 class Gemm(NamedTuple):
@@ -185,7 +200,10 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
         else:
             read = rows < g.rows.rows       # every row the index holds
         src = tl.load(g.rows.src + rows, mask=read, other=0).to(tl.int64)
-        a = g.rows.tokens + src[:, None] * g.K + tl.arange(0, t.BLOCK_K)[None, :]
+        cols = tl.arange(0, t.BLOCK_K)[None, :]
+        a = g.rows.tokens + src[:, None] * g.K + cols
+        if g.rows.OWN:
+            a = own_rows_in_place(a, src, g.rows, g.K, cols)
         for k in range(k0, k1, t.BLOCK_K):
             if t.A_LIVE:
                 a_k = tl.load(a + k, mask=read[:, None], other=0.0)
@@ -198,6 +216,18 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
             both = tl.dot(a_desc.load([row_start, k]), b_desc.load([b_row + k, 2 * n0]),
                           both, input_precision=t.DOT_PRECISION)
     return both
+
+
+@triton.jit
+def own_rows_in_place(a, src, rows, K, cols):
+    """``a`` (pointers to ``tokens[src]``) with this rank's own tokens pointing into x
+    instead (:class:`OwnRows`). An entry past the call's tokens (left by an older call,
+    in a row past the tile's end whose product the store drops) keeps its row of
+    ``tokens``, which is always inside its buffer; x has only the call's rows."""
+    x = pointer_at(rows.own.x_addr, 0, rows.tokens)
+    t = src - rows.own.base
+    mine = (t >= 0) & (t < tl.load(rows.own.num_tokens))
+    return tl.where(mine[:, None], x + t[:, None] * K + cols, a)
 
 
 @triton.jit

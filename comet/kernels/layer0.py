@@ -27,6 +27,8 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   with the first of the token's pairs there; the GEMM reads ``tokens[a0_src[row]]``
   (comet.kernels.group_gemm.Gathered). The waits are unchanged: every other pair of the
   token sits in the same or a later chunk, and a tile waits for the chunks up to its own.
+  A rank's own rows are not copied (``TileConfig.layer0_own_in_place``): its GEMM reads
+  them from x, and its own chunks carry index entries only.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the tile table (a local
   head, then expert-major: comet.scheduler.plan);
   before a tile, wait for exactly the sources of its wait set, and of each for the
@@ -175,6 +177,7 @@ class DispatchTile(NamedTuple):
     ENTRY_TILE: tl.constexpr  # entries per copy step
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
     GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
+    OWN_IN_PLACE: tl.constexpr  # GATHER: no row copied to this rank itself (read from x)
     PARTS: tl.constexpr       # most parts a chunk's copy is cut into (TileConfig.dispatch_parts)
 
 
@@ -200,7 +203,8 @@ class Arrivals(NamedTuple):
 def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool) -> DispatchTile:
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather, tile.dispatch_parts)))
+        tile.comm_entries, row_home, gather, gather and tile.layer0_own_in_place,
+        tile.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -306,14 +310,16 @@ def _push_rows(x_ptr, dst, send, dst_home, dst_weight, home_base, start, end, H,
 
 @triton.jit
 def _push_gathered(x_ptr, gather, d, send, dst_home, dst_weight, home_base, token_base,
-                   start, end, H, TOPK: tl.constexpr, comm):
+                   start, end, H, TOPK: tl.constexpr, comm, in_place):
     """A gathered dispatch's chunk of pairs ``send[start:end]`` (``ROWS`` at most) to
     destination ``d``: every pair as the index entry ``src[row] = token_base + t`` (with
     its home and weight under ``ROW_HOME``), and the rows of the tokens whose first pair
     to ``d`` is in the chunk (``send.first``) into ``tokens[token_base + t]``,
     ``COPY_ROWS`` at a time (the chunk's firsts picked out in order: a full copy tile
-    even where a token has all its pairs on ``d``). Every later pair of a token sits in
-    the same or a later chunk, and a tile waits for all chunks up to its last row's."""
+    even where a token has all its pairs on ``d``) -- unless ``in_place`` (``d`` is this
+    rank) with ``OWN_IN_PLACE``: its GEMM reads its own rows from x. Every
+    later pair of a token sits in the same or a later chunk, and a tile waits for all
+    chunks up to its last row's."""
     i = start + tl.arange(0, comm.ROWS)
     live = i < end
     pair = tl.load(send.pair + i, mask=live, other=0)
@@ -326,6 +332,8 @@ def _push_gathered(x_ptr, gather, d, send, dst_home, dst_weight, home_base, toke
     first = (tl.load(send.first + i, mask=live, other=0) != 0) & live
     nth = tl.cumsum(first.to(tl.int32), axis=0) - 1
     firsts = tl.sum(first.to(tl.int32), axis=0)
+    if comm.OWN_IN_PLACE:
+        firsts = tl.where(in_place, 0, firsts)
     dst = peer(gather.tokens, d)
     for c0 in range(0, firsts, comm.COPY_ROWS):
         slot = c0 + tl.arange(0, comm.COPY_ROWS)
@@ -465,16 +473,17 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
                         first = tl.minimum(first + part * size, last)
                         last = tl.minimum(first + size, last)
                     if comm.GATHER:
+                        in_place = d == rank
                         if comm.ROW_HOME:
                             _push_gathered(x_ptr, dispatch.gather, d, dispatch.send,
                                            peer(dispatch.homes.home, d),
                                            peer(dispatch.homes.weight, d),
                                            rank * max_tokens * TOPK, rank * max_tokens,
-                                           first, last, H, TOPK, comm)
+                                           first, last, H, TOPK, comm, in_place)
                         else:
                             _push_gathered(x_ptr, dispatch.gather, d, dispatch.send, None,
                                            None, 0, rank * max_tokens, first, last, H, TOPK,
-                                           comm)
+                                           comm, in_place)
                     elif comm.ROW_HOME:
                         _push_rows(x_ptr, peer(dispatch.a0, d), dispatch.send,
                                    peer(dispatch.homes.home, d), peer(dispatch.homes.weight, d),

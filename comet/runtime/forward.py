@@ -185,9 +185,12 @@ class ForwardCall:
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
         gather = tile.layer0_gather
+        rows = None
+        if gather:
+            rows = (ws.gathered_rows(self.inputs.x_addr, self.inputs.num_tokens)
+                    if tile.layer0_own_in_place else ws.gathered_rows())
         gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
-                                   activation=ws.cfg.activation, bias=self.b13,
-                                   rows=ws.gathered_rows() if gather else None)
+                                   activation=ws.cfg.activation, bias=self.b13, rows=rows)
         self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes, gather),
                             gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,

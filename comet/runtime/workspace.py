@@ -36,7 +36,7 @@ from comet.config import MoEConfig, TileConfig
 from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
 from comet.kernels.exchange import Exchange, exchange_block
-from comet.kernels.group_gemm import Gathered
+from comet.kernels.group_gemm import Gathered, OwnRows
 from comet.kernels.layer0 import (DISPATCH_PART_SLOTS, STREAM_K_PROGRAMS, STREAM_K_ROWS,
                                   Arrivals, GatherTargets, Work, one_dot_tiles)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
@@ -201,10 +201,17 @@ class Workspace:
         return GatherTargets(PeerBuffer(self._gathered_tokens(), self.peer_ptrs["a0"]),
                              self.peer("a0_src"))
 
-    def gathered_rows(self) -> Gathered:
-        """layer0's A rows as a gathered dispatch leaves them: ``a0[a0_src[row]]``."""
-        return Gathered(self._gathered_tokens(), self.buffers["a0_src"],
-                        self.buffers["a0_src"].shape[0])
+    def gathered_rows(self, x_addr: torch.Tensor | None = None,
+                      num_tokens: torch.Tensor | None = None) -> Gathered:
+        """layer0's A rows as a gathered dispatch leaves them: ``a0[a0_src[row]]``; with
+        ``x_addr`` (int64 [1], the address of the call's input) and ``num_tokens`` (int64
+        [1]), this rank's own tokens read in place from the input
+        (``TileConfig.layer0_own_in_place``)."""
+        src = self.buffers["a0_src"]
+        if x_addr is None:
+            return Gathered(self._gathered_tokens(), src, src.shape[0])
+        own = OwnRows(x_addr, num_tokens, self.rank * self.cfg.max_tokens)
+        return Gathered(self._gathered_tokens(), src, src.shape[0], own, constexpr(True))
 
     def _gathered_tokens(self) -> torch.Tensor:
         return self.buffers["a0"][:self.world * self.cfg.max_tokens]

@@ -104,6 +104,8 @@ class SimConfig:
         TileConfig.layer0_gather). gather_with_first: the row goes with the token's first
         pair in send order (``send_first``); False models sending it with the last, which
         a tile waiting for the chunks up to its own last row does not cover.
+        own_in_place: with ``layer0_gather``, a rank's own token rows are not copied;
+        the GEMM reads them from its input (TileConfig.layer0_own_in_place).
     fanout_liveness: with ``home_fanout > 1`` the combine takes part ``i``'s liveness
         from the part of its own TP index in ``i``'s group (kernels.combine.Parts); False
         models a combine that reads ``i``'s own entry, which its plan fills only for its
@@ -133,6 +135,7 @@ class SimConfig:
     fanout_liveness: bool = True
     layer0_gather: bool = False
     gather_with_first: bool = True
+    own_in_place: bool = True
 
 
 @dataclass
@@ -447,9 +450,10 @@ def _dispatch_program(rk: _Rank, call: _Call, ranks, cfg: SimConfig):
                     token_row = rk.r * call.max_tokens + pair // call.top_k
                     dst.a0_src[rows] = token_row
                     dst.src_tag.write(rows, n, rk.r)
-                    carried = token_row[call.carries_row[i]]
-                    dst.tokens[carried] = call.x[carried - rk.r * call.max_tokens]
-                    dst.tokens_tag.write(carried, n, rk.r)
+                    if not (cfg.own_in_place and d == rk.r):
+                        carried = token_row[call.carries_row[i]]
+                        dst.tokens[carried] = call.x[carried - rk.r * call.max_tokens]
+                        dst.tokens_tag.write(carried, n, rk.r)
                 else:
                     dst.a0[rows] = call.x[pair // call.top_k]
                     dst.a0_tag.write(rows, n, rk.r)
@@ -532,11 +536,15 @@ def _layer0_program(rk: _Rank, call: _Call, wait: bool, programs: int, cfg: SimC
             r0, r1, e = int(t.row_start[tile]), int(t.row_end[tile]), int(t.expert[tile])
             where = f"rank {rk.r} call {n} tile {tile} (rows {r0}:{r1})"
             if cfg.layer0_gather:
+                src = rk.a0_src[r0:r1].long()
+                t_own = src - rk.r * call.max_tokens
+                own = (t_own >= 0) & (t_own < call.x.shape[0]) & cfg.own_in_place
                 if wait:
                     rk.src_tag.check(slice(r0, r1), n, f"{where} read an old index")
-                    rk.tokens_tag.check(rk.a0_src[r0:r1], n,
+                    rk.tokens_tag.check(src[~own], n,
                                         f"{where} ran before its token rows arrived")
-                a = rk.tokens[rk.a0_src[r0:r1]]
+                a = rk.tokens[src]
+                a[own] = call.x[t_own[own]]
             else:
                 if wait:
                     rk.a0_tag.check(slice(r0, r1), n, f"{where} ran before its rows arrived")
