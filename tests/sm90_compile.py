@@ -283,10 +283,38 @@ def pipelined(name: str, kwargs: dict, shared: int) -> str:
     return "yes" if shared >= kwargs["num_stages"] * step else "no"
 
 
+def constexprs_behind_none(group, path: str) -> list[str]:
+    """Where an argument group nests, after a None field, a group holding a constexpr:
+    Triton 3.6 reads that constexpr as None after any run-time ``if`` of the kernel, so
+    its branch compiles out without a word (docs/design.md, "Kernel arguments")."""
+    if not isinstance(group, tuple):
+        return []
+    found, after_none = [], False
+    for name, value in zip(getattr(group, "_fields", range(len(group))), group):
+        where = f"{path}.{name}"
+        if value is None:
+            after_none = True
+        elif isinstance(value, tuple):
+            if after_none and _holds_constexpr(value):
+                found.append(where)
+            found += constexprs_behind_none(value, where)
+    return found
+
+
+def _holds_constexpr(group) -> bool:
+    return any(isinstance(v, triton.language.constexpr)
+               or (isinstance(v, tuple) and _holds_constexpr(v)) for v in group)
+
+
 def main() -> int:
     failures = 0
     for kernel, args, kwargs in fused_launches():
         name = kernel.fn.__name__
+        hidden = [p for arg, v in kwargs.items() for p in constexprs_behind_none(v, arg)]
+        if hidden:
+            failures += 1
+            print(f"FAIL {name}: constexprs behind a None field, read as None: {hidden}")
+            continue
         t0 = time.time()
         try:
             k = compile_launch(kernel, args, dict(kwargs))

@@ -58,14 +58,13 @@ class GemmOut(NamedTuple):
 class Gathered(NamedTuple):
     """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
     ``TileConfig.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``
-    -- or, with ``OWN``, row ``src[r] - own.base`` of this rank's input when that is one
-    of the call's tokens (:class:`OwnRows`)."""
+    -- or, with ``own`` (``A_OWN``), row ``src[r] - own.base`` of this rank's input when
+    that is one of the call's tokens (:class:`OwnRows`)."""
 
     tokens: torch.Tensor     # [W * max_tokens, K]: every source's token rows
     src: torch.Tensor        # int32 [rows]: the token row each shared-tensor row reads
     rows: int                # rows of ``src`` (the shared tensor's capacity)
     own: "OwnRows | None" = None
-    OWN: tl.constexpr = constexpr(False)
 
 
 class OwnRows(NamedTuple):
@@ -113,6 +112,11 @@ class GemmTile(NamedTuple):
     BIAS: tl.constexpr           # add the expert's bias row (``GemmOut.bias``)
     A_GATHER: tl.constexpr = constexpr(False)  # ONE_DOT: A's rows by index (``GemmOut.rows``)
     A_LIVE: tl.constexpr = constexpr(False)    # A_GATHER: load only a tile's own rows
+    #: A_GATHER: this rank's own rows from its input (``Gathered.own``). A flag here, not
+    #: in ``Gathered``: after a run-time ``if``, Triton 3.6 reads a constexpr of a group
+    #: nested in one with a None field before it (``gemm.rows.X``, after ``gemm.bias``)
+    #: as None (docs/design.md, "Kernel arguments").
+    A_OWN: tl.constexpr = constexpr(False)
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -202,7 +206,7 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
         src = tl.load(g.rows.src + rows, mask=read, other=0).to(tl.int64)
         cols = tl.arange(0, t.BLOCK_K)[None, :]
         a = g.rows.tokens + src[:, None] * g.K + cols
-        if g.rows.OWN:
+        if t.A_OWN:
             a = own_rows_in_place(a, src, g.rows, g.K, cols)
         for k in range(k0, k1, t.BLOCK_K):
             if t.A_LIVE:

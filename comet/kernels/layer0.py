@@ -261,7 +261,8 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
-        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows))
+        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows),
+        constexpr(rows is not None and rows.own is not None))
 
 
 def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,

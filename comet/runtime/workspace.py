@@ -211,7 +211,7 @@ class Workspace:
         if x_addr is None:
             return Gathered(self._gathered_tokens(), src, src.shape[0])
         own = OwnRows(x_addr, num_tokens, self.rank * self.cfg.max_tokens)
-        return Gathered(self._gathered_tokens(), src, src.shape[0], own, constexpr(True))
+        return Gathered(self._gathered_tokens(), src, src.shape[0], own)
 
     def _gathered_tokens(self) -> torch.Tensor:
         return self.buffers["a0"][:self.world * self.cfg.max_tokens]
