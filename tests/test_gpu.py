@@ -579,7 +579,9 @@ def test_live_row_loads_give_the_same_output_bit_for_bit():
     back-to-back calls of 0 to 512 tokens with no host sync between them (the masks in
     calls of up to 256 tokens, stream-K at 1; graph replays). Qwen2-MoE on one GPU at
     full size (64 experts, top-4: it gathers there), the first call checked against the
-    reference."""
+    reference. On one rank every row is its own, read in place from the input
+    (``layer0_own_in_place``, the default) -- and the same bits again when the dispatch
+    copies them (calls smaller than earlier ones leave index entries past their tokens)."""
     import dataclasses
     from comet.config import preset
     from comet.runtime.layer import FusedMoE
@@ -588,25 +590,28 @@ def test_live_row_loads_give_the_same_output_bit_for_bit():
     w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
     live = FusedMoE(cfg, w13, w2)
     full = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(live.tile, layer0_live_rows=False))
-    assert live.tile.layer0_gather and live.selection.may_live_rows
+    copied = FusedMoE(cfg, w13, w2,
+                      tile=dataclasses.replace(live.tile, layer0_own_in_place=False))
+    assert live.tile.layer0_gather and live.tile.layer0_own_in_place
+    assert live.selection.may_live_rows
     assert live.selection.tile_for(256).layer0_live_rows
     assert not live.selection.tile_for(257).layer0_live_rows
     assert not full.selection.tile_for(1).layer0_live_rows
-    live.check_errors = full.check_errors = "lazy"
+    live.check_errors = full.check_errors = copied.check_errors = "lazy"
     sizes = torch.randint(0, 513, (200,), generator=torch.Generator().manual_seed(6)).tolist()
     sizes[:4] = [16, 1, 0, 512]
     outs = []
     for m in sizes:
         x, ids, w = _inputs(live, "random", g, tokens=m)
-        outs.append((live(x, ids, w), full(x, ids, w)))
+        outs.append((live(x, ids, w), full(x, ids, w), copied(x, ids, w)))
         if len(outs) == 1:
             ref = reference.moe_forward(x, ids, w, gate_up_first(live.w13), live.w2,
                                         round_to=cfg.dtype)
-    live.check_errors_now()
-    full.check_errors_now()
+    for layer in (live, full, copied):
+        layer.check_errors_now()
     assert _rel_err(outs[0][0], ref) < 1e-2
-    for i, (a, b) in enumerate(outs):
-        assert torch.equal(a, b), (i, sizes[i])
+    for i, (a, b, c) in enumerate(outs):
+        assert torch.equal(a, b) and torch.equal(a, c), (i, sizes[i])
 
 
 def test_private_streams_are_never_shared_while_alive():
