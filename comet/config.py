@@ -349,6 +349,10 @@ class TileConfig:
             peers, and the tiles of the local head wait for index entries, not for a
             copy of every local row (which one comm program per 256-row chunk made
             layer0's GEMM wait 140 us for in deepseek-v3-like's 4096-token EP=2 call).
+            On by default: paired on 4x H100, 1.3-1.6% faster at 1 token, even at
+            8-128, 1.4-3.3% at 4096 and 0-1% at 16384 (deepseek-v3-like at EP=2 and
+            (2, 1), qwen2-moe at (2, 1)), 4-7% for qwen2-moe (2, 1) replicated
+            (docs/benchmarks.md, levers of issue 41).
         layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
             rows (masked loads; the others, the next expert's rows or padding, are
             zeros) in calls whose experts' rows, as the decode rule expects them, fill at
