@@ -431,7 +431,8 @@ def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
     layout = meta["layout"]
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
-    stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
+    # Both conventions' sweeps may start in the same second into one directory.
+    stem = f"bench-{layout}-{meta['convention']}-{stamp:%Y%m%d-%H%M%S}"
     partial = _Partial(args.output_dir, stem, st.rank)
     bar = tqdm(total=len(cases), desc=f"comet bench {layout}", disable=st.rank != 0,
                dynamic_ncols=True)

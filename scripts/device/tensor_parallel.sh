@@ -7,7 +7,7 @@
 # (scripts/device/stress.py --tp). Issued ahead because the unfused pipeline is
 # host-bound at 128 tokens: its whole call took 1.2-3.4x its GPU phases
 # (benchmarks/results/2026-11-27/h100x2-r24-bench-tp2-*), so a/b measured the host.
-# Writes under $OUT (./out if unset) bench-tp*.json/.md, bench-tp*.log,
+# Writes under $OUT (./out if unset) bench-tp*-<convention>-*.json/.md, bench-tp*.log,
 # stress-tp*-<device>.json and stress-tp*.log; copy them to benchmarks/results/<date>/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
