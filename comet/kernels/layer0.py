@@ -200,11 +200,13 @@ class Arrivals(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool) -> DispatchTile:
+def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool,
+                  own_in_place: bool) -> DispatchTile:
+    """``own_in_place``: the GEMM reads this rank's own rows from x (``GemmTile.A_OWN``),
+    so the dispatch copies none of them."""
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather, gather and tile.layer0_own_in_place,
-        tile.dispatch_parts)))
+        tile.comm_entries, row_home, gather, own_in_place, tile.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,7 +280,8 @@ def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
     layer0_kernel[(grid,)](
         dispatch=dispatch, **gemm.kernel_args(), tiles=tiles, segments=segments, work=work,
         sync=sync, split=split, trace=trace, shape=shape,
-        comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.gather is not None),
+        comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.gather is not None,
+                           bool(item.A_OWN)),
         item=item,
         lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **extra)
