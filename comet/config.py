@@ -315,12 +315,6 @@ class TileConfig:
             chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
             128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
             0.96-0.97x the time (docs/benchmarks.md, "Small calls").
-        dispatch_head_parts: 1: a call whose chunks are not cut (at least as many as the
-            comm blocks) still has each destination's first chunk copied in up to
-            ``dispatch_parts`` parts, so that the GEMM's first tiles, which wait for it,
-            start once a part's share has landed rather than a whole chunk (one program
-            copied a 4096-token call's first chunk in 40-140 us while the GEMM blocks
-            idled: ``2026-11-27/h100x4-r26-timeline-ep2-*-4096``); 0: no.
         comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns), and
             the copy tile of return entries in the dispatch.
         reduce_item: return entries per item of layer1's reduce queue (a multiple of
@@ -388,7 +382,6 @@ class TileConfig:
     comm_rows: int = 256
     comm_copy_rows: int = 32
     dispatch_parts: int = 8
-    dispatch_head_parts: int = 0
     comm_block_h: int = 512
     group_m: int = 8
     local_head_tiles: int = 16
@@ -422,9 +415,6 @@ class TileConfig:
             raise ValueError(f"layer0_tail_split must be >= 0, got {self.layer0_tail_split}")
         if self.dispatch_parts < 1:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
-        if self.dispatch_head_parts not in (0, 1):
-            raise ValueError(f"dispatch_head_parts must be 0 or 1, got "
-                             f"{self.dispatch_head_parts}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
 

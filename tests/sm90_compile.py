@@ -159,10 +159,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                   dataclasses.replace(tile, layer0_stream_k=False, layer0_tail_split=1)):
             ForwardCall(allocate_virtual(cfg, world, "cpu", t)[0], w13, w2, t, inputs,
                         grids).launch_layer0(ROLE_FUSED, 132)
-        # Each destination's first dispatch chunk in parts (TileConfig.dispatch_head_parts).
-        hp = dataclasses.replace(tile, dispatch_head_parts=1)
-        ForwardCall(allocate_virtual(cfg, world, "cpu", hp)[0], w13, w2, hp, inputs,
-                    grids).launch_layer0(ROLE_FUSED, 132)
         # The decode tile (small calls): its GEMM roles must pipeline too.
         decode = tile.decode_tile()
         call(t=decode).launch_layer0(ROLE_FUSED, 132)

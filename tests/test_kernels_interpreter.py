@@ -361,39 +361,6 @@ def test_a_small_calls_chunks_are_copied_in_parts(parts):
     assert not any(ws.count.l0_parts.any() for ws in ep.ws)
 
 
-@pytest.mark.parametrize("head", [0, 1])
-def test_each_destinations_first_chunk_is_copied_in_parts(head):
-    """A call with at least as many dispatch chunks as comm programs cuts no chunk, but
-    with ``TileConfig.dispatch_head_parts`` each destination's first chunk is still
-    taken in parts (the GEMM's first tiles wait for it): 12 rows to each destination are
-    three 4-row chunks and an entry chunk, 8 units for 4 dispatch programs, so no chunk
-    in parts; the first row chunk of each destination (units 0 and 1) goes as 2 parts
-    of 2 rows, the last to arrive publishing it. Outputs match the reference twice over
-    (the part counters are zeroed when a call opens)."""
-    e, k, h, f = SCALED["mixtral"]
-    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
-                    dtype=torch.float16, max_tokens=12)
-    g = torch.Generator().manual_seed(6)
-    w13 = [(torch.randn(4, h, 2 * f, generator=g) * h ** -0.5).half() for _ in range(2)]
-    w2 = [(torch.randn(4, f, h, generator=g) * f ** -0.5).half() for _ in range(2)]
-    tile = dataclasses.replace(TileConfig.small(), comm_rows=4, comm_copy_rows=2,
-                               dispatch_parts=4, dispatch_head_parts=head)
-    ep = VirtualEP(cfg, w13, w2, tile)
-    ids = [torch.stack([torch.tensor([t % 4, 4 + (t + r) % 4]) for t in range(12)])
-           for r in range(2)]
-    xs = [torch.randn(12, h, generator=g).half() for _ in ids]
-    wts = [torch.rand(i.shape, generator=g) for i in ids]
-    expect = reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16)
-    for _ in range(2):
-        _close(ep.forward(xs, ids, wts, dispatchers=4), expect, torch.float16)
-        for ws in ep.ws:
-            counted = ws.count.l0_parts
-            if head:
-                assert counted[:2].tolist() == [2, 2] and not counted[2:].any()
-            else:
-                assert not counted.any()
-
-
 def test_back_to_back_calls_reuse_the_workspace():
     e, k, h, f = SCALED["mixtral"]
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,

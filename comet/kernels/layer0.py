@@ -179,7 +179,6 @@ class DispatchTile(NamedTuple):
     GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
     OWN_IN_PLACE: tl.constexpr  # GATHER: no row copied to this rank itself (read from x)
     PARTS: tl.constexpr       # most parts a chunk's copy is cut into (TileConfig.dispatch_parts)
-    HEAD_PARTS: tl.constexpr  # first chunks in parts when no other is (TileConfig.dispatch_head_parts)
 
 
 class Lanes(NamedTuple):
@@ -207,8 +206,7 @@ def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool,
     so the dispatch copies none of them."""
     return DispatchTile(*(constexpr(v) for v in (
         tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather, own_in_place, tile.dispatch_parts,
-        bool(tile.dispatch_head_parts))))
+        tile.comm_entries, row_home, gather, own_in_place, tile.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -397,38 +395,6 @@ def _parts_per_chunk(units, rows, n_comm, comm):
 
 
 @triton.jit
-def _head_parts(parts, rows, n_comm, WORLD: tl.constexpr, comm):
-    """Parts of each destination's first chunk in a call whose chunks are not cut
-    (``parts`` 1) under ``HEAD_PARTS``: as many as give every destination's first chunk
-    an equal share of the comm programs, up to ``PARTS`` and to one copy tile of rows
-    per part; else 1. The GEMM's first tiles wait for these chunks."""
-    head = 1
-    if comm.HEAD_PARTS:   # a constexpr: without it the kernel compiles as before
-        if parts == 1:
-            head = tl.minimum(tl.maximum(n_comm // WORLD, 1), comm.PARTS)
-            head = tl.minimum(head, tl.maximum(tl.cdiv(rows, comm.COPY_ROWS), 1))
-    return head
-
-
-@triton.jit
-def _unit_of(g, parts, head, WORLD: tl.constexpr):
-    """``(unit, part, the unit's parts)`` of take ``g`` of the dispatch queue: every unit
-    in ``parts`` parts, or the first ``WORLD`` units (each destination's first chunk) in
-    ``head`` parts and the rest whole (:func:`_head_parts`; ``head`` > 1 only when
-    ``parts`` is 1)."""
-    u = g // parts
-    part = g % parts
-    n = parts
-    if head > 1:
-        lead = WORLD * head
-        first = g < lead
-        u = tl.where(first, g // head, g - lead + WORLD)
-        part = tl.where(first, g % head, 0)
-        n = tl.where(first, head, 1)
-    return u, part, n
-
-
-@triton.jit
 def _publish(flag, epoch, parts, part_counts, u, skipped, sync, PARTS: tl.constexpr):
     """Publish chunk ``u`` when its copy -- or, with ``parts`` > 1, this program's part
     of it -- is done: ``flag = epoch``, unless the group failed. With parts, the chunk's
@@ -485,10 +451,10 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
         rows = tl.maximum(rows, tl.minimum(tl.load(dispatch.send.off + d + 1)
                                            - tl.load(dispatch.send.off + d), comm.ROWS))
     parts = _parts_per_chunk(rounds * WORLD, rows, n_comm, comm)
-    head = _head_parts(parts, rows, n_comm, WORLD, comm)
     g = take(dispatch.queue)
-    while g < rounds * WORLD * parts + WORLD * (head - 1):
-        u, part, unit_parts = _unit_of(g, parts, head, WORLD)
+    while g < rounds * WORLD * parts:
+        u = g // parts
+        part = g % parts
         c = u // WORLD
         d = (rank - u % WORLD + WORLD) % WORLD
         lo = tl.load(dispatch.send.off + d)
@@ -505,8 +471,8 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
                 if c < row_chunks:
                     first = lo + c * comm.ROWS
                     last = tl.minimum(lo + (c + 1) * comm.ROWS, hi)
-                    if unit_parts > 1:   # this part's rows: whole copy tiles, the last short
-                        size = (tl.cdiv(tl.cdiv(last - first, unit_parts), comm.COPY_ROWS)
+                    if parts > 1:   # this part's rows: whole copy tiles, the last short
+                        size = (tl.cdiv(tl.cdiv(last - first, parts), comm.COPY_ROWS)
                                 * comm.COPY_ROWS)
                         first = tl.minimum(first + part * size, last)
                         last = tl.minimum(first + size, last)
@@ -539,8 +505,8 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
                                   peer(dispatch.recv.weight, d) + region * TOPK,
                                   e0, tl.minimum(e0 + comm.ENTRIES, n_ent), TOPK,
                                   shape.TOPK_P2, comm.ENTRY_TILE)
-            _publish(flags + c, epoch, unit_parts, dispatch.parts, u, (ok == 0).to(tl.int32),
-                     sync, comm.PARTS)
+            _publish(flags + c, epoch, parts, dispatch.parts, u, (ok == 0).to(tl.int32), sync,
+                     comm.PARTS)
             if trace.ON:
                 events = stamp(trace, events, d, c, start)
         g = take(dispatch.queue)
