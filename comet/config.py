@@ -316,7 +316,11 @@ class TileConfig:
             128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
             0.96-0.97x the time (docs/benchmarks.md, "Small calls").
         comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns), and
-            the copy tile of return entries in the dispatch.
+            the copy tile of return entries in the dispatch. 32 x 128: where the reduce
+            stores its sums to a peer, 64 x 256 took 1.6-2x the time (its stores crossed
+            the link at ~110-250 GB/s: DeepSeek-V3-like at (2,1) replicated, 16384
+            tokens, the reduce alone 2083 -> 1266 us, the whole layer 0.92x;
+            ``2026-11-27/h100x4-r38-reduce-tile-*``).
         reduce_item: return entries per item of layer1's reduce queue (a multiple of
             comm_entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
@@ -388,9 +392,9 @@ class TileConfig:
     lane_head_rounds: int = 0
     lane_tail_rounds: int = 1
     dispatch_entries: int = 1024
-    comm_entries: int = 64
-    reduce_item: int = 64
-    comm_block_c: int = 256
+    comm_entries: int = 32
+    reduce_item: int = 32
+    comm_block_c: int = 128
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
