@@ -175,9 +175,13 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
 
 
 @functools.lru_cache(maxsize=64)
-def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool) -> ReduceTile:
-    return ReduceTile(*(constexpr(v) for v in (tile.comm_entries, tile.reduce_item,
-                                                  tile.comm_block_c, weighted, pairs)))
+def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int) -> ReduceTile:
+    """The reduce's tile in a layer of ``world`` GPUs: with peers, the small tile whose
+    stores keep the link busy; alone, the large one that streams HBM (TileConfig)."""
+    entries, block_c = ((tile.comm_entries, tile.comm_block_c) if world > 1
+                        else (tile.local_comm_entries, tile.local_comm_block_c))
+    item = -(-tile.reduce_item // entries) * entries
+    return ReduceTile(*(constexpr(v) for v in (entries, item, block_c, weighted, pairs)))
 
 
 def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
@@ -192,7 +196,7 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
     layer1_reduce_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
-        rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None),
+        rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD)),
         ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
