@@ -64,3 +64,22 @@ def test_tile_fields_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="layer1_split_k must be >= 1"):
         TileConfig(layer1_split_k=0)
     assert TileConfig(layer1_split_k=2).variant() == {"layer1_split_k": 2}
+
+
+def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():
+    """Layer1's reduce runs ``comm_entries x comm_block_c`` in a layer over several GPUs
+    and ``local_comm_entries x local_comm_block_c`` on one; its queue items are
+    ``reduce_item`` rounded up to whole steps of the tile."""
+    from comet.kernels.layer1 import reduce_tile
+
+    def shape(tile, world):
+        r = reduce_tile(tile, True, False, world)
+        return r.ENTRIES.value, r.ITEM.value, r.BLOCK_C.value
+
+    tile = TileConfig()
+    assert shape(tile, 2) == (tile.comm_entries, tile.reduce_item, tile.comm_block_c)
+    assert shape(tile, 1) == (tile.local_comm_entries, tile.local_comm_entries,
+                              tile.local_comm_block_c)
+    assert shape(tile, 2) != shape(tile, 1)
+    odd = TileConfig(comm_entries=32, reduce_item=40, local_comm_entries=64)
+    assert shape(odd, 4)[1] == 64 and shape(odd, 1)[1] == 64
