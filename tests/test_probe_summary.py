@@ -82,3 +82,19 @@ def test_a_small_call_is_held_to_issue_41s_bound(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("bound +10.0") and lines[1].endswith("bound -10.0")
     assert "bound" not in lines[2].split("comet/torch")[1]
+
+
+def test_a_ratio_of_records_on_different_comm_blocks_says_so(tmp_path):
+    """A ``--tile`` variant equal to the default tile is served by a tuned table, the
+    other variant by the analytic split: their ratio names both splits; a ratio of two
+    records on the same split does not."""
+    def write(name, n_comm):
+        (tmp_path / f"p-{name}.json").write_text(json.dumps([
+            dict(config="qwen2-moe", tokens_per_rank=t, routing="uniform", layer="moe",
+                 fused_us=800.0, n_comm=n) for t, n in ((4096, n_comm), (16384, [32, 0]))]))
+    write("dispatch_head_parts-0", [32, 0])
+    write("dispatch_head_parts-1", [53, 0])
+    lines = probe_summary.ratio_lines(probe_summary.load_runs(str(tmp_path), "p"),
+                                      "dispatch_head_parts-0")
+    assert lines[0].endswith("over 1 round(s) (comm blocks [32, 0] vs [53, 0])")
+    assert lines[1].endswith("over 1 round(s)")

@@ -9,11 +9,14 @@ layer's comet GEMM time over torch's. Then every variant's whole call over BASEL
 median over the rounds of the ratio of round ``i`` to the baseline's round ``i`` (run
 next to each other), its range, and the geomean over the records.
 
-The comm blocks are shown because a ``--tile`` variant is not served by the tuned tables:
-its calls run the analytic split where the default variant runs the table's, so a
-difference in the fused time may be the split, not the tile. Compare the best fixed
-splits, or the fused call's phases (``comet_phases_us``); not the compute-only column,
-whose decomposed call runs layer1's column-split reduce whatever the tile
+The comm blocks are shown because a ``--tile`` variant is not served by the tuned tables
+-- unless its fields equal the default tile's (``dispatch_head_parts=0``, say): its
+calls run the analytic split where the default variant runs the table's, so a
+difference in the fused time may be the split, not the tile. A ratio whose two records
+ran different comm blocks says so (``comm blocks [32, 0] vs [53, 0]``; two probes of
+2026-11-27 were read as paired when they were not). Compare the best fixed splits, or
+the fused call's phases (``comet_phases_us``); not the compute-only column, whose
+decomposed call runs layer1's column-split reduce whatever the tile
 (comet.runtime.strategies.strategy_for).
 """
 
@@ -98,6 +101,13 @@ def _derived_differs(variant: str, base: dict | None, other: dict | None) -> lis
     return [f for f in DERIVED if f not in variant and f in a and f in b and a[f] != b[f]]
 
 
+def _comm_differs(base: dict | None, other: dict | None) -> str:
+    """`` (comm blocks A vs B)`` where two records' moe layers ran different comm-block
+    splits, else ``""``."""
+    a, b = ((layers or {}).get("moe", {}).get("n_comm") for layers in (base, other))
+    return f" (comm blocks {a} vs {b})" if a is not None and b is not None and a != b else ""
+
+
 def ratio_lines(runs: dict, baseline: str) -> list[str]:
     """Each variant's whole call over ``baseline``'s, paired round by round; a record
     whose layers differ in a :data:`DERIVED` field is marked."""
@@ -118,10 +128,13 @@ def ratio_lines(runs: dict, baseline: str) -> list[str]:
             differs = sorted({f for r, by in rounds.items()
                               for f in _derived_differs(variant, base.get(r, {}).get(key),
                                                         by.get(key))})
+            comm = sorted({_comm_differs(base.get(r, {}).get(key), by.get(key))
+                           for r, by in rounds.items()} - {""})
             lines.append(f"{variant:28s} {key[0]:18s} {key[1]:6d} {key[2]:8s} "
                          f"{mid:.3f} [{min(ratios):.3f}, {max(ratios):.3f}] over "
                          f"{len(ratios)} round(s)"
-                         + (f" NOT PAIRED: {', '.join(differs)} differs" if differs else ""))
+                         + (f" NOT PAIRED: {', '.join(differs)} differs" if differs else "")
+                         + "".join(comm))
         if logs:
             lines.append(f"{variant:28s} geomean {math.exp(sum(logs) / len(logs)):.3f} over "
                          f"{len(logs)} records")
