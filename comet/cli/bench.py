@@ -180,9 +180,10 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
 #: Why two --tile variants' whole-call times may differ by more than the tile.
 TILE_VARIANT_NOTE = (
     "--tile builds a TileConfig variant: tables tuned for the default TileConfig (every "
-    "shipped one) do not serve it, so its comm blocks come from a table tuned for the "
-    "variant if there is one, else the analytic model -- against the default's tuned "
-    "ones. Compare variants by their --fixed-splits, --comm-blocks or phases.")
+    "shipped one) do not serve it -- unless its fields leave the default tile as it is "
+    "(say dispatch_parts=8), when they do -- so its comm blocks come from a table tuned "
+    "for the variant if there is one, else the analytic model, against the default's "
+    "tuned ones. Compare variants by their --fixed-splits, --comm-blocks or phases.")
 
 
 def _tile_field(kv: str) -> tuple[str, int]:
