@@ -325,6 +325,9 @@ class TileConfig:
             (the backward, the sequential mode), whose sums all stay in HBM: 64 x 256
             streams it at ~2.8 TB/s, 32 x 128 took 1.2-1.45x the time
             (``2026-11-27/h100-r39-kernel-times-reduce-tile-w1.json``).
+        reduce_gather: the reduce loads a column step's k rows of an entry block as one
+            gather (``[entries, k, columns]``) and each entry's row indices and weights
+            once per entry block, rather than one load per slot and step.
         reduce_item: return entries per item of layer1's reduce queue (rounded up to a
             multiple of the reduce tile's entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
@@ -401,6 +404,7 @@ class TileConfig:
     comm_block_c: int = 128
     local_comm_entries: int = 64
     local_comm_block_c: int = 256
+    reduce_gather: bool = False
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8

@@ -152,6 +152,8 @@ class ReduceTile(NamedTuple):
     BLOCK_C: tl.constexpr    # columns per step
     WEIGHTED: tl.constexpr   # weight each row (the forward) or plain sum (the backward)
     PAIRS: tl.constexpr      # also return :class:`Pairs`
+    GATHER: tl.constexpr     # load a step's k rows as one [ENTRIES, SLOTS, BLOCK_C] gather
+    SLOTS: tl.constexpr      # top-k rounded up to a power of two (the gather's middle axis)
 
 
 def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
@@ -175,13 +177,16 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
 
 
 @functools.lru_cache(maxsize=64)
-def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int) -> ReduceTile:
+def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int,
+                top_k: int = 1) -> ReduceTile:
     """The reduce's tile in a layer of ``world`` GPUs: with peers, the small tile whose
     stores keep the link busy; alone, the large one that streams HBM (TileConfig)."""
     entries, block_c = ((tile.comm_entries, tile.comm_block_c) if world > 1
                         else (tile.local_comm_entries, tile.local_comm_block_c))
     item = -(-tile.reduce_item // entries) * entries
-    return ReduceTile(*(constexpr(v) for v in (entries, item, block_c, weighted, pairs)))
+    return ReduceTile(*(constexpr(v) for v in (
+        entries, item, block_c, weighted, pairs, tile.reduce_gather,
+        triton.next_power_of_2(top_k))))
 
 
 def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
@@ -196,7 +201,8 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
     layer1_reduce_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
-        rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD)),
+        rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD),
+                          int(shape.TOPK)),
         ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
@@ -380,6 +386,19 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 
 
 @triton.jit
+def _sum_slots(out1_ptr, H, rows, wgts, cols, col1, WEIGHTED: tl.constexpr):
+    """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
+    sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here): one load of every
+    slot's row, so a step keeps k times the bytes in flight that a load per slot did."""
+    ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
+    v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & (cols[None, None, :] < col1),
+                other=0.0).to(tl.float32)
+    if WEIGHTED:
+        v = v * wgts[:, :, None]
+    return tl.sum(v, axis=1)
+
+
+@triton.jit
 def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, pair_src,
                     pair_dst, TOPK: tl.constexpr, rtile):
     """``dst[token] = sum_j weight_j * out1[row_j]`` (``WEIGHTED``, else the plain sum)
@@ -408,19 +427,32 @@ def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, p
         if rtile.PAIRS:
             if col0 == 0:
                 _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK)
+        if rtile.GATHER:
+            # Every slot's row index and weight once per entry block, not per column step.
+            slot = tl.arange(0, rtile.SLOTS)
+            smask = live[:, None] & (slot[None, :] < TOPK)
+            rows = tl.load(recv_rows + q[:, None] * TOPK + slot[None, :], mask=smask,
+                           other=-1).to(tl.int64)
+            wgts = None
+            if rtile.WEIGHTED:
+                wgts = tl.load(recv_weight + q[:, None] * TOPK + slot[None, :], mask=smask,
+                               other=0.0)
         for c0 in range(col0, col1, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             cmask = cols[None, :] < col1
-            acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
-            for j in tl.static_range(TOPK):
-                row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-                v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
-                            mask=(row[:, None] >= 0) & cmask, other=0.0)
-                if rtile.WEIGHTED:
-                    wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
-                    acc += v.to(tl.float32) * wgt[:, None]
-                else:
-                    acc += v.to(tl.float32)
+            if rtile.GATHER:
+                acc = _sum_slots(out1_ptr, H, rows, wgts, cols, col1, rtile.WEIGHTED)
+            else:
+                acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
+                for j in tl.static_range(TOPK):
+                    row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
+                    v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
+                                mask=(row[:, None] >= 0) & cmask, other=0.0)
+                    if rtile.WEIGHTED:
+                        wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
+                        acc += v.to(tl.float32) * wgt[:, None]
+                    else:
+                        acc += v.to(tl.float32)
             for g in tl.static_range(FANOUT):
                 dst = dst0
                 if g > 0:
