@@ -315,19 +315,22 @@ class TileConfig:
             chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
             128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
             0.96-0.97x the time (docs/benchmarks.md, "Small calls").
-        comm_entries / comm_block_c: tile of the layer1 reduce (entries x columns) in a
-            layer over several GPUs, and the copy tile of return entries in the
-            dispatch. 32 x 128: where the reduce stores its sums to a peer, 64 x 256
-            took 1.6-2x the time (its stores crossed the link at ~110-250 GB/s:
-            DeepSeek-V3-like at (2,1) replicated, 16384 tokens, the reduce alone 2083
-            -> 1266 us, the whole layer 0.92x; ``2026-11-27/h100x4-r38-reduce-tile-*``).
-        local_comm_entries / local_comm_block_c: the reduce's tile in a one-GPU layer
-            (the backward, the sequential mode), whose sums all stay in HBM: 64 x 256
-            streams it at ~2.8 TB/s, 32 x 128 took 1.2-1.45x the time
-            (``2026-11-27/h100-r39-kernel-times-reduce-tile-w1.json``).
-        reduce_gather: the reduce loads a column step's k rows of an entry block as one
-            gather (``[entries, k, columns]``) and each entry's row indices and weights
-            once per entry block, rather than one load per slot and step.
+        comm_entries: return entries per step of the layer1 reduce, and the copy tile of
+            return entries in the dispatch.
+        reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x
+            the top-k (rounded up to a power of two) x as many columns as fit, at most
+            ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on one
+            (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather, so a
+            block keeps ``reduce_step_elements`` in flight: a load per slot kept one
+            slot's rows in flight and a block read ~11 GB/s. With the gather the reduce
+            alone took 0.70-0.89x the time on one GPU (Qwen2-MoE, Mixtral; 1.03x
+            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.88x at (2,1)
+            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``).
+        comm_block_c / local_comm_block_c: most columns of a reduce step where its sums
+            cross to a peer / stay in HBM. Where the reduce stores its sums to a peer,
+            64 x 256 steps took 1.6-2x the time of 32 x 128 (its stores crossed the link
+            at ~110-250 GB/s: DeepSeek-V3-like at (2,1) replicated, 16384 tokens;
+            ``2026-11-27/h100x4-r38-reduce-tile-*``); alone, wider steps stream HBM.
         reduce_item: return entries per item of layer1's reduce queue (rounded up to a
             multiple of the reduce tile's entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
@@ -402,9 +405,8 @@ class TileConfig:
     comm_entries: int = 32
     reduce_item: int = 32
     comm_block_c: int = 128
-    local_comm_entries: int = 64
     local_comm_block_c: int = 256
-    reduce_gather: bool = False
+    reduce_step_elements: int = 32768
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
@@ -492,8 +494,8 @@ class TileConfig:
         return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
                           num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
                           comm_block_h=32, local_head_tiles=2, dispatch_entries=16,
-                          comm_entries=8, reduce_item=16, comm_block_c=16, local_comm_entries=8,
-                          local_comm_block_c=16, combine_rows=8,
+                          comm_entries=8, reduce_item=16, comm_block_c=16,
+                          local_comm_block_c=32, reduce_step_elements=512, combine_rows=8,
                           combine_block_h=32, combine_warps=4, decode_block_n1=0)
 
     def k_step(self, k: int) -> int:

@@ -67,19 +67,25 @@ def test_tile_fields_that_cannot_work_are_refused():
 
 
 def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():
-    """Layer1's reduce runs ``comm_entries x comm_block_c`` in a layer over several GPUs
-    and ``local_comm_entries x local_comm_block_c`` on one; its queue items are
-    ``reduce_item`` rounded up to whole steps of the tile."""
+    """Layer1's reduce step is ``comm_entries`` x the top-k's power of two x as many
+    columns as ``reduce_step_elements`` allows, at most ``comm_block_c`` in a layer over
+    several GPUs and ``local_comm_block_c`` on one, never under 16; its queue items are
+    ``reduce_item`` rounded up to whole steps."""
     from comet.kernels.layer1 import reduce_tile
 
-    def shape(tile, world):
-        r = reduce_tile(tile, True, False, world)
-        return r.ENTRIES.value, r.ITEM.value, r.BLOCK_C.value
+    def shape(tile, world, top_k):
+        r = reduce_tile(tile, True, False, world, top_k)
+        return r.ENTRIES.value, r.ITEM.value, r.SLOTS.value, r.BLOCK_C.value
 
     tile = TileConfig()
-    assert shape(tile, 2) == (tile.comm_entries, tile.reduce_item, tile.comm_block_c)
-    assert shape(tile, 1) == (tile.local_comm_entries, tile.local_comm_entries,
-                              tile.local_comm_block_c)
-    assert shape(tile, 2) != shape(tile, 1)
-    odd = TileConfig(comm_entries=32, reduce_item=40, local_comm_entries=64)
-    assert shape(odd, 4)[1] == 64 and shape(odd, 1)[1] == 64
+    assert tile.reduce_step_elements == 32 * 8 * 128
+    assert shape(tile, 2, 8) == (32, tile.reduce_item, 8, 128)
+    assert shape(tile, 1, 8) == (32, tile.reduce_item, 8, 128)     # the budget binds
+    assert shape(tile, 2, 4) == (32, tile.reduce_item, 4, 128)     # the peer cap binds
+    assert shape(tile, 1, 4) == (32, tile.reduce_item, 4, 256)
+    assert shape(tile, 1, 2)[3] == tile.local_comm_block_c
+    assert shape(tile, 2, 6)[2:] == (8, 128)                       # slots padded
+    assert shape(tile, 2, 16)[3] == 64 and shape(tile, 2, 64)[3] == 16
+    assert shape(tile, 2, 256)[3] == 16                            # never under 16
+    odd = TileConfig(comm_entries=32, reduce_item=40)
+    assert shape(odd, 4, 2)[1] == 64 and shape(odd, 1, 2)[1] == 64

@@ -84,6 +84,9 @@ from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release,
 SPLIT_K_SLOTS = constexpr(256)
 #: Most rows of an m-tile in a split-K call (rows a partial tile keeps): small calls only.
 SPLIT_K_ROWS = constexpr(32)
+#: Fewest columns of a reduce step (a 16-byte vector of 2-byte elements is 8): top-k of
+#: up to ``reduce_step_elements / (comm_entries * 16)`` slots keep it.
+MIN_REDUCE_COLUMNS = 16
 #: Widest layer1 column block that runs K splits (the decode tile's): the last split's
 #: sum of two fp32 tiles of 256 columns spills registers at 8 warps (sm_90, triton 3.6).
 SPLIT_K_BLOCK_N = constexpr(128)
@@ -152,8 +155,7 @@ class ReduceTile(NamedTuple):
     BLOCK_C: tl.constexpr    # columns per step
     WEIGHTED: tl.constexpr   # weight each row (the forward) or plain sum (the backward)
     PAIRS: tl.constexpr      # also return :class:`Pairs`
-    GATHER: tl.constexpr     # load a step's k rows as one [ENTRIES, SLOTS, BLOCK_C] gather
-    SLOTS: tl.constexpr      # top-k rounded up to a power of two (the gather's middle axis)
+    SLOTS: tl.constexpr      # top-k rounded up to a power of two (a step's middle axis)
 
 
 def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
@@ -178,15 +180,18 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
 
 @functools.lru_cache(maxsize=64)
 def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int,
-                top_k: int = 1) -> ReduceTile:
-    """The reduce's tile in a layer of ``world`` GPUs: with peers, the small tile whose
-    stores keep the link busy; alone, the large one that streams HBM (TileConfig)."""
-    entries, block_c = ((tile.comm_entries, tile.comm_block_c) if world > 1
-                        else (tile.local_comm_entries, tile.local_comm_block_c))
+                top_k: int) -> ReduceTile:
+    """The reduce's tile in a layer of ``world`` GPUs and ``top_k`` slots per entry: a
+    step loads ``comm_entries x slots x columns`` elements (slots: ``top_k`` rounded up
+    to a power of two), as many columns as ``reduce_step_elements`` allows, at most
+    ``comm_block_c`` where its sums cross to a peer and ``local_comm_block_c`` alone."""
+    entries, slots = tile.comm_entries, triton.next_power_of_2(top_k)
+    cap = tile.comm_block_c if world > 1 else tile.local_comm_block_c
+    fits = tile.reduce_step_elements // (entries * slots)
+    block_c = min(cap, max(MIN_REDUCE_COLUMNS, 1 << max(fits.bit_length() - 1, 0)))
     item = -(-tile.reduce_item // entries) * entries
-    return ReduceTile(*(constexpr(v) for v in (
-        entries, item, block_c, weighted, pairs, tile.reduce_gather,
-        triton.next_power_of_2(top_k))))
+    return ReduceTile(*(constexpr(v) for v in (entries, item, block_c, weighted, pairs,
+                                                slots)))
 
 
 def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
@@ -388,8 +393,9 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 @triton.jit
 def _sum_slots(out1_ptr, H, rows, wgts, cols, col1, WEIGHTED: tl.constexpr):
     """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
-    sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here): one load of every
-    slot's row, so a step keeps k times the bytes in flight that a load per slot did."""
+    sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here). One load for every
+    slot: a load per slot kept a single slot's rows in flight, and a block read ~11 GB/s
+    (TileConfig.reduce_step_elements)."""
     ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
     v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & (cols[None, None, :] < col1),
                 other=0.0).to(tl.float32)
@@ -427,32 +433,19 @@ def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, p
         if rtile.PAIRS:
             if col0 == 0:
                 _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK)
-        if rtile.GATHER:
-            # Every slot's row index and weight once per entry block, not per column step.
-            slot = tl.arange(0, rtile.SLOTS)
-            smask = live[:, None] & (slot[None, :] < TOPK)
-            rows = tl.load(recv_rows + q[:, None] * TOPK + slot[None, :], mask=smask,
-                           other=-1).to(tl.int64)
-            wgts = None
-            if rtile.WEIGHTED:
-                wgts = tl.load(recv_weight + q[:, None] * TOPK + slot[None, :], mask=smask,
-                               other=0.0)
+        # Every slot's row index and weight once per entry block, not per column step.
+        slot = tl.arange(0, rtile.SLOTS)
+        smask = live[:, None] & (slot[None, :] < TOPK)
+        rows = tl.load(recv_rows + q[:, None] * TOPK + slot[None, :], mask=smask,
+                       other=-1).to(tl.int64)
+        wgts = None
+        if rtile.WEIGHTED:
+            wgts = tl.load(recv_weight + q[:, None] * TOPK + slot[None, :], mask=smask,
+                           other=0.0)
         for c0 in range(col0, col1, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             cmask = cols[None, :] < col1
-            if rtile.GATHER:
-                acc = _sum_slots(out1_ptr, H, rows, wgts, cols, col1, rtile.WEIGHTED)
-            else:
-                acc = tl.zeros((ENTRIES, BLOCK_C), dtype=tl.float32)
-                for j in tl.static_range(TOPK):
-                    row = tl.load(recv_rows + q * TOPK + j, mask=live, other=-1).to(tl.int64)
-                    v = tl.load(out1_ptr + row[:, None] * H + cols[None, :],
-                                mask=(row[:, None] >= 0) & cmask, other=0.0)
-                    if rtile.WEIGHTED:
-                        wgt = tl.load(recv_weight + q * TOPK + j, mask=live, other=0.0)
-                        acc += v.to(tl.float32) * wgt[:, None]
-                    else:
-                        acc += v.to(tl.float32)
+            acc = _sum_slots(out1_ptr, H, rows, wgts, cols, col1, rtile.WEIGHTED)
             for g in tl.static_range(FANOUT):
                 dst = dst0
                 if g > 0:
