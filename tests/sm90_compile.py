@@ -203,7 +203,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # the scatter epilogue and of the reduce's sends, the combine's liveness.
         mesh = MeshLayout(tp=2, ep=world // 2)
         mesh_ws = allocate_virtual(mesh.kernel_config(cfg), world, "cpu", tile)[1]
-        mesh_ws.fanout = mesh.home_fanout("replicated")
+        mesh_ws.fanout, mesh_ws.tp = mesh.home_fanout("replicated"), mesh.tp
         k_slots = cfg.top_k * mesh.tp
         shards = shard_routing(ids, wts, split, torch.zeros(64, k_slots, dtype=torch.int64),
                                torch.zeros(64, k_slots), num_experts=cfg.num_experts,

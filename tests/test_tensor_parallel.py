@@ -150,6 +150,34 @@ def test_hybrid_kernels_match_mesh_forward(layout, convention):
 
 
 @interpreter
+@pytest.mark.parametrize("layout,convention", [((2, 1), "replicated"), ((2, 2), "sequence"),
+                                               ((4, 1), "sequence")])
+def test_tensor_parallel_and_hybrid_reduce_reads_only_the_ranks_own_shard_slots(layout,
+                                                                                convention):
+    """An entry's slot ``j * tp + t`` is shard ``t`` of choice ``j``, which only TP index
+    ``t`` holds: the reduce gathers slots ``rank % tp + j * tp`` alone (``Reduce.
+    first_slot``, ``SLOT_STRIDE``). Every other slot of every received entry is -1, and
+    the outputs are the spec's."""
+    mesh = MeshLayout(*layout)
+    gen = torch.Generator().manual_seed(61)
+    ep, w13, w2 = _virtual(mesh, convention, "reduce", torch.float32, gen)
+    assert [ws.tp for ws in ep.ws] == [mesh.tp] * mesh.world
+    xs, ids, wts = _inputs(mesh, convention, "random", gen, ep.cfg.max_tokens, w13.shape[1])
+    ys = ep.forward(xs, ids, wts)
+    _close(ys, reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention,
+                                      round_to=torch.float32), torch.float32)
+    held = 0
+    for r, ws in enumerate(ep.ws):
+        rows = ws.recv.rows.local
+        for s in range(mesh.world):
+            got = rows[s, :int(ws.arrivals.entries[s])].long()
+            slot = torch.arange(got.shape[1])
+            assert (got[:, slot % mesh.tp != r % mesh.tp] == -1).all()
+            held += int((got[:, slot % mesh.tp == r % mesh.tp] >= 0).sum())
+    assert held > 0
+
+
+@interpreter
 def test_tensor_parallel_replicated_reduce_fans_each_sum_out_to_four_ranks():
     """The matrix's (4, 1) replicated cell runs the scatter; the reduce's fan-out to a
     group of four (one sum, stored on every rank of the group) runs here."""

@@ -137,14 +137,19 @@ class Pairs(NamedTuple):
 
 
 class Reduce(NamedTuple):
-    """The reduce role: the return entries this rank received, and where sums go."""
+    """The reduce role: the return entries this rank received, and where sums go. In a
+    (tp, ep) layout an entry's slot ``j * tp + t`` is shard ``t`` of choice ``j``, and a
+    rank holds only its own shard ``t``: the reduce reads slots ``first_slot + j *
+    SLOT_STRIDE`` (comet.mesh.MeshLayout.shard_routing)."""
 
     recv: EntryTables        # [W, Mx(, k)] by source: token, its rows here, their weights
     comb: PeerBuffer         # [W, Mx, H]: comb[r, t] on rank s = rank r's sum for token t
     max_tokens: int
+    first_slot: int          # this rank's TP index (0 with EP)
     queue: torch.Tensor      # int32 [1]: the reduce's item queue (zeroed per call)
     pairs: Pairs | None      # with PAIRS
     FANOUT: tl.constexpr = constexpr(1)  # a sum goes to the FANOUT ranks of its source's group
+    SLOT_STRIDE: tl.constexpr = constexpr(1)  # tp: a rank holds one slot in SLOT_STRIDE
 
 
 class ReduceTile(NamedTuple):
@@ -155,7 +160,7 @@ class ReduceTile(NamedTuple):
     BLOCK_C: tl.constexpr    # columns per step
     WEIGHTED: tl.constexpr   # weight each row (the forward) or plain sum (the backward)
     PAIRS: tl.constexpr      # also return :class:`Pairs`
-    SLOTS: tl.constexpr      # top-k rounded up to a power of two (a step's middle axis)
+    SLOTS: tl.constexpr      # slots a rank holds, rounded up to a power of two (a step's middle axis)
 
 
 def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
@@ -180,12 +185,14 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
 
 @functools.lru_cache(maxsize=64)
 def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int,
-                top_k: int) -> ReduceTile:
-    """The reduce's tile in a layer of ``world`` GPUs and ``top_k`` slots per entry: a
-    step loads ``comm_entries x slots x columns`` elements (slots: ``top_k`` rounded up
-    to a power of two), as many columns as ``reduce_step_elements`` allows, at most
-    ``comm_block_c`` where its sums cross to a peer and ``local_comm_block_c`` alone."""
-    entries, slots = tile.comm_entries, triton.next_power_of_2(top_k)
+                held_slots: int) -> ReduceTile:
+    """The reduce's tile in a layer of ``world`` GPUs whose entries hold at most
+    ``held_slots`` rows each (the top-k; in a (tp, ep) layout, one shard of each
+    choice): a step loads ``comm_entries x slots x columns`` elements (slots:
+    ``held_slots`` rounded up to a power of two), as many columns as
+    ``reduce_step_elements`` allows, at most ``comm_block_c`` where its sums cross to a
+    peer and ``local_comm_block_c`` alone."""
+    entries, slots = tile.comm_entries, triton.next_power_of_2(held_slots)
     cap = tile.comm_block_c if world > 1 else tile.local_comm_block_c
     fits = tile.reduce_step_elements // (entries * slots)
     block_c = min(cap, max(MIN_REDUCE_COLUMNS, 1 << max(fits.bit_length() - 1, 0)))
@@ -207,7 +214,7 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
         rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD),
-                          int(shape.TOPK)),
+                          int(shape.TOPK) // int(reduce.SLOT_STRIDE)),
         ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
 
 
@@ -433,8 +440,8 @@ def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, p
         if rtile.PAIRS:
             if col0 == 0:
                 _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK)
-        # Every slot's row index and weight once per entry block, not per column step.
-        slot = tl.arange(0, rtile.SLOTS)
+        # Every held slot's row index and weight once per entry block, not per column step.
+        slot = reduce.first_slot + reduce.SLOT_STRIDE * tl.arange(0, rtile.SLOTS)
         smask = live[:, None] & (slot[None, :] < TOPK)
         rows = tl.load(recv_rows + q[:, None] * TOPK + slot[None, :], mask=smask,
                        other=-1).to(tl.int64)

@@ -298,7 +298,7 @@ class FusedMoE:
         self.device = w13.device
         self.tile = tile
         self._virtual = virtual
-        ws.fanout = mesh.home_fanout(convention)
+        ws.fanout, ws.tp = mesh.home_fanout(convention), mesh.tp
         # The analyzer's answer for this layout, checked against the kernels' (layer0 by
         # rows, layer1 by columns).
         self.decomposition = kernel_decomposition(mesh, convention)

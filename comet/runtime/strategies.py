@@ -78,9 +78,9 @@ class ColumnReduce:
         recv = EntryTables(*(b.local for b in ws.recv))
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
-            progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx,
+            progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx, ws.rank % ws.tp,
                                                   ws.count.l1_reduce, pairs,
-                                                  constexpr(ws.fanout)),
+                                                  constexpr(ws.fanout), constexpr(ws.tp)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
             tile=tile, role=role, wait=wait, cooperative=cooperative)
 

@@ -71,7 +71,7 @@ class VirtualEP:
         self.ws = allocate_virtual(self.mesh.kernel_config(cfg), self.world, self.device,
                                    self.tile)
         for ws in self.ws:
-            ws.fanout = self.mesh.home_fanout(convention)
+            ws.fanout, ws.tp = self.mesh.home_fanout(convention), self.mesh.tp
         self._grad: list[GradBuffers] | None = None
 
     def _shard_routing(self, r: int, ids: torch.Tensor, weights: torch.Tensor,

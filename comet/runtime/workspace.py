@@ -150,6 +150,9 @@ class Workspace:
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
     #: (comet.mesh.MeshLayout.home_fanout); set by the layer before its first call.
     fanout: int = 1
+    #: The layout's TP size: of a token's ``k * tp`` slots this rank holds every
+    #: ``tp``-th, from its TP index (comet.mesh.MeshLayout.shard_routing); set likewise.
+    tp: int = 1
 
     def __post_init__(self):
         self.count = Counters.of(self.counters,
