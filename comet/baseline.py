@@ -161,8 +161,9 @@ def plan_dispatch(topk_ids: torch.Tensor, local_experts: int, group=None) -> Dis
 def _activate(gu: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
     """``h [R, F] = act(gate) * up`` of ``gu [R, 2F]`` in ``gu``'s dtype: one Triton pass on a
     GPU (:func:`comet.kernels.act_forward.gated_rows`, the fused activation a careful torch
-    user runs), torch's ops elsewhere."""
-    if gu.is_cuda:
+    user runs), torch's ops elsewhere -- and wherever autograd records ``gu``, which the
+    Triton pass would cut off from the gradients (a training step's reference)."""
+    if gu.is_cuda and not (gu.requires_grad and torch.is_grad_enabled()):
         return gated_rows(gu, activation)
     f = gu.shape[1] // 2
     if activation.is_default:

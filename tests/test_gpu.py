@@ -308,6 +308,32 @@ def _spec_step(moe, x, dy):
     return xf.grad, gate.grad, w13.grad, w2.grad
 
 
+def test_unfused_baseline_is_differentiable_on_the_gpu():
+    """comet.baseline.ep_moe_forward runs its activation as one Triton pass on a GPU; where
+    autograd records the expert rows (train_step.py's torch reference) it runs torch's
+    ops instead, so every input gets the gradient autograd of the fp32 spec gives
+    (within bf16); without autograd the Triton pass gives the spec's output."""
+    from comet.baseline import ep_moe_forward
+    e, k, h, f = SCALED["mixtral"]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(64, h, generator=g, device="cuda")
+    ids = torch.randint(0, e, (64, k), generator=g, device="cuda")
+    wts = torch.rand(64, k, generator=g, device="cuda")
+    w13 = torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5
+    w2 = torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5
+    dy = torch.randn(64, h, generator=g, device="cuda")
+    inputs = [x.bfloat16(), wts, w13.bfloat16(), w2.bfloat16()]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    (ep_moe_forward(leaves[0], ids, *leaves[1:]).float() * dy).sum().backward()
+    spec = [t.float().requires_grad_() for t in inputs]
+    (reference.moe_forward(spec[0], ids, *spec[1:]) * dy).sum().backward()
+    for got, want in zip(leaves, spec):
+        assert got.grad is not None and _rel_err(got.grad, want.grad) < 2e-2
+    with torch.no_grad():
+        y = ep_moe_forward(*inputs[:1], ids, *inputs[1:])
+    assert _rel_err(y, reference.moe_forward(*spec[:1], ids, *spec[1:])) < 1e-2
+
+
 @pytest.mark.parametrize("name", list(SCALED))
 def test_training_step_matches_autograd_of_the_spec(name):
     """A CometMoE on the GPU trains: the fused forward, then the backward, give x, the
