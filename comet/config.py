@@ -318,14 +318,16 @@ class TileConfig:
         comm_entries: return entries per step of the layer1 reduce, and the copy tile of
             return entries in the dispatch.
         reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x
-            the top-k (rounded up to a power of two) x as many columns as fit, at most
-            ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on one
-            (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather, so a
-            block keeps ``reduce_step_elements`` in flight: a load per slot kept one
-            slot's rows in flight and a block read ~11 GB/s. With the gather the reduce
+            the slots an entry holds (the top-k; in a (tp, ep) layout one shard's, ``k``
+            of ``k * tp``; rounded up to a power of two) x as many columns as fit, at
+            most ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on
+            one (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather,
+            whose loads a thread issues together: a load per slot kept about one slot's
+            rows in flight and a block read ~11 GB/s. With the gather the reduce
             alone took 0.70-0.89x the time on one GPU (Qwen2-MoE, Mixtral; 1.03x
-            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.88x at (2,1)
-            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``).
+            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.89x at (2,1)
+            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``, ``-r46-*``); whole
+            calls did not move (docs/notebook.md).
         comm_block_c / local_comm_block_c: most columns of a reduce step where its sums
             cross to a peer / stay in HBM. Where the reduce stores its sums to a peer,
             64 x 256 steps took 1.6-2x the time of 32 x 128 (its stores crossed the link
