@@ -84,8 +84,8 @@ from comet.kernels.sync import (Sync, Trace, arrive, clock_ns, healthy, release,
 SPLIT_K_SLOTS = constexpr(256)
 #: Most rows of an m-tile in a split-K call (rows a partial tile keeps): small calls only.
 SPLIT_K_ROWS = constexpr(32)
-#: Fewest columns of a reduce step (a 16-byte vector of 2-byte elements is 8): top-k of
-#: up to ``reduce_step_elements / (comm_entries * 16)`` slots keep it.
+#: Fewest columns of a reduce step: one with more slots than ``reduce_step_elements``
+#: allows at this width loads more than the budget rather than narrower rows.
 MIN_REDUCE_COLUMNS = 16
 #: Widest layer1 column block that runs K splits (the decode tile's): the last split's
 #: sum of two fp32 tiles of 256 columns spills registers at 8 warps (sm_90, triton 3.6).
@@ -160,7 +160,7 @@ class ReduceTile(NamedTuple):
     BLOCK_C: tl.constexpr    # columns per step
     WEIGHTED: tl.constexpr   # weight each row (the forward) or plain sum (the backward)
     PAIRS: tl.constexpr      # also return :class:`Pairs`
-    SLOTS: tl.constexpr      # slots a rank holds, rounded up to a power of two (a step's middle axis)
+    SLOTS: tl.constexpr      # slots an entry holds here, as a power of two (a step's axis 1)
 
 
 def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: TileConfig,
