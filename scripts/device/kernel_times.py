@@ -35,7 +35,8 @@ from comet.runtime.layer import FusedMoE
 TILE_FIELDS = ("block_m", "block_n0", "block_n1", "num_warps", "num_stages", "splits")
 #: TileConfig fields recorded with every result (besides TILE_FIELDS).
 RECORDED = ("comm_rows", "lane_head_rounds", "lane_tail_rounds", "layer0_gather",
-            "layer0_live_rows", "layer0_stream_k", "layer1_scatter", "small_plan_blocks")
+            "layer0_live_rows", "layer0_stream_k", "layer1_scatter", "small_plan_blocks",
+            "comm_entries", "comm_block_c", "local_comm_block_c", "reduce_step_elements")
 
 
 def parse_tile(text: str) -> dict:
