@@ -398,13 +398,13 @@ def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexp
 
 
 @triton.jit
-def _sum_slots(out1_ptr, H, rows, wgts, cols, col1, WEIGHTED: tl.constexpr):
+def _sum_slots(out1_ptr, H, rows, wgts, cols, cmask, WEIGHTED: tl.constexpr):
     """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
-    sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here). One load for every
-    slot: a load per slot kept a single slot's rows in flight, and a block read ~11 GB/s
-    (TileConfig.reduce_step_elements)."""
+    sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here) over the columns of
+    ``cmask [1, BLOCK_C]``. One load for every slot: a load per slot kept a single slot's
+    rows in flight, and a block read ~11 GB/s (TileConfig.reduce_step_elements)."""
     ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
-    v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & (cols[None, None, :] < col1),
+    v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & cmask[:, None, :],
                 other=0.0).to(tl.float32)
     if WEIGHTED:
         v = v * wgts[:, :, None]
@@ -452,7 +452,7 @@ def _reduce_entries(out1_ptr, H, reduce, source, rank, start, end, col0, col1, p
         for c0 in range(col0, col1, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             cmask = cols[None, :] < col1
-            acc = _sum_slots(out1_ptr, H, rows, wgts, cols, col1, rtile.WEIGHTED)
+            acc = _sum_slots(out1_ptr, H, rows, wgts, cols, cmask, rtile.WEIGHTED)
             for g in tl.static_range(FANOUT):
                 dst = dst0
                 if g > 0:
