@@ -30,17 +30,49 @@ COMBINE_PROGRAMS_PER_SM = 4
 class Parts(NamedTuple):
     """What a token's output is summed from: part ``i`` of token ``t`` is row
     ``i * part_stride + t * token_stride`` of ``rows``, present when ``live[t, i]`` --
-    or, with ``FANOUT > 1`` (a replicated TP layout, comet.mesh), when ``live[t, i']``
-    for ``i'`` the part of this rank's TP index in ``i``'s group of ``FANOUT``: the
+    or, with ``fanout > 1`` (a replicated TP layout, comet.mesh), when ``live[t, i']``
+    for ``i'`` the part of this rank's TP index in ``i``'s group of ``fanout``: the
     rank's own plan only knows its own shard's slots (and ranks), and the TP peers'
     parts of the same group are live exactly when its own is."""
 
     rows: torch.Tensor       # [*, H]
-    live: torch.Tensor       # int32 [Mx, COUNT]
+    live: torch.Tensor       # int32 [Mx, count]
     part_stride: int
     token_stride: int
-    COUNT: tl.constexpr      # parts per token
-    FANOUT: tl.constexpr = constexpr(1)
+    count: int               # parts per token
+    fanout: int = 1
+
+
+class Combine(NamedTuple):
+    """The combine as its kernels take it: :class:`Parts` summed into the output whose
+    address is in ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``),
+    in items of ``ROWS`` tokens x ``BLOCK_H`` columns. The combine kernel takes it, and
+    so does layer1's scatter kernel where a call runs the combine on layer1's programs
+    (``TileConfig.combine_in_layer1``). Flat, every constexpr a field of its own: a
+    group nested in a kernel argument read its constexprs as None after a run-time
+    ``if`` of the scatter kernel (Triton 3.6; docs/design.md, "Kernel arguments")."""
+
+    rows: torch.Tensor       # [*, H]
+    live: torch.Tensor       # int32 [Mx, COUNT]
+    y_addr: torch.Tensor     # int64 [1]
+    num_tokens: torch.Tensor  # int64 [1]
+    PART_STRIDE: tl.constexpr
+    TOKEN_STRIDE: tl.constexpr
+    COUNT: tl.constexpr
+    FANOUT: tl.constexpr
+    H: tl.constexpr
+    ROWS: tl.constexpr
+    BLOCK_H: tl.constexpr
+
+
+def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor, hidden: int,
+               tile: TileConfig) -> Combine:
+    """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile."""
+    return Combine(parts.rows, parts.live, y_addr, num_tokens,
+                   *(constexpr(int(v)) for v in (
+                       parts.part_stride, parts.token_stride, parts.count, parts.fanout,
+                       hidden, tile.combine_rows, min(tile.combine_block_h,
+                                                      next_pow2(hidden)))))
 
 
 def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torch.Tensor,
@@ -51,59 +83,72 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     ``flag1`` says its parts landed (``wait``)."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
-    block_h = min(tile.combine_block_h, next_pow2(hidden))
-    grid = max(1, min(grid, triton.cdiv(max_tokens, tile.combine_rows)
-                      * triton.cdiv(hidden, block_h)))
+    combine = combine_of(parts, y_addr, num_tokens, hidden, tile)
+    rows, block_h = int(combine.ROWS), int(combine.BLOCK_H)
+    grid = max(1, min(grid, triton.cdiv(max_tokens, rows) * triton.cdiv(hidden, block_h)))
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
     per_warp = 32 * (int(ADDRESS_ALIGN) // parts.rows.dtype.itemsize)
-    warps = max(1, min(tile.combine_warps, tile.combine_rows * block_h // per_warp))
-    combine_kernel[(grid,)](
-        parts=parts, flag1=flag1, y_addr=y_addr, num_tokens=num_tokens, H=hidden, sync=sync,
-        WAIT=wait, ROWS=tile.combine_rows, BLOCK_H=block_h, num_warps=warps)
+    warps = max(1, min(tile.combine_warps, rows * block_h // per_warp))
+    combine_kernel[(grid,)](combine=combine, flag1=flag1, sync=sync, WAIT=wait,
+                            num_warps=warps)
 
 
 @triton.jit
-def combine_kernel(parts, flag1, y_addr, num_tokens, H, sync, WAIT: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``y[t] = sum_{i < COUNT, live[t, i]} parts.rows[i * part_stride + t *
-    token_stride]`` in fp32, in the fixed order of ``i``. Persistent: a fixed grid loops
-    over items of ``ROWS`` tokens x ``BLOCK_H`` columns -- several programs per SM on a
-    GPU of its own (a stream needs many loads in flight), few when W virtual ranks share
-    one GPU (spinning programs must not fill it). The token count and the output's
-    address are read on the device, so one captured launch serves every call."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    parts_ptr = parts.rows
-    y_ptr = pointer_at(y_addr, 0, parts_ptr)
+def combine_kernel(combine, flag1, sync, WAIT: tl.constexpr):
+    """``y[t] = sum_{i < COUNT, live[t, i]} rows[i * PART_STRIDE + t * TOKEN_STRIDE]``
+    in fp32, in the fixed order of ``i`` (:class:`Combine`). Persistent:
+    a fixed grid loops over the items -- several programs per SM on a GPU of its own (a
+    stream needs many loads in flight), few when W virtual ranks share one GPU (spinning
+    programs must not fill it). The token count and the output's address are read on the
+    device, so one captured launch serves every call."""
     epoch = tl.load(sync.epoch)
-    n_tokens = tl.load(num_tokens)
     ready = tl.full([], 1, tl.int32)
     if WAIT:
-        for d in range(sync.WORLD):
-            ready = ready & wait_at_least(flag1 + d, epoch, sync, SITE_COMBINE, d, "sys")
+        ready = await_parts(flag1, epoch, sync)
     if ready:
-        # Items of (token block, column block): a small call's few tokens still spread
-        # over as many programs as their row has column blocks; the parts of an item
-        # are loaded in one unrolled run, so their HBM round trips overlap (a 1-token
-        # DeepSeek-V3-like row, 2 blocks x 8 parts, was 16 round trips one after another).
-        h_blocks = tl.cdiv(H, BLOCK_H)
-        for item in range(pid, tl.cdiv(n_tokens, ROWS) * h_blocks, n_prog):
-            b = item // h_blocks
-            h0 = (item % h_blocks) * BLOCK_H
-            rows = b * ROWS + tl.arange(0, ROWS)
-            live = rows < n_tokens
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = live[:, None] & (cols[None, :] < H)
-            acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-            for i in tl.static_range(parts.COUNT):
-                known = i
-                if parts.FANOUT > 1:
-                    known = i - i % parts.FANOUT + sync.rank % parts.FANOUT
-                sent = tl.load(parts.live + rows * parts.COUNT + known, mask=live,
-                               other=0) != 0
-                part = (i * parts.part_stride + rows[:, None] * parts.token_stride).to(tl.int64)
-                v = tl.load(parts_ptr + part * H + cols[None, :],
-                            mask=cmask & sent[:, None], other=0.0)
-                acc += v.to(tl.float32)
-            tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=cmask)
+        combine_items(combine, sync.rank, tl.program_id(0), tl.num_programs(0))
+
+
+@triton.jit
+def await_parts(flag1, epoch, sync):
+    """Wait until every rank's ``flag1`` (on this rank) says its parts of call ``epoch``
+    landed; 1 in every thread when they did, 0 when the group gave up."""
+    ready = tl.full([], 1, tl.int32)
+    for d in range(sync.WORLD):
+        ready = ready & wait_at_least(flag1 + d, epoch, sync, SITE_COMBINE, d, "sys")
+    return ready
+
+
+@triton.jit
+def combine_items(combine, rank, pid, n_prog):
+    """The combine's items ``pid, pid + n_prog, ...``: each sums the live parts of
+    ``ROWS`` tokens over ``BLOCK_H`` columns and stores them into the output."""
+    rows_ptr = combine.rows
+    y_ptr = pointer_at(combine.y_addr, 0, rows_ptr)
+    n_tokens = tl.load(combine.num_tokens)
+    H = combine.H
+    # Items of (token block, column block): a small call's few tokens still spread over
+    # as many programs as their row has column blocks; the parts of an item are loaded in
+    # one unrolled run, so their HBM round trips overlap (a 1-token DeepSeek-V3-like row,
+    # 2 blocks x 8 parts, was 16 round trips one after another).
+    h_blocks = tl.cdiv(H, combine.BLOCK_H)
+    for item in range(pid, tl.cdiv(n_tokens, combine.ROWS) * h_blocks, n_prog):
+        b = item // h_blocks
+        h0 = (item % h_blocks) * combine.BLOCK_H
+        rows = b * combine.ROWS + tl.arange(0, combine.ROWS)
+        live = rows < n_tokens
+        cols = h0 + tl.arange(0, combine.BLOCK_H)
+        cmask = live[:, None] & (cols[None, :] < H)
+        acc = tl.zeros((combine.ROWS, combine.BLOCK_H), dtype=tl.float32)
+        for i in tl.static_range(combine.COUNT):
+            known = i
+            if combine.FANOUT > 1:
+                known = i - i % combine.FANOUT + rank % combine.FANOUT
+            sent = tl.load(combine.live + rows * combine.COUNT + known, mask=live,
+                           other=0) != 0
+            part = (i * combine.PART_STRIDE + rows[:, None] * combine.TOKEN_STRIDE).to(tl.int64)
+            v = tl.load(rows_ptr + part * H + cols[None, :], mask=cmask & sent[:, None],
+                        other=0.0)
+            acc += v.to(tl.float32)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=cmask)

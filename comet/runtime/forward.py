@@ -30,7 +30,7 @@ import torch
 
 from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
-from comet.kernels.combine import launch_combine
+from comet.kernels.combine import Combine, combine_of, launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
@@ -201,6 +201,12 @@ class ForwardCall:
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,
                             split=self.inputs.split1)
+        # A small call's combine runs on layer1's programs (TileConfig.combine_in_layer1):
+        # only in one fused launch, whose programs wait for the peers' layer1 together.
+        self.combine_in_layer1 = (self.fused and tile.combine_in_layer1 > 0
+                                  and self.strategy.combines_in_layer1)
+        if self.combine_in_layer1:
+            self._layer1["combine"] = self._combine()
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
                                    self.inputs.num_tokens)
 
@@ -253,6 +259,12 @@ class ForwardCall:
                        num_tokens=s.num_tokens, hidden=ws.cfg.hidden_size,
                        max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile)
 
+    def _combine(self) -> Combine:
+        """The combine of this call's outputs as layer1's programs run it."""
+        ws, s = self.ws, self.inputs
+        return combine_of(self.strategy.parts(ws), s.y_addr, s.num_tokens,
+                          ws.cfg.hidden_size, self.tile)
+
     def _layer0_phases(self) -> list[Phase]:
         """Fused with comm blocks as one launch; else the comm role (unless computing
         only), then the compute role (unless communicating only) as two."""
@@ -286,6 +298,6 @@ class ForwardCall:
         return phases
 
     def _combine_phases(self) -> list[Phase]:
-        if self.mode == "compute_only":
+        if self.mode == "compute_only" or self.combine_in_layer1:
             return []
         return [lambda: self.launch_combine(self.grids.combine)]
