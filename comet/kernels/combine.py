@@ -66,13 +66,24 @@ class Combine(NamedTuple):
 
 
 def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor, hidden: int,
-               tile: TileConfig) -> Combine:
-    """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile."""
+               tile: TileConfig, warps: int | None = None) -> Combine:
+    """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile --
+    for programs of ``warps`` warps (another kernel's), with as many more rows per item
+    as give each thread a 16-byte vector: one element per thread compiles to 2-byte
+    accesses."""
+    block_h = min(tile.combine_block_h, next_pow2(hidden))
+    rows = tile.combine_rows
+    if warps is not None:
+        rows = max(rows, warps * _vector_warp(parts) // block_h)
     return Combine(parts.rows, parts.live, y_addr, num_tokens,
                    *(constexpr(int(v)) for v in (
                        parts.part_stride, parts.token_stride, parts.count, parts.fanout,
-                       hidden, tile.combine_rows, min(tile.combine_block_h,
-                                                      next_pow2(hidden)))))
+                       hidden, rows, block_h)))
+
+
+def _vector_warp(parts: Parts) -> int:
+    """Elements a warp holds with one 16-byte vector per thread."""
+    return 32 * (int(ADDRESS_ALIGN) // parts.rows.dtype.itemsize)
 
 
 def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torch.Tensor,
@@ -87,8 +98,7 @@ def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torc
     rows, block_h = int(combine.ROWS), int(combine.BLOCK_H)
     grid = max(1, min(grid, triton.cdiv(max_tokens, rows) * triton.cdiv(hidden, block_h)))
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
-    per_warp = 32 * (int(ADDRESS_ALIGN) // parts.rows.dtype.itemsize)
-    warps = max(1, min(tile.combine_warps, rows * block_h // per_warp))
+    warps = max(1, min(tile.combine_warps, rows * block_h // _vector_warp(parts)))
     combine_kernel[(grid,)](combine=combine, flag1=flag1, sync=sync, WAIT=wait,
                             num_warps=warps)
 

@@ -263,7 +263,7 @@ class ForwardCall:
         """The combine of this call's outputs as layer1's programs run it."""
         ws, s = self.ws, self.inputs
         return combine_of(self.strategy.parts(ws), s.y_addr, s.num_tokens,
-                          ws.cfg.hidden_size, self.tile)
+                          ws.cfg.hidden_size, self.tile, warps=self.tile.num_warps)
 
     def _layer0_phases(self) -> list[Phase]:
         """Fused with comm blocks as one launch; else the comm role (unless computing
