@@ -65,40 +65,38 @@ class Combine(NamedTuple):
     BLOCK_H: tl.constexpr
 
 
-def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor, hidden: int,
+def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor,
                tile: TileConfig, warps: int | None = None) -> Combine:
     """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile --
     for programs of ``warps`` warps (another kernel's), with as many more rows per item
     as give each thread a 16-byte vector: one element per thread compiles to 2-byte
     accesses."""
+    hidden = parts.rows.shape[-1]
     block_h = min(tile.combine_block_h, next_pow2(hidden))
     rows = tile.combine_rows
     if warps is not None:
-        rows = max(rows, warps * _vector_warp(parts) // block_h)
+        rows = max(rows, warps * _vector_warp(parts.rows) // block_h)
     return Combine(parts.rows, parts.live, y_addr, num_tokens,
                    *(constexpr(int(v)) for v in (
                        parts.part_stride, parts.token_stride, parts.count, parts.fanout,
                        hidden, rows, block_h)))
 
 
-def _vector_warp(parts: Parts) -> int:
-    """Elements a warp holds with one 16-byte vector per thread."""
-    return 32 * (int(ADDRESS_ALIGN) // parts.rows.dtype.itemsize)
+def _vector_warp(rows: torch.Tensor) -> int:
+    """Elements of ``rows`` a warp holds with one 16-byte vector per thread."""
+    return 32 * (int(ADDRESS_ALIGN) // rows.dtype.itemsize)
 
 
-def launch_combine(grid: int, *, parts: Parts, flag1: torch.Tensor, y_addr: torch.Tensor,
-                   num_tokens: torch.Tensor, hidden: int, max_tokens: int, sync: Sync,
-                   tile: TileConfig, wait: bool = True) -> None:
-    """Sum the parts into the output whose address is in ``y_addr`` (``[M, H]``, ``M`` in
-    the device scalar ``num_tokens``), on at most ``grid`` programs, once every rank's
-    ``flag1`` says its parts landed (``wait``)."""
+def launch_combine(grid: int, *, combine: Combine, flag1: torch.Tensor, max_tokens: int,
+                   sync: Sync, tile: TileConfig, wait: bool = True) -> None:
+    """Sum ``combine``'s parts into its output (:func:`combine_of`) on at most ``grid``
+    programs, once every rank's ``flag1`` says its parts landed (``wait``)."""
     # Even with no tokens every program waits for every rank's flag1: the wait closes
     # the call (see comet.runtime.workspace).
-    combine = combine_of(parts, y_addr, num_tokens, hidden, tile)
     rows, block_h = int(combine.ROWS), int(combine.BLOCK_H)
-    grid = max(1, min(grid, triton.cdiv(max_tokens, rows) * triton.cdiv(hidden, block_h)))
+    grid = max(1, min(grid, triton.cdiv(max_tokens, rows) * triton.cdiv(int(combine.H), block_h)))
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
-    warps = max(1, min(tile.combine_warps, rows * block_h // _vector_warp(parts)))
+    warps = max(1, min(tile.combine_warps, rows * block_h // _vector_warp(combine.rows)))
     combine_kernel[(grid,)](combine=combine, flag1=flag1, sync=sync, WAIT=wait,
                             num_warps=warps)
 

@@ -43,7 +43,7 @@ from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
 from comet.grouped import grouped_weight_grad
 from comet.kernels import exchange, grad_rows
 from comet.kernels.act_backward import act_backward_rows
-from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM, launch_combine
+from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM, combine_of, launch_combine
 from comet.kernels.layer0 import launch_layer0, layer0_gemm
 from comet.kernels.layer1 import Pairs, layer1_gemm
 from comet.kernels.plan import EntryTables, Routing
@@ -148,6 +148,8 @@ class BackwardCall:
                                                  else ROW_PROGRAMS_PER_SM))
         ws = self.ws
         self._routing = Routing.of(self.staged_ids, self.staged_weights, self._m)
+        self._dx_combine = combine_of(ColumnReduce.parts(ws), self._addr["dx"], self._m,
+                                      self.tile)
         self._open_call, self._plan = plan_phases(ws, self._routing, self.tile)
         # The second handshake's exchange: a kernel of its own (no plan runs with it).
         self._handshake = (ws.plan.block_counts[-1], ws.exchange(in_plan=False))
@@ -302,10 +304,8 @@ class BackwardCall:
     def _combine(self) -> None:
         ws = self.ws
         grid = self.grid * (COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
-        launch_combine(grid, parts=ColumnReduce.parts(ws), flag1=ws.flag1,
-                       y_addr=self._addr["dx"], num_tokens=self._m,
-                       hidden=self.cfg.hidden_size, max_tokens=self.cfg.max_tokens,
-                       sync=ws.sync, tile=self.tile)
+        launch_combine(grid, combine=self._dx_combine, flag1=ws.flag1,
+                       max_tokens=self.cfg.max_tokens, sync=ws.sync, tile=self.tile)
 
     def _finish(self) -> None:
         """The routing weights' gradients; zero the weight gradients of experts that got

@@ -30,7 +30,7 @@ import torch
 
 from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
-from comet.kernels.combine import Combine, combine_of, launch_combine
+from comet.kernels.combine import combine_of, launch_combine
 from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
@@ -205,8 +205,12 @@ class ForwardCall:
         # only in one fused launch, whose programs wait for the peers' layer1 together.
         self.combine_in_layer1 = (self.fused and tile.combine_in_layer1 > 0
                                   and self.strategy.combines_in_layer1)
+        parts = self.strategy.parts(ws)
         if self.combine_in_layer1:
-            self._layer1["combine"] = self._combine()
+            self._layer1["combine"] = combine_of(parts, self.inputs.y_addr,
+                                                 self.inputs.num_tokens, tile,
+                                                 warps=tile.num_warps)
+        self._combine = combine_of(parts, self.inputs.y_addr, self.inputs.num_tokens, tile)
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
                                    self.inputs.num_tokens)
 
@@ -254,16 +258,9 @@ class ForwardCall:
 
     def launch_combine(self, grid: int) -> None:
         """The combine of this call's outputs on at most ``grid`` programs."""
-        ws, s = self.ws, self.inputs
-        launch_combine(grid, parts=self.strategy.parts(ws), flag1=ws.flag1, y_addr=s.y_addr,
-                       num_tokens=s.num_tokens, hidden=ws.cfg.hidden_size,
+        ws = self.ws
+        launch_combine(grid, combine=self._combine, flag1=ws.flag1,
                        max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile)
-
-    def _combine(self) -> Combine:
-        """The combine of this call's outputs as layer1's programs run it."""
-        ws, s = self.ws, self.inputs
-        return combine_of(self.strategy.parts(ws), s.y_addr, s.num_tokens,
-                          ws.cfg.hidden_size, self.tile, warps=self.tile.num_warps)
 
     def _layer0_phases(self) -> list[Phase]:
         """Fused with comm blocks as one launch; else the comm role (unless computing
