@@ -87,6 +87,19 @@ def test_the_small_plan_matches_the_spec_over_several_blocks(kind, staged):
         _check_against_spec(world, el, k, 40, kind, staged, small=True)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["exact", "staged"])
+def test_the_small_plan_counts_its_blocks_in_steps(staged):
+    """The opening counts several token blocks per step, fewer the more experts there
+    are: at 128 experts a step is 4 blocks, so 150 tokens at top-3 (10 blocks of 16) take
+    two whole steps and a partial one, each carrying the counts before it."""
+    from comet.kernels.plan import open_step_blocks, plan_block_tokens
+    from comet.kernels.shape import next_pow2
+    step = open_step_blocks(next_pow2(128 + 1))
+    blocks = -(-150 // plan_block_tokens(3))
+    assert step == 4 and 2 * step < blocks < 3 * step
+    _check_against_spec(2, 64, 3, 150, "random", staged, small=True)
+
+
 def _check_against_spec(world, el, k, mx, kind, staged, small):
     cfg, ids, wts, wss, counts, layout, tile = _plan_both(world, el, k, mx, kind,
                                                           seed=world * 10 + el + len(kind),

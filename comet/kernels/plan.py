@@ -24,9 +24,9 @@ A small call (``TileConfig.small_plan_blocks``) plans in two launches instead of
 otherwise), copies the caller's routing into the staged rows (otherwise a launch of
 :mod:`comet.kernels.stage_routing`), counts and sums the token blocks and pushes the
 totals, all in one program; and the layout kernel's programs place the send list
-(``PLACE``), a token block each. The opening counts the call's blocks one after the
-other, so it is right for any token count and fast for a few blocks only: the host picks
-the two-launch plan per call (comet.runtime.selection).
+(``PLACE``), a token block each. The opening counts the call's blocks a step of several
+at a time in its one program, so it is right for any token count and fast for a few
+steps only: the host picks the two-launch plan per call (comet.runtime.selection).
 
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
@@ -72,6 +72,13 @@ LAYOUT_PROGRAMS = 16
 SCAN_ROWS, SCAN_COLS = 256, 16
 #: Tiles of an expert cell the layout kernel writes per step.
 TILE_CHUNK = constexpr(64)
+#: A small call's opening (open_kernel) counts several token blocks per step, as many as
+#: keep a step's pairs and its (block, expert) histogram cells within these. Triton's
+#: histogram holds a warp's cells in each lane's registers (cells / 32 per thread,
+#: whatever the warps): at 2048 cells the opening took 128-255 registers on sm_90, at
+#: 4096 it spilled; at 1024, 80-116 (Triton 3.6, E = 8..512).
+OPEN_STEP_PAIRS = 1024
+OPEN_STEP_CELLS = 1024
 
 
 class Routing(NamedTuple):
@@ -178,6 +185,13 @@ def plan_block_tokens(top_k: int) -> int:
     return max(1, PLAN_BLOCK_PAIRS // next_pow2(int(top_k)))
 
 
+def open_step_blocks(bins: int) -> int:
+    """Token blocks a step of :func:`open_kernel` counts at once for a histogram of
+    ``bins`` (a power of two): at most ``OPEN_STEP_PAIRS`` pairs and
+    ``OPEN_STEP_CELLS`` cells, at least one block."""
+    return max(1, min(OPEN_STEP_PAIRS // PLAN_BLOCK_PAIRS, OPEN_STEP_CELLS // bins))
+
+
 def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, device,
                   block_m: int, rank_slots: int | None = None) -> Plan:
     """The plan tables of a layer (sized for ``max_tokens`` tokens per rank; a token's
@@ -245,12 +259,13 @@ def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Syn
     :func:`launch_counts` do in five launches. ``counters``: the call's local int32
     counters, zeroed."""
     n = counters.numel()
+    bins = next_pow2(shape.NUM_EXPERTS + 1)
     open_kernel[(1,)](
         routing=routing, stage=stage, block_counts=plan.block_counts,
         blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
         exchange=exchange, sync=sync, shape=shape, COUNTERS=n, COUNTERS_P2=next_pow2(n),
-        STAGE=stage is not None, BINS=next_pow2(shape.NUM_EXPERTS + 1),
-        BLOCK_T=plan_block_tokens(shape.TOPK), num_warps=4)
+        STAGE=stage is not None, BINS=bins, BLOCK_T=plan_block_tokens(shape.TOPK),
+        STEP_BLOCKS=open_step_blocks(bins), num_warps=4)
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
@@ -325,64 +340,90 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
     b = tl.program_id(0)
     rows = _token_rows(routing)
     if b * BLOCK_T < rows:
-        per_expert, per_dest = _count_block(routing.ids, b * BLOCK_T + tl.arange(0, BLOCK_T),
-                                            rows, input_err, epoch, shape, BINS)
+        per_expert, per_dest = _count_step(routing.ids, b * BLOCK_T + tl.arange(0, BLOCK_T),
+                                           rows, input_err, epoch, shape, BINS, BLOCK_T, 1)
         _store_counts(block_counts + (b + 1) * (shape.NUM_EXPERTS + shape.WORLD),
-                      per_expert, per_dest, shape, BINS)
-
-
-@triton.jit
-def _count_block(ids, t, rows, input_err, epoch, shape, BINS: tl.constexpr):
-    """Pairs per expert (``[BINS]``; bin E holds the slots with no expert) and tokens per
-    destination rank (``[W_P2]``) of tokens ``t``; reports invalid ids."""
-    e, valid, bad = _pairs(ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS, rows)
-    _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch, shape.TOPK_P2)
-    binned = tl.reshape(tl.where(valid, e, shape.NUM_EXPERTS), (t.shape[0] * shape.TOPK_P2,))
-    dests = tl.arange(0, shape.W_P2)
-    per_dest = tl.zeros([shape.W_P2], tl.int32)
-    dest = e // shape.LOCAL_EXPERTS
-    for d in range(shape.WORLD):
-        on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
-        per_dest += tl.where(dests == d, tl.sum(on, axis=0), 0)
-    return tl.histogram(binned, BINS), per_dest
+                      tl.reshape(per_expert, (BINS,)), tl.reshape(per_dest, (shape.W_P2,)),
+                      shape, BINS)
 
 
 @triton.jit
 def open_kernel(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
                 shape, COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr,
-                STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr):
+                STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr,
+                STEP_BLOCKS: tl.constexpr):
     """A small call's opening in one program: the next epoch and ``COUNTERS`` zeroed
     counters; with ``STAGE`` the caller's routing copied into the staged rows; rows ``1..
     used`` of ``block_counts`` as :func:`count_kernel` then :func:`scan_kernel` leave them
     (each block's counts added to those before it, in block order) and the totals in row
-    ``blocks``; then the totals pushed to every peer. One block after another, so any
-    token count is right but only a few blocks are fast."""
+    ``blocks``; then the totals pushed to every peer.
+
+    ``STEP_BLOCKS`` token blocks per step (:func:`open_step_blocks`): one load of their
+    routing, one histogram of their (block, expert) keys, a prefix over the blocks, one
+    store of their rows. A block per step was a chain of dependent loads, ~1 us per
+    block on an H100 (docs/benchmarks.md, levers of issue 41)."""
     tl.store(sync.epoch, tl.load(sync.epoch) + 1)
     c = tl.arange(0, COUNTERS_P2)
     tl.store(counters + c, tl.zeros([COUNTERS_P2], tl.int32), mask=c < COUNTERS)
     barrier()    # what follows reads the new epoch (error reports, the push)
     COLS: tl.constexpr = shape.NUM_EXPERTS + shape.WORLD
+    STEP_T: tl.constexpr = STEP_BLOCKS * BLOCK_T
     rows = _token_rows(routing)
     ids = routing.ids
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
-    per_expert = tl.zeros([BINS], tl.int32)
-    per_dest = tl.zeros([shape.W_P2], tl.int32)
+    carry_e = tl.zeros([BINS], tl.int32)
+    carry_d = tl.zeros([shape.W_P2], tl.int32)
     j = tl.arange(0, shape.TOPK_P2)
-    for b in range(0, tl.cdiv(rows, BLOCK_T)):
-        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.arange(0, STEP_BLOCKS)
+    bins = tl.arange(0, BINS)
+    dests = tl.arange(0, shape.W_P2)
+    for b0 in range(0, tl.cdiv(rows, BLOCK_T), STEP_BLOCKS):
+        t = b0 * BLOCK_T + tl.arange(0, STEP_T)
         if STAGE:
             stage_pairs(stage, t[:, None] * shape.TOPK + j[None, :],
                         (t[:, None] < rows) & (j[None, :] < shape.TOPK))
-        block_experts, block_dests = _count_block(ids, t, rows, input_err, sync.epoch, shape,
-                                                  BINS)
-        per_expert += block_experts
-        per_dest += block_dests
-        _store_counts(block_counts + (b + 1) * COLS, per_expert, per_dest, shape, BINS)
-    _store_counts(block_counts + blocks * COLS, per_expert, per_dest, shape, BINS)
+        counted_e, counted_d = _count_step(ids, t, rows, input_err, sync.epoch, shape, BINS,
+                                           BLOCK_T, STEP_BLOCKS)
+        per_expert = tl.cumsum(counted_e, axis=0) + carry_e[None, :]
+        per_dest = tl.cumsum(counted_d, axis=0) + carry_d[None, :]
+        row = block_counts + (b0 + 1 + g)[:, None] * COLS
+        live = (b0 * BLOCK_T + g * BLOCK_T < rows)[:, None]
+        tl.store(row + bins[None, :], per_expert,
+                 mask=live & (bins[None, :] < shape.NUM_EXPERTS))
+        tl.store(row + shape.NUM_EXPERTS + dests[None, :], per_dest,
+                 mask=live & (dests[None, :] < shape.WORLD))
+        carry_e += tl.sum(counted_e, axis=0)
+        carry_d += tl.sum(counted_d, axis=0)
+    _store_counts(block_counts + blocks * COLS, carry_e, carry_d, shape, BINS)
     barrier()    # the push reads the totals back
     push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync, shape,
                 exchange.BLOCK)
+
+
+@triton.jit
+def _count_step(ids, t, rows, input_err, epoch, shape, BINS: tl.constexpr,
+                BLOCK_T: tl.constexpr, STEP_BLOCKS: tl.constexpr):
+    """Pairs per expert (``[STEP_BLOCKS, BINS]``; bin E holds the slots with no expert)
+    and tokens per destination rank (``[STEP_BLOCKS, W_P2]``) of ``STEP_BLOCKS``
+    consecutive token blocks (tokens ``t``, ``BLOCK_T`` per block), a row per block;
+    reports invalid ids."""
+    e, valid, bad = _pairs(ids, t, shape.TOPK, shape.TOPK_P2, shape.NUM_EXPERTS, rows)
+    _report(bad, t, input_err, INPUT_BAD_EXPERT, epoch, shape.TOPK_P2)
+    STEP_T: tl.constexpr = STEP_BLOCKS * BLOCK_T
+    block = (tl.arange(0, STEP_T) // BLOCK_T)[:, None]
+    keys = block * BINS + tl.where(valid, e, shape.NUM_EXPERTS)
+    per_expert = tl.reshape(
+        tl.histogram(tl.reshape(keys, (STEP_T * shape.TOPK_P2,)), STEP_BLOCKS * BINS),
+        (STEP_BLOCKS, BINS))
+    dests = tl.arange(0, shape.W_P2)
+    per_dest = tl.zeros([STEP_BLOCKS, shape.W_P2], tl.int32)
+    dest = e // shape.LOCAL_EXPERTS
+    for d in range(shape.WORLD):
+        on = tl.max((valid & (dest == d)).to(tl.int32), axis=1)
+        in_block = tl.sum(tl.reshape(on, (STEP_BLOCKS, BLOCK_T)), axis=1)
+        per_dest += tl.where(dests[None, :] == d, in_block[:, None], 0)
+    return per_expert, per_dest
 
 
 @triton.jit
