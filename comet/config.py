@@ -383,9 +383,10 @@ class TileConfig:
             (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
             in two launches instead of seven: one program opens the call, stages and
             counts the routing and pushes the counts (comet.kernels.plan.open_kernel;
-            one block after another, so only a few blocks pay), and the layout kernel's
-            programs place the send list, a block each (the host's gate,
-            comet.runtime.selection.Selector.small_plan_by_rule; 0: never).
+            a step of several blocks at a time, so only a few steps pay), and the layout
+            kernel's programs place the send list, a block each (the host's gate, which
+            also bounds the steps: comet.runtime.selection.Selector.small_plan_by_rule;
+            0: never).
         combine_in_layer1: calls of at most this many tokens per rank run their combine
             on the programs of layer1's scatter kernel, after layer1's own work (every
             program waits for every rank's ``flag1``, then sums its items), instead of as
@@ -429,7 +430,7 @@ class TileConfig:
     layer0_gather: bool = False
     layer0_own_in_place: bool = True
     layer0_live_rows: bool = True
-    small_plan_blocks: int = 4
+    small_plan_blocks: int = 16
     combine_in_layer1: int = 0
 
     def __post_init__(self):

@@ -820,19 +820,21 @@ def test_tensor_parallel_tables_are_kept_apart_by_layout(tmp_path):
         assert tuned.lookup(CFG, 4, 100, "cpu", tmp_path) is None
 
 
-@pytest.mark.parametrize("name, last_small", [("mixtral", 128), ("qwen2-moe", 64),
+@pytest.mark.parametrize("name, last_small", [("mixtral", 512), ("qwen2-moe", 256),
                                               ("deepseek-v3-like", 32)])
 def test_the_small_plan_gate_counts_the_plans_token_blocks(name, last_small):
     """A call plans in two launches (open_kernel, the layout placing) while its tokens make
-    at most ``small_plan_blocks`` (4) of the plan's blocks of 64 slots: 128 tokens at
-    top-2, 64 at top-4, 32 at top-8; one more token and it plans in seven. The rule is
-    the rank's own -- no peer reads which plan a rank ran -- and every pick is warmed up."""
+    at most ``small_plan_blocks`` (16) of the plan's blocks of 64 slots in at most two of
+    the opening's steps: 512 tokens at top-2 (16 blocks, one step of 16 at 8 experts),
+    256 at top-4 (16 blocks, two steps of 8 at 64 experts), 32 at top-8 (4 blocks, two
+    steps of 2 at 256 experts); one more token and it plans in seven. The rule is the
+    rank's own -- no peer reads which plan a rank ran -- and every pick is warmed up."""
     from comet.runtime.selection import Selector
     selection = Selector(preset(name), 2, TileConfig(), 132, torch.device("cpu"), folder=None)
     for tokens, small in ((0, True), (1, True), (last_small, True), (last_small + 1, False),
                           (4096, False)):
         assert (selection.tile_for(tokens).small_plan_blocks > 0) is small, tokens
-    assert {selection.tile_for(t) for t in range(0, 300)} <= set(selection.tile_variants())
+    assert {selection.tile_for(t) for t in range(0, 600)} <= set(selection.tile_variants())
     never = Selector(preset(name), 2, TileConfig(small_plan_blocks=0), 132,
                      torch.device("cpu"), folder=None)
     assert not never.may_small_plan and never.tile_for(1).small_plan_blocks == 0

@@ -367,11 +367,33 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     tl.store(counters + c, tl.zeros([COUNTERS_P2], tl.int32), mask=c < COUNTERS)
     barrier()    # what follows reads the new epoch (error reports, the push)
     COLS: tl.constexpr = shape.NUM_EXPERTS + shape.WORLD
-    STEP_T: tl.constexpr = STEP_BLOCKS * BLOCK_T
     rows = _token_rows(routing)
     ids = routing.ids
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
+    # A one-block call (every decode step) counts its block alone: a step's masked loads
+    # and its histogram cells for blocks it does not have cost it ~2-3 us.
+    if rows <= BLOCK_T:
+        carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
+                                        sync.epoch, shape, STAGE, BINS, BLOCK_T, 1)
+    else:
+        carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
+                                        sync.epoch, shape, STAGE, BINS, BLOCK_T, STEP_BLOCKS)
+    _store_counts(block_counts + blocks * COLS, carry_e, carry_d, shape, BINS)
+    barrier()    # the push reads the totals back
+    push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync, shape,
+                exchange.BLOCK)
+
+
+@triton.jit
+def _count_steps(ids, stage, block_counts, rows, input_err, epoch, shape,
+                 STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr,
+                 STEP_BLOCKS: tl.constexpr):
+    """Rows ``1..used`` of ``block_counts`` for :func:`open_kernel`, ``STEP_BLOCKS``
+    token blocks per step (with ``STAGE``, each step's routing staged too); returns the
+    totals (pairs per expert ``[BINS]``, tokens per destination ``[W_P2]``)."""
+    COLS: tl.constexpr = shape.NUM_EXPERTS + shape.WORLD
+    STEP_T: tl.constexpr = STEP_BLOCKS * BLOCK_T
     carry_e = tl.zeros([BINS], tl.int32)
     carry_d = tl.zeros([shape.W_P2], tl.int32)
     j = tl.arange(0, shape.TOPK_P2)
@@ -383,7 +405,7 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
         if STAGE:
             stage_pairs(stage, t[:, None] * shape.TOPK + j[None, :],
                         (t[:, None] < rows) & (j[None, :] < shape.TOPK))
-        counted_e, counted_d = _count_step(ids, t, rows, input_err, sync.epoch, shape, BINS,
+        counted_e, counted_d = _count_step(ids, t, rows, input_err, epoch, shape, BINS,
                                            BLOCK_T, STEP_BLOCKS)
         per_expert = tl.cumsum(counted_e, axis=0) + carry_e[None, :]
         per_dest = tl.cumsum(counted_d, axis=0) + carry_d[None, :]
@@ -395,10 +417,7 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
                  mask=live & (dests[None, :] < shape.WORLD))
         carry_e += tl.sum(counted_e, axis=0)
         carry_d += tl.sum(counted_d, axis=0)
-    _store_counts(block_counts + blocks * COLS, carry_e, carry_d, shape, BINS)
-    barrier()    # the push reads the totals back
-    push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync, shape,
-                exchange.BLOCK)
+    return carry_e, carry_d
 
 
 @triton.jit

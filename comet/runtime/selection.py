@@ -25,7 +25,8 @@ import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, one_dot_tiles
-from comet.kernels.plan import plan_block_tokens
+from comet.kernels.plan import open_step_blocks, plan_block_tokens
+from comet.kernels.shape import next_pow2
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -33,6 +34,13 @@ from comet.scheduler.split import analytic_split, layer_work
 #: A gathered layer0 loads only its tiles' own A rows while each expert's expected rows
 #: fill at most this fraction of an m-tile (:meth:`Selector.live_rows_by_rule`).
 LIVE_ROWS_MAX_FILL = 1 / 8
+#: Most steps of a small call's opening (comet.kernels.plan.open_kernel) for which the
+#: two-launch plan pays (:meth:`Selector.small_plan_by_rule`). 1x H200, EP=1, the plan
+#: phase against the seven launches (benchmarks/results/2026-12-02,
+#: ``h200-r52-probe-small-plan-*``): one step 16.0-19.6 against 27.9-29.4 us (qwen2-moe's
+#: 8 blocks, mixtral's 8 and 16), two 24.2 against 29.5 (qwen2-moe's 16), four 35.8
+#: against 29.8 (qwen2-moe's 32), eight 44.7 against 32.3 (deepseek-v3-like's 16).
+SMALL_PLAN_STEPS = 2
 
 
 class Selector:
@@ -280,9 +288,12 @@ class Selector:
     def small_plan_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank plans in two launches: its
         tokens make at most ``TileConfig.small_plan_blocks`` of the plan's token blocks
-        (comet.kernels.plan.open_kernel counts them one after another)."""
+        (the layout kernel's programs place one each, 16 of them at most) in at most
+        :data:`SMALL_PLAN_STEPS` of the opening's steps (comet.kernels.plan.open_kernel
+        counts a step of several blocks at a time, fewer the more experts there are)."""
         blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
-        return blocks <= self.tile.small_plan_blocks
+        step = open_step_blocks(next_pow2(self.cfg.num_experts + 1))
+        return blocks <= self.tile.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
 
     def combine_in_layer1_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank runs its combine on layer1's
