@@ -78,9 +78,9 @@ def test_plan_kernels_match_the_spec(world, el, k, kind, staged, small):
 @pytest.mark.parametrize("kind", ["random", "skewed"])
 @pytest.mark.parametrize("staged", [False, True], ids=["exact", "staged"])
 def test_the_small_plan_matches_the_spec_over_several_blocks(kind, staged):
-    """The two-launch plan counts and places a call's token blocks one after another
-    (right for any size; the host keeps it to a few): 40 tokens at top-4 are 3 blocks
-    of 16, 2 at top-3."""
+    """The two-launch plan counts a call's token blocks a step at a time and places them
+    a block per layout program (right for any size; the host keeps it to a few): 40
+    tokens at top-4 are 3 blocks of 16 (one step), 2 at top-3."""
     from comet.kernels.plan import plan_block_tokens
     assert 40 > 2 * plan_block_tokens(4)
     for world, el, k in ((4, 4, 4), (2, 3, 3)):

@@ -360,8 +360,8 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
 
     ``STEP_BLOCKS`` token blocks per step (:func:`open_step_blocks`): one load of their
     routing, one histogram of their (block, expert) keys, a prefix over the blocks, one
-    store of their rows. A block per step was a chain of dependent loads, ~1 us per
-    block on an H100 (docs/benchmarks.md, levers of issue 41)."""
+    store of their rows (a block per step was a chain of dependent loads, ~1 us per
+    block on an H100). A one-block call counts its block alone."""
     tl.store(sync.epoch, tl.load(sync.epoch) + 1)
     c = tl.arange(0, COUNTERS_P2)
     tl.store(counters + c, tl.zeros([COUNTERS_P2], tl.int32), mask=c < COUNTERS)
@@ -371,8 +371,9 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     ids = routing.ids
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
-    # A one-block call (every decode step) counts its block alone: a step's masked loads
-    # and its histogram cells for blocks it does not have cost it ~2-3 us.
+    # A one-block call (every decode step) counts its block alone: with a whole step's
+    # masked loads and histogram cells its plan phase took 1.5-3.5 us longer on an H200
+    # (docs/notebook.md, "A small call's opening in steps of token blocks").
     if rows <= BLOCK_T:
         carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
                                         sync.epoch, shape, STAGE, BINS, BLOCK_T, 1)
