@@ -73,10 +73,10 @@ SCAN_ROWS, SCAN_COLS = 256, 16
 #: Tiles of an expert cell the layout kernel writes per step.
 TILE_CHUNK = constexpr(64)
 #: A small call's opening (open_kernel) counts several token blocks per step, as many as
-#: keep a step's pairs and its (block, expert) histogram cells within these. Triton's
-#: histogram holds a warp's cells in each lane's registers (cells / 32 per thread,
-#: whatever the warps): at 2048 cells the opening took 128-255 registers on sm_90, at
-#: 4096 it spilled; at 1024, 80-116 (Triton 3.6, E = 8..512).
+#: keep a step's pairs and its (block, expert) histogram cells within these: its
+#: registers grow with the cells. At 4096 cells it spilled on sm_90, at 2048 it took up
+#: to 255 registers, at 1024 80-96 (Triton 3.6, E = 8..512;
+#: benchmarks/results/2026-12-02/cpu-sm90-open-kernel-step-cells.txt).
 OPEN_STEP_PAIRS = 1024
 OPEN_STEP_CELLS = 1024
 
@@ -185,11 +185,18 @@ def plan_block_tokens(top_k: int) -> int:
     return max(1, PLAN_BLOCK_PAIRS // next_pow2(int(top_k)))
 
 
-def open_step_blocks(bins: int) -> int:
-    """Token blocks a step of :func:`open_kernel` counts at once for a histogram of
-    ``bins`` (a power of two): at most ``OPEN_STEP_PAIRS`` pairs and
-    ``OPEN_STEP_CELLS`` cells, at least one block."""
-    return max(1, min(OPEN_STEP_PAIRS // PLAN_BLOCK_PAIRS, OPEN_STEP_CELLS // bins))
+def count_bins(num_experts: int) -> int:
+    """Bins of the plan's per-block expert histogram: the experts and one for the slots
+    with no expert, as a power of two."""
+    return next_pow2(num_experts + 1)
+
+
+def open_step_blocks(num_experts: int) -> int:
+    """Token blocks a step of :func:`open_kernel` counts at once in a layer of
+    ``num_experts``: at most ``OPEN_STEP_PAIRS`` pairs and ``OPEN_STEP_CELLS`` cells of
+    (block, expert) histogram, at least one block."""
+    return max(1, min(OPEN_STEP_PAIRS // PLAN_BLOCK_PAIRS,
+                      OPEN_STEP_CELLS // count_bins(num_experts)))
 
 
 def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, device,
@@ -242,7 +249,7 @@ def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: S
     blocks = plan.block_counts.shape[0] - 1
     count_kernel[(blocks,)](
         routing=routing, block_counts=plan.block_counts, input_err=input_err,
-        epoch=sync.epoch, shape=shape, BINS=next_pow2(shape.NUM_EXPERTS + 1), BLOCK_T=bt,
+        epoch=sync.epoch, shape=shape, BINS=count_bins(shape.NUM_EXPERTS), BLOCK_T=bt,
         num_warps=4)
     cols = int(shape.NUM_EXPERTS) + int(shape.WORLD)
     scan_kernel[(triton.cdiv(cols, SCAN_COLS),)](
@@ -259,13 +266,13 @@ def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Syn
     :func:`launch_counts` do in five launches. ``counters``: the call's local int32
     counters, zeroed."""
     n = counters.numel()
-    bins = next_pow2(shape.NUM_EXPERTS + 1)
     open_kernel[(1,)](
         routing=routing, stage=stage, block_counts=plan.block_counts,
         blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
         exchange=exchange, sync=sync, shape=shape, COUNTERS=n, COUNTERS_P2=next_pow2(n),
-        STAGE=stage is not None, BINS=bins, BLOCK_T=plan_block_tokens(shape.TOPK),
-        STEP_BLOCKS=open_step_blocks(bins), num_warps=4)
+        STAGE=stage is not None, BINS=count_bins(shape.NUM_EXPERTS),
+        BLOCK_T=plan_block_tokens(shape.TOPK), STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS),
+        num_warps=4)
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
@@ -343,8 +350,7 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
         per_expert, per_dest = _count_step(routing.ids, b * BLOCK_T + tl.arange(0, BLOCK_T),
                                            rows, input_err, epoch, shape, BINS, BLOCK_T, 1)
         _store_counts(block_counts + (b + 1) * (shape.NUM_EXPERTS + shape.WORLD),
-                      tl.reshape(per_expert, (BINS,)), tl.reshape(per_dest, (shape.W_P2,)),
-                      shape, BINS)
+                      per_expert, per_dest, shape, BINS)
 
 
 @triton.jit
@@ -380,7 +386,8 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     else:
         carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
                                         sync.epoch, shape, STAGE, BINS, BLOCK_T, STEP_BLOCKS)
-    _store_counts(block_counts + blocks * COLS, carry_e, carry_d, shape, BINS)
+    _store_counts(block_counts + blocks * COLS, carry_e[None, :], carry_d[None, :], shape,
+                  BINS)
     barrier()    # the push reads the totals back
     push_counts(block_counts + blocks * COLS, exchange.counts, exchange.flags, sync, shape,
                 exchange.BLOCK)
@@ -399,8 +406,6 @@ def _count_steps(ids, stage, block_counts, rows, input_err, epoch, shape,
     carry_d = tl.zeros([shape.W_P2], tl.int32)
     j = tl.arange(0, shape.TOPK_P2)
     g = tl.arange(0, STEP_BLOCKS)
-    bins = tl.arange(0, BINS)
-    dests = tl.arange(0, shape.W_P2)
     for b0 in range(0, tl.cdiv(rows, BLOCK_T), STEP_BLOCKS):
         t = b0 * BLOCK_T + tl.arange(0, STEP_T)
         if STAGE:
@@ -410,12 +415,8 @@ def _count_steps(ids, stage, block_counts, rows, input_err, epoch, shape,
                                            BLOCK_T, STEP_BLOCKS)
         per_expert = tl.cumsum(counted_e, axis=0) + carry_e[None, :]
         per_dest = tl.cumsum(counted_d, axis=0) + carry_d[None, :]
-        row = block_counts + (b0 + 1 + g)[:, None] * COLS
-        live = (b0 * BLOCK_T + g * BLOCK_T < rows)[:, None]
-        tl.store(row + bins[None, :], per_expert,
-                 mask=live & (bins[None, :] < shape.NUM_EXPERTS))
-        tl.store(row + shape.NUM_EXPERTS + dests[None, :], per_dest,
-                 mask=live & (dests[None, :] < shape.WORLD))
+        _store_counts(block_counts + (b0 + 1 + g)[:, None] * COLS, per_expert, per_dest,
+                      shape, BINS, (b0 * BLOCK_T + g * BLOCK_T < rows)[:, None])
         carry_e += tl.sum(counted_e, axis=0)
         carry_d += tl.sum(counted_d, axis=0)
     return carry_e, carry_d
@@ -447,12 +448,14 @@ def _count_step(ids, t, rows, input_err, epoch, shape, BINS: tl.constexpr,
 
 
 @triton.jit
-def _store_counts(row, per_expert, per_dest, shape, BINS: tl.constexpr):
-    """A ``block_counts`` row: pairs per expert, then tokens per destination rank."""
-    bins = tl.arange(0, BINS)
-    dests = tl.arange(0, shape.W_P2)
-    tl.store(row + bins, per_expert, mask=bins < shape.NUM_EXPERTS)
-    tl.store(row + shape.NUM_EXPERTS + dests, per_dest, mask=dests < shape.WORLD)
+def _store_counts(rows, per_expert, per_dest, shape, BINS: tl.constexpr, live=True):
+    """``block_counts`` rows (``rows``: ``[R, 1]`` pointers, or one): pairs per expert
+    (``[R, BINS]``), then tokens per destination rank (``[R, W_P2]``); rows where
+    ``live`` (``[R, 1]``) is false are left as they are."""
+    bins = tl.arange(0, BINS)[None, :]
+    dests = tl.arange(0, shape.W_P2)[None, :]
+    tl.store(rows + bins, per_expert, mask=live & (bins < shape.NUM_EXPERTS))
+    tl.store(rows + shape.NUM_EXPERTS + dests, per_dest, mask=live & (dests < shape.WORLD))
 
 
 @triton.jit

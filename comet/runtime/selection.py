@@ -26,7 +26,6 @@ import torch
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, one_dot_tiles
 from comet.kernels.plan import open_step_blocks, plan_block_tokens
-from comet.kernels.shape import next_pow2
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
 
@@ -292,7 +291,7 @@ class Selector:
         :data:`SMALL_PLAN_STEPS` of the opening's steps (comet.kernels.plan.open_kernel
         counts a step of several blocks at a time, fewer the more experts there are)."""
         blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
-        step = open_step_blocks(next_pow2(self.cfg.num_experts + 1))
+        step = open_step_blocks(self.cfg.num_experts)
         return blocks <= self.tile.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
 
     def combine_in_layer1_by_rule(self, num_tokens: int) -> bool:
