@@ -4,7 +4,7 @@
 #        run_bench.sh 2 --iters 20 --warmup 3, run_bench.sh 4 --config mixtral --tokens 4096
 # comet bench on a GPU machine, from the repository root with no install: the sweep on
 # NPROC GPUs (default configs and sizes unless arguments say otherwise), then a per-block
-# timeline of one call of each preset in $TIMELINES (default: the four) at each token
+# timeline of one call of each preset in $TIMELINES (default: the four; TIMELINES= none) at each token
 # count in $TIMELINE_TOKENS (default: 4096; a small call's, e.g. 1, shows how each
 # block's weight stream runs against the HBM floor).
 # Writes under $OUT (./out if unset) bench-epN-*.json/.md/.png, bench.log and
@@ -34,7 +34,7 @@ mkdir -p "$out"
   status=0
   python3 -m comet.cli.bench --nproc "$nproc" --output-dir "$out" "$@" || status=$?
   mkdir -p "$out/timelines"
-  for c in ${TIMELINES:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
+  for c in ${TIMELINES-mixtral qwen2-moe phi3.5-moe deepseek-v3-like}; do
     for t in ${TIMELINE_TOKENS:-4096}; do
       python3 -m comet.cli.bench --nproc "$nproc" --timeline --config "$c" \
         --timeline-tokens "$t" --output-dir "$out/timelines" \

@@ -2,6 +2,11 @@
 # usage: COMET_COMMIT=$(git rev-parse --short HEAD) SUITE_DIR=/tmp/suite [STEPS="stress bench ..."] bash scripts/device/suite.sh
 # One GPU: STEPS="tile_probe gpu_liveness gpu_tests" with VARIANTS, PROBE_NAME, PROBE_ARGS and
 # GPU_TESTS_K (a pytest -k filter for the liveness file, which outlasts one step whole).
+# Two GPUs, the open layout and small-call work in the order it closes it (~32 min on 2x
+# H100-class GPUs by the steps' past times: more than one session's device time, so two
+# leases): STEPS="small_calls large_calls stress" (issue 41's sweep and liveness), then
+# STEPS="tp_stress tp_benches models_tp" with TP_STRESS_LAYOUTS="2:sequence 2:replicated"
+# TP_LAYOUTS="2:sequence 2:replicated" (the (2,1) layout in both conventions).
 # Every multi-GPU run of a machine in one go, for a machine lent for the first time in a
 # while (e.g. four GPUs): the steps below in order, each under its own time limit, each
 # writing under $SUITE_DIR/<step>/ as soon as it ends. The whole suite outlasts one
@@ -52,6 +57,19 @@ for s in ${STEPS:-stress bench multigpu tune hybrid train tune_check hybrid_othe
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384
                 step "hybrid-tp$W-sequence" 440 env TP="$W" CONVENTION=sequence BENCH_TIMEOUT_S=300 STRESS_TIMEOUT_S=120 \
                   bash scripts/device/tensor_parallel.sh --tokens 128 4096 16384 ;;
+    small_calls) # issue 41's small-call sweep: 1-128 tokens per rank issued ahead, both routings,
+                # fused against 1.2x the HBM floor + 30 us (the report's line), no timelines
+                step small_calls 300 env TIMELINES= bash scripts/device/run_bench.sh "$W" --no-plot \
+                  --tokens 1 8 32 128 --layers moe --lead-us 500 ;;
+    large_calls) # issue 41's large-call sweep: 4096 / 16384 tokens per rank, both routings
+                step large_calls 300 env TIMELINES= bash scripts/device/run_bench.sh "$W" --no-plot \
+                  --tokens 4096 16384 --layers moe ;;
+    models_tp)  # the five families patched at (2, W/2) in each convention against unpatched
+                for c in ${MODELS_TP_CONVENTIONS:-sequence replicated}; do
+                  step "models-tp2-$c" 200 python3 -m torch.distributed.run --standalone \
+                    --nproc-per-node "$W" scripts/device/models_check.py --tp 2 --convention "$c" \
+                    --json "$DIR/models-tp2-$c/models_check.json"
+                done ;;
     tp_benches) # the TP benches alone (TP_LAYOUTS: "tp:convention ..."; TP_BENCH_ARGS: the
                 # bench's cases, e.g. "--config deepseek-v3-like --tokens 16384" for one case;
                 # "tp:convention:ranks" runs on that many GPUs, e.g. "2:sequence:2" for the
