@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--timeline-tokens", type=int, default=4096,
                    help="tokens per rank of the --timeline call (default: 4096)")
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
-                   help="measure nothing: print and write the report of these result files")
+                   help="measure nothing: print and write the report of these result files "
+                        "(their ratios derived again from their times)")
     o.add_argument("--against", nargs="+", default=None, metavar="PATH",
                    help="with --from-json: compare those runs (new) with these (base), "
                         "record by record, and write the ratios (paired-<stamp>.json)")
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         return _paired(args.from_json, args.against, args.output_dir, stamp)
     if args.from_json:
-        records = [r for path in args.from_json for r in rec.read_json(path)]
+        # the ratios again from the stored times: an older file gains the ones added since
+        records = [rec.derive(r) for path in args.from_json for r in rec.read_json(path)]
         notes = sorted({n for r in records for n in r.get("notes", [])})
         _emit(records, notes, args.output_dir, f"bench-{stamp:%Y%m%d-%H%M%S}", not args.no_plot)
         return 0
