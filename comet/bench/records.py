@@ -92,10 +92,10 @@ def derive(rec: dict) -> dict:
     all_to_all time of the same rows over (d); comm_over_nccl its inverse.
     gmm_over_fused: torch's grouped GEMM time on the layer's rows over b (1: the layer
     costs no more than its GEMMs).  gmm_over_compute_only: the same over c -- what
-    gmm_over_fused would be if the fused layer hid all its communication (c keeps the
-    plan, the GEMMs and the combine, timed the same way as b); where that is below a
-    target, no overlap reaches it without a faster GEMM or cheaper fixed phases, and
-    where it is above while gmm_over_fused is below, the overlap is what falls short.
+    gmm_over_fused would be if the dispatch, layer1's scatter or reduce and the combine
+    cost nothing beside the plan and the GEMMs (c runs those alone, timed as b is); below
+    a target, the GEMMs or the plan must get faster; above it while gmm_over_fused is
+    below, the communication and the combine are what cost.
     fused_over_sequential: b over comet's
     own kernels run one after the other (below 1: the overlap pays).  fused_over_best_fixed:
     b over the fastest fixed split of the record (the per-call choice against hindsight).
