@@ -292,7 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         print("comet tune measures the fused kernels and needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
-        return (_check if args.check else _tune)(cfg, args, device, world, rank)
+        try:
+            layer, table_cfg = tuned_layer(cfg, args, device, world, rank)
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 2
+        return (_check if args.check else _tune)(layer, table_cfg, cfg, args, device, world,
+                                                 rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -316,14 +322,10 @@ def tuned_layer(cfg: MoEConfig, args, device, world: int, rank: int):
     return layer, layer.ws.cfg
 
 
-def _tune(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
+def _tune(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int,
+          rank: int) -> int:
     from tqdm import tqdm
 
-    try:
-        layer, table_cfg = tuned_layer(cfg, args, device, world, rank)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 2
     name = tuned.device_name(device)
     layout = layer.selection.layout
     meta = tuned.expected_meta(table_cfg, world, name, layer.tile, layout)
@@ -433,14 +435,10 @@ def format_check(report: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _check(cfg: MoEConfig, args, device, world: int, rank: int) -> int:
+def _check(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int,
+           rank: int) -> int:
     from tqdm import tqdm
 
-    try:
-        layer, table_cfg = tuned_layer(cfg, args, device, world, rank)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 2
     name = tuned.device_name(device)
     layout = layer.selection.layout
     path = find_table(table_cfg, world, name, args.output_dir, layout)
