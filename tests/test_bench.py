@@ -371,7 +371,7 @@ def test_summary_checks_each_target_record_by_record():
         in line
     assert "(worst 2.00); at the GEMM floor worst 1.25" in line
     # torch's GEMMs at 850 us: b (1000) misses 0.9 while c (900) would meet it -- the
-    # overlap falls short, not the GEMMs
+    # communication and the combine cost, not the GEMMs
     overlap_short = [rec.derive(dict(r, torch_gmm_us=850.0)) for r in records]
     line = report.summary(overlap_short)[0]
     assert "torch GEMM/b >= 0.9 in 0/2 (worst 0.85)" in line

@@ -153,14 +153,17 @@ def markdown_table(records: Sequence[dict], columns: Sequence[Column] = MAIN_COL
     return "\n".join([head, sep] + body)
 
 
+#: torch's grouped-GEMM time over the layer's, the least a large call may reach.
+GEMM_TARGET = 0.9
+
 #: The benchmark targets (docs/benchmarks.md): (record key, label, "min"/"max", target).
 #: Each is checked on the whole-layer rows at >= 4096 tokens/rank, record by record.
 LARGE_TARGETS = (
     ("fused_over_sequential", "b/sequential", "max", 0.95),
     ("hidden_comm_fraction", "hidden", "min", 0.85),
-    ("gmm_over_fused", "torch GEMM/b", "min", 0.9),
+    ("gmm_over_fused", "torch GEMM/b", "min", GEMM_TARGET),
     # the same over (c), the plan and the GEMMs alone: below it, no overlap reaches it
-    ("gmm_over_compute_only", "torch GEMM/c", "min", 0.9),
+    ("gmm_over_compute_only", "torch GEMM/c", "min", GEMM_TARGET),
     ("compute_efficiency", "compute eff", "min", 1.0),
     ("comm_over_nccl", "comm/NCCL", "max", 1.25),
 )

@@ -4,9 +4,9 @@
 #        run_bench.sh 2 --iters 20 --warmup 3, run_bench.sh 4 --config mixtral --tokens 4096
 # comet bench on a GPU machine, from the repository root with no install: the sweep on
 # NPROC GPUs (default configs and sizes unless arguments say otherwise), then a per-block
-# timeline of one call of each preset in $TIMELINES (default: the four; TIMELINES= none) at each token
-# count in $TIMELINE_TOKENS (default: 4096; a small call's, e.g. 1, shows how each
-# block's weight stream runs against the HBM floor).
+# timeline of one call of each preset in $TIMELINES (default: the four; `TIMELINES=`:
+# none) at each token count in $TIMELINE_TOKENS (default: 4096; a small call's, e.g. 1,
+# shows how each block's weight stream runs against the HBM floor).
 # Writes under $OUT (./out if unset) bench-epN-*.json/.md/.png, bench.log and
 # timelines.tar (the timelines' JSON and PNG) -- few files, as few come back from a
 # device machine. Carry wheels/nvidia_cutlass-*.whl to fill the CUTLASS column (its
