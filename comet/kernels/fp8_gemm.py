@@ -286,11 +286,12 @@ class Fp8GemmConfig:
 
 def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                    activation: GatedActivation | None = None, requant: bool = False,
-                   config: Fp8GemmConfig = Fp8GemmConfig()) -> torch.Tensor | Fp8Rows:
+                   config: Fp8GemmConfig = Fp8GemmConfig(), out: torch.Tensor | None = None
+                   ) -> torch.Tensor | Fp8Rows:
     """``a`` (rows of every expert, as ``tiles`` says) times ``w``: bf16 ``[rows, N]``;
     with ``activation``, ``act(gate) * up`` over ``w = [gate | up]`` (``[E, 2F, K]``),
     ``[rows, F]``; with ``requant``, that output as :class:`comet.quant.Fp8Rows` (groups of
-    ``a.group``), layer1's input."""
+    ``a.group``), layer1's input. ``out``: the bf16 output to write (not with ``requant``)."""
     _check(a, w, tiles, activation, requant, config)
     c = config
     rows, k = a.data.shape
@@ -306,7 +307,11 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
         out_scale = torch.empty(rows, triton.cdiv(n, a.group), dtype=torch.float32,
                                 device=a.data.device)
     else:
-        out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device)
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device)
+        elif out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}], got "
+                             f"{out.dtype} {list(out.shape)}")
         out_scale = out                        # never read
     gemm = Fp8Gemm(a.scale, a.scale.stride(0), a.scale.stride(1), rows, w.scale_inv, nb,
                    part_rows, part_blocks, out, out_scale, k, n)
@@ -336,8 +341,13 @@ def _check(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, activation, requant: bool,
         raise ValueError(f"rows have K = {k}, the weight K = {w.k}")
     if k % 16:
         raise ValueError(f"K = {k} must be a multiple of 16 (TMA rows are 16-byte aligned)")
-    if a.data.stride(1) != 1 or not w.weight.is_contiguous():
-        raise ValueError("FP8 rows need a unit column stride and the weight must be contiguous")
+    ws = w.weight.stride()
+    if a.data.stride(1) != 1 or a.data.stride(0) % 16:
+        raise ValueError("FP8 rows need a unit column stride and 16-byte aligned rows")
+    if ws[0] != w.n * ws[1] or ws[1] % 16:
+        raise ValueError(f"the FP8 weight must be experts of whole rows, each row 16-byte "
+                         f"aligned (a view narrowed along K is fine; along N, make it "
+                         f"contiguous), got strides {ws}")
     if a.data.device != w.weight.device:
         raise ValueError(f"rows on {a.data.device}, weight on {w.weight.device}")
     bn, bk = w.block_shape()
