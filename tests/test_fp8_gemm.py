@@ -141,16 +141,14 @@ def test_bad_input_is_a_value_error_before_any_launch(change, match):
 
 @pytest.mark.gpu
 def test_fp8_gemm_at_size_on_gpu():
-    """Mixtral's layer0 at one m-tile per expert plus a partial one, default tile."""
+    """Mixtral-width layer0 (H = 4096, F = 1024 of it) at the default tile: whole m-tiles,
+    a partial one and a one-row expert; the requantized output against the emulation."""
     e_rows = [200, 64, 1]
     w = quantize_weight(torch.randn(3, 2 * 1024, 4096, device="cuda") / 64, parts=2)
     a = quantize_rows(_rows(e_rows, 4096))
-    out = torch.full((265, 1024), float("nan"), device="cuda")
     q = fp8_group_gemm(a, w, m_tiles(e_rows, 128, "cuda"), activation=SILU, requant=True)
     gu = _emulated(a, w, e_rows)
-    out = q.dequantize()
-    ref = quantize_rows(gated(gu[:, :1024], gu[:, 1024:], SILU)).dequantize()
-    assert torch.isfinite(out).all()
-    assert ((out - ref).norm() / ref.norm()) < 5e-3 or \
-        torch.all(_same_fp8(q.data, quantize_rows(gated(gu[:, :1024], gu[:, 1024:],
-                                                          SILU)).data, steps=1))
+    ref = quantize_rows(gated(gu[:, :1024], gu[:, 1024:], SILU))
+    torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
+    assert torch.all(_same_fp8(q.data, ref.data, steps=1))
+    assert _same_fp8(q.data, ref.data).float().mean() > 0.97

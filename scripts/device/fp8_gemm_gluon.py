@@ -220,7 +220,14 @@ def fp8_gemm_gluon(a_data, a_scale, w_data, w_scale, tiles, scale_block, *, bloc
                    block_n=128, block_k=128, stages=4, group_m=8, programs=None,
                    overlap=True, consumer_arrivals=None, producer_regs=40, maxnreg=None,
                    out=None):
-    """``out [rows, N] bf16`` of FP8 rows ``a_data [rows, K]`` (scales ``a_scale [rows,
+    """Warp-specialized: a one-warp TMA producer and the consumer warpgroups. Not yet
+    measured: at ``23ca182`` it hung on an H200 (``2026-12-03/fp8-gemm-probe-r1.log``) --
+    its ``empty`` barriers counted one arrival per consumer warpgroup, but Gluon 3.6's
+    ``mbarrier.arrive`` is one arrival per partition (a ``bar.sync`` of the partition's
+    warps, then one thread), so the producer waited forever; ``consumer_arrivals`` is 1
+    now.
+
+    ``out [rows, N] bf16`` of FP8 rows ``a_data [rows, K]`` (scales ``a_scale [rows,
     K/128]``, row-major) times ``w_data [E, N, K]`` (scales ``w_scale [E, SN, SK]`` in
     ``scale_block`` blocks); ``tiles`` as comet.kernels.fp8_gemm.MTiles. Requires
     ``block_n`` to divide the scale block's rows (one B scale per step)."""
@@ -242,7 +249,7 @@ def fp8_gemm_gluon(a_data, a_scale, w_data, w_scale, tiles, scale_block, *, bloc
         a_desc, b_desc, tiles.expert, tiles.row_start, tiles.row_end, tiles.num, a_scale,
         a_scale.stride(0), rows, w_scale, w_scale.shape[1], n, n, k, out,
         block_m, block_n, block_k, group_m, stages, 128, bn, bk, overlap, _unroll(k, block_k),
-        consumer_arrivals or warps // 4, producer_regs, num_warps=warps, **kw)
+        consumer_arrivals or 1, producer_regs, num_warps=warps, **kw)
     return out
 
 

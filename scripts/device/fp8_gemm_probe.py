@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from comet.bench.floors import hbm_read_gbps  # noqa: E402
 from comet.kernels.fp8_gemm import Fp8GemmConfig, fp8_group_gemm, m_tiles  # noqa: E402
-from comet.quant import E4M3, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight  # noqa: E402
+from comet.quant import E4M3, quantize_rows, quantize_weight  # noqa: E402
 
 #: ``PROBE_SMALL=1``: tiny shapes on the CPU under TRITON_INTERPRET=1 (the harness's own
 #: smoke test; ``tl`` variants only, one timed call instead of do_bench).
