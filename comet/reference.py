@@ -25,6 +25,7 @@ import torch
 from comet.activation import SILU, GatedActivation, gated
 from comet.config import MoEConfig
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
+from comet.quant import Fp8Weight, quantize_rows
 
 
 # --------------------------------------------------------------------------- router
@@ -253,3 +254,37 @@ def mesh_forward(
                              b2=sh["b2"])
         outs.append(y)
     return outs
+
+
+# --------------------------------------------------------------------------- FP8 experts
+def expert_mlp_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, expert: int,
+                   activation: GatedActivation = SILU) -> torch.Tensor:
+    """One expert in W8A8 FP8 (:mod:`comet.quant`), emulated in fp32: ``[rows, H] ->
+    [rows, H]``. What the FP8 kernels compute, step by step: ``x`` quantized per row in
+    groups of 128; the block-scaled layer0 GEMM against ``gate_up [E, 2F, H]`` (gate rows
+    then up rows); the gated activation; ``h`` quantized per row in groups of 128; the
+    block-scaled layer1 GEMM against ``down [E, H, F]``. Products of dequantized values,
+    summed in fp32 -- the kernels sum each 128-wide K block's exact FP8 products first,
+    then scale it: the same sum up to fp32 rounding."""
+    f = down.k
+    if gate_up.n != 2 * f or gate_up.k != x.shape[1] or down.n != x.shape[1]:
+        raise ValueError(f"FP8 experts: gate_up {list(gate_up.weight.shape)} and down "
+                         f"{list(down.weight.shape)} do not make an MLP of H = {x.shape[1]}")
+    xq = quantize_rows(x).dequantize()
+    gu = xq @ gate_up.dequantize()[expert].T
+    h = gated(gu[:, :f], gu[:, f:], activation)
+    return quantize_rows(h).dequantize() @ down.dequantize()[expert].T
+
+
+def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up: Fp8Weight, down: Fp8Weight, expert_offset: int = 0,
+                    activation: GatedActivation = SILU) -> torch.Tensor:
+    """:func:`moe_forward` with FP8 experts (:func:`expert_mlp_fp8`): ``[M, H]`` fp32."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for local in range(gate_up.experts):
+        tok, slot = (topk_ids == expert_offset + local).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp_fp8(x[tok], gate_up, down, local, activation)
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out

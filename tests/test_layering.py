@@ -1,7 +1,8 @@
 """The package's layers import in one direction only, with no cycle -- imports inside
 functions included (docs/design.md, "Layout").
 
-    foundation (config, constants, activation, mesh, weights, reference, routing, grouped)
+    foundation (config, constants, activation, mesh, quant, weights, reference, routing,
+    grouped)
     -> scheduler -> kernels -> runtime (and the unfused baselines)
     -> module (moe, custom_op) -> integrations -> cli and bench (and the package facade)
 
@@ -18,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "comet"
 #: Layer of each module, by the longest matching prefix of its dotted name.
 LAYERS = [
     ("comet.constants", 0), ("comet.config", 0), ("comet.weights", 0),
-    ("comet.activation", 0), ("comet.mesh", 0),
+    ("comet.activation", 0), ("comet.mesh", 0), ("comet.quant", 0),
     ("comet.reference", 0), ("comet.routing", 0), ("comet.grouped", 0),
     ("comet.scheduler", 1),
     ("comet.kernels", 2),

@@ -1,0 +1,154 @@
+"""comet.kernels.fp8_gemm under the interpreter (and on a GPU): each role against the
+fp32 emulation -- the row quantizer, the block-scaled K loop (partial N and K blocks,
+per-channel, per-tensor, shard scales), the gated epilogue's requantization -- and the
+launcher's bad-input errors.
+
+The interpreter's fp32 -> e4m3 cast halves a value that rounds up across a power of two
+(126.8 -> 64, not 128; ~1.4% of values): :func:`_same_fp8` allows exactly that there."""
+
+import pytest
+import torch
+
+from comet.activation import SILU, GatedActivation, gated
+from comet.constants import interpreting
+from comet.kernels.fp8_gemm import (Fp8GemmConfig, fp8_group_gemm, m_tiles,
+                                    quantize_rows_triton)
+from comet.quant import (E4M3, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = Fp8GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)
+
+
+def _pow2(v: torch.Tensor) -> torch.Tensor:
+    m, _ = torch.frexp(v.abs())
+    return m == 0.5
+
+
+def _same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0) -> torch.Tensor:
+    """Where ``q`` is ``ref`` (or within ``steps`` e4m3 steps of it), or the interpreter's
+    halved power of two."""
+    q, ref = q.float(), ref.float()
+    ok = q == ref
+    if steps:
+        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
+        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
+    if interpreting():
+        ok |= (2 * q == ref) & _pow2(ref)
+    return ok
+
+
+def _rows(e_rows, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(e_rows), k, generator=g).to(DEV)
+
+
+def _emulated(a: Fp8Rows, w, e_rows) -> torch.Tensor:
+    """Each expert's rows times its dequantized weight, fp32 (the emulation)."""
+    x, wd, out, base = a.dequantize(), w.dequantize(), [], 0
+    for e, n in enumerate(e_rows):
+        out.append(x[base:base + n] @ wd[e].T)
+        base += n
+    return torch.cat(out)
+
+
+def test_row_quantizer_kernel_is_the_recipe():
+    x = _rows([37], 320)
+    x[5] = 0
+    got, ref = quantize_rows_triton(x), quantize_rows(x)
+    assert torch.equal(got.scale, ref.scale)
+    assert torch.all(_same_fp8(got.data, ref.data))
+
+
+@pytest.mark.parametrize("n,k,blocks,block_n,block_k", [
+    (192, 320, ScaleBlocks(), 64, 128),          # partial N and K blocks; scalar B scale
+    (192, 320, ScaleBlocks(), 128, 128),         # a tile over one partial block
+    (256, 256, ScaleBlocks(), 256, 128),         # two scale blocks per tile: per-column
+    (192, 256, ScaleBlocks.per_channel(), 64, 128),
+    (192, 256, ScaleBlocks.per_tensor(), 128, 64),
+])
+def test_block_scaled_k_loop_matches_the_emulation(n, k, blocks, block_n, block_k):
+    e_rows = [70, 0, 33]
+    w = quantize_weight(torch.randn(3, n, k, device=DEV) / 10, blocks)
+    a = quantize_rows(_rows(e_rows, k))
+    cfg = Fp8GemmConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4,
+                        num_stages=2)
+    out = fp8_group_gemm(a, w, m_tiles(e_rows, 64, DEV), config=cfg)
+    ref = _emulated(a, w, e_rows)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_a_tp_shard_runs_in_64_wide_blocks():
+    """Qwen3-30B-A3B at TP=4: rank 1's F shard [192, 384) of a 768 down projection's K,
+    its scales re-blocked to 64 (comet.quant.Fp8Weight.narrow); the K step follows."""
+    full = quantize_weight(torch.randn(2, 128, 768, device=DEV) / 10)
+    shard = full.narrow(2, 192, 192)
+    assert shard.block_shape() == (128, 64)
+    e_rows = [20, 45]
+    a = quantize_rows(_rows(e_rows, 192))
+    cfg = Fp8GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2)
+    out = fp8_group_gemm(a, shard, m_tiles(e_rows, 64, DEV), config=cfg)
+    torch.testing.assert_close(out.float(), _emulated(a, shard, e_rows), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("f,parts,act", [
+    (192, 2, SILU),                       # F not a multiple of 128: gate and up apart
+    (256, 1, SILU),
+    (128, 1, GatedActivation(kind="gelu_tanh")),
+    (192, 1, GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)),   # unaligned up half
+])
+def test_gated_epilogue_requantizes_for_layer1(f, parts, act):
+    e_rows = [50, 30]
+    k = 256
+    w = quantize_weight(torch.randn(2, 2 * f, k, device=DEV) / 10, parts=parts)
+    a = quantize_rows(_rows(e_rows, k, seed=1))
+    cfg = Fp8GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=2)
+    tiles = m_tiles(e_rows, 64, DEV)
+    gu = _emulated(a, w, e_rows)
+    h_ref = gated(gu[:, :f], gu[:, f:], act)
+    h = fp8_group_gemm(a, w, tiles, activation=act, config=cfg)
+    torch.testing.assert_close(h.float(), h_ref, atol=2e-2, rtol=1e-2)
+    q = fp8_group_gemm(a, w, tiles, activation=act, requant=True, config=cfg)
+    ref = quantize_rows(h_ref)
+    assert isinstance(q, Fp8Rows) and q.data.dtype == E4M3 and q.scale.shape == ref.scale.shape
+    torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
+    # the same value up to the fp32 rounding of the sums: at most one e4m3 step, rarely
+    same = _same_fp8(q.data, ref.data)
+    assert torch.all(_same_fp8(q.data, ref.data, steps=1))
+    assert same.float().mean() > 0.97
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(k=200), "multiple of 16"),
+    (dict(cfg=Fp8GemmConfig(block_k=256)), "block_k = 256 must divide"),
+    (dict(requant=True, cfg=Fp8GemmConfig(block_n=64)), "whole groups"),
+    (dict(cfg=Fp8GemmConfig(block_m=32)), "longer than block_m"),
+    (dict(cfg=Fp8GemmConfig(block_n=96)), "power of two"),
+    (dict(k_rows=128), "K = 128"),
+    (dict(bf16_rows=True), "Fp8Rows"),
+])
+def test_bad_input_is_a_value_error_before_any_launch(change, match):
+    k = change.get("k", 256)
+    w = quantize_weight(torch.randn(2, 256, k) / 10)
+    a = quantize_rows(torch.randn(80, change.get("k_rows", k)))
+    tiles = m_tiles([40, 40], 64)
+    cfg = change.get("cfg", Fp8GemmConfig())
+    with pytest.raises(ValueError, match=match):
+        fp8_group_gemm(a.data.float() if change.get("bf16_rows") else a, w, tiles,
+                       activation=SILU if change.get("requant") else None,
+                       requant=change.get("requant", False), config=cfg)
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_at_size_on_gpu():
+    """Mixtral-width layer0 (H = 4096, F = 1024 of it) at the default tile: whole m-tiles,
+    a partial one and a one-row expert; the requantized output against the emulation."""
+    e_rows = [200, 64, 1]
+    w = quantize_weight(torch.randn(3, 2 * 1024, 4096, device="cuda") / 64, parts=2)
+    a = quantize_rows(_rows(e_rows, 4096))
+    q = fp8_group_gemm(a, w, m_tiles(e_rows, 128, "cuda"), activation=SILU, requant=True)
+    gu = _emulated(a, w, e_rows)
+    ref = quantize_rows(gated(gu[:, :1024], gu[:, 1024:], SILU))
+    torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
+    assert torch.all(_same_fp8(q.data, ref.data, steps=1))
+    assert _same_fp8(q.data, ref.data).float().mean() > 0.97
