@@ -38,6 +38,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed "
 
 from megatron.core import activations as mcore_activations  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
@@ -161,10 +162,19 @@ def test_specs_put_comet_in_megatron_specs():
     assert isinstance(mlp, ModuleSpec) and mlp.module is CometMoELayer
     assert mlp.submodules.experts.module is CometExperts
     assert mlp.submodules.experts.params["max_tokens"] == 64
-    dense = get_gpt_layer_local_spec(num_experts=None).submodules.mlp   # kept as it was
+    dense_layer = get_gpt_layer_local_spec(num_experts=None)
+    dense = dense_layer.submodules.mlp   # kept as it was
     built = use_comet(dense)
     assert getattr(built, "module", getattr(built, "func", None)) == getattr(
         dense, "module", getattr(dense, "func", None))
+    # A block of dense and MoE layers: only the MoE layers change.
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    moe_layer = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    block = use_comet(TransformerBlockSubmodules(layer_specs=[moe_layer, dense_layer]))
+    assert block.layer_specs[0].submodules.mlp.module is CometMoELayer
+    assert block.layer_specs[1].submodules.mlp == dense_layer.submodules.mlp
+    kept = moe_layer.submodules.mlp    # the input is not modified
+    assert getattr(kept, "module", getattr(kept, "func", None)) is MoELayer
     # Megatron-LM's --spec loads a module attribute.
     loaded = import_module(("comet.integrations.megatron.specs", "gpt_layer_spec"))
     assert loaded.submodules.mlp.module is CometMoELayer

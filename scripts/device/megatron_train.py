@@ -143,14 +143,15 @@ class TorchGroupedLinear(torch.nn.Module):
         """Weight gradients come with the rest of the backward."""
 
 
-def _spec(impl):
+def _spec(args, impl):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from comet.integrations.megatron import use_comet
     spec = get_gpt_layer_local_spec(num_experts=1, moe_grouped_gemm=False)
     if impl == "sequential":
         return spec, "SequentialMLP (megatron-core's local spec)"
     if impl == "comet":
-        return use_comet(spec), "CometMoELayer + CometExperts"
+        return (use_comet(spec, max_tokens=args.batch * args.seq),
+                "CometMoELayer + CometExperts")
     from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.transformer.moe import experts as mcore_experts
     if not hasattr(mcore_experts, "GroupedMLPSubmodules"):
@@ -174,10 +175,7 @@ def _spec(impl):
 
 def _build(args, config, impl):
     from megatron.core.models.gpt import GPTModel
-    spec, what = _spec(impl)
-    if impl == "comet":
-        from comet.integrations.megatron import use_comet
-        spec = use_comet(spec, max_tokens=args.batch * args.seq)
+    spec, what = _spec(args, impl)
     torch.manual_seed(args.seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq)

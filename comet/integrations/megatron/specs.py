@@ -67,19 +67,24 @@ def _comet_moe(spec, comet: dict) -> ModuleSpec:
 
 
 def _rewrite(spec, comet: dict):
+    """``spec`` with its MoE specs replaced; the object itself where nothing in it is."""
     if _is_moe(spec):
         return _comet_moe(spec, comet)
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_rewrite(spec.submodules, comet))
     if isinstance(spec, functools.partial):
-        return functools.partial(spec.func, *spec.args,
-                                 **{k: _rewrite(v, comet) for k, v in spec.keywords.items()})
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _rewrite(getattr(spec, f.name), comet)
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
+        kw = {k: _rewrite(v, comet) for k, v in spec.keywords.items()}
+        if all(kw[k] is v for k, v in spec.keywords.items()):
+            return spec
+        return functools.partial(spec.func, *spec.args, **kw)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):   # ModuleSpec too
+        fields = [f.name for f in dataclasses.fields(spec) if f.init]
+        changes = {n: _rewrite(getattr(spec, n), comet) for n in fields}
+        changed = {n: v for n, v in changes.items() if v is not getattr(spec, n)}
+        return dataclasses.replace(spec, **changed) if changed else spec
     if isinstance(spec, (list, tuple)):
-        return type(spec)(_rewrite(s, comet) for s in spec)
+        items = [_rewrite(s, comet) for s in spec]
+        if all(a is b for a, b in zip(items, spec)):
+            return spec
+        return type(spec)(items)
     return spec
 
 

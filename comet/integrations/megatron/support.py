@@ -35,7 +35,7 @@ from comet.activation import GatedActivation, gated
 
 #: The activations of the gate half comet's kernels compute (kind, sigmoid slope), and how
 #: Megatron names them: ``F.silu`` (SwiGLU), ``quick_gelu`` (x * sigmoid(1.702 x)) and the
-#: tanh form of GELU (``fast_gelu``, ``openai_gelu``, ``F.gelu(approximate="tanh")``).
+#: tanh form of GELU (``fast_gelu``, ``F.gelu(approximate="tanh")``).
 _KNOWN = {
     "silu": GatedActivation(kind="silu"),
     "quick_gelu": GatedActivation(kind="silu", alpha=1.702),
