@@ -10,11 +10,12 @@ the same way under tensor parallelism 2 with sequence parallelism. Each model is
 saved with Megatron's distributed checkpointing and loaded into the other (exact). Expert
 tensor parallelism 2 runs forward only (checked against Megatron, and training refused).
 
-Megatron-Core on a CPU-only torch needs four shims, in the forked ranks only
+Megatron-Core on a CPU-only torch needs five shims, in the forked ranks only
 (:func:`_cpu_megatron`): its CUDA device and synchronize calls go to the CPU, its CUDA RNG
 tracker forks are no-ops (no dropout here), and megatron-core 0.16 without
 TransformerEngine needs ``moe_utils.te_general_gemm = None`` (a name it forgets to define;
-0.17+ defines it). Attention masks are passed explicitly (Megatron's default one is made
+0.17+ defines it), and torch.compile is off (Megatron compiles its fused activations;
+Inductor's compile workers deadlock in a forked process). Attention masks are passed explicitly (Megatron's default one is made
 on CUDA).
 """
 
@@ -185,6 +186,9 @@ def _cpu_megatron():
     """Megatron-Core on a CPU-only torch (module doc); call in a forked rank only."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # Megatron's fused activations go through torch.compile; Inductor's compile workers
+    # deadlock in a forked rank (and a CPU test has nothing to gain from them).
+    torch._dynamo.config.disable = True
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe import moe_utils
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
