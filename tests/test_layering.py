@@ -21,6 +21,7 @@ LAYERS = [
     ("comet.constants", 0), ("comet.config", 0), ("comet.weights", 0),
     ("comet.activation", 0), ("comet.mesh", 0), ("comet.quant", 0),
     ("comet.reference", 0), ("comet.routing", 0), ("comet.grouped", 0),
+    ("comet.placement", 0), ("comet.replicas", 0),
     ("comet.scheduler", 1),
     ("comet.kernels", 2),
     ("comet.runtime", 3), ("comet.baseline", 3), ("comet.baseline_backward", 3),
