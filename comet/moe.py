@@ -31,7 +31,9 @@ from comet import custom_op, reference
 from comet.baseline import MeshGroups, ep_moe_forward, mesh_moe_forward
 from comet.baseline_backward import routed_experts_backward
 from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
+from comet.eplb import ExpertReplicas, physical_config
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
+from comet.placement import Placement, PlacementConfig
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
@@ -209,6 +211,32 @@ def _mesh_groups(mesh: MeshLayout) -> MeshGroups | None:
     return made[1]
 
 
+def _placement_config(cfg: MoEConfig, par: ParallelConfig, mesh: MeshLayout,
+                      redundant: int, nodes: int) -> PlacementConfig | None:
+    """The placement of a layer with ``redundant`` experts (None for 0): ValueError for
+    a count the layout cannot hold."""
+    if redundant < 0:
+        raise ValueError(f"redundant_experts must be >= 0, got {redundant}")
+    if redundant == 0:
+        return None
+    if mesh.tp > 1:
+        raise ValueError(f"redundant experts need an expert-parallel layout; this layer is "
+                         f"a {mesh} layout")
+    physical = cfg.num_experts + redundant
+    if physical % par.world_size:
+        raise ValueError(f"num_experts + redundant_experts = {cfg.num_experts} + {redundant} "
+                         f"must be divisible by the group's {par.world_size} ranks (every "
+                         f"rank holds the same number of physical experts)")
+    groups = cfg.n_group if cfg.n_group % nodes == 0 else 1
+    return PlacementConfig(cfg.num_experts, redundant, par.world_size, num_nodes=nodes,
+                           num_groups=groups)
+
+
+def _refill_replicas(module: "CometMoE", incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the loaded logical experts into their slots."""
+    module.replicas.place(module.replicas.placement, module._logical_experts(), module.group)
+
+
 class CometMoE(nn.Module):
     """An expert-parallel (or tensor- and expert-parallel) MoE block with communication
     hidden inside the expert GEMMs.
@@ -248,6 +276,17 @@ class CometMoE(nn.Module):
             fingerprint of each, all-gathered over the TP group, and a host sync: for
             debugging); a mismatch raises ValueError on every rank of the group. Off, such
             a mismatch gives wrong outputs silently: the kernels trust the convention.
+        redundant_experts: ``R`` extra physical experts (EPLB, docs/eplb.md; 0: none,
+            the layer as without the argument). The routed experts then run on ``E + R``
+            physical experts, ``(E + R) / W`` per rank, copies of logical experts placed
+            by :meth:`rebalance` (at first each rank holds its own logical experts and
+            copies of them); ``(E + R)`` must be divisible by the group's size, and the
+            layout expert-parallel (``tp == 1``). Inference only: a call that needs
+            gradients raises NotImplementedError. The state dict keeps the logical
+            experts only.
+        placement_nodes: nodes of the group for the hierarchical placement (ranks
+            numbered node-major; with ``n_group`` divisible by it, expert groups are
+            packed onto nodes first).
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
             layout's, :func:`comet.runtime.layer.default_tile`: layer1's scatter
             epilogue, except the column-split reduce in a ``(tp, 1)`` replicated
@@ -277,15 +316,21 @@ class CometMoE(nn.Module):
                  device=None, comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None,
                  fused_backward: bool = True, check_replicated: bool = False,
-                 tile: TileConfig | None = None, **kwargs):
+                 tile: TileConfig | None = None, redundant_experts: int = 0,
+                 placement_nodes: int = 1, **kwargs):
         super().__init__()
         if tile is not None and not isinstance(tile, TileConfig):
             raise TypeError(f"tile must be a comet.config.TileConfig, got {type(tile).__name__}")
+        for name, value in (("redundant_experts", redundant_experts),
+                            ("placement_nodes", placement_nodes)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
         group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
         par = ParallelConfig.from_group(group)
         mesh = _layer_mesh(cfg, par, mesh, convention)
+        placement = _placement_config(cfg, par, mesh, redundant_experts, placement_nodes)
         self.cfg, self.par, self.group = cfg, par, group
         self.mesh, self.convention = mesh, convention
         if check_replicated and (mesh.tp == 1 or convention != "replicated"):
@@ -316,6 +361,13 @@ class CometMoE(nn.Module):
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
+        self.replicas = None
+        if placement is not None:
+            self.replicas = ExpertReplicas(cfg, placement, par, device=device,
+                                           bias=cfg.expert_bias)
+            # Each rank's own experts and copies of them: no collective in a constructor.
+            self.replicas.place(self.replicas.plan(), self._logical_experts(), group)
+            self.register_load_state_dict_post_hook(_refill_replicas)
         self._fused = None
         self._op_key = custom_op.register(self)
 
@@ -354,8 +406,57 @@ class CometMoE(nn.Module):
             f = self.ffn_range
             ffn += f" (local {f.start}:{f.stop})"
             layout = f"tp={mesh.tp}, {layout}, convention={self.convention}"
-        return (f"experts={c.num_experts} (local {self.local_experts}), top_k={c.top_k}, "
-                f"hidden={c.hidden_size}, {ffn}, {layout}, router={c.router}")
+        extra = ("" if self.replicas is None else
+                 f", redundant={self.replicas.placement_config.redundant_experts}")
+        return (f"experts={c.num_experts} (local {self.local_experts}){extra}, "
+                f"top_k={c.top_k}, hidden={c.hidden_size}, {ffn}, {layout}, router={c.router}")
+
+    # ------------------------------------------------------------------ redundant experts
+    def _logical_experts(self) -> dict[str, torch.Tensor | None]:
+        e = self.experts
+        return {"w13": e.w13, "w2": e.w2, "b13": e.b13, "b2": e.b2}
+
+    def _require_replicas(self) -> ExpertReplicas:
+        if self.replicas is None:
+            raise ValueError("this layer has no redundant experts (build it with "
+                             "redundant_experts=R > 0)")
+        return self.replicas
+
+    def expert_load(self) -> torch.Tensor:
+        """``[E]`` int64 on the layer's device: the (token, slot) pairs this rank routed
+        to each logical expert since the last :meth:`reset_expert_load` or
+        :meth:`rebalance`. Counted on the device by every call (no host sync);
+        :meth:`rebalance` sums it over the group."""
+        return self._require_replicas().expert_load()
+
+    def reset_expert_load(self) -> None:
+        self._require_replicas().reset_load()
+
+    @torch.no_grad()
+    def rebalance(self, plan: Placement | None = None) -> Placement:
+        """Re-place the physical experts: by ``plan`` (one layer of
+        :func:`comet.placement.plan_placement`), or by a plan made from
+        :meth:`expert_load` summed over the group (a host sync and an all-reduce).
+        Copies the weights in place (broadcasts from each expert's owner across ranks)
+        and the translation tables, then resets the load count. Collective: every rank
+        calls it with the same plan, between calls. The fused layer and any CUDA graph
+        holding it stay valid: no address changes. Returns the plan."""
+        replicas = self._require_replicas()
+        if plan is None:
+            load = replicas.expert_load()
+            if self.par.world_size > 1:
+                dist.all_reduce(load, group=self.group)
+            plan = replicas.plan(load)
+        replicas.place(plan, self._logical_experts(), self.group)
+        replicas.reset_load()
+        return plan
+
+    def refresh_replicas(self) -> None:
+        """Copy the logical experts into their physical slots again (after the logical
+        weights were changed other than by ``load_state_dict``, which does it itself).
+        Collective."""
+        replicas = self._require_replicas()
+        replicas.place(replicas.placement, self._logical_experts(), self.group)
 
     # ------------------------------------------------------------------ validation
     def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
@@ -414,6 +515,12 @@ class CometMoE(nn.Module):
         if self.check_replicated:
             self._check_replicated(x, topk_ids, topk_weights)
         needs_grad = self._needs_grad(x, topk_weights)
+        if needs_grad and self.replicas is not None:
+            raise NotImplementedError(
+                "training with redundant experts is not supported: replicas are copies "
+                "whose gradients would have to be summed into their logical expert. Run "
+                "this call under torch.no_grad() or torch.inference_mode(), or build the "
+                "layer with redundant_experts=0 to train")
         if needs_grad and self.mesh.tp > 1:
             raise NotImplementedError(
                 f"training in tensor-parallel layouts is not supported: this layer is a "
@@ -465,9 +572,12 @@ class CometMoE(nn.Module):
         """:meth:`experts_forward` itself, without autograd: the fused layer on CUDA, the
         unfused baseline (:func:`comet.baseline.mesh_moe_forward` for a TP layout) or the
         reference on the CPU."""
+        experts = self.experts
+        if self.replicas is not None:
+            topk_ids, experts = self.replicas.route(topk_ids), self.replicas
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
-        biases = self.experts.biases()
+        biases = experts.biases()
         if self.mesh.tp > 1:
             groups = _mesh_groups(self.mesh)
             if groups is None:
@@ -480,10 +590,10 @@ class CometMoE(nn.Module):
                                     self.convention, self.cfg.activation)
         variant = dict(activation=self.cfg.activation, **biases)
         if self.par.world_size > 1:
-            return ep_moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
-                                  self.experts.w2, group=self.group, **variant)
-        return reference.moe_forward(x, topk_ids, topk_weights, self.experts.gate_up(),
-                                     self.experts.w2, round_to=x.dtype, **variant)
+            return ep_moe_forward(x, topk_ids, topk_weights, experts.gate_up(),
+                                  experts.w2, group=self.group, **variant)
+        return reference.moe_forward(x, topk_ids, topk_weights, experts.gate_up(),
+                                     experts.w2, round_to=x.dtype, **variant)
 
     def experts_backward(self, dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, weight_grads: bool) -> tuple:
@@ -506,6 +616,13 @@ class CometMoE(nn.Module):
 
     def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
+        if self._fused is None and self.replicas is not None:
+            r = self.replicas
+            self._fused = FusedMoE(physical_config(self.cfg, r.placement_config.redundant_experts),
+                                   r.w13, r.w2, b13=r.b13, b2=r.b2, group=self.group,
+                                   w13_layout="interleaved",
+                                   tuned_config_folder=self.tuned_config_folder,
+                                   mesh=self.mesh, convention=self.convention, tile=self.tile)
         if self._fused is None:
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
                                    b13=self.experts.b13, b2=self.experts.added_b2,

@@ -25,7 +25,7 @@ LAYERS = [
     ("comet.scheduler", 1),
     ("comet.kernels", 2),
     ("comet.runtime", 3), ("comet.baseline", 3), ("comet.baseline_backward", 3),
-    ("comet.moe", 4), ("comet.custom_op", 4),
+    ("comet.moe", 4), ("comet.custom_op", 4), ("comet.eplb", 4),
     ("comet.integrations", 5),
     ("comet.cli", 6), ("comet.bench", 6), ("comet.__main__", 6), ("comet", 6),
 ]

@@ -1,0 +1,207 @@
+"""CometMoE with redundant experts (comet.eplb): the same function as without replicas,
+before and after rebalancing, on one rank, over gloo ranks (weights broadcast between
+ranks) and on the fused kernels' physical layout under the interpreter."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gloo_ranks
+from comet import CometMoE, reference
+from comet.config import MoEConfig, ParallelConfig
+from comet.constants import interpreting
+from comet.eplb import physical_config
+from comet.mesh import MeshLayout
+from comet.moe import _placement_config
+from comet.placement import Placement, PlacementConfig, plan_placement
+from comet.replicas import ReplicaTables, translate
+from comet.runtime.virtual import VirtualEP
+
+E, K, H, F = 8, 2, 32, 32
+
+
+def _pair(redundant=4, **kwargs):
+    """A layer with ``redundant`` replicas and the same layer without, same weights."""
+    torch.manual_seed(0)
+    plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64, **kwargs)
+    replicated = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64,
+                          redundant_experts=redundant, **kwargs)
+    replicated.load_state_dict(plain.state_dict())
+    return plain, replicated
+
+
+def _skewed_ids(tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, E, generator=g)
+    scores[:, 3] += 0.8                               # expert 3 takes most first choices
+    ids = scores.topk(K, dim=1).indices
+    ids[::5, 1] = -1                                  # dropped slots stay dropped
+    return ids, torch.rand(tokens, K, generator=g)
+
+
+@torch.no_grad()
+def test_replicas_give_the_layers_output_before_and_after_rebalancing():
+    plain, replicated = _pair()
+    x = torch.randn(40, H)
+    assert torch.equal(plain(x), replicated(x))       # the router's own routing
+    ids, w = _skewed_ids(40)
+    assert torch.equal(plain(x, ids, w), replicated(x, ids, w))
+    plan = replicated.rebalance()
+    assert plan.replicas[0, 3] > 1                    # the hot expert got replicas
+    assert not torch.equal(replicated.replicas.phy2log, torch.tensor([*range(8), 0, 1, 2, 3]))
+    assert torch.equal(plain(x, ids, w), replicated(x, ids, w))
+    assert torch.equal(plain(x), replicated(x))
+
+
+@torch.no_grad()
+def test_expert_load_counts_logical_pairs_on_the_device_until_rebalanced():
+    _, layer = _pair()
+    ids, w = _skewed_ids(30)
+    x = torch.randn(30, H)
+    layer(x, ids, w)
+    layer(x[:7], ids[:7], w[:7])
+    live = torch.cat([ids, ids[:7]]).flatten()
+    expect = torch.bincount(live[live >= 0], minlength=E)
+    assert torch.equal(layer.expert_load(), expect)
+    assert layer.expert_load().device == layer.experts.w13.device
+    layer.rebalance()
+    assert layer.expert_load().sum() == 0
+    layer(x, ids, w)
+    layer.reset_expert_load()
+    assert layer.expert_load().sum() == 0
+
+
+@torch.no_grad()
+def test_rebalancing_writes_in_place():
+    _, layer = _pair()
+    r = layer.replicas
+    before = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
+    ids, w = _skewed_ids(30)
+    layer(torch.randn(30, H), ids, w)
+    layer.rebalance()
+    after = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
+    assert before == after
+    # every slot holds its logical expert's weights
+    for slot, e in enumerate(r.phy2log.tolist()):
+        assert torch.equal(r.w13[slot], layer.experts.w13[e])
+        assert torch.equal(r.w2[slot], layer.experts.w2[e])
+
+
+@torch.no_grad()
+def test_a_given_plan_is_followed_and_checked():
+    _, layer = _pair()
+    phy2log = torch.tensor([7, 7, 7, 6, 5, 4, 3, 2, 1, 0, 6, 6])
+    plan = layer.rebalance(Placement.from_phy2log(phy2log, E, 1))
+    assert layer.replicas.phy2log.tolist() == phy2log.tolist()
+    assert layer.replicas.replicas[7] == 3 and plan.replicas[0, 6] == 3
+    with pytest.raises(ValueError, match="this layer has 8 on 12"):
+        layer.rebalance(Placement.from_phy2log(torch.arange(8), E, 1))
+
+
+def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
+    plain, replicated = _pair(expert_bias=True)
+    assert set(plain.state_dict()) == set(replicated.state_dict())
+    assert replicated.state_dict()["experts.w13"].shape == (E, H, 2 * F)
+    with torch.no_grad():
+        replicated.rebalance(Placement.from_phy2log(torch.arange(12) % 8, E, 1))
+        for p in plain.parameters():
+            p.add_(0.25)
+    replicated.load_state_dict(plain.state_dict())
+    x = torch.randn(20, H)
+    with torch.no_grad():
+        assert torch.equal(plain(x), replicated(x))
+    assert torch.equal(replicated.replicas.b13[9], replicated.experts.b13[1])
+
+
+def test_training_with_replicas_is_refused():
+    _, layer = _pair()
+    with pytest.raises(NotImplementedError, match="redundant experts"):
+        layer(torch.randn(4, H))
+
+
+def test_a_layer_without_replicas_has_no_load_to_report():
+    plain, _ = _pair()
+    assert plain.replicas is None
+    with pytest.raises(ValueError, match="no redundant experts"):
+        plain.expert_load()
+    with pytest.raises(ValueError, match="no redundant experts"):
+        plain.rebalance()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(redundant_experts=-2), ValueError, "must be >= 0"),
+    (dict(redundant_experts=2.0), TypeError, "redundant_experts must be an int"),
+    (dict(redundant_experts=4, placement_nodes=3), ValueError, "num_nodes"),
+])
+def test_bad_redundant_experts_are_refused_before_anything_is_built(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CometMoE(E, K, H, F, dtype=torch.float32, **kwargs)
+
+
+def test_replicas_must_split_over_the_ranks_of_an_expert_parallel_layout():
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=F)
+    with pytest.raises(ValueError, match=r"8 \+ 2 must be divisible by the group's 4"):
+        _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 2, 1)
+    with pytest.raises(ValueError, match="expert-parallel layout"):
+        _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=2, ep=2), 4, 1)
+    assert _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 0, 1) is None
+    assert _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 4, 1) \
+        .slots_per_gpu == 3
+
+
+# ----------------------------------------------------------------- gloo ranks (broadcasts)
+def _check_gloo_rebalance(world, rank):
+    torch.manual_seed(rank)
+    plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64)
+    layer = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64,
+                     redundant_experts=2 * world)
+    layer.load_state_dict(plain.state_dict())
+    ids, w = _skewed_ids(24, seed=rank)
+    x = torch.randn(24, H)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+        plan = layer.rebalance()
+        # the hot expert 3 lives on rank 1 of 2 (or 4): a replica must cross ranks
+        slots = plan.log2phy[0, 3][plan.log2phy[0, 3] >= 0]
+        assert len(slots) > 1 and len(set((slots // layer.replicas.placement_config.slots_per_gpu)
+                                          .tolist())) > 1
+        r = layer.replicas
+        for i, e in enumerate(r.phy2log[rank * (E // world + 2):][:E // world + 2].tolist()):
+            every = [torch.empty_like(layer.experts.w13) for _ in range(world)]
+            dist.all_gather(every, layer.experts.w13.contiguous())
+            assert torch.equal(r.w13[i], torch.cat(every)[e])
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_gloo_ranks_rebalance_across_ranks_and_keep_the_output(world):
+    gloo_ranks.spawn(_check_gloo_rebalance, world)
+
+
+# ----------------------------------------------------------------- fused kernels (interpreter)
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (CPU)")
+@pytest.mark.parametrize("world,redundant", [(2, 2), (4, 4)])
+def test_fused_kernels_on_a_physical_layout_give_the_logical_layers_output(world, redundant):
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=F,
+                    dtype=torch.float32, max_tokens=12)
+    g = torch.Generator().manual_seed(world)
+    w13 = torch.randn(E, H, 2 * F, generator=g) * H ** -0.5      # gate columns first
+    w2 = torch.randn(E, F, H, generator=g) * F ** -0.5
+    tokens = [12, 5, 9, 0][:world]
+    routing = [_skewed_ids(m, seed=r) for r, m in enumerate(tokens)]
+    xs = [torch.randn(m, H, generator=g) for m in tokens]
+    placement = PlacementConfig(E, redundant, world)
+    load = torch.bincount(torch.cat([i.flatten() for i, _ in routing]).clamp(min=0),
+                          minlength=E)
+    plan = plan_placement(load, placement)
+    assert (plan.replicas[0] > 1).any()
+    tables = ReplicaTables.empty(E, redundant, world)
+    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
+    slots = plan.phy2log[0].view(world, -1)
+    ep = VirtualEP(physical_config(cfg, redundant), [w13[s] for s in slots],
+                   [w2[s] for s in slots])
+    phys = [translate(i, tables, r) for r, (i, _) in enumerate(routing)]
+    ys = ep.forward(xs, phys, [w for _, w in routing])
+    for r in range(world):
+        expect = reference.moe_forward(xs[r], routing[r][0], routing[r][1], w13, w2)
+        torch.testing.assert_close(ys[r].float(), expect.float(), rtol=1e-4, atol=1e-4)
