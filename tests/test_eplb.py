@@ -205,3 +205,17 @@ def test_fused_kernels_on_a_physical_layout_give_the_logical_layers_output(world
     for r in range(world):
         expect = reference.moe_forward(xs[r], routing[r][0], routing[r][1], w13, w2)
         torch.testing.assert_close(ys[r].float(), expect.float(), rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_compiled_inference_translates_and_counts_inside_the_op():
+    plain, layer = _pair()
+    ids, w = _skewed_ids(16)
+    x = torch.randn(16, H)
+    layer.rebalance(plan_placement(torch.bincount(ids.flatten().clamp(min=0), minlength=E),
+                                   PlacementConfig(E, 4, 1)))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, i, g: layer(a, i, g), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, ids, w), plain(x, ids, w))
+    live = ids.flatten()
+    assert torch.equal(layer.expert_load(), torch.bincount(live[live >= 0], minlength=E))
