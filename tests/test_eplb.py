@@ -219,3 +219,58 @@ def test_compiled_inference_translates_and_counts_inside_the_op():
     torch.testing.assert_close(compiled(x, ids, w), plain(x, ids, w))
     live = ids.flatten()
     assert torch.equal(layer.expert_load(), torch.bincount(live[live >= 0], minlength=E))
+
+
+# ----------------------------------------------------------------- comet bench --redundant-experts
+def test_balance_columns_count_rows_per_rank_and_the_local_share():
+    from comet.bench.eplb import balance_columns, destination_rows
+    ids = torch.tensor([[0, 5], [1, -1], [7, 2]])               # 2 slots per rank, 4 ranks
+    assert destination_rows(ids, 2, 4).tolist() == [2, 1, 1, 1]
+    rows = torch.tensor([[2, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 4]])
+    cols = balance_columns(rows)
+    assert cols["rows_max_over_mean"] == pytest.approx(4 / 2)
+    assert cols["rows_local_fraction"] == pytest.approx(6 / 8)
+    assert balance_columns(torch.zeros(2, 2)) == {"rows_max_over_mean": None,
+                                                  "rows_local_fraction": None}
+
+
+def test_physical_weights_follow_the_plan_from_the_owners_seeds():
+    from comet.bench.eplb import physical_weights
+    from comet.bench.inputs import make_expert_weights
+    from comet.weights import gate_up_first
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=F,
+                    dtype=torch.float32)
+    plan = Placement.from_phy2log(torch.tensor([7, 0, 3, 3, 1, 2, 4, 5, 6, 7, 0, 3]), E, 2)
+    w13, w2 = physical_weights(cfg, plan, 1, 2, "tiny", 0, "cpu")
+    owners = [make_expert_weights(cfg, 4, "tiny", r, 0, "cpu") for r in range(2)]
+    for i, e in enumerate([4, 5, 6, 7, 0, 3]):
+        assert torch.equal(gate_up_first(w13[i]), owners[e // 4][0][e % 4])
+        assert torch.equal(w2[i], owners[e // 4][1][e % 4])
+
+
+def test_bench_with_redundant_experts_adds_the_balance_table(tmp_path, capsys):
+    import glob
+    from comet.bench import records as rec
+    from comet.cli import bench
+    argv = ["--tokens", "16", "--iters", "1", "--warmup", "0", "--input-sets", "2",
+            "--routing", "skewed", "--layers", "moe", "--redundant-experts", "4",
+            "--no-plot", "--output-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert "rows max/mean" in capsys.readouterr().out
+    [path] = glob.glob(str(tmp_path / "bench-ep1-*.json"))
+    [moe] = rec.read_json(path)
+    assert moe["redundant_experts"] == 4 and moe["command"].endswith("--output-dir " + str(tmp_path))
+    assert {"commit", "kernel_revision", "torch", "triton", "device"} <= set(moe)
+    # one rank computes every row: even and local, with or without replicas
+    assert moe["rows_max_over_mean"] == moe["rows_max_over_mean_r0"] == 1.0
+    assert moe["rows_local_fraction"] == moe["rows_local_fraction_r0"] == 1.0
+    assert "## Redundant experts" in open(path[:-5] + ".md").read()
+
+
+@pytest.mark.parametrize("extra", [["--redundant-experts", "-1"],
+                                   ["--redundant-experts", "2", "--timeline"]])
+def test_bench_refuses_bad_redundant_experts(extra, capsys):
+    from comet.cli import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--tokens", "8"] + extra)
+    assert "--redundant-experts takes R >= 0" in capsys.readouterr().err

@@ -59,6 +59,17 @@ MAIN_COLUMNS: list[Column] = _KEY + [
     ("n_comm", _n_comm),
 ]
 
+#: ``--redundant-experts``: the whole layer's time beside how its rows fall on the ranks,
+#: with R replicas and without (comet.bench.eplb).
+EPLB_COLUMNS: list[Column] = _KEY + [
+    ("(b) fused us", _num("fused_us")),
+    ("R", lambda r: str(r.get("redundant_experts", "-"))),
+    ("rows max/mean", _num("rows_max_over_mean", "{:.3f}")),
+    ("R=0 max/mean", _num("rows_max_over_mean_r0", "{:.3f}")),
+    ("rows local", _num("rows_local_fraction", "{:.3f}")),
+    ("R=0 local", _num("rows_local_fraction_r0", "{:.3f}")),
+]
+
 #: Compute and communication against their references.
 EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("torch GEMM TFLOP/s", _num("torch_gmm_tflops", "{:.4g}")),
@@ -341,6 +352,8 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     if moe:
         out += ["", "## Where the unfused baseline spends its time", "",
                 markdown_table(moe, BREAKDOWN_COLUMNS)]
+    if any("rows_max_over_mean_r0" in r for r in moe):
+        out += ["", "## Redundant experts: rows per rank", "", markdown_table(moe, EPLB_COLUMNS)]
     if peer_columns(moe):
         out += ["", "## Against the peers", "", markdown_table(moe, peer_columns(moe)), ""]
         out += [f"- {line}" for line in peer_notes(moe)]

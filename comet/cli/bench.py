@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(sorted(PEERS))} (optional packages: "
                         "scripts/device/build_peers.sh); one that cannot run shows '-' and "
                         "why (docs/benchmarks.md, 'Peers')")
+    g.add_argument("--redundant-experts", type=int, default=None, metavar="R",
+                   help="run comet's layer on E + R physical experts placed by the EPLB "
+                        "planner from each case's own routing (comet.placement), and add "
+                        "the rows' balance over ranks (max/mean) and the share computed on "
+                        "the token's own rank, with R and without replicas (docs/eplb.md); "
+                        "0: the balance columns only")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: every visible GPU)")
     g.add_argument("--tp", type=int, default=1,
@@ -260,6 +266,9 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
     if moe:
         print()
         print(report.text_table(moe, report.BREAKDOWN_COLUMNS))
+    if any("rows_max_over_mean_r0" in r for r in moe):
+        print()
+        print(report.text_table(moe, report.EPLB_COLUMNS))
     if report.peer_columns(moe):
         print()
         print(report.text_table(moe, report.peer_columns(moe)))
@@ -347,11 +356,17 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
     if args.peers and mesh.tp > 1:
         parser.error("--peers times expert-parallel layers only (no --tp)")
+    if args.redundant_experts is not None and (args.redundant_experts < 0 or mesh.tp > 1
+                                               or args.timeline):
+        parser.error("--redundant-experts takes R >= 0, in an expert-parallel sweep (no "
+                     "--tp, no --timeline)")
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     meta = {"device": device_name, "world_size": world, "layout": layout,
             "date": stamp.isoformat(timespec="seconds"),
             "command": shlex.join(["comet", "bench", *argv]), **provenance()}
+    if args.redundant_experts is not None:
+        meta["redundant_experts"] = args.redundant_experts
     try:
         tile_fields = dict(_tile_field(kv) for kv in args.tile.split(",") if kv)
     except ValueError as err:
@@ -398,17 +413,30 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused, why = _build_fused(cfg, w13, w2, group, device,
-                                  **_tile_of(meta, cfg, MeshLayout(ep=world)))
+        replicas = None
+        if args.redundant_experts is not None:
+            try:
+                replicas = _replicated(cfg, name, args, meta, group, device, world, rank,
+                                       w13, w2)
+            except ValueError as err:
+                notes.append(f"{name} skipped: {err}")
+                bar.update(len(tokens) * len(args.routing))
+                continue
+            fused, why = replicas.fused, replicas.why
+        else:
+            fused, why = _build_fused(cfg, w13, w2, group, device,
+                                      **_tile_of(meta, cfg, MeshLayout(ep=world)))
         if why and why not in notes:
             notes.append(why)
         peers = build_peers(loaded_peers, cfg, w13, w2, group, device) if args.peers else None
         for t in tokens:
             for routing in args.routing:
                 bar.set_postfix_str(f"{name} {t} {routing}")
+                balance = ({} if replicas is None else
+                           replicas.prepare(Case(name, cfg, t, routing), st))
                 for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
                                   args.layers, peers):
-                    records.append({**meta, **r, "notes": notes})
+                    records.append({**meta, **r, **balance, "notes": notes})
                 partial.save(records)
                 bar.update()
         if peers is not None:
@@ -421,6 +449,66 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         _emit(records, notes, args.output_dir, stem, not args.no_plot)
     partial.done()
     return _status(records)
+
+
+class _Replicas:
+    """``--redundant-experts``: comet's layer of one config on its physical experts
+    (:class:`comet.bench.eplb.ReplicatedLayer`), re-placed before each case from that
+    case's routing; ``fused`` None (and ``why``) where it cannot run (no GPU)."""
+
+    def __init__(self, cfg, name, placement, seed, group, device, world, rank, w13, w2,
+                 fused_kwargs):
+        from comet.bench import eplb
+        from comet.eplb import physical_config
+        from comet.placement import home_placement
+        self.cfg, self.name, self.placement, self.seed = cfg, name, placement, seed
+        self.group, self.device, self.world, self.rank = group, device, world, rank
+        self.weights = None
+        self.layer = eplb.ReplicatedLayer(None, placement, rank, device)
+        if not placement.redundant_experts:         # the plain layer, balance columns only
+            self.fused, self.why = _build_fused(cfg, w13, w2, group, device, **fused_kwargs)
+            return
+        if device.type == "cuda":
+            self.weights = eplb.physical_weights(cfg, home_placement(placement), rank, world,
+                                                 name, seed, device)
+        fused, self.why = _build_fused(physical_config(cfg, placement.redundant_experts),
+                                       *(self.weights or (w13, w2)), group, device,
+                                       w13_layout="interleaved", **fused_kwargs)
+        self.fused = None
+        if fused is not None:
+            self.layer.layer = fused.layer
+            self.fused = Fused(self.layer, fused.make_timer)
+
+    def prepare(self, case: Case, st: Settings) -> dict:
+        """Place the experts for ``case``'s routing; its balance columns."""
+        from comet.bench import eplb
+        from comet.bench.inputs import make_input_sets
+        p = self.placement
+        ids = [s.topk_ids for s in make_input_sets(case.cfg, case.config, case.tokens,
+                                                   case.routing, st.n_sets, st.rank,
+                                                   st.seed, st.device)]
+        el = p.num_experts // p.num_gpus
+        plain = eplb.balance_columns(eplb.gathered_rows(ids, el, self.world, self.rank,
+                                                        self.group))
+        out = {f"{k}_r0": v for k, v in plain.items()}
+        if not p.redundant_experts:
+            return {**out, **plain}
+        plan = eplb.plan_for(ids, p, self.group)
+        self.layer.load_plan(plan)
+        if self.weights is not None:
+            eplb.physical_weights(self.cfg, plan, self.rank, self.world, self.name,
+                                  self.seed, self.device, out=self.weights)
+        phys = [self.layer.translate(i) for i in ids]
+        return {**out, **eplb.balance_columns(eplb.gathered_rows(
+            phys, p.slots_per_gpu, self.world, self.rank, self.group))}
+
+
+def _replicated(cfg, name, args, meta, group, device, world, rank, w13, w2) -> _Replicas:
+    """The :class:`_Replicas` of one config; ValueError where R does not fit."""
+    from comet.placement import PlacementConfig
+    placement = PlacementConfig(cfg.num_experts, args.redundant_experts, world)
+    return _Replicas(cfg, name, placement, args.seed, group, device, world, rank, w13, w2,
+                     _tile_of(meta, cfg, MeshLayout(ep=world)))
 
 
 def _run_mesh(args, configs, tokens, st: Settings, dtype, meta, notes, stamp,
