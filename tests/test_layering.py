@@ -2,9 +2,9 @@
 functions included (docs/design.md, "Layout").
 
     foundation (config, constants, activation, mesh, quant, weights, reference, routing,
-    grouped)
+    grouped, placement, replicas)
     -> scheduler -> kernels -> runtime (and the unfused baselines)
-    -> module (moe, custom_op) -> integrations -> cli and bench (and the package facade)
+    -> module (moe, custom_op, eplb) -> integrations -> cli and bench (and the package facade)
 
 Read from the source with ``ast``, so the test needs no GPU and imports nothing.
 """
