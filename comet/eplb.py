@@ -76,6 +76,7 @@ class ExpertReplicas(nn.Module):
         self.register_buffer("load", torch.zeros(placement.num_experts + 1, dtype=torch.int64,
                                                  device=device), persistent=False)
         self.placement: Placement | None = None    # the plan the copies hold (host)
+        self._versions: tuple = ()                 # the logical experts' when copied
 
     @property
     def tables(self) -> ReplicaTables:
@@ -83,11 +84,18 @@ class ExpertReplicas(nn.Module):
                              self.placement_config.slots_per_gpu)
 
     # ------------------------------------------------------------------ per call
-    def route(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Count ``topk_ids``' logical pairs and return their physical ids (device ops
-        only)."""
-        count_load(self.load, topk_ids)
+    def route(self, topk_ids: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """Count ``topk_ids``' logical pairs (unless ``count`` is False: a backward
+        re-deriving its forward's ids) and return their physical ids (device ops only)."""
+        if count:
+            count_load(self.load, topk_ids)
         return translate(topk_ids, self.tables, self.par.rank, self.prefer_local)
+
+    def stale(self, logical: dict[str, torch.Tensor | None]) -> bool:
+        """Whether the logical experts were changed in place (an optimizer step,
+        ``copy_``) since the copies were made: their version counters moved. Edits
+        through ``.data`` leave no trace; :meth:`CometMoE.refresh_replicas` then."""
+        return self._versions != _versions(logical)
 
     def expert_load(self) -> torch.Tensor:
         """``[E]`` int64 pairs this rank routed to each logical expert since the last
@@ -166,3 +174,49 @@ class ExpertReplicas(nn.Module):
                 getattr(self, n)[i].copy_(src)
         self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
         self.placement = plan
+        self._versions = _versions(logical)
+
+    @torch.no_grad()
+    def fold(self, grads: dict[str, torch.Tensor | None],
+             logical: dict[str, torch.Tensor | None], group=None
+             ) -> dict[str, torch.Tensor | None]:
+        """The gradients of this rank's logical experts from those of its physical slots
+        ``grads`` (``[P/W, ...]`` by name, None where not computed): every replica's
+        gradient summed into its logical expert -- on this rank with ``index_add_``, from
+        other ranks by one ``reduce`` to the owner per owner and tensor (the reverse of
+        :meth:`place`'s broadcasts). Collective over ``group`` when it has several
+        ranks."""
+        cfg = self.placement_config
+        own, rank, slots = cfg.num_experts // cfg.num_gpus, self.par.rank, cfg.slots_per_gpu
+        phy2log = self.placement.phy2log[0].tolist()
+        mine = phy2log[rank * slots:(rank + 1) * slots]
+        names = [n for n, g in grads.items() if g is not None]
+        out = {n: None for n in grads}
+        for n in names:
+            out[n] = torch.zeros_like(logical[n], dtype=torch.float32)
+            here = [i for i, e in enumerate(mine) if e // own == rank]
+            if here:
+                index = torch.tensor([mine[i] - rank * own for i in here], device=out[n].device)
+                out[n].index_add_(0, index, grads[n][here].float())
+        for owner in range(cfg.num_gpus if cfg.num_gpus > 1 else 0):
+            held = sorted({e for s, e in enumerate(phy2log)
+                           if e // own == owner and s // slots != owner})
+            if not held:
+                continue
+            src = owner if group is None else dist.get_global_rank(group, owner)
+            for n in names:
+                buf = torch.zeros((len(held), *logical[n].shape[1:]), dtype=torch.float32,
+                                  device=logical[n].device)
+                if owner != rank:
+                    for i, e in enumerate(mine):
+                        if e in held:
+                            buf[held.index(e)] += grads[n][i].float()
+                dist.reduce(buf, dst=src, group=group)
+                if owner == rank:
+                    out[n].index_add_(0, torch.tensor([e - rank * own for e in held],
+                                                      device=buf.device), buf)
+        return {n: None if g is None else g.to(logical[n].dtype) for n, g in out.items()}
+
+
+def _versions(logical: dict[str, torch.Tensor | None]) -> tuple:
+    return tuple(None if t is None else t._version for t in logical.values())

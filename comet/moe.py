@@ -281,9 +281,10 @@ class CometMoE(nn.Module):
             physical experts, ``(E + R) / W`` per rank, copies of logical experts placed
             by :meth:`rebalance` (at first each rank holds its own logical experts and
             copies of them); ``(E + R)`` must be divisible by the group's size, and the
-            layout expert-parallel (``tp == 1``). Inference only: a call that needs
-            gradients raises NotImplementedError. The state dict keeps the logical
-            experts only.
+            layout expert-parallel (``tp == 1``). The state dict keeps the logical
+            experts only; training sums each replica's gradient into its logical expert,
+            and a call after the logical experts changed in place (an optimizer step)
+            copies them again first (collective).
         placement_nodes: nodes of the group for the hierarchical placement (ranks
             numbered node-major; with ``n_group`` divisible by it, expert groups are
             packed onto nodes first).
@@ -515,19 +516,15 @@ class CometMoE(nn.Module):
         if self.check_replicated:
             self._check_replicated(x, topk_ids, topk_weights)
         needs_grad = self._needs_grad(x, topk_weights)
-        if needs_grad and self.replicas is not None:
-            raise NotImplementedError(
-                "training with redundant experts is not supported: replicas are copies "
-                "whose gradients would have to be summed into their logical expert. Run "
-                "this call under torch.no_grad() or torch.inference_mode(), or build the "
-                "layer with redundant_experts=0 to train")
         if needs_grad and self.mesh.tp > 1:
             raise NotImplementedError(
                 f"training in tensor-parallel layouts is not supported: this layer is a "
                 f"{self.mesh} layout, and this call needs gradients (grad mode is on and "
                 f"x, the routing weights or the experts require them). Run it under "
                 f"torch.no_grad() or torch.inference_mode(), or train with tp=1")
-        if ((needs_grad and (x.is_cuda or self.par.world_size > 1))
+        # With replicas every path that trains goes through the op: its backward sums the
+        # replicas' gradients into their logical experts (ExpertReplicas.fold).
+        if ((needs_grad and (x.is_cuda or self.par.world_size > 1 or self.replicas is not None))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
                                             self.experts.w2, self._op_key, self.experts.b13,
@@ -574,6 +571,8 @@ class CometMoE(nn.Module):
         reference on the CPU."""
         experts = self.experts
         if self.replicas is not None:
+            if self.replicas.stale(self._logical_experts()):
+                self.refresh_replicas()        # an optimizer step changed the experts
             topk_ids, experts = self.replicas.route(topk_ids), self.replicas
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
@@ -602,6 +601,8 @@ class CometMoE(nn.Module):
         parameters' gradients are None without ``weight_grads``, the biases' also without
         biases. The fused backward on CUDA where ``fused_backward`` says so, else the
         unfused one over the layer's group. Collective, like the forward."""
+        if self.replicas is not None:
+            return self._replicated_backward(dy, x, topk_ids, topk_weights, weight_grads)
         biases = None if self.experts.b13 is None else (self.experts.b13, self.experts.b2)
         if x.is_cuda and self.fused_backward:
             grads = self.fused_layer().backward(dy, x, topk_ids, topk_weights,
@@ -613,6 +614,27 @@ class CometMoE(nn.Module):
                                             weight_grads=weight_grads,
                                             activation=self.cfg.activation, biases=biases)
         return (*grads, None, None) if biases is None else grads
+
+    def _replicated_backward(self, dy, x, topk_ids, topk_weights, weight_grads: bool) -> tuple:
+        """:meth:`experts_backward` on the physical experts (the forward's translation
+        again, not counted), the weight gradients folded into the logical experts."""
+        r = self.replicas
+        ids = r.route(topk_ids, count=False)
+        biases = None if r.b13 is None else (r.b13, r.b2)
+        if x.is_cuda and self.fused_backward:
+            grads = self.fused_layer().backward(dy, x, ids, topk_weights,
+                                                weight_grads=weight_grads,
+                                                comm_blocks=self.comm_blocks)
+        else:
+            grads = routed_experts_backward(dy, x, ids, topk_weights, r.w13, r.w2, self.group,
+                                            layout="interleaved", weight_grads=weight_grads,
+                                            activation=self.cfg.activation, biases=biases)
+        grads = (*grads, None, None) if len(grads) == 4 else grads
+        if not weight_grads:
+            return (*grads[:2], None, None, None, None)
+        folded = r.fold(dict(zip(("w13", "w2", "b13", "b2"), grads[2:])),
+                        self._logical_experts(), self.group)
+        return (*grads[:2], *folded.values())
 
     def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""

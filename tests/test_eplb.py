@@ -113,10 +113,65 @@ def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
     assert torch.equal(replicated.replicas.b13[9], replicated.experts.b13[1])
 
 
-def test_training_with_replicas_is_refused():
-    _, layer = _pair()
-    with pytest.raises(NotImplementedError, match="redundant experts"):
-        layer(torch.randn(4, H))
+def _train_step(layer, x, ids, w, lr=0.05):
+    """One SGD step on ``x`` (routing given, or the router's when ``ids`` is None);
+    returns the output and every gradient by name."""
+    x = x.clone().requires_grad_(True)
+    y = layer(x) if ids is None else layer(x, ids, w)
+    (y.float().square().sum()).backward()
+    grads = {"x": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()
+                             if p.grad is not None}}
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.grad is not None:
+                p.sub_(lr * p.grad)
+                p.grad = None
+    return y.detach(), grads
+
+
+def _close_grads(got: dict, want: dict) -> None:
+    """Equal up to fp32 summation order, relative to each gradient's scale."""
+    assert set(got) == set(want)
+    for name in want:
+        scale = float(want[name].abs().max())
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5 * max(scale, 1.0),
+                                   msg=name)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_sums_the_replicas_gradients_into_their_logical_experts(bias):
+    plain, layer = _pair(expert_bias=bias)
+    ids, w = _skewed_ids(24)
+    x = torch.randn(24, H)
+    with torch.no_grad():
+        layer(x, ids, w)
+    plan = layer.rebalance()
+    assert plan.replicas[0, 3] > 1                    # the hot expert has replicas
+    for step in range(2):                             # the second after an optimizer step
+        y0, g0 = _train_step(plain, x, ids, w.clone().requires_grad_(True))
+        y1, g1 = _train_step(layer, x, ids, w.clone().requires_grad_(True))
+        # equal up to summation order (replicas reorder rows), grown by the step between
+        torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-4)
+        assert set(g0) == set(g1)
+        _close_grads(g1, g0)
+        assert g1["experts.w13"][3].abs().sum() > 0
+    # the copies are stale after a step until the next call refreshes them
+    assert layer.replicas.stale(layer._logical_experts())
+    with torch.no_grad():
+        layer(x, ids, w)
+    for slot, e in enumerate(layer.replicas.phy2log.tolist()):
+        assert torch.equal(layer.replicas.w13[slot], layer.experts.w13[e])
+
+
+def test_training_through_the_router_reaches_the_gate():
+    plain, layer = _pair()
+    with torch.no_grad():
+        layer.rebalance(Placement.from_phy2log(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 3, 3,
+                                                             5, 0]), E, 1))
+    x = torch.randn(16, H)
+    _, g0 = _train_step(plain, x, None, None)
+    _, g1 = _train_step(layer, x, None, None)
+    _close_grads(g1, g0)
 
 
 def test_a_layer_without_replicas_has_no_load_to_report():
@@ -171,10 +226,16 @@ def _check_gloo_rebalance(world, rank):
             dist.all_gather(every, layer.experts.w13.contiguous())
             assert torch.equal(r.w13[i], torch.cat(every)[e])
         torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+    # training: replicas on other ranks send their gradients to the owner (fold's reduce)
+    for _ in range(2):
+        y0, g0 = _train_step(plain, x, ids, w.clone().requires_grad_(True))
+        y1, g1 = _train_step(layer, x, ids, w.clone().requires_grad_(True))
+        torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-4)
+        _close_grads(g1, g0)
 
 
 @pytest.mark.parametrize("world", [2])
-def test_gloo_ranks_rebalance_across_ranks_and_keep_the_output(world):
+def test_gloo_ranks_rebalance_and_train_across_ranks(world):
     gloo_ranks.spawn(_check_gloo_rebalance, world)
 
 
