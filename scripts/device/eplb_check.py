@@ -20,6 +20,11 @@ of all tokens), with several thousand tokens per rank:
    written in place while the layer's CUDA graphs stay captured); after each rebalance
    the next call of each routing is checked against step 1.
 
+4. the module: ``CometMoE(redundant_experts=E/8)`` at EP=1 (one process, the Qwen3-like
+   size) against ``CometMoE`` without replicas holding the same weights: outputs before
+   and after ``rebalance()`` from its own device load count, and a training step's
+   gradients (the fused backward, replica gradients folded into the logical experts).
+
 The translation and the load count are also run once under
 ``torch.cuda.set_sync_debug_mode("error")``: a host sync there fails the run.
 
@@ -289,6 +294,43 @@ def run_model(name: str, base: MoEConfig, world: int, args, device, rng) -> dict
     return record
 
 
+def run_module(base: MoEConfig, tokens: int, device) -> dict:
+    """Step 4: CometMoE with and without replicas on one process, forward and backward."""
+    from comet import CometMoE
+    redundant = base.num_experts // 8
+    kw = dict(dtype=base.dtype, max_tokens=tokens, device=device)
+    torch.manual_seed(SEED)
+    plain = CometMoE(base.num_experts, base.top_k, base.hidden_size, base.intermediate_size, **kw)
+    layer = CometMoE(base.num_experts, base.top_k, base.hidden_size, base.intermediate_size,
+                     redundant_experts=redundant, **kw)
+    layer.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(SEED)
+    ids, w = zipf_routing(tokens, base, g)
+    ids, w = ids.to(device), w.to(device)
+    x = (torch.randn(tokens, base.hidden_size, generator=g) * 0.5).to(base.dtype).to(device)
+    errs = {}
+    with torch.no_grad():
+        want = plain(x, ids, w)
+        errs["forward"] = rel_err(layer(x, ids, w), want)
+        load = layer.expert_load()
+        plan = layer.rebalance()
+        for i in range(3):        # the graph's capture, then replays after the re-placement
+            errs[f"after_rebalance_{i}"] = rel_err(layer(x, ids, w), want)
+    grads = []
+    for m in (plain, layer):
+        xg = x.clone().requires_grad_(True)
+        wg = w.clone().requires_grad_(True)
+        m(xg, ids, wg).float().square().mean().backward()
+        grads.append({"x": xg.grad, "topk_weights": wg.grad, "w13": m.experts.w13.grad,
+                      "w2": m.experts.w2.grad})
+    for name in grads[0]:
+        errs[f"grad_{name}"] = rel_err(grads[1][name], grads[0][name])
+    return {"model": "module", "experts": base.num_experts, "redundant_experts": redundant,
+            "tokens": tokens, "pairs_counted": int(load.sum()),
+            "replicated_experts": int((plan.replicas[0] > 1).sum()), "rel_err": errs,
+            "max_rel_err": max(errs.values())}
+
+
 def _rows(ids: list, slots_per_rank: int, world: int) -> torch.Tensor:
     """``[W_src, W_dst]`` rows of the virtual ranks' ids (one process holds them all)."""
     return torch.stack([destination_rows(i, slots_per_rank, world) for i in ids])
@@ -324,6 +366,8 @@ def main() -> int:
                     help="liveness calls (default 200; --tiny: 6)")
     ap.add_argument("--rebalance-every", type=int, default=None,
                     help="calls between rebalances (default 50; --tiny: 2)")
+    ap.add_argument("--no-module", action="store_true",
+                    help="skip step 4 (CometMoE with and without replicas, EP=1)")
     ap.add_argument("--output", default=None,
                     help="JSON file (default: $OUT/eplb_check.json, $OUT or ./out)")
     args = ap.parse_args()
@@ -347,8 +391,14 @@ def main() -> int:
             records.append(rec)
             print(json.dumps(_summary(rec)), flush=True)
             _write(path, records, device, partial=True)
-    bad = [r for r in records if r["liveness"]["failures"] or not r["no_host_sync"]
-           or not r["max_rel_err"] <= MAX_REL_ERR]
+    if not args.no_module:
+        name = "tiny" if tiny else "qwen3-30b-a3b-like"
+        base = TINY["tiny"] if tiny else MODELS[name].replace(dtype=torch.bfloat16)
+        rec = run_module(base, 16 if tiny else 2048, device)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    bad = [r for r in records if r.get("liveness", {}).get("failures")
+           or not r.get("no_host_sync", True) or not r["max_rel_err"] <= MAX_REL_ERR]
     _write(path, records, device, partial=False)
     print(f"wrote {path}")
     print(f"EPLB CHECK {'FAILED' if bad else 'PASSED'}: {len(records)} records, "
