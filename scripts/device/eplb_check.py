@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import random
@@ -225,7 +226,9 @@ def run_model(name: str, base: MoEConfig, world: int, args, device, rng) -> dict
     plain.check()
     del plain
     if device.type == "cuda":
+        gc.collect()                # the group's graphs and workspaces, before the next
         torch.cuda.empty_cache()
+        record["gib_held_between_groups"] = torch.cuda.memory_allocated() / 2 ** 30
 
     # 2. with R replicas, placed per routing from its own load
     pcfg = physical_config(cfg, redundant)
@@ -290,6 +293,7 @@ def run_model(name: str, base: MoEConfig, world: int, args, device, rng) -> dict
     record["seconds"] = time.time() - t0
     del group, w13_all, w2_all, cases, expected
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
     return record
 
