@@ -10,10 +10,12 @@ experts chosen by a placement (:mod:`comet.placement`). A call counts its logica
 (:func:`comet.replicas.translate`) and runs the layer on the physical layout.
 
 The copies cost ``P / W`` experts of memory on each rank beside the ``E / W`` logical
-ones; they are refilled after ``load_state_dict`` (a hook) and by :meth:`place` (a new
-placement, or :meth:`CometMoE.refresh_replicas` after the logical weights changed).
-Every copy is written in place, so the fused layer, and any CUDA graph that captured it,
-keep reading the right addresses.
+ones. They are refilled after ``load_state_dict`` (a hook), by a call that finds the
+logical experts changed in place (their version counters: an optimizer step), and by
+:meth:`ExpertReplicas.place` (a new placement). Every copy is written in place, so the
+fused layer, and any CUDA graph that captured it, keep reading the right addresses.
+Training folds each replica's weight gradient back into its logical expert
+(:meth:`ExpertReplicas.fold`), so optimizers and checkpoints see the logical layer only.
 """
 
 from __future__ import annotations
