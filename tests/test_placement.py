@@ -46,10 +46,9 @@ def _check_structure(plan: Placement, cfg: PlacementConfig, layers: int) -> None
             assert (slots[len(live):] == -1).all()          # padding only at the end
             assert (plan.phy2log[layer, live] == expert).all()
             assert torch.equal(live, live.sort().values)
-    # every GPU the same number of slots: P / W, each slot on exactly one GPU
-    gpu_of_slot = torch.arange(p) // cfg.slots_per_gpu
-    assert torch.bincount(gpu_of_slot, minlength=cfg.num_gpus).tolist() == \
-        [cfg.slots_per_gpu] * cfg.num_gpus
+    # every GPU the same number of slots (P / W, slot s on GPU s // (P / W)), and the
+    # GPUs' loads account for every expert's load exactly once
+    assert plan.slots_per_gpu * cfg.num_gpus == p
 
 
 @settings(max_examples=60, deadline=None)
@@ -58,6 +57,9 @@ def test_every_plan_is_a_valid_layout(case):
     cfg, load = case
     plan = plan_placement(load, cfg)
     _check_structure(plan, cfg, load.shape[0])
+    gpus = plan.gpu_loads(load)
+    assert gpus.shape == (load.shape[0], cfg.num_gpus)
+    assert torch.allclose(gpus.sum(1), load.sum(1))
 
 
 @settings(max_examples=60, deadline=None)
