@@ -16,13 +16,13 @@ import torch
 import comet
 from comet.baseline import ep_moe_forward
 from comet.bench import records as rec
-from comet.bench import report, trace
+from comet.bench import provenance, report, trace
 from comet.bench.inputs import HOT_EXPERT, make_routing
 from comet.bench.runner import Fused
 from comet.bench.timing import PhaseClock, combine_ranks, reduce_over_ranks
 from comet.cli import bench
 from comet.config import TileConfig
-from comet.constants import TRACE_PROGRAM
+from comet.constants import TRACE_PROGRAM, kernel_identity
 
 SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
          "--routing", "uniform"]
@@ -122,6 +122,10 @@ def test_cpu_default_run_prints_table_and_writes_records(tmp_path, capsys):
         assert r["baseline_us"] > 0 and r["fused_us"] is None
         assert r["cutlass_gmm_tflops"] is None
         assert r["world_size"] == 1 and r["layout"] == "ep1" and r["device"] == "cpu"
+        # the provenance every results file carries, its paths repo-relative
+        assert not provenance.missing_fields(r) and r["kernels"] == kernel_identity()
+        assert r["command"].startswith("comet bench ") and str(tmp_path) not in r["command"]
+    assert provenance.absolute_paths(records) == []
     moe = next(r for r in records if r["layer"] == "moe")
     assert moe["chunked_us"] > 0 and moe["chunked_chunks"] in (2, 4)
     assert moe["max_rel_err"]["baseline_vs_reference"] < 1e-4

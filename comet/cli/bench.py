@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shlex
 import sys
@@ -33,7 +32,7 @@ from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
-from comet.bench.provenance import provenance
+from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.peers import PEERS, build_peers, load_peers
@@ -171,9 +170,8 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, f"paired-{stamp:%Y%m%d-%H%M%S}.json")
-        with open(path, "w") as f:
-            json.dump({"new": new_paths, "base": base_paths, "summary": lines, "rows": rows},
-                      f, indent=1)
+        write_result(path, {"new": new_paths, "base": base_paths, "summary": lines,
+                            "rows": rows})
         print(f"wrote {path}")
     return 0
 
@@ -349,9 +347,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         parser.error("--peers times expert-parallel layers only (no --tp)")
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    meta = {"device": device_name, "world_size": world, "layout": layout,
-            "date": stamp.isoformat(timespec="seconds"),
-            "command": shlex.join(["comet", "bench", *argv]), **provenance()}
+    meta = {**provenance(shlex.join(["comet", "bench", *argv]), device_name),
+            "world_size": world, "layout": layout,
+            "date": stamp.isoformat(timespec="seconds")}
     try:
         tile_fields = dict(_tile_field(kv) for kv in args.tile.split(",") if kv)
     except ValueError as err:
