@@ -354,6 +354,27 @@ def test_report_from_json(tmp_path, capsys):
     assert "torch GEMM/c >= 0.9 in 2/2 (worst 0.94)" in capsys.readouterr().out
 
 
+def test_markdown_from_json_names_each_file_and_its_kernels(tmp_path, capsys):
+    """--from-json --markdown prints the docs' tables: each file's provenance, the
+    whole-layer rows of the routings asked for, the summary; it writes nothing. A file of
+    other kernels is reported on stderr, naming both."""
+    records = [dict(r, commit="abc1234", kernel_revision=10) for r in _synthetic_records()]
+    path = rec.write_json(records, str(tmp_path / "in.json"))
+    for r in records:                        # as an older file: a revision, no identity
+        r.pop("kernels", None)
+    json.dump(records, open(path, "w"))
+    assert bench.main(["--from-json", path, "--markdown", "--routing", "uniform"]) == 0
+    out, err = capsys.readouterr()
+    assert f"`{path}`: " in out and "commit `abc1234`, kernels revision 10" in out
+    assert "Whole layer, uniform routing" in out and "skewed" not in out
+    assert "| mixtral | 4096 | 2000 | 1000 |" in out          # moe rows, whole us
+    assert "- summary: uniform: geomean a/b" in out
+    assert "made by kernels revision 10" in err and kernel_identity() in err
+    assert os.listdir(tmp_path) == ["in.json"]
+    with pytest.raises(SystemExit):
+        bench.main(["--markdown"])
+
+
 def test_summary_checks_each_target_record_by_record():
     records = _synthetic_records()
     skewed = [rec.derive(dict(r, routing="skewed", fused_us=1600.0 if r["layer"] == "layer1"

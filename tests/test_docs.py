@@ -7,6 +7,7 @@ files removed from the tree since, when it names the commit that still has them
 """
 
 import fnmatch
+import importlib.util
 import itertools
 import re
 import subprocess
@@ -49,8 +50,10 @@ def cited(text: str, base: Path) -> list[str]:
     if base != RESULTS and base.parent == RESULTS:
         for m in _LOCAL.finditer(text):
             for name in expand(m.group(1)):
-                # a file of one of the day's folders may be named on its own (`tune.log`)
-                found = sorted(base.rglob(name)) if not (base / name).exists() else []
+                # a file of one of the day's folders may be named on its own (`tune.log`),
+                # and a passage moved here from a page may name another day's file
+                found = ([] if (base / name).exists()
+                         else sorted(base.rglob(name)) or sorted(RESULTS.glob(f"*/{name}")))
                 out.append(found[0].relative_to(RESULTS).as_posix() if found
                            else f"{base.name}/{name}")
     return [p.rstrip("/") for p in out if p.rstrip("/")]
@@ -114,7 +117,8 @@ def test_a_dated_readme_names_where_its_removed_files_are(readme):
                                 f"and does not name the commit that has them: {missing[:5]}")
     old = _removed_at_commit()
     if old is not None:     # a shallow clone cannot say; a full one must agree
-        gone = [p for p in missing if not _at_commit(p, old)]
+        gone = [p for p in missing if not _at_commit(p, old)
+                and not _at_commit("*/" + p.split("/", 1)[1], old)]    # another day's
         assert not gone, f"not at {REMOVED_AT} either: {gone[:10]}"
 
 
@@ -139,3 +143,30 @@ def test_the_citation_reader_finds_what_docs_write():
     day = RESULTS / "2026-12-03"
     assert cited("| `a-r2.json`, `.log`, `...-r3.json` | `b/` | 2.5 us |", day) == [
         "2026-12-03/a-r2.json"]
+
+
+def _docs_tables():
+    spec = importlib.util.spec_from_file_location("docs_tables",
+                                                  ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_tables_are_those_of_their_files():
+    """docs/benchmarks.md's tables are what `comet bench --from-json ... --markdown`
+    renders from the files they name (python scripts/docs_tables.py rewrites them)."""
+    docs = ROOT / "docs" / "benchmarks.md"
+    text = docs.read_text()
+    tables = _docs_tables()
+    assert tables.BLOCK.search(text), "docs/benchmarks.md has no generated table"
+    assert tables.regenerate(text) == text, "run python scripts/docs_tables.py"
+    tampered = text.replace("| mixtral | 128 |", "| mixtral | 129 |", 1)
+    assert tampered != text and tables.regenerate(tampered) == text
+
+
+def test_the_pages_stay_short():
+    """Current numbers and decisions only: the history is in the dated READMEs."""
+    for page in ("benchmarks.md", "notebook.md"):
+        lines = (ROOT / "docs" / page).read_text().count("\n")
+        assert lines <= 300, f"docs/{page} has {lines} lines (at most 300)"

@@ -9,6 +9,7 @@ Examples::
     comet bench --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir out/
     comet bench --timeline --config mixtral --output-dir out/   # per-block trace
     comet bench --from-json out/bench-ep4-*.json --output-dir docs/  # tables from JSON
+    comet bench --from-json FILE... --markdown      # the tables docs/benchmarks.md shows
 
 With several GPUs visible it re-launches itself under torchrun, one rank per GPU, with
 NVLink multicast off. With one GPU it runs in-process (EP=1). With none it times the torch
@@ -39,6 +40,7 @@ from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
+from comet.constants import kernel_identity, kernels_of
 from comet.mesh import CONVENTIONS, MeshLayout
 
 #: Small enough that the CPU run finishes in seconds.
@@ -135,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="measure nothing: print and write the report of these result files "
                         "(their ratios derived again from their times)")
+    o.add_argument("--markdown", action="store_true",
+                   help="with --from-json: print the markdown tables docs/benchmarks.md shows "
+                        "(each file's device, commit, kernels and command; whole-layer rows "
+                        "of each --routing; the summary) and write nothing")
     o.add_argument("--against", nargs="+", default=None, metavar="PATH",
                    help="with --from-json: compare those runs (new) with these (base), "
                         "record by record, and write the ratios (paired-<stamp>.json)")
@@ -245,6 +251,16 @@ def _gather_objects(obj, group) -> list:
     return out
 
 
+def _report_other_kernels(paths: list[str]) -> None:
+    """Say (on stderr) which result files other kernels than these made."""
+    ours = kernel_identity()
+    for path in paths:
+        theirs = sorted({kernels_of(r) for r in rec.read_json(path)})
+        if theirs != [ours]:
+            print(f"note: {path} was made by kernels {', '.join(theirs)}; this checkout's "
+                  f"are {ours}", file=sys.stderr)
+
+
 def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: str,
           plot: bool) -> None:
     """Print the report and write JSON, markdown and PNG (rank 0 only)."""
@@ -307,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--against compares with the runs of --from-json")
     if args.against:
         return _paired(args.from_json, args.against, args.output_dir, stamp)
+    if args.markdown and not args.from_json:
+        parser.error("--markdown renders the files of --from-json")
+    if args.from_json:
+        _report_other_kernels(args.from_json)
+    if args.from_json and args.markdown:
+        print(report.docs_markdown([(p, [rec.derive(r) for r in rec.read_json(p)])
+                                    for p in args.from_json], args.routing), end="")
+        return 0
     if args.from_json:
         # the ratios again from the stored times: an older file gains the ones added since
         records = [rec.derive(r) for path in args.from_json for r in rec.read_json(path)]
