@@ -259,6 +259,21 @@ def test_kernel_identity_is_a_hash_of_the_kernel_sources(tmp_path, monkeypatch):
     assert len({ours, edited, identity_of(copy)}) == 3
 
 
+def test_a_written_table_carries_these_kernels_and_its_provenance(tmp_path, caplog):
+    """What `comet tune` writes names the kernels it was measured on, and a layer loading
+    it on these kernels reports nothing."""
+    path = tmp_path / tuned.file_name(CFG, 4, "cpu")
+    table = {"meta": tuned.expected_meta(CFG, 4, "cpu"),
+             "buckets": {"128": {"layer0": 4, "layer1": 8}}}
+    tune.write_table(str(path), table, "cpu")
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["kernels"] == kernel_identity() and "kernel_revision" not in meta
+    assert meta["device"] == "cpu" and meta["commit"] and meta["command"]
+    with caplog.at_level(logging.INFO, logger="comet"):
+        assert tuned.lookup(CFG, 4, 128, None, tmp_path).splits == (4, 8)
+    assert "tuned on kernels" not in caplog.text
+
+
 def test_tune_measures_a_table_of_other_kernels_again(tmp_path, capsys):
     meta = tuned.expected_meta(CFG, 4, "cpu")
     for theirs in ({"kernels": "kernels-000000000000"}, {"kernel_revision": 10}):

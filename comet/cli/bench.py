@@ -321,12 +321,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.against and not args.from_json:
         parser.error("--against compares with the runs of --from-json")
-    if args.against:
-        return _paired(args.from_json, args.against, args.output_dir, stamp)
     if args.markdown and not args.from_json:
         parser.error("--markdown renders the files of --from-json")
     if args.from_json:
-        _report_other_kernels(args.from_json)
+        _report_other_kernels(args.from_json + (args.against or []))
+    if args.against:
+        return _paired(args.from_json, args.against, args.output_dir, stamp)
     if args.from_json and args.markdown:
         print(report.docs_markdown([(p, [rec.derive(r) for r in rec.read_json(p)])
                                     for p in args.from_json], args.routing), end="")

@@ -171,6 +171,18 @@ def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> d
     return {"meta": meta, "buckets": {}}
 
 
+def write_table(path: str, table: dict, device: str) -> None:
+    """Write a tuned table whole or not at all (a reader never sees half a file), its
+    ``meta`` stamped with the provenance every results file carries: device, commit,
+    kernels (the identity layers compare on load), command."""
+    table["meta"].update(comet_version=__version__, **provenance(device=device),
+                         date=datetime.date.today().isoformat())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
                  decode_tile: bool | None = None, tile_overrides: dict | None = None
                  ) -> Callable[[int], search.Times]:
@@ -342,15 +354,10 @@ def _tune(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int,
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
         entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
         table["buckets"][str(tokens)] = entry
-        table["meta"].update(comet_version=__version__, **provenance(device=name),
-                             date=datetime.date.today().isoformat(),
-                             candidates=candidates, iters=args.iters,
+        table["meta"].update(candidates=candidates, iters=args.iters,
                              routings=args.routings)
         if rank == 0:
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(path + ".tmp", path)
+            write_table(path, table, name)
             decode = " on the decode tile" if entry.get("decode_tile") else ""
             tile = f", tile {tile_label(entry['tile'])}" if entry.get("tile") else ""
             bar.write(f"tokens={tokens}: layer0 {entry['layer0']} comm blocks "
