@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -352,14 +350,14 @@ def main():
         args.dtype or ("fp32" if args.tiny else "bf16")]
     _init(args, device)
     import megatron.core
-    from comet.bench.provenance import provenance
+    from comet.bench.provenance import provenance, write_result
     config = _config(args, dtype)
     succ = _chain(args)
     batches = [_batch(args, succ, step, device) for step in range(args.steps)]
     record = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        **provenance(), "megatron_core": megatron.core.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        **provenance(device=torch.cuda.get_device_name() if device.type == "cuda"
+                     else "cpu"),
+        "megatron_core": megatron.core.__version__,
         "config": {k: getattr(args, k) for k in (*REAL, "lr", "warmup", "seed")}
         | {"dtype": str(dtype), "tokens_per_step": args.batch * args.seq},
         "runs": {},
@@ -397,12 +395,10 @@ def main():
         ref = ref if ref and "loss" in ref and impl != "sequential" else None
         if "loss" in run:
             run.update(_summary(run, ref))
-        with open(args.json, "w") as fh:
-            json.dump(record, fh, indent=1)
+        write_result(args.json, record)
         print(f"{impl}: done", flush=True)
     record["plot"] = _plot(args.plot, record)
-    with open(args.json, "w") as fh:
-        json.dump(record, fh, indent=1)
+    write_result(args.json, record)
     print(f"\n{record['title']}\ncommit {record['commit']}")
     print(f"{'run':<11}{'first step s':>13}{'median ms':>11}{'final loss':>11}"
           f"{'max|dloss|':>11}{'last50':>9}  experts")
