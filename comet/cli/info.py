@@ -121,7 +121,8 @@ def _size(n: int) -> str:
 
 def render(info: dict) -> str:
     """The human-readable report."""
-    lines = [f"comet {info['comet']}  ({info['kernels']})", ""]
+    kernels = f"  ({info['kernels']})" if info.get("kernels") else ""
+    lines = [f"comet {info['comet']}{kernels}", ""]
 
     pk = info["packages"]
     rows = [["python", info["python"]]]
