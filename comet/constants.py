@@ -7,8 +7,11 @@ here depends on the rest of comet, so every layer may import it.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import os
+from functools import lru_cache
+from pathlib import Path
 
 import triton.language as tl
 
@@ -54,12 +57,35 @@ def constexpr(value) -> tl.constexpr:
 #: when comet is imported, as Triton decides between compiling and interpreting.
 USE_ASM = constexpr(not interpreting())
 
-#: Revision of the kernels' performance behaviour, stored in every ``comet tune`` table
-#: and every results file. A table of another revision is stale (its splits were measured
-#: on kernels that have since changed) and is ignored with a warning. Bump it with any
-#: change that moves the best block split: roles, tiles, comm algorithms, the plan's
-#: cost. The history of revisions is at the top of docs/notebook.md.
-KERNEL_REVISION = 10
+#: Where the kernels' sources are: their contents are the kernels' identity.
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+
+
+@lru_cache(maxsize=1)
+def kernel_identity() -> str:
+    """``kernels-<12 hex>``: a hash of every ``comet/kernels/**/*.py`` (relative path and
+    contents, sorted by path, line endings normalized), stored in every ``comet tune``
+    table and every results file. Computed, not bumped by hand, so it cannot drift: the
+    hand-kept revision it replaces stayed at 10 through about 80 kernel commits. Any edit
+    of a kernel file (a comment too) gives a new identity; a table or result of another
+    identity is reported as such when loaded (comet.scheduler.tuned)."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNELS_DIR.rglob("*.py"), key=lambda p: p.relative_to(KERNELS_DIR
+                                                                          ).as_posix()):
+        digest.update(path.relative_to(KERNELS_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return f"kernels-{digest.hexdigest()[:12]}"
+
+
+def kernels_of(meta: dict) -> str:
+    """The kernels a table's or result's metadata says made it: ``meta["kernels"]``, or
+    for files written before identities were computed ``revision N`` (their
+    ``kernel_revision``), else ``unknown``."""
+    if meta.get("kernels"):
+        return str(meta["kernels"])
+    if meta.get("kernel_revision") is not None:
+        return f"revision {meta['kernel_revision']}"
+    return "unknown"
 
 # ---------------------------------------------------------------- roles of a program
 #: A layer kernel's ``ROLE``: fused (the lowest ``n_comm`` programs communicate, the

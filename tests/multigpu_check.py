@@ -9,7 +9,6 @@ output against comet.reference.ep_forward without gathering anything.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from comet import reference  # noqa: E402
-from comet.bench.provenance import provenance  # noqa: E402
+from comet.bench.provenance import write_result  # noqa: E402
 from comet.config import MoEConfig, TileConfig  # noqa: E402
 from comet.runtime.errors import CometTimeoutError  # noqa: E402
 from comet.runtime.layer import FusedMoE  # noqa: E402
@@ -394,9 +393,7 @@ def main():
     check_reset_after_failure(results, layer)
     check_fused_backward(results, args.configs)
     if dist.get_rank() == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), **provenance(),
-                       "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        write_result(args.json, {"world_size": dist.get_world_size(), "results": results})
     log("ALL MULTIGPU CHECKS PASSED")
     os._exit(0)
 

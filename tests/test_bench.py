@@ -16,13 +16,13 @@ import torch
 import comet
 from comet.baseline import ep_moe_forward
 from comet.bench import records as rec
-from comet.bench import report, trace
+from comet.bench import provenance, report, trace
 from comet.bench.inputs import HOT_EXPERT, make_routing
 from comet.bench.runner import Fused
 from comet.bench.timing import PhaseClock, combine_ranks, reduce_over_ranks
 from comet.cli import bench
 from comet.config import TileConfig
-from comet.constants import TRACE_PROGRAM
+from comet.constants import TRACE_PROGRAM, kernel_identity
 
 SMALL = ["--tokens", "16", "--iters", "2", "--warmup", "0", "--input-sets", "2",
          "--routing", "uniform"]
@@ -122,6 +122,10 @@ def test_cpu_default_run_prints_table_and_writes_records(tmp_path, capsys):
         assert r["baseline_us"] > 0 and r["fused_us"] is None
         assert r["cutlass_gmm_tflops"] is None
         assert r["world_size"] == 1 and r["layout"] == "ep1" and r["device"] == "cpu"
+        # the provenance every results file carries, its paths repo-relative
+        assert not provenance.missing_fields(r) and r["kernels"] == kernel_identity()
+        assert r["command"].startswith("comet bench ") and str(tmp_path) not in r["command"]
+    assert provenance.absolute_paths(records) == []
     moe = next(r for r in records if r["layer"] == "moe")
     assert moe["chunked_us"] > 0 and moe["chunked_chunks"] in (2, 4)
     assert moe["max_rel_err"]["baseline_vs_reference"] < 1e-4
@@ -348,6 +352,27 @@ def test_report_from_json(tmp_path, capsys):
     path = rec.write_json(older, str(tmp_path / "older.json"))
     assert bench.main(["--from-json", path, "--no-plot", "--output-dir", str(tmp_path / "p")]) == 0
     assert "torch GEMM/c >= 0.9 in 2/2 (worst 0.94)" in capsys.readouterr().out
+
+
+def test_markdown_from_json_names_each_file_and_its_kernels(tmp_path, capsys):
+    """--from-json --markdown prints the docs' tables: each file's provenance, the
+    whole-layer rows of the routings asked for, the summary; it writes nothing. A file of
+    other kernels is reported on stderr, naming both."""
+    records = [dict(r, commit="abc1234", kernel_revision=10) for r in _synthetic_records()]
+    path = rec.write_json(records, str(tmp_path / "in.json"))
+    for r in records:                        # as an older file: a revision, no identity
+        r.pop("kernels", None)
+    json.dump(records, open(path, "w"))
+    assert bench.main(["--from-json", path, "--markdown", "--routing", "uniform"]) == 0
+    out, err = capsys.readouterr()
+    assert f"`{path}`: " in out and "commit `abc1234`, kernels revision 10" in out
+    assert "Whole layer, uniform routing" in out and "skewed" not in out
+    assert "| mixtral | 4096 | 2000 | 1000 |" in out          # moe rows, whole us
+    assert "- summary: uniform: geomean a/b" in out
+    assert "made by kernels revision 10" in err and kernel_identity() in err
+    assert os.listdir(tmp_path) == ["in.json"]
+    with pytest.raises(SystemExit):
+        bench.main(["--markdown"])
 
 
 def test_summary_checks_each_target_record_by_record():

@@ -61,6 +61,8 @@ def test_info_json_is_one_object(capsys, monkeypatch):
     data = json.loads(capsys.readouterr().out)
     import comet
     assert data["comet"] == comet.__version__
+    from comet.constants import kernel_identity
+    assert data["kernels"] == kernel_identity() and data["kernels"].startswith("kernels-")
     assert data["packages"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert data["gpus"] == [] and data["peer_access"] == [] and data["cuda"]["device_count"] == 0
     assert data["env"]["COMET_TUNED_CONFIG_FOLDER"] == "/tmp/comet-tuned"

@@ -10,7 +10,7 @@ import torch
 
 from comet.cli import tune
 from comet.config import MoEConfig, TileConfig, preset
-from comet.constants import KERNEL_REVISION
+from comet.constants import kernel_identity
 from comet.mesh import MeshLayout
 from comet.scheduler import search, tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
@@ -209,23 +209,79 @@ def test_analytic_split_prefers_filling_the_link_among_ties():
                                                     for k in range(67))
 
 
-def test_a_stale_table_warns_and_is_ignored(tmp_path):
-    """A table measured on another kernel revision (or before revisions were recorded)."""
-    for revision in (KERNEL_REVISION - 1, None):
+def test_a_table_of_other_kernels_is_used_and_reported_naming_both(tmp_path, caplog):
+    """A table measured on other kernels (another hash, or an old file's hand-kept
+    revision) still serves, with one log line naming its kernels and these."""
+    for theirs, named in (({"kernels": "kernels-000000000000"}, "kernels-000000000000"),
+                          ({"kernel_revision": 10}, "revision 10")):
         tuned._load.cache_clear()
+        caplog.clear()
         meta = tuned.expected_meta(CFG, 4, "cpu")
-        meta["kernel_revision"] = revision
-        _write(tmp_path, meta=meta)
-        with pytest.warns(UserWarning, match="stale"):
-            assert tuned.lookup(CFG, 4, 128, None, tmp_path) is None
+        del meta["kernels"]
+        _write(tmp_path, meta={**meta, **theirs})
+        with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="comet"):
+            warnings.simplefilter("error")
+            assert tuned.lookup(CFG, 4, 128, None, tmp_path).splits == (4, 8)
+        lines = [r.message for r in caplog.records if "tuned on kernels" in r.message]
+        assert len(lines) == 1 and named in lines[0] and kernel_identity() in lines[0]
 
 
-def test_tune_measures_a_stale_table_again(tmp_path, capsys):
+def test_a_table_of_these_kernels_is_not_reported(tmp_path, caplog):
+    _write(tmp_path)
+    with caplog.at_level(logging.INFO, logger="comet"):
+        assert tuned.lookup(CFG, 4, 128, None, tmp_path) is not None
+    assert "tuned on kernels" not in caplog.text
+
+
+def test_kernel_identity_is_a_hash_of_the_kernel_sources(tmp_path, monkeypatch):
+    """Same sources, same identity, wherever the tree lies; any edit of a kernel file
+    (or a new one) gives another."""
+    import shutil
+
+    from comet import constants
+    ours = kernel_identity()
+    assert ours.startswith("kernels-") and len(ours) == len("kernels-") + 12
+    copy = tmp_path / "elsewhere" / "kernels"
+    shutil.copytree(constants.KERNELS_DIR, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    def identity_of(folder):
+        monkeypatch.setattr(constants, "KERNELS_DIR", folder)
+        constants.kernel_identity.cache_clear()
+        try:
+            return constants.kernel_identity()
+        finally:
+            constants.kernel_identity.cache_clear()
+    assert identity_of(copy) == ours
+    (copy / "sync.py").write_text((copy / "sync.py").read_text() + "# edited\n")
+    edited = identity_of(copy)
+    (copy / "extra.py").write_text("")
+    assert len({ours, edited, identity_of(copy)}) == 3
+
+
+def test_a_written_table_carries_these_kernels_and_its_provenance(tmp_path, caplog):
+    """What `comet tune` writes names the kernels it was measured on, and a layer loading
+    it on these kernels reports nothing."""
+    path = tmp_path / tuned.file_name(CFG, 4, "cpu")
+    table = {"meta": tuned.expected_meta(CFG, 4, "cpu"),
+             "buckets": {"128": {"layer0": 4, "layer1": 8}}}
+    tune.write_table(str(path), table, "cpu")
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["kernels"] == kernel_identity() and "kernel_revision" not in meta
+    assert meta["device"] == "cpu" and meta["commit"] and meta["command"]
+    with caplog.at_level(logging.INFO, logger="comet"):
+        assert tuned.lookup(CFG, 4, 128, None, tmp_path).splits == (4, 8)
+    assert "tuned on kernels" not in caplog.text
+
+
+def test_tune_measures_a_table_of_other_kernels_again(tmp_path, capsys):
     meta = tuned.expected_meta(CFG, 4, "cpu")
-    path = _write(tmp_path, meta={**meta, "kernel_revision": KERNEL_REVISION - 1})
-    table = tune.load_existing(str(path), meta)
-    assert table == {"meta": meta, "buckets": {}}
-    assert "stale" in capsys.readouterr().err
+    for theirs in ({"kernels": "kernels-000000000000"}, {"kernel_revision": 10}):
+        old = {k: v for k, v in meta.items() if k != "kernels"}
+        path = _write(tmp_path, meta={**old, **theirs})
+        table = tune.load_existing(str(path), meta)
+        assert table == {"meta": meta, "buckets": {}}
+        assert "tuned on kernels" in capsys.readouterr().err
 
 
 def test_tune_measures_a_table_of_another_variant_again(tmp_path, capsys):
@@ -712,9 +768,9 @@ def test_tables_are_shipped_for_the_presets():
 
 @pytest.mark.parametrize("path", SHIPPED_TABLES, ids=lambda p: p.name)
 def test_each_shipped_table_is_current_and_matches_its_name(path):
-    """A shipped table must load for the shape its name gives, on these kernels, for the
-    TileConfig variant it records (a gathered layer's, e.g.): a kernel change (new
-    KERNEL_REVISION) makes every table stale -- re-tune or remove them."""
+    """A shipped table must load for the shape its name gives, for the TileConfig variant
+    it records (a gathered layer's, e.g.). Tables of other kernels still load (and say
+    so when a layer loads them): re-tune them on the device when the kernels change."""
     meta = json.loads(path.read_text())["meta"]
     cfg = MoEConfig(num_experts=meta["E"], top_k=meta["top_k"], hidden_size=meta["H"],
                     intermediate_size=meta["F"], dtype=torch.bfloat16)

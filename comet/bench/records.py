@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
+
+from comet.bench.provenance import write_result
 
 #: Every record has these keys (values may be None); the JSON schema of a result file.
 REQUIRED_KEYS = (
@@ -153,12 +154,9 @@ def geomean(values) -> float | None:
 
 
 def write_json(records: list[dict], path: str) -> str:
-    """Write ``records`` as a JSON list; returns the path."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    return path
+    """Write ``records`` as a JSON list through the one results writer (every record
+    carrying the provenance fields, paths repo-relative); returns the path."""
+    return write_result(path, records)
 
 
 def read_json(path: str) -> list[dict]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
+from comet.bench.provenance import repo_relative
 from comet.bench.records import MAX_REL_ERR, geomean, peer_names, wrong_fused
+from comet.constants import kernels_of
 
 Column = tuple[str, Callable[[dict], str]]
 
@@ -408,3 +410,54 @@ def _group(records: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
     for r in records:
         groups.setdefault((r["config"], r["routing"]), []).append(r)
     return groups
+
+
+#: The whole-layer columns the docs show (docs/benchmarks.md: ``comet bench --from-json
+#: FILE... --markdown``): times in whole microseconds, ratios to two decimals.
+DOCS_COLUMNS: list[Column] = _KEY[:2] + [
+    ("(a) unfused", _num("baseline_us", "{:.0f}")),
+    ("(b) fused", _num("fused_us", "{:.0f}")),
+    ("sequential", _num("sequential_us", "{:.0f}")),
+    ("(c) compute only", _num("compute_only_us", "{:.0f}")),
+    ("(d) comm only", _num("comm_only_us", "{:.0f}")),
+    ("NCCL a2a", _num("nccl_a2a_us", "{:.0f}")),
+    ("torch GMM", _num("torch_gmm_us", "{:.0f}")),
+    ("a/b", _num("speedup", "{:.2f}")),
+    ("b/seq", _num("fused_over_sequential", "{:.2f}")),
+    ("hidden", _num("hidden_comm_fraction", "{:.2f}")),
+    ("torch GMM/b", _num("gmm_over_fused", "{:.2f}")),
+    ("comm/NCCL", _num("comm_over_nccl", "{:.2f}")),
+    ("n_comm", _n_comm),
+]
+
+
+def provenance_line(path: str, records: Sequence[dict]) -> str:
+    """Where a file's numbers come from: device, layout, commit, kernels, command (what
+    an older file did not record is said so: its dated README names it)."""
+    first = records[0] if records else {}
+    commit = first.get("commit")
+    return (f"`{path}`: {first.get('device', '?')}, {first.get('layout', '?')}, commit "
+            + (f"`{commit}`" if commit else "not recorded (the date's README names it)")
+            + f", kernels {kernels_of(first)}, "
+            f"`{repo_relative(first.get('command') or '?')}`")
+
+
+def docs_markdown(files: Sequence[tuple[str, Sequence[dict]]],
+                  routings: Sequence[str] | None = None) -> str:
+    """The markdown docs/benchmarks.md shows for these result files, read together: one
+    provenance line per file, then per routing (``routings``: default all) the
+    whole-layer rows (:data:`DOCS_COLUMNS`), the peers' table where there are peers, and
+    the summary against the targets."""
+    records = [r for _, recs in files for r in recs
+               if routings is None or r.get("routing") in routings]
+    moe = [r for r in records if r.get("layer") == "moe"]
+    out = [f"- {provenance_line(path, recs)}" for path, recs in files]
+    for routing in sorted({r["routing"] for r in moe}):
+        rows = [r for r in moe if r["routing"] == routing]
+        out += ["", f"Whole layer, {routing} routing, slowest rank, median us:", "",
+                markdown_table(rows, DOCS_COLUMNS)]
+        if peer_columns(rows):
+            out += ["", f"Against the peers, {routing} routing:", "",
+                    markdown_table(rows, peer_columns(rows))]
+    out += [""] + [f"- summary: {line}" for line in summary(records)]
+    return "\n".join(out) + "\n"

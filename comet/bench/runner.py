@@ -16,9 +16,8 @@ NCCL a2a       dispatch                                             combine
 
 "moe" is the whole call, of every variant timed in separate iterations without phase
 events: a phase-timed iteration parks the GPU in a sleep first (see comet.bench.timing),
-and on these power-limited GPUs a call that starts rested runs faster -- comet's own
-compute-only call took 15685 us as its phases' sum and 17934 us back to back (mixtral,
-16384 tokens/rank, 2x H200, bench-ep2-20261123-200954). So the layer and its references
+and on these power-limited GPUs a call that starts rested runs faster (docs/notebook.md,
+"The benchmark protocol"). So the layer and its references
 (torch's and CUTLASS's GEMMs, NCCL) are held against each other in one regime. The
 baseline's phase events would also add host work to a pipeline that is host-bound at
 small token counts. GEMM TFLOP/s, a GEMM-against-GEMM ratio, come from the phases (both

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from comet.bench.provenance import provenance, write_result
 from comet.constants import MAX_TRACE_EVENTS, TRACE_PROGRAM, TRACE_REDUCE
 
 #: chrome://tracing's reserved colour names (Perfetto colours by event name instead).
@@ -219,9 +220,8 @@ def write_trace(timelines: Timelines, path: str, metadata: dict | None = None) -
     ``otherData``; returns the trace written."""
     chrome = chrome_trace(timelines, metadata)
     chrome["otherData"] = {**chrome["otherData"], "where_time_goes": where_time_goes(chrome)}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(chrome, f)
+    chrome = {**provenance(), **chrome}       # trace viewers ignore the extra keys
+    write_result(path, chrome, indent=None)
     return chrome
 
 

@@ -9,6 +9,7 @@ Examples::
     comet bench --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir out/
     comet bench --timeline --config mixtral --output-dir out/   # per-block trace
     comet bench --from-json out/bench-ep4-*.json --output-dir docs/  # tables from JSON
+    comet bench --from-json FILE... --markdown      # the tables docs/benchmarks.md shows
 
 With several GPUs visible it re-launches itself under torchrun, one rank per GPU, with
 NVLink multicast off. With one GPU it runs in-process (EP=1). With none it times the torch
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shlex
 import sys
@@ -33,13 +33,14 @@ from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
-from comet.bench.provenance import provenance
+from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
+from comet.constants import kernel_identity, kernels_of
 from comet.mesh import CONVENTIONS, MeshLayout
 
 #: Small enough that the CPU run finishes in seconds.
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                    help="measure nothing: print and write the report of these result files "
                         "(their ratios derived again from their times)")
+    o.add_argument("--markdown", action="store_true",
+                   help="with --from-json: print the markdown tables docs/benchmarks.md shows "
+                        "(each file's device, commit, kernels and command; whole-layer rows "
+                        "of each --routing; the summary) and write nothing")
     o.add_argument("--against", nargs="+", default=None, metavar="PATH",
                    help="with --from-json: compare those runs (new) with these (base), "
                         "record by record, and write the ratios (paired-<stamp>.json)")
@@ -177,9 +182,8 @@ def _paired(new_paths, base_paths, output_dir, stamp) -> int:
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, f"paired-{stamp:%Y%m%d-%H%M%S}.json")
-        with open(path, "w") as f:
-            json.dump({"new": new_paths, "base": base_paths, "summary": lines, "rows": rows},
-                      f, indent=1)
+        write_result(path, {"new": new_paths, "base": base_paths, "summary": lines,
+                            "rows": rows})
         print(f"wrote {path}")
     return 0
 
@@ -253,6 +257,16 @@ def _gather_objects(obj, group) -> list:
     return out
 
 
+def _report_other_kernels(paths: list[str]) -> None:
+    """Say (on stderr) which result files other kernels than these made."""
+    ours = kernel_identity()
+    for path in paths:
+        theirs = sorted({kernels_of(r) for r in rec.read_json(path)})
+        if theirs != [ours]:
+            print(f"note: {path} was made by kernels {', '.join(theirs)}; this checkout's "
+                  f"are {ours}", file=sys.stderr)
+
+
 def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: str,
           plot: bool) -> None:
     """Print the report and write JSON, markdown and PNG (rank 0 only)."""
@@ -316,8 +330,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.against and not args.from_json:
         parser.error("--against compares with the runs of --from-json")
+    if args.markdown and not args.from_json:
+        parser.error("--markdown renders the files of --from-json")
+    if args.from_json:
+        _report_other_kernels(args.from_json + (args.against or []))
     if args.against:
         return _paired(args.from_json, args.against, args.output_dir, stamp)
+    if args.from_json and args.markdown:
+        print(report.docs_markdown([(p, [rec.derive(r) for r in rec.read_json(p)])
+                                    for p in args.from_json], args.routing), end="")
+        return 0
     if args.from_json:
         # the ratios again from the stored times: an older file gains the ones added since
         records = [rec.derive(r) for path in args.from_json for r in rec.read_json(path)]
@@ -362,9 +384,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                      "--tp, no --timeline)")
     layout = f"ep{world}" if mesh.tp == 1 else layout_name(mesh)
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    meta = {"device": device_name, "world_size": world, "layout": layout,
-            "date": stamp.isoformat(timespec="seconds"),
-            "command": shlex.join(["comet", "bench", *argv]), **provenance()}
+    meta = {**provenance(shlex.join(["comet", "bench", *argv]), device_name),
+            "world_size": world, "layout": layout,
+            "date": stamp.isoformat(timespec="seconds")}
     if args.redundant_experts is not None:
         meta["redundant_experts"] = args.redundant_experts
     try:

@@ -13,6 +13,7 @@ import platform
 import sys
 from importlib import metadata
 
+from comet.constants import kernel_identity
 from comet.runtime import topology
 
 #: Distributions whose versions matter, in display order. cuda-python became a
@@ -86,6 +87,7 @@ def collect() -> dict:
     torch_facts = _torch_facts()
     return {
         "comet": _comet_version(),
+        "kernels": kernel_identity(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": packages,
@@ -119,7 +121,8 @@ def _size(n: int) -> str:
 
 def render(info: dict) -> str:
     """The human-readable report."""
-    lines = [f"comet {info['comet']}", ""]
+    kernels = f"  ({info['kernels']})" if info.get("kernels") else ""
+    lines = [f"comet {info['comet']}{kernels}", ""]
 
     pk = info["packages"]
     rows = [["python", info["python"]]]

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from comet import __version__
 from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
-from comet.bench.provenance import provenance
+from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig
@@ -148,15 +148,18 @@ LEGACY_ROUTINGS = ["uniform"]
 
 
 def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> dict:
-    """The table already at ``path`` (to resume / merge), or a fresh one. A stale table
-    (older kernels) or one timed on another routing mix is replaced; one of another
-    shape is refused; one of another TileConfig variant is replaced too."""
+    """The table already at ``path`` (to resume / merge), or a fresh one. A table of
+    other kernels (:func:`comet.scheduler.tuned.other_kernels`) or one timed on another
+    routing mix is replaced; one of another shape is refused; one of another TileConfig
+    variant is replaced too."""
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
         try:
             tuned.parse_table(data, meta)
-        except (tuned.StaleTableError, tuned.VariantTableError) as e:
+            if (why := tuned.other_kernels(data["meta"], meta)) is not None:
+                raise tuned.VariantTableError(why)
+        except tuned.VariantTableError as e:
             print(f"{path}: {e}; measuring every bucket again", file=sys.stderr)
             return {"meta": meta, "buckets": {}}
         had = data["meta"].get("routings", LEGACY_ROUTINGS)
@@ -166,6 +169,18 @@ def load_existing(path: str, meta: dict, routings: list[str] | None = None) -> d
             return {"meta": meta, "buckets": {}}
         return data
     return {"meta": meta, "buckets": {}}
+
+
+def write_table(path: str, table: dict, device: str) -> None:
+    """Write a tuned table whole or not at all (a reader never sees half a file), its
+    ``meta`` stamped with the provenance every results file carries: device, commit,
+    kernels (the identity layers compare on load), command."""
+    table["meta"].update(comet_version=__version__, **provenance(device=device),
+                         date=datetime.date.today().isoformat())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def bucket_timer(layer, cfg: MoEConfig, tokens: int, args, device, rank: int,
@@ -339,15 +354,10 @@ def _tune(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int,
         entry = sweep_bucket(layer, cfg, tokens, candidates, args, device, rank)
         entry = search_tile(layer, cfg, tokens, entry, args, device, rank)
         table["buckets"][str(tokens)] = entry
-        table["meta"].update(comet_version=__version__, commit=provenance()["commit"],
-                             date=datetime.date.today().isoformat(),
-                             candidates=candidates, iters=args.iters,
+        table["meta"].update(candidates=candidates, iters=args.iters,
                              routings=args.routings)
         if rank == 0:
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(path + ".tmp", path)
+            write_table(path, table, name)
             decode = " on the decode tile" if entry.get("decode_tile") else ""
             tile = f", tile {tile_label(entry['tile'])}" if entry.get("tile") else ""
             bar.write(f"tokens={tokens}: layer0 {entry['layer0']} comm blocks "
@@ -494,12 +504,10 @@ def _check(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int
         layout = f"ep{world}" if args.tp == 1 else f"tp{args.tp}-{args.convention}"
         out = os.path.join(args.output_dir, f"check-E{cfg.num_experts}-H{cfg.hidden_size}-"
                            f"F{cfg.intermediate_size}-k{cfg.top_k}-{layout}.json")
-        with open(out, "w") as f:
-            json.dump({"table": path, "meta": data.get("meta"), "device": name, **provenance(),
-                       "iters": args.iters, "routings": args.routings,
-                       "layer1_split_pooled": layer.tile.layer1_scatter, "rows": report,
-                       "times": raw},
-                      f, indent=1)
+        write_result(out, {"table": path, "meta": data.get("meta"), "iters": args.iters,
+                           "routings": args.routings,
+                           "layer1_split_pooled": layer.tile.layer1_scatter, "rows": report,
+                           "times": raw}, device=name)
         print(f"wrote {out}")
     return 0
 

@@ -331,12 +331,9 @@ def lane_shape(total, programs, LANE_ITEMS: tl.constexpr, HEAD_ROUNDS: tl.conste
     lanes of ``items`` (``LANE_ITEMS`` once there is a whole round of them, else 1).
 
     One-item takes at the ends: the first take of every block waits for the rows of its
-    whole lane, and a lane of four reaches four rounds into the table -- past the first
-    round of dispatch chunks (deepseek-v3-like at 4096 tokens/rank, EP=2: the GEMM
-    started 237 us into the call, two chunk copies); and the last lanes end unevenly, up
-    to a lane (four tiles) apart, while layer1 waits for the slowest
-    (``timeline-ep2-*-20261123-2113*``: 13-184 us between the median block's end and the
-    last's)."""
+    whole lane, and a lane of four reaches past the first round of dispatch chunks; and
+    the last lanes end up to a lane (four tiles) apart while layer1 waits for the slowest
+    (kernel revision 8; benchmarks/results/2026-11-23/README.md has the timelines)."""
     items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
     head = tl.minimum(HEAD_ROUNDS * programs, total)
     rounds = tl.maximum(total - head - TAIL_ROUNDS * programs, 0) // (programs * items)

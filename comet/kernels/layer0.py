@@ -96,7 +96,8 @@ STREAM_K_PROGRAMS = constexpr(256)
 #: programs (a call with more keeps the queue: its idle share is small). The host's
 #: gate (comet.runtime.selection) applies the same bound to its estimate of the items.
 #: The arrival counters, one per item (``Work.arrived``, 2 x STREAM_K_PROGRAMS), rely on
-#: it: a bound of 8 overflowed them (docs/notebook.md, "stream-K past two rounds").
+#: it: a bound of 8 overflowed them (docs/notebook.md, "Small calls": stream-K past two
+#: rounds, removed in `52bf82e`).
 STREAM_K_ROUNDS = constexpr(2)
 #: Most rows of an m-tile in a stream-K call (rows a partial tile keeps): small calls only.
 STREAM_K_ROWS = constexpr(32)
@@ -382,10 +383,10 @@ def _parts_per_chunk(units, rows, n_comm, comm):
     largest holding ``rows`` rows): 1 while the chunks keep every comm program busy,
     else as many as give each program a part, up to ``PARTS`` and to one copy tile of
     rows per part. A small call's rows to one destination are a single chunk (256
-    rows), which one program copied alone at ~35 GB/s while every GEMM tile waited for
-    it: 30 us of a 128-token Mixtral call (EP=2, 2x H100); a 1-token call's chunks are a
-    row or two, and its empty parts only cost arrivals (1-2% of the call). The sender's
-    choice alone: a destination waits for the same chunks either way."""
+    rows), which one program alone copied while every GEMM tile waited for it; a
+    1-token call's chunks are a row or two, whose empty parts would only cost arrivals
+    (docs/notebook.md, "Small calls": `54103ff`, `60ab0ad`). The sender's choice alone: a
+    destination waits for the same chunks either way."""
     parts = 1
     if comm.PARTS > 1:
         parts = tl.minimum(tl.maximum(n_comm // tl.maximum(units, 1), 1), comm.PARTS)
@@ -550,9 +551,8 @@ def tail_split(tiles, total, SPLIT: tl.constexpr):
     """``(whole, splits)``: layer0's queue hands out items ``[0, whole)`` whole and each
     of the others -- its last partial round, when that fills at most half the programs
     -- as ``splits`` K splits (up to ``SPLIT``, as many as give each a program), so that
-    the round's weights stream on every SM: 400 items on 132 programs leave 4 for the
-    last round, which ran 38-40 us on four SMs of a 128-token phi3.5-moe call at EP=2
-    (``2026-11-27/h100x4-r19-timeline-ep2-phi3.5-moe-128``). Only calls whose m-tiles
+    the round's weights stream on every SM, not on the few the round fills
+    (docs/notebook.md, "Small calls": `f2f736c`, `4fbc64f`). Only calls whose m-tiles
     have at most ``TAIL_ROWS`` rows (a split keeps its box in the scratch) and at least
     one whole round. Read from the plan's tables, so every program gets the same answer."""
     programs = tl.num_programs(0)

@@ -241,16 +241,14 @@ def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, spli
     """The column-wise GroupGEMM in split order; returns the trace events recorded so far.
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
     item can start before it is complete, so a comm block (``comm``) that only waited
-    for it would idle for the first split's whole GEMM -- which cost layer1 its SM share
-    over the whole call (one GPU, Mixtral at EP=2 rank shapes, 16384 tokens: 4 comm
-    blocks +169 us, 16 +574, ``h200-kernel-times-ep2-fused-splits.json``). Later splits
-    run on the compute blocks (``role_pid + i * n_role``) while the comm blocks reduce.
+    for it would idle for the first split's whole GEMM, and layer1 would lose the comm
+    blocks' SM share over the whole call (kernel revision 7). Later splits run on the
+    compute blocks (``role_pid + i * n_role``) while the comm blocks reduce.
 
     A static stride, not a queue: the rows are all in place when the kernel starts and
     which blocks run a split is fixed, so nothing needs handing out at run time -- and a
-    static loop can be flattened, which lets Triton's pipeliner load the next tile's
-    operands under this tile's epilogue (layer1 5-13% faster than the queue loop for
-    qwen2-moe and deepseek-v3-like at 4096-16384 tokens, H100, ``h100-gemm-strided.json``).
+    static loop can be flattened, so Triton's pipeliner loads the next tile's operands
+    under this tile's epilogue (kernel revision 5).
 
     ``SCATTER``: each tile goes straight to its tokens' homes (:func:`scatter_home`)
     instead of into ``gemm.out``.

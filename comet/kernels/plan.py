@@ -377,9 +377,8 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     ids = routing.ids
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
-    # A one-block call (every decode step) counts its block alone: with a whole step's
-    # masked loads and histogram cells its plan phase took 1.5-3.5 us longer on an H200
-    # (docs/notebook.md, "A small call's opening in steps of token blocks").
+    # A one-block call (every decode step) counts its block alone: a whole step's masked
+    # loads and histogram cells cost it time (docs/notebook.md, "Small calls": `20962c7`).
     if rows <= BLOCK_T:
         carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
                                         sync.epoch, shape, STAGE, BINS, BLOCK_T, 1)

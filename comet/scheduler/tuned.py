@@ -21,19 +21,21 @@ are searched in order: the ``folder`` argument (``CometMoE(...,
 tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shipped in
 ``comet/configs/``. The first file found wins.
 
-Every table records the kernel revision it was measured on
-(:data:`comet.constants.KERNEL_REVISION`) and the TileConfig variant of the layer it was
+Every table records the kernels it was measured on (``meta["kernels"]``:
+:func:`comet.constants.kernel_identity`, a hash of comet/kernels; tables written before it
+was computed hold ``kernel_revision``) and the TileConfig variant of the layer it was
 tuned for (``meta["tile"]``: :meth:`comet.config.TileConfig.variant`, the non-tunable
 fields that differ from the defaults; absent in tables of the default variant). A table
-of another revision is *stale*, and one of another variant does not match: both are
-ignored like a malformed one, so splits tuned for one variant never serve another.
+of other kernels is still used and reported once, naming both identities (the hash moves
+with any kernel edit, and splits are usually still good; ``comet tune`` measures it
+again); one of another variant does not match and is ignored, so splits tuned for one
+variant never serve another.
 
 Selection uses only what the host knows (this rank's token count, from the input's
 shape): the bucket nearest to it in log scale (buckets are geometric), clamped at the
 ends. Splits are never interpolated: layer time over a split is far from linear (too few
 comm blocks for the rows starve the GEMM), and a split between two good ones can be the
-worst of all -- measured on an H100 (E=64, H=2048, F=1024, top-8, 3000 tokens): buckets
-128 (8 comm blocks) and 4096 (0) interpolated to 2, which took 3.5x the best layer0.
+worst of all (one interpolated split took 3.5x the best layer0 on an H100).
 
 A missing or unusable table returns None (the caller falls back to the analytic model and
 logs once); a bad file is reported with a warning, never an exception in the middle of a
@@ -54,7 +56,7 @@ from pathlib import Path
 import torch
 
 from comet.config import MoEConfig, TileConfig, tile_field_error
-from comet.constants import KERNEL_REVISION
+from comet.constants import kernel_identity, kernels_of
 
 log = logging.getLogger("comet")
 
@@ -86,7 +88,7 @@ def expected_meta(cfg: MoEConfig, world_size: int, device: str,
     key, absent from expert-parallel tables)."""
     meta = {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
-            "dtype": _DTYPE_NAMES[cfg.dtype], "kernel_revision": KERNEL_REVISION}
+            "dtype": _DTYPE_NAMES[cfg.dtype], "kernels": kernel_identity()}
     variant = (tile or TileConfig()).variant()
     if variant:
         meta["tile"] = variant
@@ -127,8 +129,12 @@ class TunedTableError(ValueError):
     """A tuning file that cannot be used (malformed, wrong keys, another device)."""
 
 
-class StaleTableError(TunedTableError):
-    """A table measured on another revision of the kernels."""
+def other_kernels(meta: dict, expect: dict) -> str | None:
+    """Why a table's kernels are not these (both identities named), or None when they
+    are, or when ``expect`` names none."""
+    if "kernels" not in expect or kernels_of(meta) == expect["kernels"]:
+        return None
+    return f"tuned on kernels {kernels_of(meta)}, these are {expect['kernels']}"
 
 
 class VariantTableError(TunedTableError):
@@ -142,13 +148,8 @@ def parse_table(data: dict, expect: dict | None = None) -> dict[int, Choice]:
         raise TunedTableError("expected an object with 'meta' and 'buckets'")
     meta = data["meta"]
     if expect is not None:
-        if "kernel_revision" in expect and meta.get("kernel_revision") != expect[
-                "kernel_revision"]:
-            raise StaleTableError(
-                f"stale: measured on kernel revision {meta.get('kernel_revision')}, these "
-                f"kernels are revision {expect['kernel_revision']} (re-run comet tune)")
         for key, value in expect.items():
-            if key != "tile" and meta.get(key) != value:
+            if key not in ("tile", "kernels") and meta.get(key) != value:
                 raise TunedTableError(f"meta[{key!r}] is {meta.get(key)!r}, expected {value!r}")
         if meta.get("layout") != expect.get("layout"):
             raise TunedTableError(f"tuned for the layout {meta.get('layout') or 'ep'}, this "
@@ -182,7 +183,8 @@ def _load(path: str, expect_json: str) -> dict[int, Choice] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-        return parse_table(data, json.loads(expect_json))
+        expect = json.loads(expect_json)
+        table = parse_table(data, expect)
     except VariantTableError as e:
         log.info("comet: not using tuning file %s: %s; using the analytic model (run "
                  "`comet tune` for this variant)", path, e)
@@ -190,6 +192,10 @@ def _load(path: str, expect_json: str) -> dict[int, Choice] | None:
     except (OSError, json.JSONDecodeError, TunedTableError) as e:
         warnings.warn(f"comet: ignoring tuning file {path}: {e}", stacklevel=3)
         return None
+    if (why := other_kernels(data["meta"], expect)) is not None:
+        log.warning("comet: tuning file %s was %s; using it (re-run `comet tune` to "
+                    "measure it on these kernels)", path, why)
+    return table
 
 
 def search_folders(folder: str | os.PathLike | None = None) -> list[Path]:

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from comet.bench.eplb import balance_columns, destination_rows  # noqa: E402
 from comet.bench.inputs import derive_seed, make_routing  # noqa: E402
-from comet.bench.provenance import provenance  # noqa: E402
+from comet.bench.provenance import write_result  # noqa: E402
 from comet.bench.records import MAX_REL_ERR  # noqa: E402
 from comet.config import MoEConfig  # noqa: E402
 from comet.eplb import physical_config  # noqa: E402
@@ -421,14 +421,13 @@ def _summary(rec: dict) -> dict:
 
 
 def _write(path: str, records: list, device, partial: bool) -> None:
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           **provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-               timespec="seconds"),
-           "command": "PYTHONPATH=. python scripts/device/eplb_check.py " + " ".join(sys.argv[1:]),
-           "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-           "partial": partial, "records": records}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    """The results file: device, commit, kernels and command (comet.bench.provenance)."""
+    write_result(path, {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "partial": partial, "records": records},
+        command="PYTHONPATH=. python scripts/device/eplb_check.py " + " ".join(sys.argv[1:]),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
 
 if __name__ == "__main__":

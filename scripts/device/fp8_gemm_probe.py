@@ -37,6 +37,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from comet.bench.floors import hbm_read_gbps  # noqa: E402
+from comet.bench.provenance import provenance, write_result  # noqa: E402
 from comet.kernels.fp8_gemm import Fp8GemmConfig, fp8_group_gemm, m_tiles  # noqa: E402
 from comet.quant import E4M3, quantize_rows, quantize_weight  # noqa: E402
 
@@ -300,10 +301,8 @@ def main() -> None:
     allv = variants()
     names = [n for n in (args.variants.split(",") if args.variants else allv) if n]
     result = {
-        "device": torch.cuda.get_device_name() if not SMALL else "cpu (interpreter)", "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(),
-        "commit": os.environ.get("COMET_COMMIT", "unknown"),
-        "command": " ".join(sys.argv), "shape": {"experts": E, "N": N, "K": K},
+        **provenance(device=torch.cuda.get_device_name() if not SMALL else "cpu (interpreter)"),
+        "python": platform.python_version(), "shape": {"experts": E, "N": N, "K": K},
         "recipe": "e4m3 W8A8, rows 1x128 fp32 scales, weights 128x128 fp32 scales (B [E,N,K])",
         "hbm_read_gbps": hbm_read_gbps(torch.device(DEV)) or 1.0,
         "prefill": [], "decode": [],
@@ -338,8 +337,7 @@ def main() -> None:
         result["decode"].append(rec)
         print(json.dumps(rec)[:400], flush=True)
     result["elapsed_s"] = time.time() - start
-    with open(os.path.join(out_dir, "fp8-gemm-probe.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(os.path.join(out_dir, "fp8-gemm-probe.json"), result)
     print(f"\n{result['device']}  HBM {result['hbm_read_gbps']:.0f} GB/s  decode floor "
           f"{floor_us:.1f} us  elapsed {result['elapsed_s']:.0f} s")
     print(f"{'variant':44s} {'prefill TF/s':>12s} {'ok':>5s} {'relL2':>8s} "

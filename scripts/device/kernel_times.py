@@ -22,11 +22,10 @@ import dataclasses
 import gc
 import json
 import os
-import sys
 
 import torch
 
-from comet.bench.provenance import provenance
+from comet.bench.provenance import write_result
 from comet.cli.launch import init_ranks
 from comet.config import PRESETS, TileConfig, preset
 from comet.runtime.layer import FusedMoE
@@ -156,9 +155,7 @@ def main():
             for mode in args.modes for n in splits]
     if rank != 0:
         return
-    with open(args.out, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(), **provenance(),
-                   "command": " ".join(sys.argv), "records": recs}, fh, indent=1)
+    write_result(args.out, {"records": recs})
     for r in recs:
         tile = ",".join(str(v) for v in r["tile"].values())
         k = r["us_per_call"]

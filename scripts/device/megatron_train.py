@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -69,6 +68,8 @@ def _args():
     p.add_argument("--plot", default=os.path.join(os.environ.get("OUT", "out"),
                                                   "megatron_train.png"))
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="parameter dtype (default bf16; fp32 with --tiny)")
     args = p.parse_args()
     sizes = TINY if args.tiny else REAL
     for k, v in sizes.items():
@@ -179,7 +180,9 @@ def _build(args, config, impl):
     torch.manual_seed(args.seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq)
-    return model, what
+    # megatron-core >= 0.19 makes embeddings and norms in fp32 and leaves the cast to
+    # Float16Module (which casts every parameter, as here); 0.16 made them in params_dtype.
+    return model.to(config.params_dtype), what
 
 
 def _experts(mlp):
@@ -343,17 +346,18 @@ def main():
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         _cpu_shims()
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("fp32" if args.tiny else "bf16")]
     _init(args, device)
     import megatron.core
-    from comet.bench.provenance import provenance
+    from comet.bench.provenance import provenance, write_result
     config = _config(args, dtype)
     succ = _chain(args)
     batches = [_batch(args, succ, step, device) for step in range(args.steps)]
     record = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        **provenance(), "megatron_core": megatron.core.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
+        **provenance(device=torch.cuda.get_device_name() if device.type == "cuda"
+                     else "cpu"),
+        "megatron_core": megatron.core.__version__,
         "config": {k: getattr(args, k) for k in (*REAL, "lr", "warmup", "seed")}
         | {"dtype": str(dtype), "tokens_per_step": args.batch * args.seq},
         "runs": {},
@@ -381,6 +385,7 @@ def main():
                 run["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         except Exception as err:  # noqa: BLE001 - recorded; the other runs go on
             run["error"] = f"{type(err).__name__}: {err}"
+            run["traceback"] = traceback.format_exc()[-3000:]
             print(f"{impl}: {run['error']}", flush=True)
         finally:
             model = None
@@ -390,12 +395,10 @@ def main():
         ref = ref if ref and "loss" in ref and impl != "sequential" else None
         if "loss" in run:
             run.update(_summary(run, ref))
-        with open(args.json, "w") as fh:
-            json.dump(record, fh, indent=1)
+        write_result(args.json, record)
         print(f"{impl}: done", flush=True)
     record["plot"] = _plot(args.plot, record)
-    with open(args.json, "w") as fh:
-        json.dump(record, fh, indent=1)
+    write_result(args.json, record)
     print(f"\n{record['title']}\ncommit {record['commit']}")
     print(f"{'run':<11}{'first step s':>13}{'median ms':>11}{'final loss':>11}"
           f"{'max|dloss|':>11}{'last50':>9}  experts")

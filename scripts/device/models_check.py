@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from comet.bench.provenance import provenance
+from comet.bench.provenance import provenance, write_result
 
 #: Real layer sizes (two layers), by the family's config field names.
 MODELS = {
@@ -240,9 +240,9 @@ def main() -> None:
             rec = check(name, args, device, group, rank, world)
         except Exception as e:  # noqa: BLE001 - one model's failure is its record
             rec = dict(model=name, error=f"{type(e).__name__}: {e}")
-        rec.update(device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                   transformers=transformers.__version__, **provenance(),
-                   command=" ".join(["scripts/device/models_check.py", *_argv(args)]))
+        rec.update(**provenance(" ".join(["scripts/device/models_check.py", *_argv(args)]),
+                                torch.cuda.get_device_name(device) if cuda else "cpu"),
+                   transformers=transformers.__version__)
         records.append(rec)
         if rank == 0:
             short = {k: v for k, v in rec.items() if k not in ("generated", "per_rank")}
@@ -250,8 +250,7 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_result(args.json, records)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -90,7 +90,7 @@ def _fused(layers: dict | None) -> float | None:
 #: where a variant's differ from the baseline's without being the variant's own field, the
 #: two ran different layers. (An EP sweep once built its variants on the EP=1 default
 #: tile: qwen2-moe's variants gathered their dispatch, the default did not, ~2% apart --
-#: docs/notebook.md, "layer0's tail split timed".)
+#: docs/notebook.md, "The benchmark protocol", `0d6f48d`.)
 DERIVED = ("layer0_gather",)
 
 

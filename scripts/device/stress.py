@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from comet import reference  # noqa: E402
 from comet.bench.inputs import derive_seed, make_expert_weights  # noqa: E402
 from comet.bench.mesh_runner import layout_name  # noqa: E402
-from comet.bench.provenance import provenance  # noqa: E402
+from comet.bench.provenance import write_result  # noqa: E402
 from comet.bench.records import MAX_REL_ERR  # noqa: E402
 from comet.config import PRESETS  # noqa: E402
 from comet.mesh import CONVENTIONS, MeshLayout  # noqa: E402
@@ -192,14 +192,11 @@ def main() -> int:
 
 
 def _write(path, world, records, partial, layout, convention):
-    out = {"device": torch.cuda.get_device_name(), "world_size": world,
-           "layout": layout, "convention": convention, **provenance(),
-           "date": datetime.date.today().isoformat(),
-           "command": "torchrun --nproc-per-node {} scripts/device/stress.py {}".format(
-               world, " ".join(sys.argv[1:])),
-           "partial": partial, "records": records}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    command = "torchrun --nproc-per-node {} scripts/device/stress.py {}".format(
+        world, " ".join(sys.argv[1:]))
+    write_result(path, {"world_size": world, "layout": layout, "convention": convention,
+                        "date": datetime.date.today().isoformat(), "partial": partial,
+                        "records": records}, command=command)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ W2 from the two are compared on the first input set (relative Frobenius error).
 """
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -35,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from comet import CometMoE
 from comet.baseline import ep_moe_forward
 from comet.bench.inputs import make_input_sets
-from comet.bench.provenance import provenance
+from comet.bench.provenance import write_result
 from comet.bench.timing import L2Flush, median, time_calls
 from comet.config import PRESETS, preset
 from comet.weights import gate_up_first
@@ -178,8 +176,7 @@ def main():
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                   "train-step.json"))
     a = p.parse_args()
-    out = dict(device=torch.cuda.get_device_name(), **provenance(), command=" ".join(sys.argv),
-               records=[])
+    out = dict(records=[])
     print(f"{'config':18} {'tokens':>6} {'comet fwd':>10} {'torch fwd':>10} "
           f"{'comet step':>11} {'unfused bwd':>11} {'torch step':>11} {'speedup':>8} "
           f"{'ckpt':>6} {'saved MiB':>15}  "
@@ -197,8 +194,7 @@ def main():
                   f"{rec['comet_saved_mib']:7.0f}/"
                   f"{rec['torch_saved_mib']:<7.0f}  {err}", flush=True)
             torch.cuda.empty_cache()
-    with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_result(a.json, out)
 
 
 if __name__ == "__main__":

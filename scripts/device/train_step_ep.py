@@ -20,9 +20,7 @@ routing):
 """
 
 import argparse
-import json
 import os
-import sys
 import random
 import time
 
@@ -31,7 +29,7 @@ import torch.distributed as dist
 
 from comet import CometMoE
 from comet.bench.inputs import make_input_sets
-from comet.bench.provenance import provenance
+from comet.bench.provenance import write_result
 from comet.bench.timing import L2Flush, median, reduce_over_ranks, time_calls
 from comet.config import PRESETS, preset
 from train_step import rel_frobenius   # this script's folder is on sys.path
@@ -141,10 +139,7 @@ def main():
                       f"{rec['step_fused_bwd_us']:.0f} us, unfused bwd "
                       f"{rec['step_unfused_bwd_us']:.0f} us "
                       f"({rec['fused_bwd_speedup']:.2f}x)", flush=True)
-                with open(args.json, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), **provenance(),
-                               "command": " ".join(sys.argv), "records": records},
-                              f, indent=1)
+                write_result(args.json, {"records": records})
     dist.destroy_process_group()
 
 
