@@ -387,15 +387,6 @@ class TileConfig:
             kernel's programs place the send list, a block each (the host's gate, which
             also bounds the steps: comet.runtime.selection.Selector.small_plan_by_rule;
             0: never).
-        combine_in_layer1: calls of at most this many tokens per rank run their combine
-            on the programs of layer1's scatter kernel, after layer1's own work (every
-            program waits for every rank's ``flag1``, then sums its items), instead of as
-            a launch of its own (the host's gate,
-            comet.runtime.selection.Selector.combine_in_layer1_by_rule; fused calls of
-            the scatter epilogue only; 0: never). Off by default: on one H200 at EP=1
-            every call folded took 0.983-1.003x the time at 1 token (qwen2-moe -1.2
-            us) and 0.995-1.002x at 32-512 tokens (docs/benchmarks.md, levers of issue
-            41); not yet timed across GPUs, where its combine waits for peers.
     """
 
     block_m: int = 128
@@ -431,7 +422,6 @@ class TileConfig:
     layer0_own_in_place: bool = True
     layer0_live_rows: bool = True
     small_plan_blocks: int = 16
-    combine_in_layer1: int = 0
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -446,8 +436,6 @@ class TileConfig:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
-        if self.combine_in_layer1 < 0:
-            raise ValueError(f"combine_in_layer1 must be >= 0, got {self.combine_in_layer1}")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's

@@ -172,12 +172,6 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         off = dataclasses.replace(tile, layer1_split_k=1)
         ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
                     inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        # A small call's combine on layer1's programs (TileConfig.combine_in_layer1):
-        # the whole fused call (the scatter kernel then runs the combine, and no combine
-        # kernel launches), and on the decode tile with its K splits.
-        folded = dataclasses.replace(tile, combine_in_layer1=128)
-        call(t=folded).run()
-        ForwardCall(ws, w13, w2, folded.decode_tile(), inputs, grids).run()
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()

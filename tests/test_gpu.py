@@ -111,45 +111,6 @@ def test_w1_routings(kind):
         assert _rel_err(y, ref) < 1e-2
 
 
-def test_combine_in_layer1_gives_the_same_output_bit_for_bit():
-    """A small call's combine run by layer1's programs (``combine_in_layer1``) sums the
-    same parts in the same order as the combine kernel: over 200 back-to-back calls of
-    0 to 512 tokens (the fold up to 256; graph replays, no host sync between calls) both
-    layers give the same bits, and no combine kernel runs in a folded call. Qwen2-MoE on
-    one GPU at full size, the first call checked against the reference; the column
-    reduce (``layer1_scatter=False``) ignores the field."""
-    import dataclasses
-    from comet.config import preset
-    from comet.runtime.layer import FusedMoE
-    cfg = preset("qwen2-moe", max_tokens=512)
-    g = torch.Generator(device="cuda").manual_seed(17)
-    w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
-    plain = FusedMoE(cfg, w13, w2)
-    folded = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(plain.tile, combine_in_layer1=256))
-    reduce = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(_reduce_tile(), combine_in_layer1=256))
-    assert not reduce._call("fused", True, reduce.selection.tile_for(1)).combine_in_layer1
-    assert folded.selection.tile_for(256).combine_in_layer1
-    assert not folded.selection.tile_for(257).combine_in_layer1
-    assert not plain.selection.tile_for(1).combine_in_layer1
-    call = folded._call("fused", True, folded.selection.tile_for(1))
-    assert call.combine_in_layer1 and call.stages()[-1] == ("combine", [])
-    plain.check_errors = folded.check_errors = "lazy"
-    sizes = torch.randint(0, 513, (200,), generator=torch.Generator().manual_seed(9)).tolist()
-    sizes[:4] = [256, 1, 0, 512]
-    outs = []
-    for m in sizes:
-        x, ids, w = _inputs(plain, "random", g, tokens=m)
-        outs.append((plain(x, ids, w), folded(x, ids, w)))
-        if len(outs) == 1:
-            ref = reference.moe_forward(x, ids, w, gate_up_first(plain.w13), plain.w2,
-                                        round_to=cfg.dtype)
-    plain.check_errors_now()
-    folded.check_errors_now()
-    assert _rel_err(outs[0][1], ref) < 1e-2
-    for i, (a, b) in enumerate(outs):
-        assert torch.equal(a, b), (i, sizes[i])
-
-
 @pytest.mark.parametrize("variant", ["reduce", "scatter"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(SCALED))

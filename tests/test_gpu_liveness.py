@@ -164,17 +164,14 @@ def test_backward_of_a_variant_full_size(name):
 
 
 #: Tile variants of the drift test: the default (layer1's scatter epilogue), layer1's
-#: reduce role; the scatter with every call's combine on layer1's programs.
-VARIANTS = {"scatter": {}, "reduce": {"layer1_scatter": False},
-            "scatter-combine-in-layer1": {"combine_in_layer1": 1 << 14}}
+#: reduce role.
+VARIANTS = {"scatter": {}, "reduce": {"layer1_scatter": False}}
 
 
 @pytest.mark.parametrize("name, world, variant", [
     ("mixtral", 4, "scatter"), ("mixtral", 2, "scatter"), ("qwen2-moe", 4, "scatter"),
     ("phi3.5-moe", 4, "scatter"), ("deepseek-v3-like", 4, "scatter"),
-    ("mixtral", 2, "reduce"), ("qwen2-moe", 4, "reduce"), ("deepseek-v3-like", 4, "reduce"),
-    ("mixtral", 2, "scatter-combine-in-layer1"), ("qwen2-moe", 4, "scatter-combine-in-layer1"),
-    ("deepseek-v3-like", 4, "scatter-combine-in-layer1")])
+    ("mixtral", 2, "reduce"), ("qwen2-moe", 4, "reduce"), ("deepseek-v3-like", 4, "reduce")])
 def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked.
     ``scatter`` (the default): layer1's epilogue writes into peers' pair_out while a fast
@@ -256,9 +253,7 @@ def test_split_k_small_calls_full_size(name, split_k):
 @pytest.mark.parametrize("name, tp, ep, convention, variant", [
     ("mixtral", 4, 1, "sequence", "scatter"), ("mixtral", 4, 1, "replicated", "scatter"),
     ("phi3.5-moe", 2, 2, "sequence", "scatter"), ("qwen2-moe", 2, 2, "replicated", "scatter"),
-    ("qwen2-moe", 2, 2, "sequence", "reduce"), ("mixtral", 2, 2, "replicated", "reduce"),
-    ("qwen2-moe", 2, 2, "replicated", "scatter-combine-in-layer1"),
-    ("mixtral", 2, 1, "sequence", "scatter-combine-in-layer1")],
+    ("qwen2-moe", 2, 2, "sequence", "reduce"), ("mixtral", 2, 2, "replicated", "reduce")],
     ids=lambda v: str(v))
 def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
         name, tp, ep, convention, variant):
@@ -361,11 +356,10 @@ def short_timeout(monkeypatch):
     return 1.0
 
 
-@pytest.mark.parametrize("variant", ["scatter", "scatter-combine-in-layer1"])
+@pytest.mark.parametrize("variant", ["scatter"])
 def test_injected_stall_mid_call_is_an_error_on_every_rank(short_timeout, monkeypatch,
                                                             variant):
-    """Rank 1 sleeps for 3x the timeout between its layer0 and layer1 kernels (with the
-    combine on layer1's programs, rank 0's layer1 is what waits for it)."""
+    """Rank 1 sleeps for 3x the timeout between its layer0 and layer1 kernels."""
     import dataclasses
     from comet.config import TileConfig
     from comet.runtime.forward import ForwardCall

@@ -840,22 +840,3 @@ def test_the_small_plan_gate_counts_the_plans_token_blocks(name, last_small):
     assert not never.may_small_plan and never.tile_for(1).small_plan_blocks == 0
     with pytest.raises(ValueError, match="small_plan_blocks"):
         TileConfig(small_plan_blocks=-1)
-
-
-@pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
-def test_the_combine_in_layer1_gate_holds_up_to_its_token_count(name):
-    """A call of at most ``combine_in_layer1`` tokens per rank runs its combine on layer1's
-    programs, a larger one with the combine kernel (the field 0 in its tile); every pick
-    is warmed up, and a layer without the field never folds it."""
-    from comet.runtime.selection import Selector
-    tile = dataclasses.replace(TileConfig(), combine_in_layer1=96)
-    selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
-    for tokens, folded in ((0, True), (1, True), (96, True), (97, False), (4096, False)):
-        assert (selection.tile_for(tokens).combine_in_layer1 > 0) is folded, tokens
-    assert {selection.tile_for(t) for t in range(0, 300)} <= set(selection.tile_variants())
-    never = Selector(preset(name), 2, dataclasses.replace(tile, combine_in_layer1=0), 132,
-                     torch.device("cpu"), folder=None)
-    assert not never.may_combine_in_layer1
-    assert all(t.combine_in_layer1 == 0 for t in never.tile_variants())
-    with pytest.raises(ValueError, match="combine_in_layer1"):
-        TileConfig(combine_in_layer1=-1)

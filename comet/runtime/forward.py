@@ -201,16 +201,8 @@ class ForwardCall:
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,
                             split=self.inputs.split1)
-        # A small call's combine runs on layer1's programs (TileConfig.combine_in_layer1):
-        # only in one fused launch, whose programs wait for the peers' layer1 together.
-        self.combine_in_layer1 = (self.fused and tile.combine_in_layer1 > 0
-                                  and self.strategy.combines_in_layer1)
-        parts = self.strategy.parts(ws)
-        if self.combine_in_layer1:
-            self._layer1["combine"] = combine_of(parts, self.inputs.y_addr,
-                                                 self.inputs.num_tokens, tile,
-                                                 warps=tile.num_warps)
-        self._combine = combine_of(parts, self.inputs.y_addr, self.inputs.num_tokens, tile)
+        self._combine = combine_of(self.strategy.parts(ws), self.inputs.y_addr,
+                                   self.inputs.num_tokens, tile)
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
                                    self.inputs.num_tokens)
 
@@ -295,6 +287,6 @@ class ForwardCall:
         return phases
 
     def _combine_phases(self) -> list[Phase]:
-        if self.mode == "compute_only" or self.combine_in_layer1:
+        if self.mode == "compute_only":
             return []
         return [lambda: self.launch_combine(self.grids.combine)]

@@ -27,7 +27,7 @@ import torch
 
 from comet.config import MoEConfig, TileConfig
 from comet.constants import constexpr
-from comet.kernels.combine import Combine, Parts
+from comet.kernels.combine import Parts
 from comet.kernels.group_gemm import Gemm, GemmTile
 from comet.kernels.layer0 import Homes as DispatchHomes
 from comet.kernels.layer1 import (Homes, KSplit, Pairs, Progress, Reduce, Splits,
@@ -56,8 +56,6 @@ class ColumnReduce:
     name = "reduce"
     #: Whether layer0's dispatch must send each row's home and weight.
     sends_homes = False
-    #: Whether layer1's kernel can run a small call's combine (``combine`` of launch).
-    combines_in_layer1 = False
 
     @staticmethod
     def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
@@ -97,7 +95,6 @@ class Scatter:
 
     name = "scatter"
     sends_homes = True
-    combines_in_layer1 = True
 
     @staticmethod
     def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
@@ -123,10 +120,9 @@ class Scatter:
     def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
                splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
                trace: Trace, wait: bool = True, cooperative: bool = False,
-               pairs: Pairs | None = None, combine: Combine | None = None) -> None:
-        """layer1 on every program of ``grid`` (``role``, ``split`` and ``wait`` do not
-        apply); with ``combine``, the call's combine after it on the same programs
-        (which wait for every rank's layer1, so ``cooperative`` on a GPU of its own)."""
+               pairs: Pairs | None = None) -> None:
+        """layer1 on every program of ``grid`` (``role``, ``split``, ``wait`` and
+        ``cooperative`` do not apply: its programs wait for no peer)."""
         assert pairs is None, "the scatter epilogue serves the forward only"
         cfg = ws.cfg
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
@@ -137,7 +133,7 @@ class Scatter:
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
                               sync=ws.sync, trace=trace, shape=ws.shape, tile=tile,
-                              combine=combine, cooperative=cooperative, **ksplit)
+                              **ksplit)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
