@@ -405,6 +405,19 @@ def test_summary_checks_each_target_record_by_record():
                                      if r["layer"] == "moe" and r["tokens_per_rank"] == 128))
 
 
+def test_the_summary_checks_host_time_per_call_at_ep1():
+    """A rank alone (EP=1): the host's time to enqueue one fused call (``fused_host_us``)
+    is checked against 30 us, record by record; across ranks it is not."""
+    records = [dict(r, fused_host_us=20.0 if r["tokens_per_rank"] == 128 else 45.0)
+               for r in _synthetic_records()]
+    assert "b host us at EP=1" not in report.summary(records)[0]
+    alone = [dict(r, world_size=1, layout="ep1") for r in records]
+    moe = [r for r in alone if r["layer"] == "moe" and r.get("fused_us") is not None]
+    met = sum(r["tokens_per_rank"] == 128 for r in moe)
+    assert (f"b host us at EP=1 <= 30 in {met}/{len(moe)} (worst 45.00)"
+            in report.summary(alone)[0])
+
+
 def test_a_wrong_fused_output_is_named_first_and_fails_the_sweep():
     """A fused output further than MAX_REL_ERR from the baseline's (or not finite) heads
     the summary with its record named, and the sweep exits 1; within it, 0."""
