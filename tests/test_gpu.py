@@ -101,6 +101,44 @@ def test_w1_scatter_epilogue_over_token_counts():
     layer.check_errors_now()
 
 
+@pytest.mark.parametrize("name", ["qwen2-moe", "mixtral"])
+def test_a_fused_call_never_synchronises_with_the_host(name):
+    """Once compiled and captured (two warm-up calls per token count), a lazy-error call
+    issues no host synchronisation at all -- through FusedMoE, and through CometMoE with
+    the caller's routing (the expert ids are checked on the device, not read back) and
+    with its router: ``torch.cuda.set_sync_debug_mode("error")`` raises on any. (Skipped
+    on the CPU: the conftest's gpu marker.)"""
+    from comet import CometMoE
+    e, k, h, f = SCALED[name]
+    layer, g = _fused(name, torch.bfloat16)
+    layer.check_errors = "lazy"
+    torch.manual_seed(0)
+    moe = CometMoE(e, k, h, f, dtype=torch.bfloat16, max_tokens=384, device="cuda")
+    calls = [_inputs(layer, "random", g, tokens=m) for m in (1, 16, 300, 0)]
+
+    def run_all():
+        outs = []
+        for x, ids, w in calls:
+            outs += [layer(x, ids, w), moe(x, ids, w), moe(x)]
+        return outs
+
+    with torch.inference_mode():
+        for _ in range(2):
+            want = run_all()
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = run_all()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    layer.check_errors_now()
+    moe.fused_layer().check_errors_now()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_w1_routings(kind):
     layer, g = _fused("qwen2-moe", torch.bfloat16)

@@ -34,7 +34,7 @@ from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
 from comet.kernels.mesh_routing import shard_routing
 from comet.kernels.stage_routing import RoutingStage
 from comet.mesh import Convention, MeshLayout
-from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids, kernel_decomposition
+from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids
 from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
@@ -298,10 +298,10 @@ class FusedMoE:
         self.device = w13.device
         self.tile = tile
         self._virtual = virtual
+        # The shared-tensor analyzer's answer for every layout (layer0 by rows, layer1 by
+        # columns) is the kernels' decomposition: tests/test_shared_tensor.py checks it
+        # (comet.runtime.forward.kernel_decomposition), not every construction.
         ws.fanout, ws.tp = mesh.home_fanout(convention), mesh.tp
-        # The analyzer's answer for this layout, checked against the kernels' (layer0 by
-        # rows, layer1 by columns).
-        self.decomposition = kernel_decomposition(mesh, convention)
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder, mesh.table_layout(convention))
         self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors,
@@ -375,8 +375,13 @@ class FusedMoE:
                  comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None,
                  decode_tile: bool | None = None,
                  tile_overrides: dict[str, int] | None = None,
-                 trace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                 trace: dict[str, torch.Tensor] | None = None, *,
+                 checked: bool = False) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``.
+
+        ``checked``: the caller already passed these inputs through
+        :func:`comet.runtime.inputs.check_inputs` with this layer's shape, dtype and
+        device, contiguous (:class:`comet.moe.CometMoE` does, once per call).
 
         ``comm_blocks`` (an int for both layers, or a pair), ``decode_tile`` and
         ``tile_overrides`` (values of :data:`comet.config.TUNABLE_TILE_FIELDS`) override
@@ -392,7 +397,7 @@ class FusedMoE:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        m = self._check(x, topk_ids, topk_weights)
+        m = x.shape[0] if checked else self._check(x, topk_ids, topk_weights)
         self.errors.check_usable()
         split = self.select_comm_blocks(m, comm_blocks)
         tile = self.select_tile(m, decode_tile, tile_overrides)
