@@ -26,7 +26,7 @@ MAX_DELAY_CYCLES = 1_000_000
 
 
 def _group(name, world, max_tokens, **kwargs):
-    from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     cfg = (PRESETS.get(name) or VARIANT_MODELS[name]).replace(max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(world)
     el = cfg.num_experts // world
@@ -40,7 +40,7 @@ def _group(name, world, max_tokens, **kwargs):
                                 for _ in range(world)]
         kwargs["b2_shards"] = [(torch.randn(el, h, generator=g, device="cuda") * 0.1).to(
             cfg.dtype) for _ in range(world)]
-    layers = FusedMoE.virtual_group(cfg, w13, w2, **kwargs)
+    layers = virtual_group(cfg, w13, w2, **kwargs)
     return cfg, layers, w13, w2
 
 
@@ -266,8 +266,7 @@ def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
     import dataclasses
     from comet.config import TileConfig
     from comet.mesh import MeshLayout
-    from comet.runtime.layer import FusedMoE
-    from comet.runtime.virtual import concurrent_forward
+    from comet.runtime.virtual import concurrent_forward, virtual_group
     mesh, max_tokens, world = MeshLayout(tp=tp, ep=ep), 4096, tp * ep
     cfg = PRESETS[name].replace(max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(world)
@@ -275,7 +274,7 @@ def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
     w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
     w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
     shards = [mesh.shard(r, w13, w2) for r in range(world)]
-    layers = FusedMoE.virtual_group(
+    layers = virtual_group(
         cfg, [s["w13"] for s in shards], [s["w2"] for s in shards], mesh=mesh,
         convention=convention, tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
     del shards

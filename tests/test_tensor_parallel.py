@@ -199,7 +199,8 @@ def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layo
     replicated), a fused call's layer1 is the column reduce: one summed row per token
     to each rank of the group, not ``k`` slot rows. Every other layout keeps the
     scatter; every rank of a layout builds the same choice, and a given tile wins."""
-    from comet.runtime.layer import FusedMoE, default_tile
+    from comet.runtime.layer import default_tile
+    from comet.runtime.virtual import virtual_group
     from comet.runtime.strategies import ColumnReduce, Scatter, strategy_for
     mesh = MeshLayout(*layout)
     reduce = convention == "replicated" and mesh.ep == 1 and mesh.tp > 1
@@ -208,13 +209,13 @@ def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layo
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _weights(mesh, torch.Generator().manual_seed(3), 32)
     shards = _shards(mesh, w13, w2)
-    layers = FusedMoE.virtual_group(cfg, *shards, mesh=mesh, convention=convention,
-                                    use_graphs=False)
+    layers = virtual_group(cfg, *shards, mesh=mesh, convention=convention,
+                           use_graphs=False)
     assert {strategy_for(layer.tile, "fused") for layer in layers} == {
         ColumnReduce if reduce else Scatter}
     given = dataclasses.replace(TileConfig.small(), layer1_scatter=True)
-    layer = FusedMoE.virtual_group(cfg, *shards, tile=given, mesh=mesh,
-                                   convention=convention, use_graphs=False)[0]
+    layer = virtual_group(cfg, *shards, tile=given, mesh=mesh,
+                          convention=convention, use_graphs=False)[0]
     assert strategy_for(layer.tile, "fused") is Scatter
 
 
@@ -569,13 +570,14 @@ def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_b
     (96 columns at tp 2): a ValueError naming the field when the layer is built -- before
     a workspace exists -- not at its first call."""
     from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     mesh = MeshLayout(2, 1)
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=2 * 96,
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _shards(mesh, torch.zeros(E, 32, 4 * 96), torch.zeros(E, 2 * 96, 32))
     tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
     with pytest.raises(ValueError, match="layer0_gather needs one-dot layer0 items"):
-        FusedMoE.virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
+        virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
     single = cfg.replace(intermediate_size=96)
     with pytest.raises(ValueError, match="F 96"):
         FusedMoE(single, torch.zeros(E, 32, 192), torch.zeros(E, 96, 32), tile=tile)

@@ -782,13 +782,13 @@ def test_tensor_parallel_tables_are_keyed_by_the_kernels_shape():
     """A (tp, ep) layer selects from the table of its kernels' shard-expert shape
     (E * tp experts F / tp wide, k * tp slots), which ``comet tune --tp`` writes."""
     from comet.mesh import MeshLayout
-    from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     mesh = MeshLayout(tp=2, ep=1)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64,
                     dtype=torch.float32, max_tokens=8)
     shards = [mesh.shard(r, torch.zeros(8, 64, 128), torch.zeros(8, 64, 64)) for r in range(2)]
-    layers = FusedMoE.virtual_group(cfg, [s["w13"] for s in shards],
-                                    [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
+    layers = virtual_group(cfg, [s["w13"] for s in shards],
+                           [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
     assert layers[0].selection.cfg == mesh.kernel_config(cfg) == layers[0].ws.cfg
     assert layers[0].selection.layout == "tp2-sequence"
     assert tuned.file_name(layers[0].ws.cfg, 2, "gpu", "tp2-sequence").startswith(

@@ -96,8 +96,8 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     return tile
 
 
-def _layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
-                cfg: MoEConfig) -> TileConfig:
+def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
+              cfg: MoEConfig) -> TileConfig:
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg``;
     ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
@@ -116,7 +116,7 @@ def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
     return interleave_gate_up(w13), None if b13 is None else interleave_gate_up(b13), b2
 
 
-def _mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
+def mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
     """The layout of ``world`` ranks: ``mesh``, or expert parallelism over all of them."""
     return mesh if mesh is not None else MeshLayout(tp=1, ep=world)
 
@@ -128,6 +128,29 @@ def _output_bias(cfg: MoEConfig, mesh: MeshLayout, rank: int, b2, w2):
     if cfg.expert_bias and b2 is None:
         return torch.zeros(w2.shape[0], w2.shape[2], dtype=w2.dtype, device=w2.device)
     return b2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one rank's launches share its GPU.
+
+    cooperative: fused launches are co-resident by the launch attribute (a rank with a
+        GPU of its own); ranks that share one GPU cannot be, their grids sized to fit
+        side by side instead (comet.runtime.virtual).
+    combine_per_program: combine programs per program of the fused grid.
+    group_barrier: :meth:`FusedMoE.reset` waits for the group's ranks with a
+        torch.distributed barrier (ranks of one process need none: the device's
+        synchronize covers them).
+    """
+
+    cooperative: bool
+    combine_per_program: int
+    group_barrier: bool
+
+
+#: A rank alone on its GPU, in a process of its own.
+ALONE = Placement(cooperative=True, combine_per_program=COMBINE_PROGRAMS_PER_SM,
+                  group_barrier=True)
 
 
 class FusedMoE:
@@ -184,80 +207,47 @@ class FusedMoE:
                  b2: torch.Tensor | None = None, mesh: MeshLayout | None = None,
                  convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
-        mesh = _mesh_of(mesh, par.world_size)
-        self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
-        tile = _layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
+        mesh = mesh_of(mesh, par.world_size)
+        self.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        tile = layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
         kernel_cfg = mesh.kernel_config(cfg)
-        # State the calls update in place must not be inference tensors, or a layer first
-        # built under torch.inference_mode() (a server's warm-up) fails every later call
-        # made outside it.
-        with torch.inference_mode(False):
-            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
-                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
+        with torch.inference_mode(False):   # see _build
             if par.world_size == 1:
                 ws = allocate_virtual(kernel_cfg, 1, w13.device, tile)[0]
             else:
                 ws = allocate_symmetric(kernel_cfg, group, w13.device, tile)
-            programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
-            self._setup(ws, w13, w2, group, par, tile, programs, tuned_config_folder,
-                        check_errors, use_graphs, cfg=cfg, mesh=mesh, convention=convention)
+        programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
+        self._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
+                    ALONE, tuned_config_folder, check_errors, use_graphs, mesh, convention)
 
     @classmethod
-    def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
-                      w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
-                      programs: int | None = None, tuned_config_folder: str | None = None,
-                      check_errors: str = "lazy", use_graphs: bool = True,
-                      w13_layout: str = "gate_up", backward: bool = False,
-                      b13_shards: list[torch.Tensor] | None = None,
-                      b2_shards: list[torch.Tensor] | None = None,
-                      mesh: MeshLayout | None = None,
-                      convention: Convention = "sequence") -> list["FusedMoE"]:
-        """W ranks of one expert-parallel group in this process, on one device, whose
-        workspaces point at each other: call them concurrently, one CUDA stream per rank
-        (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
-        protocol without NVLink (tests). Each rank is :meth:`preload`-ed: one host thread
-        cannot make peer calls while the device waits to load a module. ``programs``
-        (default: the SM count over W) is each rank's grid, so every rank's spinning
-        kernel fits on the GPU beside the others' (launched without the cooperative
-        attribute, which would not let them share it). ``backward``: preload the
-        backward's kernels too (:meth:`backward`). ``mesh``: the (tp, ep) layout of the
-        W ranks (shards as :meth:`comet.mesh.MeshLayout.shard` gives them). Other
-        arguments as for the constructor."""
-        world = len(w13_shards)
-        mesh = _mesh_of(mesh, world)
-        device = w13_shards[0].device
-        if world > 1 and check_errors == "sync":
-            raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
-                             "synchronize waits for its call, which needs the other ranks' "
-                             "calls; use 'lazy' and check_errors_now() after the calls")
-        tile = _layer_tile(tile, mesh, convention, cfg)
-        if programs is None:
-            sms = sm_count(device) if device.type == "cuda" else 4 * world
-            programs = max(1, sms // world)
-        with torch.inference_mode(False):   # see __init__
-            spaces = allocate_virtual(mesh.kernel_config(cfg), world, device, tile)
-        layers = []
-        for r in range(world):
-            b13 = None if b13_shards is None else b13_shards[r]
-            b2 = None if b2_shards is None else b2_shards[r]
-            cls._validate(cfg, ParallelConfig(world, r), w13_shards[r], w2_shards[r],
-                          w13_layout, b13, b2, mesh, convention)
-            layer = cls.__new__(cls)
-            with torch.inference_mode(False):
-                w13, layer.b13, layer.b2 = _kernel_layout(
-                    w13_layout, w13_shards[r], b13,
-                    _output_bias(cfg, mesh, r, b2, w2_shards[r]))
-                layer._setup(spaces[r], w13, w2_shards[r], None, ParallelConfig(world, r),
-                             tile, programs, tuned_config_folder, check_errors, use_graphs,
-                             virtual=True, cfg=cfg, mesh=mesh, convention=convention)
-            if device.type == "cuda":
-                layer.preload(backward=backward)
-            layers.append(layer)
-        return layers
+    def on_workspace(cls, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor,
+                     w2: torch.Tensor, par: ParallelConfig, tile: TileConfig, programs: int,
+                     placement: Placement, *, group=None,
+                     tuned_config_folder: str | None = None, check_errors: str = "lazy",
+                     use_graphs: bool = True, w13_layout: str = "gate_up",
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                     mesh: MeshLayout | None = None,
+                     convention: Convention = "sequence") -> "FusedMoE":
+        """Rank ``par.rank`` of a layer on a workspace allocated already (``ws``, with
+        ``tile``; :func:`~comet.runtime.workspace.allocate_virtual` for ranks that share
+        a process: :func:`comet.runtime.virtual.virtual_group`), its fused grids of
+        ``programs`` launched as ``placement`` says. Other arguments as for the
+        constructor."""
+        mesh = mesh_of(mesh, par.world_size)
+        cls.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        layer = cls.__new__(cls)
+        layer._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
+                     placement, tuned_config_folder, check_errors, use_graphs, mesh,
+                     convention)
+        return layer
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh: MeshLayout,
-                  convention: Convention) -> None:
+    def validate(cfg: MoEConfig, par: ParallelConfig, w13: torch.Tensor, w2: torch.Tensor,
+                 w13_layout: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                 mesh: MeshLayout, convention: Convention) -> None:
+        """Raise ValueError where rank ``par.rank``'s weights, biases or layout cannot make
+        this layer (before any collective)."""
         if mesh.world != par.world_size:
             raise ValueError(f"a {mesh} layout has {mesh.world} ranks, but the process group "
                              f"has {par.world_size}")
@@ -287,9 +277,24 @@ class FusedMoE:
                 raise ValueError(f"{name} must be a contiguous {list(shape)} {w13.dtype} tensor "
                                  f"on {w13.device}, got {list(b.shape)} {b.dtype} on {b.device}")
 
-    def _setup(self, ws: Workspace, w13, w2, group, par, tile, programs, tuned_config_folder,
-               check_errors, use_graphs, virtual: bool = False, *, cfg: MoEConfig,
+    def _build(self, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
+               b13: torch.Tensor | None, b2: torch.Tensor | None, w13_layout: str, group,
+               par: ParallelConfig, tile: TileConfig, programs: int, placement: Placement,
+               tuned_config_folder: str | None, check_errors: str, use_graphs: bool,
                mesh: MeshLayout, convention: Convention) -> None:
+        # State the calls update in place must not be inference tensors, or a layer first
+        # built under torch.inference_mode() (a server's warm-up) fails every later call
+        # made outside it.
+        with torch.inference_mode(False):
+            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
+                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
+            self._setup(ws, w13, w2, group, par, tile, programs, placement,
+                        tuned_config_folder, check_errors, use_graphs, cfg, mesh, convention)
+
+    def _setup(self, ws: Workspace, w13, w2, group, par: ParallelConfig, tile: TileConfig,
+               programs: int, placement: Placement, tuned_config_folder: str | None,
+               check_errors: str, use_graphs: bool, cfg: MoEConfig, mesh: MeshLayout,
+               convention: Convention) -> None:
         # cfg: the layer as the caller routes it; ws.cfg: what the kernels run (the same,
         # or a (tp, ep) layout's shard experts: comet.mesh).
         self.cfg, self.par, self.group, self.ws = cfg, par, group, ws
@@ -297,7 +302,7 @@ class FusedMoE:
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.tile = tile
-        self._virtual = virtual
+        self.placement = placement
         # The shared-tensor analyzer's answer for every layout (layer0 by rows, layer1 by
         # columns) is the kernels' decomposition: tests/test_shared_tensor.py checks it
         # (comet.runtime.forward.kernel_decomposition), not every construction.
@@ -417,8 +422,7 @@ class FusedMoE:
 
     def _grids(self) -> Grids:
         grid = self.programs
-        return Grids(grid, grid, grid, grid if self._virtual
-                     else grid * COMBINE_PROGRAMS_PER_SM)
+        return Grids(grid, grid, grid, grid * self.placement.combine_per_program)
 
     def _call(self, mode: str, layer0_comm: bool, tile: TileConfig,
               trace: dict[str, torch.Tensor] | None = None) -> ForwardCall:
@@ -433,7 +437,7 @@ class FusedMoE:
                                 s.split[1:2], ids, weights)
             stage = RoutingStage(s.routing_addr, s.num_tokens, s.ids, s.weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
-                               layer0_comm, cooperative=not self._virtual, trace=trace,
+                               layer0_comm, cooperative=self.placement.cooperative, trace=trace,
                                b13=self.b13, b2=self.b2, shard_routing=shards,
                                routing_stage=stage)
             if trace is not None:
@@ -498,8 +502,7 @@ class FusedMoE:
         self.errors.clear()
 
     def _group_barrier(self) -> None:
-        # Virtual ranks share this process and its device: the synchronize was enough.
-        if self.par.world_size > 1 and not self._virtual:
+        if self.par.world_size > 1 and self.placement.group_barrier:
             import torch.distributed as dist
             dist.barrier(group=self.group)
             if self.device.type == "cuda":
@@ -555,7 +558,7 @@ class FusedMoE:
                 self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
                 self._static.ids, self._static.weights, self._backward_scalars,
                 self.programs, fused=not interpreting(), layer0_comm=layer0_comm,
-                cooperative=not self._virtual, weight_grads=weight_grads, b13=self.b13,
+                cooperative=self.placement.cooperative, weight_grads=weight_grads, b13=self.b13,
                 b2=self.b2)
         return self._backward_calls[key]
 
