@@ -251,8 +251,8 @@ class CometMoE(nn.Module):
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
             layout's, :func:`comet.runtime.layer.default_tile`: layer1's scatter
             epilogue, except the column-split reduce in a ``(tp, 1)`` replicated
-            layout). E.g. ``TileConfig(layer1_scatter=False)`` runs the reduce
-            elsewhere too; tuned tables of the default tile then do not apply
+            layout). E.g. ``TileConfig(variant=Variant(layer1_scatter=False))`` runs the
+            reduce elsewhere too; tuned tables of the default tile then do not apply
             (docs/tuning.md).
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,

@@ -40,7 +40,8 @@ class FakeFusedMoE:
         self.last_comm_blocks = None
         self.last_decode, self.last_tile_overrides = False, {}
         self.splits_asked = set()
-        self.tile = TileConfig(layer0_gather=True)   # recorded as the record's dispatch
+        # recorded as the record's dispatch
+        self.tile = TileConfig().with_fields(layer0_gather=True)
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
@@ -784,10 +785,11 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     mesh = MeshLayout(tp=4, ep=1)
     cfg = preset("mixtral")
     kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "replicated")["tile"]
-    assert (kept.group_m, kept.layer1_scatter) == (4, False)
+    assert (kept.group_m, kept.variant.layer1_scatter) == (4, False)
     back = bench._tile_of({"tile": {"layer1_scatter": 1}}, cfg, mesh, "replicated")["tile"]
-    assert back.layer1_scatter
-    assert bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"].layer1_scatter
+    assert back.variant.layer1_scatter
+    kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"]
+    assert kept.variant.layer1_scatter
     assert bench._tile_of({}, cfg, mesh, "replicated") == {}
 
 
@@ -809,7 +811,7 @@ def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch)
         mesh = MeshLayout(ep=ep)
         tile = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh)["tile"]
         assert tile == dataclasses.replace(default_tile(mesh, cfg=cfg), group_m=4)
-        assert tile.layer0_gather is gathers, ep
+        assert tile.variant.layer0_gather is gathers, ep
 
 
 def test_whole_calls_may_be_issued_ahead_of_the_gpu(tmp_path, monkeypatch, fake_fused):

@@ -38,7 +38,7 @@ def _reduce_tile():
     """The default tiles with layer1 as GEMM, then the reduce role (not the scatter)."""
     import dataclasses
     from comet.config import TileConfig
-    return dataclasses.replace(TileConfig(), layer1_scatter=False)
+    return TileConfig().with_fields(layer1_scatter=False)
 
 
 def _fused(name, dtype, max_tokens=384, tile=None):
@@ -86,7 +86,7 @@ def test_w1_scatter_epilogue_over_token_counts():
     g = torch.Generator(device="cuda").manual_seed(5)
     w13, w2 = _weights(e, h, f, cfg.dtype, g)
     layer = FusedMoE(cfg, w13, w2)
-    assert layer.tile.layer1_scatter
+    assert layer.tile.variant.layer1_scatter
     for kind, tokens, drop in (("random", 384, False), ("random", 200, True),
                                ("random", 7, False), ("one_expert", 300, False),
                                ("skewed", 384, True)):
@@ -653,14 +653,14 @@ def test_live_row_loads_give_the_same_output_bit_for_bit():
     g = torch.Generator(device="cuda").manual_seed(13)
     w13, w2 = _weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.dtype, g)
     live = FusedMoE(cfg, w13, w2)
-    full = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(live.tile, layer0_live_rows=False))
+    full = FusedMoE(cfg, w13, w2, tile=live.tile.with_fields(layer0_live_rows=False))
     copied = FusedMoE(cfg, w13, w2,
-                      tile=dataclasses.replace(live.tile, layer0_own_in_place=False))
-    assert live.tile.layer0_gather and live.tile.layer0_own_in_place
+                      tile=live.tile.with_fields(layer0_own_in_place=False))
+    assert live.tile.variant.layer0_gather and live.tile.variant.layer0_own_in_place
     assert live.selection.may_live_rows
-    assert live.selection.tile_for(256).layer0_live_rows
-    assert not live.selection.tile_for(257).layer0_live_rows
-    assert not full.selection.tile_for(1).layer0_live_rows
+    assert live.selection.tile_for(256).variant.layer0_live_rows
+    assert not live.selection.tile_for(257).variant.layer0_live_rows
+    assert not full.selection.tile_for(1).variant.layer0_live_rows
     live.check_errors = full.check_errors = copied.check_errors = "lazy"
     sizes = torch.randint(0, 513, (200,), generator=torch.Generator().manual_seed(6)).tolist()
     sizes[:4] = [16, 1, 0, 512]

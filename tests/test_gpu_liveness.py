@@ -101,7 +101,7 @@ def test_drift_expert_variants_full_size(name, variant):
     from comet.runtime.virtual import concurrent_forward
     world, max_tokens = 2, 4096
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (2, max(1, p // 10)), (min(16, p - 1),) * 2]
     kinds = ["random", "skewed", "one_expert"]
@@ -182,7 +182,7 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     from comet.runtime.virtual import concurrent_forward
     max_tokens = 384
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     kinds = ["random", "skewed", "one_expert"]
@@ -229,8 +229,7 @@ def test_split_k_small_calls_full_size(name, split_k):
     h, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
     w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
-    layer = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(),
-                                                          layer1_split_k=split_k))
+    layer = FusedMoE(cfg, w13, w2, tile=TileConfig().with_fields(layer1_split_k=split_k))
     rng = random.Random(split_k)
     kinds = ["random", "skewed", "one_expert"]
     calls = [_inputs(cfg, 1, kinds[i % 3], [rng.randint(0, 4)], seed=i) for i in range(200)]
@@ -276,7 +275,7 @@ def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
     shards = [mesh.shard(r, w13, w2) for r in range(world)]
     layers = virtual_group(
         cfg, [s["w13"] for s in shards], [s["w2"] for s in shards], mesh=mesh,
-        convention=convention, tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+        convention=convention, tile=TileConfig().with_fields(**VARIANTS[variant]))
     del shards
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2]
@@ -364,7 +363,7 @@ def test_injected_stall_mid_call_is_an_error_on_every_rank(short_timeout, monkey
     from comet.runtime.forward import ForwardCall
     world = 2
     cfg, layers, w13, w2 = _group("mixtral", world, 128, use_graphs=False,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     streams = _streams(world)
     real = ForwardCall.launch_layer1
 

@@ -107,7 +107,7 @@ def _virtual(mesh: MeshLayout, convention: str, strategy: str, dtype, gen, max_t
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=_ffn(mesh),
                     dtype=dtype, max_tokens=max_tokens)
     w13, w2 = _weights(mesh, gen, hidden, dtype)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy])
+    tile = TileConfig.small().with_fields(layer1_scatter=STRATEGIES[strategy])
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for ws in ep.ws:
         for name in ("pair_out", "comb"):
@@ -204,7 +204,7 @@ def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layo
     from comet.runtime.strategies import ColumnReduce, Scatter, strategy_for
     mesh = MeshLayout(*layout)
     reduce = convention == "replicated" and mesh.ep == 1 and mesh.tp > 1
-    assert default_tile(mesh, convention).layer1_scatter is not reduce
+    assert default_tile(mesh, convention).variant.layer1_scatter is not reduce
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=_ffn(mesh),
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _weights(mesh, torch.Generator().manual_seed(3), 32)
@@ -213,7 +213,7 @@ def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layo
                            use_graphs=False)
     assert {strategy_for(layer.tile, "fused") for layer in layers} == {
         ColumnReduce if reduce else Scatter}
-    given = dataclasses.replace(TileConfig.small(), layer1_scatter=True)
+    given = TileConfig.small().with_fields(layer1_scatter=True)
     layer = virtual_group(cfg, *shards, tile=given, mesh=mesh,
                           convention=convention, use_graphs=False)[0]
     assert strategy_for(layer.tile, "fused") is Scatter
@@ -502,10 +502,10 @@ def test_tensor_parallel_and_hybrid_layouts_gather_where_tokens_have_four_pairs_
             assert (top_k >= 4 * ep) is gather_pays(top_k, ep)
             # qwen2-moe's F = 1408 at tp 4: shards of 352 columns, no one-dot items
             one_dot = (cfg.intermediate_size // tp) % (GATE_UP_BLOCK // 2) == 0
-            assert tile.layer0_gather is (top_k >= 4 * ep and one_dot), (tp, ep)
+            assert tile.variant.layer0_gather is (top_k >= 4 * ep and one_dot), (tp, ep)
     odd = cfg.replace(intermediate_size=2 * 96)          # F shard 96 at tp 2
-    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence", odd).layer0_gather
-    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence").layer0_gather
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence", odd).variant.layer0_gather
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence").variant.layer0_gather
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)
@@ -553,9 +553,9 @@ def test_tensor_parallel_and_hybrid_gathered_kernels_match_mesh_forward(layout, 
                     dtype=torch.float32, max_tokens=6)
     w13 = torch.randn(E, hidden, 2 * f, generator=gen) * hidden ** -0.5
     w2 = torch.randn(E, f, hidden, generator=gen) * f ** -0.5
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
-                               comm_copy_rows=2, layer0_gather=True,
-                               layer1_scatter=convention == "sequence")
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, comm_rows=4,
+                                          comm_copy_rows=2, layer0_gather=True,
+                                          layer1_scatter=convention == "sequence")
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for kind in ("random", "skewed"):
         xs, ids, wts = _inputs(mesh, convention, kind, gen, cfg.max_tokens, hidden)
@@ -575,7 +575,7 @@ def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_b
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=2 * 96,
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _shards(mesh, torch.zeros(E, 32, 4 * 96), torch.zeros(E, 2 * 96, 32))
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, layer0_gather=True)
     with pytest.raises(ValueError, match="layer0_gather needs one-dot layer0 items"):
         virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
     single = cfg.replace(intermediate_size=96)

@@ -28,14 +28,14 @@ The comm blocks reduce the early splits while the GEMM of the later ones runs; t
 of the last split runs on every block. With no comm block the kernel is "GEMM, then
 reduce on the whole GPU" in one launch.
 
-:func:`layer1_scatter_kernel` (the forward's default, ``TileConfig.layer1_scatter``)
+:func:`layer1_scatter_kernel` (the forward's default, ``Variant.layer1_scatter``)
 moves the top-k sum past the communication: ``out1`` is never stored; every block runs the
 GroupGEMM and its epilogue (:func:`scatter_home`) writes each row, weighted, into
 ``pair_out[t, j]`` on the token's rank, which makes the shared tensor independent along M
 as well (docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the
 last block to finish releases ``flag1`` as above.
 
-With ``TileConfig.layer1_split_k`` > 1 the scatter kernel on a column block of at most
+With ``Variant.layer1_split_k`` > 1 the scatter kernel on a column block of at most
 ``SPLIT_K_BLOCK_N`` (the decode tile) first asks, on the device, whether the call is
 small enough for K splits (:func:`split_k_count`: up to ``layer1_split_k`` of them, as
 many as give every split of every work item its own program). Then each program
@@ -93,7 +93,7 @@ SPLIT_K_BLOCK_N = constexpr(128)
 
 
 class KSplit(NamedTuple):
-    """layer1's K splits in small calls (``TileConfig.layer1_split_k``; off: 1, and no
+    """layer1's K splits in small calls (``Variant.layer1_split_k``; off: 1, and no
     tensors)."""
 
     partial: torch.Tensor | None   # fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]

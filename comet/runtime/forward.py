@@ -98,7 +98,7 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, *, small: boo
     last program); then wait for every peer's counts (the layout kernel's programs) and
     build the offsets, tile table and send list. ``small``: in two launches, the open in
     one program and the send list by the layout kernel (comet.kernels.plan), for calls
-    of a few token blocks (``TileConfig.small_plan_blocks``)."""
+    of a few token blocks (``Variant.small_plan_blocks``)."""
     count_exchange = ws.exchange(in_plan=True)
     chunking, cfg = Chunking.of(tile), ws.cfg
 
@@ -184,18 +184,18 @@ class ForwardCall:
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
-        gather = tile.layer0_gather
+        gather = tile.variant.layer0_gather
         rows = None
         if gather:
             rows = (ws.gathered_rows(self.inputs.x_addr, self.inputs.num_tokens)
-                    if tile.layer0_own_in_place else ws.gathered_rows())
+                    if tile.variant.layer0_own_in_place else ws.gathered_rows())
         gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
                                    activation=ws.cfg.activation, bias=self.b13, rows=rows)
         self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes, gather),
                             gemm=gemm0,
                             item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
-                            work=ws.layer0_work(tile.layer0_stream_k,
-                                                tile.layer0_tail_split), sync=ws.sync,
+                            work=ws.layer0_work(tile.variant.layer0_stream_k,
+                                                tile.variant.layer0_tail_split), sync=ws.sync,
                             split=self.inputs.split0,
                             shape=ws.shape, tile=tile)
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
@@ -214,7 +214,7 @@ class ForwardCall:
         # routing, which reads the staged rows, must run between the two.
         shards, stage = self.shard_routing, self.routing_stage
         plan = list(plan_phases(self.ws, self._routing, self.tile,
-                                small=self.tile.small_plan_blocks > 0,
+                                small=self.tile.variant.small_plan_blocks > 0,
                                 stage=stage if shards is None else None))
         if shards is not None:
             plan.insert(0, lambda: launch_shard_routing(shards))

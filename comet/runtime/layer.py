@@ -18,7 +18,6 @@ The backward (comet.runtime.backward) runs the same way.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -89,10 +88,10 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):
-        tile = dataclasses.replace(tile, layer1_scatter=False)
+        tile = tile.with_fields(layer1_scatter=False)
     if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
             and one_dot_tiles(tile.block_n0, cfg.intermediate_size // mesh.tp)):
-        tile = dataclasses.replace(tile, layer0_gather=True)
+        tile = tile.with_fields(layer0_gather=True)
     return tile
 
 
@@ -101,7 +100,7 @@ def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg``;
     ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
-    if tile.layer0_gather:
+    if tile.variant.layer0_gather:
         check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
 

@@ -66,10 +66,10 @@ class Selector:
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
         one_dot = one_dot_tiles(tile.block_n0, cfg.intermediate_size)
-        self.may_stream_k = tile.layer0_stream_k and one_dot
-        self.may_tail_split = tile.layer0_tail_split > 1 and one_dot
-        self.may_live_rows = tile.layer0_gather and tile.layer0_live_rows
-        self.may_small_plan = tile.small_plan_blocks > 0
+        self.may_stream_k = tile.variant.layer0_stream_k and one_dot
+        self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
+        self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
+        self.may_small_plan = tile.variant.small_plan_blocks > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
@@ -94,7 +94,7 @@ class Selector:
         w0, w1 = layer_work(num_tokens, self.world, c.top_k, c.hidden_size,
                             c.intermediate_size, c.dtype.itemsize,
                             self.tile.n_splits(c.hidden_size))
-        n1 = 0 if self.tile.layer1_scatter else analytic_split(w1, self.programs)
+        n1 = 0 if self.tile.variant.layer1_scatter else analytic_split(w1, self.programs)
         return analytic_split(w0, self.programs), n1
 
     def _choice(self, num_tokens: int) -> tuned.Choice:
@@ -166,7 +166,7 @@ class Selector:
             return tile
         if (tile, variants) not in self._without:
             self._without[tile, variants] = dataclasses.replace(
-                tile, **{f: type(getattr(tile, f))(0) for f in variants})
+                tile, variant=tile.variant.without(variants))
         return self._without[tile, variants]
 
     def _variant(self, overrides: tuple[tuple[str, int], ...]
@@ -280,13 +280,13 @@ class Selector:
 
     def small_plan_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank plans in two launches: its
-        tokens make at most ``TileConfig.small_plan_blocks`` of the plan's token blocks
+        tokens make at most ``Variant.small_plan_blocks`` of the plan's token blocks
         (the layout kernel's programs place one each, 16 of them at most) in at most
         :data:`SMALL_PLAN_STEPS` of the opening's steps (comet.kernels.plan.open_kernel
         counts a step of several blocks at a time, fewer the more experts there are)."""
         blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
         step = open_step_blocks(self.cfg.num_experts)
-        return blocks <= self.tile.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
+        return blocks <= self.tile.variant.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where

@@ -12,7 +12,7 @@ rank -- and differ in where the top-k sum happens:
 * :class:`Scatter` -- the GEMM's epilogue writes each row, weighted, straight into its
   token's slot of ``pair_out`` on the token's rank (the dispatch sent each row's home
   along with it); the combine sums a token's ``k`` slots. No comm role and no reduce
-  pass. Fused forward calls run it when ``TileConfig.layer1_scatter`` is set (default).
+  pass. Fused forward calls run it when ``Variant.layer1_scatter`` is set (default).
 
 A strategy declares the symmetric buffers it needs (:meth:`specs`, allocated with the
 workspace's, comet.runtime.workspace), whether layer0 must send row homes, how it
@@ -128,8 +128,8 @@ class Scatter:
         homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
                       cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
         ksplit = ({"ksplit": KSplit(ws.l1_partial, ws.count.arrived,
-                                    constexpr(tile.layer1_split_k))}
-                  if tile.layer1_split_k > 1 else {})
+                                    constexpr(tile.variant.layer1_split_k))}
+                  if tile.variant.layer1_split_k > 1 else {})
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
                               sync=ws.sync, trace=trace, shape=ws.shape, tile=tile,
@@ -142,7 +142,7 @@ class Scatter:
 
 
 def scatter_pays(tp: int, ep: int, convention: str) -> bool:
-    """Whether the scatter epilogue is a layout's default layer1 (``TileConfig.layer1_scatter``).
+    """Whether the scatter epilogue is a layout's default layer1 (``Variant.layer1_scatter``).
 
     Not where every rank holds every expert's F shard and every rank passes the same
     tokens (the replicated convention with ``ep == 1``): there each token's ``k`` slots
@@ -161,13 +161,13 @@ def scatter_pays(tp: int, ep: int, convention: str) -> bool:
 
 
 #: Mean (token, slot) pairs per (token, destination rank) from which layer0's gathered
-#: dispatch (``TileConfig.layer0_gather``) is a layout's default.
+#: dispatch (``Variant.layer0_gather``) is a layout's default.
 GATHER_PAIRS_PER_RANK = 4
 
 
 def gather_pays(top_k: int, ep: int) -> bool:
     """Whether a layout's layer0 sends each token's row once per rank and reads its A rows
-    through an index (``TileConfig.layer0_gather``) by default: where a token has, on
+    through an index (``Variant.layer0_gather``) by default: where a token has, on
     average, at least :data:`GATHER_PAIRS_PER_RANK` of its (shard) slots on a rank --
     ``top_k / ep`` in a (tp, ep) layout, whose kernels see ``tp * top_k`` shard slots
     over ``tp * ep`` ranks. Below that the index's loads (1.03-1.06x the GEMM's
@@ -186,11 +186,11 @@ def strategies_of(tile: TileConfig) -> list[type]:
     """The strategies a layer with ``tile`` may run (whose buffers it allocates): the
     column-split reduce always (the backward and the decomposed modes), the scatter
     where the tile enables it."""
-    return [ColumnReduce, Scatter] if tile.layer1_scatter else [ColumnReduce]
+    return [ColumnReduce, Scatter] if tile.variant.layer1_scatter else [ColumnReduce]
 
 
 def strategy_for(tile: TileConfig, mode: str) -> type:
     """The strategy a call in ``mode`` runs: the scatter for fused calls of a layer whose
     tile enables it, else the column-split reduce (the decomposed modes keep it, so that
     they stay the decomposition of a fused call)."""
-    return Scatter if tile.layer1_scatter and mode == "fused" else ColumnReduce
+    return Scatter if tile.variant.layer1_scatter and mode == "fused" else ColumnReduce

@@ -85,7 +85,7 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
-    if tile.layer0_gather:
+    if tile.variant.layer0_gather:
         # the a0 row each GEMM row reads (the token rows themselves go into a0's memory)
         protocol.append(BufferSpec("a0_src", (rows,), torch.int32))
     return protocol + [s for strategy in strategies_of(tile)
@@ -141,10 +141,10 @@ class Workspace:
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
     #: fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: layer1's partial tiles, with
-    #: ``TileConfig.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
+    #: ``Variant.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
     l1_partial: torch.Tensor | None = None
     #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * block_n0]: layer0's stream-K parts,
-    #: with ``TileConfig.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
+    #: with ``Variant.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
     l0_partial: torch.Tensor | None = None
     _keepalive: list = field(default_factory=list, repr=False)
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
@@ -198,7 +198,7 @@ class Workspace:
                     constexpr(stream_k), constexpr(tail_split))
 
     def gather_targets(self) -> GatherTargets:
-        """A gathered dispatch's destinations (``TileConfig.layer0_gather``): token rows
+        """A gathered dispatch's destinations (``Variant.layer0_gather``): token rows
         into the first ``W * max_tokens`` rows of ``a0``'s memory, index entries into
         ``a0_src``."""
         return GatherTargets(PeerBuffer(self._gathered_tokens(), self.peer_ptrs["a0"]),
@@ -209,7 +209,7 @@ class Workspace:
         """layer0's A rows as a gathered dispatch leaves them: ``a0[a0_src[row]]``; with
         ``x_addr`` (int64 [1], the address of the call's input) and ``num_tokens`` (int64
         [1]), this rank's own tokens read in place from the input
-        (``TileConfig.layer0_own_in_place``)."""
+        (``Variant.layer0_own_in_place``)."""
         src = self.buffers["a0_src"]
         if x_addr is None:
             return Gathered(self._gathered_tokens(), src, src.shape[0])
@@ -257,12 +257,12 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
     rows = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
     n_splits = tile.n_splits_max(cfg.hidden_size)
     partial, k_slots = None, 0
-    if tile.layer1_split_k > 1:
+    if tile.variant.layer1_split_k > 1:
         k_slots = SPLIT_K_SLOTS.value
         partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
                               dtype=torch.float32, device=device)
     l0_partial, l0_slots = None, 0
-    if ((tile.layer0_stream_k or tile.layer0_tail_split > 1)
+    if ((tile.variant.layer0_stream_k or tile.variant.layer0_tail_split > 1)
             and one_dot_tiles(tile.block_n0, cfg.intermediate_size)):
         l0_slots = 2 * STREAM_K_PROGRAMS.value
         l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.block_n0,
