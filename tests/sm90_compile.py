@@ -124,7 +124,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             call().launch_layer0(role, 132)
             call("sequential").launch_layer1(role, 132)
-        call("sequential").launch_combine(132)
+        call("sequential").combine(132)
         # A gathered dispatch (Variant.layer0_gather): layer0 in every role, its GEMM
         # reading A through the index (cp.async loads, not TMA boxes) -- all of each
         # tile's index entries; then a small call's kernels, which load only a tile's own
@@ -216,7 +216,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     shard_routing=shards).run()
         sequential = ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids, "sequential")
         sequential.launch_layer1(ROLE_FUSED, 132)
-        sequential.launch_combine(132)
+        sequential.combine(132)
         # The backward's activation kernel (training), both W13 layouts, and a variant.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),

@@ -89,7 +89,7 @@ REDUCE = TileConfig.small().with_fields(layer1_scatter=False)
 def test_configs_fp16_layer1_reduce(world, name):
     ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=REDUCE)
     _close(ys, expect, torch.float16)
-    assert not any("pair_out" in ws.buffers for ws in ep.ws)
+    assert not any("pair_out" in ws.local.names() for ws in ep.ws)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,7 +105,7 @@ def test_scatter_sums_only_real_pairs(kind):
     ep = VirtualEP(cfg, w13, w2)
     assert ep.tile.variant.layer1_scatter
     for ws in ep.ws:                    # stale rows a masked slot must not pick up
-        ws.pair_out.fill_(1e3)
+        ws.local.pair_out.fill_(1e3)
     for call in range(2):
         ids = make_ids(kind, make_tokens(kind, 4, 12, g), e, k, g)
         ids[0][::2, 0] = -1
@@ -268,7 +268,7 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
             assert any(ws.count.l0_arrived.any() for ws in ep.ws)
     mx = cfg.max_tokens
     for d, ws in enumerate(ep.ws):
-        a0 = ws.buffers["a0"]
+        a0 = ws.local.a0
         assert not a0[2 * mx:].any()             # no row placed per pair
         rows = 0
         for s in range(2):
@@ -278,7 +278,7 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
                 copied = on_d[t] and not (in_place and s == d)
                 assert torch.equal(landed, xs[s][t]) if copied else not landed.any()
             rows += int(((ids[s] >= 4 * d) & (ids[s] < 4 * d + 4)).sum())
-        src = ws.buffers["a0_src"][:rows].long()
+        src = ws.local.a0_src[:rows].long()
         assert sorted(set(src.tolist())) == [s * mx + t for s in range(2)
                                              for t in range(ids[s].shape[0])
                                              if ((ids[s][t] >= 4 * d) & (ids[s][t] < 4 * d + 4)).any()]
@@ -574,7 +574,7 @@ def test_failed_layer_raises_until_reset():
             layer(x, ids, w)
     epoch = int(layer.ws.epoch)
     layer.reset()
-    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.local.error.any()
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
@@ -604,11 +604,11 @@ def test_small_calls_take_the_decode_tile():
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
     # program) or 16 of 16 (4 waves, 64 again): the default stays.
     few = FusedMoE(cfg, w13, w2, tile=tile)
-    assert few.select_tile(7) is few.tile
+    assert few.selection.tile_for(7) is few.tile
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
     many.programs = 64
-    assert many.select_tile(7).block_n1 == 16 and many.select_tile(7) is many.select_tile(7)
+    assert many.selection.tile_for(7).block_n1 == 16 and many.selection.tile_for(7) is many.selection.tile_for(7)
     many.preload()
     for layer in (few, many):
         for call in range(2):
@@ -621,7 +621,7 @@ def test_small_calls_take_the_decode_tile():
 def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     layer, cfg, x, ids, w = _w1_layer()
     layer.preload()
-    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.local.error.any()
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
@@ -656,7 +656,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     call.launch_layer0(ROLE_FUSED, grid, trace=Trace.on(traces[0]))
     call.inputs.split1.fill_(0)
     call.launch_layer1(ROLE_FUSED, 1, trace=Trace.on(traces[1][:1]))
-    call.launch_combine(grid)
+    call.combine(grid)
     raise_if_failed(ws.fatal_word, 0)
     torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
                                                                 round_to=torch.float16),

@@ -110,9 +110,9 @@ def _virtual(mesh: MeshLayout, convention: str, strategy: str, dtype, gen, max_t
     tile = TileConfig.small().with_fields(layer1_scatter=STRATEGIES[strategy])
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for ws in ep.ws:
-        for name in ("pair_out", "comb"):
-            if name in ws.buffers:
-                ws.buffers[name].fill_(1e3)
+        for t in (ws.local.pair_out, ws.local.comb):
+            if t is not None:
+                t.fill_(1e3)
     return ep, w13, w2
 
 
@@ -242,7 +242,7 @@ def test_tensor_parallel_bad_expert_id_is_reported_and_the_layout_stays_usable(c
     _close(ys, reference.mesh_forward(xs, dropped, wts, w13, w2, mesh, convention),
            torch.float32)
     for r, ws in enumerate(ep.ws):
-        reports = ErrorReports(ws.error, r, ep.cfg.num_experts, "sync",
+        reports = ErrorReports(ws.local.error, r, ep.cfg.num_experts, "sync",
                                slots_per_choice=mesh.tp)
         if r in holders:
             # The caller's slot (1), not the kernels' shard slot (2 or 3).
@@ -253,7 +253,7 @@ def test_tensor_parallel_bad_expert_id_is_reported_and_the_layout_stays_usable(c
     ys = ep.forward(xs, ids, wts)
     _close(ys, reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention),
            torch.float32)
-    assert not any(ws.error.any() for ws in ep.ws)
+    assert not any(ws.local.error.any() for ws in ep.ws)
 
 
 @interpreter
@@ -562,7 +562,7 @@ def test_tensor_parallel_and_hybrid_gathered_kernels_match_mesh_forward(layout, 
         _close(ep.forward(xs, ids, wts),
                reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention), torch.float32)
     for ws in ep.ws:
-        assert not ws.buffers["a0"][mesh.world * cfg.max_tokens:].any()
+        assert not ws.local.a0[mesh.world * cfg.max_tokens:].any()
 
 
 def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_built():

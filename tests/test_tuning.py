@@ -117,17 +117,17 @@ def test_a_bucket_may_set_tile_fields(tmp_path):
     assert tuned.lookup(cfg, 1, 8, None, tmp_path, _cpu_tile(16)).tile == (("group_m", 16),
                                                            ("local_head_tiles", 0))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
-    small = layer.select_tile(8)
+    small = layer.selection.tile_for(8)
     assert (small.group_m, small.local_head_tiles, small.block_n1) == (16, 0, 16)
-    assert layer.select_tile(64) is layer.tile
-    assert layer.select_tile(8, tile_overrides={}).block_n1 == 16      # still decode
-    assert layer.select_tile(8, tile_overrides={}).group_m == layer.tile.group_m
-    assert layer.select_tile(64, tile_overrides={"group_m": 4}).group_m == 4
-    assert layer.select_tile(8) is small                                 # built once
+    assert layer.selection.tile_for(64) is layer.tile
+    assert layer.selection.tile_for(8, overrides={}).block_n1 == 16      # still decode
+    assert layer.selection.tile_for(8, overrides={}).group_m == layer.tile.group_m
+    assert layer.selection.tile_for(64, overrides={"group_m": 4}).group_m == 4
+    assert layer.selection.tile_for(8) is small                                 # built once
     variants = layer.selection.tile_variants()
     assert layer.tile in variants and small in variants and len(variants) == 4
     with pytest.raises(ValueError, match="not a per-call tile field"):
-        layer.select_tile(64, tile_overrides={"block_m": 64})
+        layer.selection.tile_for(64, overrides={"block_m": 64})
 
 
 @pytest.mark.parametrize("tile, why", [
@@ -266,11 +266,11 @@ def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path, caplog)
     assert "group_m" not in reduce.table_variant()
     _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2}},
            tile=scatter)
-    assert _cpu_layer(tmp_path, tile=scatter).select_comm_blocks(32) == (1, 2)
+    assert _cpu_layer(tmp_path, tile=scatter).selection.comm_blocks(32) == (1, 2)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="comet"):
         warnings.simplefilter("error")
         other = _cpu_layer(tmp_path, tile=reduce)
-        assert other.select_comm_blocks(32) == other.selection.analytic(32)
+        assert other.selection.comm_blocks(32) == other.selection.analytic(32)
     assert "TileConfig variant" in caplog.text
     # The default variant writes no "tile" at all: the shipped tables stay valid.
     assert "tile" not in tuned.expected_meta(cfg, 1, "cpu")
@@ -291,13 +291,13 @@ def test_a_variant_table_names_its_variant_and_old_names_still_load(tmp_path):
         meta = tuned.expected_meta(cfg, 1, "cpu", tile)
         (tmp_path / tuned.file_name(cfg, 1, "cpu", tile=tile)).write_text(json.dumps(
             {"meta": meta, "buckets": {"32": {"layer0": splits[0], "layer1": splits[1]}}}))
-    assert _cpu_layer(tmp_path, tile=scatter).select_comm_blocks(32) == (1, 2)
-    assert _cpu_layer(tmp_path, tile=reduce).select_comm_blocks(32) == (2, 1)
+    assert _cpu_layer(tmp_path, tile=scatter).selection.comm_blocks(32) == (1, 2)
+    assert _cpu_layer(tmp_path, tile=reduce).selection.comm_blocks(32) == (2, 1)
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     _write(legacy, cfg=cfg, world=1, buckets={"32": {"layer0": 3, "layer1": 3}}, tile=reduce)
     tuned._load.cache_clear()
-    assert _cpu_layer(legacy, tile=reduce).select_comm_blocks(32) == (3, 3)
+    assert _cpu_layer(legacy, tile=reduce).selection.comm_blocks(32) == (3, 3)
 
 
 def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
@@ -308,9 +308,9 @@ def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
                                                 "64": {"layer0": 500, "layer1": 2}},
            tile=_cpu_tile())
     layer = _cpu_layer(tmp_path)
-    assert layer.select_comm_blocks(32) == (1, 2)
+    assert layer.selection.comm_blocks(32) == (1, 2)
     with pytest.warns(UserWarning, match="does not fit"):
-        assert layer.select_comm_blocks(64) == layer.selection.analytic(64)
+        assert layer.selection.comm_blocks(64) == layer.selection.analytic(64)
 
 
 def test_check_report_compares_each_pick_with_the_best():
@@ -553,19 +553,19 @@ def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path
         "64": {"layer0": 1, "layer1": 2, "decode_tile": False}}, tile=_cpu_tile(16))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     decode = layer.tile.decode_tile()
-    assert layer.select_tile(8).block_n1 == decode.block_n1
-    assert layer.select_tile(64) is layer.tile
-    assert layer.select_tile(64, decode_tile=True).block_n1 == decode.block_n1
-    assert layer.select_tile(8, decode_tile=False) is layer.tile
+    assert layer.selection.tile_for(8).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(64) is layer.tile
+    assert layer.selection.tile_for(64, decode_tile=True).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(8, decode_tile=False) is layer.tile
     untuned = _cpu_layer(tmp_path / "none", decode_block_n1=16)
-    assert (untuned.select_tile(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
+    assert (untuned.selection.tile_for(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
 
 
 def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
     layer = _cpu_layer(tmp_path)
-    assert layer.select_tile(8) is layer.tile
+    assert layer.selection.tile_for(8) is layer.tile
     with pytest.raises(ValueError, match="no decode tile"):
-        layer.select_tile(8, decode_tile=True)
+        layer.selection.tile_for(8, decode_tile=True)
 
 
 @pytest.mark.parametrize("name, world, tokens, programs, decode", [

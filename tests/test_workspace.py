@@ -23,7 +23,7 @@ def test_workspace_bytes_is_what_a_rank_allocates(world, scatter, split_k):
     local += [ws.l1_partial] if split_k > 1 else []
     assert workspace_bytes(cfg, world, tile) == storage.nbytes + sum(t.nbytes for t in local)
     assert ws.l0_partial is None     # layer0's 16-column items are two dots: no stream-K
-    assert ("pair_out" in ws.buffers) == scatter
+    assert ("pair_out" in ws.local.names()) == scatter
     # layer1's K-split scratch is local (no peer writes it): 4 MiB and a counter per slot.
     assert (ws.l1_partial is not None) == (split_k > 1)
     assert ws.count.arrived.numel() == (256 if split_k > 1 else 0)
@@ -41,7 +41,7 @@ def test_layer0_stream_k_scratch_is_local_and_only_where_it_can_run():
     extra = workspace_bytes(cfg, 2, on) - workspace_bytes(cfg, 2, off)
     assert extra == 2 * 256 * (32 * 2 * 128 * 4 + 4)
     ws = allocate_virtual(cfg, 2, "cpu", on)[0]
-    assert ws.count.l0_arrived.numel() == 512 and "l0_partial" not in ws.buffers
+    assert ws.count.l0_arrived.numel() == 512 and "l0_partial" not in ws.local.names()
     assert allocate_virtual(cfg, 2, "cpu", off)[0].l0_partial is None
     for one in (on.with_fields(layer0_stream_k=False),
                 on.with_fields(layer0_tail_split=1)):
@@ -70,5 +70,5 @@ def test_each_layer1_strategy_owns_its_buffers():
         assert strategies_of(tile) == ([ColumnReduce, Scatter] if scatter else [ColumnReduce])
         for strategy in (ColumnReduce, Scatter):
             names = {spec.name for spec in strategy.specs(cfg, 2)}
-            assert names <= set(ws.buffers) if strategy in strategies_of(tile) \
-                else not names & set(ws.buffers)
+            assert names <= ws.local.names() if strategy in strategies_of(tile) \
+                else not names & ws.local.names()

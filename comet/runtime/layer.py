@@ -181,7 +181,7 @@ class FusedMoE:
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
             calls too small to fill the GPU their own GEMM tiles, and a tuned table may
             set its :data:`comet.config.TUNABLE_TILE_FIELDS` per token bucket
-            (:meth:`select_tile`).
+            (:meth:`Selector.tile_for <comet.runtime.selection.Selector.tile_for>`).
         tuned_config_folder: extra folder of ``comet tune`` tables.
         check_errors: ``"lazy"`` raise a failed call's error at a later call (no sync);
             ``"sync"`` synchronise after every call and raise at once (debugging).
@@ -308,7 +308,7 @@ class FusedMoE:
         ws.fanout, ws.tp = mesh.home_fanout(convention), mesh.tp
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder, mesh.table_layout(convention))
-        self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors,
+        self.errors = ErrorReports(ws.local.error, par.rank, cfg.num_experts, check_errors,
                                    slots_per_choice=mesh.tp)
         self.graphs = CallGraphs(self.device, use_graphs)
         self._static = StaticInputs(cfg, self.device)
@@ -352,17 +352,6 @@ class FusedMoE:
         self.errors.mode = mode
 
     # ------------------------------------------------------------------ selection
-    def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
-        """(layer0, layer1) comm blocks for a call with ``num_tokens`` on this rank
-        (:meth:`Selector.comm_blocks <comet.runtime.selection.Selector.comm_blocks>`)."""
-        return self.selection.comm_blocks(num_tokens, comm_blocks)
-
-    def select_tile(self, num_tokens: int, decode_tile: bool | None = None,
-                    tile_overrides: dict[str, int] | None = None) -> TileConfig:
-        """The tile configuration of a call with ``num_tokens`` on this rank
-        (:meth:`Selector.tile_for <comet.runtime.selection.Selector.tile_for>`)."""
-        return self.selection.tile_for(num_tokens, decode_tile, tile_overrides)
-
     @property
     def last_decode(self) -> bool:
         """Whether the last call's layer1 ran on the decode tile."""
@@ -389,7 +378,8 @@ class FusedMoE:
 
         ``comm_blocks`` (an int for both layers, or a pair), ``decode_tile`` and
         ``tile_overrides`` (values of :data:`comet.config.TUNABLE_TILE_FIELDS`) override
-        the per-call selection (:meth:`select_comm_blocks`, :meth:`select_tile`).
+        the per-call selection (``self.selection``: :class:`~comet.runtime.selection.
+        Selector`'s ``comm_blocks`` and ``tile_for``).
         ``mode`` decomposes the call (comet.runtime.forward), ``timer`` times its phases,
         ``trace`` has its fused launches stamp their work (``comet bench``); a timed or
         traced call runs without a graph.
@@ -403,8 +393,8 @@ class FusedMoE:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         m = x.shape[0] if checked else self._check(x, topk_ids, topk_weights)
         self.errors.check_usable()
-        split = self.select_comm_blocks(m, comm_blocks)
-        tile = self.select_tile(m, decode_tile, tile_overrides)
+        split = self.selection.comm_blocks(m, comm_blocks)
+        tile = self.selection.tile_for(m, decode_tile, tile_overrides)
         y = self._launch(x, topk_ids, topk_weights, split, mode, timer, tile, trace)
         self.errors.after_launch()
         return y
@@ -532,7 +522,7 @@ class FusedMoE:
             raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "
                              f"{list(dy.shape)} on {dy.device}")
         self.errors.check_usable()
-        split = self.select_comm_blocks(x.shape[0], comm_blocks)
+        split = self.selection.comm_blocks(x.shape[0], comm_blocks)
         self._refresh_timeout()
         self.last_comm_blocks = split
         call = self._backward_variant(split[0] > 0, weight_grads).start(
@@ -592,6 +582,6 @@ class FusedMoE:
                                     call.segments())
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self.ws.error.zero_()
+        self.ws.local.error.zero_()
         for t in (self.ws.epoch, self.ws.counters):
             t.zero_()

@@ -47,7 +47,7 @@ class BufferSpec:
 
 
 def _progress(ws: "Workspace") -> Progress:
-    return Progress(ws.count.split, ws.count.l1_done, ws.peer("flag1"))
+    return Progress(ws.count.split, ws.count.l1_done, ws.peers.flag1)
 
 
 class ColumnReduce:
@@ -78,7 +78,7 @@ class ColumnReduce:
         recv = EntryTables(*(b.local for b in ws.recv))
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
-            progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx, ws.rank % ws.tp,
+            progress=_progress(ws), reduce=Reduce(recv, ws.peers.comb, mx, ws.rank % ws.tp,
                                                   ws.count.l1_reduce, pairs,
                                                   constexpr(ws.fanout), constexpr(ws.tp)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
@@ -87,7 +87,7 @@ class ColumnReduce:
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """comb ``[W, Mx, H]``: part ``d`` of token ``t`` is row ``d * Mx + t``."""
-        return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.world, ws.fanout)
+        return Parts(ws.local.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.world, ws.fanout)
 
 
 class Scatter:
@@ -114,7 +114,7 @@ class Scatter:
     @staticmethod
     def homes(ws: "Workspace") -> DispatchHomes:
         """What layer0's dispatch sends with each row."""
-        return DispatchHomes(ws.peer("row_home"), ws.peer("row_weight"))
+        return DispatchHomes(ws.peers.row_home, ws.peers.row_weight)
 
     @staticmethod
     def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
@@ -125,7 +125,7 @@ class Scatter:
         ``cooperative`` do not apply: its programs wait for no peer)."""
         assert pairs is None, "the scatter epilogue serves the forward only"
         cfg = ws.cfg
-        homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
+        homes = Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
                       cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
         ksplit = ({"ksplit": KSplit(ws.l1_partial, ws.count.arrived,
                                     constexpr(tile.variant.layer1_split_k))}
@@ -138,7 +138,7 @@ class Scatter:
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """pair_out ``[Mx, k, H]``: part ``j`` of token ``t`` is row ``t * k + j``."""
-        return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.cfg.top_k, ws.fanout)
+        return Parts(ws.local.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.cfg.top_k, ws.fanout)
 
 
 def scatter_pays(tp: int, ep: int, convention: str) -> bool:
