@@ -1,13 +1,16 @@
 """Configuration of an expert-parallel MoE layer, validated once at construction.
 
-Three dataclasses describe everything the rest of comet needs:
+Four dataclasses describe everything the rest of comet needs:
 
 * :class:`MoEConfig` -- the shape of the layer (experts, top-k, sizes, router, shared
   experts, dtype, and ``max_tokens``, the per-rank token capacity that sizes every
   workspace and device table).
 * :class:`ParallelConfig` -- the expert-parallel layout (world size and this rank).
-* :class:`TileConfig` -- tiles and launch shapes of the fused kernels, and the layer1
-  algorithm; the host sizes buffers from it and the kernels take it as constexprs.
+* :class:`TileConfig` -- tiles and launch shapes of the fused kernels; the host sizes
+  buffers from it and the kernels take it as constexprs. Its :class:`Variant` -- the
+  algorithm a call runs (layer1's scatter or reduce, layer0's gather, the small-call
+  variants): the Selector picks one per call, and it keys the call's graph, launch
+  cache and tuned table.
 
 Invalid values raise :class:`ValueError` whose message names the offending field, so a
 user reading a traceback knows which argument to change.
@@ -242,28 +245,22 @@ def tile_field_error(name: str, value) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes and launch shapes of the fused kernels (measurements behind each
-    default: docs/notebook.md).
+VariantName = Literal["layer1_scatter", "layer0_gather", "layer0_own_in_place",
+                      "layer0_live_rows", "layer0_stream_k", "layer0_tail_split",
+                      "layer1_split_k", "small_plan_blocks"]
 
-    GEMM tiles:
-        block_m: rows of an m-tile (both layers share the tile table).
-        block_n0: columns of a layer0 work item, per half (gate and up); divides
-            :data:`comet.weights.GATE_UP_BLOCK`, and one dot computes both halves when
-            equal to it.
-        block_n1: columns of a layer1 work item.
-        block_k: K step (shrunk to divide H and F where needed, :meth:`k_step`).
-        num_warps, num_stages: of the GEMM kernels.
-        group_m: m-tiles of layer0's table that sweep the column blocks together, so an
-            expert's W13 block comes from HBM once per group (tunable per bucket).
-        local_head_tiles: m-tiles of this rank's own rows that open layer0's tile table,
-            work for the GEMM while the first remote rows are in flight (tunable).
-        lane_head_rounds / lane_tail_rounds: rounds of layer0's work queue handed out one
-            item per take at its start and its end, the rest in lanes of
-            ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
-        decode_block_n1: layer1's column block in calls too small to give it a work item
-            per SM with ``block_n1`` (:meth:`decode_tile`; 0: none).
+
+@dataclass(frozen=True)
+class Variant:
+    """The algorithm a call runs: which of the kernels' alternatives are compiled in.
+
+    A layer's :class:`TileConfig` holds the variant it may run; per call the Selector
+    (comet.runtime.selection) turns off the small-call ones a call is too large for, and
+    the variant so chosen keys the call's graph and launch cache. The non-default fields
+    key the tuned tables (:meth:`TileConfig.table_variant`). Measurements behind each
+    default: docs/benchmarks.md, docs/notebook.md (also the variants taken out).
+
+    Fields:
         layer1_split_k: K (= F) splits of layer1's scatter GEMM in calls whose work items
             leave programs idle (1: none). Each split streams ``F / layer1_split_k`` rows
             of an expert's W2, so a 1-token call keeps that many times more weight bytes
@@ -300,45 +297,6 @@ class TileConfig:
             calls (400 items, 4 in the last round) took 0.96-0.98x the time, mixtral's
             (448 items, 52) 0.994-1.002x; the gate keeps it out of qwen2-moe's and
             deepseek-v3-like's (docs/benchmarks.md, "Small calls").
-
-    Communication tiles:
-        splits: target number of layer1 column splits (the reduce role's unit of
-            waiting); every split reads layer1's A rows again, so few.
-        comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
-            each); dispatch_entries: return entries per dispatch chunk.
-        comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
-        dispatch_parts: most parts a dispatch chunk's copy is cut into, in calls with
-            fewer chunks than comm blocks (1: one program copies each chunk). The sender's
-            choice alone, made on the device per call (comet.kernels.layer0.dispatch_role):
-            the chunks, each with its flag, stay what a destination waits for, and the
-            chunk's last part publishes it. A small call's rows to a destination are one
-            chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
-            128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
-            0.96-0.97x the time (docs/benchmarks.md, "Small calls").
-        comm_entries: return entries per step of the layer1 reduce, and the copy tile of
-            return entries in the dispatch.
-        reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x
-            the slots an entry holds (the top-k; in a (tp, ep) layout one shard's, ``k``
-            of ``k * tp``; rounded up to a power of two) x as many columns as fit, at
-            most ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on
-            one (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather,
-            whose loads a thread issues together: a load per slot kept about one slot's
-            rows in flight and a block read ~11 GB/s. With the gather the reduce
-            alone took 0.70-0.89x the time on one GPU (Qwen2-MoE, Mixtral; 1.03x
-            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.89x at (2,1)
-            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``, ``-r46-*``); whole
-            calls did not move (docs/notebook.md).
-        comm_block_c / local_comm_block_c: most columns of a reduce step where its sums
-            cross to a peer / stay in HBM. Where the reduce stores its sums to a peer,
-            64 x 256 steps took 1.6-2x the time of 32 x 128 (its stores crossed the link
-            at ~110-250 GB/s: DeepSeek-V3-like at (2,1) replicated, 16384 tokens;
-            ``2026-11-27/h100x4-r38-reduce-tile-*``); alone, wider steps stream HBM.
-        reduce_item: return entries per item of layer1's reduce queue (rounded up to a
-            multiple of the reduce tile's entries): one queue atomic per item.
-        combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
-            HBM stream.
-
-    Algorithm:
         layer1_scatter: fused calls send each layer1 output row, weighted, straight from
             the GEMM epilogue into its token's home, and the combine sums a token's top-k
             rows -- instead of the paper's column-split reduce, whose comm blocks sum a
@@ -387,15 +345,95 @@ class TileConfig:
             kernel's programs place the send list, a block each (the host's gate, which
             also bounds the steps: comet.runtime.selection.Selector.small_plan_by_rule;
             0: never).
-        combine_in_layer1: calls of at most this many tokens per rank run their combine
-            on the programs of layer1's scatter kernel, after layer1's own work (every
-            program waits for every rank's ``flag1``, then sums its items), instead of as
-            a launch of its own (the host's gate,
-            comet.runtime.selection.Selector.combine_in_layer1_by_rule; fused calls of
-            the scatter epilogue only; 0: never). Off by default: on one H200 at EP=1
-            every call folded took 0.983-1.003x the time at 1 token (qwen2-moe -1.2
-            us) and 0.995-1.002x at 32-512 tokens (docs/benchmarks.md, levers of issue
-            41); not yet timed across GPUs, where its combine waits for peers.
+    """
+
+    layer1_scatter: bool = True
+    layer0_gather: bool = False
+    layer0_own_in_place: bool = True
+    layer0_live_rows: bool = True
+    layer0_stream_k: bool = True
+    layer0_tail_split: int = 4
+    layer1_split_k: int = 4
+    small_plan_blocks: int = 16
+
+    def __post_init__(self):
+        if self.layer1_split_k < 1:
+            raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
+        if self.layer0_tail_split < 0:
+            raise ValueError(f"layer0_tail_split must be >= 0, got {self.layer0_tail_split}")
+        if self.small_plan_blocks < 0:
+            raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
+
+    def without(self, names: tuple[VariantName, ...]) -> "Variant":
+        """This variant with the fields ``names`` off (False, or 0)."""
+        return dataclasses.replace(self, **{n: type(getattr(self, n))(0) for n in names})
+
+
+#: The names of :class:`Variant`'s fields (set in a tile by :meth:`TileConfig.with_fields`).
+VARIANT_FIELDS = tuple(f.name for f in dataclasses.fields(Variant))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch shapes of the fused kernels (measurements behind each
+    default: docs/notebook.md).
+
+    GEMM tiles:
+        block_m: rows of an m-tile (both layers share the tile table).
+        block_n0: columns of a layer0 work item, per half (gate and up); divides
+            :data:`comet.weights.GATE_UP_BLOCK`, and one dot computes both halves when
+            equal to it.
+        block_n1: columns of a layer1 work item.
+        block_k: K step (shrunk to divide H and F where needed, :meth:`k_step`).
+        num_warps, num_stages: of the GEMM kernels.
+        group_m: m-tiles of layer0's table that sweep the column blocks together, so an
+            expert's W13 block comes from HBM once per group (tunable per bucket).
+        local_head_tiles: m-tiles of this rank's own rows that open layer0's tile table,
+            work for the GEMM while the first remote rows are in flight (tunable).
+        lane_head_rounds / lane_tail_rounds: rounds of layer0's work queue handed out one
+            item per take at its start and its end, the rest in lanes of
+            ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
+        decode_block_n1: layer1's column block in calls too small to give it a work item
+            per SM with ``block_n1`` (:meth:`decode_tile`; 0: none).
+
+    Communication tiles:
+        splits: target number of layer1 column splits (the reduce role's unit of
+            waiting); every split reads layer1's A rows again, so few.
+        comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
+            each); dispatch_entries: return entries per dispatch chunk.
+        comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
+        dispatch_parts: most parts a dispatch chunk's copy is cut into, in calls with
+            fewer chunks than comm blocks (1: one program copies each chunk). The sender's
+            choice alone, made on the device per call (comet.kernels.layer0.dispatch_role):
+            the chunks, each with its flag, stay what a destination waits for, and the
+            chunk's last part publishes it. A small call's rows to a destination are one
+            chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
+            128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
+            0.96-0.97x the time (docs/benchmarks.md, "Small calls").
+        comm_entries: return entries per step of the layer1 reduce, and the copy tile of
+            return entries in the dispatch.
+        reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x
+            the slots an entry holds (the top-k; in a (tp, ep) layout one shard's, ``k``
+            of ``k * tp``; rounded up to a power of two) x as many columns as fit, at
+            most ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on
+            one (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather,
+            whose loads a thread issues together: a load per slot kept about one slot's
+            rows in flight and a block read ~11 GB/s. With the gather the reduce
+            alone took 0.70-0.89x the time on one GPU (Qwen2-MoE, Mixtral; 1.03x
+            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.89x at (2,1)
+            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``, ``-r46-*``); whole
+            calls did not move (docs/notebook.md).
+        comm_block_c / local_comm_block_c: most columns of a reduce step where its sums
+            cross to a peer / stay in HBM. Where the reduce stores its sums to a peer,
+            64 x 256 steps took 1.6-2x the time of 32 x 128 (its stores crossed the link
+            at ~110-250 GB/s: DeepSeek-V3-like at (2,1) replicated, 16384 tokens;
+            ``2026-11-27/h100x4-r38-reduce-tile-*``); alone, wider steps stream HBM.
+        reduce_item: return entries per item of layer1's reduce queue (rounded up to a
+            multiple of the reduce tile's entries): one queue atomic per item.
+        combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
+            HBM stream.
+
+    Algorithm: :attr:`variant` (:class:`Variant`), the choices a call may run.
     """
 
     block_m: int = 128
@@ -423,31 +461,15 @@ class TileConfig:
     combine_block_h: int = 4096
     combine_warps: int = 8
     decode_block_n1: int = 128
-    layer1_split_k: int = 4
-    layer0_stream_k: bool = True
-    layer0_tail_split: int = 4
-    layer1_scatter: bool = True
-    layer0_gather: bool = False
-    layer0_own_in_place: bool = True
-    layer0_live_rows: bool = True
-    small_plan_blocks: int = 16
-    combine_in_layer1: int = 0
+    variant: Variant = Variant()
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
         if GATE_UP_BLOCK % self.block_n0:
             raise ValueError(f"block_n0 must divide the W13 interleave block "
                              f"({GATE_UP_BLOCK}), got {self.block_n0}")
-        if self.layer1_split_k < 1:
-            raise ValueError(f"layer1_split_k must be >= 1, got {self.layer1_split_k}")
-        if self.layer0_tail_split < 0:
-            raise ValueError(f"layer0_tail_split must be >= 0, got {self.layer0_tail_split}")
         if self.dispatch_parts < 1:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
-        if self.small_plan_blocks < 0:
-            raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
-        if self.combine_in_layer1 < 0:
-            raise ValueError(f"combine_in_layer1 must be >= 0, got {self.combine_in_layer1}")
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's
@@ -458,14 +480,28 @@ class TileConfig:
                 raise ValueError(why)
         return dataclasses.replace(self, **overrides) if overrides else self
 
-    def variant(self) -> dict[str, int | bool]:
-        """The fields in which this configuration differs from the default one, except
-        the per-bucket :data:`TUNABLE_TILE_FIELDS`: what a tuned table records and a
-        lookup matches, so splits tuned on one variant never serve another."""
-        default = TileConfig()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in TUNABLE_TILE_FIELDS
-                and getattr(self, f.name) != getattr(default, f.name)}
+    def with_fields(self, **changes) -> "TileConfig":
+        """A copy with fields changed by their flat names -- this class's and
+        :class:`Variant`'s, as ``comet bench --tile``, the tuned tables and probe files
+        name them (validated again)."""
+        variant = {n: changes.pop(n) for n in list(changes) if n in VARIANT_FIELDS}
+        if variant:
+            changes["variant"] = dataclasses.replace(self.variant, **variant)
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def table_variant(self) -> dict[str, int | bool]:
+        """The flat fields (tiles and :class:`Variant`) in which this configuration
+        differs from the default one, except the per-bucket :data:`TUNABLE_TILE_FIELDS`:
+        what a tuned table records and a lookup matches, so splits tuned on one variant
+        never serve another."""
+        return {name: value for name, value in self.flat().items()
+                if name not in TUNABLE_TILE_FIELDS and value != _DEFAULT_FLAT[name]}
+
+    def flat(self) -> dict[str, int | bool]:
+        """Every field by its flat name (tiles, then :class:`Variant`'s)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "variant"}
+        return out | {n: getattr(self.variant, n) for n in VARIANT_FIELDS}
 
     def decode_tile(self) -> "TileConfig | None":
         """The tile configuration of small calls: this one with layer1's column block
@@ -528,3 +564,7 @@ class TileConfig:
     def n_splits(self, hidden: int) -> int:
         n_blocks = -(-hidden // self.block_n1)
         return -(-n_blocks // self.blocks_per_split(hidden))
+
+
+#: :meth:`TileConfig.flat` of the default configuration.
+_DEFAULT_FLAT = TileConfig().flat()

@@ -291,8 +291,8 @@ class CometMoE(nn.Module):
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
             layout's, :func:`comet.runtime.layer.default_tile`: layer1's scatter
             epilogue, except the column-split reduce in a ``(tp, 1)`` replicated
-            layout). E.g. ``TileConfig(layer1_scatter=False)`` runs the reduce
-            elsewhere too; tuned tables of the default tile then do not apply
+            layout). E.g. ``TileConfig(variant=Variant(layer1_scatter=False))`` runs the
+            reduce elsewhere too; tuned tables of the default tile then do not apply
             (docs/tuning.md).
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
@@ -461,8 +461,10 @@ class CometMoE(nn.Module):
 
     # ------------------------------------------------------------------ validation
     def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
-        """Raise on inputs :meth:`forward` cannot take (before any kernel runs; user-given
-        expert ids are also range-checked on the host)."""
+        """Raise on inputs :meth:`forward` cannot take (before any kernel runs; reads no
+        tensor's values on a GPU: there the kernels check the expert ids, and a bad one
+        raises :class:`~comet.runtime.errors.CometInputError`; CPU ids are
+        range-checked here)."""
         check_inputs(self.cfg, x, topk_ids, topk_weights, dtype=self.experts.w13.dtype,
                      device=self.experts.w13.device, rank=self.par.rank, batched=True,
                      host_ids=True)
@@ -486,7 +488,7 @@ class CometMoE(nn.Module):
         logits = None
         if topk_ids is None:
             logits, topk_weights, topk_ids = self.gate(x)
-        y = self.experts_forward(x, topk_ids, topk_weights)
+        y = self.experts_forward(x, topk_ids, topk_weights, checked=True)
         if self.shared_expert is not None:
             y = y + self.shared_forward(x)
         y = y.to(hidden_states.dtype).view(shape)
@@ -500,10 +502,11 @@ class CometMoE(nn.Module):
         return s
 
     def experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor) -> torch.Tensor:
+                        topk_weights: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` (contiguous) for routing the caller vouches for:
         no host check of the ids (ids outside ``[0, E)`` count as "no expert").
-        Returns ``[M, H]``.
+        ``checked``: the inputs passed :meth:`check_inputs` in this call (:meth:`forward`),
+        so the fused layer does not check them again. Returns ``[M, H]``.
 
         Inference calls run :meth:`eager_experts_forward` directly, or under
         ``torch.compile`` as one opaque op (:mod:`comet.custom_op`). A call that needs
@@ -529,7 +532,7 @@ class CometMoE(nn.Module):
             return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
                                             self.experts.w2, self._op_key, self.experts.b13,
                                             self.experts.b2)
-        return self.eager_experts_forward(x, topk_ids, topk_weights)
+        return self.eager_experts_forward(x, topk_ids, topk_weights, checked)
 
     def _check_replicated(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> None:
@@ -565,7 +568,8 @@ class CometMoE(nn.Module):
             t is not None and t.requires_grad for t in (x, topk_weights, *params))
 
     def eager_experts_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                              topk_weights: torch.Tensor) -> torch.Tensor:
+                              topk_weights: torch.Tensor, checked: bool = False
+                              ) -> torch.Tensor:
         """:meth:`experts_forward` itself, without autograd: the fused layer on CUDA, the
         unfused baseline (:func:`comet.baseline.mesh_moe_forward` for a TP layout) or the
         reference on the CPU."""
@@ -575,7 +579,8 @@ class CometMoE(nn.Module):
                 self.refresh_replicas()        # an optimizer step changed the experts
             topk_ids, experts = self.replicas.route(topk_ids), self.replicas
         if x.is_cuda:
-            return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks)
+            return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks,
+                                      checked=checked)
         biases = experts.biases()
         if self.mesh.tp > 1:
             groups = _mesh_groups(self.mesh)

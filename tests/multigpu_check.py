@@ -73,7 +73,7 @@ def rel_err(y, ref):
 
 #: layer1 variants every correctness check runs: the scatter epilogue (the default) and
 #: the column-split reduce (comet.runtime.strategies).
-LAYER1 = {"scatter": TileConfig(), "reduce": TileConfig(layer1_scatter=False)}
+LAYER1 = {"scatter": TileConfig(), "reduce": TileConfig().with_fields(layer1_scatter=False)}
 
 
 def check_correctness(results, quick, configs):

@@ -118,33 +118,33 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         launch_stage_routing(staged)
         for phase in call(routing_stage=staged).stages()[0][1]:
             phase()
-        for phase in call(t=dataclasses.replace(tile, small_plan_blocks=0)).stages()[0][1]:
+        for phase in call(t=tile.with_fields(small_plan_blocks=0)).stages()[0][1]:
             phase()
         # layer0 in every role; layer1's reduce kernel in every role, and its combine.
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             call().launch_layer0(role, 132)
             call("sequential").launch_layer1(role, 132)
-        call("sequential").launch_combine(132)
-        # A gathered dispatch (TileConfig.layer0_gather): layer0 in every role, its GEMM
+        call("sequential").combine(132)
+        # A gathered dispatch (Variant.layer0_gather): layer0 in every role, its GEMM
         # reading A through the index (cp.async loads, not TMA boxes) -- all of each
         # tile's index entries; then a small call's kernels, which load only a tile's own
         # rows (layer0_live_rows) in every role and as stream-K or not, and a large
         # call's fused kernel (neither small-call variant), with this rank's own rows read
         # in place (layer0_own_in_place, the default) and copied.
-        ga = dataclasses.replace(tile, layer0_gather=True, layer0_live_rows=False)
+        ga = tile.with_fields(layer0_gather=True, layer0_live_rows=False)
         gws = allocate_virtual(cfg, world, "cpu", ga)[0]
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             ForwardCall(gws, w13, w2, ga, inputs, grids).launch_layer0(role, 132)
-        live = dataclasses.replace(ga, layer0_live_rows=True)
+        live = ga.with_fields(layer0_live_rows=True)
         for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
             ForwardCall(gws, w13, w2, live, inputs, grids).launch_layer0(role, 132)
-        for t in (dataclasses.replace(live, layer0_stream_k=False),
-                  dataclasses.replace(ga, layer0_stream_k=False),
-                  dataclasses.replace(ga, layer0_own_in_place=False)):
+        for t in (live.with_fields(layer0_stream_k=False),
+                  ga.with_fields(layer0_stream_k=False),
+                  ga.with_fields(layer0_own_in_place=False)):
             ForwardCall(gws, w13, w2, t, inputs, grids).launch_layer0(ROLE_FUSED, 132)
-        # layer0 as stream-K (TileConfig.layer0_stream_k, on by default): the fused
+        # layer0 as stream-K (Variant.layer0_stream_k, on by default): the fused
         # launch, and with expert biases and a half-tail F (the epilogue on a partial box).
-        sk = dataclasses.replace(tile, layer0_stream_k=True)
+        sk = tile.with_fields(layer0_stream_k=True)
         ForwardCall(allocate_virtual(cfg, world, "cpu", sk)[0], w13, w2, sk, inputs,
                     grids).launch_layer0(ROLE_FUSED, 132)
         sk_half = cfg.replace(intermediate_size=320, expert_bias=True)
@@ -152,32 +152,26 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     torch.zeros(el, 256, 640, dtype=dtype), torch.zeros(el, 320, 256, dtype=dtype),
                     sk, inputs, grids, b13=torch.zeros(el, 640, dtype=dtype),
                     b2=torch.zeros(el, 256, dtype=dtype)).launch_layer0(ROLE_FUSED, 132)
-        # layer0's last partial round in K splits (TileConfig.layer0_tail_split, on by
+        # layer0's last partial round in K splits (Variant.layer0_tail_split, on by
         # default, so in every launch above): the fused launch of a call too large for
         # stream-K, and of one too large for both.
-        for t in (dataclasses.replace(tile, layer0_stream_k=False),
-                  dataclasses.replace(tile, layer0_stream_k=False, layer0_tail_split=1)):
+        for t in (tile.with_fields(layer0_stream_k=False),
+                  tile.with_fields(layer0_stream_k=False, layer0_tail_split=1)):
             ForwardCall(allocate_virtual(cfg, world, "cpu", t)[0], w13, w2, t, inputs,
                         grids).launch_layer0(ROLE_FUSED, 132)
         # The decode tile (small calls): its GEMM roles must pipeline too.
         decode = tile.decode_tile()
         call(t=decode).launch_layer0(ROLE_FUSED, 132)
         call("sequential", decode).launch_layer1(ROLE_FUSED, 132)
-        # layer1 in K splits for small calls (TileConfig.layer1_split_k, on by default):
+        # layer1 in K splits for small calls (Variant.layer1_split_k, on by default):
         # the decode tile with and without expert biases, and with K splits off.
         ForwardCall(ws, w13, w2, decode, inputs, grids).launch_layer1(ROLE_FUSED, 132)
         ForwardCall(allocate_virtual(cfg.replace(expert_bias=True), world, "cpu", tile)[0],
                     w13, w2, decode, inputs, grids, b13=torch.zeros(el, 512, dtype=dtype),
                     b2=torch.zeros(el, 256, dtype=dtype)).launch_layer1(ROLE_FUSED, 132)
-        off = dataclasses.replace(tile, layer1_split_k=1)
+        off = tile.with_fields(layer1_split_k=1)
         ForwardCall(allocate_virtual(cfg, world, "cpu", off)[0], w13, w2, off.decode_tile(),
                     inputs, grids).launch_layer1(ROLE_FUSED, 132)
-        # A small call's combine on layer1's programs (TileConfig.combine_in_layer1):
-        # the whole fused call (the scatter kernel then runs the combine, and no combine
-        # kernel launches), and on the decode tile with its K splits.
-        folded = dataclasses.replace(tile, combine_in_layer1=128)
-        call(t=folded).run()
-        ForwardCall(ws, w13, w2, folded.decode_tile(), inputs, grids).run()
         # Traced launches (comet bench --timeline).
         trace = torch.zeros(132, 512, 4, dtype=torch.int64)
         call(trace={"layer0": trace, "layer1": trace}).run()
@@ -222,7 +216,7 @@ def fused_launches(dtype=torch.bfloat16, world=4):
                     shard_routing=shards).run()
         sequential = ForwardCall(mesh_ws, w13_t, w2_t, tile, mesh_inputs, grids, "sequential")
         sequential.launch_layer1(ROLE_FUSED, 132)
-        sequential.launch_combine(132)
+        sequential.combine(132)
         # The backward's activation kernel (training), both W13 layouts, and a variant.
         for interleaved in (True, False):
             act_backward(torch.zeros(64, 2 * 320, dtype=dtype), torch.zeros(64, 320, dtype=dtype),

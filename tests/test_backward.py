@@ -271,7 +271,7 @@ def test_fused_backward_between_gathered_forwards_matches_the_spec():
     want_dx, want_dw, want_13, want_2 = _spec_grads(per_rank, w13, w2)
     el = w13.shape[0] // world
     cfg = _fused_config(w13.shape[0], w2.shape[1], case["tokens"])
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, layer0_gather=True)
     shards13 = [w13[r * el:(r + 1) * el] for r in range(world)]
     shards2 = [w2[r * el:(r + 1) * el] for r in range(world)]
     ep = VirtualEP(cfg, shards13, shards2, tile)

@@ -40,7 +40,8 @@ class FakeFusedMoE:
         self.last_comm_blocks = None
         self.last_decode, self.last_tile_overrides = False, {}
         self.splits_asked = set()
-        self.tile = TileConfig(layer0_gather=True)   # recorded as the record's dispatch
+        # recorded as the record's dispatch
+        self.tile = TileConfig().with_fields(layer0_gather=True)
 
     def __call__(self, x, topk_ids, topk_weights, comm_blocks=None, mode="fused", timer=None):
         assert mode in ("fused", "sequential", "compute_only", "comm_only")
@@ -308,7 +309,11 @@ def test_the_recorded_call_starts_after_the_alignment():
         programs, device = 2, torch.device("cpu")
         par = type("Par", (), {"world_size": 2})()
 
-        def select_comm_blocks(self, m, requested):
+        @property
+        def selection(self):
+            return self
+
+        def comm_blocks(self, m, requested):
             return (0, 0)
 
         def check_errors_now(self):
@@ -428,6 +433,19 @@ def test_summary_checks_each_target_record_by_record():
     assert line.endswith("host-bound (b host us >= 0.9 b) at "
                          + ", ".join(f"{r['config']} 128" for r in hosted
                                      if r["layer"] == "moe" and r["tokens_per_rank"] == 128))
+
+
+def test_the_summary_checks_host_time_per_call_at_ep1():
+    """A rank alone (EP=1): the host's time to enqueue one fused call (``fused_host_us``)
+    is checked against 30 us, record by record; across ranks it is not."""
+    records = [dict(r, fused_host_us=20.0 if r["tokens_per_rank"] == 128 else 45.0)
+               for r in _synthetic_records()]
+    assert "b host us at EP=1" not in report.summary(records)[0]
+    alone = [dict(r, world_size=1, layout="ep1") for r in records]
+    moe = [r for r in alone if r["layer"] == "moe" and r.get("fused_us") is not None]
+    met = sum(r["tokens_per_rank"] == 128 for r in moe)
+    assert (f"b host us at EP=1 <= 30 in {met}/{len(moe)} (worst 45.00)"
+            in report.summary(alone)[0])
 
 
 def test_a_wrong_fused_output_is_named_first_and_fails_the_sweep():
@@ -796,10 +814,11 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     mesh = MeshLayout(tp=4, ep=1)
     cfg = preset("mixtral")
     kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "replicated")["tile"]
-    assert (kept.group_m, kept.layer1_scatter) == (4, False)
+    assert (kept.group_m, kept.variant.layer1_scatter) == (4, False)
     back = bench._tile_of({"tile": {"layer1_scatter": 1}}, cfg, mesh, "replicated")["tile"]
-    assert back.layer1_scatter
-    assert bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"].layer1_scatter
+    assert back.variant.layer1_scatter
+    kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"]
+    assert kept.variant.layer1_scatter
     assert bench._tile_of({}, cfg, mesh, "replicated") == {}
 
 
@@ -821,7 +840,7 @@ def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch)
         mesh = MeshLayout(ep=ep)
         tile = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh)["tile"]
         assert tile == dataclasses.replace(default_tile(mesh, cfg=cfg), group_m=4)
-        assert tile.layer0_gather is gathers, ep
+        assert tile.variant.layer0_gather is gathers, ep
 
 
 def test_whole_calls_may_be_issued_ahead_of_the_gpu(tmp_path, monkeypatch, fake_fused):

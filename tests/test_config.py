@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout, preset
+from comet.config import (VARIANT_FIELDS, MoEConfig, ParallelConfig, TileConfig, Variant,
+                          check_layout, preset)
 
 
 def test_presets_are_valid_and_named():
@@ -62,8 +63,26 @@ def test_tile_fields_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="block_n0 must divide"):
         TileConfig(block_n0=96)
     with pytest.raises(ValueError, match="layer1_split_k must be >= 1"):
-        TileConfig(layer1_split_k=0)
-    assert TileConfig(layer1_split_k=2).variant() == {"layer1_split_k": 2}
+        TileConfig().with_fields(layer1_split_k=0)
+    assert TileConfig().with_fields(layer1_split_k=2).table_variant() == {"layer1_split_k": 2}
+
+
+def test_the_variant_is_its_own_object_set_by_flat_names():
+    """The algorithm choices live in a frozen :class:`Variant` of the tile; flat field
+    names (``comet bench --tile``, tuned tables) reach both; ``without`` turns fields
+    off the way the Selector does for calls too large for them."""
+    tile = TileConfig().with_fields(layer1_scatter=False, group_m=4)
+    assert tile.variant == Variant(layer1_scatter=False) and tile.group_m == 4
+    assert tile.flat()["layer1_scatter"] is False and tile.flat()["group_m"] == 4
+    assert set(TileConfig().flat()) == ({f for f in TileConfig.__dataclass_fields__}
+                                        - {"variant"}) | set(VARIANT_FIELDS)
+    off = Variant().without(("layer0_stream_k", "small_plan_blocks"))
+    assert (off.layer0_stream_k, off.small_plan_blocks) == (False, 0)
+    assert off.layer1_split_k == Variant().layer1_split_k
+    with pytest.raises(ValueError, match="small_plan_blocks"):
+        Variant(small_plan_blocks=-1)
+    with pytest.raises(TypeError):
+        TileConfig().with_fields(not_a_field=1)
 
 
 def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():

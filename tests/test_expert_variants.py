@@ -93,7 +93,7 @@ def test_fused_forward_of_a_variant_matches_the_spec(name, bias, scatter):
     """Virtual ranks (W=2) through both layer1 algorithms, fp32; the clamp is reached."""
     from comet.runtime.virtual import VirtualEP
     cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, VARIANTS[name], bias, torch.float32)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=scatter)
+    tile = TileConfig.small().with_fields(layer1_scatter=scatter)
     ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
     ys = ep.forward(xs, ids, wts)
     want = reference.ep_forward(xs, ids, wts, w13, w2, activation=VARIANTS[name],

@@ -26,7 +26,7 @@ MAX_DELAY_CYCLES = 1_000_000
 
 
 def _group(name, world, max_tokens, **kwargs):
-    from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     cfg = (PRESETS.get(name) or VARIANT_MODELS[name]).replace(max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(world)
     el = cfg.num_experts // world
@@ -40,7 +40,7 @@ def _group(name, world, max_tokens, **kwargs):
                                 for _ in range(world)]
         kwargs["b2_shards"] = [(torch.randn(el, h, generator=g, device="cuda") * 0.1).to(
             cfg.dtype) for _ in range(world)]
-    layers = FusedMoE.virtual_group(cfg, w13, w2, **kwargs)
+    layers = virtual_group(cfg, w13, w2, **kwargs)
     return cfg, layers, w13, w2
 
 
@@ -101,7 +101,7 @@ def test_drift_expert_variants_full_size(name, variant):
     from comet.runtime.virtual import concurrent_forward
     world, max_tokens = 2, 4096
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (2, max(1, p // 10)), (min(16, p - 1),) * 2]
     kinds = ["random", "skewed", "one_expert"]
@@ -164,17 +164,14 @@ def test_backward_of_a_variant_full_size(name):
 
 
 #: Tile variants of the drift test: the default (layer1's scatter epilogue), layer1's
-#: reduce role; the scatter with every call's combine on layer1's programs.
-VARIANTS = {"scatter": {}, "reduce": {"layer1_scatter": False},
-            "scatter-combine-in-layer1": {"combine_in_layer1": 1 << 14}}
+#: reduce role.
+VARIANTS = {"scatter": {}, "reduce": {"layer1_scatter": False}}
 
 
 @pytest.mark.parametrize("name, world, variant", [
     ("mixtral", 4, "scatter"), ("mixtral", 2, "scatter"), ("qwen2-moe", 4, "scatter"),
     ("phi3.5-moe", 4, "scatter"), ("deepseek-v3-like", 4, "scatter"),
-    ("mixtral", 2, "reduce"), ("qwen2-moe", 4, "reduce"), ("deepseek-v3-like", 4, "reduce"),
-    ("mixtral", 2, "scatter-combine-in-layer1"), ("qwen2-moe", 4, "scatter-combine-in-layer1"),
-    ("deepseek-v3-like", 4, "scatter-combine-in-layer1")])
+    ("mixtral", 2, "reduce"), ("qwen2-moe", 4, "reduce"), ("deepseek-v3-like", 4, "reduce")])
 def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     """220 back-to-back calls, full hidden sizes, ranks drifting apart; every output checked.
     ``scatter`` (the default): layer1's epilogue writes into peers' pair_out while a fast
@@ -185,7 +182,7 @@ def test_drift_concurrent_virtual_ranks_full_size(name, world, variant):
     from comet.runtime.virtual import concurrent_forward
     max_tokens = 384
     cfg, layers, w13, w2 = _group(name, world, max_tokens,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     kinds = ["random", "skewed", "one_expert"]
@@ -232,8 +229,7 @@ def test_split_k_small_calls_full_size(name, split_k):
     h, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
     w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
-    layer = FusedMoE(cfg, w13, w2, tile=dataclasses.replace(TileConfig(),
-                                                          layer1_split_k=split_k))
+    layer = FusedMoE(cfg, w13, w2, tile=TileConfig().with_fields(layer1_split_k=split_k))
     rng = random.Random(split_k)
     kinds = ["random", "skewed", "one_expert"]
     calls = [_inputs(cfg, 1, kinds[i % 3], [rng.randint(0, 4)], seed=i) for i in range(200)]
@@ -256,9 +252,7 @@ def test_split_k_small_calls_full_size(name, split_k):
 @pytest.mark.parametrize("name, tp, ep, convention, variant", [
     ("mixtral", 4, 1, "sequence", "scatter"), ("mixtral", 4, 1, "replicated", "scatter"),
     ("phi3.5-moe", 2, 2, "sequence", "scatter"), ("qwen2-moe", 2, 2, "replicated", "scatter"),
-    ("qwen2-moe", 2, 2, "sequence", "reduce"), ("mixtral", 2, 2, "replicated", "reduce"),
-    ("qwen2-moe", 2, 2, "replicated", "scatter-combine-in-layer1"),
-    ("mixtral", 2, 1, "sequence", "scatter-combine-in-layer1")],
+    ("qwen2-moe", 2, 2, "sequence", "reduce"), ("mixtral", 2, 2, "replicated", "reduce")],
     ids=lambda v: str(v))
 def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
         name, tp, ep, convention, variant):
@@ -271,8 +265,7 @@ def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
     import dataclasses
     from comet.config import TileConfig
     from comet.mesh import MeshLayout
-    from comet.runtime.layer import FusedMoE
-    from comet.runtime.virtual import concurrent_forward
+    from comet.runtime.virtual import concurrent_forward, virtual_group
     mesh, max_tokens, world = MeshLayout(tp=tp, ep=ep), 4096, tp * ep
     cfg = PRESETS[name].replace(max_tokens=max_tokens)
     g = torch.Generator(device="cuda").manual_seed(world)
@@ -280,9 +273,9 @@ def test_tensor_parallel_and_hybrid_drift_concurrent_virtual_ranks_full_size(
     w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") * h ** -0.5).to(cfg.dtype)
     w2 = (torch.randn(e, f, h, generator=g, device="cuda") * f ** -0.5).to(cfg.dtype)
     shards = [mesh.shard(r, w13, w2) for r in range(world)]
-    layers = FusedMoE.virtual_group(
+    layers = virtual_group(
         cfg, [s["w13"] for s in shards], [s["w2"] for s in shards], mesh=mesh,
-        convention=convention, tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+        convention=convention, tile=TileConfig().with_fields(**VARIANTS[variant]))
     del shards
     p = layers[0].programs
     splits = [None, (1, 1), (2, max(1, p // 10)), (min(16, p - 1),) * 2]
@@ -361,17 +354,16 @@ def short_timeout(monkeypatch):
     return 1.0
 
 
-@pytest.mark.parametrize("variant", ["scatter", "scatter-combine-in-layer1"])
+@pytest.mark.parametrize("variant", ["scatter"])
 def test_injected_stall_mid_call_is_an_error_on_every_rank(short_timeout, monkeypatch,
                                                             variant):
-    """Rank 1 sleeps for 3x the timeout between its layer0 and layer1 kernels (with the
-    combine on layer1's programs, rank 0's layer1 is what waits for it)."""
+    """Rank 1 sleeps for 3x the timeout between its layer0 and layer1 kernels."""
     import dataclasses
     from comet.config import TileConfig
     from comet.runtime.forward import ForwardCall
     world = 2
     cfg, layers, w13, w2 = _group("mixtral", world, 128, use_graphs=False,
-                                  tile=dataclasses.replace(TileConfig(), **VARIANTS[variant]))
+                                  tile=TileConfig().with_fields(**VARIANTS[variant]))
     streams = _streams(world)
     real = ForwardCall.launch_layer1
 

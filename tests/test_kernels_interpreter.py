@@ -81,7 +81,7 @@ def test_routings_fp32_world4(kind):
 
 #: layer1 as GEMM, then the reduce role (the default tile scatters from the epilogue;
 #: the reduce serves the sequential mode and the backward, and was the fused default).
-REDUCE = dataclasses.replace(TileConfig.small(), layer1_scatter=False)
+REDUCE = TileConfig.small().with_fields(layer1_scatter=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -89,7 +89,7 @@ REDUCE = dataclasses.replace(TileConfig.small(), layer1_scatter=False)
 def test_configs_fp16_layer1_reduce(world, name):
     ys, expect, ep = _run(world, name, "random", torch.float16, seed=world + 7, tile=REDUCE)
     _close(ys, expect, torch.float16)
-    assert not any("pair_out" in ws.buffers for ws in ep.ws)
+    assert not any("pair_out" in ws.local.names() for ws in ep.ws)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -103,9 +103,9 @@ def test_scatter_sums_only_real_pairs(kind):
     w13 = [torch.randn(2, h, 2 * f, generator=g) * 0.2 for _ in range(4)]
     w2 = [torch.randn(2, f, h, generator=g) * 0.2 for _ in range(4)]
     ep = VirtualEP(cfg, w13, w2)
-    assert ep.tile.layer1_scatter
+    assert ep.tile.variant.layer1_scatter
     for ws in ep.ws:                    # stale rows a masked slot must not pick up
-        ws.pair_out.fill_(1e3)
+        ws.local.pair_out.fill_(1e3)
     for call in range(2):
         ids = make_ids(kind, make_tokens(kind, 4, 12, g), e, k, g)
         ids[0][::2, 0] = -1
@@ -129,7 +129,7 @@ def test_small_calls_split_layer1_over_k(split_k):
     w2 = [torch.randn(4, f, h, generator=g) * 0.2 for _ in range(2)]
     b13 = [torch.randn(4, 2 * f, generator=g) * 0.1 for _ in range(2)]
     b2 = [torch.randn(4, h, generator=g) * 0.1 for _ in range(2)]
-    tile = dataclasses.replace(TileConfig.small(), layer1_split_k=split_k)
+    tile = TileConfig.small().with_fields(layer1_split_k=split_k)
     ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
     ids = make_ids("random", [5, 3], e, k, g)
     xs = [torch.randn(i.shape[0], h, generator=g) for i in ids]
@@ -190,7 +190,7 @@ def test_small_calls_run_layer0_as_stream_k(bias):
     bias and activation. On 3 and 5 programs the four items of a rank are cut (two parts
     each for some); on 4 (no program idle) and 2 (two rounds) the queue runs whole items.
     Every output matches the reference; the counters say which items were cut."""
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
     ep, (xs, ids, wts), expect = _four_items_per_rank(tile, bias, seed=5 + bias)
     h, f = ep.cfg.hidden_size, ep.cfg.intermediate_size
     cut = set()
@@ -214,8 +214,8 @@ def test_the_last_partial_round_of_layer0_runs_in_k_splits(bias):
     programs: one round, then one item in 3 splits (of 4 K steps: 2, 2 and none); on 2
     programs (no partial round) and 5 (no whole round) nothing is cut. Every output
     matches the reference; the counters say which item was cut into how many splits."""
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK,
-                               layer0_stream_k=False, layer0_tail_split=4)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK,
+                                          layer0_stream_k=False, layer0_tail_split=4)
     ep, (xs, ids, wts), expect = _four_items_per_rank(tile, bias, seed=7 + bias)
     for programs, splits in ((3, [3, 0, 0, 0]), (2, [0] * 4), (5, [0] * 4)):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
@@ -245,10 +245,10 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
     g = torch.Generator().manual_seed(11 + scatter)
     w13 = [torch.randn(4, h, 2 * f, generator=g) * h ** -0.5 for _ in range(2)]
     w2 = [torch.randn(4, f, h, generator=g) * f ** -0.5 for _ in range(2)]
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
-                               comm_copy_rows=2, layer0_gather=True, layer1_scatter=scatter,
-                               layer0_stream_k=stream_k, layer0_live_rows=live_rows,
-                               layer0_own_in_place=in_place)
+    tile = TileConfig.small().with_fields(
+        block_n0=GATE_UP_BLOCK, comm_rows=4, comm_copy_rows=2, layer0_gather=True,
+        layer1_scatter=scatter, layer0_stream_k=stream_k, layer0_live_rows=live_rows,
+        layer0_own_in_place=in_place)
     ep = VirtualEP(cfg, w13, w2, tile)
     programs = 5 if stream_k else 3
 
@@ -268,7 +268,7 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
             assert any(ws.count.l0_arrived.any() for ws in ep.ws)
     mx = cfg.max_tokens
     for d, ws in enumerate(ep.ws):
-        a0 = ws.buffers["a0"]
+        a0 = ws.local.a0
         assert not a0[2 * mx:].any()             # no row placed per pair
         rows = 0
         for s in range(2):
@@ -278,7 +278,7 @@ def test_a_gathered_dispatch_sends_a_token_once_per_rank_and_matches(scatter, st
                 copied = on_d[t] and not (in_place and s == d)
                 assert torch.equal(landed, xs[s][t]) if copied else not landed.any()
             rows += int(((ids[s] >= 4 * d) & (ids[s] < 4 * d + 4)).sum())
-        src = ws.buffers["a0_src"][:rows].long()
+        src = ws.local.a0_src[:rows].long()
         assert sorted(set(src.tolist())) == [s * mx + t for s in range(2)
                                              for t in range(ids[s].shape[0])
                                              if ((ids[s][t] >= 4 * d) & (ids[s][t] < 4 * d + 4)).any()]
@@ -299,7 +299,7 @@ def test_the_layer_compiles_stream_k_in_only_for_calls_small_enough():
     g = torch.Generator().manual_seed(9)
     w13 = torch.randn(e, h, 2 * f, generator=g) * 0.2
     w2 = torch.randn(e, f, h, generator=g) * 0.2
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, layer0_stream_k=True)
     layer = FusedMoE(cfg, w13, w2, tile=tile)
     assert layer.programs == 4
     for m, streamed in ((1, True), (40, False), (1, True)):
@@ -309,7 +309,7 @@ def test_the_layer_compiles_stream_k_in_only_for_calls_small_enough():
         y = layer(x, ids, w)
         torch.testing.assert_close(y, reference.moe_forward(x, ids, w, w13, w2),
                                    rtol=1e-4, atol=1e-4)
-        assert layer.last_tile.layer0_stream_k is streamed, m
+        assert layer.last_tile.variant.layer0_stream_k is streamed, m
         if streamed:      # two items, 4 K steps each, on 4 programs: each cut in two
             assert layer.ws.count.l0_arrived[:2].tolist() == [2, 2]
 
@@ -574,7 +574,7 @@ def test_failed_layer_raises_until_reset():
             layer(x, ids, w)
     epoch = int(layer.ws.epoch)
     layer.reset()
-    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.local.error.any()
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
@@ -604,11 +604,11 @@ def test_small_calls_take_the_decode_tile():
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
     # program) or 16 of 16 (4 waves, 64 again): the default stays.
     few = FusedMoE(cfg, w13, w2, tile=tile)
-    assert few.select_tile(7) is few.tile
+    assert few.selection.tile_for(7) is few.tile
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
     many.programs = 64
-    assert many.select_tile(7).block_n1 == 16 and many.select_tile(7) is many.select_tile(7)
+    assert many.selection.tile_for(7).block_n1 == 16 and many.selection.tile_for(7) is many.selection.tile_for(7)
     many.preload()
     for layer in (few, many):
         for call in range(2):
@@ -621,7 +621,7 @@ def test_small_calls_take_the_decode_tile():
 def test_preload_runs_every_variant_locally_and_leaves_a_fresh_workspace():
     layer, cfg, x, ids, w = _w1_layer()
     layer.preload()
-    assert int(layer.ws.epoch) == 0 and not layer.ws.error.any()
+    assert int(layer.ws.epoch) == 0 and not layer.ws.local.error.any()
     y = layer(x, ids, w)
     ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2, round_to=torch.float16)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
@@ -656,7 +656,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     call.launch_layer0(ROLE_FUSED, grid, trace=Trace.on(traces[0]))
     call.inputs.split1.fill_(0)
     call.launch_layer1(ROLE_FUSED, 1, trace=Trace.on(traces[1][:1]))
-    call.launch_combine(grid)
+    call.combine(grid)
     raise_if_failed(ws.fatal_word, 0)
     torch.testing.assert_close(y.float(), reference.moe_forward(x, ids, wts, w13, w2,
                                                                 round_to=torch.float16),

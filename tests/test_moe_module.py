@@ -166,10 +166,10 @@ def test_a_tile_reaches_the_fused_layer():
     """``tile=``: the fused kernels run the caller's TileConfig (here layer1's column-split
     reduce instead of the scatter epilogue); anything else is a TypeError."""
     from comet.config import TileConfig
-    tile = TileConfig(layer1_scatter=False)
+    tile = TileConfig().with_fields(layer1_scatter=False)
     layer = _layer(tile=tile)
     assert layer.fused_layer().tile == tile
-    assert _layer().fused_layer().tile.layer1_scatter
+    assert _layer().fused_layer().tile.variant.layer1_scatter
     with pytest.raises(TypeError, match="TileConfig"):
         _layer(tile={"layer1_scatter": False})
 

@@ -106,7 +106,7 @@ def _check_against_spec(world, el, k, mx, kind, staged, small):
     for r in range(world):
         p = wss[r].plan
         parity = int(wss[r].epoch) % 2                      # epoch 1: the second buffer
-        got = wss[r].counts[parity].view(world, world, el + 1).cpu()
+        got = wss[r].local.counts[parity].view(world, world, el + 1).cpu()
         assert torch.equal(got, counts.cpu().int())
         spec = build_send_plan(ids[r], wts[r], counts, layout, r, mx)
         assert torch.equal(p.send.off.cpu(), spec.send_off.cpu())
@@ -177,6 +177,6 @@ def test_the_scan_pushes_the_counts_after_every_program_has_summed():
     _, ids, _, wss, counts, _, _ = _plan_both(world, el, k, mx, "random", seed=9)
     assert sum(i.shape[0] > plan_block_tokens(k) for i in ids) >= 2   # several blocks
     for r in range(world):
-        got = wss[r].counts[int(wss[r].epoch) % 2].view(world, world, el + 1).cpu()
+        got = wss[r].local.counts[int(wss[r].epoch) % 2].view(world, world, el + 1).cpu()
         assert torch.equal(got, counts.cpu().int())
         assert int(wss[r].count.scanned) == 2       # both programs arrived; the last pushed

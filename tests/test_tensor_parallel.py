@@ -107,12 +107,12 @@ def _virtual(mesh: MeshLayout, convention: str, strategy: str, dtype, gen, max_t
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=_ffn(mesh),
                     dtype=dtype, max_tokens=max_tokens)
     w13, w2 = _weights(mesh, gen, hidden, dtype)
-    tile = dataclasses.replace(TileConfig.small(), layer1_scatter=STRATEGIES[strategy])
+    tile = TileConfig.small().with_fields(layer1_scatter=STRATEGIES[strategy])
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for ws in ep.ws:
-        for name in ("pair_out", "comb"):
-            if name in ws.buffers:
-                ws.buffers[name].fill_(1e3)
+        for t in (ws.local.pair_out, ws.local.comb):
+            if t is not None:
+                t.fill_(1e3)
     return ep, w13, w2
 
 
@@ -199,22 +199,23 @@ def test_tensor_parallel_replicated_single_group_runs_the_reduce_by_default(layo
     replicated), a fused call's layer1 is the column reduce: one summed row per token
     to each rank of the group, not ``k`` slot rows. Every other layout keeps the
     scatter; every rank of a layout builds the same choice, and a given tile wins."""
-    from comet.runtime.layer import FusedMoE, default_tile
+    from comet.runtime.layer import default_tile
+    from comet.runtime.virtual import virtual_group
     from comet.runtime.strategies import ColumnReduce, Scatter, strategy_for
     mesh = MeshLayout(*layout)
     reduce = convention == "replicated" and mesh.ep == 1 and mesh.tp > 1
-    assert default_tile(mesh, convention).layer1_scatter is not reduce
+    assert default_tile(mesh, convention).variant.layer1_scatter is not reduce
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=_ffn(mesh),
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _weights(mesh, torch.Generator().manual_seed(3), 32)
     shards = _shards(mesh, w13, w2)
-    layers = FusedMoE.virtual_group(cfg, *shards, mesh=mesh, convention=convention,
-                                    use_graphs=False)
+    layers = virtual_group(cfg, *shards, mesh=mesh, convention=convention,
+                           use_graphs=False)
     assert {strategy_for(layer.tile, "fused") for layer in layers} == {
         ColumnReduce if reduce else Scatter}
-    given = dataclasses.replace(TileConfig.small(), layer1_scatter=True)
-    layer = FusedMoE.virtual_group(cfg, *shards, tile=given, mesh=mesh,
-                                   convention=convention, use_graphs=False)[0]
+    given = TileConfig.small().with_fields(layer1_scatter=True)
+    layer = virtual_group(cfg, *shards, tile=given, mesh=mesh,
+                          convention=convention, use_graphs=False)[0]
     assert strategy_for(layer.tile, "fused") is Scatter
 
 
@@ -241,7 +242,7 @@ def test_tensor_parallel_bad_expert_id_is_reported_and_the_layout_stays_usable(c
     _close(ys, reference.mesh_forward(xs, dropped, wts, w13, w2, mesh, convention),
            torch.float32)
     for r, ws in enumerate(ep.ws):
-        reports = ErrorReports(ws.error, r, ep.cfg.num_experts, "sync",
+        reports = ErrorReports(ws.local.error, r, ep.cfg.num_experts, "sync",
                                slots_per_choice=mesh.tp)
         if r in holders:
             # The caller's slot (1), not the kernels' shard slot (2 or 3).
@@ -252,7 +253,7 @@ def test_tensor_parallel_bad_expert_id_is_reported_and_the_layout_stays_usable(c
     ys = ep.forward(xs, ids, wts)
     _close(ys, reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention),
            torch.float32)
-    assert not any(ws.error.any() for ws in ep.ws)
+    assert not any(ws.local.error.any() for ws in ep.ws)
 
 
 @interpreter
@@ -501,10 +502,10 @@ def test_tensor_parallel_and_hybrid_layouts_gather_where_tokens_have_four_pairs_
             assert (top_k >= 4 * ep) is gather_pays(top_k, ep)
             # qwen2-moe's F = 1408 at tp 4: shards of 352 columns, no one-dot items
             one_dot = (cfg.intermediate_size // tp) % (GATE_UP_BLOCK // 2) == 0
-            assert tile.layer0_gather is (top_k >= 4 * ep and one_dot), (tp, ep)
+            assert tile.variant.layer0_gather is (top_k >= 4 * ep and one_dot), (tp, ep)
     odd = cfg.replace(intermediate_size=2 * 96)          # F shard 96 at tp 2
-    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence", odd).layer0_gather
-    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence").layer0_gather
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence", odd).variant.layer0_gather
+    assert not layer_module.default_tile(MeshLayout(2, 1), "sequence").variant.layer0_gather
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)
@@ -552,16 +553,16 @@ def test_tensor_parallel_and_hybrid_gathered_kernels_match_mesh_forward(layout, 
                     dtype=torch.float32, max_tokens=6)
     w13 = torch.randn(E, hidden, 2 * f, generator=gen) * hidden ** -0.5
     w2 = torch.randn(E, f, hidden, generator=gen) * f ** -0.5
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, comm_rows=4,
-                               comm_copy_rows=2, layer0_gather=True,
-                               layer1_scatter=convention == "sequence")
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, comm_rows=4,
+                                          comm_copy_rows=2, layer0_gather=True,
+                                          layer1_scatter=convention == "sequence")
     ep = VirtualEP(cfg, *_shards(mesh, w13, w2), tile=tile, mesh=mesh, convention=convention)
     for kind in ("random", "skewed"):
         xs, ids, wts = _inputs(mesh, convention, kind, gen, cfg.max_tokens, hidden)
         _close(ep.forward(xs, ids, wts),
                reference.mesh_forward(xs, ids, wts, w13, w2, mesh, convention), torch.float32)
     for ws in ep.ws:
-        assert not ws.buffers["a0"][mesh.world * cfg.max_tokens:].any()
+        assert not ws.local.a0[mesh.world * cfg.max_tokens:].any()
 
 
 def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_built():
@@ -569,13 +570,14 @@ def test_tensor_parallel_gathered_layer_without_one_dot_shards_is_refused_when_b
     (96 columns at tp 2): a ValueError naming the field when the layer is built -- before
     a workspace exists -- not at its first call."""
     from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     mesh = MeshLayout(2, 1)
     cfg = MoEConfig(num_experts=E, top_k=TOP_K, hidden_size=32, intermediate_size=2 * 96,
                     dtype=torch.float32, max_tokens=4)
     w13, w2 = _shards(mesh, torch.zeros(E, 32, 4 * 96), torch.zeros(E, 2 * 96, 32))
-    tile = dataclasses.replace(TileConfig.small(), block_n0=GATE_UP_BLOCK, layer0_gather=True)
+    tile = TileConfig.small().with_fields(block_n0=GATE_UP_BLOCK, layer0_gather=True)
     with pytest.raises(ValueError, match="layer0_gather needs one-dot layer0 items"):
-        FusedMoE.virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
+        virtual_group(cfg, w13, w2, tile=tile, mesh=mesh, use_graphs=False)
     single = cfg.replace(intermediate_size=96)
     with pytest.raises(ValueError, match="F 96"):
         FusedMoE(single, torch.zeros(E, 32, 192), torch.zeros(E, 96, 32), tile=tile)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from comet.cli import tune
-from comet.config import MoEConfig, TileConfig, preset
+from comet.config import MoEConfig, TileConfig, Variant, preset
 from comet.constants import kernel_identity
 from comet.mesh import MeshLayout
 from comet.scheduler import search, tuned
@@ -117,17 +117,17 @@ def test_a_bucket_may_set_tile_fields(tmp_path):
     assert tuned.lookup(cfg, 1, 8, None, tmp_path, _cpu_tile(16)).tile == (("group_m", 16),
                                                            ("local_head_tiles", 0))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
-    small = layer.select_tile(8)
+    small = layer.selection.tile_for(8)
     assert (small.group_m, small.local_head_tiles, small.block_n1) == (16, 0, 16)
-    assert layer.select_tile(64) is layer.tile
-    assert layer.select_tile(8, tile_overrides={}).block_n1 == 16      # still decode
-    assert layer.select_tile(8, tile_overrides={}).group_m == layer.tile.group_m
-    assert layer.select_tile(64, tile_overrides={"group_m": 4}).group_m == 4
-    assert layer.select_tile(8) is small                                 # built once
+    assert layer.selection.tile_for(64) is layer.tile
+    assert layer.selection.tile_for(8, overrides={}).block_n1 == 16      # still decode
+    assert layer.selection.tile_for(8, overrides={}).group_m == layer.tile.group_m
+    assert layer.selection.tile_for(64, overrides={"group_m": 4}).group_m == 4
+    assert layer.selection.tile_for(8) is small                                 # built once
     variants = layer.selection.tile_variants()
     assert layer.tile in variants and small in variants and len(variants) == 4
     with pytest.raises(ValueError, match="not a per-call tile field"):
-        layer.select_tile(64, tile_overrides={"block_m": 64})
+        layer.selection.tile_for(64, overrides={"block_m": 64})
 
 
 @pytest.mark.parametrize("tile, why", [
@@ -287,7 +287,7 @@ def test_tune_measures_a_table_of_other_kernels_again(tmp_path, capsys):
 def test_tune_measures_a_table_of_another_variant_again(tmp_path, capsys):
     """A table tuned before the layout's default tile changed (here: before layer0's
     gathered dispatch) is measured again for the new variant, not refused."""
-    gathered = dataclasses.replace(TileConfig(), layer0_gather=True)
+    gathered = TileConfig().with_fields(layer0_gather=True)
     meta = tuned.expected_meta(CFG, 4, "cpu", gathered)
     path = _write(tmp_path)                           # tuned on the default variant
     assert tune.load_existing(str(path), meta) == {"meta": meta, "buckets": {}}
@@ -316,20 +316,44 @@ def test_a_table_serves_only_the_tile_variant_it_was_tuned_for(tmp_path, caplog)
     layout's default tile may change under a shipped table) -- and one of the same
     variant uses it."""
     cfg = CFG.replace(max_tokens=64)
-    scatter, reduce = _cpu_tile(), dataclasses.replace(_cpu_tile(), layer1_scatter=False)
-    assert scatter.variant() != reduce.variant()
-    assert "layer1_scatter" in reduce.variant() and "group_m" not in reduce.variant()
+    scatter, reduce = _cpu_tile(), _cpu_tile().with_fields(layer1_scatter=False)
+    assert scatter.table_variant() != reduce.table_variant()
+    assert "layer1_scatter" in reduce.table_variant()
+    assert "group_m" not in reduce.table_variant()
     _write(tmp_path, cfg=cfg, world=1, buckets={"32": {"layer0": 1, "layer1": 2}},
            tile=scatter)
-    assert _cpu_layer(tmp_path, tile=scatter).select_comm_blocks(32) == (1, 2)
+    assert _cpu_layer(tmp_path, tile=scatter).selection.comm_blocks(32) == (1, 2)
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="comet"):
         warnings.simplefilter("error")
         other = _cpu_layer(tmp_path, tile=reduce)
-        assert other.select_comm_blocks(32) == other.selection.analytic(32)
+        assert other.selection.comm_blocks(32) == other.selection.analytic(32)
     assert "TileConfig variant" in caplog.text
     # The default variant writes no "tile" at all: the shipped tables stay valid.
     assert "tile" not in tuned.expected_meta(cfg, 1, "cpu")
-    assert tuned.expected_meta(cfg, 1, "cpu", reduce)["tile"] == reduce.variant()
+    assert tuned.expected_meta(cfg, 1, "cpu", reduce)["tile"] == reduce.table_variant()
+
+
+def test_a_variant_table_names_its_variant_and_old_names_still_load(tmp_path):
+    """A table of a non-default variant carries the variant's hash in its file name, so
+    two variants' tables of one shape sit side by side, each serving its own layer; a
+    table named without it (written before) still loads for the variant it records."""
+    cfg = CFG.replace(max_tokens=64)
+    scatter, reduce = _cpu_tile(), _cpu_tile().with_fields(layer1_scatter=False)
+    names = {tuned.file_name(cfg, 1, "cpu", tile=t) for t in (scatter, reduce)}
+    assert len(names) == 2 and tuned.file_name(cfg, 1, "cpu") not in names
+    assert tuned.file_name(cfg, 1, "cpu", tile=TileConfig()) == tuned.file_name(cfg, 1, "cpu")
+    assert "variant=" in tuned.file_name(cfg, 1, "cpu", tile=reduce)
+    for tile, splits in ((scatter, (1, 2)), (reduce, (2, 1))):
+        meta = tuned.expected_meta(cfg, 1, "cpu", tile)
+        (tmp_path / tuned.file_name(cfg, 1, "cpu", tile=tile)).write_text(json.dumps(
+            {"meta": meta, "buckets": {"32": {"layer0": splits[0], "layer1": splits[1]}}}))
+    assert _cpu_layer(tmp_path, tile=scatter).selection.comm_blocks(32) == (1, 2)
+    assert _cpu_layer(tmp_path, tile=reduce).selection.comm_blocks(32) == (2, 1)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    _write(legacy, cfg=cfg, world=1, buckets={"32": {"layer0": 3, "layer1": 3}}, tile=reduce)
+    tuned._load.cache_clear()
+    assert _cpu_layer(legacy, tile=reduce).selection.comm_blocks(32) == (3, 3)
 
 
 def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
@@ -340,9 +364,9 @@ def test_a_table_split_that_does_not_fit_falls_back_to_the_model(tmp_path):
                                                 "64": {"layer0": 500, "layer1": 2}},
            tile=_cpu_tile())
     layer = _cpu_layer(tmp_path)
-    assert layer.select_comm_blocks(32) == (1, 2)
+    assert layer.selection.comm_blocks(32) == (1, 2)
     with pytest.warns(UserWarning, match="does not fit"):
-        assert layer.select_comm_blocks(64) == layer.selection.analytic(64)
+        assert layer.selection.comm_blocks(64) == layer.selection.analytic(64)
 
 
 def test_check_report_compares_each_pick_with_the_best():
@@ -447,7 +471,7 @@ class _Layer:
     """What sweep_bucket asks of a layer, without a decode tile."""
 
     class tile:
-        layer1_scatter = False
+        variant = Variant(layer1_scatter=False)
 
         @staticmethod
         def decode_tile():
@@ -465,7 +489,7 @@ def _decode_layer(rule: bool, scatter: bool = False):
     """A layer with a decode tile, which its rule picks when ``rule``."""
     class Layer(_Layer):
         class tile:
-            layer1_scatter = scatter
+            variant = Variant(layer1_scatter=scatter)
 
             @staticmethod
             def decode_tile():
@@ -585,19 +609,19 @@ def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path
         "64": {"layer0": 1, "layer1": 2, "decode_tile": False}}, tile=_cpu_tile(16))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     decode = layer.tile.decode_tile()
-    assert layer.select_tile(8).block_n1 == decode.block_n1
-    assert layer.select_tile(64) is layer.tile
-    assert layer.select_tile(64, decode_tile=True).block_n1 == decode.block_n1
-    assert layer.select_tile(8, decode_tile=False) is layer.tile
+    assert layer.selection.tile_for(8).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(64) is layer.tile
+    assert layer.selection.tile_for(64, decode_tile=True).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(8, decode_tile=False) is layer.tile
     untuned = _cpu_layer(tmp_path / "none", decode_block_n1=16)
-    assert (untuned.select_tile(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
+    assert (untuned.selection.tile_for(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
 
 
 def test_forcing_a_decode_tile_the_layer_lacks_is_refused(tmp_path):
     layer = _cpu_layer(tmp_path)
-    assert layer.select_tile(8) is layer.tile
+    assert layer.selection.tile_for(8) is layer.tile
     with pytest.raises(ValueError, match="no decode tile"):
-        layer.select_tile(8, decode_tile=True)
+        layer.selection.tile_for(8, decode_tile=True)
 
 
 @pytest.mark.parametrize("name, world, tokens, programs, decode", [
@@ -641,35 +665,35 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     (330-1024 items: measured, the compiled-in variant cost those calls 2-6%)."""
     from comet.runtime.selection import Selector
     tile = TileConfig()                                                # on by default
-    assert tile.layer0_stream_k
+    assert tile.variant.layer0_stream_k
     selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
     small = selection.tile_for(1)                 # on the decode tile, where it has one
-    assert small.layer0_stream_k
+    assert small.variant.layer0_stream_k
     for tokens in (8, 128, 4096):
         whole = selection.tile_for(tokens)
-        assert not whole.layer0_stream_k, tokens
+        assert not whole.variant.layer0_stream_k, tokens
         # the same tile otherwise (the small plan as the call's blocks say), built once
-        full = dataclasses.replace(whole, layer0_stream_k=True,
-                                   layer0_tail_split=tile.layer0_tail_split,
-                                   small_plan_blocks=tile.small_plan_blocks)
+        full = whole.with_fields(layer0_stream_k=True,
+                                 layer0_tail_split=tile.variant.layer0_tail_split,
+                                 small_plan_blocks=tile.variant.small_plan_blocks)
         assert whole is selection.without(full, selection.too_large_for(tokens))
-    assert selection.tile_for(1, overrides={"group_m": 4}).layer0_stream_k
-    assert not selection.tile_for(8, overrides={"group_m": 4}).layer0_stream_k
+    assert selection.tile_for(1, overrides={"group_m": 4}).variant.layer0_stream_k
+    assert not selection.tile_for(8, overrides={"group_m": 4}).variant.layer0_stream_k
     # every tile a call may run is warmed up before the first call
     assert {small, selection.tile_for(8), selection.tile_for(4096)} <= set(
         selection.tile_variants())
-    off = Selector(preset(name), 2, dataclasses.replace(tile, layer0_stream_k=False), 132,
+    off = Selector(preset(name), 2, tile.with_fields(layer0_stream_k=False), 132,
                    torch.device("cpu"), folder=None)
-    assert not off.tile_for(1).layer0_stream_k
-    assert all(not t.layer0_stream_k for t in off.tile_variants())
+    assert not off.tile_for(1).variant.layer0_stream_k
+    assert all(not t.variant.layer0_stream_k for t in off.tile_variants())
     # items of two dots (block_n0 64): no scratch, no variant to compile or swap out
     # (neither stream-K nor the tail split, which shares its scratch)
     narrow_tile = dataclasses.replace(tile, block_n0=64)
     narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
     assert not narrow.may_stream_k and not narrow.may_tail_split
     assert narrow.tile_for(4096) is narrow.without(narrow_tile, ("small_plan_blocks",))
-    plain = Selector(preset(name), 2, dataclasses.replace(tile, layer0_stream_k=False,
-                                                          layer0_tail_split=1),
+    plain = Selector(preset(name), 2, tile.with_fields(layer0_stream_k=False,
+                                                       layer0_tail_split=1),
                      132, torch.device("cpu"), folder=None)
     assert len(narrow.tile_variants()) == len(plain.tile_variants())
 
@@ -690,10 +714,10 @@ def test_the_tail_split_gate_compiles_it_in_only_where_the_last_round_is_nearly_
     warmed up."""
     from comet.runtime.selection import Selector
     tile = TileConfig()
-    assert tile.layer0_tail_split > 1
+    assert tile.variant.layer0_tail_split > 1
     selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
     assert selection.may_tail_split
-    on = [t for t in range(0, 1100) if selection.tile_for(t).layer0_tail_split > 1]
+    on = [t for t in range(0, 1100) if selection.tile_for(t).variant.layer0_tail_split > 1]
     if cut is None:
         assert not on or max(on) < 8, on
     else:
@@ -701,10 +725,10 @@ def test_the_tail_split_gate_compiles_it_in_only_where_the_last_round_is_nearly_
     assert {selection.tile_for(t) for t in range(0, 1100)} <= set(selection.tile_variants())
     every = {selection.too_large_for(t) for t in range(selection.cfg.max_tokens + 1)}
     assert selection._reachable_offs() == sorted(every)
-    off = Selector(preset(name), 2, TileConfig(layer0_tail_split=1), 132,
+    off = Selector(preset(name), 2, TileConfig().with_fields(layer0_tail_split=1), 132,
                    torch.device("cpu"), folder=None)
     assert not off.may_tail_split
-    assert all(t.layer0_tail_split == 1 for t in off.tile_variants())
+    assert all(t.variant.layer0_tail_split == 1 for t in off.tile_variants())
 
 
 @pytest.mark.parametrize("name, world, mesh, last_live, first_full", [
@@ -723,28 +747,28 @@ def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world
     layout = None
     if mesh is not None:
         cfg, world, layout = mesh.kernel_config(cfg), mesh.world, mesh.table_layout("sequence")
-    tile = dataclasses.replace(TileConfig(), layer0_gather=True)
+    tile = TileConfig().with_fields(layer0_gather=True)
     selection = Selector(cfg, world, tile, 132, torch.device("cpu"), folder=None,
                          layout=layout)
     assert selection.may_live_rows
     for tokens, live in ((1, True), (16, True), (last_live, True), (first_full, False),
                          (4096, False), (16384, False)):
-        assert selection.tile_for(tokens).layer0_live_rows is live, tokens
+        assert selection.tile_for(tokens).variant.layer0_live_rows is live, tokens
     # a call that stream-K may cut keeps the live rows, and every pick is warmed up
     variants = selection.tile_variants()
-    assert selection.tile_for(1).layer0_stream_k
+    assert selection.tile_for(1).variant.layer0_stream_k
     assert {selection.tile_for(t) for t in range(1, 5000, 7)} <= set(variants)
     # exactly the small-call variants some token count gets (found by the rules' ends)
     every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
     assert selection._reachable_offs() == sorted(every)
     assert len(variants) == len(set(variants)) == 2 * len(every)    # the tile and decode
-    off = Selector(cfg, world, dataclasses.replace(tile, layer0_live_rows=False), 132,
+    off = Selector(cfg, world, tile.with_fields(layer0_live_rows=False), 132,
                    torch.device("cpu"), folder=None, layout=layout)
-    assert not off.may_live_rows and not off.tile_for(1).layer0_live_rows
+    assert not off.may_live_rows and not off.tile_for(1).variant.layer0_live_rows
     placed = Selector(cfg, world, TileConfig(), 132, torch.device("cpu"), folder=None,
                       layout=layout)
     assert not placed.may_live_rows
-    assert all(t.layer0_live_rows for t in placed.tile_variants())
+    assert all(t.variant.layer0_live_rows for t in placed.tile_variants())
 
 
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
@@ -775,9 +799,11 @@ def test_each_shipped_table_is_current_and_matches_its_name(path):
     cfg = MoEConfig(num_experts=meta["E"], top_k=meta["top_k"], hidden_size=meta["H"],
                     intermediate_size=meta["F"], dtype=torch.bfloat16)
     layout = meta.get("layout")
-    assert tuned.file_name(cfg, meta["world_size"], meta["device_name"], layout) == path.name
-    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"],
-                                 tile=TileConfig(**meta.get("tile", {})), layout=layout)
+    tile = TileConfig().with_fields(**meta.get("tile", {}))
+    assert path.name in tuned.file_names(cfg, meta["world_size"], meta["device_name"],
+                                         layout, tile)
+    expect = tuned.expected_meta(cfg, meta["world_size"], meta["device_name"], tile=tile,
+                                 layout=layout)
     table = tuned.parse_table(json.loads(path.read_text()), expect)
     if layout is None:      # the presets' expert-parallel tables: every default bucket
         assert sorted(table) == list(tune.DEFAULT_TOKENS)
@@ -838,13 +864,13 @@ def test_tensor_parallel_tables_are_keyed_by_the_kernels_shape():
     """A (tp, ep) layer selects from the table of its kernels' shard-expert shape
     (E * tp experts F / tp wide, k * tp slots), which ``comet tune --tp`` writes."""
     from comet.mesh import MeshLayout
-    from comet.runtime.layer import FusedMoE
+    from comet.runtime.virtual import virtual_group
     mesh = MeshLayout(tp=2, ep=1)
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64,
                     dtype=torch.float32, max_tokens=8)
     shards = [mesh.shard(r, torch.zeros(8, 64, 128), torch.zeros(8, 64, 64)) for r in range(2)]
-    layers = FusedMoE.virtual_group(cfg, [s["w13"] for s in shards],
-                                    [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
+    layers = virtual_group(cfg, [s["w13"] for s in shards],
+                           [s["w2"] for s in shards], mesh=mesh, use_graphs=False)
     assert layers[0].selection.cfg == mesh.kernel_config(cfg) == layers[0].ws.cfg
     assert layers[0].selection.layout == "tp2-sequence"
     assert tuned.file_name(layers[0].ws.cfg, 2, "gpu", "tp2-sequence").startswith(
@@ -889,29 +915,10 @@ def test_the_small_plan_gate_counts_the_plans_token_blocks(name, last_small):
     selection = Selector(preset(name), 2, TileConfig(), 132, torch.device("cpu"), folder=None)
     for tokens, small in ((0, True), (1, True), (last_small, True), (last_small + 1, False),
                           (4096, False)):
-        assert (selection.tile_for(tokens).small_plan_blocks > 0) is small, tokens
+        assert (selection.tile_for(tokens).variant.small_plan_blocks > 0) is small, tokens
     assert {selection.tile_for(t) for t in range(0, 600)} <= set(selection.tile_variants())
-    never = Selector(preset(name), 2, TileConfig(small_plan_blocks=0), 132,
+    never = Selector(preset(name), 2, TileConfig().with_fields(small_plan_blocks=0), 132,
                      torch.device("cpu"), folder=None)
-    assert not never.may_small_plan and never.tile_for(1).small_plan_blocks == 0
+    assert not never.may_small_plan and never.tile_for(1).variant.small_plan_blocks == 0
     with pytest.raises(ValueError, match="small_plan_blocks"):
-        TileConfig(small_plan_blocks=-1)
-
-
-@pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
-def test_the_combine_in_layer1_gate_holds_up_to_its_token_count(name):
-    """A call of at most ``combine_in_layer1`` tokens per rank runs its combine on layer1's
-    programs, a larger one with the combine kernel (the field 0 in its tile); every pick
-    is warmed up, and a layer without the field never folds it."""
-    from comet.runtime.selection import Selector
-    tile = dataclasses.replace(TileConfig(), combine_in_layer1=96)
-    selection = Selector(preset(name), 2, tile, 132, torch.device("cpu"), folder=None)
-    for tokens, folded in ((0, True), (1, True), (96, True), (97, False), (4096, False)):
-        assert (selection.tile_for(tokens).combine_in_layer1 > 0) is folded, tokens
-    assert {selection.tile_for(t) for t in range(0, 300)} <= set(selection.tile_variants())
-    never = Selector(preset(name), 2, dataclasses.replace(tile, combine_in_layer1=0), 132,
-                     torch.device("cpu"), folder=None)
-    assert not never.may_combine_in_layer1
-    assert all(t.combine_in_layer1 == 0 for t in never.tile_variants())
-    with pytest.raises(ValueError, match="combine_in_layer1"):
-        TileConfig(combine_in_layer1=-1)
+        TileConfig().with_fields(small_plan_blocks=-1)

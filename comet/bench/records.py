@@ -23,7 +23,7 @@ or a per-layer row of a variant that has no layers). Variants:
   ranks, once per (token, expert) as the placing push sends them and once per (token,
   rank), what the gathered dispatch moves (median over the input sets; counts, not
   times); ``layer0_gather`` says which one comet's layer ran
-  (``TileConfig.layer0_gather``).
+  (``Variant.layer0_gather``).
 * ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
   count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
 * ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs

@@ -52,6 +52,8 @@ _KEY: list[Column] = [
 MAIN_COLUMNS: list[Column] = _KEY + [
     ("(a) baseline us", _num("baseline_us")),
     ("(b) fused us", _num("fused_us")),
+    # the host's time to enqueue one fused call, beside the device's (b)
+    ("b host us", _num("fused_host_us")),
     ("(c) compute us", _num("compute_only_us")),
     ("(d) comm us", _num("comm_only_us")),
     ("(e) chunked us", _num("chunked_us")),
@@ -91,7 +93,6 @@ EFFICIENCY_COLUMNS: list[Column] = _KEY + [
     ("best fixed (n) us", lambda r: "-" if r.get("best_fixed_us") is None else
      f"{r['best_fixed_us']:.1f} ({r['best_fixed_split']})"),
     ("b/best fixed", _num("fused_over_best_fixed", "{:.2f}")),
-    ("b host us", _num("fused_host_us")),
 ]
 
 #: Where the unfused baseline's time goes ("moe" rows): its phases (comet.baseline).
@@ -205,8 +206,9 @@ def summary(records: Sequence[dict]) -> list[str]:
     (:data:`DECODE_BOUND_FACTOR` x floor + :data:`DECODE_BOUND_US`). Skewed routing: fused no slower than sequential in any record, layers
     included. Both: against the peers (``--peers``), the geomean of best peer / b at >=
     4096 and at <= 128 tokens/rank (issue 39's 1.2 and 1.5); the per-call split against
-    the best fixed one (``--fixed-splits``). First, if any, the records whose fused output
-    was wrong.
+    the best fixed one (``--fixed-splits``); a rank alone (EP=1), the host's time per
+    fused call against :data:`HOST_TARGET_US`. First, if any, the records whose fused
+    output was wrong.
     """
     lines = []
     wrong = wrong_fused(records)
@@ -245,6 +247,8 @@ def summary(records: Sequence[dict]) -> list[str]:
         if any(r.get("fused_over_best_fixed") is not None for r in rows):
             parts.append(_check(rows, "fused_over_best_fixed", "b/best fixed split", "max",
                                 1.0))
+        if (host := _host_check(rows)) is not None:
+            parts.append(host)
         bound = [r for r in rows if _host_bound(r)]
         if bound:
             parts.append("host-bound (b host us >= " f"{HOST_BOUND:g} b) at "
@@ -291,6 +295,21 @@ def _decode_bound(small: Sequence[dict]) -> str:
 #: A fused call whose host time is at least this share of (b) had the GPU wait for the
 #: host (or close to it): its (b) is the host's pace, not the kernels'.
 HOST_BOUND = 0.9
+
+
+#: Issue 70's bound on the host's time to enqueue one fused call (``fused_host_us``:
+#: staging and graph replay, CPU wall time over many calls) of a rank alone (EP=1): a
+#: model of many layers pays it once per layer and token when not captured itself.
+HOST_TARGET_US = 30.0
+
+
+def _host_check(rows: Sequence[dict]) -> str | None:
+    """Records of one rank alone against :data:`HOST_TARGET_US`, or None if none has a
+    host time (across ranks the host also waits for peers' staging: not checked)."""
+    alone = [r for r in rows if r.get("world_size") == 1 and r.get("fused_host_us") is not None]
+    if not alone:
+        return None
+    return _check(alone, "fused_host_us", "b host us at EP=1", "max", HOST_TARGET_US)
 
 
 def _host_bound(r: dict) -> bool:

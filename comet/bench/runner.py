@@ -326,7 +326,7 @@ def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int
 def gather_column(fused: Fused | None) -> dict:
     """``layer0_gather``: whether comet's layer sent a token's row once per rank (its
     link rows are then ``link_token_rows``, else ``link_rows``); None without one."""
-    return {"layer0_gather": None if fused is None else fused.layer.tile.layer0_gather}
+    return {"layer0_gather": None if fused is None else fused.layer.tile.variant.layer0_gather}
 
 
 def link_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings) -> dict:

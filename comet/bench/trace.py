@@ -85,7 +85,7 @@ def record_timeline(layer, x: torch.Tensor, topk_ids: torch.Tensor,
     cross-GPU handshakes slowed several-fold (a 1-token qwen2-moe call spanned 385 us
     profiled against 107 unprofiled, its dispatch unit 83 us against 5;
     ``2026-11-27/h100x4-r25-timeline-*``)."""
-    n0, n1 = layer.select_comm_blocks(x.shape[0], comm_blocks)
+    n0, n1 = layer.selection.comm_blocks(x.shape[0], comm_blocks)
     n0 = max(n0, 1)
     shape = (layer.programs, int(MAX_TRACE_EVENTS), 4)
     buffers = {name: torch.full(shape, -1, dtype=torch.int64, device=layer.device)

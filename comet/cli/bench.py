@@ -198,12 +198,11 @@ TILE_VARIANT_NOTE = (
 
 
 def _tile_field(kv: str) -> tuple[str, int]:
-    """``"FIELD=V"`` -> ``(FIELD, int(V))``, FIELD an integer TileConfig field."""
-    import dataclasses
-
+    """``"FIELD=V"`` -> ``(FIELD, int(V))``, FIELD an integer TileConfig field (its own or
+    its :class:`~comet.config.Variant`'s, by name)."""
     from comet.config import TileConfig
     name, _, value = kv.partition("=")
-    fields = {f.name for f in dataclasses.fields(TileConfig)}
+    fields = set(TileConfig().flat())
     if name not in fields or not value.lstrip("-").isdigit():
         raise ValueError(f"expected FIELD=INT with FIELD a TileConfig field, got {kv!r}")
     return name, int(value)
@@ -215,11 +214,9 @@ def _tile_of(meta: dict, cfg, mesh: MeshLayout, convention: str = "sequence") ->
     pick, so that a variant differs from the default by its fields alone (whether the
     dispatch gathers depends on the layout) -- or ``{}`` for the layer's default: keyword
     arguments of :func:`_build_fused`."""
-    import dataclasses
-
     from comet.runtime.layer import default_tile
     fields = meta.get("tile")
-    return ({"tile": dataclasses.replace(default_tile(mesh, convention, cfg), **fields)}
+    return ({"tile": default_tile(mesh, convention, cfg).with_fields(**fields)}
             if fields else {})
 
 

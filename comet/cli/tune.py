@@ -51,7 +51,7 @@ from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
 from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
-from comet.config import PRESETS, MoEConfig
+from comet.config import PRESETS, MoEConfig, TileConfig
 from comet.mesh import CONVENTIONS, MeshLayout
 from comet.scheduler import search, tuned
 
@@ -239,7 +239,7 @@ def sweep_bucket(layer, cfg: MoEConfig, tokens: int, candidates: list[int], args
     timer = bucket_timer(layer, cfg, tokens, args, device, rank, first)
     # With the scatter epilogue layer1 has no comm role (its split is ignored): only
     # layer0's split and layer1's tile are searched, and layer1's entry is 0.
-    scatter = layer.tile.layer1_scatter
+    scatter = layer.tile.variant.layer1_scatter
     if args.search == "exhaustive":
         times = {n: timer(n) for n in candidates}
     else:
@@ -344,7 +344,8 @@ def _tune(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int,
     name = tuned.device_name(device)
     layout = layer.selection.layout
     meta = tuned.expected_meta(table_cfg, world, name, layer.tile, layout)
-    path = os.path.join(args.output_dir, tuned.file_name(table_cfg, world, name, layout))
+    path = os.path.join(args.output_dir,
+                        tuned.file_name(table_cfg, world, name, layout, layer.tile))
     table = load_existing(path, meta, args.routings)
     candidates = sorted({n for n in args.candidates if 0 <= n < layer.programs})
     todo = [t for t in args.tokens if args.overwrite or str(t) not in table["buckets"]]
@@ -378,12 +379,12 @@ def _searched(folder: str) -> bool:
 
 
 def find_table(cfg: MoEConfig, world: int, device_name: str, folder: str,
-               layout: str | None = None) -> str | None:
+               layout: str | None = None, tile: TileConfig | None = None) -> str | None:
     """The table a layer would load (first folder of the lookup that has the file)."""
-    name = tuned.file_name(cfg, world, device_name, layout)
     for f in tuned.search_folders(folder):
-        if (f / name).is_file():
-            return str(f / name)
+        for name in tuned.file_names(cfg, world, device_name, layout, tile):
+            if (f / name).is_file():
+                return str(f / name)
     return None
 
 
@@ -451,9 +452,10 @@ def _check(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int
 
     name = tuned.device_name(device)
     layout = layer.selection.layout
-    path = find_table(table_cfg, world, name, args.output_dir, layout)
+    path = find_table(table_cfg, world, name, args.output_dir, layout, layer.tile)
     if path is None:
-        print(f"no table {tuned.file_name(table_cfg, world, name, layout)} to check (searched "
+        print(f"no table {tuned.file_name(table_cfg, world, name, layout, layer.tile)} to "
+              "check (searched "
               f"{', '.join(map(str, tuned.search_folders(args.output_dir)))})",
               file=sys.stderr)
         return 2
@@ -494,7 +496,7 @@ def _check(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int
         raw += [{"tokens": tokens, "comm_blocks": n, "decode_tile": tile, "tile": dict(fields),
                  "layer0_us": t0, "layer1_us": t1}
                 for (n, tile, fields), (t0, t1) in sorted(times.items(), key=str)]
-        if layer.tile.layer1_scatter:
+        if layer.tile.variant.layer1_scatter:
             times = pool_split_free(times)
         report += [{"tokens": tokens, **r} for r in check_rows(times, picks)]
     if rank == 0:
@@ -506,7 +508,7 @@ def _check(layer, table_cfg: MoEConfig, cfg: MoEConfig, args, device, world: int
                            f"F{cfg.intermediate_size}-k{cfg.top_k}-{layout}.json")
         write_result(out, {"table": path, "meta": data.get("meta"), "iters": args.iters,
                            "routings": args.routings,
-                           "layer1_split_pooled": layer.tile.layer1_scatter, "rows": report,
+                           "layer1_split_pooled": layer.tile.variant.layer1_scatter, "rows": report,
                            "times": raw}, device=name)
         print(f"wrote {out}")
     return 0

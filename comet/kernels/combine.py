@@ -46,11 +46,9 @@ class Parts(NamedTuple):
 class Combine(NamedTuple):
     """The combine as its kernels take it: :class:`Parts` summed into the output whose
     address is in ``y_addr`` (``[M, H]``, ``M`` in the device scalar ``num_tokens``),
-    in items of ``ROWS`` tokens x ``BLOCK_H`` columns. The combine kernel takes it, and
-    so does layer1's scatter kernel where a call runs the combine on layer1's programs
-    (``TileConfig.combine_in_layer1``). Flat, every constexpr a field of its own: a
-    group nested in a kernel argument read its constexprs as None after a run-time
-    ``if`` of the scatter kernel (Triton 3.6; docs/design.md, "Kernel arguments")."""
+    in items of ``ROWS`` tokens x ``BLOCK_H`` columns. Flat, every constexpr a field of
+    its own: a group nested in a kernel argument read its constexprs as None after a
+    run-time ``if`` of a kernel (Triton 3.6; docs/design.md, "Kernel arguments")."""
 
     rows: torch.Tensor       # [*, H]
     live: torch.Tensor       # int32 [Mx, COUNT]
@@ -66,16 +64,11 @@ class Combine(NamedTuple):
 
 
 def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor,
-               tile: TileConfig, warps: int | None = None) -> Combine:
-    """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile --
-    for programs of ``warps`` warps (another kernel's), with as many more rows per item
-    as give each thread a 16-byte vector: one element per thread compiles to 2-byte
-    accesses."""
+               tile: TileConfig) -> Combine:
+    """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile."""
     hidden = parts.rows.shape[-1]
     block_h = min(tile.combine_block_h, next_pow2(hidden))
     rows = tile.combine_rows
-    if warps is not None:
-        rows = max(rows, warps * _vector_warp(parts.rows) // block_h)
     return Combine(parts.rows, parts.live, y_addr, num_tokens,
                    *(constexpr(int(v)) for v in (
                        parts.part_stride, parts.token_stride, parts.count, parts.fanout,

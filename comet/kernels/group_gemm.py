@@ -57,7 +57,7 @@ class GemmOut(NamedTuple):
 
 class Gathered(NamedTuple):
     """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
-    ``TileConfig.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``
+    ``Variant.layer0_gather``): row ``r`` of the shared tensor is ``tokens[src[r]]``
     -- or, with ``own`` (``A_OWN``), row ``src[r] - own.base`` of this rank's input when
     that is one of the call's tokens (:class:`OwnRows`)."""
 
@@ -68,7 +68,7 @@ class Gathered(NamedTuple):
 
 
 class OwnRows(NamedTuple):
-    """This rank's own tokens, read in place (``TileConfig.layer0_own_in_place``): the
+    """This rank's own tokens, read in place (``Variant.layer0_own_in_place``): the
     dispatch writes their index entries (``base + t``) but copies no row, so the GEMM
     reads row ``t`` of x itself."""
 

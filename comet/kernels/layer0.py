@@ -21,13 +21,13 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   destination's rows go the *return entries* layer1's reduce will need. Each chunk has its
   own flag, ``flag0[r, c]`` on the destination, set to the call's epoch once chunk ``c``
   of rank ``r`` landed: chunks publish independently, no chunk waits for another.
-  *Gathered* (``TileConfig.layer0_gather``, :func:`_push_gathered`): the same chunks of
+  *Gathered* (``Variant.layer0_gather``, :func:`_push_gathered`): the same chunks of
   pairs, but a pair is only an index entry ``a0_src[row]`` (and its home), and a token's
   row crosses once per destination -- into ``tokens[source * Mx + t]`` (a0's first rows),
   with the first of the token's pairs there; the GEMM reads ``tokens[a0_src[row]]``
   (comet.kernels.group_gemm.Gathered). The waits are unchanged: every other pair of the
   token sits in the same or a later chunk, and a tile waits for the chunks up to its own.
-  A rank's own rows are not copied (``TileConfig.layer0_own_in_place``): its GEMM reads
+  A rank's own rows are not copied (``Variant.layer0_own_in_place``): its GEMM reads
   them from x, and its own chunks carry index entries only.
 * compute (:func:`layer0_compute_role`) -- the GroupGEMM over the tile table (a local
   head, then expert-major: comet.scheduler.plan);
@@ -39,9 +39,9 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   pushed its chunks joins it: the split sets how many blocks *start* communicating, no
   SM is lost to communication for the rest of the call. Optionally, a small call whose
   items would leave programs idle runs as stream-K instead (:func:`stream_k_role`,
-  ``TileConfig.layer0_stream_k``): equal runs of K steps per program; and a call whose
+  ``Variant.layer0_stream_k``): equal runs of K steps per program; and a call whose
   last round of items is mostly empty may take that round's items as K splits
-  (:func:`tail_split`, ``TileConfig.layer0_tail_split``).
+  (:func:`tail_split`, ``Variant.layer0_tail_split``).
 
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
@@ -142,7 +142,7 @@ class Dispatch(NamedTuple):
 
 
 class GatherTargets(NamedTuple):
-    """Where a gathered dispatch (``TileConfig.layer0_gather``) writes on a destination:
+    """Where a gathered dispatch (``Variant.layer0_gather``) writes on a destination:
     a token's row once, at ``tokens[source * max_tokens + t]``, and for every pair the
     index entry ``src[row]`` the GEMM reads its A row through
     (comet.kernels.group_gemm.Gathered)."""
@@ -164,7 +164,7 @@ class Work(NamedTuple):
     arrived: torch.Tensor | None = None
     STREAM_K: tl.constexpr = constexpr(False)
     #: most K splits of each item of the queue's last partial round (1: none;
-    #: ``TileConfig.layer0_tail_split``)
+    #: ``Variant.layer0_tail_split``)
     TAIL_SPLIT: tl.constexpr = constexpr(1)
 
 
@@ -225,7 +225,7 @@ def one_dot_tiles(block_n0: int, ffn: int) -> bool:
 
 def check_gather(block_n0: int, ffn: int) -> None:
     """ValueError unless layer0's items over F = ``ffn`` columns can read A through an
-    index (``TileConfig.layer0_gather``): one-dot items only (:func:`one_dot_tiles`)."""
+    index (``Variant.layer0_gather``): one-dot items only (:func:`one_dot_tiles`)."""
     if not one_dot_tiles(block_n0, ffn):
         raise ValueError(f"layer0_gather needs one-dot layer0 items (block_n0 = "
                          f"{GATE_UP_BLOCK} and F a multiple of {GATE_UP_BLOCK // 2}); got "
@@ -244,7 +244,7 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     H]`` (``transposed``), on ``block_n1``-column items. ``bias``: ``[El, 2N]`` (gated,
     W13's columns) or ``[El, N]``, added to each expert's rows before the activation.
     ``rows``: the gated GEMM reads A through an index (a gathered dispatch; only a
-    tile's own rows with ``tile.layer0_live_rows``); one-dot items only."""
+    tile's own rows with ``tile.variant.layer0_live_rows``); one-dot items only."""
     el, h, n = w.shape[0], a0.shape[1], out.shape[1]
     bk = tile.k_step(h)
     if gated:
@@ -264,7 +264,7 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     return gemm, GemmTile(*(constexpr(v) for v in (
         tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
-        constexpr(rows is not None), constexpr(rows is not None and tile.layer0_live_rows),
+        constexpr(rows is not None), constexpr(rows is not None and tile.variant.layer0_live_rows),
         constexpr(rows is not None and rows.own is not None))
 
 

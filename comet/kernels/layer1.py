@@ -28,14 +28,14 @@ The comm blocks reduce the early splits while the GEMM of the later ones runs; t
 of the last split runs on every block. With no comm block the kernel is "GEMM, then
 reduce on the whole GPU" in one launch.
 
-:func:`layer1_scatter_kernel` (the forward's default, ``TileConfig.layer1_scatter``)
+:func:`layer1_scatter_kernel` (the forward's default, ``Variant.layer1_scatter``)
 moves the top-k sum past the communication: ``out1`` is never stored; every block runs the
 GroupGEMM and its epilogue (:func:`scatter_home`) writes each row, weighted, into
 ``pair_out[t, j]`` on the token's rank, which makes the shared tensor independent along M
 as well (docs/shared_tensor.md). No comm role, no reduce, no wait inside the kernel; the
 last block to finish releases ``flag1`` as above.
 
-With ``TileConfig.layer1_split_k`` > 1 the scatter kernel on a column block of at most
+With ``Variant.layer1_split_k`` > 1 the scatter kernel on a column block of at most
 ``SPLIT_K_BLOCK_N`` (the decode tile) first asks, on the device, whether the call is
 small enough for K splits (:func:`split_k_count`: up to ``layer1_split_k`` of them, as
 many as give every split of every work item its own program). Then each program
@@ -69,7 +69,6 @@ from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SIT
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
 from comet.kernels.activation import act_tile
-from comet.kernels.combine import Combine, await_parts, combine_items
 from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
                                       dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
@@ -94,7 +93,7 @@ SPLIT_K_BLOCK_N = constexpr(128)
 
 
 class KSplit(NamedTuple):
-    """layer1's K splits in small calls (``TileConfig.layer1_split_k``; off: 1, and no
+    """layer1's K splits in small calls (``Variant.layer1_split_k``; off: 1, and no
     tensors)."""
 
     partial: torch.Tensor | None   # fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]
@@ -222,17 +221,13 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
                           tiles: Tiles, progress: Progress, homes: Homes, sync: Sync,
                           trace: Trace, shape: Shape, tile: TileConfig,
-                          ksplit: KSplit = KSplit(None, None),
-                          combine: Combine | None = None, cooperative: bool = False) -> None:
+                          ksplit: KSplit = KSplit(None, None)) -> None:
     """The GroupGEMM whose epilogue sends every row home, on ``grid`` programs (in K
-    splits where ``ksplit`` has them and the call is small), then -- with ``combine`` --
-    the call's combine on the same programs, which wait for every rank's layer1 first:
-    ``cooperative`` where nothing else makes them co-resident."""
-    extra = {"launch_cooperative_grid": True} if cooperative and combine is not None else {}
+    splits where ``ksplit`` has them and the call is small)."""
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
-        homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape, combine=combine,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+        homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 @triton.jit
@@ -388,16 +383,6 @@ def _release_sources(progress, epoch, sync):
         if healthy(sync):
             for s in range(sync.WORLD):
                 release(peer(progress.flag1, s) + sync.rank, epoch, "sys")
-
-
-@triton.jit
-def _combine_here(combine, flag1, epoch, sync):
-    """The call's combine on this launch's programs, once every rank's parts have landed,
-    as the combine kernel runs it. Safe in one launch: a rank's ``flag1`` waits for
-    nothing but its own layer1 programs, which wait for nothing (their rows were in
-    place at launch), and the launch's programs are co-resident."""
-    if await_parts(flag1, epoch, sync):
-        combine_items(combine, sync.rank, tl.program_id(0), tl.num_programs(0))
 
 
 @triton.jit
@@ -586,14 +571,11 @@ def layer1_reduce_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, re
 
 @triton.jit
 def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, homes, ksplit,
-                          sync, trace, shape, combine):
+                          sync, trace, shape):
     """layer1 of one rank with the scatter epilogue: every program runs the GroupGEMM,
     whose epilogue sends each row, weighted, to its token's home (:class:`Homes`) -- in
     K splits where :class:`KSplit` has them and :func:`split_k_count` finds room; no comm
-    role. The last program to finish releases ``flag1`` on every source. With
-    ``combine`` (:class:`~comet.kernels.combine.Combine`, a small call's) every program
-    then waits for every rank's ``flag1`` and sums its share of the call's outputs: the
-    call has no combine launch (:func:`_combine_here`)."""
+    role. The last program to finish releases ``flag1`` on every source."""
     if trace.ON:
         entered = clock_ns()
     epoch = tl.load(sync.epoch)
@@ -612,8 +594,6 @@ def layer1_scatter_kernel(a_desc, b_desc, gemm, item, splits, tiles, progress, h
         events = _scatter_items(a_desc, b_desc, gemm, item, splits, tiles, progress, homes,
                                 trace, events)
     _release_sources(progress, epoch, sync)
-    if combine is not None:
-        _combine_here(combine, progress.flag1.local, epoch, sync)
     if trace.ON:
         stamp_program(trace, entered)
 

@@ -19,7 +19,7 @@ The count exchange between steps 1 and 2 is :mod:`comet.kernels.exchange`. The t
 allocated once per workspace (:func:`allocate_plan`) and grouped as the kernels take them
 (:class:`Plan`).
 
-A small call (``TileConfig.small_plan_blocks``) plans in two launches instead of seven:
+A small call (``Variant.small_plan_blocks``) plans in two launches instead of seven:
 :func:`open_kernel` opens the call (next epoch, zeroed counters -- two torch ops
 otherwise), copies the caller's routing into the staged rows (otherwise a launch of
 :mod:`comet.kernels.stage_routing`), counts and sums the token blocks and pushes the

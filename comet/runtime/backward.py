@@ -43,13 +43,14 @@ from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
 from comet.grouped import grouped_weight_grad
 from comet.kernels import exchange, grad_rows
 from comet.kernels.act_backward import act_backward_rows
-from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM, combine_of, launch_combine
-from comet.kernels.layer0 import launch_layer0, layer0_gemm
+from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM, combine_of
+from comet.kernels.layer0 import layer0_gemm
 from comet.kernels.layer1 import Pairs, layer1_gemm
 from comet.kernels.plan import EntryTables, Routing
 from comet.routing import recv_capacity
 from comet.kernels.sync import Trace
 from comet.runtime.forward import dispatch_of, plan_phases
+from comet.runtime.launches import CombineLaunch, Layer0Launch, Layer1Launch
 from comet.runtime.staging import StagedScalars
 from comet.runtime.strategies import ColumnReduce
 from comet.runtime.workspace import Workspace
@@ -204,7 +205,7 @@ class BackwardCall:
         # fixed size, so graphs serve every token count) -- and a memset, not an
         # elementwise kernel whose first load (on the first real call -- on an empty
         # preload call it launches nothing) would wait for an idle device.
-        self.ws.pair_grad.zero_()
+        self.ws.local.pair_grad.zero_()
         self._open_call()
 
     def _layer0(self, src: str, w: torch.Tensor, out: torch.Tensor, transposed: bool,
@@ -212,18 +213,22 @@ class BackwardCall:
         """Dispatch ``src`` rows and GEMM them into ``out`` (+ ``bias`` per expert; a phase
         per role unless fused; a fused launch needs a comm block, as in the forward)."""
         ws = self.ws
-        gemm, item = layer0_gemm(ws.a0, w, out, self.tile, gated=False, transposed=transposed,
+        gemm, item = layer0_gemm(ws.local.a0, w, out, self.tile, gated=False, transposed=transposed,
                                  bias=bias)
-        args = dict(dispatch=dispatch_of(ws, self._addr[src], None), gemm=gemm, item=item,
-                    tiles=ws.plan.tiles, segments=ws.plan.segments, work=ws.layer0_work(False),
-                    sync=ws.sync, split=self._split[0], trace=self._quiet, shape=ws.shape,
-                    tile=self.tile)
+        launch = Layer0Launch(dispatch_of(ws, self._addr[src], None), gemm, item,
+                              ws.plan.tiles, ws.plan.segments, ws.layer0_work(False), ws.sync,
+                              self._split[0], ws.shape, self.tile)
+        return self._phases_of(launch, (ROLE_COMM, ROLE_COMPUTE),
+                               fused=self.fused and self.layer0_comm)
 
-        def run(role: int, **kw) -> Callable[[], None]:
-            return lambda: launch_layer0(self.grid, role=role, **args, **kw)
-        if self.fused and self.layer0_comm:
-            return [run(ROLE_FUSED, cooperative=self.cooperative)]
-        return [run(ROLE_COMM), run(ROLE_COMPUTE)]
+    def _phases_of(self, launch, roles: tuple[int, int], fused: bool
+                   ) -> list[Callable[[], None]]:
+        """``launch`` as one fused phase, or one phase per role in ``roles``' order."""
+        if fused:
+            return [lambda: launch(self.grid, ROLE_FUSED, trace=self._quiet,
+                                   cooperative=self.cooperative)]
+        return [lambda role=role: launch(self.grid, role, trace=self._quiet)
+                for role in roles]
 
     def _keep_rows(self) -> None:
         """Each row's routing weight (once this call's return entries landed); the x rows
@@ -236,7 +241,7 @@ class BackwardCall:
             arrivals=ws.arrivals, w_row=self.bufs.w_row, max_tokens=self.cfg.max_tokens,
             sync=ws.sync, shape=ws.shape)
         if self.weight_grads:
-            grad_rows.launch_copy_rows(self._row_programs, ws.a0, ws.out1, self._ends[-1:])
+            grad_rows.launch_copy_rows(self._row_programs, ws.local.a0, ws.out1, self._ends[-1:])
 
     def _open(self) -> None:
         # Same routing, same plan: only the handshake (and the epoch) is new.
@@ -261,7 +266,7 @@ class BackwardCall:
         if self.b2 is not None:
             self._bias_weight_term()
         if self.weight_grads:
-            self.dw2 = grouped_weight_grad(self.bufs.hw, self.ws.a0, self._ends)
+            self.dw2 = grouped_weight_grad(self.bufs.hw, self.ws.local.a0, self._ends)
             self.dw13 = grouped_weight_grad(self.ws.out1, self.bufs.gu, self._ends)
             if self.b13 is not None:
                 self._bias_grads()
@@ -277,7 +282,7 @@ class BackwardCall:
         b2 = self.b2.float()
         for r0 in range(0, cap, BIAS_ROWS):
             rows = slice(r0, min(r0 + BIAS_ROWS, cap))
-            self.bufs.dw_row[rows] += (self.ws.a0[rows].float() * b2[experts[rows]]).sum(1)
+            self.bufs.dw_row[rows] += (self.ws.local.a0[rows].float() * b2[experts[rows]]).sum(1)
 
     def _bias_grads(self) -> None:
         """``db13`` = each expert's rows of d(gate, up) summed, ``db2`` = its rows of
@@ -285,32 +290,27 @@ class BackwardCall:
         on the left, deterministic, no sync."""
         self._w_cols.copy_(self.bufs.w_row.unsqueeze(1).expand_as(self._w_cols))
         self.db13 = grouped_weight_grad(self._ones, self.bufs.gu, self._ends)[:, 0].contiguous()
-        self.db2 = grouped_weight_grad(self._w_cols, self.ws.a0, self._ends)[:, 0].contiguous()
+        self.db2 = grouped_weight_grad(self._w_cols, self.ws.local.a0, self._ends)[:, 0].contiguous()
 
     def _layer1(self) -> list[Callable[[], None]]:
         ws = self.ws
         gemm, item, splits = layer1_gemm(self.bufs.gu, self.w13, ws.out1, self.tile,
                                          transposed=True)
-        pairs = Pairs(self.bufs.dw_row, ws.peer("pair_grad"))
+        pairs = Pairs(self.bufs.dw_row, ws.peers.pair_grad)
 
-        def run(role: int, **kw) -> Callable[[], None]:
-            return lambda: ColumnReduce.launch(
-                ws, self.grid, gemm=gemm, item=item, splits=splits, tile=self.tile, role=role,
-                split=self._split[1], trace=self._quiet, pairs=pairs, **kw)
-        if self.fused:
-            return [run(ROLE_FUSED, cooperative=self.cooperative)]
-        return [run(ROLE_COMPUTE), run(ROLE_COMM)]
+        launch = Layer1Launch(ColumnReduce, ws, gemm, item, splits, self.tile, self._split[1],
+                              pairs)
+        return self._phases_of(launch, (ROLE_COMPUTE, ROLE_COMM), fused=self.fused)
 
     def _combine(self) -> None:
         ws = self.ws
         grid = self.grid * (COMBINE_PROGRAMS_PER_SM if self.cooperative else 1)
-        launch_combine(grid, combine=self._dx_combine, flag1=ws.flag1,
-                       max_tokens=self.cfg.max_tokens, sync=ws.sync, tile=self.tile)
+        CombineLaunch(self._dx_combine, ws.local.flag1, self.cfg.max_tokens, ws.sync, self.tile)(grid)
 
     def _finish(self) -> None:
         """The routing weights' gradients; zero the weight gradients of experts that got
         no rows (on the device)."""
-        self.d_weights = self.ws.pair_grad[:self._rows].clone()
+        self.d_weights = self.ws.local.pair_grad[:self._rows].clone()
         self._inputs = ()
         if not self.weight_grads:
             return

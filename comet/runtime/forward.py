@@ -30,8 +30,8 @@ import torch
 
 from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
-from comet.kernels.combine import combine_of, launch_combine
-from comet.kernels.layer0 import Dispatch, launch_layer0, layer0_gemm
+from comet.kernels.combine import combine_of
+from comet.kernels.layer0 import Dispatch, layer0_gemm
 from comet.kernels.layer1 import layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
@@ -40,6 +40,7 @@ from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
                                 launch_open, launch_place)
 from comet.kernels.sync import Trace
+from comet.runtime.launches import CombineLaunch, Layer0Launch, Layer1Launch
 from comet.runtime.strategies import strategy_for
 from comet.runtime.workspace import Workspace
 
@@ -98,7 +99,7 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, *, small: boo
     last program); then wait for every peer's counts (the layout kernel's programs) and
     build the offsets, tile table and send list. ``small``: in two launches, the open in
     one program and the send list by the layout kernel (comet.kernels.plan), for calls
-    of a few token blocks (``TileConfig.small_plan_blocks``)."""
+    of a few token blocks (``Variant.small_plan_blocks``)."""
     count_exchange = ws.exchange(in_plan=True)
     chunking, cfg = Chunking.of(tile), ws.cfg
 
@@ -127,8 +128,8 @@ def dispatch_of(ws: Workspace, x_addr: torch.Tensor, homes, gather: bool = False
     """layer0's :class:`~comet.kernels.layer0.Dispatch` of ``ws`` for the input whose
     address is in ``x_addr`` (``homes``: what the layer1 strategy needs sent with rows;
     ``gather``: a row per token and destination, pairs as index entries)."""
-    return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peer("a0"),
-                    ws.recv, homes, ws.peer("flag0"), ws.chunk_slots, ws.cfg.max_tokens,
+    return Dispatch(x_addr, ws.plan.send, ws.plan.entries, ws.plan.entry_count, ws.peers.a0,
+                    ws.recv, homes, ws.peers.flag0, ws.chunk_slots, ws.cfg.max_tokens,
                     ws.count.l0_dispatch, ws.gather_targets() if gather else None,
                     ws.count.l0_parts)
 
@@ -184,33 +185,24 @@ class ForwardCall:
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
-        gather = tile.layer0_gather
+        gather = tile.variant.layer0_gather
         rows = None
         if gather:
             rows = (ws.gathered_rows(self.inputs.x_addr, self.inputs.num_tokens)
-                    if tile.layer0_own_in_place else ws.gathered_rows())
-        gemm0, item0 = layer0_gemm(ws.a0, self.w13, ws.h, tile, gated=True,
+                    if tile.variant.layer0_own_in_place else ws.gathered_rows())
+        gemm0, item0 = layer0_gemm(ws.local.a0, self.w13, ws.h, tile, gated=True,
                                    activation=ws.cfg.activation, bias=self.b13, rows=rows)
-        self._layer0 = dict(dispatch=dispatch_of(ws, self.inputs.x_addr, homes, gather),
-                            gemm=gemm0,
-                            item=item0, tiles=ws.plan.tiles, segments=ws.plan.segments,
-                            work=ws.layer0_work(tile.layer0_stream_k,
-                                                tile.layer0_tail_split), sync=ws.sync,
-                            split=self.inputs.split0,
-                            shape=ws.shape, tile=tile)
+        self.layer0 = Layer0Launch(
+            dispatch_of(ws, self.inputs.x_addr, homes, gather), gemm0, item0, ws.plan.tiles,
+            ws.plan.segments,
+            ws.layer0_work(tile.variant.layer0_stream_k, tile.variant.layer0_tail_split),
+            ws.sync, self.inputs.split0, ws.shape, tile)
         gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
-        self._layer1 = dict(gemm=gemm1, item=item1, splits=splits, tile=tile,
-                            split=self.inputs.split1)
-        # A small call's combine runs on layer1's programs (TileConfig.combine_in_layer1):
-        # only in one fused launch, whose programs wait for the peers' layer1 together.
-        self.combine_in_layer1 = (self.fused and tile.combine_in_layer1 > 0
-                                  and self.strategy.combines_in_layer1)
-        parts = self.strategy.parts(ws)
-        if self.combine_in_layer1:
-            self._layer1["combine"] = combine_of(parts, self.inputs.y_addr,
-                                                 self.inputs.num_tokens, tile,
-                                                 warps=tile.num_warps)
-        self._combine = combine_of(parts, self.inputs.y_addr, self.inputs.num_tokens, tile)
+        self.layer1 = Layer1Launch(self.strategy, ws, gemm1, item1, splits, tile,
+                                   self.inputs.split1)
+        self.combine = CombineLaunch(
+            combine_of(self.strategy.parts(ws), self.inputs.y_addr, self.inputs.num_tokens,
+                       tile), ws.local.flag1, ws.cfg.max_tokens, ws.sync, tile)
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
                                    self.inputs.num_tokens)
 
@@ -222,7 +214,7 @@ class ForwardCall:
         # routing, which reads the staged rows, must run between the two.
         shards, stage = self.shard_routing, self.routing_stage
         plan = list(plan_phases(self.ws, self._routing, self.tile,
-                                small=self.tile.small_plan_blocks > 0,
+                                small=self.tile.variant.small_plan_blocks > 0,
                                 stage=stage if shards is None else None))
         if shards is not None:
             plan.insert(0, lambda: launch_shard_routing(shards))
@@ -246,21 +238,13 @@ class ForwardCall:
     # ------------------------------------------------------------------ launches
     def launch_layer0(self, role: int, grid: int, *, wait: bool = True,
                       trace: Trace | None = None, cooperative: bool = False) -> None:
-        """layer0 of this call in ``role`` on ``grid`` programs."""
-        launch_layer0(grid, role=role, wait=wait, trace=trace or self._quiet,
-                      cooperative=cooperative, **self._layer0)
+        """layer0 of this call in ``role`` on ``grid`` programs (untraced by default)."""
+        self.layer0(grid, role, wait=wait, trace=trace or self._quiet, cooperative=cooperative)
 
     def launch_layer1(self, role: int, grid: int, *, wait: bool = True,
                       trace: Trace | None = None, cooperative: bool = False) -> None:
         """layer1 of this call (its strategy's kernel) in ``role`` on ``grid`` programs."""
-        self.strategy.launch(self.ws, grid, role=role, wait=wait, trace=trace or self._quiet,
-                             cooperative=cooperative, **self._layer1)
-
-    def launch_combine(self, grid: int) -> None:
-        """The combine of this call's outputs on at most ``grid`` programs."""
-        ws = self.ws
-        launch_combine(grid, combine=self._combine, flag1=ws.flag1,
-                       max_tokens=ws.cfg.max_tokens, sync=ws.sync, tile=self.tile)
+        self.layer1(grid, role, wait=wait, trace=trace or self._quiet, cooperative=cooperative)
 
     def _layer0_phases(self) -> list[Phase]:
         """Fused with comm blocks as one launch; else the comm role (unless computing
@@ -295,6 +279,6 @@ class ForwardCall:
         return phases
 
     def _combine_phases(self) -> list[Phase]:
-        if self.mode == "compute_only" or self.combine_in_layer1:
+        if self.mode == "compute_only":
             return []
-        return [lambda: self.launch_combine(self.grids.combine)]
+        return [lambda: self.combine(self.grids.combine)]

@@ -15,10 +15,12 @@ def check_inputs(cfg: MoEConfig, x: torch.Tensor, topk_ids: torch.Tensor | None,
                  contiguous: bool = False, host_ids: bool = False) -> int:
     """Check a call's ``x`` (``[tokens, H]``, or with ``batched`` also ``[batch, seq, H]``;
     ``dtype`` and ``device``: the layer's; ``contiguous``: required) and routing
-    (``[tokens, k]`` each, or both None); returns the token count. With ``host_ids``, a
-    user's ``topk_ids`` are also read on the host and must lie in ``[-1, E)`` (skipped
-    while compiling or capturing a graph, when they have no values yet: the kernels check
-    them on the device and a later call raises)."""
+    (``[tokens, k]`` each, or both None); returns the token count. Nothing here reads a
+    tensor's values, so a check never synchronises with a GPU. With ``host_ids``, a
+    user's ``topk_ids`` on the CPU are also range-checked (``[-1, E)``; not while
+    compiling, when they have no values yet): on a GPU the fused kernels check them on
+    the device, and a bad id is raised as :class:`~comet.runtime.errors.CometInputError`
+    by that call (``check_errors="sync"``) or a later one, without a host read."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a tensor, got {type(x).__name__}")
     dims = (2, 3) if batched else (2,)
@@ -50,17 +52,13 @@ def check_inputs(cfg: MoEConfig, x: torch.Tensor, topk_ids: torch.Tensor | None,
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if topk_ids.device != x.device or topk_weights.device != x.device:
         raise ValueError("topk_ids and topk_weights must be on the input's device")
-    if host_ids and topk_ids.numel() and not _deferred(x):
-        # One host read per call with user-supplied ids: bad ids must fail here, not
-        # inside a kernel. Router-computed ids never need it.
+    if host_ids and topk_ids.numel() and not topk_ids.is_cuda \
+            and not torch.compiler.is_compiling():
+        # CPU ids cost no device sync to read; the CPU path (the reference) has no
+        # device-side check to fall back on.
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= cfg.num_experts:
             raise ValueError(f"topk_ids must be in [-1, {cfg.num_experts}), got values in "
                              f"[{lo}, {hi}]")
     return tokens
 
-
-def _deferred(x: torch.Tensor) -> bool:
-    """Values are not there yet: a compile traces the call, or a graph capture records it."""
-    return (torch.compiler.is_compiling()
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))

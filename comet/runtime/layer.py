@@ -18,7 +18,6 @@ The backward (comet.runtime.backward) runs the same way.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from comet.runtime.errors import TIMEOUT_CODE, ErrorReports
 from comet.kernels.mesh_routing import shard_routing
 from comet.kernels.stage_routing import RoutingStage
 from comet.mesh import Convention, MeshLayout
-from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids, kernel_decomposition
+from comet.runtime.forward import MODES, CallInputs, ForwardCall, Grids
 from comet.runtime.graphs import CallGraphs
 from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
@@ -89,19 +88,19 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):
-        tile = dataclasses.replace(tile, layer1_scatter=False)
+        tile = tile.with_fields(layer1_scatter=False)
     if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
             and one_dot_tiles(tile.block_n0, cfg.intermediate_size // mesh.tp)):
-        tile = dataclasses.replace(tile, layer0_gather=True)
+        tile = tile.with_fields(layer0_gather=True)
     return tile
 
 
-def _layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
-                cfg: MoEConfig) -> TileConfig:
+def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
+              cfg: MoEConfig) -> TileConfig:
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg``;
     ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
-    if tile.layer0_gather:
+    if tile.variant.layer0_gather:
         check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
 
@@ -116,7 +115,7 @@ def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
     return interleave_gate_up(w13), None if b13 is None else interleave_gate_up(b13), b2
 
 
-def _mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
+def mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
     """The layout of ``world`` ranks: ``mesh``, or expert parallelism over all of them."""
     return mesh if mesh is not None else MeshLayout(tp=1, ep=world)
 
@@ -128,6 +127,29 @@ def _output_bias(cfg: MoEConfig, mesh: MeshLayout, rank: int, b2, w2):
     if cfg.expert_bias and b2 is None:
         return torch.zeros(w2.shape[0], w2.shape[2], dtype=w2.dtype, device=w2.device)
     return b2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one rank's launches share its GPU.
+
+    cooperative: fused launches are co-resident by the launch attribute (a rank with a
+        GPU of its own); ranks that share one GPU cannot be, their grids sized to fit
+        side by side instead (comet.runtime.virtual).
+    combine_per_program: combine programs per program of the fused grid.
+    group_barrier: :meth:`FusedMoE.reset` waits for the group's ranks with a
+        torch.distributed barrier (ranks of one process need none: the device's
+        synchronize covers them).
+    """
+
+    cooperative: bool
+    combine_per_program: int
+    group_barrier: bool
+
+
+#: A rank alone on its GPU, in a process of its own.
+ALONE = Placement(cooperative=True, combine_per_program=COMBINE_PROGRAMS_PER_SM,
+                  group_barrier=True)
 
 
 class FusedMoE:
@@ -159,7 +181,7 @@ class FusedMoE:
         tile: tile configuration (default: Hopper tiles); its ``decode_*`` fields give
             calls too small to fill the GPU their own GEMM tiles, and a tuned table may
             set its :data:`comet.config.TUNABLE_TILE_FIELDS` per token bucket
-            (:meth:`select_tile`).
+            (:meth:`Selector.tile_for <comet.runtime.selection.Selector.tile_for>`).
         tuned_config_folder: extra folder of ``comet tune`` tables.
         check_errors: ``"lazy"`` raise a failed call's error at a later call (no sync);
             ``"sync"`` synchronise after every call and raise at once (debugging).
@@ -184,80 +206,47 @@ class FusedMoE:
                  b2: torch.Tensor | None = None, mesh: MeshLayout | None = None,
                  convention: Convention = "sequence"):
         par = ParallelConfig.from_group(group)
-        mesh = _mesh_of(mesh, par.world_size)
-        self._validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
-        tile = _layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
+        mesh = mesh_of(mesh, par.world_size)
+        self.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        tile = layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
         kernel_cfg = mesh.kernel_config(cfg)
-        # State the calls update in place must not be inference tensors, or a layer first
-        # built under torch.inference_mode() (a server's warm-up) fails every later call
-        # made outside it.
-        with torch.inference_mode(False):
-            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
-                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
+        with torch.inference_mode(False):   # see _build
             if par.world_size == 1:
                 ws = allocate_virtual(kernel_cfg, 1, w13.device, tile)[0]
             else:
                 ws = allocate_symmetric(kernel_cfg, group, w13.device, tile)
-            programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
-            self._setup(ws, w13, w2, group, par, tile, programs, tuned_config_folder,
-                        check_errors, use_graphs, cfg=cfg, mesh=mesh, convention=convention)
+        programs = sm_count(w13.device) if w13.device.type == "cuda" else 4
+        self._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
+                    ALONE, tuned_config_folder, check_errors, use_graphs, mesh, convention)
 
     @classmethod
-    def virtual_group(cls, cfg: MoEConfig, w13_shards: list[torch.Tensor],
-                      w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
-                      programs: int | None = None, tuned_config_folder: str | None = None,
-                      check_errors: str = "lazy", use_graphs: bool = True,
-                      w13_layout: str = "gate_up", backward: bool = False,
-                      b13_shards: list[torch.Tensor] | None = None,
-                      b2_shards: list[torch.Tensor] | None = None,
-                      mesh: MeshLayout | None = None,
-                      convention: Convention = "sequence") -> list["FusedMoE"]:
-        """W ranks of one expert-parallel group in this process, on one device, whose
-        workspaces point at each other: call them concurrently, one CUDA stream per rank
-        (:func:`comet.runtime.virtual.concurrent_forward`), to run the real cross-rank
-        protocol without NVLink (tests). Each rank is :meth:`preload`-ed: one host thread
-        cannot make peer calls while the device waits to load a module. ``programs``
-        (default: the SM count over W) is each rank's grid, so every rank's spinning
-        kernel fits on the GPU beside the others' (launched without the cooperative
-        attribute, which would not let them share it). ``backward``: preload the
-        backward's kernels too (:meth:`backward`). ``mesh``: the (tp, ep) layout of the
-        W ranks (shards as :meth:`comet.mesh.MeshLayout.shard` gives them). Other
-        arguments as for the constructor."""
-        world = len(w13_shards)
-        mesh = _mesh_of(mesh, world)
-        device = w13_shards[0].device
-        if world > 1 and check_errors == "sync":
-            raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
-                             "synchronize waits for its call, which needs the other ranks' "
-                             "calls; use 'lazy' and check_errors_now() after the calls")
-        tile = _layer_tile(tile, mesh, convention, cfg)
-        if programs is None:
-            sms = sm_count(device) if device.type == "cuda" else 4 * world
-            programs = max(1, sms // world)
-        with torch.inference_mode(False):   # see __init__
-            spaces = allocate_virtual(mesh.kernel_config(cfg), world, device, tile)
-        layers = []
-        for r in range(world):
-            b13 = None if b13_shards is None else b13_shards[r]
-            b2 = None if b2_shards is None else b2_shards[r]
-            cls._validate(cfg, ParallelConfig(world, r), w13_shards[r], w2_shards[r],
-                          w13_layout, b13, b2, mesh, convention)
-            layer = cls.__new__(cls)
-            with torch.inference_mode(False):
-                w13, layer.b13, layer.b2 = _kernel_layout(
-                    w13_layout, w13_shards[r], b13,
-                    _output_bias(cfg, mesh, r, b2, w2_shards[r]))
-                layer._setup(spaces[r], w13, w2_shards[r], None, ParallelConfig(world, r),
-                             tile, programs, tuned_config_folder, check_errors, use_graphs,
-                             virtual=True, cfg=cfg, mesh=mesh, convention=convention)
-            if device.type == "cuda":
-                layer.preload(backward=backward)
-            layers.append(layer)
-        return layers
+    def on_workspace(cls, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor,
+                     w2: torch.Tensor, par: ParallelConfig, tile: TileConfig, programs: int,
+                     placement: Placement, *, group=None,
+                     tuned_config_folder: str | None = None, check_errors: str = "lazy",
+                     use_graphs: bool = True, w13_layout: str = "gate_up",
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                     mesh: MeshLayout | None = None,
+                     convention: Convention = "sequence") -> "FusedMoE":
+        """Rank ``par.rank`` of a layer on a workspace allocated already (``ws``, with
+        ``tile``; :func:`~comet.runtime.workspace.allocate_virtual` for ranks that share
+        a process: :func:`comet.runtime.virtual.virtual_group`), its fused grids of
+        ``programs`` launched as ``placement`` says. Other arguments as for the
+        constructor."""
+        mesh = mesh_of(mesh, par.world_size)
+        cls.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
+        layer = cls.__new__(cls)
+        layer._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
+                     placement, tuned_config_folder, check_errors, use_graphs, mesh,
+                     convention)
+        return layer
 
     @staticmethod
-    def _validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh: MeshLayout,
-                  convention: Convention) -> None:
+    def validate(cfg: MoEConfig, par: ParallelConfig, w13: torch.Tensor, w2: torch.Tensor,
+                 w13_layout: str, b13: torch.Tensor | None, b2: torch.Tensor | None,
+                 mesh: MeshLayout, convention: Convention) -> None:
+        """Raise ValueError where rank ``par.rank``'s weights, biases or layout cannot make
+        this layer (before any collective)."""
         if mesh.world != par.world_size:
             raise ValueError(f"a {mesh} layout has {mesh.world} ranks, but the process group "
                              f"has {par.world_size}")
@@ -287,9 +276,24 @@ class FusedMoE:
                 raise ValueError(f"{name} must be a contiguous {list(shape)} {w13.dtype} tensor "
                                  f"on {w13.device}, got {list(b.shape)} {b.dtype} on {b.device}")
 
-    def _setup(self, ws: Workspace, w13, w2, group, par, tile, programs, tuned_config_folder,
-               check_errors, use_graphs, virtual: bool = False, *, cfg: MoEConfig,
+    def _build(self, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
+               b13: torch.Tensor | None, b2: torch.Tensor | None, w13_layout: str, group,
+               par: ParallelConfig, tile: TileConfig, programs: int, placement: Placement,
+               tuned_config_folder: str | None, check_errors: str, use_graphs: bool,
                mesh: MeshLayout, convention: Convention) -> None:
+        # State the calls update in place must not be inference tensors, or a layer first
+        # built under torch.inference_mode() (a server's warm-up) fails every later call
+        # made outside it.
+        with torch.inference_mode(False):
+            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
+                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
+            self._setup(ws, w13, w2, group, par, tile, programs, placement,
+                        tuned_config_folder, check_errors, use_graphs, cfg, mesh, convention)
+
+    def _setup(self, ws: Workspace, w13, w2, group, par: ParallelConfig, tile: TileConfig,
+               programs: int, placement: Placement, tuned_config_folder: str | None,
+               check_errors: str, use_graphs: bool, cfg: MoEConfig, mesh: MeshLayout,
+               convention: Convention) -> None:
         # cfg: the layer as the caller routes it; ws.cfg: what the kernels run (the same,
         # or a (tp, ep) layout's shard experts: comet.mesh).
         self.cfg, self.par, self.group, self.ws = cfg, par, group, ws
@@ -297,14 +301,14 @@ class FusedMoE:
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.tile = tile
-        self._virtual = virtual
+        self.placement = placement
+        # The shared-tensor analyzer's answer for every layout (layer0 by rows, layer1 by
+        # columns) is the kernels' decomposition: tests/test_shared_tensor.py checks it
+        # (comet.runtime.forward.kernel_decomposition), not every construction.
         ws.fanout, ws.tp = mesh.home_fanout(convention), mesh.tp
-        # The analyzer's answer for this layout, checked against the kernels' (layer0 by
-        # rows, layer1 by columns).
-        self.decomposition = kernel_decomposition(mesh, convention)
         self.selection = Selector(ws.cfg, par.world_size, tile, programs, self.device,
                                   tuned_config_folder, mesh.table_layout(convention))
-        self.errors = ErrorReports(ws.error, par.rank, cfg.num_experts, check_errors,
+        self.errors = ErrorReports(ws.local.error, par.rank, cfg.num_experts, check_errors,
                                    slots_per_choice=mesh.tp)
         self.graphs = CallGraphs(self.device, use_graphs)
         self._static = StaticInputs(cfg, self.device)
@@ -348,17 +352,6 @@ class FusedMoE:
         self.errors.mode = mode
 
     # ------------------------------------------------------------------ selection
-    def select_comm_blocks(self, num_tokens: int, comm_blocks=None) -> tuple[int, int]:
-        """(layer0, layer1) comm blocks for a call with ``num_tokens`` on this rank
-        (:meth:`Selector.comm_blocks <comet.runtime.selection.Selector.comm_blocks>`)."""
-        return self.selection.comm_blocks(num_tokens, comm_blocks)
-
-    def select_tile(self, num_tokens: int, decode_tile: bool | None = None,
-                    tile_overrides: dict[str, int] | None = None) -> TileConfig:
-        """The tile configuration of a call with ``num_tokens`` on this rank
-        (:meth:`Selector.tile_for <comet.runtime.selection.Selector.tile_for>`)."""
-        return self.selection.tile_for(num_tokens, decode_tile, tile_overrides)
-
     @property
     def last_decode(self) -> bool:
         """Whether the last call's layer1 ran on the decode tile."""
@@ -375,12 +368,18 @@ class FusedMoE:
                  comm_blocks=None, mode: str = "fused", timer: PhaseTimer | None = None,
                  decode_tile: bool | None = None,
                  tile_overrides: dict[str, int] | None = None,
-                 trace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                 trace: dict[str, torch.Tensor] | None = None, *,
+                 checked: bool = False) -> torch.Tensor:
         """Routed experts of ``x [M, H]`` -> ``[M, H]`` in ``x.dtype``.
+
+        ``checked``: the caller already passed these inputs through
+        :func:`comet.runtime.inputs.check_inputs` with this layer's shape, dtype and
+        device, contiguous (:class:`comet.moe.CometMoE` does, once per call).
 
         ``comm_blocks`` (an int for both layers, or a pair), ``decode_tile`` and
         ``tile_overrides`` (values of :data:`comet.config.TUNABLE_TILE_FIELDS`) override
-        the per-call selection (:meth:`select_comm_blocks`, :meth:`select_tile`).
+        the per-call selection (``self.selection``: :class:`~comet.runtime.selection.
+        Selector`'s ``comm_blocks`` and ``tile_for``).
         ``mode`` decomposes the call (comet.runtime.forward), ``timer`` times its phases,
         ``trace`` has its fused launches stamp their work (``comet bench``); a timed or
         traced call runs without a graph.
@@ -392,10 +391,10 @@ class FusedMoE:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        m = self._check(x, topk_ids, topk_weights)
+        m = x.shape[0] if checked else self._check(x, topk_ids, topk_weights)
         self.errors.check_usable()
-        split = self.select_comm_blocks(m, comm_blocks)
-        tile = self.select_tile(m, decode_tile, tile_overrides)
+        split = self.selection.comm_blocks(m, comm_blocks)
+        tile = self.selection.tile_for(m, decode_tile, tile_overrides)
         y = self._launch(x, topk_ids, topk_weights, split, mode, timer, tile, trace)
         self.errors.after_launch()
         return y
@@ -412,8 +411,7 @@ class FusedMoE:
 
     def _grids(self) -> Grids:
         grid = self.programs
-        return Grids(grid, grid, grid, grid if self._virtual
-                     else grid * COMBINE_PROGRAMS_PER_SM)
+        return Grids(grid, grid, grid, grid * self.placement.combine_per_program)
 
     def _call(self, mode: str, layer0_comm: bool, tile: TileConfig,
               trace: dict[str, torch.Tensor] | None = None) -> ForwardCall:
@@ -428,7 +426,7 @@ class FusedMoE:
                                 s.split[1:2], ids, weights)
             stage = RoutingStage(s.routing_addr, s.num_tokens, s.ids, s.weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
-                               layer0_comm, cooperative=not self._virtual, trace=trace,
+                               layer0_comm, cooperative=self.placement.cooperative, trace=trace,
                                b13=self.b13, b2=self.b2, shard_routing=shards,
                                routing_stage=stage)
             if trace is not None:
@@ -493,8 +491,7 @@ class FusedMoE:
         self.errors.clear()
 
     def _group_barrier(self) -> None:
-        # Virtual ranks share this process and its device: the synchronize was enough.
-        if self.par.world_size > 1 and not self._virtual:
+        if self.par.world_size > 1 and self.placement.group_barrier:
             import torch.distributed as dist
             dist.barrier(group=self.group)
             if self.device.type == "cuda":
@@ -525,7 +522,7 @@ class FusedMoE:
             raise ValueError(f"dy must be {list(x.shape)} on {x.device}, got "
                              f"{list(dy.shape)} on {dy.device}")
         self.errors.check_usable()
-        split = self.select_comm_blocks(x.shape[0], comm_blocks)
+        split = self.selection.comm_blocks(x.shape[0], comm_blocks)
         self._refresh_timeout()
         self.last_comm_blocks = split
         call = self._backward_variant(split[0] > 0, weight_grads).start(
@@ -550,7 +547,7 @@ class FusedMoE:
                 self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
                 self._static.ids, self._static.weights, self._backward_scalars,
                 self.programs, fused=not interpreting(), layer0_comm=layer0_comm,
-                cooperative=not self._virtual, weight_grads=weight_grads, b13=self.b13,
+                cooperative=self.placement.cooperative, weight_grads=weight_grads, b13=self.b13,
                 b2=self.b2)
         return self._backward_calls[key]
 
@@ -585,6 +582,6 @@ class FusedMoE:
                                     call.segments())
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self.ws.error.zero_()
+        self.ws.local.error.zero_()
         for t in (self.ws.epoch, self.ws.counters):
             t.zero_()

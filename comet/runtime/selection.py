@@ -8,10 +8,9 @@ table or a rule says a call is too small to fill the GPU, and with layer0's smal
 variants compiled in only for calls small enough: stream-K where the device may take
 it, the K splits of layer0's last round where that round is nearly empty, and a
 gathered GEMM's loads of live rows only where its tiles are mostly others' rows; the
-plan in two launches for calls of a few token blocks, and their combine on layer1's
-programs. All are
-rank-local choices -- nothing a peer reads depends on them except the split, which every
-rank of a group derives from the same table -- and all are remembered per token count,
+plan in two launches for calls of a few token blocks. All are rank-local choices --
+nothing a peer reads depends on them except the split, which every rank of a group
+derives from the same table -- and all are remembered per token count,
 so the forward path does not search folders or run the model's loop on every call.
 """
 
@@ -67,11 +66,10 @@ class Selector:
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
         one_dot = one_dot_tiles(tile.block_n0, cfg.intermediate_size)
-        self.may_stream_k = tile.layer0_stream_k and one_dot
-        self.may_tail_split = tile.layer0_tail_split > 1 and one_dot
-        self.may_live_rows = tile.layer0_gather and tile.layer0_live_rows
-        self.may_small_plan = tile.small_plan_blocks > 0
-        self.may_combine_in_layer1 = tile.combine_in_layer1 > 0
+        self.may_stream_k = tile.variant.layer0_stream_k and one_dot
+        self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
+        self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
+        self.may_small_plan = tile.variant.small_plan_blocks > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
 
@@ -96,7 +94,7 @@ class Selector:
         w0, w1 = layer_work(num_tokens, self.world, c.top_k, c.hidden_size,
                             c.intermediate_size, c.dtype.itemsize,
                             self.tile.n_splits(c.hidden_size))
-        n1 = 0 if self.tile.layer1_scatter else analytic_split(w1, self.programs)
+        n1 = 0 if self.tile.variant.layer1_scatter else analytic_split(w1, self.programs)
         return analytic_split(w0, self.programs), n1
 
     def _choice(self, num_tokens: int) -> tuned.Choice:
@@ -144,8 +142,7 @@ class Selector:
         splits where :meth:`tail_split_by_rule` says no, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
         keeps them: it is a small one), the two-launch plan past
-        :meth:`small_plan_by_rule`, the combine inside layer1 past
-        :meth:`combine_in_layer1_by_rule`. Decided once per token count."""
+        :meth:`small_plan_by_rule`. Decided once per token count."""
         if num_tokens not in self._too_large:
             stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
             off = []
@@ -157,8 +154,6 @@ class Selector:
                 off.append("layer0_live_rows")
             if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
                 off.append("small_plan_blocks")
-            if self.may_combine_in_layer1 and not self.combine_in_layer1_by_rule(num_tokens):
-                off.append("combine_in_layer1")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
@@ -171,7 +166,7 @@ class Selector:
             return tile
         if (tile, variants) not in self._without:
             self._without[tile, variants] = dataclasses.replace(
-                tile, **{f: type(getattr(tile, f))(0) for f in variants})
+                tile, variant=tile.variant.without(variants))
         return self._without[tile, variants]
 
     def _variant(self, overrides: tuple[tuple[str, int], ...]
@@ -201,8 +196,7 @@ class Selector:
         rule's answer turns with the last round's fill, so every count up to its last
         (small m-tiles) is tried."""
         counts = {0, 1, self.cfg.max_tokens}
-        for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule,
-                     self.combine_in_layer1_by_rule):
+        for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule):
             lo = self._last_true(rule)
             counts |= {lo, lo + 1}
         if self.may_tail_split:
@@ -286,20 +280,13 @@ class Selector:
 
     def small_plan_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank plans in two launches: its
-        tokens make at most ``TileConfig.small_plan_blocks`` of the plan's token blocks
+        tokens make at most ``Variant.small_plan_blocks`` of the plan's token blocks
         (the layout kernel's programs place one each, 16 of them at most) in at most
         :data:`SMALL_PLAN_STEPS` of the opening's steps (comet.kernels.plan.open_kernel
         counts a step of several blocks at a time, fewer the more experts there are)."""
         blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
         step = open_step_blocks(self.cfg.num_experts)
-        return blocks <= self.tile.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
-
-    def combine_in_layer1_by_rule(self, num_tokens: int) -> bool:
-        """Whether a call with ``num_tokens`` on this rank runs its combine on layer1's
-        programs: at most ``TileConfig.combine_in_layer1`` tokens. A large call's combine
-        is an HBM stream that its own launch runs on four programs per SM; layer1's grid
-        has one per SM."""
-        return num_tokens <= self.tile.combine_in_layer1
+        return blocks <= self.tile.variant.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where

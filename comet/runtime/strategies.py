@@ -12,7 +12,7 @@ rank -- and differ in where the top-k sum happens:
 * :class:`Scatter` -- the GEMM's epilogue writes each row, weighted, straight into its
   token's slot of ``pair_out`` on the token's rank (the dispatch sent each row's home
   along with it); the combine sums a token's ``k`` slots. No comm role and no reduce
-  pass. Fused forward calls run it when ``TileConfig.layer1_scatter`` is set (default).
+  pass. Fused forward calls run it when ``Variant.layer1_scatter`` is set (default).
 
 A strategy declares the symmetric buffers it needs (:meth:`specs`, allocated with the
 workspace's, comet.runtime.workspace), whether layer0 must send row homes, how it
@@ -27,7 +27,7 @@ import torch
 
 from comet.config import MoEConfig, TileConfig
 from comet.constants import constexpr
-from comet.kernels.combine import Combine, Parts
+from comet.kernels.combine import Parts
 from comet.kernels.group_gemm import Gemm, GemmTile
 from comet.kernels.layer0 import Homes as DispatchHomes
 from comet.kernels.layer1 import (Homes, KSplit, Pairs, Progress, Reduce, Splits,
@@ -47,7 +47,7 @@ class BufferSpec:
 
 
 def _progress(ws: "Workspace") -> Progress:
-    return Progress(ws.count.split, ws.count.l1_done, ws.peer("flag1"))
+    return Progress(ws.count.split, ws.count.l1_done, ws.peers.flag1)
 
 
 class ColumnReduce:
@@ -56,8 +56,6 @@ class ColumnReduce:
     name = "reduce"
     #: Whether layer0's dispatch must send each row's home and weight.
     sends_homes = False
-    #: Whether layer1's kernel can run a small call's combine (``combine`` of launch).
-    combines_in_layer1 = False
 
     @staticmethod
     def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
@@ -80,7 +78,7 @@ class ColumnReduce:
         recv = EntryTables(*(b.local for b in ws.recv))
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
-            progress=_progress(ws), reduce=Reduce(recv, ws.peer("comb"), mx, ws.rank % ws.tp,
+            progress=_progress(ws), reduce=Reduce(recv, ws.peers.comb, mx, ws.rank % ws.tp,
                                                   ws.count.l1_reduce, pairs,
                                                   constexpr(ws.fanout), constexpr(ws.tp)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
@@ -89,7 +87,7 @@ class ColumnReduce:
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """comb ``[W, Mx, H]``: part ``d`` of token ``t`` is row ``d * Mx + t``."""
-        return Parts(ws.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.world, ws.fanout)
+        return Parts(ws.local.comb, ws.plan.dest_mask, ws.cfg.max_tokens, 1, ws.world, ws.fanout)
 
 
 class Scatter:
@@ -97,7 +95,6 @@ class Scatter:
 
     name = "scatter"
     sends_homes = True
-    combines_in_layer1 = True
 
     @staticmethod
     def specs(cfg: MoEConfig, world: int) -> list[BufferSpec]:
@@ -117,36 +114,35 @@ class Scatter:
     @staticmethod
     def homes(ws: "Workspace") -> DispatchHomes:
         """What layer0's dispatch sends with each row."""
-        return DispatchHomes(ws.peer("row_home"), ws.peer("row_weight"))
+        return DispatchHomes(ws.peers.row_home, ws.peers.row_weight)
 
     @staticmethod
     def launch(ws: "Workspace", grid: int, *, gemm: Gemm, item: GemmTile,
                splits: Splits, tile: TileConfig, role: int, split: torch.Tensor,
                trace: Trace, wait: bool = True, cooperative: bool = False,
-               pairs: Pairs | None = None, combine: Combine | None = None) -> None:
-        """layer1 on every program of ``grid`` (``role``, ``split`` and ``wait`` do not
-        apply); with ``combine``, the call's combine after it on the same programs
-        (which wait for every rank's layer1, so ``cooperative`` on a GPU of its own)."""
+               pairs: Pairs | None = None) -> None:
+        """layer1 on every program of ``grid`` (``role``, ``split``, ``wait`` and
+        ``cooperative`` do not apply: its programs wait for no peer)."""
         assert pairs is None, "the scatter epilogue serves the forward only"
         cfg = ws.cfg
-        homes = Homes(ws.row_home, ws.row_weight, ws.peer("pair_out"),
+        homes = Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
                       cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
         ksplit = ({"ksplit": KSplit(ws.l1_partial, ws.count.arrived,
-                                    constexpr(tile.layer1_split_k))}
-                  if tile.layer1_split_k > 1 else {})
+                                    constexpr(tile.variant.layer1_split_k))}
+                  if tile.variant.layer1_split_k > 1 else {})
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
                               tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
                               sync=ws.sync, trace=trace, shape=ws.shape, tile=tile,
-                              combine=combine, cooperative=cooperative, **ksplit)
+                              **ksplit)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
         """pair_out ``[Mx, k, H]``: part ``j`` of token ``t`` is row ``t * k + j``."""
-        return Parts(ws.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.cfg.top_k, ws.fanout)
+        return Parts(ws.local.pair_out, ws.plan.pair_live, 1, ws.cfg.top_k, ws.cfg.top_k, ws.fanout)
 
 
 def scatter_pays(tp: int, ep: int, convention: str) -> bool:
-    """Whether the scatter epilogue is a layout's default layer1 (``TileConfig.layer1_scatter``).
+    """Whether the scatter epilogue is a layout's default layer1 (``Variant.layer1_scatter``).
 
     Not where every rank holds every expert's F shard and every rank passes the same
     tokens (the replicated convention with ``ep == 1``): there each token's ``k`` slots
@@ -165,13 +161,13 @@ def scatter_pays(tp: int, ep: int, convention: str) -> bool:
 
 
 #: Mean (token, slot) pairs per (token, destination rank) from which layer0's gathered
-#: dispatch (``TileConfig.layer0_gather``) is a layout's default.
+#: dispatch (``Variant.layer0_gather``) is a layout's default.
 GATHER_PAIRS_PER_RANK = 4
 
 
 def gather_pays(top_k: int, ep: int) -> bool:
     """Whether a layout's layer0 sends each token's row once per rank and reads its A rows
-    through an index (``TileConfig.layer0_gather``) by default: where a token has, on
+    through an index (``Variant.layer0_gather``) by default: where a token has, on
     average, at least :data:`GATHER_PAIRS_PER_RANK` of its (shard) slots on a rank --
     ``top_k / ep`` in a (tp, ep) layout, whose kernels see ``tp * top_k`` shard slots
     over ``tp * ep`` ranks. Below that the index's loads (1.03-1.06x the GEMM's
@@ -190,11 +186,11 @@ def strategies_of(tile: TileConfig) -> list[type]:
     """The strategies a layer with ``tile`` may run (whose buffers it allocates): the
     column-split reduce always (the backward and the decomposed modes), the scatter
     where the tile enables it."""
-    return [ColumnReduce, Scatter] if tile.layer1_scatter else [ColumnReduce]
+    return [ColumnReduce, Scatter] if tile.variant.layer1_scatter else [ColumnReduce]
 
 
 def strategy_for(tile: TileConfig, mode: str) -> type:
     """The strategy a call in ``mode`` runs: the scatter for fused calls of a layer whose
     tile enables it, else the column-split reduce (the decomposed modes keep it, so that
     they stay the decomposition of a fused call)."""
-    return Scatter if tile.layer1_scatter and mode == "fused" else ColumnReduce
+    return Scatter if tile.variant.layer1_scatter and mode == "fused" else ColumnReduce

@@ -9,9 +9,10 @@ Two drivers:
   ``TRITON_INTERPRET=1`` this runs the very @triton.jit role functions of the fused
   kernels on the CPU, across ranks, over real peer-pointer tables; on one GPU it checks
   the cross-rank logic without NVLink.
-* :func:`concurrent_forward` / :func:`concurrent_backward` make the real fused calls of
-  a :meth:`FusedMoE.virtual_group <comet.runtime.layer.FusedMoE.virtual_group>`
-  concurrently, one CUDA stream per rank, as W GPUs would.
+* :func:`virtual_group` builds W real :class:`~comet.runtime.layer.FusedMoE` ranks on
+  one device, whose workspaces point at each other, and :func:`concurrent_forward` /
+  :func:`concurrent_backward` make their fused calls concurrently, one CUDA stream per
+  rank, as W GPUs would.
 """
 
 from __future__ import annotations
@@ -20,16 +21,70 @@ import functools
 
 import torch
 
-from comet.config import MoEConfig, TileConfig
+from comet.config import MoEConfig, ParallelConfig, TileConfig
 from comet.constants import interpreting
 from comet.kernels.mesh_routing import ShardRouting, shard_routing
 from comet.mesh import Convention, MeshLayout
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.forward import CallInputs, ForwardCall, Grids
+from comet.runtime.layer import FusedMoE, Placement, layer_tile, mesh_of, sm_count
 from comet.runtime.staging import StagedScalars, address_of, aligned
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
+
+
+#: Ranks sharing one GPU and one process: grids sized to fit side by side, not
+#: cooperative launches; one combine program per program; no distributed barrier.
+SHARED = Placement(cooperative=False, combine_per_program=1, group_barrier=False)
+
+
+def virtual_group(cfg: MoEConfig, w13_shards: list[torch.Tensor],
+                  w2_shards: list[torch.Tensor], tile: TileConfig | None = None,
+                  programs: int | None = None, tuned_config_folder: str | None = None,
+                  check_errors: str = "lazy", use_graphs: bool = True,
+                  w13_layout: str = "gate_up", backward: bool = False,
+                  b13_shards: list[torch.Tensor] | None = None,
+                  b2_shards: list[torch.Tensor] | None = None,
+                  mesh: MeshLayout | None = None,
+                  convention: Convention = "sequence") -> list[FusedMoE]:
+    """W ranks of one expert-parallel group in this process, on one device, whose
+    workspaces point at each other: call them concurrently, one CUDA stream per rank
+    (:func:`concurrent_forward`), to run the real cross-rank protocol without NVLink
+    (tests). Each rank is :meth:`~FusedMoE.preload`-ed: one host thread cannot make peer
+    calls while the device waits to load a module. ``programs`` (default: the SM count
+    over W) is each rank's grid, so every rank's spinning kernel fits on the GPU beside
+    the others' (launched without the cooperative attribute, which would not let them
+    share it: :data:`SHARED`). ``backward``: preload the backward's kernels too.
+    ``mesh``: the (tp, ep) layout of the W ranks (shards as
+    :meth:`comet.mesh.MeshLayout.shard` gives them). Other arguments as for
+    :class:`FusedMoE`."""
+    world = len(w13_shards)
+    mesh = mesh_of(mesh, world)
+    device = w13_shards[0].device
+    if world > 1 and check_errors == "sync":
+        raise ValueError("check_errors='sync' cannot serve virtual ranks: a rank's "
+                         "synchronize waits for its call, which needs the other ranks' "
+                         "calls; use 'lazy' and check_errors_now() after the calls")
+    tile = layer_tile(tile, mesh, convention, cfg)
+    if programs is None:
+        sms = sm_count(device) if device.type == "cuda" else 4 * world
+        programs = max(1, sms // world)
+    with torch.inference_mode(False):   # see FusedMoE._build
+        spaces = allocate_virtual(mesh.kernel_config(cfg), world, device, tile)
+    layers = []
+    for r in range(world):
+        layer = FusedMoE.on_workspace(
+            spaces[r], cfg, w13_shards[r], w2_shards[r], ParallelConfig(world, r), tile,
+            programs, SHARED, tuned_config_folder=tuned_config_folder,
+            check_errors=check_errors, use_graphs=use_graphs, w13_layout=w13_layout,
+            b13=None if b13_shards is None else b13_shards[r],
+            b2=None if b2_shards is None else b2_shards[r], mesh=mesh,
+            convention=convention)
+        if device.type == "cuda":
+            layer.preload(backward=backward)
+        layers.append(layer)
+    return layers
 
 
 def _in_lockstep(calls) -> None:
@@ -190,8 +245,7 @@ def concurrent_forward(layers, xs: list[torch.Tensor], topk_ids: list[torch.Tens
                        topk_weights: list[torch.Tensor], streams: list[torch.cuda.Stream],
                        comm_blocks=None, delay_cycles: list[int] | None = None,
                        return_exceptions: bool = False) -> list:
-    """One call of every rank of a :meth:`FusedMoE.virtual_group
-    <comet.runtime.layer.FusedMoE.virtual_group>`, each on its own stream, with no
+    """One call of every rank of a :func:`virtual_group`, each on its own stream, with no
     synchronisation: a rank's call N + 1 may run beside another's call N, as on W GPUs.
 
     ``delay_cycles[r]``: a spin of that many SM clock cycles on rank ``r``'s stream before

@@ -26,6 +26,7 @@ The buffers of layer1's two algorithms are declared by their strategies
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -85,7 +86,7 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
         # [0:4] fatal word (peers write it when they give up), [4:8] input word (local)
         BufferSpec("error", (2 * ERROR_WORD,), torch.int32),
     ]
-    if tile.layer0_gather:
+    if tile.variant.layer0_gather:
         # the a0 row each GEMM row reads (the token rows themselves go into a0's memory)
         protocol.append(BufferSpec("a0_src", (rows,), torch.int32))
     return protocol + [s for strategy in strategies_of(tile)
@@ -99,6 +100,40 @@ def _layout(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
         nbytes = s.dtype.itemsize * int(torch.Size(s.shape).numel())
         total += -(-nbytes // _ALIGN) * _ALIGN
     return offsets, max(total, _ALIGN)
+
+
+#: What a :class:`SymmetricBuffers` field holds.
+Buffer = torch.Tensor | PeerBuffer
+
+
+@dataclass(frozen=True)
+class SymmetricBuffers:
+    """A rank's symmetric buffers by name, as :func:`symmetric_specs` lays them out (the
+    same on every rank): the local tensors, their peer address tables (int64 ``[W]``),
+    or both as the kernels take them (:class:`~comet.kernels.address.PeerBuffer`). The
+    last five exist where the tile needs them (None elsewhere)."""
+
+    # Each field: a tensor (local, or int64 [W] addresses), or a PeerBuffer of both.
+
+    counts: Buffer
+    count_flags: Any
+    a0: Buffer
+    recv_token: Any
+    recv_rows: Buffer
+    recv_weight: Any
+    flag0: Buffer
+    flag1: Any
+    pair_grad: Buffer
+    error: Any
+    a0_src: Buffer | None = None         # layer0's gathered dispatch
+    comb: Buffer | None = None           # layer1's column reduce
+    row_home: Buffer | None = None       # layer1's scatter epilogue
+    row_weight: Buffer | None = None
+    pair_out: Buffer | None = None
+
+    def names(self) -> set[str]:
+        """The buffers this workspace has (the optional ones its tile needs)."""
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 class Counters(NamedTuple):
@@ -131,8 +166,10 @@ class Workspace:
     rank: int
     world: int
     cfg: MoEConfig
-    buffers: dict[str, torch.Tensor]
-    peer_ptrs: dict[str, torch.Tensor]
+    #: the symmetric buffers' local tensors
+    local: SymmetricBuffers
+    #: their peer address tables (int64 [W]: every rank's address of the buffer)
+    tables: SymmetricBuffers
     h: torch.Tensor           # [rows, F] layer0 output (local)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
     #: int32 [5 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
@@ -141,10 +178,10 @@ class Workspace:
     timeout: torch.Tensor     # int64 [1] ns, see timeout_ns()
     plan: Plan
     #: fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: layer1's partial tiles, with
-    #: ``TileConfig.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
+    #: ``Variant.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
     l1_partial: torch.Tensor | None = None
     #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * block_n0]: layer0's stream-K parts,
-    #: with ``TileConfig.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
+    #: with ``Variant.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
     l0_partial: torch.Tensor | None = None
     _keepalive: list = field(default_factory=list, repr=False)
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
@@ -155,37 +192,32 @@ class Workspace:
     tp: int = 1
 
     def __post_init__(self):
+        #: the symmetric buffers as kernels take them (None where absent)
+        self.peers = SymmetricBuffers(**{
+            f.name: (None if getattr(self.local, f.name) is None
+                     else PeerBuffer(getattr(self.local, f.name), getattr(self.tables, f.name)))
+            for f in dataclasses.fields(SymmetricBuffers)})
         self.count = Counters.of(self.counters,
                                  0 if self.l1_partial is None else self.l1_partial.shape[0],
                                  0 if self.l0_partial is None else self.l0_partial.shape[0])
         self.shape = Shape.of(self.cfg.num_experts, self.cfg.top_k, self.world)
-        self.sync = Sync(self.epoch, self.peer_ptrs["error"], self.rank, self.timeout,
+        self.sync = Sync(self.epoch, self.tables.error, self.rank, self.timeout,
                          self.shape.WORLD)
-        self.chunk_slots = self.buffers["flag0"].shape[1]
-        self.arrivals = Arrivals(self.buffers["flag0"], self.chunk_slots, self.plan.chunks,
+        self.chunk_slots = self.local.flag0.shape[1]
+        self.arrivals = Arrivals(self.local.flag0, self.chunk_slots, self.plan.chunks,
                                  self.plan.recv_entries)
-        self.recv = EntryTables(*(self.peer(n) for n in ("recv_token", "recv_rows",
-                                                          "recv_weight")))
-
-    def __getattr__(self, name):
-        buffers = self.__dict__.get("buffers", {})
-        if name in buffers:
-            return buffers[name]
-        raise AttributeError(name)
-
-    def peer(self, name: str) -> PeerBuffer:
-        """The symmetric buffer ``name`` as kernels take it."""
-        return PeerBuffer(self.buffers[name], self.peer_ptrs[name])
+        self.recv = EntryTables(self.peers.recv_token, self.peers.recv_rows,
+                                self.peers.recv_weight)
 
     @property
     def fatal_word(self) -> torch.Tensor:
         """int32 [4]: a failed wait of the group (comet.runtime.errors)."""
-        return self.buffers["error"][:ERROR_WORD]
+        return self.local.error[:ERROR_WORD]
 
     @property
     def input_word(self) -> torch.Tensor:
         """int32 [4]: bad routing seen by this rank's plan kernels."""
-        return self.buffers["error"][ERROR_WORD:]
+        return self.local.error[ERROR_WORD:]
 
     def layer0_work(self, stream_k: bool, tail_split: int = 1) -> Work:
         """layer0's :class:`~comet.kernels.layer0.Work`: its queue, and -- for the
@@ -198,31 +230,31 @@ class Workspace:
                     constexpr(stream_k), constexpr(tail_split))
 
     def gather_targets(self) -> GatherTargets:
-        """A gathered dispatch's destinations (``TileConfig.layer0_gather``): token rows
+        """A gathered dispatch's destinations (``Variant.layer0_gather``): token rows
         into the first ``W * max_tokens`` rows of ``a0``'s memory, index entries into
         ``a0_src``."""
-        return GatherTargets(PeerBuffer(self._gathered_tokens(), self.peer_ptrs["a0"]),
-                             self.peer("a0_src"))
+        return GatherTargets(PeerBuffer(self._gathered_tokens(), self.tables.a0),
+                             self.peers.a0_src)
 
     def gathered_rows(self, x_addr: torch.Tensor | None = None,
                       num_tokens: torch.Tensor | None = None) -> Gathered:
         """layer0's A rows as a gathered dispatch leaves them: ``a0[a0_src[row]]``; with
         ``x_addr`` (int64 [1], the address of the call's input) and ``num_tokens`` (int64
         [1]), this rank's own tokens read in place from the input
-        (``TileConfig.layer0_own_in_place``)."""
-        src = self.buffers["a0_src"]
+        (``Variant.layer0_own_in_place``)."""
+        src = self.local.a0_src
         if x_addr is None:
             return Gathered(self._gathered_tokens(), src, src.shape[0])
         own = OwnRows(x_addr, num_tokens, self.rank * self.cfg.max_tokens)
         return Gathered(self._gathered_tokens(), src, src.shape[0], own)
 
     def _gathered_tokens(self) -> torch.Tensor:
-        return self.buffers["a0"][:self.world * self.cfg.max_tokens]
+        return self.local.a0[:self.world * self.cfg.max_tokens]
 
     def exchange(self, in_plan: bool) -> Exchange:
         """The count exchange's buffers as the plan kernels take them; ``in_plan``: the
         scan pushes and the layout waits (comet.kernels.exchange.Exchange)."""
-        return Exchange(self.peer("counts"), self.peer("count_flags"), self.count.scanned,
+        return Exchange(self.peers.counts, self.peers.count_flags, self.count.scanned,
                         constexpr(exchange_block(self.shape)), constexpr(in_plan))
 
     def begin_call(self) -> None:
@@ -234,19 +266,27 @@ class Workspace:
         """Zero every flag, counter, epoch and error word (device ops on the current
         stream). Only safe while no rank of the group has a call in flight: see
         :meth:`comet.runtime.layer.FusedMoE.reset`."""
-        for name in ("count_flags", "flag0", "flag1", "error"):
-            self.buffers[name].zero_()
+        for t in (self.local.count_flags, self.local.flag0, self.local.flag1,
+                  self.local.error):
+            t.zero_()
         for t in (self.epoch, self.counters):
             t.zero_()
 
 
-def _carve(storage: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
+def _carve(storage: torch.Tensor, specs, offsets) -> SymmetricBuffers:
     out = {}
     for s in specs:
         n = int(torch.Size(s.shape).numel())
         start = offsets[s.name]
         out[s.name] = storage[start:start + n * s.dtype.itemsize].view(s.dtype).view(s.shape)
-    return out
+    return SymmetricBuffers(**out)
+
+
+def _tables(specs, offsets, bases: list[int], device) -> SymmetricBuffers:
+    """Each buffer's address on every rank (``bases``: every rank's allocation)."""
+    return SymmetricBuffers(**{
+        s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
+                             device=device) for s in specs})
 
 
 #: Local counters of a call before the per-split tile counts (see :class:`Counters`).
@@ -257,12 +297,12 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
     rows = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank)
     n_splits = tile.n_splits_max(cfg.hidden_size)
     partial, k_slots = None, 0
-    if tile.layer1_split_k > 1:
+    if tile.variant.layer1_split_k > 1:
         k_slots = SPLIT_K_SLOTS.value
         partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
                               dtype=torch.float32, device=device)
     l0_partial, l0_slots = None, 0
-    if ((tile.layer0_stream_k or tile.layer0_tail_split > 1)
+    if ((tile.variant.layer0_stream_k or tile.variant.layer0_tail_split > 1)
             and one_dot_tiles(tile.block_n0, cfg.intermediate_size)):
         l0_slots = 2 * STREAM_K_PROGRAMS.value
         l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.block_n0,
@@ -308,8 +348,7 @@ def allocate_virtual(cfg: MoEConfig, world: int, device, tile: TileConfig
     offsets, total = _layout(specs)
     storages = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world)]
     bases = [s.data_ptr() for s in storages]
-    tables = {s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
-                                   device=device) for s in specs}
+    tables = _tables(specs, offsets, bases, device)
     return [Workspace(r, world, cfg, _carve(storages[r], specs, offsets), tables,
                       **_local_scratch(cfg, world, device, tile), _keepalive=storages)
             for r in range(world)]
@@ -329,8 +368,7 @@ def allocate_symmetric(cfg: MoEConfig, group, device, tile: TileConfig) -> Works
     handle = symm_mem.rendezvous(storage, group=group)
     storage.zero_()
     bases = [int(handle.buffer_ptrs[p]) for p in range(world)]
-    tables = {s.name: torch.tensor([b + offsets[s.name] for b in bases], dtype=torch.int64,
-                                   device=device) for s in specs}
+    tables = _tables(specs, offsets, bases, device)
     # Peers must not write into this rank's flags before they were zeroed.
     torch.cuda.synchronize(device)
     dist.barrier(group=group)

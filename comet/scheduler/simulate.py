@@ -94,18 +94,18 @@ class SimConfig:
         hold only a chunk count or "done", so a value left by an earlier call satisfies a
         later call's wait.
     layer1_scatter: fused calls run layer1 with the scatter epilogue (no reduce role;
-        kernels.launch.TileConfig.layer1_scatter).
+        comet.config.Variant.layer1_scatter).
     home_fanout: ranks each part of a token is written to -- the group of that many
         consecutive ranks holding its home (comet.mesh.MeshLayout.home_fanout: ``tp``
         under the ``"replicated"`` convention, else 1); must divide W.
     layer0_gather: layer0's dispatch sends a token's row once per destination, into
         ``tokens[source * Mx + t]``, and each pair as an index entry ``a0_src[row]``; the
         GEMM reads ``tokens[a0_src[row]]`` (kernels.layer0._push_gathered,
-        TileConfig.layer0_gather). gather_with_first: the row goes with the token's first
+        Variant.layer0_gather). gather_with_first: the row goes with the token's first
         pair in send order (``send_first``); False models sending it with the last, which
         a tile waiting for the chunks up to its own last row does not cover.
         own_in_place: with ``layer0_gather``, a rank's own token rows are not copied;
-        the GEMM reads them from its input (TileConfig.layer0_own_in_place).
+        the GEMM reads them from its input (Variant.layer0_own_in_place).
     fanout_liveness: with ``home_fanout > 1`` the combine takes part ``i``'s liveness
         from the part of its own TP index in ``i``'s group (kernels.combine.Parts); False
         models a combine that reads ``i``'s own entry, which its plan fills only for its

@@ -1,9 +1,12 @@
 """Tuned tables (block split, tile) written by ``comet tune``; the per-call lookup.
 
-One JSON file per (shape, expert-parallel size, device, dtype), named like vLLM's fused-MoE
-configs::
+One JSON file per (shape, expert-parallel size, device, dtype, TileConfig variant), named
+like vLLM's fused-MoE configs::
 
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
+
+(a variant other than the default's adds ``variant=<hash>,`` before ``device_name``:
+:func:`file_name`; tables named without it load too, their ``meta["tile"]`` matched).
 
 A tensor-parallel layout's table is keyed by the kernels' shard-expert shape and by its
 *layout* (:meth:`comet.mesh.MeshLayout.table_layout`: TP size and input convention), in the
@@ -24,7 +27,7 @@ tuned_config_folder=)``), ``$COMET_TUNED_CONFIG_FOLDER``, then the tables shippe
 Every table records the kernels it was measured on (``meta["kernels"]``:
 :func:`comet.constants.kernel_identity`, a hash of comet/kernels; tables written before it
 was computed hold ``kernel_revision``) and the TileConfig variant of the layer it was
-tuned for (``meta["tile"]``: :meth:`comet.config.TileConfig.variant`, the non-tunable
+tuned for (``meta["tile"]``: :meth:`comet.config.TileConfig.table_variant`, the non-tunable
 fields that differ from the defaults; absent in tables of the default variant). A table
 of other kernels is still used and reported once, naming both identities (the hash moves
 with any kernel edit, and splits are usually still good; ``comet tune`` measures it
@@ -44,6 +47,7 @@ forward.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -72,13 +76,29 @@ def device_name(device: torch.device | str | None = None) -> str:
     return torch.cuda.get_device_name(torch.device(device)).replace(" ", "_")
 
 
-def file_name(cfg: MoEConfig, world_size: int, device: str, layout: str | None = None
-              ) -> str:
-    """The table's file name; ``layout``: a TP layout's key (None: expert parallelism)."""
+def file_name(cfg: MoEConfig, world_size: int, device: str, layout: str | None = None,
+              tile: TileConfig | None = None) -> str:
+    """The table's file name; ``layout``: a TP layout's key (None: expert parallelism);
+    ``tile``: the layer's TileConfig, whose variant (:meth:`TileConfig.table_variant`,
+    if not the default's) the name carries as a short hash (``variant=1a2b3c4d``; the
+    fields themselves are in ``meta["tile"]``), so tables of two variants of one shape
+    can sit side by side."""
+    variant = (tile or TileConfig()).table_variant()
+    tag = (f"variant={hashlib.sha1(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:8]},"
+           if variant else "")
     return (f"E={cfg.num_experts},H={cfg.hidden_size},F={cfg.intermediate_size},"
             f"topk={cfg.top_k},ep={world_size},"
-            + (f"layout={layout}," if layout else "")
+            + (f"layout={layout}," if layout else "") + tag
             + f"device_name={device},dtype={_DTYPE_NAMES[cfg.dtype]}.json")
+
+
+def file_names(cfg: MoEConfig, world_size: int, device: str, layout: str | None = None,
+               tile: TileConfig | None = None) -> list[str]:
+    """The names a layer's table may have, in lookup order: :func:`file_name`, then the
+    name without the variant that tables written before it carried (their ``meta["tile"]``
+    still says which variant they serve)."""
+    return list(dict.fromkeys([file_name(cfg, world_size, device, layout, tile),
+                               file_name(cfg, world_size, device, layout)]))
 
 
 def expected_meta(cfg: MoEConfig, world_size: int, device: str,
@@ -89,7 +109,7 @@ def expected_meta(cfg: MoEConfig, world_size: int, device: str,
     meta = {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
             "dtype": _DTYPE_NAMES[cfg.dtype], "kernels": kernel_identity()}
-    variant = (tile or TileConfig()).variant()
+    variant = (tile or TileConfig()).table_variant()
     if variant:
         meta["tile"] = variant
     if layout:
@@ -227,14 +247,15 @@ def load_table(cfg: MoEConfig, world_size: int, device=None,
     (a TP layout's key, None for expert parallelism) uses (``{tokens: Choice}``), or None
     when untuned (logged once per shape)."""
     dev = device_name(device)
-    name = file_name(cfg, world_size, dev, layout)
+    names = file_names(cfg, world_size, dev, layout, tile)
+    name = names[0]
     expect = json.dumps(expected_meta(cfg, world_size, dev, tile, layout), sort_keys=True)
     for f in search_folders(folder):
-        path = f / name
-        if path.is_file():
-            table = _load(str(path), expect)
-            if table is not None:
-                return table
+        for path in (f / n for n in names):
+            if path.is_file():
+                table = _load(str(path), expect)
+                if table is not None:
+                    return table
     if name not in _untuned_logged:
         _untuned_logged.add(name)
         log.info("comet: no tuned block split for %s; using the analytic model "

@@ -18,7 +18,6 @@ its own kernels (``--modes fused comm_only`` shows what the communication alone 
 """
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -111,7 +110,7 @@ def run(name, tokens, ep=1, tile=None, mode="fused", world=1, calls=10, max_toke
     torch_us = sum(e.device_time_total for e in prof.key_averages()) / calls
     rec = dict(config=name, tokens=tokens, ep=ep, tp=tp, mode=mode, world=world,
                rank=layer.par.rank, torch_gmm_us=torch_us,
-               tile={k: getattr(layer.last_tile, k) for k in TILE_FIELDS + RECORDED},
+               tile={k: layer.last_tile.flat()[k] for k in TILE_FIELDS + RECORDED},
                comm_blocks=list(layer.last_comm_blocks),
                us_per_call=per_kernel, total_us=sum(per_kernel.values()))
     print(json.dumps(rec), flush=True)
@@ -141,8 +140,8 @@ def main():
                                                   "kernel_times.json"))
     args = ap.parse_args()
     shapes = [{}] if not args.tiles else [parse_tile(t) for t in args.tiles]
-    tiles = [(dataclasses.replace(TileConfig(), **shape,
-                                  **({"decode_block_n1": 0} if d == "off" else {})),
+    tiles = [(TileConfig().with_fields(**shape,
+                                       **({"decode_block_n1": 0} if d == "off" else {})),
               True if d == "force" else None)
              for shape in shapes for d in args.decode_tile]
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",

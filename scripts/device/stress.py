@@ -23,7 +23,6 @@ Rank 0 writes the JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -159,7 +158,7 @@ def main() -> int:
     records = []
     for name in args.presets:
         cfg = PRESETS[name].replace(max_tokens=max_tokens)
-        tile = dataclasses.replace(default_tile(mesh, args.convention, cfg), **fields)
+        tile = default_tile(mesh, args.convention, cfg).with_fields(**fields)
         el = cfg.num_experts // mesh.ep
         shards = [make_expert_weights(cfg, el, name, r, SEED, torch.device("cuda"))
                   for r in range(mesh.ep)]

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# usage: bash scripts/device/house_check.sh [liveness|gpu|host|all]  (default: all)
+# Issue 70's one-GPU checks, from the repo root on a device machine (no pip install):
+#   liveness  tests/test_gpu_liveness.py            (scripts/device/gpu_tests.sh)
+#   gpu       tests/test_gpu.py, with the no-host-sync test of a fused call
+#   host      `comet bench` at EP=1 on the presets, whole layer, uniform routing: the
+#             host's time to enqueue one fused call (fused_host_us, CPU wall over the
+#             timed calls) beside the device time, and the summary's check against 30 us
+# The whole suite may outgrow one 10-minute device call: run the steps as separate calls
+# there (liveness, then gpu, then host). Writes under $OUT (./out if unset):
+# gpu_tests.log (per test step: liveness/, gpu/), bench/ (JSON, markdown), host_us.txt.
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+step=${1:-all}
+status=0
+
+run_tests() {   # $1: name, $2: test file
+  OUT="$OUT/$1" GPU_TEST_FILES="$2" GPU_TESTS_TIMEOUT_S="${GPU_TESTS_TIMEOUT_S:-540}" \
+    bash scripts/device/gpu_tests.sh || status=1
+  tail -n 1 "$OUT/$1/gpu_tests.log" | grep -q "exit 0" || status=1
+}
+
+host_times() {
+  timeout "${HOST_BENCH_TIMEOUT_S:-540}" python3 -m comet.cli.bench --nproc 1 --layers moe \
+    --routing uniform --tokens ${HOST_TOKENS:-1 16 128 4096} --iters "${HOST_ITERS:-100}" \
+    --no-plot --output-dir "$OUT/bench" 2>&1 | tail -n 20 | tee "$OUT/host_us.txt" || status=1
+  # One line per record: host us per fused call beside the device (whole-call) time.
+  python3 - "$OUT"/bench/bench-*.json <<'EOF' 2>&1 | tee -a "$OUT/host_us.txt"
+import json, sys
+from comet.bench import report
+for path in sys.argv[1:]:
+    records = json.load(open(path))
+    print("\n".join(report.summary(records)))
+    print(f"{'config':<18} {'tokens':>6} {'host us':>8} {'device us':>10}")
+    for r in records:
+        if r.get("layer") == "moe":
+            host, dev = r.get("fused_host_us"), r.get("fused_us")
+            print(f"{r['config']:<18} {r['tokens_per_rank']:>6} "
+                  f"{host if host is None else round(host, 1)!s:>8} "
+                  f"{dev if dev is None else round(dev, 1)!s:>10}")
+EOF
+}
+
+case "$step" in
+  liveness) run_tests liveness tests/test_gpu_liveness.py ;;
+  gpu) run_tests gpu tests/test_gpu.py ;;
+  host) host_times ;;
+  all) run_tests liveness tests/test_gpu_liveness.py; run_tests gpu tests/test_gpu.py
+       host_times ;;
+  *) echo "unknown step $step (liveness|gpu|host|all)"; exit 2 ;;
+esac
+echo "house_check $step: exit $status" | tee -a "$OUT/house_check.log"
+exit $status
