@@ -58,7 +58,8 @@ from comet.bench.provenance import write_result  # noqa: E402
 from comet.bench.records import MAX_REL_ERR  # noqa: E402
 from comet.config import MoEConfig  # noqa: E402
 from comet.eplb import physical_config  # noqa: E402
-from comet.placement import Placement, PlacementConfig, plan_placement  # noqa: E402
+from comet.placement import (Placement, PlacementConfig, dispatch_shares,  # noqa: E402
+                             plan_placement)
 from comet.replicas import ReplicaTables, count_load, translate  # noqa: E402
 
 MODELS = {
@@ -233,12 +234,12 @@ def run_model(name: str, base: MoEConfig, world: int, args, device, rng) -> dict
     # 2. with R replicas, placed per routing from its own load
     pcfg = physical_config(cfg, redundant)
     tables = ReplicaTables.empty(e, redundant, world, device)
-    first = plan_placement(_load(cases[ROUTINGS[0]][1], e), placement)
+    first = plan_placement(None, placement, rank_load=_rank_load(cases[ROUTINGS[0]][1], e))
     group = Group(pcfg, shards(w13_all, first.phy2log[0], world),
                   shards(w2_all, first.phy2log[0], world), device)
     worst, synced_ok = 0.0, True
     for kind, (xs, ids, ws) in cases.items():
-        plan = plan_placement(_load(ids, e), placement)
+        plan = plan_placement(None, placement, rank_load=_rank_load(ids, e))
         _place(group, tables, plan, w13_all, w2_all, world)
         load = torch.zeros(e + 1, dtype=torch.int64, device=device)
         synced_ok &= no_host_sync(ids[0], tables, load)
@@ -340,6 +341,11 @@ def _rows(ids: list, slots_per_rank: int, world: int) -> torch.Tensor:
     return torch.stack([destination_rows(i, slots_per_rank, world) for i in ids])
 
 
+def _rank_load(ids: list, num_experts: int) -> torch.Tensor:
+    """``[W, E]`` pairs per logical expert of each virtual rank."""
+    return torch.stack([_load([i], num_experts) for i in ids])
+
+
 def _load(ids: list, num_experts: int) -> torch.Tensor:
     flat = torch.cat([i.reshape(-1) for i in ids]).cpu()
     return torch.bincount(flat[flat >= 0], minlength=num_experts)
@@ -349,7 +355,8 @@ def _place(group: Group, tables: ReplicaTables, plan: Placement, w13_all, w2_all
            world: int) -> None:
     """The plan's weights into the group's shards and its tables, in place."""
     group.refill(w13_all, w2_all, plan.phy2log[0])
-    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
+    shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
+    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
 
 
 def main() -> int:
