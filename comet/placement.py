@@ -295,16 +295,18 @@ def dispatch_shares(plan: Placement, rank_load: torch.Tensor | None = None
     replicas of ``e``, up to their capacity (``1 / c`` of the expert's total each,
     shared evenly between them), and sends the rest to the capacity the other replicas
     have left, in proportion to it (a transportation plan whose local flow is the most
-    possible). Deterministic: every rank computes the same shares from the same
-    loads."""
+    possible). A rank's replicas of one expert are then merged into its lowest slot
+    (the rows a rank computes are what balance; one GEMM beats several smaller ones).
+    Deterministic: every rank computes the same shares from the same loads."""
     log2phy = plan.log2phy
     layers, experts, width = log2phy.shape
     w, spg = plan.num_gpus, plan.slots_per_gpu
     valid = log2phy >= 0
     count = plan.replicas.double()
     uniform = (valid / count[..., None]).double()[:, None].expand(layers, w, experts, width)
+    owner = torch.where(valid, log2phy // spg, torch.full_like(log2phy, -1))
     if rank_load is None:
-        return uniform.clone()
+        return _first_on_rank(uniform, owner)
     n = torch.as_tensor(rank_load).detach().cpu().double()
     n = n[None] if n.dim() == 2 else n
     if tuple(n.shape) != (layers, w, experts):
@@ -313,7 +315,6 @@ def dispatch_shares(plan: Placement, rank_load: torch.Tensor | None = None
     if not torch.isfinite(n).all() or (n < 0).any():
         raise ValueError("rank_load must be finite and non-negative")
     cap = n.sum(1) / count                                          # [L, E] per replica
-    owner = torch.where(valid, log2phy // spg, torch.full_like(log2phy, -1))
     local = owner[:, None] == torch.arange(w)[None, :, None, None]  # [L, W, E, X]
     mine = local.sum(-1)                                            # [L, W, E]
     keep = torch.minimum(n, mine * cap[:, None])
@@ -326,7 +327,20 @@ def dispatch_shares(plan: Placement, rank_load: torch.Tensor | None = None
                          torch.zeros_like(room))
     flow = flow + rest[..., None] * spread[:, None]
     shares = flow / n.clamp(min=1e-300)[..., None]
-    return torch.where((n > 0)[..., None], shares, uniform)
+    return _first_on_rank(torch.where((n > 0)[..., None], shares, uniform), owner)
+
+
+def _first_on_rank(shares: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """``shares [L, W, E, X]`` with each rank's replicas of an expert merged into its
+    lowest slot: what counts is the rows a rank computes, and one slot's GEMM of all
+    of them beats several smaller ones (and at one rank the layer computes exactly the
+    rows it did without replicas, on the same slots)."""
+    valid = owner >= 0
+    same = (owner[..., :, None] == owner[..., None, :]) & valid[..., None] & valid[..., None, :]
+    first = torch.where(valid, same.to(torch.uint8).argmax(-1),
+                        torch.arange(owner.shape[-1]).expand_as(owner))   # [L, E, X]
+    merged = torch.zeros_like(shares)
+    return merged.scatter_add_(-1, first[:, None].expand_as(shares).contiguous(), shares)
 
 
 def plan_placement(load: torch.Tensor | None, cfg: PlacementConfig,

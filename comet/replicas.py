@@ -150,9 +150,10 @@ def translate(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int,
         # argmax of a bool row: its first True (ties resolve to the first index).
         choice = torch.where(local.any(-1), local.to(torch.uint8).argmax(-1), choice)
     if prefer_local and tables.split is not None:
+        # (Pairs with no expert get a column past the end: clamped, then masked.)
+        split = _split_choice(ids, live, safe, tables.split[rank][safe], e)
         choice = torch.where(tables.split[rank][safe][..., 0] >= 0,
-                             _split_choice(ids, live, safe, tables.split[rank][safe], e),
-                             choice)
+                             torch.minimum(split, count - 1), choice)
     physical = slots.gather(-1, choice[..., None]).squeeze(-1)
     return torch.where(live, physical, torch.full_like(physical, -1))
 
