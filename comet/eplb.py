@@ -52,7 +52,8 @@ class ExpertReplicas(nn.Module):
         par: this rank in the group.
         device: where the copies live (the logical experts' device).
         bias: whether the experts have biases (``cfg.expert_bias``).
-        prefer_local: the translation's rule 1 (:mod:`comet.replicas`).
+        prefer_local: split pairs by the plan's dispatch shares (own-rank replicas
+            first where the balance allows); False: ``t mod c`` (:mod:`comet.replicas`).
 
     Buffers (not saved): ``w13 [P/W, H, 2F]`` (the kernels' interleaved columns, as
     :class:`comet.moe.LocalExperts`), ``w2 [P/W, F, H]``, ``b13``/``b2`` with biases; the
