@@ -11,9 +11,11 @@ of all tokens), with several thousand tokens per rank:
    each rank's experts compute give ``rows_max_over_mean`` and ``rows_local_fraction``
    (comet.bench.eplb);
 2. the layer on E + R physical experts (R = E/8), placed by comet.placement from that
-   routing's own load (an oracle window), runs the same inputs through the replica
-   translation (comet.replicas): its balance columns, and its outputs against step 1's
-   (the same experts, so the same sums up to summation order);
+   routing's own load (an oracle window; each virtual rank's load, so the plan's
+   dispatch shares keep pairs on their rank where the balance allows), runs the same
+   inputs through the replica translation (comet.replicas): its balance columns, and
+   its outputs against step 1's (the same experts, so the same sums up to summation
+   order). ``scripts/eplb_balance.py`` computes the same balance columns on the CPU;
 3. liveness: ``--calls`` back-to-back calls of the replicated layer, routings in turn,
    ranks drifting apart (device spins before some calls), the load counted on the device
    every call and a rebalance every ``--rebalance-every`` calls (weights and tables
