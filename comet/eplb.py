@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from comet.config import MoEConfig, ParallelConfig
-from comet.placement import Placement, PlacementConfig, home_placement, plan_placement
+from comet.placement import (Placement, PlacementConfig, dispatch_shares, home_placement,
+                             plan_placement)
 from comet.replicas import ReplicaTables, count_load, translate
 from comet.weights import gate_up_first
 
@@ -51,7 +52,8 @@ class ExpertReplicas(nn.Module):
         par: this rank in the group.
         device: where the copies live (the logical experts' device).
         bias: whether the experts have biases (``cfg.expert_bias``).
-        prefer_local: the translation's rule 1 (:mod:`comet.replicas`).
+        prefer_local: split pairs by the plan's dispatch shares (own-rank replicas
+            first where the balance allows); False: ``t mod c`` (:mod:`comet.replicas`).
 
     Buffers (not saved): ``w13 [P/W, H, 2F]`` (the kernels' interleaved columns, as
     :class:`comet.moe.LocalExperts`), ``w2 [P/W, F, H]``, ``b13``/``b2`` with biases; the
@@ -73,7 +75,7 @@ class ExpertReplicas(nn.Module):
                              persistent=False)
         tables = ReplicaTables.empty(placement.num_experts, placement.redundant_experts,
                                      placement.num_gpus, device)
-        for name in ("log2phy", "replicas", "phy2log"):
+        for name in ("log2phy", "replicas", "phy2log", "split"):
             self.register_buffer(name, getattr(tables, name), persistent=False)
         self.register_buffer("load", torch.zeros(placement.num_experts + 1, dtype=torch.int64,
                                                  device=device), persistent=False)
@@ -83,7 +85,7 @@ class ExpertReplicas(nn.Module):
     @property
     def tables(self) -> ReplicaTables:
         return ReplicaTables(self.log2phy, self.replicas, self.phy2log,
-                             self.placement_config.slots_per_gpu)
+                             self.placement_config.slots_per_gpu, self.split)
 
     # ------------------------------------------------------------------ per call
     def route(self, topk_ids: torch.Tensor, count: bool = True) -> torch.Tensor:
@@ -118,12 +120,19 @@ class ExpertReplicas(nn.Module):
         return {"b13": gate_up_first(self.b13), "b2": self.b2}
 
     # ------------------------------------------------------------------ placement
-    def plan(self, load: torch.Tensor | None = None) -> Placement:
-        """A placement for ``load [E]`` (every rank's, summed), or the layout without
-        replicas (:func:`comet.placement.home_placement`) for None."""
-        if load is None:
+    def plan(self, load: torch.Tensor | None = None,
+             rank_load: torch.Tensor | None = None) -> Placement:
+        """A placement for ``load [E]`` (every rank's, summed) and, given, each rank's
+        ``rank_load [W, E]`` (dispatch shares that keep pairs on their rank where the
+        balance allows), or the layout without replicas
+        (:func:`comet.placement.home_placement`) for neither."""
+        if load is None and rank_load is None:
             return home_placement(self.placement_config)
-        return plan_placement(load.detach().double().cpu(), self.placement_config)
+        if rank_load is not None:
+            rank_load = rank_load.detach().double().cpu()
+        if load is not None:
+            load = load.detach().double().cpu()
+        return plan_placement(load, self.placement_config, rank_load=rank_load)
 
     @torch.no_grad()
     def place(self, plan: Placement, logical: dict[str, torch.Tensor | None],
@@ -140,7 +149,8 @@ class ExpertReplicas(nn.Module):
             if phy2log.shape[0] != 1:
                 raise ValueError(f"a layer takes a one-layer plan, got {phy2log.shape[0]}")
             plan = Placement(plan.phy2log[0:1], plan.log2phy[0:1], plan.replicas[0:1],
-                             plan.num_gpus)
+                             plan.num_gpus,
+                             None if plan.shares is None else plan.shares[0:1])
         if (plan.num_gpus != cfg.num_gpus or plan.phy2log.shape[-1] != cfg.physical_experts
                 or plan.replicas.shape[-1] != cfg.num_experts):
             raise ValueError(f"the plan places {plan.replicas.shape[-1]} experts on "
@@ -174,7 +184,8 @@ class ExpertReplicas(nn.Module):
             for n in names:
                 src = (logical[n][e - rank * own] if e // own == rank else sources[e][n])
                 getattr(self, n)[i].copy_(src)
-        self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
+        shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
+        self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
         self.placement = plan
         self._versions = _versions(logical)
 

@@ -436,18 +436,23 @@ class CometMoE(nn.Module):
     @torch.no_grad()
     def rebalance(self, plan: Placement | None = None) -> Placement:
         """Re-place the physical experts: by ``plan`` (one layer of
-        :func:`comet.placement.plan_placement`), or by a plan made from
-        :meth:`expert_load` summed over the group (a host sync and an all-reduce).
+        :func:`comet.placement.plan_placement`), or by a plan made from every rank's
+        :meth:`expert_load` (a host sync and an all-reduce of ``[W, E]``).
         Copies the weights in place (broadcasts from each expert's owner across ranks)
         and the translation tables, then resets the load count. Collective: every rank
         calls it with the same plan, between calls. The fused layer and any CUDA graph
         holding it stay valid: no address changes. Returns the plan."""
         replicas = self._require_replicas()
         if plan is None:
+            # Each rank's load in its row (an all-reduce of [W, E]): the plan's dispatch
+            # shares keep pairs on their own rank where the balance allows.
             load = replicas.expert_load()
+            rank_load = torch.zeros(self.par.world_size, load.shape[0], dtype=load.dtype,
+                                    device=load.device)
+            rank_load[self.par.rank] = load
             if self.par.world_size > 1:
-                dist.all_reduce(load, group=self.group)
-            plan = replicas.plan(load)
+                dist.all_reduce(rank_load, group=self.group)
+            plan = replicas.plan(rank_load=rank_load)
         replicas.place(plan, self._logical_experts(), self.group)
         replicas.reset_load()
         return plan

@@ -31,12 +31,13 @@ nothing here runs on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["PlacementConfig", "Placement", "plan_placement", "home_placement",
-           "balanced_packing", "replicate"]
+           "balanced_packing", "replicate", "dispatch_shares"]
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,18 @@ class Placement:
             ``-1`` padded (``X`` the largest replica count).
         replicas: ``[L, E]`` replica counts (``>= 1``).
         num_gpus: ``W``.
+        shares: ``[L, W, E, X]`` float64 or None: the fraction of source rank ``w``'s
+            pairs of expert ``e`` that go to each of its replicas (``log2phy``'s columns;
+            rows sum to 1), from :func:`dispatch_shares`; the translation realizes it
+            (:mod:`comet.replicas`). None: :func:`dispatch_shares` without per-rank
+            loads (each replica ``1 / c`` of every rank's pairs) where a layer loads it.
     """
 
     phy2log: torch.Tensor
     log2phy: torch.Tensor
     replicas: torch.Tensor
     num_gpus: int
+    shares: torch.Tensor | None = None
 
     @property
     def slots_per_gpu(self) -> int:
@@ -274,12 +281,90 @@ def home_placement(cfg: PlacementConfig, load: torch.Tensor | None = None) -> Pl
     return Placement.from_phy2log(phy2log, e, w)
 
 
-def plan_placement(load: torch.Tensor, cfg: PlacementConfig) -> Placement:
+def dispatch_shares(plan: Placement, rank_load: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``[L, W, E, X]`` float64: which share of source rank ``w``'s pairs of logical
+    expert ``e`` each replica (column of ``plan.log2phy``) takes, so that every replica
+    receives its planned ``1 / c`` of the expert's pairs -- the load the planner packed
+    -- while as many pairs as possible stay on their own rank.
+
+    Without ``rank_load`` (or for a rank with no pair of ``e``): ``1 / c`` to each
+    replica, from every rank; it realizes the plan whatever each rank routes. With
+    ``rank_load [L, W, E]`` (or ``[W, E]``: each rank's pairs per logical expert over
+    the window the plan was made from): each rank first keeps its pairs on its own
+    replicas of ``e``, up to their capacity (``1 / c`` of the expert's total each,
+    shared evenly between them), and sends the rest to the capacity the other replicas
+    have left, in proportion to it (a transportation plan whose local flow is the most
+    possible). A rank's replicas of one expert are then merged into its lowest slot
+    (the rows a rank computes are what balance; one GEMM beats several smaller ones).
+    Deterministic: every rank computes the same shares from the same loads."""
+    log2phy = plan.log2phy
+    layers, experts, width = log2phy.shape
+    w, spg = plan.num_gpus, plan.slots_per_gpu
+    valid = log2phy >= 0
+    count = plan.replicas.double()
+    uniform = (valid / count[..., None]).double()[:, None].expand(layers, w, experts, width)
+    owner = torch.where(valid, log2phy // spg, torch.full_like(log2phy, -1))
+    if rank_load is None:
+        return _first_on_rank(uniform, owner)
+    n = torch.as_tensor(rank_load).detach().cpu().double()
+    n = n[None] if n.dim() == 2 else n
+    if tuple(n.shape) != (layers, w, experts):
+        raise ValueError(f"rank_load must be [{layers}, {w}, {experts}] or [{w}, "
+                         f"{experts}], got {list(n.shape)}")
+    if not torch.isfinite(n).all() or (n < 0).any():
+        raise ValueError("rank_load must be finite and non-negative")
+    cap = n.sum(1) / count                                          # [L, E] per replica
+    local = owner[:, None] == torch.arange(w)[None, :, None, None]  # [L, W, E, X]
+    mine = local.sum(-1)                                            # [L, W, E]
+    keep = torch.minimum(n, mine * cap[:, None])
+    flow = local * (keep / mine.clamp(min=1))[..., None]
+    room = (cap[..., None] * valid - flow.sum(1)).clamp(min=0)      # [L, E, X]
+    rest = n - keep                                                 # [L, W, E]
+    total_room = room.sum(-1)
+    spread = torch.where(total_room[..., None] > 0,
+                         room / total_room.clamp(min=1e-300)[..., None],
+                         torch.zeros_like(room))
+    flow = flow + rest[..., None] * spread[:, None]
+    shares = flow / n.clamp(min=1e-300)[..., None]
+    return _first_on_rank(torch.where((n > 0)[..., None], shares, uniform), owner)
+
+
+def _first_on_rank(shares: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """``shares [L, W, E, X]`` with each rank's replicas of an expert merged into its
+    lowest slot: what counts is the rows a rank computes, and one slot's GEMM of all
+    of them beats several smaller ones (and at one rank the layer computes exactly the
+    rows it did without replicas, on the same slots)."""
+    valid = owner >= 0
+    same = (owner[..., :, None] == owner[..., None, :]) & valid[..., None] & valid[..., None, :]
+    first = torch.where(valid, same.to(torch.uint8).argmax(-1),
+                        torch.arange(owner.shape[-1]).expand_as(owner))   # [L, E, X]
+    merged = torch.zeros_like(shares)
+    return merged.scatter_add_(-1, first[:, None].expand_as(shares).contiguous(), shares)
+
+
+def plan_placement(load: torch.Tensor | None, cfg: PlacementConfig,
+                   rank_load: torch.Tensor | None = None) -> Placement:
     """The plan for per-logical-expert loads ``load [L, E]`` (or ``[E]``; any
     non-negative numbers, e.g. token counts over a window): the hierarchical strategy
     where ``cfg.hierarchical``, else the global one; per layer, the layout without
     replicas instead where the plan's busiest GPU would be busier (when ``W`` divides
-    ``E``). ValueError for a load of the wrong shape, negative or not finite."""
+    ``E``). ValueError for a load of the wrong shape, negative or not finite.
+
+    ``rank_load [L, W, E]`` (or ``[W, E]``): each rank's share of the load (``load``
+    may then be None: their sum); the plan's :attr:`Placement.shares` then keep pairs
+    on their own rank where that leaves every replica its planned load
+    (:func:`dispatch_shares`), else each replica takes ``1 / c`` of every rank's."""
+    if load is None:
+        if rank_load is None:
+            raise ValueError("plan_placement needs load or rank_load")
+        load = torch.as_tensor(rank_load).detach().cpu()
+        load = load.sum(-2)
+    plan = _plan(load, cfg)
+    return dataclasses.replace(plan, shares=dispatch_shares(plan, rank_load))
+
+
+def _plan(load: torch.Tensor, cfg: PlacementConfig) -> Placement:
     load = _as_layers(load)
     if load.dim() != 2 or load.shape[1] != cfg.num_experts:
         raise ValueError(f"load must be [L, {cfg.num_experts}] or [{cfg.num_experts}], "

@@ -362,6 +362,31 @@ def test_gpu_translation_and_load_count_never_sync_the_host():
 
 
 @pytest.mark.gpu
+def test_gpu_translation_with_dispatch_shares_never_syncs_the_host():
+    """The split by dispatch shares (a stable sort, an index_add_, a scatter) on the
+    device: no host sync, and the same ids as on the CPU."""
+    world = 4
+    cfg = PlacementConfig(E, 4, world)
+    g = torch.Generator().manual_seed(3)
+    rank_load = torch.randint(0, 50, (world, E), generator=g).double()
+    rank_load[:, 3] *= 8
+    plan = plan_placement(None, cfg, rank_load=rank_load)
+    tables = ReplicaTables.empty(E, 4, world, "cuda")
+    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], plan.shares[0])
+    cpu = ReplicaTables.empty(E, 4, world)
+    cpu.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], plan.shares[0])
+    ids = torch.randint(-1, E, (512, K), generator=g)
+    dev = ids.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        phys = translate(dev, tables, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(phys.cpu(), translate(ids, cpu, 2))
+
+
+@pytest.mark.gpu
 def test_gpu_fused_layer_with_replicas_matches_and_trains():
     """A Qwen3-30B-A3B-sized layer at EP=1 on the fused kernels: the same outputs as
     without replicas, after a rebalance from its own device count (graph replays on the

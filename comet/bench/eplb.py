@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from comet.bench.inputs import make_expert_weights
 from comet.config import MoEConfig
-from comet.placement import Placement, PlacementConfig, plan_placement
+from comet.placement import Placement, PlacementConfig, dispatch_shares, plan_placement
 from comet.replicas import ReplicaTables, translate
 from comet.weights import interleave_gate_up
 
 __all__ = ["destination_rows", "balance_columns", "ReplicatedLayer", "logical_load",
-           "physical_weights"]
+           "rank_load", "physical_weights"]
 
 
 def destination_rows(ids: torch.Tensor, slots_per_rank: int, world: int) -> torch.Tensor:
@@ -85,7 +85,8 @@ class ReplicatedLayer:
                                           placement.num_gpus, device)
 
     def load_plan(self, plan: Placement) -> None:
-        self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
+        shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
+        self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
 
     def translate(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return translate(topk_ids, self.tables, self.rank)
@@ -124,8 +125,26 @@ def physical_weights(cfg: MoEConfig, plan: Placement, rank: int, world: int,
     return out
 
 
+def rank_load(ids: Sequence[torch.Tensor], num_experts: int, world: int, rank: int,
+              group=None) -> torch.Tensor:
+    """``[W, E]`` pairs per logical expert of each rank over its input sets ``ids``
+    (this rank's row filled here, all-reduced over ``group`` when it has several
+    ranks)."""
+    load = torch.zeros(world, num_experts, dtype=torch.int64, device=ids[0].device)
+    for i in ids:
+        flat = i.reshape(-1).to(torch.int64)
+        load[rank] += torch.bincount(flat[(flat >= 0) & (flat < num_experts)],
+                                     minlength=num_experts)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(load, group=group)
+    return load
+
+
 def plan_for(ids: Sequence[torch.Tensor], placement: PlacementConfig, group=None
              ) -> Placement:
     """The plan of every rank's routing ``ids`` (an oracle window: the load of the very
-    calls to be timed)."""
-    return plan_placement(logical_load(ids, placement.num_experts, group).cpu(), placement)
+    calls to be timed), with dispatch shares from each rank's load."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    return plan_placement(None, placement, rank_load=rank_load(
+        ids, placement.num_experts, placement.num_gpus, rank, group).cpu())

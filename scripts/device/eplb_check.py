@@ -11,9 +11,11 @@ of all tokens), with several thousand tokens per rank:
    each rank's experts compute give ``rows_max_over_mean`` and ``rows_local_fraction``
    (comet.bench.eplb);
 2. the layer on E + R physical experts (R = E/8), placed by comet.placement from that
-   routing's own load (an oracle window), runs the same inputs through the replica
-   translation (comet.replicas): its balance columns, and its outputs against step 1's
-   (the same experts, so the same sums up to summation order);
+   routing's own load (an oracle window; each virtual rank's load, so the plan's
+   dispatch shares keep pairs on their rank where the balance allows), runs the same
+   inputs through the replica translation (comet.replicas): its balance columns, and
+   its outputs against step 1's (the same experts, so the same sums up to summation
+   order). ``scripts/eplb_balance.py`` computes the same balance columns on the CPU;
 3. liveness: ``--calls`` back-to-back calls of the replicated layer, routings in turn,
    ranks drifting apart (device spins before some calls), the load counted on the device
    every call and a rebalance every ``--rebalance-every`` calls (weights and tables
@@ -58,7 +60,8 @@ from comet.bench.provenance import write_result  # noqa: E402
 from comet.bench.records import MAX_REL_ERR  # noqa: E402
 from comet.config import MoEConfig  # noqa: E402
 from comet.eplb import physical_config  # noqa: E402
-from comet.placement import Placement, PlacementConfig, plan_placement  # noqa: E402
+from comet.placement import (Placement, PlacementConfig, dispatch_shares,  # noqa: E402
+                             plan_placement)
 from comet.replicas import ReplicaTables, count_load, translate  # noqa: E402
 
 MODELS = {
@@ -233,12 +236,12 @@ def run_model(name: str, base: MoEConfig, world: int, args, device, rng) -> dict
     # 2. with R replicas, placed per routing from its own load
     pcfg = physical_config(cfg, redundant)
     tables = ReplicaTables.empty(e, redundant, world, device)
-    first = plan_placement(_load(cases[ROUTINGS[0]][1], e), placement)
+    first = plan_placement(None, placement, rank_load=_rank_load(cases[ROUTINGS[0]][1], e))
     group = Group(pcfg, shards(w13_all, first.phy2log[0], world),
                   shards(w2_all, first.phy2log[0], world), device)
     worst, synced_ok = 0.0, True
     for kind, (xs, ids, ws) in cases.items():
-        plan = plan_placement(_load(ids, e), placement)
+        plan = plan_placement(None, placement, rank_load=_rank_load(ids, e))
         _place(group, tables, plan, w13_all, w2_all, world)
         load = torch.zeros(e + 1, dtype=torch.int64, device=device)
         synced_ok &= no_host_sync(ids[0], tables, load)
@@ -340,6 +343,11 @@ def _rows(ids: list, slots_per_rank: int, world: int) -> torch.Tensor:
     return torch.stack([destination_rows(i, slots_per_rank, world) for i in ids])
 
 
+def _rank_load(ids: list, num_experts: int) -> torch.Tensor:
+    """``[W, E]`` pairs per logical expert of each virtual rank."""
+    return torch.stack([_load([i], num_experts) for i in ids])
+
+
 def _load(ids: list, num_experts: int) -> torch.Tensor:
     flat = torch.cat([i.reshape(-1) for i in ids]).cpu()
     return torch.bincount(flat[flat >= 0], minlength=num_experts)
@@ -349,7 +357,8 @@ def _place(group: Group, tables: ReplicaTables, plan: Placement, w13_all, w2_all
            world: int) -> None:
     """The plan's weights into the group's shards and its tables, in place."""
     group.refill(w13_all, w2_all, plan.phy2log[0])
-    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0])
+    shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
+    tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
 
 
 def main() -> int:
