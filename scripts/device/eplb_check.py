@@ -113,8 +113,8 @@ class Group:
     def __init__(self, cfg: MoEConfig, w13: list, w2: list, device):
         self.cfg, self.w13, self.w2, self.device = cfg, w13, w2, device
         if device.type == "cuda":
-            from comet.runtime.layer import FusedMoE
-            self.layers = FusedMoE.virtual_group(cfg, w13, w2, w13_layout="interleaved")
+            from comet.runtime.virtual import virtual_group
+            self.layers = virtual_group(cfg, w13, w2, w13_layout="interleaved")
             self.streams = [torch.cuda.Stream() for _ in w13]
         else:
             self._build_virtual()
