@@ -215,6 +215,19 @@ def _placement_config(cfg: MoEConfig, par: ParallelConfig, mesh: MeshLayout,
                       redundant: int, nodes: int) -> PlacementConfig | None:
     """The placement of a layer with ``redundant`` experts (None for 0): ValueError for
     a count the layout cannot hold."""
+    return redundant_placement(cfg.num_experts, par.world_size, mesh, redundant, nodes,
+                               cfg.n_group)
+
+
+def redundant_placement(num_experts: int, world_size: int, mesh: MeshLayout, redundant: int,
+                        nodes: int = 1, n_group: int = 1) -> PlacementConfig | None:
+    """The placement of ``num_experts`` logical experts with ``redundant`` more slots
+    over a group of ``world_size`` ranks in ``mesh``'s layout (None for ``redundant=0``):
+    TypeError for a non-int, ValueError for a count the layout cannot hold. From plain
+    numbers, so that :func:`comet.integrations.patch_model` checks every block before it
+    converts one."""
+    _check_int("redundant_experts", redundant)
+    _check_int("placement_nodes", nodes)
     if redundant < 0:
         raise ValueError(f"redundant_experts must be >= 0, got {redundant}")
     if redundant == 0:
@@ -222,14 +235,48 @@ def _placement_config(cfg: MoEConfig, par: ParallelConfig, mesh: MeshLayout,
     if mesh.tp > 1:
         raise ValueError(f"redundant experts need an expert-parallel layout; this layer is "
                          f"a {mesh} layout")
-    physical = cfg.num_experts + redundant
-    if physical % par.world_size:
-        raise ValueError(f"num_experts + redundant_experts = {cfg.num_experts} + {redundant} "
-                         f"must be divisible by the group's {par.world_size} ranks (every "
+    physical = num_experts + redundant
+    if physical % world_size:
+        raise ValueError(f"num_experts + redundant_experts = {num_experts} + {redundant} "
+                         f"must be divisible by the group's {world_size} ranks (every "
                          f"rank holds the same number of physical experts)")
-    groups = cfg.n_group if cfg.n_group % nodes == 0 else 1
-    return PlacementConfig(cfg.num_experts, redundant, par.world_size, num_nodes=nodes,
+    groups = n_group if n_group % nodes == 0 else 1
+    return PlacementConfig(num_experts, redundant, world_size, num_nodes=nodes,
                            num_groups=groups)
+
+
+def rebalance_knobs(interval: int | None, window: int | None, redundant: int
+                    ) -> tuple[int | None, int | None]:
+    """``(interval, window)`` of a layer's automatic rebalancing, normalised: ``(None,
+    None)`` when off (``interval`` None or 0), else ``window`` defaulting to
+    ``interval``. TypeError for a non-int; ValueError for a negative interval, a window
+    outside ``[1, interval]`` or without an interval, or an interval on a layer without
+    redundant experts (there is nothing to re-place)."""
+    for name, value in (("rebalance_interval", interval), ("rebalance_window", window)):
+        if value is not None:
+            _check_int(name, value)
+    if interval is not None and interval < 0:
+        raise ValueError(f"rebalance_interval must be a positive number of calls (None or 0: "
+                         f"off), got {interval}")
+    if not interval:
+        if window is not None:
+            raise ValueError("rebalance_window needs rebalance_interval (the window is the "
+                             "last calls before each automatic rebalance)")
+        return None, None
+    if redundant <= 0:
+        raise ValueError(f"rebalance_interval={interval} needs redundant_experts > 0: a "
+                         f"layer without redundant experts has nothing to re-place")
+    if window is None:
+        return interval, interval
+    if not 1 <= window <= interval:
+        raise ValueError(f"rebalance_window must be in [1, rebalance_interval={interval}] "
+                         f"calls, got {window}")
+    return interval, window
+
+
+def _check_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
 def _refill_replicas(module: "CometMoE", incompatible_keys) -> None:
@@ -288,6 +335,23 @@ class CometMoE(nn.Module):
         placement_nodes: nodes of the group for the hierarchical placement (ranks
             numbered node-major; with ``n_group`` divisible by it, expert groups are
             packed onto nodes first).
+        rebalance_interval: ``N``: every ``N`` calls the layer runs :meth:`rebalance`
+            itself, planning from the load of the calls since the last rebalance (None
+            or 0: never, the default; needs ``redundant_experts > 0``). The calls are
+            counted on the host (no device read but the rebalance's own), so every rank
+            of the group, calling the layer as often as the others, rebalances at the
+            same call: the rebalance is collective. It runs at the end of the ``N``-th
+            call, after its outputs are computed; a backward after it translates its ids
+            with the new placement, whose slots hold the same logical weights, so the
+            gradients do not change. A call made under ``torch.compile`` (the compiled
+            graph runs the experts as one op, without this Python) or recorded in a CUDA
+            graph (a replay runs no Python) is not counted, though its pairs are (the
+            device count is part of the graph): there, call :meth:`rebalance` yourself,
+            between replays. A recomputed forward (activation checkpointing) counts as
+            a call, on every rank alike. A manual :meth:`rebalance` restarts the count.
+        rebalance_window: ``W <= N``: plan from the last ``W`` calls before each
+            automatic rebalance only (the load is reset after call ``N - W``); default
+            ``N``, every call since the last rebalance.
         tile: the fused kernels' :class:`~comet.config.TileConfig` (default: the
             layout's, :func:`comet.runtime.layer.default_tile`: layer1's scatter
             epilogue, except the column-split reduce in a ``(tp, 1)`` replicated
@@ -318,14 +382,15 @@ class CometMoE(nn.Module):
                  tuned_config_folder: str | None = None,
                  fused_backward: bool = True, check_replicated: bool = False,
                  tile: TileConfig | None = None, redundant_experts: int = 0,
-                 placement_nodes: int = 1, **kwargs):
+                 placement_nodes: int = 1, rebalance_interval: int | None = None,
+                 rebalance_window: int | None = None, **kwargs):
         super().__init__()
         if tile is not None and not isinstance(tile, TileConfig):
             raise TypeError(f"tile must be a comet.config.TileConfig, got {type(tile).__name__}")
-        for name, value in (("redundant_experts", redundant_experts),
-                            ("placement_nodes", placement_nodes)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        _check_int("redundant_experts", redundant_experts)
+        _check_int("placement_nodes", placement_nodes)
+        interval, window = rebalance_knobs(rebalance_interval, rebalance_window,
+                                           redundant_experts)
         cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, **kwargs)
         group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
@@ -364,11 +429,10 @@ class CometMoE(nn.Module):
             self.shared_expert_gate = None
         self.replicas = None
         if placement is not None:
-            self.replicas = ExpertReplicas(cfg, placement, par, device=device,
-                                           bias=cfg.expert_bias)
-            # Each rank's own experts and copies of them: no collective in a constructor.
-            self.replicas.place(self.replicas.plan(), self._logical_experts(), group)
+            self._build_replicas(placement, device)
             self.register_load_state_dict_post_hook(_refill_replicas)
+        self.rebalance_interval, self.rebalance_window = interval, window
+        self._rebalance_calls = 0       # counted calls since the last rebalance (host)
         self._fused = None
         self._op_key = custom_op.register(self)
 
@@ -417,6 +481,13 @@ class CometMoE(nn.Module):
         e = self.experts
         return {"w13": e.w13, "w2": e.w2, "b13": e.b13, "b2": e.b2}
 
+    def _build_replicas(self, placement: PlacementConfig, device) -> None:
+        """Physical copies of the current logical experts on the home layout: each rank
+        its own experts and copies of them, so a constructor needs no collective."""
+        self.replicas = ExpertReplicas(self.cfg, placement, self.par, device=device,
+                                       bias=self.cfg.expert_bias)
+        self.replicas.place(self.replicas.plan(), self._logical_experts(), self.group)
+
     def _require_replicas(self) -> ExpertReplicas:
         if self.replicas is None:
             raise ValueError("this layer has no redundant experts (build it with "
@@ -455,7 +526,25 @@ class CometMoE(nn.Module):
             plan = replicas.plan(rank_load=rank_load)
         replicas.place(plan, self._logical_experts(), self.group)
         replicas.reset_load()
+        self._rebalance_calls = 0
         return plan
+
+    def _count_call(self, x: torch.Tensor) -> None:
+        """``rebalance_interval``: count one eager call and rebalance at the interval's
+        last (collective: every rank counts the same calls). Compiled and captured calls
+        are not counted: their Python does not run on a replay, so counting the traced
+        or captured call would count one call of many."""
+        interval = self.rebalance_interval
+        if interval is None or torch.compiler.is_compiling():
+            return
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self._rebalance_calls += 1
+        if self._rebalance_calls >= interval:
+            self.rebalance()
+        elif self._rebalance_calls == interval - self.rebalance_window:
+            # The window starts after this call: drop the older calls' load.
+            self.reset_expert_load()
 
     def refresh_replicas(self) -> None:
         """Copy the logical experts into their physical slots again (after the logical
@@ -534,10 +623,13 @@ class CometMoE(nn.Module):
         # replicas' gradients into their logical experts (ExpertReplicas.fold).
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1 or self.replicas is not None))
                 or (torch.compiler.is_compiling() and not needs_grad)):
-            return custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
-                                            self.experts.w2, self._op_key, self.experts.b13,
-                                            self.experts.b2)
-        return self.eager_experts_forward(x, topk_ids, topk_weights, checked)
+            y = custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
+                                         self.experts.w2, self._op_key, self.experts.b13,
+                                         self.experts.b2)
+        else:
+            y = self.eager_experts_forward(x, topk_ids, topk_weights, checked)
+        self._count_call(x)
+        return y
 
     def _check_replicated(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> None:

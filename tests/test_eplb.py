@@ -20,12 +20,14 @@ from comet.runtime.virtual import VirtualEP
 E, K, H, F = 8, 2, 32, 32
 
 
-def _pair(redundant=4, **kwargs):
-    """A layer with ``redundant`` replicas and the same layer without, same weights."""
+def _pair(redundant=4, rebalance_interval=None, rebalance_window=None, **kwargs):
+    """A layer with ``redundant`` replicas (rebalancing itself as told) and the same layer
+    without, same weights."""
     torch.manual_seed(0)
     plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64, **kwargs)
     replicated = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64,
-                          redundant_experts=redundant, **kwargs)
+                          redundant_experts=redundant, rebalance_interval=rebalance_interval,
+                          rebalance_window=rebalance_window, **kwargs)
     replicated.load_state_dict(plain.state_dict())
     return plain, replicated
 
@@ -237,6 +239,167 @@ def _check_gloo_rebalance(world, rank):
 @pytest.mark.parametrize("world", [2])
 def test_gloo_ranks_rebalance_and_train_across_ranks(world):
     gloo_ranks.spawn(_check_gloo_rebalance, world)
+
+
+# ----------------------------------------------------------------- rebalance_interval
+def _spy_rebalances(layer, monkeypatch) -> list[tuple[int, torch.Tensor]]:
+    """Record ``(calls so far, the load planned from)`` at each rebalance of ``layer``."""
+    seen, calls, real = [], [0], layer.rebalance
+
+    def spy(plan=None):
+        seen.append((calls[0], layer.expert_load()))
+        return real(plan)
+
+    monkeypatch.setattr(layer, "rebalance", spy)
+    original_forward = layer.experts_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original_forward(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "experts_forward", counted)
+    return seen
+
+
+def _load_of(*ids: torch.Tensor) -> torch.Tensor:
+    live = torch.cat([i.flatten() for i in ids])
+    return torch.bincount(live[live >= 0], minlength=E)
+
+
+@torch.no_grad()
+def test_rebalance_interval_replans_every_n_calls_from_their_load(monkeypatch):
+    _, layer = _pair(rebalance_interval=3)
+    seen = _spy_rebalances(layer, monkeypatch)
+    routing = [_skewed_ids(5 + c, seed=c) for c in range(7)]
+    for c, (ids, w) in enumerate(routing):
+        layer(torch.randn(len(ids), H), ids, w)
+    assert [c for c, _ in seen] == [3, 6]
+    assert torch.equal(seen[0][1], _load_of(*(i for i, _ in routing[0:3])))
+    assert torch.equal(seen[1][1], _load_of(*(i for i, _ in routing[3:6])))
+    assert torch.equal(layer.expert_load(), _load_of(routing[6][0]))   # counting again
+    assert layer.replicas.replicas[3] > 1                              # the hot expert
+
+
+@torch.no_grad()
+def test_rebalance_window_plans_from_the_last_calls_only(monkeypatch):
+    _, layer = _pair(rebalance_interval=4, rebalance_window=2)
+    seen = _spy_rebalances(layer, monkeypatch)
+    routing = [_skewed_ids(6, seed=c) for c in range(4)]
+    for ids, w in routing:
+        layer(torch.randn(6, H), ids, w)
+    [(calls, load)] = seen
+    assert calls == 4 and torch.equal(load, _load_of(routing[2][0], routing[3][0]))
+
+
+@torch.no_grad()
+def test_a_manual_rebalance_restarts_the_count(monkeypatch):
+    _, layer = _pair(rebalance_interval=2)
+    seen = _spy_rebalances(layer, monkeypatch)
+    ids, w = _skewed_ids(6)
+    layer(torch.randn(6, H), ids, w)
+    layer.rebalance()                                 # the count restarts here
+    layer(torch.randn(6, H), ids, w)
+    assert len(seen) == 1
+    layer(torch.randn(6, H), ids, w)
+    assert len(seen) == 2
+
+
+@torch.no_grad()
+def test_outputs_do_not_change_across_automatic_rebalances():
+    plain, layer = _pair(rebalance_interval=1)
+    home = layer.replicas.phy2log.clone()
+    x = torch.randn(30, H)
+    for seed in range(3):
+        ids, w = _skewed_ids(30, seed=seed)
+        assert torch.equal(layer(x, ids, w), plain(x, ids, w))
+    assert not torch.equal(layer.replicas.phy2log, home)     # it was re-placed
+    assert torch.equal(layer(x), plain(x))
+
+
+def test_a_backward_after_the_rebalance_keeps_the_gradients():
+    """With an interval of 1 every forward re-places the experts before its backward
+    runs: the backward translates with the new placement, on the same weights."""
+    plain, layer = _pair(expert_bias=True, rebalance_interval=1)
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24)
+    for step in range(2):
+        before = layer.replicas.phy2log.clone()
+        y0, g0 = _train_step(plain, x, ids, w.clone().requires_grad_(True))
+        y1, g1 = _train_step(layer, x, ids, w.clone().requires_grad_(True))
+        if step == 0:
+            assert not torch.equal(layer.replicas.phy2log, before)
+        torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-4)
+        _close_grads(g1, g0)
+
+
+@torch.no_grad()
+def test_compiled_calls_are_not_counted():
+    _, layer = _pair(rebalance_interval=2)
+    ids, w = _skewed_ids(16)
+    x = torch.randn(16, H)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, i, g: layer(a, i, g), fullgraph=True, backend="eager")
+    for _ in range(3):
+        compiled(x, ids, w)
+    assert layer._rebalance_calls == 0                        # no rebalance either:
+    assert torch.equal(layer.expert_load(), 3 * _load_of(ids))  # the load is all there
+    layer(x, ids, w)
+    layer(x, ids, w)                                          # two eager calls: rebalanced
+    assert layer.expert_load().sum() == 0
+
+
+@pytest.mark.parametrize("interval", [None, 0])
+def test_no_interval_means_no_automatic_rebalance(interval, monkeypatch):
+    _, layer = _pair(rebalance_interval=interval)
+    assert layer.rebalance_interval is None
+    seen = _spy_rebalances(layer, monkeypatch)
+    ids, w = _skewed_ids(8)
+    with torch.no_grad():
+        for _ in range(4):
+            layer(torch.randn(8, H), ids, w)
+    assert seen == [] and torch.equal(layer.expert_load(), 4 * _load_of(ids))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(rebalance_interval=-1), ValueError, "positive number of calls"),
+    (dict(rebalance_interval=2.0), TypeError, "rebalance_interval must be an int"),
+    (dict(rebalance_interval=True), TypeError, "rebalance_interval must be an int"),
+    (dict(rebalance_interval=4, redundant_experts=0), ValueError,
+     "needs redundant_experts > 0"),
+    (dict(rebalance_interval=4, rebalance_window=0), ValueError, r"in \[1, "),
+    (dict(rebalance_interval=4, rebalance_window=5), ValueError, r"in \[1, "),
+    (dict(rebalance_window=2), ValueError, "needs rebalance_interval"),
+])
+def test_bad_rebalance_knobs_are_refused(kwargs, error, match):
+    kwargs = {"redundant_experts": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        CometMoE(E, K, H, F, dtype=torch.float32, **kwargs)
+
+
+def _check_gloo_interval(world, rank):
+    """Ranks routing different token counts rebalance at the same calls (host counts),
+    and the layer keeps the plain layer's outputs across the collective rebalances."""
+    torch.manual_seed(0)
+    plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64)
+    layer = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64,
+                     redundant_experts=2 * world, rebalance_interval=2)
+    layer.load_state_dict(plain.state_dict())
+    home = layer.replicas.phy2log.clone()
+    with torch.no_grad():
+        for call in range(5):
+            ids, w = _skewed_ids(8 + 7 * rank + call, seed=10 * rank + call)
+            x = torch.randn(len(ids), H)
+            torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5,
+                                       atol=1e-5)
+            assert layer._rebalance_calls == (call + 1) % 2
+    assert not torch.equal(layer.replicas.phy2log, home)
+    every = [torch.empty_like(home) for _ in range(world)]
+    dist.all_gather(every, layer.replicas.phy2log)
+    assert all(torch.equal(p, every[0]) for p in every)       # one plan on every rank
+
+
+def test_gloo_ranks_rebalance_at_the_same_calls():
+    gloo_ranks.spawn(_check_gloo_interval, 2)
 
 
 # ----------------------------------------------------------------- fused kernels (interpreter)
