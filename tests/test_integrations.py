@@ -324,6 +324,63 @@ def test_group_size_not_dividing_experts_is_rejected(fake_world):
     assert count_patched(model) == 0
 
 
+# --------------------------------------------------------------------------- redundant experts
+EPLB_FAMILIES = [f for f in ("mixtral", "qwen2_moe") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", EPLB_FAMILIES)
+def test_patch_model_with_redundant_experts_matches_and_keeps_the_keys(family, fp32_models):
+    """Every block gets the replicas and the interval; the logits stay the unpatched
+    model's across the blocks' automatic rebalances, and the checkpoint keys are the
+    model's own (the copies are not saved)."""
+    model, plain = fp32_models[family]
+    patched = patched_copy(model, redundant_experts=4, rebalance_interval=2)
+    blocks = _moe_blocks(patched)
+    assert len(blocks) == MOE_LAYERS.get(family, 2)
+    assert all(b.replicas is not None and b.rebalance_interval == 2 for b in blocks)
+    assert all(b.replicas.w13.device == b.experts.w13.device for b in blocks)
+    assert patched.state_dict().keys() == plain.state_dict().keys() == model.state_dict().keys()
+    home = [b.replicas.phy2log.clone() for b in blocks]
+    for seed in range(3):                             # a rebalance after the second call
+        ids = _tokens(seed=seed)
+        torch.testing.assert_close(_logits(patched, ids), _logits(model, ids), atol=1e-5,
+                                   rtol=1e-5)
+    assert all(b._rebalance_calls == 1 for b in blocks)
+    assert any(not torch.equal(b.replicas.phy2log, h) for b, h in zip(blocks, home))
+
+
+def test_loading_a_checkpoint_refills_the_replicas_of_patched_blocks():
+    source = build_tiny_model("mixtral", seed=0)
+    patched = patched_copy(build_tiny_model("mixtral", seed=1), redundant_experts=4)
+    patched.load_state_dict(source.state_dict())     # strict: the original keys
+    ids = _tokens()
+    torch.testing.assert_close(_logits(patched, ids), _logits(source, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_redundant_experts_are_checked_for_every_block_before_any_is_converted(fake_world):
+    model = build_tiny_model("mixtral")                                    # E = 4
+    config = copy.deepcopy(model.config)
+    config.num_local_experts = 6
+    model.model.layers[1].mlp = type(model.model.layers[0].mlp)(config)    # E = 6
+    fake_world(0, 4)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp'.*6 \+ 4 must be divisible by "
+                                         r"the group's 4 ranks"):
+        patch_model(model, redundant_experts=4)
+    with pytest.raises(ValueError, match="needs redundant_experts > 0"):
+        patch_model(model, rebalance_interval=10)
+    assert count_patched(model) == 0
+
+
+def test_an_ep_rank_holds_its_share_of_the_physical_experts(fake_world):
+    model = build_tiny_model("mixtral")
+    fake_world(1, 2)
+    patch_model(model, redundant_experts=2)
+    for block in _moe_blocks(model):
+        assert block.experts.w13.shape[0] == 2 and block.replicas.w13.shape[0] == 3
+        # the home layout: this rank's experts 2, 3 and a copy of one of them
+        assert set(block.replicas.phy2log[3:].tolist()) == {2, 3}
+
+
 # --------------------------------------------------------------------------- errors
 class _HomemadeMoE(nn.Module):
     def __init__(self):

@@ -237,7 +237,8 @@ def _check_names(block: nn.Module, where: str) -> None:
 _INSTANCE_NAMES = frozenset({
     "cfg", "par", "group", "mesh", "convention", "comm_blocks", "tuned_config_folder",
     "fused_backward", "_fused", "_op_key", "family", "mode", "returns_router_logits",
-    "_comet_input_cfg", "_comet_check_input", "_comet_legacy", "_comet_rows_per_token"})
+    "_comet_input_cfg", "_comet_check_input", "_comet_legacy", "_comet_rows_per_token",
+    "replicas", "rebalance_interval", "rebalance_window", "_rebalance_calls"})
 
 
 class CometMoEBlock(CometMoE):
@@ -266,7 +267,9 @@ class CometMoEBlock(CometMoE):
                  max_tokens: int | None = None,
                  comm_blocks: int | tuple[int, int] | None = None,
                  tuned_config_folder: str | None = None, check_replicated: bool = False,
-                 tile: TileConfig | None = None):
+                 tile: TileConfig | None = None, redundant_experts: int = 0,
+                 placement_nodes: int = 1, rebalance_interval: int | None = None,
+                 rebalance_window: int | None = None):
         spec = inspect_block(block)
         xs = spec.experts
         experts = block.experts
@@ -284,10 +287,17 @@ class CometMoEBlock(CometMoE):
             super().__init__(group=group, mesh=mesh, convention=convention,
                              tp_group=tp_group, ep_group=ep_group, device="meta",
                              comm_blocks=comm_blocks, tuned_config_folder=tuned_config_folder,
-                             check_replicated=check_replicated, tile=tile, **settings)
+                             check_replicated=check_replicated, tile=tile,
+                             redundant_experts=redundant_experts,
+                             placement_nodes=placement_nodes,
+                             rebalance_interval=rebalance_interval,
+                             rebalance_window=rebalance_window, **settings)
             input_cfg = self.cfg.replace(max_tokens=tokens)
         except ValueError as err:
             raise ValueError(f"cannot convert {where}: {err}") from err
+        # CometMoE built its replicas on the meta device, of meta experts; they are
+        # built again below from the block's experts, where those live.
+        placement = None if self.replicas is None else self.replicas.placement_config
 
         self._adopt(block)
         self.family = spec.legacy.name if spec.legacy else spec.family
@@ -308,6 +318,8 @@ class CometMoEBlock(CometMoE):
                                           ffn_cols=cols, adds_b2=tp_rank == 0)
         new_experts.__dict__["_comet_block"] = self   # plain attribute: not a submodule
         self._modules["experts"] = new_experts
+        if placement is not None:
+            self._build_replicas(placement, w13.device)
         self._comet_legacy = spec.legacy
         self.returns_router_logits = (spec.legacy is not None
                                       and isinstance(_router_of(block), nn.Linear))
@@ -451,7 +463,9 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
                 tp_group=None, ep_group=None, max_tokens: int | None = None,
                 comm_blocks: int | tuple[int, int] | None = None,
                 tuned_config_folder: str | None = None,
-                check_replicated: bool = False, tile: TileConfig | None = None
+                check_replicated: bool = False, tile: TileConfig | None = None,
+                redundant_experts: int = 0, placement_nodes: int = 1,
+                rebalance_interval: int | None = None, rebalance_window: int | None = None
                 ) -> CometMoEBlock:
     """Convert one transformers MoE block into a :class:`CometMoEBlock`.
 
@@ -472,6 +486,10 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
             dense (Llama-4) blocks size comet for ``E`` rows per token.
         comm_blocks, tuned_config_folder, check_replicated, tile: see
             :class:`comet.CometMoE`.
+        redundant_experts, placement_nodes, rebalance_interval, rebalance_window:
+            redundant experts (EPLB) and automatic rebalancing, as for
+            :class:`comet.CometMoE` (docs/eplb.md); off by default. The checkpoint keys
+            and layout do not change: the physical copies are not saved.
 
     Returns:
         The replacement, on the block's device and dtype, sharing the block's modules
@@ -491,4 +509,8 @@ def from_module(block: nn.Module, group=None, *, mesh=None, convention: Conventi
                                      tp_group=tp_group, ep_group=ep_group,
                                      max_tokens=max_tokens, comm_blocks=comm_blocks,
                                      tuned_config_folder=tuned_config_folder,
-                                     check_replicated=check_replicated, tile=tile)
+                                     check_replicated=check_replicated, tile=tile,
+                                     redundant_experts=redundant_experts,
+                                     placement_nodes=placement_nodes,
+                                     rebalance_interval=rebalance_interval,
+                                     rebalance_window=rebalance_window)

@@ -6,9 +6,10 @@ import re
 
 from torch import nn
 
-from comet.integrations.blocks import from_module, inspect_block
-from comet.mesh import Convention
-from comet.moe import CometMoE, parallel_layout
+from comet.config import ParallelConfig
+from comet.integrations.blocks import BlockSpec, from_module, inspect_block
+from comet.mesh import Convention, MeshLayout
+from comet.moe import CometMoE, parallel_layout, rebalance_knobs, redundant_placement
 
 #: Class names that say "MoE block" even without an ``experts`` child (DogeCDMoE,
 #: JetMoeMoE, ...): such a block computes its experts itself and is refused with a reason.
@@ -51,7 +52,9 @@ def refusal(block: nn.Module) -> Exception | None:
 
 
 def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention = "sequence",
-                *, tp_group=None, ep_group=None, **kwargs) -> nn.Module:
+                *, tp_group=None, ep_group=None, redundant_experts: int = 0,
+                placement_nodes: int = 1, rebalance_interval: int | None = None,
+                rebalance_window: int | None = None, **kwargs) -> nn.Module:
     """Replace every MoE block of ``model`` by a :class:`CometMoEBlock`, in place.
 
     Blocks are recognised by structure (:func:`looks_like_moe_block`), whatever their
@@ -74,6 +77,14 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
             run it on the same batch).
         tp_group, ep_group: the layout as this rank's TP and EP process groups, instead
             of ``group`` and ``mesh``.
+        redundant_experts: ``R`` redundant experts (EPLB, docs/eplb.md) in every block
+            (default 0: none): each block's ``E + R`` must be divisible by the group's
+            size, which is checked for every block before any is converted. The state
+            dict keeps its keys and layout.
+        placement_nodes: nodes of the group for the hierarchical placement.
+        rebalance_interval, rebalance_window: every block rebalances itself every
+            ``rebalance_interval`` calls, from the load of its last ``rebalance_window``
+            calls (see :class:`comet.CometMoE`; default: never). Needs ``R > 0``.
         **kwargs: ``max_tokens``, ``comm_blocks``, ``tuned_config_folder``,
             ``check_replicated``, ``tile`` for every block (see :func:`from_module`).
 
@@ -91,13 +102,14 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
     """
     targets = find_moe_blocks(model)
     done = sum(isinstance(m, CometMoE) for m in model.modules())
-    refused = {}
+    refused, specs = {}, {}
     for path, module in targets:
         if not path:
             raise TypeError(f"{type(module).__name__} is itself an MoE block: convert it "
                             "with comet.integrations.from_module")
-        err = refusal(module)
-        if err is not None:
+        try:
+            specs[path] = inspect_block(module)
+        except (TypeError, NotImplementedError) as err:
             refused.setdefault((type(module).__name__, str(err)), []).append(path)
     if refused:
         lines = [f"{paths[0]!r}{f' (and {len(paths) - 1} more)' if len(paths) > 1 else ''}: "
@@ -110,12 +122,34 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
                          "`experts` child)")
     # Once for the model: a DeviceMesh may make a process group.
     group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
+    eplb = dict(redundant_experts=redundant_experts, placement_nodes=placement_nodes,
+                rebalance_interval=rebalance_interval, rebalance_window=rebalance_window)
+    _check_eplb(specs, group, mesh, **eplb)
     for path, _ in targets:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, name, from_module(getattr(parent, name), group, mesh=mesh,
-                                          convention=convention, **kwargs))
+                                          convention=convention, **eplb, **kwargs))
     return model
+
+
+def _check_eplb(specs: dict[str, BlockSpec], group, mesh: MeshLayout | None,
+                redundant_experts: int, placement_nodes: int, rebalance_interval: int | None,
+                rebalance_window: int | None) -> None:
+    """ValueError (TypeError for a non-int) naming the first block whose experts cannot
+    take the redundant-expert knobs, before any block is converted: blocks may differ in
+    their number of experts, and a model half converted is worse than none."""
+    rebalance_knobs(rebalance_interval, rebalance_window, redundant_experts)
+    if not redundant_experts:
+        return
+    world = ParallelConfig.from_group(group).world_size
+    layout = mesh if mesh is not None else MeshLayout(tp=1, ep=world)
+    for path, spec in specs.items():
+        try:
+            redundant_placement(spec.experts.num_experts, world, layout, redundant_experts,
+                                placement_nodes)
+        except ValueError as err:
+            raise ValueError(f"cannot give {path!r} redundant experts: {err}") from err
 
 
 def count_patched(model: nn.Module) -> int:
