@@ -609,7 +609,9 @@ class CometMoE(nn.Module):
         weights (so the router) and this rank's expert weights their gradients. On a
         single CPU rank the reference is differentiable as written. A tensor-parallel
         layout runs inference only: a call that needs gradients raises
-        NotImplementedError (on every rank alike, before any exchange)."""
+        NotImplementedError (on every rank alike, before any exchange). With
+        ``rebalance_interval``, an eager call is counted once its output is computed, and
+        the interval's last runs :meth:`rebalance` (collective) before returning."""
         if self.check_replicated:
             self._check_replicated(x, topk_ids, topk_weights)
         needs_grad = self._needs_grad(x, topk_weights)
