@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from comet.config import (VARIANT_FIELDS, MoEConfig, ParallelConfig, TileConfig, Variant,
-                          check_layout, preset)
+from comet.config import (GEMM_FIELDS, VARIANT_FIELDS, GemmConfig, MoEConfig, ParallelConfig,
+                          TileConfig, Variant, check_layout, preset)
 
 
 def test_presets_are_valid_and_named():
@@ -61,7 +61,7 @@ def test_shared_size_defaults():
 
 def test_tile_fields_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="block_n0 must divide"):
-        TileConfig(block_n0=96)
+        TileConfig().with_fields(block_n0=96)
     with pytest.raises(ValueError, match="layer1_split_k must be >= 1"):
         TileConfig().with_fields(layer1_split_k=0)
     assert TileConfig().with_fields(layer1_split_k=2).table_variant() == {"layer1_split_k": 2}
@@ -72,10 +72,11 @@ def test_the_variant_is_its_own_object_set_by_flat_names():
     names (``comet bench --tile``, tuned tables) reach both; ``without`` turns fields
     off the way the Selector does for calls too large for them."""
     tile = TileConfig().with_fields(layer1_scatter=False, group_m=4)
-    assert tile.variant == Variant(layer1_scatter=False) and tile.group_m == 4
+    assert tile.variant == Variant(layer1_scatter=False) and tile.gemm.group_m == 4
     assert tile.flat()["layer1_scatter"] is False and tile.flat()["group_m"] == 4
     assert set(TileConfig().flat()) == ({f for f in TileConfig.__dataclass_fields__}
-                                        - {"variant"}) | set(VARIANT_FIELDS)
+                                        - {"gemm", "variant"}
+                                        | set(GEMM_FIELDS) | set(VARIANT_FIELDS))
     off = Variant().without(("layer0_stream_k", "small_plan_blocks"))
     assert (off.layer0_stream_k, off.small_plan_blocks) == (False, 0)
     assert off.layer1_split_k == Variant().layer1_split_k
@@ -83,6 +84,22 @@ def test_the_variant_is_its_own_object_set_by_flat_names():
         Variant(small_plan_blocks=-1)
     with pytest.raises(TypeError):
         TileConfig().with_fields(not_a_field=1)
+
+
+def test_the_gemm_tiles_are_their_own_object_set_by_flat_names():
+    """The GEMM tiles live in a frozen :class:`GemmConfig` of the tile; flat names (``comet
+    bench --tile``, tuned tables, a call's per-bucket overrides) reach it, and the decode
+    tile changes only its layer1 column block."""
+    tile = TileConfig().with_fields(block_m=64, comm_rows=128)
+    assert tile.gemm == GemmConfig(block_m=64) and tile.comm_rows == 128
+    assert tile.flat()["block_m"] == 64 and tile.table_variant() == {"block_m": 64,
+                                                                     "comm_rows": 128}
+    assert TileConfig().with_overrides({"group_m": 2}).gemm.group_m == 2
+    decode = TileConfig().decode_tile()
+    assert decode.gemm == GemmConfig(block_n1=128, decode_block_n1=0)
+    assert TileConfig.small().with_fields(decode_block_n1=0).decode_tile() is None
+    with pytest.raises(ValueError, match="block_n0 must divide"):
+        GemmConfig(block_n0=96)
 
 
 def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():

@@ -139,7 +139,7 @@ def test_small_calls_split_layer1_over_k(split_k):
     for programs in (48, 9, 3):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
         for ws in ep.ws:
-            items = int(ws.plan.tiles.num) * -(-h // tile.block_n1)
+            items = int(ws.plan.tiles.num) * -(-h // tile.gemm.block_n1)
             splits = min(split_k, programs // items)     # as many as fit, up to split_k
             splits = splits if splits >= 2 else 0
             assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
@@ -199,7 +199,7 @@ def test_small_calls_run_layer0_as_stream_k(bias):
         for ws in ep.ws:
             items = int(ws.plan.tiles.num) * (f // GATE_UP_BLOCK)
             assert items == 4
-            parts = _stream_k_parts(items, h // tile.block_k, programs)
+            parts = _stream_k_parts(items, h // tile.gemm.block_k, programs)
             got = ws.count.l0_arrived[:items].tolist()
             assert got == (parts or [0] * items), (programs, got, parts)
             cut.add(programs if parts and any(parts) else None)
@@ -600,7 +600,7 @@ def test_small_calls_take_the_decode_tile():
     from comet.runtime.layer import FusedMoE
     cfg, w13, w2, x, ids, w = _w1_inputs("mixtral", seed=7)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
-    tile = dataclasses.replace(TileConfig.small(), decode_block_n1=16)
+    tile = TileConfig.small().with_fields(decode_block_n1=16)
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
     # program) or 16 of 16 (4 waves, 64 again): the default stays.
     few = FusedMoE(cfg, w13, w2, tile=tile)
@@ -608,13 +608,14 @@ def test_small_calls_take_the_decode_tile():
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
     many.programs = 64
-    assert many.selection.tile_for(7).block_n1 == 16 and many.selection.tile_for(7) is many.selection.tile_for(7)
+    assert many.selection.tile_for(7).gemm.block_n1 == 16
+    assert many.selection.tile_for(7) is many.selection.tile_for(7)
     many.preload()
     for layer in (few, many):
         for call in range(2):
             y = layer(x, ids, w, comm_blocks=call)
             torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    assert few.last_tile is few.tile and many.last_tile.block_n1 == 16
+    assert few.last_tile is few.tile and many.last_tile.gemm.block_n1 == 16
     assert many.tile.decode_tile().decode_tile() is None
 
 

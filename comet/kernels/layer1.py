@@ -171,16 +171,16 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
     K]`` (``transposed``) -- into ``out1 [rows, H]``; ``bias [El, H]``: each expert's
     output bias, added before the routing weight."""
     el, k, hidden = w.shape[0], h.shape[1], out1.shape[1]
-    bk = tile.k_step(k)
-    b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
-         else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
+    bk = tile.gemm.k_step(k)
+    b = (descriptor(w.view(el * hidden, k), [tile.gemm.block_n1, bk]) if transposed
+         else descriptor(w.view(el * k, hidden), [bk, tile.gemm.block_n1]))
     item = GemmTile(*(constexpr(v) for v in (
-        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, False,
+        tile.gemm.block_m, tile.gemm.block_n1, bk, False, False, transposed, 0, False,
         dot_precision(h.dtype))),
         act_tile(), constexpr(bias is not None))
     splits = Splits(constexpr(tile.blocks_per_split(hidden)),
                     constexpr(tile.n_splits(hidden)))
-    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden, bias), item, splits
+    return Gemm(descriptor(h, [tile.gemm.block_m, bk]), b, out1, k, hidden, bias), item, splits
 
 
 @functools.lru_cache(maxsize=64)
@@ -215,7 +215,8 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
         rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD),
                           int(shape.TOPK) // int(reduce.SLOT_STRIDE)),
-        ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+        ROLE=role, WAIT=wait, num_warps=tile.gemm.num_warps,
+        num_stages=tile.gemm.num_stages, **extra)
 
 
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
@@ -227,7 +228,7 @@ def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Spli
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.gemm.num_warps, num_stages=tile.gemm.num_stages)
 
 
 @triton.jit
