@@ -9,7 +9,8 @@ Four dataclasses describe everything the rest of comet needs:
 * :class:`TileConfig` -- tiles and launch shapes of the fused kernels; the host sizes
   buffers from it and the kernels take it as constexprs. Its :class:`GemmConfig` -- the
   GEMM tiles (block sizes, warps, stages, the order of layer0's work queue, the decode
-  tile). Its :class:`Variant` -- the
+  tile). Its :class:`CommConfig` -- the dispatch's chunks and return entries, the
+  copy, reduce and combine tiles. Its :class:`Variant` -- the
   algorithm a call runs (layer1's scatter or reduce, layer0's gather, the small-call
   variants): the Selector picks one per call, and it keys the call's graph, launch
   cache and tuned table.
@@ -435,15 +436,17 @@ GEMM_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
 
 
 @dataclass(frozen=True)
-class TileConfig:
-    """Tiles and launch shapes of the fused kernels (measurements behind each default:
-    docs/notebook.md): the GEMM tiles :attr:`gemm` (:class:`GemmConfig`), the
-    communication tiles below, and the algorithm :attr:`variant` (:class:`Variant`).
-    :meth:`with_fields` and :meth:`flat` name every field by its flat name.
+class CommConfig:
+    """The units of the communication protocol and the tiles of the kernels that move
+    rows (dispatch, layer1's reduce, combine), held by :class:`TileConfig` as ``comm``.
+    ``comm_rows`` and ``dispatch_entries`` size the dispatch's chunks (a flag each) and
+    the return entries they carry, so every rank of a layer must use the same; the rest
+    are the copy and reduce tiles. No tuned table sets them (they are fixed when a layer
+    is built); they are not module constants because :meth:`TileConfig.small` (the
+    interpreter's) and probes (``comet bench --tile comm_entries=16``) change them. Flat
+    names as :class:`GemmConfig`'s (:meth:`TileConfig.with_fields`).
 
-    Communication tiles:
-        splits: target number of layer1 column splits (the reduce role's unit of
-            waiting); every split reads layer1's A rows again, so few.
+    Fields:
         comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
             each); dispatch_entries: return entries per dispatch chunk.
         comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
@@ -477,12 +480,8 @@ class TileConfig:
             multiple of the reduce tile's entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
             HBM stream.
-
-    Algorithm: :attr:`variant` (:class:`Variant`), the choices a call may run.
     """
 
-    gemm: GemmConfig = GemmConfig()
-    splits: int = 2
     comm_rows: int = 256
     comm_copy_rows: int = 32
     dispatch_parts: int = 8
@@ -496,11 +495,37 @@ class TileConfig:
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
-    variant: Variant = Variant()
 
     def __post_init__(self):
         if self.dispatch_parts < 1:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
+
+
+#: The names of :class:`CommConfig`'s fields (set in a tile by :meth:`TileConfig.with_fields`).
+COMM_FIELDS = tuple(f.name for f in dataclasses.fields(CommConfig))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles and launch shapes of the fused kernels (measurements behind each default:
+    docs/notebook.md): the GEMM tiles :attr:`gemm` (:class:`GemmConfig`), the
+    communication units and tiles :attr:`comm` (:class:`CommConfig`), layer1's column
+    splits, and the algorithm :attr:`variant` (:class:`Variant`).
+    :meth:`with_fields` and :meth:`flat` name every field by its flat name.
+
+    Fields:
+        gemm: the GEMM tiles (:class:`GemmConfig`).
+        comm: the communication kernels' units and tiles (:class:`CommConfig`).
+        splits: target number of layer1 column splits (the reduce role's unit of
+            waiting); every split reads layer1's A rows again, so few.
+
+    Algorithm: :attr:`variant` (:class:`Variant`), the choices a call may run.
+    """
+
+    gemm: GemmConfig = GemmConfig()
+    comm: CommConfig = CommConfig()
+    splits: int = 2
+    variant: Variant = Variant()
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's
@@ -513,9 +538,10 @@ class TileConfig:
 
     def with_fields(self, **changes) -> "TileConfig":
         """A copy with fields changed by their flat names -- this class's,
-        :class:`GemmConfig`'s and :class:`Variant`'s, as ``comet bench --tile``, the tuned
-        tables and probe files name them (validated again)."""
-        for group, names in (("gemm", GEMM_FIELDS), ("variant", VARIANT_FIELDS)):
+        :class:`GemmConfig`'s, :class:`CommConfig`'s and :class:`Variant`'s, as ``comet
+        bench --tile``, the tuned tables and probe files name them (validated again)."""
+        for group, names in (("gemm", GEMM_FIELDS), ("comm", COMM_FIELDS),
+                             ("variant", VARIANT_FIELDS)):
             part = {n: changes.pop(n) for n in list(changes) if n in names}
             if part:
                 changes[group] = dataclasses.replace(getattr(self, group), **part)
@@ -530,12 +556,11 @@ class TileConfig:
                 if name not in TUNABLE_TILE_FIELDS and value != _DEFAULT_FLAT[name]}
 
     def flat(self) -> dict[str, int | bool]:
-        """Every field by its flat name (:class:`GemmConfig`'s, this class's, then
-        :class:`Variant`'s)."""
-        out = {n: getattr(self.gemm, n) for n in GEMM_FIELDS}
-        out |= {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("gemm", "variant")}
-        return out | {n: getattr(self.variant, n) for n in VARIANT_FIELDS}
+        """Every field by its flat name (:class:`GemmConfig`'s, ``splits``,
+        :class:`CommConfig`'s, then :class:`Variant`'s)."""
+        return ({n: getattr(self.gemm, n) for n in GEMM_FIELDS} | {"splits": self.splits}
+                | {n: getattr(self.comm, n) for n in COMM_FIELDS}
+                | {n: getattr(self.variant, n) for n in VARIANT_FIELDS})
 
     def decode_tile(self) -> "TileConfig | None":
         """The tile configuration of small calls: this one with layer1's column block
@@ -579,11 +604,11 @@ class TileConfig:
         """Tiny tiles for the interpreter and unit tests."""
         gemm = GemmConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
                         num_stages=1, local_head_tiles=2, decode_block_n1=0)
-        return TileConfig(gemm=gemm, splits=2, comm_rows=16, comm_copy_rows=8,
-                          comm_block_h=32, dispatch_entries=16,
-                          comm_entries=8, reduce_item=16, comm_block_c=16,
-                          local_comm_block_c=32, reduce_step_elements=512, combine_rows=8,
-                          combine_block_h=32, combine_warps=4)
+        comm = CommConfig(comm_rows=16, comm_copy_rows=8, comm_block_h=32,
+                          dispatch_entries=16, comm_entries=8, reduce_item=16,
+                          comm_block_c=16, local_comm_block_c=32, reduce_step_elements=512,
+                          combine_rows=8, combine_block_h=32, combine_warps=4)
+        return TileConfig(gemm=gemm, comm=comm, splits=2)
 
     def blocks_per_split(self, hidden: int) -> int:
         n_blocks = -(-hidden // self.gemm.block_n1)

@@ -828,8 +828,6 @@ def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch)
     (2), and ``--tile group_m=4`` at EP=2 changes group_m alone. (Built on the EP=1
     default, as the sweep once did, every qwen2-moe variant at EP=2 gathered while the
     default did not: 2-4% apart in probes of fields that changed nothing.)"""
-    import dataclasses
-
     from comet.config import preset
     from comet.mesh import MeshLayout
     from comet.runtime import layer

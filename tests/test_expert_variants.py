@@ -3,7 +3,6 @@ spec, the unfused baselines and the fused kernels (virtual ranks under the inter
 the GPU suite runs the same at full size).
 """
 
-import dataclasses
 
 import pytest
 import torch

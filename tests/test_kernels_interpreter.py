@@ -5,7 +5,6 @@ real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16
 only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -324,7 +323,7 @@ def test_comm_program_counts(comm_programs):
 @pytest.mark.parametrize("parts", [1, 4])
 def test_a_small_calls_chunks_are_copied_in_parts(parts):
     """A call with fewer dispatch chunks than comm programs cuts each row chunk's copy
-    into parts (``TileConfig.dispatch_parts``), the last part to arrive publishing the
+    into parts (``CommConfig.dispatch_parts``), the last part to arrive publishing the
     chunk: 12 rows to each destination are one 16-row chunk, and with 8 dispatch
     programs for 4 chunks (a row chunk and a return-entry chunk per destination) each
     chunk is taken as 2 parts -- the row chunk copied as 8 + 4 rows, the entry chunk by
@@ -337,8 +336,7 @@ def test_a_small_calls_chunks_are_copied_in_parts(parts):
     g = torch.Generator().manual_seed(5)
     w13 = [(torch.randn(4, h, 2 * f, generator=g) * h ** -0.5).half() for _ in range(2)]
     w2 = [(torch.randn(4, f, h, generator=g) * f ** -0.5).half() for _ in range(2)]
-    tile = dataclasses.replace(TileConfig.small(), comm_rows=16, comm_copy_rows=8,
-                               dispatch_parts=parts)
+    tile = TileConfig.small().with_fields(comm_rows=16, comm_copy_rows=8, dispatch_parts=parts)
     ep = VirtualEP(cfg, w13, w2, tile)
     # every token has one expert on each rank: 12 rows to each destination
     ids = [torch.stack([torch.tensor([t % 4, 4 + (t + r) % 4]) for t in range(12)])
@@ -596,7 +594,6 @@ def test_small_calls_take_the_decode_tile():
     """A call whose layer1 work items leave programs idle runs on the decode tile
     (narrower layer1 column blocks), with the same output; where the default tile keeps
     every program as busy, it stays. The choice is the host's, per token count."""
-    import dataclasses
     from comet.runtime.layer import FusedMoE
     cfg, w13, w2, x, ids, w = _w1_inputs("mixtral", seed=7)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
@@ -679,7 +676,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     assert traces[0][:, -1, 0].tolist() == [int(TRACE_PROGRAM)] * grid
     assert traces[1][0, -1, 0].item() == int(TRACE_PROGRAM)
     n_items = int(ws.count.l1_reduce) - 1    # the program takes one item past the end
-    assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.reduce_item)
+    assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.comm.reduce_item)
 
 
 def test_misaligned_inputs_are_staged_through_an_aligned_copy():

@@ -137,8 +137,8 @@ def _check_against_spec(world, el, k, mx, kind, staged, small):
         assert torch.equal(p.recv_entries.cpu(), layout.entries[r].cpu())
         rows_from = counts[:, r, :-1].sum(1).tolist()       # chunks of rows, then entries
         assert p.chunks.tolist() == [
-            -(-rows_from[s] // tile.comm_rows)
-            + -(-int(layout.entries[r][s]) // tile.dispatch_entries) for s in range(world)]
+            -(-rows_from[s] // tile.comm.comm_rows)
+            + -(-int(layout.entries[r][s]) // tile.comm.dispatch_entries) for s in range(world)]
 
 
 @pytest.mark.parametrize("tokens, has_count", [(23 * 3, False), (23 * 3 - 2, True), (5, True)])

@@ -1,6 +1,5 @@
 """Tuned block-split tables: lookup, nearest bucket, bad files; the comet tune CLI on CPU."""
 
-import dataclasses
 import json
 import logging
 import warnings

@@ -1,6 +1,5 @@
 """Workspace sizing on the CPU: what ``workspace_bytes`` promises is what is allocated."""
 
-import dataclasses
 
 import pytest
 import torch

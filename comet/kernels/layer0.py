@@ -179,7 +179,7 @@ class DispatchTile(NamedTuple):
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
     GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
     OWN_IN_PLACE: tl.constexpr  # GATHER: no row copied to this rank itself (read from x)
-    PARTS: tl.constexpr       # most parts a chunk's copy is cut into (TileConfig.dispatch_parts)
+    PARTS: tl.constexpr       # most parts a chunk's copy is cut into (CommConfig.dispatch_parts)
 
 
 class Lanes(NamedTuple):
@@ -205,9 +205,10 @@ def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool,
                   own_in_place: bool) -> DispatchTile:
     """``own_in_place``: the GEMM reads this rank's own rows from x (``GemmTile.A_OWN``),
     so the dispatch copies none of them."""
+    c = tile.comm
     return DispatchTile(*(constexpr(v) for v in (
-        tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather, own_in_place, tile.dispatch_parts)))
+        c.comm_rows, c.comm_copy_rows, c.comm_block_h, c.dispatch_entries, c.comm_entries,
+        row_home, gather, own_in_place, c.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)

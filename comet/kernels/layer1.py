@@ -192,11 +192,12 @@ def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int,
     ``held_slots`` rounded up to a power of two), as many columns as
     ``reduce_step_elements`` allows, at most ``comm_block_c`` where its sums cross to a
     peer and ``local_comm_block_c`` alone."""
-    entries, slots = tile.comm_entries, triton.next_power_of_2(held_slots)
-    cap = tile.comm_block_c if world > 1 else tile.local_comm_block_c
-    fits = tile.reduce_step_elements // (entries * slots)
+    c = tile.comm
+    entries, slots = c.comm_entries, triton.next_power_of_2(held_slots)
+    cap = c.comm_block_c if world > 1 else c.local_comm_block_c
+    fits = c.reduce_step_elements // (entries * slots)
     block_c = min(cap, max(MIN_REDUCE_COLUMNS, 1 << max(fits.bit_length() - 1, 0)))
-    item = -(-tile.reduce_item // entries) * entries
+    item = -(-c.reduce_item // entries) * entries
     return ReduceTile(*(constexpr(v) for v in (entries, item, block_c, weighted, pairs,
                                                 slots)))
 
@@ -401,7 +402,7 @@ def _sum_slots(out1_ptr, H, rows, wgts, cols, cmask, WEIGHTED: tl.constexpr):
     """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
     sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here) over the columns of
     ``cmask [1, BLOCK_C]``. One load for every slot: a load per slot kept a single slot's
-    rows in flight, and a block read ~11 GB/s (TileConfig.reduce_step_elements)."""
+    rows in flight, and a block read ~11 GB/s (CommConfig.reduce_step_elements)."""
     ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
     v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & cmask[:, None, :],
                 other=0.0).to(tl.float32)

@@ -61,7 +61,8 @@ def chunk_slots(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
     """Dispatch chunks one source may send one destination at most (its rows, then its
     return entries; see comet.kernels.layer0.dispatch_role): the stride of ``flag0``."""
     rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank) // world
-    return -(-rows_from_one // tile.comm_rows) + -(-cfg.max_tokens // tile.dispatch_entries)
+    comm = tile.comm
+    return -(-rows_from_one // comm.comm_rows) + -(-cfg.max_tokens // comm.dispatch_entries)
 
 
 def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[BufferSpec]:
