@@ -7,7 +7,10 @@ Four dataclasses describe everything the rest of comet needs:
   workspace and device table).
 * :class:`ParallelConfig` -- the expert-parallel layout (world size and this rank).
 * :class:`TileConfig` -- tiles and launch shapes of the fused kernels; the host sizes
-  buffers from it and the kernels take it as constexprs. Its :class:`Variant` -- the
+  buffers from it and the kernels take it as constexprs. Its :class:`GemmConfig` -- the
+  GEMM tiles (block sizes, warps, stages, the order of layer0's work queue, the decode
+  tile). Its :class:`CommConfig` -- the dispatch's chunks and return entries, the
+  copy, reduce and combine tiles. Its :class:`Variant` -- the
   algorithm a call runs (layer1's scatter or reduce, layer0's gather, the small-call
   variants): the Selector picks one per call, and it keys the call's graph, launch
   cache and tuned table.
@@ -228,8 +231,8 @@ def preset(name: str, **changes) -> MoEConfig:
     return cfg.replace(**changes) if changes else cfg
 
 
-#: TileConfig fields a tuned table may set per token bucket (``comet tune`` searches them
-#: once the block split is chosen), with the smallest valid value of each. They change
+#: :class:`GemmConfig` fields a tuned table may set per token bucket (``comet tune``
+#: searches them once the block split is chosen), with the smallest valid value of each. They change
 #: only the order in which a rank runs its own work -- no buffer size, nothing a peer
 #: reads -- so each call may use its own.
 TUNABLE_TILE_FIELDS = {"group_m": 1, "local_head_tiles": 0}
@@ -374,11 +377,15 @@ VARIANT_FIELDS = tuple(f.name for f in dataclasses.fields(Variant))
 
 
 @dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes and launch shapes of the fused kernels (measurements behind each
-    default: docs/notebook.md).
+class GemmConfig:
+    """The GEMM tiles and launch shapes of layer0's and layer1's grouped GEMMs, held by
+    :class:`TileConfig` as ``gemm`` (measurements behind each default: docs/notebook.md).
+    The flat names (``block_m``, ``group_m``, ...) stay those of ``comet bench --tile``,
+    the tuned tables and probe files (:meth:`TileConfig.with_fields`,
+    :meth:`TileConfig.flat`). Not :class:`comet.kernels.group_gemm.GemmTile`, the
+    constexpr group the launchers build from it per layer.
 
-    GEMM tiles:
+    Fields:
         block_m: rows of an m-tile (both layers share the tile table).
         block_n0: columns of a layer0 work item, per half (gate and up); divides
             :data:`comet.weights.GATE_UP_BLOCK`, and one dot computes both halves when
@@ -394,11 +401,52 @@ class TileConfig:
             item per take at its start and its end, the rest in lanes of
             ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
         decode_block_n1: layer1's column block in calls too small to give it a work item
-            per SM with ``block_n1`` (:meth:`decode_tile`; 0: none).
+            per SM with ``block_n1`` (:meth:`TileConfig.decode_tile`; 0: none).
+    """
 
-    Communication tiles:
-        splits: target number of layer1 column splits (the reduce role's unit of
-            waiting); every split reads layer1's A rows again, so few.
+    block_m: int = 128
+    block_n0: int = GATE_UP_BLOCK
+    block_n1: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    local_head_tiles: int = 16
+    lane_head_rounds: int = 0
+    lane_tail_rounds: int = 1
+    decode_block_n1: int = 128
+
+    def __post_init__(self):
+        # A layer0 tile must not straddle two blocks of the interleaved W13.
+        if GATE_UP_BLOCK % self.block_n0:
+            raise ValueError(f"block_n0 must divide the W13 interleave block "
+                             f"({GATE_UP_BLOCK}), got {self.block_n0}")
+
+    def k_step(self, k: int) -> int:
+        """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into
+        the next expert's weights)."""
+        step = self.block_k
+        while k % step:
+            step //= 2
+        return step
+
+
+#: The names of :class:`GemmConfig`'s fields (set in a tile by :meth:`TileConfig.with_fields`).
+GEMM_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """The units of the communication protocol and the tiles of the kernels that move
+    rows (dispatch, layer1's reduce, combine), held by :class:`TileConfig` as ``comm``.
+    ``comm_rows`` and ``dispatch_entries`` size the dispatch's chunks (a flag each) and
+    the return entries they carry, so every rank of a layer must use the same; the rest
+    are the copy and reduce tiles. No tuned table sets them (they are fixed when a layer
+    is built); they are not module constants because :meth:`TileConfig.small` (the
+    interpreter's) and probes (``comet bench --tile comm_entries=16``) change them. Flat
+    names as :class:`GemmConfig`'s (:meth:`TileConfig.with_fields`).
+
+    Fields:
         comm_rows: rows of a dispatch chunk, the unit a destination waits for (a flag
             each); dispatch_entries: return entries per dispatch chunk.
         comm_copy_rows / comm_block_h: tile of the dispatch copy (rows x columns).
@@ -432,25 +480,12 @@ class TileConfig:
             multiple of the reduce tile's entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure
             HBM stream.
-
-    Algorithm: :attr:`variant` (:class:`Variant`), the choices a call may run.
     """
 
-    block_m: int = 128
-    block_n0: int = GATE_UP_BLOCK
-    block_n1: int = 256
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    splits: int = 2
     comm_rows: int = 256
     comm_copy_rows: int = 32
     dispatch_parts: int = 8
     comm_block_h: int = 512
-    group_m: int = 8
-    local_head_tiles: int = 16
-    lane_head_rounds: int = 0
-    lane_tail_rounds: int = 1
     dispatch_entries: int = 1024
     comm_entries: int = 32
     reduce_item: int = 32
@@ -460,16 +495,37 @@ class TileConfig:
     combine_rows: int = 1
     combine_block_h: int = 4096
     combine_warps: int = 8
-    decode_block_n1: int = 128
-    variant: Variant = Variant()
 
     def __post_init__(self):
-        # A layer0 tile must not straddle two blocks of the interleaved W13.
-        if GATE_UP_BLOCK % self.block_n0:
-            raise ValueError(f"block_n0 must divide the W13 interleave block "
-                             f"({GATE_UP_BLOCK}), got {self.block_n0}")
         if self.dispatch_parts < 1:
             raise ValueError(f"dispatch_parts must be >= 1, got {self.dispatch_parts}")
+
+
+#: The names of :class:`CommConfig`'s fields (set in a tile by :meth:`TileConfig.with_fields`).
+COMM_FIELDS = tuple(f.name for f in dataclasses.fields(CommConfig))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles and launch shapes of the fused kernels (measurements behind each default:
+    docs/notebook.md): the GEMM tiles :attr:`gemm` (:class:`GemmConfig`), the
+    communication units and tiles :attr:`comm` (:class:`CommConfig`), layer1's column
+    splits, and the algorithm :attr:`variant` (:class:`Variant`).
+    :meth:`with_fields` and :meth:`flat` name every field by its flat name.
+
+    Fields:
+        gemm: the GEMM tiles (:class:`GemmConfig`).
+        comm: the communication kernels' units and tiles (:class:`CommConfig`).
+        splits: target number of layer1 column splits (the reduce role's unit of
+            waiting); every split reads layer1's A rows again, so few.
+
+    Algorithm: :attr:`variant` (:class:`Variant`), the choices a call may run.
+    """
+
+    gemm: GemmConfig = GemmConfig()
+    comm: CommConfig = CommConfig()
+    splits: int = 2
+    variant: Variant = Variant()
 
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's
@@ -478,15 +534,17 @@ class TileConfig:
         for name, value in overrides.items():
             if (why := tile_field_error(name, value)) is not None:
                 raise ValueError(why)
-        return dataclasses.replace(self, **overrides) if overrides else self
+        return self.with_fields(**overrides)
 
     def with_fields(self, **changes) -> "TileConfig":
-        """A copy with fields changed by their flat names -- this class's and
-        :class:`Variant`'s, as ``comet bench --tile``, the tuned tables and probe files
-        name them (validated again)."""
-        variant = {n: changes.pop(n) for n in list(changes) if n in VARIANT_FIELDS}
-        if variant:
-            changes["variant"] = dataclasses.replace(self.variant, **variant)
+        """A copy with fields changed by their flat names -- this class's,
+        :class:`GemmConfig`'s, :class:`CommConfig`'s and :class:`Variant`'s, as ``comet
+        bench --tile``, the tuned tables and probe files name them (validated again)."""
+        for group, names in (("gemm", GEMM_FIELDS), ("comm", COMM_FIELDS),
+                             ("variant", VARIANT_FIELDS)):
+            part = {n: changes.pop(n) for n in list(changes) if n in names}
+            if part:
+                changes[group] = dataclasses.replace(getattr(self, group), **part)
         return dataclasses.replace(self, **changes) if changes else self
 
     def table_variant(self) -> dict[str, int | bool]:
@@ -498,18 +556,20 @@ class TileConfig:
                 if name not in TUNABLE_TILE_FIELDS and value != _DEFAULT_FLAT[name]}
 
     def flat(self) -> dict[str, int | bool]:
-        """Every field by its flat name (tiles, then :class:`Variant`'s)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "variant"}
-        return out | {n: getattr(self.variant, n) for n in VARIANT_FIELDS}
+        """Every field by its flat name (:class:`GemmConfig`'s, ``splits``,
+        :class:`CommConfig`'s, then :class:`Variant`'s)."""
+        return ({n: getattr(self.gemm, n) for n in GEMM_FIELDS} | {"splits": self.splits}
+                | {n: getattr(self.comm, n) for n in COMM_FIELDS}
+                | {n: getattr(self.variant, n) for n in VARIANT_FIELDS})
 
     def decode_tile(self) -> "TileConfig | None":
         """The tile configuration of small calls: this one with layer1's column block
         ``decode_block_n1`` (everything else unchanged, so both share one workspace and
         one tile table), or None."""
-        if not self.decode_block_n1 or self.decode_block_n1 == self.block_n1:
+        gemm = self.gemm
+        if not gemm.decode_block_n1 or gemm.decode_block_n1 == gemm.block_n1:
             return None
-        return dataclasses.replace(self, block_n1=self.decode_block_n1, decode_block_n1=0)
+        return self.with_fields(block_n1=gemm.decode_block_n1, decode_block_n1=0)
 
     def n_splits_max(self, hidden: int) -> int:
         """Most layer1 column splits any call may use (sizes the split counters)."""
@@ -519,8 +579,8 @@ class TileConfig:
     def layer1_items(self, rows_per_expert: int, local_experts: int, hidden: int) -> int:
         """layer1's work items (m-tiles x column blocks) when each local expert gets
         ``rows_per_expert`` rows."""
-        m_tiles = local_experts * -(-rows_per_expert // self.block_m)
-        return m_tiles * -(-hidden // self.block_n1)
+        m_tiles = local_experts * -(-rows_per_expert // self.gemm.block_m)
+        return m_tiles * -(-hidden // self.gemm.block_n1)
 
     def decode_pays(self, rows_per_expert: int, local_experts: int, hidden: int,
                     programs: int) -> bool:
@@ -536,33 +596,26 @@ class TileConfig:
             return False
         items = self.layer1_items(rows_per_expert, local_experts, hidden)
         decode_items = decode.layer1_items(rows_per_expert, local_experts, hidden)
-        return (items < programs and -(-decode_items // programs) * decode.block_n1
-                < -(-items // programs) * self.block_n1)
+        return (items < programs and -(-decode_items // programs) * decode.gemm.block_n1
+                < -(-items // programs) * self.gemm.block_n1)
 
     @staticmethod
     def small() -> "TileConfig":
         """Tiny tiles for the interpreter and unit tests."""
-        return TileConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
-                          num_stages=1, splits=2, comm_rows=16, comm_copy_rows=8,
-                          comm_block_h=32, local_head_tiles=2, dispatch_entries=16,
-                          comm_entries=8, reduce_item=16, comm_block_c=16,
-                          local_comm_block_c=32, reduce_step_elements=512, combine_rows=8,
-                          combine_block_h=32, combine_warps=4, decode_block_n1=0)
-
-    def k_step(self, k: int) -> int:
-        """Largest power-of-two step <= block_k dividing ``k`` (B rows must not cross into
-        the next expert's weights)."""
-        step = self.block_k
-        while k % step:
-            step //= 2
-        return step
+        gemm = GemmConfig(block_m=16, block_n0=16, block_n1=32, block_k=16, num_warps=4,
+                        num_stages=1, local_head_tiles=2, decode_block_n1=0)
+        comm = CommConfig(comm_rows=16, comm_copy_rows=8, comm_block_h=32,
+                          dispatch_entries=16, comm_entries=8, reduce_item=16,
+                          comm_block_c=16, local_comm_block_c=32, reduce_step_elements=512,
+                          combine_rows=8, combine_block_h=32, combine_warps=4)
+        return TileConfig(gemm=gemm, comm=comm, splits=2)
 
     def blocks_per_split(self, hidden: int) -> int:
-        n_blocks = -(-hidden // self.block_n1)
+        n_blocks = -(-hidden // self.gemm.block_n1)
         return max(1, -(-n_blocks // self.splits))
 
     def n_splits(self, hidden: int) -> int:
-        n_blocks = -(-hidden // self.block_n1)
+        n_blocks = -(-hidden // self.gemm.block_n1)
         return -(-n_blocks // self.blocks_per_split(hidden))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 #: Columns of one gate (and one up) block of the interleaved layout: the layer0 kernel's
-#: tile width (``TileConfig.block_n0``), so one box covers a tile's gate and up columns.
+#: tile width (``GemmConfig.block_n0``), so one box covers a tile's gate and up columns.
 GATE_UP_BLOCK = 128
 
 

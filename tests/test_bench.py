@@ -814,7 +814,7 @@ def test_a_tile_variant_builds_on_the_layouts_default_tile():
     mesh = MeshLayout(tp=4, ep=1)
     cfg = preset("mixtral")
     kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "replicated")["tile"]
-    assert (kept.group_m, kept.variant.layer1_scatter) == (4, False)
+    assert (kept.gemm.group_m, kept.variant.layer1_scatter) == (4, False)
     back = bench._tile_of({"tile": {"layer1_scatter": 1}}, cfg, mesh, "replicated")["tile"]
     assert back.variant.layer1_scatter
     kept = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh, "sequence")["tile"]
@@ -828,8 +828,6 @@ def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch)
     (2), and ``--tile group_m=4`` at EP=2 changes group_m alone. (Built on the EP=1
     default, as the sweep once did, every qwen2-moe variant at EP=2 gathered while the
     default did not: 2-4% apart in probes of fields that changed nothing.)"""
-    import dataclasses
-
     from comet.config import preset
     from comet.mesh import MeshLayout
     from comet.runtime import layer
@@ -839,7 +837,7 @@ def test_an_expert_parallel_tile_variant_keeps_the_layouts_dispatch(monkeypatch)
     for ep, gathers in ((1, True), (2, False)):
         mesh = MeshLayout(ep=ep)
         tile = bench._tile_of({"tile": {"group_m": 4}}, cfg, mesh)["tile"]
-        assert tile == dataclasses.replace(default_tile(mesh, cfg=cfg), group_m=4)
+        assert tile == default_tile(mesh, cfg=cfg).with_fields(group_m=4)
         assert tile.variant.layer0_gather is gathers, ep
 
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from comet.config import (VARIANT_FIELDS, MoEConfig, ParallelConfig, TileConfig, Variant,
-                          check_layout, preset)
+from comet.config import (COMM_FIELDS, GEMM_FIELDS, VARIANT_FIELDS, CommConfig, GemmConfig,
+                          MoEConfig, ParallelConfig, TileConfig, Variant, check_layout,
+                          preset)
 
 
 def test_presets_are_valid_and_named():
@@ -61,7 +62,7 @@ def test_shared_size_defaults():
 
 def test_tile_fields_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="block_n0 must divide"):
-        TileConfig(block_n0=96)
+        TileConfig().with_fields(block_n0=96)
     with pytest.raises(ValueError, match="layer1_split_k must be >= 1"):
         TileConfig().with_fields(layer1_split_k=0)
     assert TileConfig().with_fields(layer1_split_k=2).table_variant() == {"layer1_split_k": 2}
@@ -72,10 +73,12 @@ def test_the_variant_is_its_own_object_set_by_flat_names():
     names (``comet bench --tile``, tuned tables) reach both; ``without`` turns fields
     off the way the Selector does for calls too large for them."""
     tile = TileConfig().with_fields(layer1_scatter=False, group_m=4)
-    assert tile.variant == Variant(layer1_scatter=False) and tile.group_m == 4
+    assert tile.variant == Variant(layer1_scatter=False) and tile.gemm.group_m == 4
     assert tile.flat()["layer1_scatter"] is False and tile.flat()["group_m"] == 4
     assert set(TileConfig().flat()) == ({f for f in TileConfig.__dataclass_fields__}
-                                        - {"variant"}) | set(VARIANT_FIELDS)
+                                        - {"gemm", "comm", "variant"}
+                                        | set(GEMM_FIELDS) | set(COMM_FIELDS)
+                                        | set(VARIANT_FIELDS))
     off = Variant().without(("layer0_stream_k", "small_plan_blocks"))
     assert (off.layer0_stream_k, off.small_plan_blocks) == (False, 0)
     assert off.layer1_split_k == Variant().layer1_split_k
@@ -83,6 +86,24 @@ def test_the_variant_is_its_own_object_set_by_flat_names():
         Variant(small_plan_blocks=-1)
     with pytest.raises(TypeError):
         TileConfig().with_fields(not_a_field=1)
+
+
+def test_the_gemm_tiles_are_their_own_object_set_by_flat_names():
+    """The GEMM tiles live in a frozen :class:`GemmConfig` of the tile; flat names (``comet
+    bench --tile``, tuned tables, a call's per-bucket overrides) reach it, and the decode
+    tile changes only its layer1 column block."""
+    tile = TileConfig().with_fields(block_m=64, comm_rows=128)
+    assert tile.gemm == GemmConfig(block_m=64) and tile.comm == CommConfig(comm_rows=128)
+    assert tile.flat()["block_m"] == 64 and tile.table_variant() == {"block_m": 64,
+                                                                     "comm_rows": 128}
+    assert TileConfig().with_overrides({"group_m": 2}).gemm.group_m == 2
+    decode = TileConfig().decode_tile()
+    assert decode.gemm == GemmConfig(block_n1=128, decode_block_n1=0)
+    assert TileConfig.small().with_fields(decode_block_n1=0).decode_tile() is None
+    with pytest.raises(ValueError, match="block_n0 must divide"):
+        GemmConfig(block_n0=96)
+    with pytest.raises(ValueError, match="dispatch_parts must be >= 1"):
+        TileConfig().with_fields(dispatch_parts=0)
 
 
 def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():
@@ -97,14 +118,14 @@ def test_the_reduce_tile_depends_on_whether_its_sums_cross_to_a_peer():
         return r.ENTRIES.value, r.ITEM.value, r.SLOTS.value, r.BLOCK_C.value
 
     tile = TileConfig()
-    assert tile.reduce_step_elements == 32 * 8 * 128
-    assert shape(tile, 2, 8) == (32, tile.reduce_item, 8, 128)
-    assert shape(tile, 1, 8) == (32, tile.reduce_item, 8, 128)     # the budget binds
-    assert shape(tile, 2, 4) == (32, tile.reduce_item, 4, 128)     # the peer cap binds
-    assert shape(tile, 1, 4) == (32, tile.reduce_item, 4, 256)
-    assert shape(tile, 1, 2)[3] == tile.local_comm_block_c
+    assert tile.comm.reduce_step_elements == 32 * 8 * 128
+    assert shape(tile, 2, 8) == (32, tile.comm.reduce_item, 8, 128)
+    assert shape(tile, 1, 8) == (32, tile.comm.reduce_item, 8, 128)     # the budget binds
+    assert shape(tile, 2, 4) == (32, tile.comm.reduce_item, 4, 128)     # the peer cap binds
+    assert shape(tile, 1, 4) == (32, tile.comm.reduce_item, 4, 256)
+    assert shape(tile, 1, 2)[3] == tile.comm.local_comm_block_c
     assert shape(tile, 2, 6)[2:] == (8, 128)                       # slots padded
     assert shape(tile, 2, 16)[3] == 64 and shape(tile, 2, 64)[3] == 16
     assert shape(tile, 2, 256)[3] == 16                            # never under 16
-    odd = TileConfig(comm_entries=32, reduce_item=40)
+    odd = TileConfig().with_fields(comm_entries=32, reduce_item=40)
     assert shape(odd, 4, 2)[1] == 64 and shape(odd, 1, 2)[1] == 64

@@ -3,7 +3,6 @@ spec, the unfused baselines and the fused kernels (virtual ranks under the inter
 the GPU suite runs the same at full size).
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -110,7 +109,7 @@ def test_fused_forward_one_dot_epilogue_with_biases():
     added to both halves of the box), two blocks of F, fp16."""
     from comet.runtime.virtual import VirtualEP
     cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, GPT_OSS, True, torch.float16, f=256)
-    tile = dataclasses.replace(TileConfig.small(), block_n0=128)
+    tile = TileConfig.small().with_fields(block_n0=128)
     ep = VirtualEP(cfg, w13, w2, tile, b13_shards=b13, b2_shards=b2)
     want = reference.ep_forward(xs, ids, wts, w13, w2, round_to=torch.float16,
                                 activation=GPT_OSS, b13_shards=b13, b2_shards=b2)
@@ -128,7 +127,7 @@ def test_fused_forward_half_tail_epilogue(name, bias, f):
     from comet.runtime.virtual import VirtualEP
     cfg, xs, ids, wts, w13, w2, b13, b2 = _problem(2, VARIANTS[name], bias, torch.float16,
                                                    f=f, seed=f)
-    tile = dataclasses.replace(TileConfig.small(), block_n0=128)
+    tile = TileConfig.small().with_fields(block_n0=128)
     item = layer0_gemm(torch.zeros(16, 32, dtype=torch.float16), w13[0],
                        torch.zeros(16, f, dtype=torch.float16), tile, gated=True)[1]
     assert item.ONE_DOT and item.HALF_TAIL      # the path under test

@@ -606,7 +606,7 @@ def test_decode_tile_at_full_size_alternating_with_the_default():
     for _ in range(3):
         for inp, ref, block_n1 in ((small, refs[0], 128), (large, refs[1], 256)):
             y = layer(*inp)
-            assert layer.last_tile.block_n1 == block_n1
+            assert layer.last_tile.gemm.block_n1 == block_n1
             assert _rel_err(y, ref) < 1e-2, block_n1
     layer.check_errors_now()
 

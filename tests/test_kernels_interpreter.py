@@ -5,7 +5,6 @@ real peer-pointer tables; the @triton.jit functions are those the GPU runs. fp16
 only: the interpreter's tl.dot on bf16 is wrong (the GPU suite covers bf16).
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -139,7 +138,7 @@ def test_small_calls_split_layer1_over_k(split_k):
     for programs in (48, 9, 3):
         _close(ep.forward(xs, ids, wts, compute_programs=programs), expect, torch.float32)
         for ws in ep.ws:
-            items = int(ws.plan.tiles.num) * -(-h // tile.block_n1)
+            items = int(ws.plan.tiles.num) * -(-h // tile.gemm.block_n1)
             splits = min(split_k, programs // items)     # as many as fit, up to split_k
             splits = splits if splits >= 2 else 0
             assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
@@ -199,7 +198,7 @@ def test_small_calls_run_layer0_as_stream_k(bias):
         for ws in ep.ws:
             items = int(ws.plan.tiles.num) * (f // GATE_UP_BLOCK)
             assert items == 4
-            parts = _stream_k_parts(items, h // tile.block_k, programs)
+            parts = _stream_k_parts(items, h // tile.gemm.block_k, programs)
             got = ws.count.l0_arrived[:items].tolist()
             assert got == (parts or [0] * items), (programs, got, parts)
             cut.add(programs if parts and any(parts) else None)
@@ -324,7 +323,7 @@ def test_comm_program_counts(comm_programs):
 @pytest.mark.parametrize("parts", [1, 4])
 def test_a_small_calls_chunks_are_copied_in_parts(parts):
     """A call with fewer dispatch chunks than comm programs cuts each row chunk's copy
-    into parts (``TileConfig.dispatch_parts``), the last part to arrive publishing the
+    into parts (``CommConfig.dispatch_parts``), the last part to arrive publishing the
     chunk: 12 rows to each destination are one 16-row chunk, and with 8 dispatch
     programs for 4 chunks (a row chunk and a return-entry chunk per destination) each
     chunk is taken as 2 parts -- the row chunk copied as 8 + 4 rows, the entry chunk by
@@ -337,8 +336,7 @@ def test_a_small_calls_chunks_are_copied_in_parts(parts):
     g = torch.Generator().manual_seed(5)
     w13 = [(torch.randn(4, h, 2 * f, generator=g) * h ** -0.5).half() for _ in range(2)]
     w2 = [(torch.randn(4, f, h, generator=g) * f ** -0.5).half() for _ in range(2)]
-    tile = dataclasses.replace(TileConfig.small(), comm_rows=16, comm_copy_rows=8,
-                               dispatch_parts=parts)
+    tile = TileConfig.small().with_fields(comm_rows=16, comm_copy_rows=8, dispatch_parts=parts)
     ep = VirtualEP(cfg, w13, w2, tile)
     # every token has one expert on each rank: 12 rows to each destination
     ids = [torch.stack([torch.tensor([t % 4, 4 + (t + r) % 4]) for t in range(12)])
@@ -596,11 +594,10 @@ def test_small_calls_take_the_decode_tile():
     """A call whose layer1 work items leave programs idle runs on the decode tile
     (narrower layer1 column blocks), with the same output; where the default tile keeps
     every program as busy, it stays. The choice is the host's, per token count."""
-    import dataclasses
     from comet.runtime.layer import FusedMoE
     cfg, w13, w2, x, ids, w = _w1_inputs("mixtral", seed=7)
     ref = reference.moe_forward(x, ids, w, w13, w2, round_to=torch.float16)
-    tile = dataclasses.replace(TileConfig.small(), decode_block_n1=16)
+    tile = TileConfig.small().with_fields(decode_block_n1=16)
     # 8 experts x 1 m-tile: 8 items of 32 columns on 4 programs (2 waves, 64 columns a
     # program) or 16 of 16 (4 waves, 64 again): the default stays.
     few = FusedMoE(cfg, w13, w2, tile=tile)
@@ -608,13 +605,14 @@ def test_small_calls_take_the_decode_tile():
     # On 64 programs, one wave either way: 16 columns a program instead of 32.
     many = FusedMoE(cfg, w13, w2, tile=tile)
     many.programs = 64
-    assert many.selection.tile_for(7).block_n1 == 16 and many.selection.tile_for(7) is many.selection.tile_for(7)
+    assert many.selection.tile_for(7).gemm.block_n1 == 16
+    assert many.selection.tile_for(7) is many.selection.tile_for(7)
     many.preload()
     for layer in (few, many):
         for call in range(2):
             y = layer(x, ids, w, comm_blocks=call)
             torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    assert few.last_tile is few.tile and many.last_tile.block_n1 == 16
+    assert few.last_tile is few.tile and many.last_tile.gemm.block_n1 == 16
     assert many.tile.decode_tile().decode_tile() is None
 
 
@@ -678,7 +676,7 @@ def test_comm_blocks_join_the_gemm_and_gemm_blocks_join_the_reduce():
     assert traces[0][:, -1, 0].tolist() == [int(TRACE_PROGRAM)] * grid
     assert traces[1][0, -1, 0].item() == int(TRACE_PROGRAM)
     n_items = int(ws.count.l1_reduce) - 1    # the program takes one item past the end
-    assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.reduce_item)
+    assert n_items == tile.n_splits(h) * -(-int(ws.plan.recv_entries[0]) // tile.comm.reduce_item)
 
 
 def test_misaligned_inputs_are_staged_through_an_aligned_copy():

@@ -41,7 +41,7 @@ def _plan_both(world, el, k, max_tokens, kind, seed, block_m=4, staged=False, sm
     if kind == "random" and ids[0].numel():
         ids[0][0, -1] = -1                                # "no expert" slots too
     wts = [torch.rand(i.shape, generator=g).to(DEVICE) for i in ids]
-    tile = TileConfig(**{**TileConfig.small().__dict__, "block_m": block_m})
+    tile = TileConfig.small().with_fields(block_m=block_m)
     wss = allocate_virtual(cfg, world, DEVICE, tile)
     if not staged:
         _run_plan(wss, cfg, tile, ids, wts, [None] * world, small)
@@ -124,8 +124,8 @@ def _check_against_spec(world, el, k, mx, kind, staged, small):
         m = ids[r].shape[0]
         assert torch.equal(p.dest_mask[:m].cpu(), spec.dest_mask[:m].cpu())
         assert torch.equal(p.pair_live[:m].cpu(), spec.pair_live[:m].cpu())
-        tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.block_m,
-                                 tile.local_head_tiles)
+        tiles = build_tile_table(layout, r, recv_capacity(world, mx, k), tile.gemm.block_m,
+                                 tile.gemm.local_head_tiles)
         nt = int(tiles.num_tiles)
         assert int(p.tiles.num) == nt
         for name, ref in (("expert", tiles.expert), ("row_start", tiles.row_start),
@@ -137,8 +137,8 @@ def _check_against_spec(world, el, k, mx, kind, staged, small):
         assert torch.equal(p.recv_entries.cpu(), layout.entries[r].cpu())
         rows_from = counts[:, r, :-1].sum(1).tolist()       # chunks of rows, then entries
         assert p.chunks.tolist() == [
-            -(-rows_from[s] // tile.comm_rows)
-            + -(-int(layout.entries[r][s]) // tile.dispatch_entries) for s in range(world)]
+            -(-rows_from[s] // tile.comm.comm_rows)
+            + -(-int(layout.entries[r][s]) // tile.comm.dispatch_entries) for s in range(world)]
 
 
 @pytest.mark.parametrize("tokens, has_count", [(23 * 3, False), (23 * 3 - 2, True), (5, True)])

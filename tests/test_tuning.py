@@ -1,6 +1,5 @@
 """Tuned block-split tables: lookup, nearest bucket, bad files; the comet tune CLI on CPU."""
 
-import dataclasses
 import json
 import logging
 import warnings
@@ -118,11 +117,11 @@ def test_a_bucket_may_set_tile_fields(tmp_path):
                                                            ("local_head_tiles", 0))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     small = layer.selection.tile_for(8)
-    assert (small.group_m, small.local_head_tiles, small.block_n1) == (16, 0, 16)
+    assert (small.gemm.group_m, small.gemm.local_head_tiles, small.gemm.block_n1) == (16, 0, 16)
     assert layer.selection.tile_for(64) is layer.tile
-    assert layer.selection.tile_for(8, overrides={}).block_n1 == 16      # still decode
-    assert layer.selection.tile_for(8, overrides={}).group_m == layer.tile.group_m
-    assert layer.selection.tile_for(64, overrides={"group_m": 4}).group_m == 4
+    assert layer.selection.tile_for(8, overrides={}).gemm.block_n1 == 16      # still decode
+    assert layer.selection.tile_for(8, overrides={}).gemm.group_m == layer.tile.gemm.group_m
+    assert layer.selection.tile_for(64, overrides={"group_m": 4}).gemm.group_m == 4
     assert layer.selection.tile_for(8) is small                                 # built once
     variants = layer.selection.tile_variants()
     assert layer.tile in variants and small in variants and len(variants) == 4
@@ -296,7 +295,7 @@ def test_tune_measures_a_table_of_another_variant_again(tmp_path, capsys):
 
 def _cpu_tile(decode_block_n1=0):
     """Interpreter tiles, with a decode tile of ``decode_block_n1`` columns if nonzero."""
-    return dataclasses.replace(TileConfig.small(), decode_block_n1=decode_block_n1)
+    return TileConfig.small().with_fields(decode_block_n1=decode_block_n1)
 
 
 def _cpu_layer(folder, decode_block_n1=0, tile=None):
@@ -609,9 +608,9 @@ def test_a_tuned_tile_overrides_the_rule_and_an_argument_overrides_both(tmp_path
         "64": {"layer0": 1, "layer1": 2, "decode_tile": False}}, tile=_cpu_tile(16))
     layer = _cpu_layer(tmp_path, decode_block_n1=16)
     decode = layer.tile.decode_tile()
-    assert layer.selection.tile_for(8).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(8).gemm.block_n1 == decode.gemm.block_n1
     assert layer.selection.tile_for(64) is layer.tile
-    assert layer.selection.tile_for(64, decode_tile=True).block_n1 == decode.block_n1
+    assert layer.selection.tile_for(64, decode_tile=True).gemm.block_n1 == decode.gemm.block_n1
     assert layer.selection.tile_for(8, decode_tile=False) is layer.tile
     untuned = _cpu_layer(tmp_path / "none", decode_block_n1=16)
     assert (untuned.selection.tile_for(8) is not untuned.tile) == untuned.selection.decode_by_rule(8)
@@ -688,7 +687,7 @@ def test_the_stream_k_gate_compiles_it_in_only_for_calls_it_may_cut(name):
     assert all(not t.variant.layer0_stream_k for t in off.tile_variants())
     # items of two dots (block_n0 64): no scratch, no variant to compile or swap out
     # (neither stream-K nor the tail split, which shares its scratch)
-    narrow_tile = dataclasses.replace(tile, block_n0=64)
+    narrow_tile = tile.with_fields(block_n0=64)
     narrow = Selector(preset(name), 2, narrow_tile, 132, torch.device("cpu"), folder=None)
     assert not narrow.may_stream_k and not narrow.may_tail_split
     assert narrow.tile_for(4096) is narrow.without(narrow_tile, ("small_plan_blocks",))
@@ -776,7 +775,7 @@ def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.
     from comet.config import TileConfig
     assert not TileConfig().decode_pays(750, 16, 6144, 132)
-    assert not TileConfig(decode_block_n1=0).decode_pays(16, 2, 4096, 132)
+    assert not TileConfig().with_fields(decode_block_n1=0).decode_pays(16, 2, 4096, 132)
 
 
 SHIPPED_TABLES = sorted(tuned.SHIPPED.glob("*.json"))

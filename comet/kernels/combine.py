@@ -67,8 +67,8 @@ def combine_of(parts: Parts, y_addr: torch.Tensor, num_tokens: torch.Tensor,
                tile: TileConfig) -> Combine:
     """The :class:`Combine` of ``parts`` into ``y_addr`` on ``tile``'s combine tile."""
     hidden = parts.rows.shape[-1]
-    block_h = min(tile.combine_block_h, next_pow2(hidden))
-    rows = tile.combine_rows
+    block_h = min(tile.comm.combine_block_h, next_pow2(hidden))
+    rows = tile.comm.combine_rows
     return Combine(parts.rows, parts.live, y_addr, num_tokens,
                    *(constexpr(int(v)) for v in (
                        parts.part_stride, parts.token_stride, parts.count, parts.fanout,
@@ -89,7 +89,7 @@ def launch_combine(grid: int, *, combine: Combine, flag1: torch.Tensor, max_toke
     rows, block_h = int(combine.ROWS), int(combine.BLOCK_H)
     grid = max(1, min(grid, triton.cdiv(max_tokens, rows) * triton.cdiv(int(combine.H), block_h)))
     # At least one 16-byte vector per thread, or narrow rows would compile to 2-byte copies.
-    warps = max(1, min(tile.combine_warps, rows * block_h // _vector_warp(combine.rows)))
+    warps = max(1, min(tile.comm.combine_warps, rows * block_h // _vector_warp(combine.rows)))
     combine_kernel[(grid,)](combine=combine, flag1=flag1, sync=sync, WAIT=wait,
                             num_warps=warps)
 

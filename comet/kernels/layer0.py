@@ -179,7 +179,7 @@ class DispatchTile(NamedTuple):
     ROW_HOME: tl.constexpr    # also send each row's home and weight (:class:`Homes`)
     GATHER: tl.constexpr      # a row per (token, destination), pairs as index entries
     OWN_IN_PLACE: tl.constexpr  # GATHER: no row copied to this rank itself (read from x)
-    PARTS: tl.constexpr       # most parts a chunk's copy is cut into (TileConfig.dispatch_parts)
+    PARTS: tl.constexpr       # most parts a chunk's copy is cut into (CommConfig.dispatch_parts)
 
 
 class Lanes(NamedTuple):
@@ -205,15 +205,16 @@ def dispatch_tile(tile: TileConfig, row_home: bool, gather: bool,
                   own_in_place: bool) -> DispatchTile:
     """``own_in_place``: the GEMM reads this rank's own rows from x (``GemmTile.A_OWN``),
     so the dispatch copies none of them."""
+    c = tile.comm
     return DispatchTile(*(constexpr(v) for v in (
-        tile.comm_rows, tile.comm_copy_rows, tile.comm_block_h, tile.dispatch_entries,
-        tile.comm_entries, row_home, gather, own_in_place, tile.dispatch_parts)))
+        c.comm_rows, c.comm_copy_rows, c.comm_block_h, c.dispatch_entries, c.comm_entries,
+        row_home, gather, own_in_place, c.dispatch_parts)))
 
 
 @functools.lru_cache(maxsize=64)
 def lanes(tile: TileConfig) -> Lanes:
-    return Lanes(*(constexpr(v) for v in (tile.group_m, tile.lane_head_rounds,
-                                             tile.lane_tail_rounds)))
+    return Lanes(*(constexpr(v) for v in (tile.gemm.group_m, tile.gemm.lane_head_rounds,
+                                             tile.gemm.lane_tail_rounds)))
 
 
 def one_dot_tiles(block_n0: int, ffn: int) -> bool:
@@ -246,9 +247,9 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     ``rows``: the gated GEMM reads A through an index (a gathered dispatch; only a
     tile's own rows with ``tile.variant.layer0_live_rows``); one-dot items only."""
     el, h, n = w.shape[0], a0.shape[1], out.shape[1]
-    bk = tile.k_step(h)
+    bk = tile.gemm.k_step(h)
     if gated:
-        block_n = tile.block_n0
+        block_n = tile.gemm.block_n0
         one_dot = one_dot_tiles(block_n, n)
         if rows is not None:
             check_gather(block_n, n)
@@ -257,12 +258,12 @@ def layer0_gemm(a0: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: Tile
     else:
         if rows is not None:
             raise ValueError("only layer0's gated GEMM reads A through an index")
-        block_n, one_dot, half_tail = tile.block_n1, False, False
+        block_n, one_dot, half_tail = tile.gemm.block_n1, False, False
         b = (descriptor(w.view(el * n, h), [block_n, bk]) if transposed
              else descriptor(w.view(el * h, n), [bk, block_n]))
-    gemm = Gemm(descriptor(a0, [tile.block_m, bk]), b, out, h, n, bias, rows)
+    gemm = Gemm(descriptor(a0, [tile.gemm.block_m, bk]), b, out, h, n, bias, rows)
     return gemm, GemmTile(*(constexpr(v) for v in (
-        tile.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
+        tile.gemm.block_m, block_n, bk, gated, one_dot, transposed, GATE_UP_BLOCK, half_tail,
         dot_precision(a0.dtype))), act_tile(activation), constexpr(bias is not None),
         constexpr(rows is not None), constexpr(rows is not None and tile.variant.layer0_live_rows),
         constexpr(rows is not None and rows.own is not None))
@@ -284,8 +285,8 @@ def launch_layer0(grid: int, *, dispatch: Dispatch, gemm: Gemm, item: GemmTile,
         comm=dispatch_tile(tile, dispatch.homes is not None, dispatch.gather is not None,
                            bool(item.A_OWN)),
         item=item,
-        lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **extra)
+        lanes=lanes(tile), ROLE=role, WAIT=wait, num_warps=tile.gemm.num_warps,
+        num_stages=tile.gemm.num_stages, **extra)
 
 
 @triton.jit

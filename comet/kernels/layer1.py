@@ -171,16 +171,16 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
     K]`` (``transposed``) -- into ``out1 [rows, H]``; ``bias [El, H]``: each expert's
     output bias, added before the routing weight."""
     el, k, hidden = w.shape[0], h.shape[1], out1.shape[1]
-    bk = tile.k_step(k)
-    b = (descriptor(w.view(el * hidden, k), [tile.block_n1, bk]) if transposed
-         else descriptor(w.view(el * k, hidden), [bk, tile.block_n1]))
+    bk = tile.gemm.k_step(k)
+    b = (descriptor(w.view(el * hidden, k), [tile.gemm.block_n1, bk]) if transposed
+         else descriptor(w.view(el * k, hidden), [bk, tile.gemm.block_n1]))
     item = GemmTile(*(constexpr(v) for v in (
-        tile.block_m, tile.block_n1, bk, False, False, transposed, 0, False,
+        tile.gemm.block_m, tile.gemm.block_n1, bk, False, False, transposed, 0, False,
         dot_precision(h.dtype))),
         act_tile(), constexpr(bias is not None))
     splits = Splits(constexpr(tile.blocks_per_split(hidden)),
                     constexpr(tile.n_splits(hidden)))
-    return Gemm(descriptor(h, [tile.block_m, bk]), b, out1, k, hidden, bias), item, splits
+    return Gemm(descriptor(h, [tile.gemm.block_m, bk]), b, out1, k, hidden, bias), item, splits
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,11 +192,12 @@ def reduce_tile(tile: TileConfig, weighted: bool, pairs: bool, world: int,
     ``held_slots`` rounded up to a power of two), as many columns as
     ``reduce_step_elements`` allows, at most ``comm_block_c`` where its sums cross to a
     peer and ``local_comm_block_c`` alone."""
-    entries, slots = tile.comm_entries, triton.next_power_of_2(held_slots)
-    cap = tile.comm_block_c if world > 1 else tile.local_comm_block_c
-    fits = tile.reduce_step_elements // (entries * slots)
+    c = tile.comm
+    entries, slots = c.comm_entries, triton.next_power_of_2(held_slots)
+    cap = c.comm_block_c if world > 1 else c.local_comm_block_c
+    fits = c.reduce_step_elements // (entries * slots)
     block_c = min(cap, max(MIN_REDUCE_COLUMNS, 1 << max(fits.bit_length() - 1, 0)))
-    item = -(-tile.reduce_item // entries) * entries
+    item = -(-c.reduce_item // entries) * entries
     return ReduceTile(*(constexpr(v) for v in (entries, item, block_c, weighted, pairs,
                                                 slots)))
 
@@ -215,7 +216,8 @@ def launch_layer1_reduce(grid: int, *, gemm: Gemm, item: GemmTile, splits: Split
         reduce=reduce, arrivals=arrivals, sync=sync, split=split, trace=trace, shape=shape,
         rtile=reduce_tile(tile, not item.TRANS_B, reduce.pairs is not None, int(shape.WORLD),
                           int(shape.TOPK) // int(reduce.SLOT_STRIDE)),
-        ROLE=role, WAIT=wait, num_warps=tile.num_warps, num_stages=tile.num_stages, **extra)
+        ROLE=role, WAIT=wait, num_warps=tile.gemm.num_warps,
+        num_stages=tile.gemm.num_stages, **extra)
 
 
 def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Splits,
@@ -227,7 +229,7 @@ def launch_layer1_scatter(grid: int, *, gemm: Gemm, item: GemmTile, splits: Spli
     layer1_scatter_kernel[(grid,)](
         **gemm.kernel_args(), item=item, splits=splits, tiles=tiles, progress=progress,
         homes=homes, ksplit=ksplit, sync=sync, trace=trace, shape=shape,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        num_warps=tile.gemm.num_warps, num_stages=tile.gemm.num_stages)
 
 
 @triton.jit
@@ -400,7 +402,7 @@ def _sum_slots(out1_ptr, H, rows, wgts, cols, cmask, WEIGHTED: tl.constexpr):
     """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
     sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here) over the columns of
     ``cmask [1, BLOCK_C]``. One load for every slot: a load per slot kept a single slot's
-    rows in flight, and a block read ~11 GB/s (TileConfig.reduce_step_elements)."""
+    rows in flight, and a block read ~11 GB/s (CommConfig.reduce_step_elements)."""
     ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
     v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & cmask[:, None, :],
                 other=0.0).to(tl.float32)

@@ -231,12 +231,12 @@ def allocate_plan(num_experts: int, top_k: int, max_tokens: int, world: int, dev
 class Chunking(NamedTuple):
     """Constexpr sizes of the dispatch's chunks (the layout counts them per source)."""
 
-    ROWS: tl.constexpr       # rows per chunk (TileConfig.comm_rows)
-    ENTRIES: tl.constexpr    # return entries per chunk (TileConfig.dispatch_entries)
+    ROWS: tl.constexpr       # rows per chunk (CommConfig.comm_rows)
+    ENTRIES: tl.constexpr    # return entries per chunk (CommConfig.dispatch_entries)
 
     @classmethod
     def of(cls, tile: TileConfig) -> "Chunking":
-        return cls(constexpr(tile.comm_rows), constexpr(tile.dispatch_entries))
+        return cls(constexpr(tile.comm.comm_rows), constexpr(tile.comm.dispatch_entries))
 
 
 # ----------------------------------------------------------------------- launchers

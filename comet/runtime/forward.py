@@ -114,8 +114,8 @@ def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, *, small: boo
         launch_counts(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange)
 
     def plan() -> None:
-        launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, chunking, tile.block_m,
-                      tile.local_head_tiles, routing, ws.input_word, cfg.max_tokens,
+        launch_layout(ws.plan, count_exchange, ws.sync, ws.shape, chunking, tile.gemm.block_m,
+                      tile.gemm.local_head_tiles, routing, ws.input_word, cfg.max_tokens,
                       place=small)
         if not small:
             launch_place(ws.plan, routing, ws.input_word, ws.epoch, cfg.max_tokens,

@@ -90,7 +90,7 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     if not scatter_pays(mesh.tp, mesh.ep, convention):
         tile = tile.with_fields(layer1_scatter=False)
     if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
-            and one_dot_tiles(tile.block_n0, cfg.intermediate_size // mesh.tp)):
+            and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp)):
         tile = tile.with_fields(layer0_gather=True)
     return tile
 
@@ -101,7 +101,7 @@ def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention
     ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
     if tile.variant.layer0_gather:
-        check_gather(tile.block_n0, mesh.kernel_config(cfg).intermediate_size)
+        check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
 
 
@@ -355,7 +355,8 @@ class FusedMoE:
     @property
     def last_decode(self) -> bool:
         """Whether the last call's layer1 ran on the decode tile."""
-        return self.last_tile is not None and self.last_tile.block_n1 != self.tile.block_n1
+        return (self.last_tile is not None
+                and self.last_tile.gemm.block_n1 != self.tile.gemm.block_n1)
 
     @property
     def last_tile_overrides(self) -> dict[str, int]:

@@ -65,7 +65,7 @@ class Selector:
         self._too_large: dict[int, tuple[str, ...]] = {}
         #: layer0's items are one dot each (block_n0 is no per-call field): only then has
         #: the workspace stream-K's scratch, and the variant a kernel of its own
-        one_dot = one_dot_tiles(tile.block_n0, cfg.intermediate_size)
+        one_dot = one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size)
         self.may_stream_k = tile.variant.layer0_stream_k and one_dot
         self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
@@ -257,14 +257,14 @@ class Selector:
         ``block_n0`` column blocks."""
         per_expert, busy = self._expected_rows(num_tokens)
         t = self.tile
-        return (busy * -(-per_expert // t.block_m)
-                * -(-self.cfg.intermediate_size // t.block_n0))
+        return (busy * -(-per_expert // t.gemm.block_m)
+                * -(-self.cfg.intermediate_size // t.gemm.block_n0))
 
     def _tail_rows_fit(self, num_tokens: int) -> bool:
         """Whether the m-tiles of a call with ``num_tokens``, rows expected as
         :meth:`decode_by_rule` expects them, have at most ``TAIL_ROWS`` rows."""
         per_expert, _ = self._expected_rows(num_tokens)
-        return min(per_expert, self.tile.block_m) <= TAIL_ROWS.value
+        return min(per_expert, self.tile.gemm.block_m) <= TAIL_ROWS.value
 
     def live_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
@@ -276,7 +276,7 @@ class Selector:
         64 on (up to 1.09x); on 4x H100 the whole qwen2-moe (2, 1) call at 32 rows per
         expert took 1.017x with them."""
         per_expert, busy = self._expected_rows(num_tokens)
-        return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.block_m
+        return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.gemm.block_m
 
     def small_plan_by_rule(self, num_tokens: int) -> bool:
         """Whether a call with ``num_tokens`` on this rank plans in two launches: its
@@ -301,5 +301,5 @@ class Selector:
 
     def overrides_in(self, tile: TileConfig) -> dict[str, int]:
         """The tunable fields in which ``tile`` differs from the layer's TileConfig."""
-        return {k: getattr(tile, k) for k in TUNABLE_TILE_FIELDS
-                if getattr(tile, k) != getattr(self.tile, k)}
+        return {k: getattr(tile.gemm, k) for k in TUNABLE_TILE_FIELDS
+                if getattr(tile.gemm, k) != getattr(self.tile.gemm, k)}

@@ -153,7 +153,7 @@ class VirtualEP:
         ``dispatchers``: programs of layer0's dispatch launch (default ``comm_programs``,
         or one under the interpreter, where programs run one after another and the
         first takes every chunk anyway; more make a small call cut its chunks' copies
-        into parts, ``TileConfig.dispatch_parts``)."""
+        into parts, ``CommConfig.dispatch_parts``)."""
         xs = [aligned(x) for x in xs]
         ys = [torch.empty_like(x) for x in xs]
         unused = torch.zeros(1, dtype=torch.int64, device=self.device)   # roles apart

@@ -61,7 +61,8 @@ def chunk_slots(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
     """Dispatch chunks one source may send one destination at most (its rows, then its
     return entries; see comet.kernels.layer0.dispatch_role): the stride of ``flag0``."""
     rows_from_one = recv_capacity(world, cfg.max_tokens, cfg.slots_per_rank) // world
-    return -(-rows_from_one // tile.comm_rows) + -(-cfg.max_tokens // tile.dispatch_entries)
+    comm = tile.comm
+    return -(-rows_from_one // comm.comm_rows) + -(-cfg.max_tokens // comm.dispatch_entries)
 
 
 def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[BufferSpec]:
@@ -303,9 +304,9 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
                               dtype=torch.float32, device=device)
     l0_partial, l0_slots = None, 0
     if ((tile.variant.layer0_stream_k or tile.variant.layer0_tail_split > 1)
-            and one_dot_tiles(tile.block_n0, cfg.intermediate_size)):
+            and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size)):
         l0_slots = 2 * STREAM_K_PROGRAMS.value
-        l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.block_n0,
+        l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.gemm.block_n0,
                                  dtype=torch.float32, device=device)
     return dict(
         h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
@@ -317,7 +318,7 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
-                           tile.block_m, cfg.slots_per_rank))
+                           tile.gemm.block_m, cfg.slots_per_rank))
 
 
 def workspace_bytes(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
