@@ -273,7 +273,7 @@ class Variant:
             (comet.kernels.layer1.KSplit; the decode tile's column blocks only); a local
             scratch of 4 MiB when on. On by default: a 1-token Mixtral call at EP=2 ran
             layer1 35-40% faster in 2 splits, calls with no room unchanged (2x H200,
-            docs/benchmarks.md, "layer1 in K splits").
+            benchmarks/results/2026-11-26/README.md, "layer1 in K splits").
         layer0_stream_k: layer0's gated GEMM as stream-K in calls whose work items would
             leave programs idle: the call's K steps cut into one equal run per program,
             a work item's parts summed in program order by the last to finish (bitwise
@@ -286,7 +286,7 @@ class Variant:
             ``block_n0`` 128). On by default: on 2x H100 at EP=2 layer0 of a 1-token
             call took 0.87x (deepseek-v3-like), 0.90x (phi3.5-moe), 0.97x (qwen2-moe)
             and 1.00x (mixtral) the time, and 8-128-token calls, which the gate keeps
-            it out of, 0.99-1.00x (docs/benchmarks.md, "layer0 as stream-K").
+            it out of, 0.99-1.00x (benchmarks/results/2026-11-26/README.md, "layer0 as stream-K").
         layer0_tail_split: most K splits of each item of layer0's last partial round of
             work items, in calls whose last round fills at most half the programs and
             whose m-tiles have at most 64 rows (comet.kernels.layer0.tail_split, decided
@@ -299,7 +299,7 @@ class Variant:
             scratch. 4 by default: on 2 GPUs of a 4x H100 at EP=2, phi3.5-moe's 8-128-token
             calls (400 items, 4 in the last round) took 0.96-0.98x the time, mixtral's
             (448 items, 52) 0.994-1.002x; the gate keeps it out of qwen2-moe's and
-            deepseek-v3-like's (docs/benchmarks.md, "Small calls").
+            deepseek-v3-like's (docs/notebook.md, "Small calls").
         layer1_scatter: fused calls send each layer1 output row, weighted, straight from
             the GEMM epilogue into its token's home, and the combine sums a token's top-k
             rows -- instead of the paper's column-split reduce, whose comm blocks sum a
@@ -329,7 +329,7 @@ class Variant:
             On by default: paired on 4x H100, 1.3-1.6% faster at 1 token, even at
             8-128, 1.4-3.3% at 4096 and 0-1% at 16384 (deepseek-v3-like at EP=2 and
             (2, 1), qwen2-moe at (2, 1)), 4-7% for qwen2-moe (2, 1) replicated
-            (docs/benchmarks.md, levers of issue 41).
+            (benchmarks/results/2026-11-27/README.md, levers of issue 41).
         layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
             rows (masked loads; the others, the next expert's rows or padding, are
             zeros) in calls whose experts' rows, as the decode rule expects them, fill at
@@ -339,7 +339,7 @@ class Variant:
             rank's layer0 at 1-16 rows per expert took 0.64-0.98x the time (1x H100);
             whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
             deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
-            docs/benchmarks.md, "The gathered GEMM's live rows").
+            benchmarks/results/2026-11-26/README.md, "The gathered GEMM's live rows").
         small_plan_blocks: calls of at most this many of the plan's token blocks
             (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
             in two launches instead of seven: one program opens the call, stages and
@@ -457,7 +457,7 @@ class CommConfig:
             chunk's last part publishes it. A small call's rows to a destination are one
             chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
             128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
-            0.96-0.97x the time (docs/benchmarks.md, "Small calls").
+            0.96-0.97x the time (docs/notebook.md, "Small calls").
         comm_entries: return entries per step of the layer1 reduce, and the copy tile of
             return entries in the dispatch.
         reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x

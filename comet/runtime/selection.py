@@ -243,7 +243,7 @@ class Selector:
         (comet.kernels.layer0.tail_split) on expected tiles. Elsewhere the call runs the
         kernel without it, as stream-K's gate does: compiled in and never cutting, it
         took 512-token calls at EP=2 1.001-1.004x the time and 4096-token calls
-        1.008-1.034x (one round; 2 GPUs of a 4x H100, docs/benchmarks.md, "Small
+        1.008-1.034x (one round; 2 GPUs of a 4x H100, docs/notebook.md, "Small
         calls")."""
         if not self._tail_rows_fit(num_tokens):
             return False
@@ -270,8 +270,8 @@ class Selector:
         """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
         its tiles' own A rows: each expert's rows, expected as :meth:`decode_by_rule`
         expects them, fill at most :data:`LIVE_ROWS_MAX_FILL` of an m-tile. Measured on
-        1x H100 (one rank's shapes at EP=2 and (2, 1); docs/benchmarks.md, "The
-        gathered GEMM's live rows"): the masks paid at 1-16 rows per expert in all 13
+        1x H100 (one rank's shapes at EP=2 and (2, 1);
+        benchmarks/results/2026-11-26/README.md, "The gathered GEMM's live rows"): the masks paid at 1-16 rows per expert in all 13
         records (0.64-0.98x layer0's time), were even at 32 (0.97-1.00x) and cost from
         64 on (up to 1.09x); on 4x H100 the whole qwen2-moe (2, 1) call at 32 rows per
         expert took 1.017x with them."""
