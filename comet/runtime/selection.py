@@ -273,8 +273,8 @@ class Selector:
         1x H100 (one rank's shapes at EP=2 and (2, 1);
         benchmarks/results/2026-11-26/README.md, "The gathered GEMM's live rows"): the
         masks paid at 1-16 rows per expert in all 13 records (0.64-0.98x layer0's time),
-        were even at 32 (0.97-1.00x) and cost from 64 on (up to 1.09x); on 4x H100 the whole qwen2-moe (2, 1) call at 32 rows per
-        expert took 1.017x with them."""
+        were even at 32 (0.97-1.00x) and cost from 64 on (up to 1.09x); on 4x H100 the
+        whole qwen2-moe (2, 1) call at 32 rows per expert took 1.017x with them."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.gemm.block_m
 
