@@ -286,7 +286,8 @@ class Selector:
         counts a step of several blocks at a time, fewer the more experts there are)."""
         blocks = -(-num_tokens // plan_block_tokens(self.cfg.top_k))
         step = open_step_blocks(self.cfg.num_experts)
-        return blocks <= self.tile.variant.small_plan_blocks and -(-blocks // step) <= SMALL_PLAN_STEPS
+        return (blocks <= self.tile.variant.small_plan_blocks
+                and -(-blocks // step) <= SMALL_PLAN_STEPS)
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where
