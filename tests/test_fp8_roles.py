@@ -1,0 +1,170 @@
+"""comet.kernels.fp8_roles under the interpreter (and on a GPU): quantize on dispatch and
+layer0's epilogue requantization against comet.quant / comet.reference's recipe, a TP
+shard's ragged last group (F = 192), and the launchers' bad-input errors.
+
+How values are compared:
+
+* quantize on dispatch is the recipe bit for bit: scales equal, FP8 values equal --
+  except where the interpreter's fp32 -> e4m3 cast is wrong (a GPU's is not: there the
+  test asks for equal bytes), two cases that :func:`_same_fp8` accepts under the
+  interpreter and nothing else: it halves a value that rounds up across a power of two
+  (126.8 -> 64, not 128; ~1.4% of Gaussian fp32 values), and it rounds an exact tie away
+  from zero, not to even (168 -> 176, not 160). Ties are rare from fp32 rows but common
+  from bf16 ones (8 significant bits over a bf16 amax: ~0.3% of values), so the test
+  passes the pre-cast quotient ``x / scale`` to recognise them exactly;
+* the epilogue's activation is computed in the kernel's own form (GELU-tanh as ``x
+  sigmoid(2z)``, :mod:`comet.kernels.activation`), a few fp32 ulps from torch's: scales
+  agree to 1e-5 and each FP8 value is the reference's or one e4m3 step from it (a value
+  on a rounding boundary), plus the same interpreter case.
+
+No dot is involved, so bf16 inputs are fine under the interpreter.
+"""
+
+import pytest
+import torch
+
+from comet.activation import SILU, GatedActivation, gated
+from comet.constants import interpreting
+from comet.kernels.fp8_roles import quantize_dispatch, requant_gated_rows
+from comet.quant import E4M3, GROUP, quantize_rows
+from comet.weights import interleave_gate_up
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GELU = GatedActivation(kind="gelu_tanh")
+CLAMPED = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+def _pow2(v: torch.Tensor) -> torch.Tensor:
+    m, _ = torch.frexp(v.abs())
+    return m == 0.5
+
+
+def _same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0,
+              quotient: torch.Tensor | None = None) -> torch.Tensor:
+    """Where ``q`` is ``ref`` (or within ``steps`` e4m3 steps of it), or the interpreter's
+    halved power of two, or (given the fp32 ``quotient`` that was cast) the interpreter's
+    rounding of an exact tie away from zero."""
+    q, ref = q.float(), ref.float()
+    if interpreting() and quotient is not None:
+        v = quotient.float().clamp(-448, 448)
+        ok_tie = ((q - v).abs() == (ref - v).abs()) & (q.abs() > ref.abs())
+    else:
+        ok_tie = torch.zeros_like(q, dtype=torch.bool)
+    ok = q == ref
+    if steps:
+        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
+        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
+    if interpreting():
+        ok |= (2 * q == ref) & _pow2(ref)
+    return ok | ok_tie
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV)
+
+
+# ------------------------------------------------------------------ quantize on dispatch
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("t, h", [(37, 384), (5, 128), (16, 1024)])
+def test_dispatch_quantizer_is_the_recipe(dtype, t, h):
+    x = _randn(t, h, seed=t + h, scale=3.0).to(dtype)
+    x[1] = 0                              # an all-zero row: the epsilon, no 0/0
+    x[2, :GROUP] = 1e4                    # a saturated group next to a normal one
+    got, ref = quantize_dispatch(x), quantize_rows(x)
+    assert got.data.dtype == E4M3 and got.data.shape == (t, h)
+    assert got.scale.shape == (t, h // GROUP)
+    assert torch.equal(got.scale, ref.scale)
+    quotient = x.float() / ref.scale.repeat_interleave(GROUP, dim=1)
+    assert torch.all(_same_fp8(got.data, ref.data, quotient=quotient))
+    if not interpreting():
+        assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+    # a zero row dequantizes to exact zeros
+    assert torch.equal(got.dequantize()[1], torch.zeros(h, device=DEV))
+
+
+def test_dispatch_quantizer_of_no_rows():
+    got = quantize_dispatch(torch.zeros(0, 256, device=DEV))
+    assert got.data.shape == (0, 256) and got.scale.shape == (0, 2)
+
+
+@pytest.mark.parametrize("x, match", [
+    (torch.zeros(4, 192), "multiple of 128"),
+    (torch.zeros(4, 100), "multiple of 128"),
+    (torch.zeros(4, 0), "multiple of 128"),
+    (torch.zeros(4, 256, dtype=torch.float64), "token rows in"),
+    (torch.zeros(4, 256, dtype=torch.int32), "token rows in"),
+    (torch.zeros(4, 256).to(E4M3), "token rows in"),
+    (torch.zeros(2, 4, 256), r"\[T, H\]"),
+    (torch.zeros(512, 4).T, "contiguous"),
+    (torch.zeros(4, 512)[:, ::2], "contiguous"),
+    ("not a tensor", "token rows in"),
+])
+def test_dispatch_quantizer_refuses_bad_rows_before_the_kernel(x, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_dispatch(x.to(DEV) if isinstance(x, torch.Tensor) else x)
+
+
+# ------------------------------------------------------------------ epilogue requantization
+def _acc(t, f, seed=0):
+    """An fp32 layer0 accumulator: gate and up ``[t, F]`` each, and the same as ``[t, 2F]``
+    in W13's interleaved column layout (what layer0's tiles hold)."""
+    gate, up = _randn(t, f, seed=seed, scale=2.0), _randn(t, f, seed=seed + 1, scale=2.0)
+    return gate, up, interleave_gate_up(torch.cat([gate, up], dim=1)).contiguous()
+
+
+def _check_requant(got, gate, up, act):
+    ref = quantize_rows(gated(gate, up, act))   # the h comet.reference.expert_mlp_fp8 quantizes
+    f = gate.shape[1]
+    assert got.data.shape == ref.data.shape == (gate.shape[0], f)
+    assert got.scale.shape == ref.scale.shape
+    torch.testing.assert_close(got.scale, ref.scale, rtol=1e-5, atol=0)
+    ok = _same_fp8(got.data, ref.data, steps=1)
+    assert torch.all(ok), f"{int((~ok).sum())} of {ok.numel()} FP8 values differ"
+    assert (got.data.float() == ref.data.float()).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("act", [SILU, GELU, CLAMPED], ids=["silu", "gelu_tanh", "clamped"])
+@pytest.mark.parametrize("one_dot", [True, False], ids=["one_dot", "two_dots"])
+@pytest.mark.parametrize("f", [256, 384])
+def test_epilogue_requantizes_the_gated_intermediate(act, one_dot, f):
+    gate, up, acc = _acc(19, f, seed=f)
+    _check_requant(requant_gated_rows(acc, act, one_dot=one_dot), gate, up, act)
+
+
+@pytest.mark.parametrize("act", [SILU, GELU], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("one_dot", [True, False], ids=["half_tail_box", "two_dots"])
+def test_a_tp_shard_of_192_ends_in_a_64_wide_group(act, one_dot):
+    """F = 192 (Qwen3-30B-A3B's 768 at TP=4): groups [0, 128) and [128, 192); the second's
+    scale is the amax of its 64 live columns (no padding stored), as quantize_rows."""
+    gate, up, acc = _acc(21, 192, seed=7)
+    got = requant_gated_rows(acc, act, one_dot=one_dot)
+    assert got.scale.shape == (21, 2)
+    h = gated(gate, up, act)
+    torch.testing.assert_close(got.scale[:, 1], h[:, 128:].abs().amax(dim=1) / 448,
+                               rtol=1e-5, atol=0)
+    _check_requant(got, gate, up, act)
+
+
+def test_epilogue_default_reads_one_dot_boxes_where_layer0_would():
+    gate, up, acc = _acc(3, 192, seed=3)
+    _check_requant(requant_gated_rows(acc), gate, up, SILU)        # half-tail box
+    gate, up, acc = _acc(3, 160, seed=4)                           # two dots: 160 % 64
+    _check_requant(requant_gated_rows(acc), gate, up, SILU)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(acc=torch.zeros(4, 384, dtype=torch.bfloat16)), "fp32"),
+    (dict(acc=torch.zeros(4, 384).to(E4M3)), "fp32"),
+    (dict(acc=torch.zeros(4, 383)), r"\[T, 2F\]"),
+    (dict(acc=torch.zeros(4, 3, 128)), r"\[T, 2F\]"),
+    (dict(acc=torch.zeros(768, 4).T), "contiguous"),
+    (dict(acc=torch.zeros(4, 320), one_dot=True), "one-dot"),
+    (dict(acc=torch.zeros(4, 384), block_n=64), "block_n"),
+    (dict(acc=torch.zeros(4, 384), block_n=256), "block_n"),
+    (dict(acc=torch.zeros(4, 384), activation="silu"), "GatedActivation"),
+])
+def test_epilogue_refuses_bad_input_before_the_kernel(kwargs, match):
+    kwargs = dict(kwargs, acc=kwargs["acc"].to(DEV))
+    with pytest.raises(ValueError, match=match):
+        requant_gated_rows(**kwargs)
