@@ -215,7 +215,7 @@ def quantize_dispatch(x: torch.Tensor) -> Fp8Rows:
     t = QuantTile(*(constexpr(v) for v in (BLOCK_ROWS, groups * GROUP, GROUP)))
     if rows:
         quantize_dispatch_kernel[(triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(h, groups * GROUP))](
-            x, Fp8Out(q, s, rows, h), t, num_warps=4)
+            x_ptr=x, out=Fp8Out(q, s, rows, h), t=t, num_warps=4)
     return Fp8Rows(q, s, GROUP)
 
 
@@ -253,5 +253,5 @@ def requant_gated_rows(acc: torch.Tensor, activation: GatedActivation = SILU, *,
         one_dot and f % GATE_UP_BLOCK == GATE_UP_BLOCK // 2)), act_tile(activation))
     if rows:
         requant_gated_kernel[(triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(f, block_n))](
-            acc, Fp8Out(q, s, rows, f), t, num_warps=4)
+            acc_ptr=acc, out=Fp8Out(q, s, rows, f), t=t, num_warps=4)
     return Fp8Rows(q, s, GROUP)
