@@ -20,8 +20,13 @@ How values are compared:
 No dot is involved, so bf16 inputs are fine under the interpreter.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton
 
 from comet.activation import SILU, GatedActivation, gated
 from comet.constants import interpreting
@@ -168,3 +173,42 @@ def test_epilogue_refuses_bad_input_before_the_kernel(kwargs, match):
     kwargs = dict(kwargs, acc=kwargs["acc"].to(DEV))
     with pytest.raises(ValueError, match=match):
         requant_gated_rows(**kwargs)
+
+
+# ------------------------------------------------------------------ sm_90
+_COMPILE = """
+import torch
+from sm90_compile import compile_launch, record_launches
+from comet.activation import GatedActivation
+from comet.kernels.fp8_roles import quantize_dispatch, requant_gated_rows
+
+def launches():
+    quantize_dispatch(torch.zeros(64, 7168, dtype=torch.bfloat16))
+    requant_gated_rows(torch.zeros(64, 2 * 768))
+    requant_gated_rows(torch.zeros(64, 2 * 192), GatedActivation(kind="gelu_tanh"))
+    requant_gated_rows(torch.zeros(64, 2 * 192), one_dot=False)
+
+for kernel, args, kwargs in record_launches(launches):
+    ptx = compile_launch(kernel, args, kwargs).asm["ptx"]
+    print(kernel.fn.__name__, "cvt=%d local=%d" % (ptx.count("cvt.rn.satfinite.e4m3x2"),
+                                                    ptx.count(".local")))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(
+    os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")),
+    reason="this triton build ships no ptxas")
+def test_roles_compile_for_sm90():
+    """Both launchers' kernels compile for Hopper (tests/sm90_compile.py's recorder, on the
+    CPU): the saturating e4m3 cast is the hardware's, and nothing spills."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here,
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")[:-1]
+    assert [line.split()[0] for line in lines] == ["quantize_dispatch_kernel"] + \
+        ["requant_gated_kernel"] * 3, proc.stdout
+    assert all(" local=0" in line and "cvt=0" not in line for line in lines), proc.stdout
