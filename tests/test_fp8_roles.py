@@ -31,7 +31,7 @@ import triton
 from comet.activation import SILU, GatedActivation, gated
 from comet.constants import interpreting
 from comet.kernels.fp8_roles import quantize_dispatch, requant_gated_rows
-from comet.quant import E4M3, GROUP, quantize_rows
+from comet.quant import E4M3, GROUP, Fp8Rows, quantize_rows
 from comet.weights import interleave_gate_up
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,3 +212,49 @@ def test_roles_compile_for_sm90():
     assert [line.split()[0] for line in lines] == ["quantize_dispatch_kernel"] + \
         ["requant_gated_kernel"] * 3, proc.stdout
     assert all(" local=0" in line and "cvt=0" not in line for line in lines), proc.stdout
+
+
+# ------------------------------------------------------------------ given outputs, scale layouts
+def _fp8(*shape):
+    return torch.zeros(*shape, device=DEV).to(E4M3)
+
+
+def _scales(*shape):
+    return torch.zeros(*shape, device=DEV)
+
+
+def test_roles_write_into_given_rows():
+    """A staging buffer's FP8 rows and scales, written in place (what the dispatch does)."""
+    x = _randn(9, 256, seed=5)
+    out = Fp8Rows(_fp8(9, 256), _scales(9, 2))
+    got = quantize_dispatch(x, out=out)
+    assert got.data.data_ptr() == out.data.data_ptr()
+    assert got.scale.data_ptr() == out.scale.data_ptr()
+    assert torch.equal(out.scale, quantize_rows(x).scale)
+    gate, up, acc = _acc(9, 192, seed=6)
+    out = Fp8Rows(_fp8(9, 192), _scales(9, 2))
+    requant_gated_rows(acc, out=out)
+    _check_requant(out, gate, up, SILU)
+
+
+#: Bad outputs for rows [9, 256] (dispatch) -- each a ValueError before the kernel, from
+#: the launcher or from comet.quant.Fp8Rows itself.
+BAD_OUTPUTS = [
+    (lambda: Fp8Rows(_fp8(9, 256), _scales(2, 9).T), "row-major contiguous"),  # MN-major
+    (lambda: Fp8Rows(_fp8(9, 256), _scales(9, 4), group=64), "per 128 columns"),
+    (lambda: Fp8Rows(_fp8(9, 256), _scales(9, 3)), r"row scales must be \[9, 2\]"),
+    (lambda: Fp8Rows(_fp8(9, 256), _scales(9, 2).double()), "fp32"),
+    (lambda: Fp8Rows(_fp8(9, 512)[:, :256], _scales(9, 2)), "row-major contiguous"),
+    (lambda: Fp8Rows(_fp8(8, 256), _scales(8, 2)), r"rows must be \[9, 256\]"),
+    (lambda: Fp8Rows(torch.zeros(9, 256, device=DEV), _scales(9, 2)), "FP8 rows must be"),
+    (lambda: (_fp8(9, 256), _scales(9, 2)), "must be comet.quant.Fp8Rows"),
+]
+
+
+@pytest.mark.parametrize("make, match", BAD_OUTPUTS)
+def test_bad_output_layouts_are_refused_before_the_kernel(make, match):
+    x = _randn(9, 256, seed=8)
+    with pytest.raises(ValueError, match=match):
+        quantize_dispatch(x, out=make())
+    with pytest.raises(ValueError, match=match):    # the epilogue: F = 256
+        requant_gated_rows(torch.zeros(9, 512, device=DEV), out=make())

@@ -187,12 +187,31 @@ DISPATCH_GROUPS = 4
 DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _empty_rows(rows: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(rows, n, dtype=E4M3, device=device),
-            torch.empty(rows, triton.cdiv(n, GROUP), dtype=torch.float32, device=device))
+def _out_rows(out: Fp8Rows | None, rows: int, n: int, device) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+    """``(q, scale)`` to write: new ones, or ``out``'s (a staging buffer's FP8 rows) once
+    their layout is the one the roles store -- e4m3 ``[rows, n]`` and fp32 ``[rows,
+    ceil(n / GROUP)]``, both row-major contiguous (a column-major scale grid, as DeepGEMM's
+    TMA-aligned one, is refused), on ``device``, in groups of :data:`GROUP`."""
+    if out is None:
+        return (torch.empty(rows, n, dtype=E4M3, device=device),
+                torch.empty(rows, triton.cdiv(n, GROUP), dtype=torch.float32, device=device))
+    if not isinstance(out, Fp8Rows):
+        raise ValueError(f"out must be comet.quant.Fp8Rows, got {type(out).__name__}")
+    if out.group != GROUP:
+        raise ValueError(f"out's scales must be per {GROUP} columns, got groups of {out.group}")
+    if tuple(out.data.shape) != (rows, n):
+        raise ValueError(f"out's rows must be [{rows}, {n}], got {list(out.data.shape)}")
+    for name, t in (("rows", out.data), ("scales", out.scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"out's {name} must be row-major contiguous, got shape "
+                             f"{list(t.shape)} strides {t.stride()}")
+        if t.device != torch.device(device):
+            raise ValueError(f"out's {name} are on {t.device}, the input on {device}")
+    return out.data, out.scale
 
 
-def quantize_dispatch(x: torch.Tensor) -> Fp8Rows:
+def quantize_dispatch(x: torch.Tensor, out: Fp8Rows | None = None) -> Fp8Rows:
     """Quantize on dispatch, standalone: token rows ``x [T, H]`` (bf16, fp16 or fp32,
     contiguous, ``H`` a multiple of :data:`comet.quant.GROUP`) as :class:`Fp8Rows` (e4m3
     ``[T, H]``, fp32 ``[T, H / GROUP]``), bit for bit :func:`comet.quant.quantize_rows`.
@@ -210,7 +229,7 @@ def quantize_dispatch(x: torch.Tensor) -> Fp8Rows:
     if not x.is_contiguous():
         raise ValueError("quantize_dispatch needs contiguous rows (a dispatch sends whole "
                          f"rows); got strides {x.stride()}")
-    q, s = _empty_rows(rows, h, x.device)
+    q, s = _out_rows(out, rows, h, x.device)
     groups = min(DISPATCH_GROUPS, 1 << (h // GROUP).bit_length() - 1)
     t = QuantTile(*(constexpr(v) for v in (BLOCK_ROWS, groups * GROUP, GROUP)))
     if rows:
@@ -220,14 +239,15 @@ def quantize_dispatch(x: torch.Tensor) -> Fp8Rows:
 
 
 def requant_gated_rows(acc: torch.Tensor, activation: GatedActivation = SILU, *,
-                       one_dot: bool | None = None, block_n: int = GATE_UP_BLOCK) -> Fp8Rows:
+                       one_dot: bool | None = None, block_n: int = GATE_UP_BLOCK,
+                       out: Fp8Rows | None = None) -> Fp8Rows:
     """Layer0's FP8 epilogue, standalone: the fp32 accumulator ``acc [T, 2F]`` of gate and
     up in W13's interleaved column layout (:func:`comet.weights.interleave_gate_up`) ->
     ``act(gate) * up`` as layer1's :class:`Fp8Rows` (e4m3 ``[T, F]``, fp32 ``[T, ceil(F /
     GROUP)]``; a ragged last group when GROUP does not divide F). ``one_dot``: read each
     tile as layer0's one-dot box (None: when layer0 would, :func:`one_dot_tiles`'s rule --
-    ``block_n`` a whole interleave block and F a multiple of half of one). Every check is a
-    ValueError before the launch."""
+    ``block_n`` a whole interleave block and F a multiple of half of one). ``out``: FP8
+    rows to write. Every check is a ValueError before the launch."""
     if not isinstance(acc, torch.Tensor) or acc.dtype != torch.float32:
         raise ValueError(f"the accumulator must be fp32, got "
                          f"{getattr(acc, 'dtype', type(acc).__name__)}")
@@ -247,7 +267,7 @@ def requant_gated_rows(acc: torch.Tensor, activation: GatedActivation = SILU, *,
     elif one_dot and not can_one_dot:
         raise ValueError(f"one-dot tiles need block_n = {GATE_UP_BLOCK} and F a multiple of "
                          f"{GATE_UP_BLOCK // 2}; got block_n {block_n}, F {f}")
-    q, s = _empty_rows(rows, f, acc.device)
+    q, s = _out_rows(out, rows, f, acc.device)
     t = RequantTile(*(constexpr(v) for v in (
         BLOCK_ROWS, block_n, GROUP, GATE_UP_BLOCK, one_dot,
         one_dot and f % GATE_UP_BLOCK == GATE_UP_BLOCK // 2)), act_tile(activation))
