@@ -6,16 +6,20 @@ How values are compared:
 
 * quantize on dispatch is the recipe bit for bit: scales equal, FP8 values equal --
   except where the interpreter's fp32 -> e4m3 cast is wrong (a GPU's is not: there the
-  test asks for equal bytes), two cases that :func:`_same_fp8` accepts under the
-  interpreter and nothing else: it halves a value that rounds up across a power of two
-  (126.8 -> 64, not 128; ~1.4% of Gaussian fp32 values), and it rounds an exact tie away
-  from zero, not to even (168 -> 176, not 160). Ties are rare from fp32 rows but common
-  from bf16 ones (8 significant bits over a bf16 amax: ~0.3% of values), so the test
-  passes the pre-cast quotient ``x / scale`` to recognise them exactly;
+  test asks for equal bytes). :func:`_same_fp8` accepts exactly these three cases under
+  the interpreter, nothing else: it halves a value that rounds up across a power of two
+  (126.8 -> 64, not 128; ~1.4% of Gaussian fp32 values); it truncates a subnormal (|q| <
+  2^-6) toward zero instead of rounding it (7.5 x 2^-9 -> 7 x 2^-9); and it rounds an exact
+  tie away from zero, not to even (168 -> 176, not 160). Ties are rare from fp32 rows but
+  common from bf16 ones (8 significant bits over a bf16 amax: ~0.3% of values), so the
+  test passes the pre-cast quotient ``x / scale`` to recognise them exactly;
 * the epilogue's activation is computed in the kernel's own form (GELU-tanh as ``x
-  sigmoid(2z)``, :mod:`comet.kernels.activation`), a few fp32 ulps from torch's: scales
-  agree to 1e-5 and each FP8 value is the reference's or one e4m3 step from it (a value
-  on a rounding boundary), plus the same interpreter case.
+  sigmoid(2z)``, :mod:`comet.kernels.activation`), which differs from torch's ``x/2 (1 +
+  tanh z)`` by fp32 rounding -- up to 0.65% relative at gate ~ -4, where torch's ``1 +
+  tanh`` cancels (the kernel's form is the accurate one there): scales agree to 1e-5, every
+  FP8 value is the reference's (or an interpreter case above) or one e4m3 step from it, and
+  at most 0.1% of values are that step away (measured: 0 for SiLU and the clamped SwiGLU,
+  1 in 12288 for GELU-tanh).
 
 No dot is involved, so bf16 inputs are fine under the interpreter.
 """
@@ -63,6 +67,9 @@ def _same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0,
         ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
     if interpreting():
         ok |= (2 * q == ref) & _pow2(ref)
+        # subnormals (|q| < 2^-6, steps of 2^-9) truncated toward zero, not rounded
+        ok |= (ref.abs() <= 2.0 ** -6) & (q * ref >= 0) & \
+            ((ref - q).abs() == 2.0 ** -9) & (q.abs() < ref.abs())
     return ok | ok_tie
 
 
@@ -128,7 +135,7 @@ def _check_requant(got, gate, up, act):
     torch.testing.assert_close(got.scale, ref.scale, rtol=1e-5, atol=0)
     ok = _same_fp8(got.data, ref.data, steps=1)
     assert torch.all(ok), f"{int((~ok).sum())} of {ok.numel()} FP8 values differ"
-    assert (got.data.float() == ref.data.float()).float().mean() > 0.95
+    assert (~_same_fp8(got.data, ref.data)).float().mean() <= 1e-3
 
 
 @pytest.mark.parametrize("act", [SILU, GELU, CLAMPED], ids=["silu", "gelu_tanh", "clamped"])

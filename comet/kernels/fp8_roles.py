@@ -166,14 +166,14 @@ def requant_tile(acc_ptr, out, r0, n0, t):
 
 
 @triton.jit
-def quantize_dispatch_kernel(x_ptr, out, t: QuantTile):
+def quantize_dispatch_kernel(x_ptr, out, t):
     """Program ``(i, j)``: row block ``i``, column block ``j``."""
     quantize_row_block(x_ptr, out, tl.program_id(0) * t.BLOCK_R, tl.program_id(1) * t.BLOCK_H,
                        t)
 
 
 @triton.jit
-def requant_gated_kernel(acc_ptr, out, t: RequantTile):
+def requant_gated_kernel(acc_ptr, out, t):
     """Program ``(i, j)``: row block ``i``, output column block ``j``."""
     requant_tile(acc_ptr, out, tl.program_id(0) * t.BLOCK_R, tl.program_id(1) * t.BLOCK_N, t)
 
