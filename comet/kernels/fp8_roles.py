@@ -214,8 +214,9 @@ def _out_rows(out: Fp8Rows | None, rows: int, n: int, device) -> tuple[torch.Ten
 def quantize_dispatch(x: torch.Tensor, out: Fp8Rows | None = None) -> Fp8Rows:
     """Quantize on dispatch, standalone: token rows ``x [T, H]`` (bf16, fp16 or fp32,
     contiguous, ``H`` a multiple of :data:`comet.quant.GROUP`) as :class:`Fp8Rows` (e4m3
-    ``[T, H]``, fp32 ``[T, H / GROUP]``), bit for bit :func:`comet.quant.quantize_rows`.
-    Every check is a ValueError before the launch."""
+    ``[T, H]``, fp32 ``[T, H / GROUP]``), bit for bit :func:`comet.quant.quantize_rows`;
+    ``out``: FP8 rows to write (a staging buffer). Every check is a ValueError before the
+    launch."""
     if not isinstance(x, torch.Tensor) or x.dtype not in DISPATCH_DTYPES:
         raise ValueError(f"quantize_dispatch takes token rows in {list(DISPATCH_DTYPES)}, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
