@@ -4,37 +4,21 @@ per-channel, per-tensor, shard scales), the gated epilogue's requantization -- a
 launcher's bad-input errors.
 
 The interpreter's fp32 -> e4m3 cast halves a value that rounds up across a power of two
-(126.8 -> 64, not 128; ~1.4% of values): :func:`_same_fp8` allows exactly that there."""
+(126.8 -> 64, not 128; ~1.4% of values): :func:`fp8_checks.same_fp8` allows exactly that there."""
 
 import pytest
 import torch
 
 from comet.activation import SILU, GatedActivation, gated
-from comet.constants import interpreting
 from comet.kernels.fp8_gemm import (Fp8GemmConfig, fp8_group_gemm, m_tiles,
                                     quantize_rows_triton)
 from comet.quant import (E4M3, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight)
+from fp8_checks import same_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Fp8GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)
 
 
-def _pow2(v: torch.Tensor) -> torch.Tensor:
-    m, _ = torch.frexp(v.abs())
-    return m == 0.5
-
-
-def _same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0) -> torch.Tensor:
-    """Where ``q`` is ``ref`` (or within ``steps`` e4m3 steps of it), or the interpreter's
-    halved power of two."""
-    q, ref = q.float(), ref.float()
-    ok = q == ref
-    if steps:
-        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
-        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
-    if interpreting():
-        ok |= (2 * q == ref) & _pow2(ref)
-    return ok
 
 
 def _rows(e_rows, k, seed=0):
@@ -56,7 +40,7 @@ def test_row_quantizer_kernel_is_the_recipe():
     x[5] = 0
     got, ref = quantize_rows_triton(x), quantize_rows(x)
     assert torch.equal(got.scale, ref.scale)
-    assert torch.all(_same_fp8(got.data, ref.data))
+    assert torch.all(same_fp8(got.data, ref.data))
 
 
 @pytest.mark.parametrize("n,k,blocks,block_n,block_k", [
@@ -113,8 +97,8 @@ def test_gated_epilogue_requantizes_for_layer1(f, parts, act):
     assert isinstance(q, Fp8Rows) and q.data.dtype == E4M3 and q.scale.shape == ref.scale.shape
     torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
     # the same value up to the fp32 rounding of the sums: at most one e4m3 step, rarely
-    same = _same_fp8(q.data, ref.data)
-    assert torch.all(_same_fp8(q.data, ref.data, steps=1))
+    same = same_fp8(q.data, ref.data)
+    assert torch.all(same_fp8(q.data, ref.data, steps=1))
     assert same.float().mean() > 0.97
 
 
@@ -150,5 +134,5 @@ def test_fp8_gemm_at_size_on_gpu():
     gu = _emulated(a, w, e_rows)
     ref = quantize_rows(gated(gu[:, :1024], gu[:, 1024:], SILU))
     torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
-    assert torch.all(_same_fp8(q.data, ref.data, steps=1))
-    assert _same_fp8(q.data, ref.data).float().mean() > 0.97
+    assert torch.all(same_fp8(q.data, ref.data, steps=1))
+    assert same_fp8(q.data, ref.data).float().mean() > 0.97

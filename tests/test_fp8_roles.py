@@ -6,7 +6,7 @@ How values are compared:
 
 * quantize on dispatch is the recipe bit for bit: scales equal, FP8 values equal --
   except where the interpreter's fp32 -> e4m3 cast is wrong (a GPU's is not: there the
-  test asks for equal bytes). :func:`_same_fp8` accepts exactly these three cases under
+  test asks for equal bytes). :func:`fp8_checks.same_fp8` accepts exactly these three cases under
   the interpreter, nothing else: it halves a value that rounds up across a power of two
   (126.8 -> 64, not 128; ~1.4% of Gaussian fp32 values); it truncates a subnormal (|q| <
   2^-6) toward zero instead of rounding it (7.5 x 2^-9 -> 7 x 2^-9); and it rounds an exact
@@ -39,38 +39,11 @@ from comet.kernels.fp8_roles import quantize_dispatch, requant_gated_rows
 from comet.quant import E4M3, GROUP, Fp8Rows, quantize_rows, quantize_weight
 from comet.reference import expert_mlp_fp8
 from comet.weights import interleave_gate_up
+from fp8_checks import same_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GELU = GatedActivation(kind="gelu_tanh")
 CLAMPED = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
-
-
-def _pow2(v: torch.Tensor) -> torch.Tensor:
-    m, _ = torch.frexp(v.abs())
-    return m == 0.5
-
-
-def _same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0,
-              quotient: torch.Tensor | None = None) -> torch.Tensor:
-    """Where ``q`` is ``ref`` (or within ``steps`` e4m3 steps of it), or the interpreter's
-    halved power of two, or (given the fp32 ``quotient`` that was cast) the interpreter's
-    rounding of an exact tie away from zero."""
-    q, ref = q.float(), ref.float()
-    if interpreting() and quotient is not None:
-        v = quotient.float().clamp(-448, 448)
-        ok_tie = ((q - v).abs() == (ref - v).abs()) & (q.abs() > ref.abs())
-    else:
-        ok_tie = torch.zeros_like(q, dtype=torch.bool)
-    ok = q == ref
-    if steps:
-        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
-        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
-    if interpreting():
-        ok |= (2 * q == ref) & _pow2(ref)
-        # subnormals (|q| < 2^-6, steps of 2^-9) truncated toward zero, not rounded
-        ok |= (ref.abs() <= 2.0 ** -6) & (q * ref >= 0) & \
-            ((ref - q).abs() == 2.0 ** -9) & (q.abs() < ref.abs())
-    return ok | ok_tie
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -90,7 +63,7 @@ def test_dispatch_quantizer_is_the_recipe(dtype, t, h):
     assert got.scale.shape == (t, h // GROUP)
     assert torch.equal(got.scale, ref.scale)
     quotient = x.float() / ref.scale.repeat_interleave(GROUP, dim=1)
-    assert torch.all(_same_fp8(got.data, ref.data, quotient=quotient))
+    assert torch.all(same_fp8(got.data, ref.data, quotient=quotient))
     if not interpreting():
         assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
     # a zero row dequantizes to exact zeros
@@ -133,9 +106,9 @@ def _check_requant(got, gate, up, act):
     assert got.data.shape == ref.data.shape == (gate.shape[0], f)
     assert got.scale.shape == ref.scale.shape
     torch.testing.assert_close(got.scale, ref.scale, rtol=1e-5, atol=0)
-    ok = _same_fp8(got.data, ref.data, steps=1)
+    ok = same_fp8(got.data, ref.data, steps=1)
     assert torch.all(ok), f"{int((~ok).sum())} of {ok.numel()} FP8 values differ"
-    assert (~_same_fp8(got.data, ref.data)).float().mean() <= 1e-3
+    assert (~same_fp8(got.data, ref.data)).float().mean() <= 1e-3
 
 
 @pytest.mark.parametrize("act", [SILU, GELU, CLAMPED], ids=["silu", "gelu_tanh", "clamped"])

@@ -1,0 +1,36 @@
+"""e4m3 comparisons that accept exactly the casts Triton's interpreter gets wrong (shared by
+the FP8 kernel tests): a value rounded up across a power of two comes out halved (126.8 ->
+64), a subnormal is truncated toward zero, and an exact tie rounds away from zero (168 ->
+176). On a GPU only equality (or ``steps`` e4m3 steps) passes."""
+
+import torch
+
+from comet.constants import interpreting
+
+
+def pow2(v: torch.Tensor) -> torch.Tensor:
+    m, _ = torch.frexp(v.abs())
+    return m == 0.5
+
+
+def same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0,
+              quotient: torch.Tensor | None = None) -> torch.Tensor:
+    """Where ``q`` is ``ref`` (or within ``steps`` e4m3 steps of it), or the interpreter's
+    halved power of two, or (given the fp32 ``quotient`` that was cast) the interpreter's
+    rounding of an exact tie away from zero."""
+    q, ref = q.float(), ref.float()
+    if interpreting() and quotient is not None:
+        v = quotient.float().clamp(-448, 448)
+        ok_tie = ((q - v).abs() == (ref - v).abs()) & (q.abs() > ref.abs())
+    else:
+        ok_tie = torch.zeros_like(q, dtype=torch.bool)
+    ok = q == ref
+    if steps:
+        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
+        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
+    if interpreting():
+        ok |= (2 * q == ref) & pow2(ref)
+        # subnormals (|q| < 2^-6, steps of 2^-9) truncated toward zero, not rounded
+        ok |= (ref.abs() <= 2.0 ** -6) & (q * ref >= 0) & \
+            ((ref - q).abs() == 2.0 ** -9) & (q.abs() < ref.abs())
+    return ok | ok_tie
