@@ -211,14 +211,6 @@ def _mesh_groups(mesh: MeshLayout) -> MeshGroups | None:
     return made[1]
 
 
-def _placement_config(cfg: MoEConfig, par: ParallelConfig, mesh: MeshLayout,
-                      redundant: int, nodes: int) -> PlacementConfig | None:
-    """The placement of a layer with ``redundant`` experts (None for 0): ValueError for
-    a count the layout cannot hold."""
-    return redundant_placement(cfg.num_experts, par.world_size, mesh, redundant, nodes,
-                               cfg.n_group)
-
-
 def redundant_placement(num_experts: int, world_size: int, mesh: MeshLayout, redundant: int,
                         nodes: int = 1, n_group: int = 1) -> PlacementConfig | None:
     """The placement of ``num_experts`` logical experts with ``redundant`` more slots
@@ -396,7 +388,8 @@ class CometMoE(nn.Module):
         group, mesh = parallel_layout(group, mesh, tp_group, ep_group)
         par = ParallelConfig.from_group(group)
         mesh = _layer_mesh(cfg, par, mesh, convention)
-        placement = _placement_config(cfg, par, mesh, redundant_experts, placement_nodes)
+        placement = redundant_placement(cfg.num_experts, par.world_size, mesh, redundant_experts,
+                                        placement_nodes, cfg.n_group)
         self.cfg, self.par, self.group = cfg, par, group
         self.mesh, self.convention = mesh, convention
         if check_replicated and (mesh.tp == 1 or convention != "replicated"):

@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 import gloo_ranks
 from comet import CometMoE, reference
-from comet.config import MoEConfig, ParallelConfig
+from comet.config import MoEConfig
 from comet.constants import interpreting
 from comet.eplb import physical_config
 from comet.mesh import MeshLayout
-from comet.moe import _placement_config
+from comet.moe import redundant_placement
 from comet.placement import Placement, PlacementConfig, plan_placement
 from comet.replicas import ReplicaTables, translate
 from comet.runtime.virtual import VirtualEP
@@ -198,11 +198,11 @@ def test_bad_redundant_experts_are_refused_before_anything_is_built(kwargs, erro
 def test_replicas_must_split_over_the_ranks_of_an_expert_parallel_layout():
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=F)
     with pytest.raises(ValueError, match=r"8 \+ 2 must be divisible by the group's 4"):
-        _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 2, 1)
+        redundant_placement(cfg.num_experts, 4, MeshLayout(tp=1, ep=4), 2, 1, cfg.n_group)
     with pytest.raises(ValueError, match="expert-parallel layout"):
-        _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=2, ep=2), 4, 1)
-    assert _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 0, 1) is None
-    assert _placement_config(cfg, ParallelConfig(4, 1), MeshLayout(tp=1, ep=4), 4, 1) \
+        redundant_placement(cfg.num_experts, 4, MeshLayout(tp=2, ep=2), 4, 1, cfg.n_group)
+    assert redundant_placement(cfg.num_experts, 4, MeshLayout(tp=1, ep=4), 0, 1, cfg.n_group) is None
+    assert redundant_placement(cfg.num_experts, 4, MeshLayout(tp=1, ep=4), 4, 1, cfg.n_group) \
         .slots_per_gpu == 3
 
 
