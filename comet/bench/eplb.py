@@ -24,7 +24,7 @@ from comet.placement import Placement, PlacementConfig, dispatch_shares, plan_pl
 from comet.replicas import ReplicaTables, translate
 from comet.weights import interleave_gate_up
 
-__all__ = ["destination_rows", "balance_columns", "ReplicatedLayer", "logical_load",
+__all__ = ["destination_rows", "balance_columns", "ReplicatedLayer",
            "rank_load", "physical_weights"]
 
 
@@ -60,17 +60,6 @@ def gathered_rows(ids: Sequence[torch.Tensor], slots_per_rank: int, world: int, 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(rows, group=group)
     return rows
-
-
-def logical_load(ids: Sequence[torch.Tensor], num_experts: int, group=None) -> torch.Tensor:
-    """``[E]`` pairs per logical expert over the input sets ``ids`` of every rank."""
-    load = torch.zeros(num_experts, dtype=torch.int64, device=ids[0].device)
-    for i in ids:
-        flat = i.reshape(-1).to(torch.int64)
-        load += torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(load, group=group)
-    return load
 
 
 class ReplicatedLayer:
