@@ -130,7 +130,7 @@ def _output_bias(cfg: MoEConfig, mesh: MeshLayout, rank: int, b2, w2):
 
 
 @dataclass(frozen=True)
-class Placement:
+class Residency:
     """How one rank's launches share its GPU.
 
     cooperative: fused launches are co-resident by the launch attribute (a rank with a
@@ -148,7 +148,7 @@ class Placement:
 
 
 #: A rank alone on its GPU, in a process of its own.
-ALONE = Placement(cooperative=True, combine_per_program=COMBINE_PROGRAMS_PER_SM,
+ALONE = Residency(cooperative=True, combine_per_program=COMBINE_PROGRAMS_PER_SM,
                   group_barrier=True)
 
 
@@ -222,7 +222,7 @@ class FusedMoE:
     @classmethod
     def on_workspace(cls, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor,
                      w2: torch.Tensor, par: ParallelConfig, tile: TileConfig, programs: int,
-                     placement: Placement, *, group=None,
+                     residency: Residency, *, group=None,
                      tuned_config_folder: str | None = None, check_errors: str = "lazy",
                      use_graphs: bool = True, w13_layout: str = "gate_up",
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -231,13 +231,13 @@ class FusedMoE:
         """Rank ``par.rank`` of a layer on a workspace allocated already (``ws``, with
         ``tile``; :func:`~comet.runtime.workspace.allocate_virtual` for ranks that share
         a process: :func:`comet.runtime.virtual.virtual_group`), its fused grids of
-        ``programs`` launched as ``placement`` says. Other arguments as for the
+        ``programs`` launched as ``residency`` says. Other arguments as for the
         constructor."""
         mesh = mesh_of(mesh, par.world_size)
         cls.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         layer = cls.__new__(cls)
         layer._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
-                     placement, tuned_config_folder, check_errors, use_graphs, mesh,
+                     residency, tuned_config_folder, check_errors, use_graphs, mesh,
                      convention)
         return layer
 
@@ -278,7 +278,7 @@ class FusedMoE:
 
     def _build(self, ws: Workspace, cfg: MoEConfig, w13: torch.Tensor, w2: torch.Tensor,
                b13: torch.Tensor | None, b2: torch.Tensor | None, w13_layout: str, group,
-               par: ParallelConfig, tile: TileConfig, programs: int, placement: Placement,
+               par: ParallelConfig, tile: TileConfig, programs: int, residency: Residency,
                tuned_config_folder: str | None, check_errors: str, use_graphs: bool,
                mesh: MeshLayout, convention: Convention) -> None:
         # State the calls update in place must not be inference tensors, or a layer first
@@ -287,11 +287,11 @@ class FusedMoE:
         with torch.inference_mode(False):
             w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
                                                     _output_bias(cfg, mesh, par.rank, b2, w2))
-            self._setup(ws, w13, w2, group, par, tile, programs, placement,
+            self._setup(ws, w13, w2, group, par, tile, programs, residency,
                         tuned_config_folder, check_errors, use_graphs, cfg, mesh, convention)
 
     def _setup(self, ws: Workspace, w13, w2, group, par: ParallelConfig, tile: TileConfig,
-               programs: int, placement: Placement, tuned_config_folder: str | None,
+               programs: int, residency: Residency, tuned_config_folder: str | None,
                check_errors: str, use_graphs: bool, cfg: MoEConfig, mesh: MeshLayout,
                convention: Convention) -> None:
         # cfg: the layer as the caller routes it; ws.cfg: what the kernels run (the same,
@@ -301,7 +301,7 @@ class FusedMoE:
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.tile = tile
-        self.placement = placement
+        self.residency = residency
         # The shared-tensor analyzer's answer for every layout (layer0 by rows, layer1 by
         # columns) is the kernels' decomposition: tests/test_shared_tensor.py checks it
         # (comet.runtime.forward.kernel_decomposition), not every construction.
@@ -412,7 +412,7 @@ class FusedMoE:
 
     def _grids(self) -> Grids:
         grid = self.programs
-        return Grids(grid, grid, grid, grid * self.placement.combine_per_program)
+        return Grids(grid, grid, grid, grid * self.residency.combine_per_program)
 
     def _call(self, mode: str, layer0_comm: bool, tile: TileConfig,
               trace: dict[str, torch.Tensor] | None = None) -> ForwardCall:
@@ -427,7 +427,7 @@ class FusedMoE:
                                 s.split[1:2], ids, weights)
             stage = RoutingStage(s.routing_addr, s.num_tokens, s.ids, s.weights)
             call = ForwardCall(self.ws, self.w13, self.w2, tile, inputs, self._grids(), mode,
-                               layer0_comm, cooperative=self.placement.cooperative, trace=trace,
+                               layer0_comm, cooperative=self.residency.cooperative, trace=trace,
                                b13=self.b13, b2=self.b2, shard_routing=shards,
                                routing_stage=stage)
             if trace is not None:
@@ -492,7 +492,7 @@ class FusedMoE:
         self.errors.clear()
 
     def _group_barrier(self) -> None:
-        if self.par.world_size > 1 and self.placement.group_barrier:
+        if self.par.world_size > 1 and self.residency.group_barrier:
             import torch.distributed as dist
             dist.barrier(group=self.group)
             if self.device.type == "cuda":
@@ -548,7 +548,7 @@ class FusedMoE:
                 self.ws, self.cfg, self.tile, self.w13, self.w2, self._grad,
                 self._static.ids, self._static.weights, self._backward_scalars,
                 self.programs, fused=not interpreting(), layer0_comm=layer0_comm,
-                cooperative=self.placement.cooperative, weight_grads=weight_grads, b13=self.b13,
+                cooperative=self.residency.cooperative, weight_grads=weight_grads, b13=self.b13,
                 b2=self.b2)
         return self._backward_calls[key]
 

@@ -28,7 +28,7 @@ from comet.mesh import Convention, MeshLayout
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.forward import CallInputs, ForwardCall, Grids
-from comet.runtime.layer import FusedMoE, Placement, layer_tile, mesh_of, sm_count
+from comet.runtime.layer import FusedMoE, Residency, layer_tile, mesh_of, sm_count
 from comet.runtime.staging import StagedScalars, address_of, aligned
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
@@ -36,7 +36,7 @@ from comet.weights import interleave_gate_up
 
 #: Ranks sharing one GPU and one process: grids sized to fit side by side, not
 #: cooperative launches; one combine program per program; no distributed barrier.
-SHARED = Placement(cooperative=False, combine_per_program=1, group_barrier=False)
+SHARED = Residency(cooperative=False, combine_per_program=1, group_barrier=False)
 
 
 def virtual_group(cfg: MoEConfig, w13_shards: list[torch.Tensor],
