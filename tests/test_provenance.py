@@ -32,7 +32,7 @@ def test_paths_are_written_repo_relative(tmp_path, monkeypatch):
     root = str(provenance.REPO_ROOT)
     monkeypatch.chdir(tmp_path)
     data = {"table": f"{root}/comet/configs/E=8,H=4096.json",
-            "new": [f"{tmp_path}/out/bench-ep1.json", "/tmp/x/y/paired.json"],
+            "new": [f"{tmp_path}/out/bench-ep1.json", "/outside-any-checkout/y/paired.json"],
             "note": "2.1 tokens/s, a/b 1.5x; see benchmarks/results/2026-12-03/x.json"}
     path = provenance.write_result(tmp_path / "r.json", data,
                                    command=f"python {root}/scripts/device/stress.py "
