@@ -527,6 +527,19 @@ class TileConfig:
     splits: int = 2
     variant: Variant = Variant()
 
+    def __post_init__(self) -> None:
+        # A call's tile keys the layer's call and graph caches several times per call;
+        # hashing the nested dataclasses each time cost a few us of host time.
+        object.__setattr__(self, "_hash", hash((self.gemm, self.comm, self.splits,
+                                                self.variant)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt, not restored: a hash cached in another process may differ.
+        return (TileConfig, (self.gemm, self.comm, self.splits, self.variant))
+
     def with_overrides(self, overrides: Mapping[str, int]) -> "TileConfig":
         """This configuration with some :data:`TUNABLE_TILE_FIELDS` set (a tuned table's
         per-bucket choice, or a call's override); ValueError for any other field or a

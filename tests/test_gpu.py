@@ -471,6 +471,32 @@ def test_scalar_staging_survives_a_full_ring():
         assert _rel_err(y, ref) < 1e-2
 
 
+def test_calls_on_alternating_streams_run_in_order():
+    # A layer's calls share its workspace: a call made on another stream than the last
+    # one waits for it (the staged scalars' ring does), so outputs stay right while the
+    # GPU lags far behind the host (a sleep at the head of the first stream).
+    layer, g = _fused("qwen2-moe", torch.bfloat16, max_tokens=128)
+    x, ids, w = _inputs(layer, "random", g, tokens=64)
+    layer(x, ids, w)
+    layer(x, ids, w)                               # compiled and captured
+    inputs = [_inputs(layer, KINDS[i % len(KINDS)], g, tokens=1 + (7 * i) % 128)
+              for i in range(96)]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outputs = []
+    for i, args in enumerate(inputs):
+        with torch.cuda.stream(streams[i % 2]):
+            if i == 0:
+                torch.cuda._sleep(200_000_000)
+            outputs.append(layer(*args))
+    torch.cuda.synchronize()
+    layer.check_errors_now()
+    for (x, ids, w), y in zip(inputs, outputs):
+        ref = reference.moe_forward(x, ids, w, gate_up_first(layer.w13), layer.w2,
+                                    round_to=torch.bfloat16)
+        assert _rel_err(y, ref) < 1e-2
+
+
 def test_bad_inputs_raise_before_launch_and_leave_the_layer_usable():
     layer, g = _fused("mixtral", torch.bfloat16, max_tokens=64)
     x, ids, w = _inputs(layer, "random", g, tokens=32)

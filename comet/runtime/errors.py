@@ -98,9 +98,11 @@ class ErrorReports:
     """How a layer turns its workspace's error words into exceptions, without a host sync
     on the forward path.
 
-    ``"lazy"``: after each call, raise what the host copy left by an earlier call says,
-    then refresh that copy with a non-blocking device-to-host copy (so a failure surfaces
-    one call late); ``"sync"``: synchronise after every call and raise at once
+    ``"lazy"``: each call's device work ends with :meth:`snapshot`, a non-blocking copy
+    of the words into pinned host memory (inside the call's CUDA graph when it replays
+    one, so the host issues nothing for it); after each call the host raises what that
+    copy says by then -- a failure surfaces at a later call, or at this one if the
+    device was already done; ``"sync"``: synchronise after every call and raise at once
     (debugging). A fatal error is sticky -- :meth:`check_usable` raises until
     :meth:`clear` -- while bad routing is reported once and leaves the layer usable."""
 
@@ -111,9 +113,11 @@ class ErrorReports:
         self.error, self.rank, self.num_experts, self.mode = error, rank, num_experts, mode
         self.slots_per_choice = slots_per_choice
         self.device = error.device
-        # Host copy of the error words, refreshed after every call without a sync.
+        # Host copy of the error words, refreshed by every call without a sync (read
+        # through numpy: no tensor op on the host's per-call path).
         self._pending = (torch.zeros(error.numel(), dtype=torch.int32, pin_memory=True)
                          if self.device.type == "cuda" else None)
+        self._pending_host = self._pending.numpy() if self._pending is not None else None
         self.failure: CometError | None = None     # sticky until clear()
         self._input_reported = 0                    # epoch of the last input error raised
 
@@ -124,14 +128,20 @@ class ErrorReports:
                              "is unusable until reset() is called on every rank (or the "
                              f"layer is re-created): {self.failure}") from self.failure
 
+    def snapshot(self) -> None:
+        """Copy the error words to the host copy, stream-ordered after the call's work
+        (the call's last phase; capturable)."""
+        if self._pending is not None:
+            self._pending.copy_(self.error, non_blocking=True)
+
     def after_launch(self) -> None:
-        """Report errors of this call (``"sync"``) or of earlier ones (``"lazy"``)."""
+        """Report errors of this call (``"sync"``) or of earlier ones (``"lazy"``: what
+        the last :meth:`snapshot` that landed says; a word the copy is writing may be
+        read half old, half new, which :meth:`_raise_for` tolerates)."""
         if self.mode == "sync" or self._pending is None:
             self.check_now()
             return
-        word = self._pending.tolist()
-        self._pending.copy_(self.error, non_blocking=True)
-        self._raise_for(word)
+        self._raise_for(self._pending_host.tolist())
 
     def check_now(self) -> None:
         """Synchronise and raise if any call so far failed (or had bad routing)."""

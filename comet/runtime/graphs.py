@@ -56,15 +56,25 @@ class CallGraphs:
         self._compiled: set[Hashable] = set()
         self._capture_stream: PrivateStream | None = None   # on first capture
 
-    def run(self, key: Hashable, segments: list[Segment], graphable: bool = True) -> None:
+    def run(self, key: Hashable, segments: list[Segment], graphable: bool = True,
+            capturing: bool | None = None) -> None:
         """Issue one call of variant ``key``: replayed from its graphs once captured,
         else eagerly (``graphable=False``: eagerly, e.g. a timed or traced call, or one
-        inside a user's own capture)."""
-        graphable = (graphable and self.enabled
-                     and not torch.cuda.is_current_stream_capturing())
-        if graphable and key in self._compiled and key not in self._graphs:
-            self._graphs[key] = self._capture(segments, key)
+        inside a user's own capture; ``capturing``: whether the current stream is
+        capturing, if the caller knows)."""
+        graphable = graphable and self.enabled and not (
+            torch.cuda.is_current_stream_capturing() if capturing is None else capturing)
         graphs = self._graphs.get(key) if graphable else None
+        if graphs is not None:
+            for (device_only, phases), graph in zip(segments, graphs):
+                if device_only:
+                    graph.replay()
+                else:
+                    for phase in phases:
+                        phase()
+            return
+        if graphable and key in self._compiled and key not in self._graphs:
+            graphs = self._graphs[key] = self._capture(segments, key)
         for i, (device_only, phases) in enumerate(segments):
             if device_only and graphs is not None:
                 graphs[i].replay()

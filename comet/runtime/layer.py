@@ -323,7 +323,8 @@ class FusedMoE:
                 num_experts=cfg.num_experts, ep=mesh.ep, tp=mesh.tp,
                 kept=mesh.coords(par.rank)[1] if convention == "replicated" else -1)
         self._timeout: int | None = None           # last value written to ws.timeout
-        self._calls: dict[tuple, ForwardCall] = {}
+        # Per variant: its call and the segments a user's call issues.
+        self._calls: dict[tuple, tuple[ForwardCall, list]] = {}
         self.last_comm_blocks: tuple[int, int] | None = None
         self.last_tile: TileConfig | None = None
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
@@ -394,8 +395,11 @@ class FusedMoE:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         m = x.shape[0] if checked else self._check(x, topk_ids, topk_weights)
         self.errors.check_usable()
-        split = self.selection.comm_blocks(m, comm_blocks)
-        tile = self.selection.tile_for(m, decode_tile, tile_overrides)
+        if comm_blocks is None and decode_tile is None and tile_overrides is None:
+            split, tile = self.selection.for_call(m)
+        else:
+            split = self.selection.comm_blocks(m, comm_blocks)
+            tile = self.selection.tile_for(m, decode_tile, tile_overrides)
         y = self._launch(x, topk_ids, topk_weights, split, mode, timer, tile, trace)
         self.errors.after_launch()
         return y
@@ -419,7 +423,8 @@ class FusedMoE:
         """The forward call of one variant on the staged inputs, built once (a traced
         one each time: it writes into the caller's buffers)."""
         key = (mode, layer0_comm, tile)
-        if trace is not None or key not in self._calls:
+        found = self._calls.get(key) if trace is None else None
+        if found is None:
             s, shards = self._static, self._shard_routing
             ids, weights = ((s.ids, s.weights) if shards is None
                             else (shards.shard_ids, shards.shard_weights))
@@ -432,8 +437,10 @@ class FusedMoE:
                                routing_stage=stage)
             if trace is not None:
                 return call
-            self._calls[key] = call
-        return self._calls[key]
+            # The error words' snapshot ends the call's device work (in its graph).
+            found = self._calls[key] = (call, [(True, [*call.phases(),
+                                                       self.errors.snapshot])])
+        return found[0]
 
     def _launch(self, x, topk_ids, topk_weights, split: tuple[int, int], mode: str,
                 timer: PhaseTimer | None, tile: TileConfig,
@@ -443,26 +450,34 @@ class FusedMoE:
         n0, n1 = split
         # The call's first launch copies the routing into the staged rows (no host copy
         # for int64 ids and fp32 weights; rows past m are never read: the plan stops at m).
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
+        ids = (topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous()
+               else topk_ids.to(torch.int64).contiguous())
+        weights = (topk_weights
+                   if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+                   else topk_weights.to(torch.float32).contiguous())
         call = self._call(mode, n0 > 0, tile, trace)
         n1 = call.strategy.comm_blocks(n1)
         self.last_comm_blocks = (n0, n1)
         self.last_tile = tile
         y = torch.empty_like(x)
-        s = self._static
         self._refresh_timeout()
         x = aligned(x)
-        s.stage(x.data_ptr(), y.data_ptr(), m, n0, n1, ids.data_ptr(), weights.data_ptr())
-        if timer is None:
-            segments = [(True, call.phases())]
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        self._static.stage(x.data_ptr(), y.data_ptr(), m, n0, n1, ids.data_ptr(),
+                           weights.data_ptr(), capturing)
+        key = (mode, n0 > 0, tile)
+        if timer is None and trace is None:
+            segments = self._calls[key][1]
+        elif timer is None:
+            segments = [(True, [*call.phases(), self.errors.snapshot])]
         else:
             segments = [(True, [self._timed(timer, name, phases)])
                         for name, phases in call.stages()]
+            segments.append((True, [self.errors.snapshot]))
         # Only layer0's split changes the launches (0: two launches); layer1 is one launch
         # for any split, which the kernel reads on the device. The tile changes them all.
-        self.graphs.run((mode, n0 > 0, tile), segments,
-                        graphable=x.is_cuda and timer is None and trace is None)
+        self.graphs.run(key, segments, graphable=x.is_cuda and timer is None
+                        and trace is None, capturing=capturing)
         return y
 
     def _timed(self, timer: PhaseTimer, name: str, phases):
@@ -530,6 +545,7 @@ class FusedMoE:
             aligned(dy.to(x.dtype).contiguous()), aligned(x),
             topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous(), split)
         self.graphs.run(("backward", call.layer0_comm, call.weight_grads), call.segments())
+        self.errors.snapshot()
         self.errors.after_launch()
         return call.results(topk_weights.dtype)
 
@@ -584,5 +600,6 @@ class FusedMoE:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.ws.local.error.zero_()
+        self.errors.clear()   # the calls' snapshots copied the error word set above
         for t in (self.ws.epoch, self.ws.counters):
             t.zero_()

@@ -72,6 +72,18 @@ class Selector:
         self.may_small_plan = tile.variant.small_plan_blocks > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
+        self._per_call: dict[tuple, tuple[tuple[int, int], TileConfig]] = {}
+
+    def for_call(self, num_tokens: int) -> tuple[tuple[int, int], TileConfig]:
+        """``(comm_blocks(num_tokens), tile_for(num_tokens))`` of a call without
+        overrides, decided once per token count (programs and tuned-table folder): the
+        per-call path of a layer, where each us of host time counts."""
+        key = (num_tokens, self.programs, os.environ.get(tuned.ENV_FOLDER))
+        found = self._per_call.get(key)
+        if found is None:
+            found = self._per_call[key] = (self.comm_blocks(num_tokens),
+                                           self.tile_for(num_tokens))
+        return found
 
     # ------------------------------------------------------------------ split
     def comm_blocks(self, num_tokens: int, override=None) -> tuple[int, int]:

@@ -35,11 +35,21 @@ def address_of(t: torch.Tensor) -> torch.Tensor:
 
 class StagedScalars:
     """``n`` int64 scalars on the device (:attr:`values`, a fixed address), written per
-    call by :meth:`stage` in one stream-ordered copy."""
+    call by :meth:`stage` in one stream-ordered copy from a pinned host ring.
 
-    #: Calls whose scalar copies may be pending at once; a call that finds its ring slot
-    #: still pending stages with device fills instead (the host never waits).
-    RING = 32
+    The host never waits: a ring slot is written again only once the copy that read it
+    last time is known done. That is checked once per :data:`SEGMENT` slots, against an
+    event recorded after the segment's last copy (an event per call cost the host more
+    than the copy itself); a call that finds its segment still pending -- the host
+    :data:`RING` calls ahead of the device -- stages with device fills instead. A call on
+    another stream than the last one first has its stream wait for the last one's work
+    (a layer's calls share one workspace, so they must not overlap anyway), which keeps
+    every copy of a segment ordered before its event."""
+
+    #: Calls whose scalar copies may be pending at once.
+    RING = 256
+    #: Slots checked by one event.
+    SEGMENT = 32
 
     def __init__(self, n: int, device):
         self.values = torch.zeros(n, dtype=torch.int64, device=device)
@@ -48,29 +58,47 @@ class StagedScalars:
                       if cuda else None)
         # Written through numpy: no tensor is built per call.
         self._ring_host = self._ring.numpy() if cuda else None
-        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
+        self._done: list[torch.cuda.Event | None] = [None] * (self.RING // self.SEGMENT)
         self._next = 0
+        self._device = self.values.device
+        self._stream: torch.cuda.Stream | None = None   # of the last copy
+        self._stream_id = 0
 
-    def stage(self, values: Sequence[int]) -> None:
-        """Write ``values`` into :attr:`values` (stream-ordered; no host wait)."""
+    def stage(self, values: Sequence[int], capturing: bool | None = None) -> None:
+        """Write ``values`` into :attr:`values` (stream-ordered; no host wait).
+        ``capturing``: whether the current stream is capturing a graph, if the caller
+        knows."""
         if self._ring is None:
             self.values.copy_(torch.tensor(values, dtype=torch.int64))
             return
+        if capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
         slot = self._next % self.RING
-        pending = self._copied[slot]
+        segment, first = divmod(slot, self.SEGMENT)
         # Inside a user's graph capture a copy would re-read the ring slot at every
         # replay; fills capture the values themselves.
-        if torch.cuda.is_current_stream_capturing() or (
-                pending is not None and not pending.query()):
+        if capturing or (first == 0 and self._done[segment] is not None
+                         and not self._done[segment].query()):
             for i, v in enumerate(values):
                 self.values[i].fill_(v)
             return
+        stream_id = torch._C._cuda_getCurrentRawStream(self._device.index)
+        if stream_id != self._stream_id:
+            self._follow(stream_id)
         self._next += 1
         self._ring_host[slot] = values
         self.values.copy_(self._ring[slot], non_blocking=True)
-        if pending is None:
-            pending = self._copied[slot] = torch.cuda.Event()
-        pending.record()
+        if first == self.SEGMENT - 1:
+            if self._done[segment] is None:
+                self._done[segment] = torch.cuda.Event()
+            self._done[segment].record()
+
+    def _follow(self, stream_id: int) -> None:
+        """Order the current stream after the last copy's stream."""
+        stream = torch.cuda.current_stream(self._device)
+        if self._stream is not None:
+            stream.wait_stream(self._stream)
+        self._stream, self._stream_id = stream, stream_id
 
 
 class StaticInputs:
@@ -94,6 +122,7 @@ class StaticInputs:
         self.routing_addr = s[5:7]
 
     def stage(self, x_addr: int, y_addr: int, num_tokens: int, n0: int, n1: int,
-              ids_addr: int, weights_addr: int) -> None:
+              ids_addr: int, weights_addr: int, capturing: bool | None = None) -> None:
         """Write the call's scalars (stream-ordered)."""
-        self._scalars.stage([x_addr, y_addr, num_tokens, n0, n1, ids_addr, weights_addr])
+        self._scalars.stage([x_addr, y_addr, num_tokens, n0, n1, ids_addr, weights_addr],
+                            capturing)
