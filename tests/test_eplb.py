@@ -75,18 +75,19 @@ def test_expert_load_counts_logical_pairs_on_the_device_until_rebalanced():
 
 @torch.no_grad()
 def test_rebalancing_writes_in_place():
-    _, layer = _pair()
-    r = layer.replicas
-    before = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
+    plain, layer = _pair()
+    r, xs = layer.replicas, layer.experts
+    held = (xs.w13, xs.w2, r.log2phy, r.replicas, r.phy2log, r.load)
+    before = [t.data_ptr() for t in held]
     ids, w = _skewed_ids(30)
     layer(torch.randn(30, H), ids, w)
     layer.rebalance()
-    after = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
-    assert before == after
+    assert [t.data_ptr() for t in held] == before
+    assert xs.w13 is held[0] and xs.w2 is held[1]
     # every slot holds its logical expert's weights
     for slot, e in enumerate(r.phy2log.tolist()):
-        assert torch.equal(r.w13[slot], layer.experts.w13[e])
-        assert torch.equal(r.w2[slot], layer.experts.w2[e])
+        assert torch.equal(xs.w13[slot], plain.experts.w13[e])
+        assert torch.equal(xs.w2[slot], plain.experts.w2[e])
 
 
 @torch.no_grad()
@@ -104,6 +105,7 @@ def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
     plain, replicated = _pair(expert_bias=True)
     assert set(plain.state_dict()) == set(replicated.state_dict())
     assert replicated.state_dict()["experts.w13"].shape == (E, H, 2 * F)
+    assert replicated.experts.w13.shape == (E + 4, H, 2 * F)     # the slots only
     with torch.no_grad():
         replicated.rebalance(Placement.from_phy2log(torch.arange(12) % 8, E, 1))
         for p in plain.parameters():
@@ -112,7 +114,9 @@ def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
     x = torch.randn(20, H)
     with torch.no_grad():
         assert torch.equal(plain(x), replicated(x))
-    assert torch.equal(replicated.replicas.b13[9], replicated.experts.b13[1])
+    assert torch.equal(replicated.experts.b13[9], plain.experts.b13[1])
+    for key, value in plain.state_dict().items():
+        assert torch.equal(replicated.state_dict()[key], value), key
 
 
 def _train_step(layer, x, ids, w, lr=0.05):
@@ -122,13 +126,25 @@ def _train_step(layer, x, ids, w, lr=0.05):
     y = layer(x) if ids is None else layer(x, ids, w)
     (y.float().square().sum()).backward()
     grads = {"x": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()
-                             if p.grad is not None}}
+                             if p.grad is not None and not n.startswith("experts.")},
+             **{f"experts.{n}": g for n, g in layer.logical_experts(grad=True).items()}}
+    if layer.replicas is not None:
+        _check_only_owners_have_gradients(layer)
     with torch.no_grad():
         for p in layer.parameters():
             if p.grad is not None:
                 p.sub_(lr * p.grad)
                 p.grad = None
     return y.detach(), grads
+
+
+def _check_only_owners_have_gradients(layer):
+    owners = {rows[0] for rows in layer.replicas.owners().values()}
+    rank = layer.par.rank
+    for p in layer._slots().values():
+        for row in range(p.shape[0]):
+            if (rank, row) not in owners:
+                assert not p.grad[row].any()
 
 
 def _close_grads(got: dict, want: dict) -> None:
@@ -158,11 +174,13 @@ def test_training_sums_the_replicas_gradients_into_their_logical_experts(bias):
         _close_grads(g1, g0)
         assert g1["experts.w13"][3].abs().sum() > 0
     # the copies are stale after a step until the next call refreshes them
-    assert layer.replicas.stale(layer._logical_experts())
+    assert layer.replicas.stale(layer._slots())
     with torch.no_grad():
         layer(x, ids, w)
+    owners = layer.replicas.owners()
     for slot, e in enumerate(layer.replicas.phy2log.tolist()):
-        assert torch.equal(layer.replicas.w13[slot], layer.experts.w13[e])
+        assert torch.equal(layer.experts.w13[slot], layer.experts.w13[owners[e][0][1]])
+        torch.testing.assert_close(layer.experts.w13[slot], plain.experts.w13[e])
 
 
 def test_training_through_the_router_reaches_the_gate():
@@ -223,10 +241,10 @@ def _check_gloo_rebalance(world, rank):
         assert len(slots) > 1 and len(set((slots // layer.replicas.placement_config.slots_per_gpu)
                                           .tolist())) > 1
         r = layer.replicas
+        every = [torch.empty_like(plain.experts.w13) for _ in range(world)]
+        dist.all_gather(every, plain.experts.w13.contiguous())
         for i, e in enumerate(r.phy2log[rank * (E // world + 2):][:E // world + 2].tolist()):
-            every = [torch.empty_like(layer.experts.w13) for _ in range(world)]
-            dist.all_gather(every, layer.experts.w13.contiguous())
-            assert torch.equal(r.w13[i], torch.cat(every)[e])
+            assert torch.equal(layer.experts.w13[i], torch.cat(every)[e])
         torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
     # training: replicas on other ranks send their gradients to the owner (fold's reduce)
     for _ in range(2):
@@ -577,6 +595,7 @@ def test_gpu_fused_layer_with_replicas_matches_and_trains():
     for mod in (plain, layer):
         xg = x.clone().requires_grad_(True)
         mod(xg, ids, w).float().square().mean().backward()
-        grads.append((xg.grad, mod.experts.w13.grad, mod.experts.w2.grad))
+        logical = mod.logical_experts(grad=True)
+        grads.append((xg.grad, logical["w13"], logical["w2"]))
     for got, ref in zip(grads[1], grads[0]):
         assert _rel(got, ref) < 2e-2
