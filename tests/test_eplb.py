@@ -1,6 +1,6 @@
 """CometMoE with redundant experts (comet.eplb): the same function as without replicas,
-before and after rebalancing, on one rank, over gloo ranks (weights broadcast between
-ranks) and on the fused kernels' physical layout under the interpreter."""
+before and after rebalancing, on one rank, over gloo ranks (experts sent point to point
+between ranks) and on the fused kernels' physical layout under the interpreter."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import gloo_ranks
 from comet import CometMoE, reference
 from comet.config import MoEConfig
 from comet.constants import interpreting
-from comet.eplb import physical_config
+from comet.eplb import physical_config, senders
 from comet.mesh import MeshLayout
 from comet.moe import redundant_placement
 from comet.placement import Placement, PlacementConfig, plan_placement
@@ -224,7 +224,7 @@ def test_replicas_must_split_over_the_ranks_of_an_expert_parallel_layout():
         .slots_per_gpu == 3
 
 
-# ----------------------------------------------------------------- gloo ranks (broadcasts)
+# ----------------------------------------------------------------- gloo ranks
 def _check_gloo_rebalance(world, rank):
     torch.manual_seed(rank)
     plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64)
@@ -257,6 +257,123 @@ def _check_gloo_rebalance(world, rank):
 @pytest.mark.parametrize("world", [2])
 def test_gloo_ranks_rebalance_and_train_across_ranks(world):
     gloo_ranks.spawn(_check_gloo_rebalance, world)
+
+
+def _check_gloo_point_to_point(world, rank):
+    """Rebalancing sends each moved expert once, from one rank holding it to one that
+    needs it (no broadcast); the state dict is gathered from owners on other ranks and
+    loading fills every rank's slots."""
+    torch.manual_seed(rank)
+    kw = dict(dtype=torch.float32, max_tokens=64, expert_bias=True)
+    plain = CometMoE(E, K, H, F, **kw)
+    layer = CometMoE(E, K, H, F, redundant_experts=2 * world, **kw)
+    slots = (E + 2 * world) // world
+    assert layer.experts.w13.shape[0] == slots
+    layer.load_state_dict(plain.state_dict())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective over the whole group moved experts")
+
+    sent, real = [], dist.batch_isend_irecv
+
+    def spy(ops):
+        sent.extend(op.tensor.shape[0] for op in ops
+                    if op.op is dist.isend and op.tensor.shape[1:] == (H, 2 * F))
+        return real(ops)
+
+    dist.broadcast = dist.reduce = dist.all_gather = refuse
+    dist.batch_isend_irecv = spy
+    # every rank's slots go to the next rank down: every expert crosses ranks once
+    # per rank that needs it, and every owner lies on another rank than its home
+    home = layer.replicas.phy2log.clone()
+    layer.rebalance(Placement.from_phy2log(torch.roll(home, -slots), E, world))
+    needed = torch.zeros(1, dtype=torch.int64)
+    needed[0] = len(set(layer.replicas.phy2log[rank * slots:(rank + 1) * slots].tolist()))
+    total_sent = torch.tensor([sum(sent)])
+    dist.all_reduce(needed)
+    dist.all_reduce(total_sent)
+    assert total_sent.item() == needed.item()
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24, seed=rank)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+    state, want = layer.state_dict(), plain.state_dict()
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
+    for _ in range(2):                   # owners on other ranks than the experts' homes
+        y0, g0 = _train_step(plain, x, ids, w.clone().requires_grad_(True))
+        y1, g1 = _train_step(layer, x, ids, w.clone().requires_grad_(True))
+        torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-4)
+        _close_grads(g1, g0)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    layer.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+        layer.rebalance()
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_move_experts_point_to_point(world):
+    gloo_ranks.spawn(_check_gloo_point_to_point, world)
+
+
+def test_senders_send_each_wanted_expert_once_from_its_holders_in_turn():
+    sources = {0: [(0, 0), (1, 2)], 1: [(1, 0)], 2: [(2, 1)]}
+    targets = [(2, 0, 0), (2, 3, 0), (3, 0, 0), (0, 1, 1), (0, 2, 1), (1, 5, 1), (0, 4, 2)]
+    moves = senders(sources, targets)
+    # expert 0 held on ranks 0 and 1: ranks 2 and 3 get it from each in turn, rank 2 once
+    assert moves == {(0, 2): [0], (1, 3): [0], (1, 0): [1], (2, 0): [2]}
+    assert senders(sources, list(reversed(targets))) == moves        # order-free
+    with pytest.raises(ValueError, match="expert 5 is wanted on rank 1"):
+        senders(sources, [(1, 0, 5)])
+
+
+def _expert_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.experts.parameters())
+
+
+def _layer_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size()
+               for t in (*layer.parameters(), *layer.buffers()))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rank_holds_its_slots_only(bias):
+    """Parameters and buffers of a layer with R replicas: (E + R) / E of the experts of
+    the layer without, plus the placement tables -- not a logical copy beside them."""
+    e, r, h, f = 16, 4, 256, 128
+    kw = dict(dtype=torch.bfloat16, max_tokens=64, expert_bias=bias)
+    plain = CometMoE(e, K, h, f, **kw)
+    layer = CometMoE(e, K, h, f, redundant_experts=r, **kw)
+    assert _expert_bytes(layer) * e == _expert_bytes(plain) * (e + r)
+    extra = _layer_bytes(layer) - _layer_bytes(plain)
+    assert extra - _expert_bytes(plain) * r // e < 0.01 * _expert_bytes(plain)
+    layer.rebalance()                    # a re-placement allocates nothing that stays
+    assert _layer_bytes(layer) - _layer_bytes(plain) == extra
+
+
+def test_pending_gradients_move_with_their_owners():
+    """A backward, a rebalance that moves every owner, a second backward: the gradients
+    accumulate into the same logical experts as without replicas."""
+    plain, layer = _pair(expert_bias=True)
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24)
+    for m in (plain, layer):
+        m(x, ids, w).square().sum().backward()
+    with torch.no_grad():
+        layer.rebalance(Placement.from_phy2log(torch.tensor([3, 7, 6, 5, 4, 3, 2, 1, 0, 3,
+                                                             7, 0]), E, 1))
+    assert layer.replicas.owners()[0] == [(0, 8)]
+    for m in (plain, layer):
+        m(x, ids, w).square().sum().backward()
+    got = layer.logical_experts(grad=True)
+    _close_grads({n: got[n] for n in got},
+                 {n: g for n, g in plain.logical_experts(grad=True).items()})
+    _check_only_owners_have_gradients(layer)
 
 
 # ----------------------------------------------------------------- rebalance_interval
