@@ -247,28 +247,36 @@ class ExpertReplicas(nn.Module):
 
     @torch.no_grad()
     def place(self, plan: Placement, slots: dict[str, torch.Tensor | None], group=None,
-              grads: bool = True) -> None:
+              optimizer: torch.optim.Optimizer | None = None) -> None:
         """Re-place this rank's ``slots`` (the layer's physical Parameters by name) by
         ``plan`` (one layer) and load its tables, in place. Only slots whose expert
         changes are written, each from a slot of this rank holding that expert or
-        received from one rank that does (:func:`copy_experts`). With ``grads``, pending
-        gradients (``.grad``) move with their owners, so a backward before the rebalance
-        and one after accumulate into the same logical expert. Collective over ``group``
-        when it has several ranks. ValueError for a plan of another shape."""
+        received from one rank that does (:func:`copy_experts`). What belongs to an
+        owner slot moves to the expert's new owner: pending gradients (``.grad``: a
+        backward before the rebalance and one after accumulate into the same logical
+        expert) and, given ``optimizer``, its per-slot state (tensors of the slot
+        Parameter's shape, e.g. Adam's moments); the other slots' are zeroed.
+        Collective over ``group`` when it has several ranks. ValueError for a plan of
+        another shape."""
         plan = self._checked(plan)
         self.refresh(slots, group)
         old, new = self._copies(), plan.phy2log[0].tolist()
         present = _data(slots)
         targets = [(*self._rank_row(s), e) for s, e in enumerate(new) if self._layout[s] != e]
         copy_experts(present, present, old, targets, self.par.rank, group)
-        pending = {n: t.grad for n, t in slots.items() if t is not None and t.grad is not None}
-        if grads and pending:
-            held = {n: g.clone() for n, g in pending.items()}
-            owners = self.owners()
-            for g in pending.values():
-                g.zero_()
+        owned = _owned(slots, optimizer)
+        if owned:
+            # Each rank keeps its old owners' rows, numbered in expert order.
+            kept = {r: [] for r in range(self.placement_config.num_gpus)}
+            for e, [(r, row)] in sorted(self.owners().items()):
+                kept[r].append((e, row))
+            rows = [row for _, row in kept[self.par.rank]]
+            held = {k: t[rows] for k, t in owned.items()}
+            sources = {e: [(r, i)] for r, pairs in kept.items() for i, (e, _) in enumerate(pairs)}
+            for t in owned.values():
+                t.zero_()
             self._load_tables(plan)
-            copy_experts(held, pending, owners,
+            copy_experts(held, owned, sources,
                          [(r, row, e) for e, [(r, row)] in self.owners().items()],
                          self.par.rank, group)
         else:
@@ -358,6 +366,23 @@ class ExpertReplicas(nn.Module):
         for n, rows, buf in received:
             out[n].index_add_(0, torch.tensor(rows, device=buf.device), buf)
         return {n: None if g is None else out[n].to(g.dtype) for n, g in grads.items()}
+
+
+def _owned(slots: dict[str, torch.Tensor | None],
+           optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """What an owner slot carries besides its weights, by ``name.grad`` and
+    ``name.<state key>``: gradients and the optimizer's tensors shaped like the slots."""
+    out = {}
+    for n, p in slots.items():
+        if p is None:
+            continue
+        if p.grad is not None:
+            out[f"{n}.grad"] = p.grad
+        state = {} if optimizer is None else optimizer.state.get(p, {})
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                out[f"{n}.{k}"] = v
+    return out
 
 
 def _data(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:

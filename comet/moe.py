@@ -347,10 +347,14 @@ class CometMoE(nn.Module):
             physical experts, ``(E + R) / W`` per rank, copies of logical experts placed
             by :meth:`rebalance` (at first each rank holds its own logical experts and
             copies of them); ``(E + R)`` must be divisible by the group's size, and the
-            layout expert-parallel (``tp == 1``). The state dict keeps the logical
-            experts only; training sums each replica's gradient into its logical expert,
-            and a call after the logical experts changed in place (an optimizer step)
-            copies them again first (collective).
+            layout expert-parallel (``tp == 1``). The slots are the storage:
+            ``experts.w13`` ... are ``[(E + R) / W, ...]`` Parameters, no logical copy
+            beside them. The state dict has the logical keys and shapes (gathered from
+            each expert's owner slot: collective, as is loading, which fills every
+            slot); training sums each replica's gradient into its expert's owner slot
+            (the other slots' gradients are zero), and a call after the slots changed
+            in place (an optimizer step) copies each owner into its replicas first
+            (collective).
         placement_nodes: nodes of the group for the hierarchical placement (ranks
             numbered node-major; with ``n_group`` divisible by it, expert groups are
             packed onto nodes first).
@@ -564,12 +568,17 @@ class CometMoE(nn.Module):
         self._require_replicas().reset_load()
 
     @torch.no_grad()
-    def rebalance(self, plan: Placement | None = None) -> Placement:
+    def rebalance(self, plan: Placement | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> Placement:
         """Re-place the physical experts: by ``plan`` (one layer of
         :func:`comet.placement.plan_placement`), or by a plan made from every rank's
         :meth:`expert_load` (a host sync and an all-reduce of ``[W, E]``).
-        Copies the weights in place (broadcasts from each expert's owner across ranks)
-        and the translation tables, then resets the load count. Collective: every rank
+        Copies the weights in place -- only the slots whose expert changes, each expert
+        a rank lacks sent point to point from one rank holding it -- with pending
+        gradients (``.grad``) following their owners, and the translation tables, then
+        resets the load count. Given ``optimizer``, its per-slot state (tensors shaped
+        like the slots: Adam's moments) follows the owners too; without one (and in an
+        automatic rebalance) it stays with the slot, now another expert's. Collective: every rank
         calls it with the same plan, between calls. The fused layer and any CUDA graph
         holding it stay valid: no address changes. Returns the plan."""
         replicas = self._require_replicas()
@@ -583,7 +592,7 @@ class CometMoE(nn.Module):
             if self.par.world_size > 1:
                 dist.all_reduce(rank_load, group=self.group)
             plan = replicas.plan(rank_load=rank_load)
-        replicas.place(plan, self._slots(), self.group)
+        replicas.place(plan, self._slots(), self.group, optimizer)
         replicas.reset_load()
         self._rebalance_calls = 0
         return plan
@@ -683,7 +692,7 @@ class CometMoE(nn.Module):
                 f"x, the routing weights or the experts require them). Run it under "
                 f"torch.no_grad() or torch.inference_mode(), or train with tp=1")
         # With replicas every path that trains goes through the op: its backward sums the
-        # replicas' gradients into their logical experts (ExpertReplicas.fold).
+        # replicas' gradients into their experts' owner slots (ExpertReplicas.fold).
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1 or self.replicas is not None))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             y = custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
@@ -781,7 +790,7 @@ class CometMoE(nn.Module):
 
     def _replicated_backward(self, dy, x, topk_ids, topk_weights, weight_grads: bool) -> tuple:
         """:meth:`experts_backward` on the physical experts (the forward's translation
-        again, not counted), the weight gradients folded into the logical experts."""
+        again, not counted), the weight gradients folded into the owner slots."""
         r = self.replicas
         ids = r.route(topk_ids, count=False)
         e = self.experts

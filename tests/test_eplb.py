@@ -376,6 +376,37 @@ def test_pending_gradients_move_with_their_owners():
     _check_only_owners_have_gradients(layer)
 
 
+def test_an_optimizers_state_follows_the_owners():
+    """Adam on the slots, owners moved between steps: with the optimizer passed to
+    rebalance the layer trains as the layer without replicas; without it each moved
+    owner steps with another expert's moments."""
+    plain, layer = _pair(expert_bias=True)
+    _, stranded = _pair(expert_bias=True)
+    layers = (plain, layer, stranded)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in layers]
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24)
+    for phy2log in ([3, 7, 6, 5, 4, 3, 2, 1, 0, 3, 7, 0], [0, 1, 2, 3, 4, 5, 6, 7, 3, 3, 5, 0],
+                    [7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4]):
+        for m, opt in zip(layers, opts):
+            opt.zero_grad()
+            m(x, ids, w).square().sum().backward()
+            opt.step()
+        plan = Placement.from_phy2log(torch.tensor(phy2log), E, 1)
+        with torch.no_grad():
+            layer.rebalance(plan, optimizer=opts[1])
+            stranded.rebalance(plan)
+    for m, opt in zip(layers, opts):
+        opt.zero_grad()
+        m(x, ids, w).square().sum().backward()
+        opt.step()
+    want = plain.logical_experts()
+    got, off = layer.logical_experts(), stranded.logical_experts()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(off["w13"], want["w13"], rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------- rebalance_interval
 def _spy_rebalances(layer, monkeypatch) -> list[tuple[int, torch.Tensor]]:
     """Record ``(calls so far, the load planned from)`` at each rebalance of ``layer``."""
