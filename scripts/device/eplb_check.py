@@ -509,6 +509,9 @@ def main() -> int:
             records.append(rec)
             print(json.dumps(rec), flush=True)
             _write(path, records, device, partial=True)
+            if device.type == "cuda":
+                gc.collect()            # the layers' workspaces, before the cases' groups
+                torch.cuda.empty_cache()
     for name, world in cases:
         rec = run_model(name, models[name], world, args, device, rng)
         records.append(rec)
