@@ -325,9 +325,10 @@ class ExpertReplicas(nn.Module):
              ) -> dict[str, torch.Tensor | None]:
         """The slots' gradients with every replica's gradient summed into its expert's
         owner slot and the other slots zero (``[P/W, ...]`` by name in ``grads``' dtypes,
-        summed in fp32; None where ``grads`` has None): on this rank with ``index_add_``, from other ranks by one
-        ``batch_isend_irecv`` per call, each rank sending an owner on another rank the
-        sum of its own replicas. Collective over ``group`` when it has several ranks."""
+        summed in fp32; None where ``grads`` has None): on this rank with
+        ``index_add_``, from other ranks by one ``batch_isend_irecv`` per call, each rank
+        sending an owner on another rank the sum of its own replicas. Collective over
+        ``group`` when it has several ranks."""
         rank = self.par.rank
         owners = {e: rows[0] for e, rows in self.owners().items()}
         slots = self.placement_config.slots_per_gpu
