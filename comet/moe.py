@@ -582,6 +582,9 @@ class CometMoE(nn.Module):
         calls it with the same plan, between calls. The fused layer and any CUDA graph
         holding it stay valid: no address changes. Returns the plan."""
         replicas = self._require_replicas()
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
         if plan is None:
             # Each rank's load in its row (an all-reduce of [W, E]): the plan's dispatch
             # shares keep pairs on their own rank where the balance allows.

@@ -99,6 +99,9 @@ def test_a_given_plan_is_followed_and_checked():
     assert layer.replicas.replicas[7] == 3 and plan.replicas[0, 6] == 3
     with pytest.raises(ValueError, match="this layer has 8 on 12"):
         layer.rebalance(Placement.from_phy2log(torch.arange(8), E, 1))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer, got dict"):
+        layer.rebalance(plan, optimizer={})
+    assert layer.replicas.phy2log.tolist() == phy2log.tolist()
 
 
 def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
