@@ -1,21 +1,24 @@
-"""A layer's redundant experts (EPLB): the physical experts a rank holds, filled from the
-logical ones, the device-side load count, and re-placement.
+"""A layer's redundant experts (EPLB): the physical experts a rank holds, the device-side
+load count, and re-placement.
 
-:class:`comet.moe.CometMoE` with ``redundant_experts=R`` keeps its logical experts as they
-are (``experts.w13`` ..., this rank's ``E / W`` of them: the state dict, its keys and the
-checkpoint layout do not change) and runs its routed experts on ``P = E + R`` physical
-experts, ``P / W`` per rank, held here as non-persistent buffers: copies of logical
-experts chosen by a placement (:mod:`comet.placement`). A call counts its logical pairs
-(:func:`comet.replicas.count_load`), translates its ids to physical ones
-(:func:`comet.replicas.translate`) and runs the layer on the physical layout.
+:class:`comet.moe.CometMoE` with ``redundant_experts=R`` runs its routed experts on
+``P = E + R`` physical experts, ``P / W`` per rank, chosen by a placement
+(:mod:`comet.placement`): copies of logical experts. The physical slots are the layer's
+storage -- its ``experts.w13`` ... Parameters are ``[P/W, ...]`` -- so a rank holds what
+a layer without replicas would plus ``R / W`` slots, and no second, logical copy. A call
+counts its logical pairs (:func:`comet.replicas.count_load`), translates its ids to
+physical ones (:func:`comet.replicas.translate`) and runs the layer on its slots.
 
-The copies cost ``P / W`` experts of memory on each rank beside the ``E / W`` logical
-ones. They are refilled after ``load_state_dict`` (a hook), by a call that finds the
-logical experts changed in place (their version counters: an optimizer step), and by
-:meth:`ExpertReplicas.place` (a new placement). Every copy is written in place, so the
-fused layer, and any CUDA graph that captured it, keep reading the right addresses.
-Training folds each replica's weight gradient back into its logical expert
-(:meth:`ExpertReplicas.fold`), so optimizers and checkpoints see the logical layer only.
+One slot of each logical expert is its *owner*: the first of its slots in the plan's
+order. Training sums every replica's gradient into the owner (the other slots' gradients
+are zero, :meth:`ExpertReplicas.fold`), so an optimizer steps each logical expert once;
+the next call finds the slots changed in place (their version counters) and copies each
+owner into its replicas again. The state dict is the logical one (gathered from the owner
+slots; :meth:`ExpertReplicas.logical`), and loading one fills every slot
+(:meth:`ExpertReplicas.load_logical`). Every exchange between ranks is point to point
+(:func:`copy_experts`): each expert a rank lacks comes from one rank that holds it, as
+:func:`senders` decides the same way on every rank. Every slot is written in place, so
+the fused layer, and any CUDA graph that captured it, keep reading the right addresses.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ from comet.config import MoEConfig, ParallelConfig
 from comet.placement import (Placement, PlacementConfig, dispatch_shares, home_placement,
                              plan_placement)
 from comet.replicas import ReplicaTables, count_load, translate
-from comet.weights import gate_up_first
 
-__all__ = ["ExpertReplicas", "physical_config"]
+__all__ = ["ExpertReplicas", "copy_experts", "physical_config", "senders"]
+
+#: ``expert -> [(rank, row), ...]``: where copies of each expert lie.
+Sources = dict[int, list[tuple[int, int]]]
+#: ``[(rank, row, expert), ...]``: rows to fill with an expert.
+Targets = list[tuple[int, int, int]]
 
 
 def physical_config(cfg: MoEConfig, redundant_experts: int) -> MoEConfig:
@@ -42,45 +49,101 @@ def physical_config(cfg: MoEConfig, redundant_experts: int) -> MoEConfig:
                                n_group=1, topk_group=1)
 
 
+def senders(sources: Sources, targets: Targets) -> dict[tuple[int, int], list[int]]:
+    """``{(src, dst): experts}``: the experts each rank ``dst`` must receive for
+    ``targets`` (those it holds no copy of in ``sources``), each once, and the rank it
+    comes from: the ranks holding an expert take turns (in rank order), so the copies of a
+    hot expert share its sends. A function of its arguments only: every rank computes
+    the same. ValueError for a target no rank holds."""
+    holders = {e: sorted({r for r, _ in rows}) for e, rows in sources.items()}
+    wanted = sorted({(dst, e) for dst, _, e in targets})
+    turn: dict[int, int] = {}
+    out: dict[tuple[int, int], list[int]] = {}
+    for dst, e in wanted:
+        have = holders.get(e, [])
+        if dst in have:
+            continue
+        if not have:
+            raise ValueError(f"expert {e} is wanted on rank {dst} but no rank holds it")
+        k = turn[e] = turn.get(e, -1) + 1
+        out.setdefault((have[k % len(have)], dst), []).append(e)
+    return out
+
+
+@torch.no_grad()
+def copy_experts(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+                 sources: Sources, targets: Targets, rank: int, group=None) -> None:
+    """Fill this rank's ``targets`` rows of ``dst`` (per name) with their experts' rows of
+    ``src`` (per name, the same names): from a row of this rank where it holds one, else
+    received from the rank :func:`senders` names, all sends and receives of the rank in
+    one ``batch_isend_irecv``. Every read is done before any write, so ``src`` may be
+    ``dst``. Collective over the ranks that send or receive (every rank calls it with the
+    same ``sources`` and ``targets``); ``group`` None: the default group."""
+    moves = senders(sources, targets)
+    local = {e: row for e, rows in sources.items() for r, row in reversed(rows) if r == rank}
+    mine = [(row, e) for r, row, e in targets if r == rank]
+    ops, received = [], {}
+    for (s, d), experts in sorted(moves.items()):
+        if rank not in (s, d):
+            continue
+        peer = _global(group, d if s == rank else s)
+        for name, t in src.items():
+            if s == rank:
+                ops.append(dist.P2POp(dist.isend, t[[local[e] for e in experts]].contiguous(),
+                                      peer, group))
+            else:
+                buf = t.new_empty((len(experts), *t.shape[1:]))
+                ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+                for i, e in enumerate(experts):
+                    received[name, e] = (buf, i)
+    here = [(row, e) for row, e in mine if e in local]
+    gathered = {name: t[[local[e] for _, e in here]] for name, t in src.items()} if here else {}
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    for name, t in dst.items():
+        if here:
+            t[[row for row, _ in here]] = gathered[name].to(t.dtype)
+        for row, e in mine:
+            if e not in local:
+                buf, i = received[name, e]
+                t[row] = buf[i]
+
+
+def _global(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 class ExpertReplicas(nn.Module):
-    """This rank's physical experts and the placement they follow.
+    """The placement a layer's physical experts follow, its translation tables and its
+    load count (the weights are the layer's ``experts`` Parameters).
 
     Args:
         cfg: the logical layer.
         placement: ``E``, ``R``, the group's ``W`` ranks and, for the hierarchical
             strategy, its nodes and expert groups.
         par: this rank in the group.
-        device: where the copies live (the logical experts' device).
-        bias: whether the experts have biases (``cfg.expert_bias``).
+        device: where the tables live (the experts' device).
         prefer_local: split pairs by the plan's dispatch shares (own-rank replicas
             first where the balance allows); False: ``t mod c`` (:mod:`comet.replicas`).
 
-    Buffers (not saved): ``w13 [P/W, H, 2F]`` (the kernels' interleaved columns, as
-    :class:`comet.moe.LocalExperts`), ``w2 [P/W, F, H]``, ``b13``/``b2`` with biases; the
-    tables of :class:`comet.replicas.ReplicaTables`; ``load [E + 1]`` int64 (entry 0:
-    slots with no expert).
+    Buffers (not saved): the tables of :class:`comet.replicas.ReplicaTables`; ``load
+    [E + 1]`` int64 (entry 0: slots with no expert).
     """
 
     def __init__(self, cfg: MoEConfig, placement: PlacementConfig, par: ParallelConfig,
-                 device=None, bias: bool = False, prefer_local: bool = True):
+                 device=None, prefer_local: bool = True):
         super().__init__()
         self.placement_config, self.par, self.prefer_local = placement, par, prefer_local
-        slots, h, f = placement.slots_per_gpu, cfg.hidden_size, cfg.intermediate_size
-        kw = dict(dtype=cfg.dtype, device=device)
-        self.register_buffer("w13", torch.zeros(slots, h, 2 * f, **kw), persistent=False)
-        self.register_buffer("w2", torch.zeros(slots, f, h, **kw), persistent=False)
-        self.register_buffer("b13", torch.zeros(slots, 2 * f, **kw) if bias else None,
-                             persistent=False)
-        self.register_buffer("b2", torch.zeros(slots, h, **kw) if bias else None,
-                             persistent=False)
         tables = ReplicaTables.empty(placement.num_experts, placement.redundant_experts,
                                      placement.num_gpus, device)
         for name in ("log2phy", "replicas", "phy2log", "split"):
             self.register_buffer(name, getattr(tables, name), persistent=False)
         self.register_buffer("load", torch.zeros(placement.num_experts + 1, dtype=torch.int64,
                                                  device=device), persistent=False)
-        self.placement: Placement | None = None    # the plan the copies hold (host)
-        self._versions: tuple = ()                 # the logical experts' when copied
+        self.placement: Placement | None = None    # the plan the slots hold (host)
+        self._layout: list[int] = []               # its phy2log on the host
+        self._versions: tuple = ()                 # the slots' when last made consistent
 
     @property
     def tables(self) -> ReplicaTables:
@@ -95,11 +158,11 @@ class ExpertReplicas(nn.Module):
             count_load(self.load, topk_ids)
         return translate(topk_ids, self.tables, self.par.rank, self.prefer_local)
 
-    def stale(self, logical: dict[str, torch.Tensor | None]) -> bool:
-        """Whether the logical experts were changed in place (an optimizer step,
-        ``copy_``) since the copies were made: their version counters moved. Edits
-        through ``.data`` leave no trace; :meth:`CometMoE.refresh_replicas` then."""
-        return self._versions != _versions(logical)
+    def stale(self, slots: dict[str, torch.Tensor | None]) -> bool:
+        """Whether the slots were changed in place (an optimizer step, ``copy_``) since
+        they were last made consistent: their version counters moved. Edits through
+        ``.data`` leave no trace; :meth:`CometMoE.refresh_replicas` then."""
+        return self._versions != _versions(slots)
 
     def expert_load(self) -> torch.Tensor:
         """``[E]`` int64 pairs this rank routed to each logical expert since the last
@@ -109,15 +172,27 @@ class ExpertReplicas(nn.Module):
     def reset_load(self) -> None:
         self.load.zero_()
 
-    def gate_up(self) -> torch.Tensor:
-        """``w13`` with all gate columns first (a copy; the CPU paths' layout)."""
-        return gate_up_first(self.w13)
+    # ------------------------------------------------------------------ layouts
+    def _rank_row(self, slot: int) -> tuple[int, int]:
+        return divmod(slot, self.placement_config.slots_per_gpu)
 
-    def biases(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the CPU paths: ``{"b13", "b2"}`` or ``{}``."""
-        if self.b13 is None:
-            return {}
-        return {"b13": gate_up_first(self.b13), "b2": self.b2}
+    def owners(self) -> Sources:
+        """Each logical expert's owner slot (its first) as ``{e: [(rank, row)]}``."""
+        out: Sources = {}
+        for s, e in enumerate(self._layout):
+            out.setdefault(e, [self._rank_row(s)])
+        return out
+
+    def _copies(self) -> Sources:
+        out: Sources = {}
+        for s, e in enumerate(self._layout):
+            out.setdefault(e, []).append(self._rank_row(s))
+        return out
+
+    def _home(self) -> tuple[int, int]:
+        """``(E / W, this rank's first expert)``: the logical layout of the state dict."""
+        own = self.placement_config.num_experts // self.placement_config.num_gpus
+        return own, self.par.rank * own
 
     # ------------------------------------------------------------------ placement
     def plan(self, load: torch.Tensor | None = None,
@@ -134,20 +209,12 @@ class ExpertReplicas(nn.Module):
             load = load.detach().double().cpu()
         return plan_placement(load, self.placement_config, rank_load=rank_load)
 
-    @torch.no_grad()
-    def place(self, plan: Placement, logical: dict[str, torch.Tensor | None],
-              group=None) -> None:
-        """Fill this rank's slots with the logical experts ``plan`` (one layer) puts there
-        and load its tables, in place. ``logical``: this rank's logical experts by name
-        (``w13``, ``w2``, ``b13``, ``b2``; ``E / W`` each). Collective over ``group``
-        when it has several ranks: each expert a rank needs from another is broadcast
-        by its owner, one broadcast per owner and tensor. ValueError for a plan of
-        another shape."""
+    def _checked(self, plan: Placement) -> Placement:
+        """``plan`` as one layer; ValueError for a plan of another shape."""
         cfg = self.placement_config
-        phy2log = plan.phy2log
-        if phy2log.dim() == 2:
-            if phy2log.shape[0] != 1:
-                raise ValueError(f"a layer takes a one-layer plan, got {phy2log.shape[0]}")
+        if plan.phy2log.dim() == 2:
+            if plan.phy2log.shape[0] != 1:
+                raise ValueError(f"a layer takes a one-layer plan, got {plan.phy2log.shape[0]}")
             plan = Placement(plan.phy2log[0:1], plan.log2phy[0:1], plan.replicas[0:1],
                              plan.num_gpus,
                              None if plan.shares is None else plan.shares[0:1])
@@ -157,79 +224,174 @@ class ExpertReplicas(nn.Module):
                              f"{plan.phy2log.shape[-1]} slots of {plan.num_gpus} GPUs; this "
                              f"layer has {cfg.num_experts} on {cfg.physical_experts} of "
                              f"{cfg.num_gpus}")
-        phy2log = plan.phy2log[0].tolist()
-        own, rank, slots = cfg.num_experts // cfg.num_gpus, self.par.rank, cfg.slots_per_gpu
-        names = [n for n in ("w13", "w2", "b13", "b2") if getattr(self, n) is not None]
-        sources: dict[int, dict[str, torch.Tensor]] = {}   # logical expert -> its weights
-        for owner in range(cfg.num_gpus):
-            # The experts of ``owner`` that slots of other ranks hold, in id order.
-            sent = sorted({e for s, e in enumerate(phy2log)
-                           if e // own == owner and s // slots != owner})
-            if not sent:
-                continue
-            if owner == rank or cfg.num_gpus == 1:
-                bufs = {n: logical[n][[e - owner * own for e in sent]].contiguous()
-                        for n in names}
-            else:
-                bufs = {n: torch.empty((len(sent), *logical[n].shape[1:]),
-                                       dtype=logical[n].dtype, device=logical[n].device)
-                        for n in names}
-            if cfg.num_gpus > 1:
-                src = owner if group is None else dist.get_global_rank(group, owner)
-                for n in names:
-                    dist.broadcast(bufs[n], src=src, group=group)
-            for i, e in enumerate(sent):
-                sources[e] = {n: bufs[n][i] for n in names}
-        for i, e in enumerate(phy2log[rank * slots:(rank + 1) * slots]):
-            for n in names:
-                src = (logical[n][e - rank * own] if e // own == rank else sources[e][n])
-                getattr(self, n)[i].copy_(src)
+        return plan
+
+    def _load_tables(self, plan: Placement) -> None:
         shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
         self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
-        self.placement = plan
-        self._versions = _versions(logical)
+        self.placement, self._layout = plan, plan.phy2log[0].tolist()
 
     @torch.no_grad()
-    def fold(self, grads: dict[str, torch.Tensor | None],
-             logical: dict[str, torch.Tensor | None], group=None
+    def expand(self, logical: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """This rank's slots of the layout without replicas, made from its ``E / W``
+        logical experts ``logical`` (by name) with no exchange (each rank's slots hold its
+        own experts there); loads that layout's tables. Used once, by the constructor."""
+        plan = self.plan()
+        self._load_tables(plan)
+        own, first = self._home()
+        rank, slots = self.par.rank, self.placement_config.slots_per_gpu
+        rows = [e - first for e in self._layout[rank * slots:(rank + 1) * slots]]
+        out = {n: None if t is None else t[rows].clone() for n, t in logical.items()}
+        self._versions = _versions(out)
+        return out
+
+    @torch.no_grad()
+    def place(self, plan: Placement, slots: dict[str, torch.Tensor | None], group=None,
+              optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Re-place this rank's ``slots`` (the layer's physical Parameters by name) by
+        ``plan`` (one layer) and load its tables, in place. Only slots whose expert
+        changes are written, each from a slot of this rank holding that expert or
+        received from one rank that does (:func:`copy_experts`). What belongs to an
+        owner slot moves to the expert's new owner: pending gradients (``.grad``: a
+        backward before the rebalance and one after accumulate into the same logical
+        expert) and, given ``optimizer``, its per-slot state (tensors of the slot
+        Parameter's shape, e.g. Adam's moments); the other slots' are zeroed.
+        Collective over ``group`` when it has several ranks. ValueError for a plan of
+        another shape."""
+        plan = self._checked(plan)
+        self.refresh(slots, group)
+        old, new = self._copies(), plan.phy2log[0].tolist()
+        present = _data(slots)
+        targets = [(*self._rank_row(s), e) for s, e in enumerate(new) if self._layout[s] != e]
+        copy_experts(present, present, old, targets, self.par.rank, group)
+        owned = _owned(slots, optimizer)
+        if owned:
+            # Each rank keeps its old owners' rows, numbered in expert order.
+            kept = {r: [] for r in range(self.placement_config.num_gpus)}
+            for e, [(r, row)] in sorted(self.owners().items()):
+                kept[r].append((e, row))
+            rows = [row for _, row in kept[self.par.rank]]
+            held = {k: t[rows] for k, t in owned.items()}
+            sources = {e: [(r, i)] for r, pairs in kept.items() for i, (e, _) in enumerate(pairs)}
+            for t in owned.values():
+                t.zero_()
+            self._load_tables(plan)
+            copy_experts(held, owned, sources,
+                         [(r, row, e) for e, [(r, row)] in self.owners().items()],
+                         self.par.rank, group)
+        else:
+            self._load_tables(plan)
+        self._versions = _versions(slots)
+
+    @torch.no_grad()
+    def refresh(self, slots: dict[str, torch.Tensor | None], group=None) -> None:
+        """Copy each owner slot into the expert's other slots (after an optimizer step
+        changed the owners) when the slots are :meth:`stale`. Collective."""
+        if not self.stale(slots):
+            return
+        present = _data(slots)
+        owners = self.owners()
+        targets = [(*self._rank_row(s), e) for s, e in enumerate(self._layout)
+                   if owners[e][0] != self._rank_row(s)]
+        copy_experts(present, present, owners, targets, self.par.rank, group)
+        self._versions = _versions(slots)
+
+    @torch.no_grad()
+    def logical(self, slots: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor]:
+        """This rank's ``E / W`` logical experts (the state dict's), gathered from their
+        owner slots: new tensors. Collective."""
+        own, _ = self._home()
+        out = {n: t.new_empty((own, *t.shape[1:])) for n, t in slots.items()}
+        copy_experts(slots, out, self.owners(),
+                     [(r, i, r * own + i) for r in range(self.placement_config.num_gpus)
+                      for i in range(own)],
+                     self.par.rank, group)
+        return out
+
+    @torch.no_grad()
+    def load_logical(self, logical: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
+                     group=None) -> None:
+        """Fill every slot from the ranks' ``E / W`` logical experts (each rank passes its
+        own, as the state dict holds them). Collective."""
+        own, _ = self._home()
+        home = {e: [divmod(e, own)] for e in range(self.placement_config.num_experts)}
+        copy_experts(logical, _data(slots), home,
+                     [(*self._rank_row(s), e) for s, e in enumerate(self._layout)],
+                     self.par.rank, group)
+        self._versions = _versions(slots)
+
+    @torch.no_grad()
+    def fold(self, grads: dict[str, torch.Tensor | None], group=None
              ) -> dict[str, torch.Tensor | None]:
-        """The gradients of this rank's logical experts from those of its physical slots
-        ``grads`` (``[P/W, ...]`` by name, None where not computed): every replica's
-        gradient summed into its logical expert -- on this rank with ``index_add_``, from
-        other ranks by one ``reduce`` to the owner per owner and tensor (the reverse of
-        :meth:`place`'s broadcasts). Collective over ``group`` when it has several
-        ranks."""
-        cfg = self.placement_config
-        own, rank, slots = cfg.num_experts // cfg.num_gpus, self.par.rank, cfg.slots_per_gpu
-        phy2log = self.placement.phy2log[0].tolist()
-        mine = phy2log[rank * slots:(rank + 1) * slots]
-        names = [n for n, g in grads.items() if g is not None]
-        out = {n: None for n in grads}
-        for n in names:
-            out[n] = torch.zeros_like(logical[n], dtype=torch.float32)
-            here = [i for i, e in enumerate(mine) if e // own == rank]
-            if here:
-                index = torch.tensor([mine[i] - rank * own for i in here], device=out[n].device)
-                out[n].index_add_(0, index, grads[n][here].float())
-        for owner in range(cfg.num_gpus if cfg.num_gpus > 1 else 0):
-            held = sorted({e for s, e in enumerate(phy2log)
-                           if e // own == owner and s // slots != owner})
-            if not held:
+        """The slots' gradients with every replica's gradient summed into its expert's
+        owner slot and the other slots zero (``[P/W, ...]`` by name in ``grads``' dtypes,
+        summed in fp32; None where ``grads`` has None): on this rank with
+        ``index_add_``, from other ranks by one ``batch_isend_irecv`` per call, each rank
+        sending an owner on another rank the sum of its own replicas. Collective over
+        ``group`` when it has several ranks."""
+        rank = self.par.rank
+        owners = {e: rows[0] for e, rows in self.owners().items()}
+        slots = self.placement_config.slots_per_gpu
+        mine = self._layout[rank * slots:(rank + 1) * slots]
+        present = {n: g for n, g in grads.items() if g is not None}
+        out = {n: torch.zeros_like(g, dtype=torch.float32) for n, g in present.items()}
+        ops, received = [], []
+        for peer in range(self.placement_config.num_gpus):
+            if peer == rank:
                 continue
-            src = owner if group is None else dist.get_global_rank(group, owner)
-            for n in names:
-                buf = torch.zeros((len(held), *logical[n].shape[1:]), dtype=torch.float32,
-                                  device=logical[n].device)
-                if owner != rank:
-                    for i, e in enumerate(mine):
-                        if e in held:
-                            buf[held.index(e)] += grads[n][i].float()
-                dist.reduce(buf, dst=src, group=group)
-                if owner == rank:
-                    out[n].index_add_(0, torch.tensor([e - rank * own for e in held],
-                                                      device=buf.device), buf)
-        return {n: None if g is None else g.to(logical[n].dtype) for n, g in out.items()}
+            # The experts this rank holds replicas of and ``peer`` owns, in id order;
+            # and the reverse: what ``peer`` sends this rank.
+            out_experts = sorted({e for e in mine if owners[e][0] == peer})
+            in_experts = sorted({e for s, e in enumerate(self._layout)
+                                 if s // slots == peer and owners[e][0] == rank})
+            for n, g in present.items():
+                if out_experts:
+                    buf = g.new_zeros((len(out_experts), *g.shape[1:]), dtype=torch.float32)
+                    pos = {e: i for i, e in enumerate(out_experts)}
+                    here = [i for i, e in enumerate(mine) if e in pos]
+                    buf.index_add_(0, torch.tensor([pos[mine[i]] for i in here],
+                                                   device=g.device), g[here].float())
+                    ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
+                if in_experts:
+                    buf = g.new_empty((len(in_experts), *g.shape[1:]), dtype=torch.float32)
+                    ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
+                    received.append((n, [owners[e][1] for e in in_experts], buf))
+        here = [i for i, e in enumerate(mine) if owners[e][0] == rank]
+        if here:
+            index = torch.tensor([owners[mine[i]][1] for i in here])
+            for n, g in present.items():
+                out[n].index_add_(0, index.to(g.device), g[here].float())
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for n, rows, buf in received:
+            out[n].index_add_(0, torch.tensor(rows, device=buf.device), buf)
+        return {n: None if g is None else out[n].to(g.dtype) for n, g in grads.items()}
 
 
-def _versions(logical: dict[str, torch.Tensor | None]) -> tuple:
-    return tuple(None if t is None else t._version for t in logical.values())
+def _owned(slots: dict[str, torch.Tensor | None],
+           optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """What an owner slot carries besides its weights, by ``name.grad`` and
+    ``name.<state key>``: gradients and the optimizer's tensors shaped like the slots."""
+    out = {}
+    for n, p in slots.items():
+        if p is None:
+            continue
+        if p.grad is not None:
+            out[f"{n}.grad"] = p.grad
+        state = {} if optimizer is None else optimizer.state.get(p, {})
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                out[f"{n}.{k}"] = v
+    return out
+
+
+def _data(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The tensors' ``.data``: written there, slots a pending backward saved keep their
+    version (a rebalance between a forward and its backward re-places the slots with the
+    same logical weights, and the backward translates by the new tables)."""
+    return {n: t.data for n, t in tensors.items() if t is not None}
+
+
+def _versions(tensors: dict[str, torch.Tensor | None]) -> tuple:
+    return tuple(None if t is None else t._version for t in tensors.values())

@@ -271,9 +271,36 @@ def _check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
-def _refill_replicas(module: "CometMoE", incompatible_keys) -> None:
-    """``load_state_dict`` post-hook: the loaded logical experts into their slots."""
-    module.replicas.place(module.replicas.placement, module._logical_experts(), module.group)
+#: The expert Parameters' names (biases None without ``expert_bias``).
+_EXPERT_NAMES = ("w13", "w2", "b13", "b2")
+
+
+def _logical_view(module: "CometMoE", *args) -> None:
+    """``state_dict`` pre-hook of a layer with replicas: the experts module holds, while
+    it saves, this rank's logical experts gathered from their owner slots (collective),
+    so its keys, shapes and format are those of the layer without replicas."""
+    module._swap_experts(module.replicas.logical(module._slots(), module.group))
+
+
+def _physical_view(module: "CometMoE", *args) -> None:
+    """``state_dict`` post-hook: the slots back in place of the logical view."""
+    module._restore_slots()
+
+
+def _logical_targets(module: "CometMoE", *args) -> None:
+    """``load_state_dict`` pre-hook: the experts module loads into this rank's logical
+    experts (gathered, collective: keys the state dict lacks keep their values), with its
+    own loading code whatever its checkpoint format; the post-hook spreads them over the
+    slots."""
+    module._swap_experts(module.replicas.logical(module._slots(), module.group))
+
+
+def _fill_slots(module: "CometMoE", incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the loaded logical experts into every slot
+    (collective), the slots back in place."""
+    logical = {n: t for n, t in module._expert_tensors().items() if t is not None}
+    module._restore_slots()
+    module.replicas.load_logical(logical, module._slots(), module.group)
 
 
 class CometMoE(nn.Module):
@@ -320,10 +347,14 @@ class CometMoE(nn.Module):
             physical experts, ``(E + R) / W`` per rank, copies of logical experts placed
             by :meth:`rebalance` (at first each rank holds its own logical experts and
             copies of them); ``(E + R)`` must be divisible by the group's size, and the
-            layout expert-parallel (``tp == 1``). The state dict keeps the logical
-            experts only; training sums each replica's gradient into its logical expert,
-            and a call after the logical experts changed in place (an optimizer step)
-            copies them again first (collective).
+            layout expert-parallel (``tp == 1``). The slots are the storage:
+            ``experts.w13`` ... are ``[(E + R) / W, ...]`` Parameters, no logical copy
+            beside them. The state dict has the logical keys and shapes (gathered from
+            each expert's owner slot: collective, as is loading, which fills every
+            slot); training sums each replica's gradient into its expert's owner slot
+            (the other slots' gradients are zero), and a call after the slots changed
+            in place (an optimizer step) copies each owner into its replicas first
+            (collective).
         placement_nodes: nodes of the group for the hierarchical placement (ranks
             numbered node-major; with ``n_group`` divisible by it, expert groups are
             packed onto nodes first).
@@ -423,7 +454,10 @@ class CometMoE(nn.Module):
         self.replicas = None
         if placement is not None:
             self._build_replicas(placement, device)
-            self.register_load_state_dict_post_hook(_refill_replicas)
+            self.register_state_dict_pre_hook(_logical_view)
+            self.register_state_dict_post_hook(_physical_view)
+            self.register_load_state_dict_pre_hook(_logical_targets)
+            self.register_load_state_dict_post_hook(_fill_slots)
         self.rebalance_interval, self.rebalance_window = interval, window
         self._rebalance_calls = 0       # counted calls since the last rebalance (host)
         self._fused = None
@@ -444,7 +478,9 @@ class CometMoE(nn.Module):
 
     @property
     def local_experts(self) -> int:
-        return self.experts.w13.shape[0]
+        """This rank's logical experts (``E / ep``; with replicas it holds ``(E + R) / W``
+        physical slots, ``experts.w13.shape[0]``)."""
+        return self.cfg.num_experts // self.mesh.ep
 
     @property
     def expert_offset(self) -> int:
@@ -470,16 +506,50 @@ class CometMoE(nn.Module):
                 f"top_k={c.top_k}, hidden={c.hidden_size}, {ffn}, {layout}, router={c.router}")
 
     # ------------------------------------------------------------------ redundant experts
-    def _logical_experts(self) -> dict[str, torch.Tensor | None]:
-        e = self.experts
-        return {"w13": e.w13, "w2": e.w2, "b13": e.b13, "b2": e.b2}
+    def _expert_tensors(self) -> dict[str, torch.Tensor | None]:
+        return {n: self.experts._parameters.get(n) for n in _EXPERT_NAMES}
+
+    def _slots(self) -> dict[str, torch.Tensor]:
+        """The physical slots (the experts' Parameters, ``[P/W, ...]``) by name, the
+        biases only with ``expert_bias``."""
+        return {n: t for n, t in self._expert_tensors().items() if t is not None}
+
+    def _swap_experts(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put ``tensors`` in place of the experts' Parameters of the same names,
+        keeping the ones taken out in ``_held_slots`` (the state-dict hooks' views)."""
+        self._held_slots = {n: self.experts._parameters[n] for n in tensors}
+        for n, t in tensors.items():
+            self.experts._parameters[n] = nn.Parameter(t, requires_grad=False)
+
+    def _restore_slots(self) -> None:
+        self.experts._parameters.update(self._held_slots)
+        del self._held_slots
 
     def _build_replicas(self, placement: PlacementConfig, device) -> None:
-        """Physical copies of the current logical experts on the home layout: each rank
-        its own experts and copies of them, so a constructor needs no collective."""
-        self.replicas = ExpertReplicas(self.cfg, placement, self.par, device=device,
-                                       bias=self.cfg.expert_bias)
-        self.replicas.place(self.replicas.plan(), self._logical_experts(), self.group)
+        """The experts' Parameters become this rank's physical slots, filled from its
+        logical experts on the layout without replicas (each rank its own experts and
+        copies of them, so a constructor needs no collective); the logical tensors are
+        dropped."""
+        self.replicas = ExpertReplicas(self.cfg, placement, self.par, device=device)
+        logical = self._expert_tensors()
+        for n, t in self.replicas.expand(logical).items():
+            if t is not None:
+                self.experts._parameters[n] = nn.Parameter(
+                    t, requires_grad=logical[n].requires_grad)
+        self.replicas.refresh(self._slots())      # the new Parameters' version counters
+
+    def logical_experts(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's ``E / ep`` logical experts by name (``w13``, ``w2``, the biases with
+        ``expert_bias``), or with ``grad`` their gradients (names without one left out),
+        as the layer without replicas holds them. With replicas: gathered from each
+        expert's owner slot (new tensors; collective over the group); without: the
+        Parameters (or ``.grad``) themselves."""
+        slots = self._slots()
+        if grad:
+            slots = {n: t.grad for n, t in slots.items() if t.grad is not None}
+        if self.replicas is None:
+            return slots
+        return self.replicas.logical(slots, self.group)
 
     def _require_replicas(self) -> ExpertReplicas:
         if self.replicas is None:
@@ -498,15 +568,23 @@ class CometMoE(nn.Module):
         self._require_replicas().reset_load()
 
     @torch.no_grad()
-    def rebalance(self, plan: Placement | None = None) -> Placement:
+    def rebalance(self, plan: Placement | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> Placement:
         """Re-place the physical experts: by ``plan`` (one layer of
         :func:`comet.placement.plan_placement`), or by a plan made from every rank's
         :meth:`expert_load` (a host sync and an all-reduce of ``[W, E]``).
-        Copies the weights in place (broadcasts from each expert's owner across ranks)
-        and the translation tables, then resets the load count. Collective: every rank
+        Copies the weights in place -- only the slots whose expert changes, each expert
+        a rank lacks sent point to point from one rank holding it -- with pending
+        gradients (``.grad``) following their owners, and the translation tables, then
+        resets the load count. Given ``optimizer``, its per-slot state (tensors shaped
+        like the slots: Adam's moments) follows the owners too; without one (and in an
+        automatic rebalance) it stays with the slot, now another expert's. Collective: every rank
         calls it with the same plan, between calls. The fused layer and any CUDA graph
         holding it stay valid: no address changes. Returns the plan."""
         replicas = self._require_replicas()
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
         if plan is None:
             # Each rank's load in its row (an all-reduce of [W, E]): the plan's dispatch
             # shares keep pairs on their own rank where the balance allows.
@@ -517,7 +595,7 @@ class CometMoE(nn.Module):
             if self.par.world_size > 1:
                 dist.all_reduce(rank_load, group=self.group)
             plan = replicas.plan(rank_load=rank_load)
-        replicas.place(plan, self._logical_experts(), self.group)
+        replicas.place(plan, self._slots(), self.group, optimizer)
         replicas.reset_load()
         self._rebalance_calls = 0
         return plan
@@ -540,11 +618,13 @@ class CometMoE(nn.Module):
             self.reset_expert_load()
 
     def refresh_replicas(self) -> None:
-        """Copy the logical experts into their physical slots again (after the logical
-        weights were changed other than by ``load_state_dict``, which does it itself).
+        """Copy each logical expert's owner slot into its other slots (after the slots
+        were changed through ``.data``, which leaves no version trace; an optimizer step
+        or ``copy_`` is found by the next call, ``load_state_dict`` fills every slot).
         Collective."""
         replicas = self._require_replicas()
-        replicas.place(replicas.placement, self._logical_experts(), self.group)
+        replicas._versions = ()
+        replicas.refresh(self._slots(), self.group)
 
     # ------------------------------------------------------------------ validation
     def check_inputs(self, x: torch.Tensor, topk_ids=None, topk_weights=None) -> None:
@@ -615,7 +695,7 @@ class CometMoE(nn.Module):
                 f"x, the routing weights or the experts require them). Run it under "
                 f"torch.no_grad() or torch.inference_mode(), or train with tp=1")
         # With replicas every path that trains goes through the op: its backward sums the
-        # replicas' gradients into their logical experts (ExpertReplicas.fold).
+        # replicas' gradients into their experts' owner slots (ExpertReplicas.fold).
         if ((needs_grad and (x.is_cuda or self.par.world_size > 1 or self.replicas is not None))
                 or (torch.compiler.is_compiling() and not needs_grad)):
             y = custom_op.routed_experts(x, topk_ids, topk_weights, self.experts.w13,
@@ -667,9 +747,8 @@ class CometMoE(nn.Module):
         reference on the CPU."""
         experts = self.experts
         if self.replicas is not None:
-            if self.replicas.stale(self._logical_experts()):
-                self.refresh_replicas()        # an optimizer step changed the experts
-            topk_ids, experts = self.replicas.route(topk_ids), self.replicas
+            self.replicas.refresh(self._slots(), self.group)   # after an optimizer step
+            topk_ids = self.replicas.route(topk_ids)
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks,
                                       checked=checked)
@@ -714,31 +793,31 @@ class CometMoE(nn.Module):
 
     def _replicated_backward(self, dy, x, topk_ids, topk_weights, weight_grads: bool) -> tuple:
         """:meth:`experts_backward` on the physical experts (the forward's translation
-        again, not counted), the weight gradients folded into the logical experts."""
+        again, not counted), the weight gradients folded into the owner slots."""
         r = self.replicas
         ids = r.route(topk_ids, count=False)
-        biases = None if r.b13 is None else (r.b13, r.b2)
+        e = self.experts
+        biases = None if e.b13 is None else (e.b13, e.b2)
         if x.is_cuda and self.fused_backward:
             grads = self.fused_layer().backward(dy, x, ids, topk_weights,
                                                 weight_grads=weight_grads,
                                                 comm_blocks=self.comm_blocks)
         else:
-            grads = routed_experts_backward(dy, x, ids, topk_weights, r.w13, r.w2, self.group,
+            grads = routed_experts_backward(dy, x, ids, topk_weights, e.w13, e.w2, self.group,
                                             layout="interleaved", weight_grads=weight_grads,
                                             activation=self.cfg.activation, biases=biases)
         grads = (*grads, None, None) if len(grads) == 4 else grads
         if not weight_grads:
             return (*grads[:2], None, None, None, None)
-        folded = r.fold(dict(zip(("w13", "w2", "b13", "b2"), grads[2:])),
-                        self._logical_experts(), self.group)
+        folded = r.fold(dict(zip(_EXPERT_NAMES, grads[2:])), self.group)
         return (*grads[:2], *folded.values())
 
     def fused_layer(self) -> FusedMoE:
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
         if self._fused is None and self.replicas is not None:
-            r = self.replicas
+            r, e = self.replicas, self.experts
             self._fused = FusedMoE(physical_config(self.cfg, r.placement_config.redundant_experts),
-                                   r.w13, r.w2, b13=r.b13, b2=r.b2, group=self.group,
+                                   e.w13, e.w2, b13=e.b13, b2=e.b2, group=self.group,
                                    w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder,
                                    mesh=self.mesh, convention=self.convention, tile=self.tile)

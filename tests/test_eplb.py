@@ -1,6 +1,6 @@
 """CometMoE with redundant experts (comet.eplb): the same function as without replicas,
-before and after rebalancing, on one rank, over gloo ranks (weights broadcast between
-ranks) and on the fused kernels' physical layout under the interpreter."""
+before and after rebalancing, on one rank, over gloo ranks (experts sent point to point
+between ranks) and on the fused kernels' physical layout under the interpreter."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import gloo_ranks
 from comet import CometMoE, reference
 from comet.config import MoEConfig
 from comet.constants import interpreting
-from comet.eplb import physical_config
+from comet.eplb import physical_config, senders
 from comet.mesh import MeshLayout
 from comet.moe import redundant_placement
 from comet.placement import Placement, PlacementConfig, plan_placement
@@ -75,18 +75,19 @@ def test_expert_load_counts_logical_pairs_on_the_device_until_rebalanced():
 
 @torch.no_grad()
 def test_rebalancing_writes_in_place():
-    _, layer = _pair()
-    r = layer.replicas
-    before = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
+    plain, layer = _pair()
+    r, xs = layer.replicas, layer.experts
+    held = (xs.w13, xs.w2, r.log2phy, r.replicas, r.phy2log, r.load)
+    before = [t.data_ptr() for t in held]
     ids, w = _skewed_ids(30)
     layer(torch.randn(30, H), ids, w)
     layer.rebalance()
-    after = [t.data_ptr() for t in (r.w13, r.w2, r.log2phy, r.replicas, r.phy2log, r.load)]
-    assert before == after
+    assert [t.data_ptr() for t in held] == before
+    assert xs.w13 is held[0] and xs.w2 is held[1]
     # every slot holds its logical expert's weights
     for slot, e in enumerate(r.phy2log.tolist()):
-        assert torch.equal(r.w13[slot], layer.experts.w13[e])
-        assert torch.equal(r.w2[slot], layer.experts.w2[e])
+        assert torch.equal(xs.w13[slot], plain.experts.w13[e])
+        assert torch.equal(xs.w2[slot], plain.experts.w2[e])
 
 
 @torch.no_grad()
@@ -98,12 +99,16 @@ def test_a_given_plan_is_followed_and_checked():
     assert layer.replicas.replicas[7] == 3 and plan.replicas[0, 6] == 3
     with pytest.raises(ValueError, match="this layer has 8 on 12"):
         layer.rebalance(Placement.from_phy2log(torch.arange(8), E, 1))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer, got dict"):
+        layer.rebalance(plan, optimizer={})
+    assert layer.replicas.phy2log.tolist() == phy2log.tolist()
 
 
 def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
     plain, replicated = _pair(expert_bias=True)
     assert set(plain.state_dict()) == set(replicated.state_dict())
     assert replicated.state_dict()["experts.w13"].shape == (E, H, 2 * F)
+    assert replicated.experts.w13.shape == (E + 4, H, 2 * F)     # the slots only
     with torch.no_grad():
         replicated.rebalance(Placement.from_phy2log(torch.arange(12) % 8, E, 1))
         for p in plain.parameters():
@@ -112,7 +117,9 @@ def test_state_dict_keeps_the_logical_keys_and_loading_refills_the_replicas():
     x = torch.randn(20, H)
     with torch.no_grad():
         assert torch.equal(plain(x), replicated(x))
-    assert torch.equal(replicated.replicas.b13[9], replicated.experts.b13[1])
+    assert torch.equal(replicated.experts.b13[9], plain.experts.b13[1])
+    for key, value in plain.state_dict().items():
+        assert torch.equal(replicated.state_dict()[key], value), key
 
 
 def _train_step(layer, x, ids, w, lr=0.05):
@@ -122,13 +129,25 @@ def _train_step(layer, x, ids, w, lr=0.05):
     y = layer(x) if ids is None else layer(x, ids, w)
     (y.float().square().sum()).backward()
     grads = {"x": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()
-                             if p.grad is not None}}
+                             if p.grad is not None and not n.startswith("experts.")},
+             **{f"experts.{n}": g for n, g in layer.logical_experts(grad=True).items()}}
+    if layer.replicas is not None:
+        _check_only_owners_have_gradients(layer)
     with torch.no_grad():
         for p in layer.parameters():
             if p.grad is not None:
                 p.sub_(lr * p.grad)
                 p.grad = None
     return y.detach(), grads
+
+
+def _check_only_owners_have_gradients(layer):
+    owners = {rows[0] for rows in layer.replicas.owners().values()}
+    rank = layer.par.rank
+    for p in layer._slots().values():
+        for row in range(p.shape[0]):
+            if (rank, row) not in owners:
+                assert not p.grad[row].any()
 
 
 def _close_grads(got: dict, want: dict) -> None:
@@ -158,11 +177,13 @@ def test_training_sums_the_replicas_gradients_into_their_logical_experts(bias):
         _close_grads(g1, g0)
         assert g1["experts.w13"][3].abs().sum() > 0
     # the copies are stale after a step until the next call refreshes them
-    assert layer.replicas.stale(layer._logical_experts())
+    assert layer.replicas.stale(layer._slots())
     with torch.no_grad():
         layer(x, ids, w)
+    owners = layer.replicas.owners()
     for slot, e in enumerate(layer.replicas.phy2log.tolist()):
-        assert torch.equal(layer.replicas.w13[slot], layer.experts.w13[e])
+        assert torch.equal(layer.experts.w13[slot], layer.experts.w13[owners[e][0][1]])
+        torch.testing.assert_close(layer.experts.w13[slot], plain.experts.w13[e])
 
 
 def test_training_through_the_router_reaches_the_gate():
@@ -206,7 +227,7 @@ def test_replicas_must_split_over_the_ranks_of_an_expert_parallel_layout():
         .slots_per_gpu == 3
 
 
-# ----------------------------------------------------------------- gloo ranks (broadcasts)
+# ----------------------------------------------------------------- gloo ranks
 def _check_gloo_rebalance(world, rank):
     torch.manual_seed(rank)
     plain = CometMoE(E, K, H, F, dtype=torch.float32, max_tokens=64)
@@ -223,10 +244,10 @@ def _check_gloo_rebalance(world, rank):
         assert len(slots) > 1 and len(set((slots // layer.replicas.placement_config.slots_per_gpu)
                                           .tolist())) > 1
         r = layer.replicas
+        every = [torch.empty_like(plain.experts.w13) for _ in range(world)]
+        dist.all_gather(every, plain.experts.w13.contiguous())
         for i, e in enumerate(r.phy2log[rank * (E // world + 2):][:E // world + 2].tolist()):
-            every = [torch.empty_like(layer.experts.w13) for _ in range(world)]
-            dist.all_gather(every, layer.experts.w13.contiguous())
-            assert torch.equal(r.w13[i], torch.cat(every)[e])
+            assert torch.equal(layer.experts.w13[i], torch.cat(every)[e])
         torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
     # training: replicas on other ranks send their gradients to the owner (fold's reduce)
     for _ in range(2):
@@ -239,6 +260,154 @@ def _check_gloo_rebalance(world, rank):
 @pytest.mark.parametrize("world", [2])
 def test_gloo_ranks_rebalance_and_train_across_ranks(world):
     gloo_ranks.spawn(_check_gloo_rebalance, world)
+
+
+def _check_gloo_point_to_point(world, rank):
+    """Rebalancing sends each moved expert once, from one rank holding it to one that
+    needs it (no broadcast); the state dict is gathered from owners on other ranks and
+    loading fills every rank's slots."""
+    torch.manual_seed(rank)
+    kw = dict(dtype=torch.float32, max_tokens=64, expert_bias=True)
+    plain = CometMoE(E, K, H, F, **kw)
+    layer = CometMoE(E, K, H, F, redundant_experts=2 * world, **kw)
+    slots = (E + 2 * world) // world
+    assert layer.experts.w13.shape[0] == slots
+    layer.load_state_dict(plain.state_dict())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective over the whole group moved experts")
+
+    sent, real = [], dist.batch_isend_irecv
+
+    def spy(ops):
+        sent.extend(op.tensor.shape[0] for op in ops
+                    if op.op is dist.isend and op.tensor.shape[1:] == (H, 2 * F))
+        return real(ops)
+
+    dist.broadcast = dist.reduce = dist.all_gather = refuse
+    dist.batch_isend_irecv = spy
+    # every rank's slots go to the next rank down: every expert crosses ranks once
+    # per rank that needs it, and every owner lies on another rank than its home
+    home = layer.replicas.phy2log.clone()
+    layer.rebalance(Placement.from_phy2log(torch.roll(home, -slots), E, world))
+    needed = torch.zeros(1, dtype=torch.int64)
+    needed[0] = len(set(layer.replicas.phy2log[rank * slots:(rank + 1) * slots].tolist()))
+    total_sent = torch.tensor([sum(sent)])
+    dist.all_reduce(needed)
+    dist.all_reduce(total_sent)
+    assert total_sent.item() == needed.item()
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24, seed=rank)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+    state, want = layer.state_dict(), plain.state_dict()
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value), key
+    for _ in range(2):                   # owners on other ranks than the experts' homes
+        y0, g0 = _train_step(plain, x, ids, w.clone().requires_grad_(True))
+        y1, g1 = _train_step(layer, x, ids, w.clone().requires_grad_(True))
+        torch.testing.assert_close(y1, y0, rtol=1e-4, atol=1e-4)
+        _close_grads(g1, g0)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    layer.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+        layer.rebalance()
+        torch.testing.assert_close(layer(x, ids, w), plain(x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_move_experts_point_to_point(world):
+    gloo_ranks.spawn(_check_gloo_point_to_point, world)
+
+
+def test_senders_send_each_wanted_expert_once_from_its_holders_in_turn():
+    sources = {0: [(0, 0), (1, 2)], 1: [(1, 0)], 2: [(2, 1)]}
+    targets = [(2, 0, 0), (2, 3, 0), (3, 0, 0), (0, 1, 1), (0, 2, 1), (1, 5, 1), (0, 4, 2)]
+    moves = senders(sources, targets)
+    # expert 0 held on ranks 0 and 1: ranks 2 and 3 get it from each in turn, rank 2 once
+    assert moves == {(0, 2): [0], (1, 3): [0], (1, 0): [1], (2, 0): [2]}
+    assert senders(sources, list(reversed(targets))) == moves        # order-free
+    with pytest.raises(ValueError, match="expert 5 is wanted on rank 1"):
+        senders(sources, [(1, 0, 5)])
+
+
+def _expert_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.experts.parameters())
+
+
+def _layer_bytes(layer) -> int:
+    return sum(t.numel() * t.element_size()
+               for t in (*layer.parameters(), *layer.buffers()))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rank_holds_its_slots_only(bias):
+    """Parameters and buffers of a layer with R replicas: (E + R) / E of the experts of
+    the layer without, plus the placement tables -- not a logical copy beside them."""
+    e, r, h, f = 16, 4, 256, 128
+    kw = dict(dtype=torch.bfloat16, max_tokens=64, expert_bias=bias)
+    plain = CometMoE(e, K, h, f, **kw)
+    layer = CometMoE(e, K, h, f, redundant_experts=r, **kw)
+    assert _expert_bytes(layer) * e == _expert_bytes(plain) * (e + r)
+    extra = _layer_bytes(layer) - _layer_bytes(plain)
+    assert extra - _expert_bytes(plain) * r // e < 0.01 * _expert_bytes(plain)
+    layer.rebalance()                    # a re-placement allocates nothing that stays
+    assert _layer_bytes(layer) - _layer_bytes(plain) == extra
+
+
+def test_pending_gradients_move_with_their_owners():
+    """A backward, a rebalance that moves every owner, a second backward: the gradients
+    accumulate into the same logical experts as without replicas."""
+    plain, layer = _pair(expert_bias=True)
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24)
+    for m in (plain, layer):
+        m(x, ids, w).square().sum().backward()
+    with torch.no_grad():
+        layer.rebalance(Placement.from_phy2log(torch.tensor([3, 7, 6, 5, 4, 3, 2, 1, 0, 3,
+                                                             7, 0]), E, 1))
+    assert layer.replicas.owners()[0] == [(0, 8)]
+    for m in (plain, layer):
+        m(x, ids, w).square().sum().backward()
+    got = layer.logical_experts(grad=True)
+    _close_grads({n: got[n] for n in got},
+                 {n: g for n, g in plain.logical_experts(grad=True).items()})
+    _check_only_owners_have_gradients(layer)
+
+
+def test_an_optimizers_state_follows_the_owners():
+    """Adam on the slots, owners moved between steps: with the optimizer passed to
+    rebalance the layer trains as the layer without replicas; without it each moved
+    owner steps with another expert's moments."""
+    plain, layer = _pair(expert_bias=True)
+    _, stranded = _pair(expert_bias=True)
+    layers = (plain, layer, stranded)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in layers]
+    x = torch.randn(24, H)
+    ids, w = _skewed_ids(24)
+    for phy2log in ([3, 7, 6, 5, 4, 3, 2, 1, 0, 3, 7, 0], [0, 1, 2, 3, 4, 5, 6, 7, 3, 3, 5, 0],
+                    [7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4]):
+        for m, opt in zip(layers, opts):
+            opt.zero_grad()
+            m(x, ids, w).square().sum().backward()
+            opt.step()
+        plan = Placement.from_phy2log(torch.tensor(phy2log), E, 1)
+        with torch.no_grad():
+            layer.rebalance(plan, optimizer=opts[1])
+            stranded.rebalance(plan)
+    for m, opt in zip(layers, opts):
+        opt.zero_grad()
+        m(x, ids, w).square().sum().backward()
+        opt.step()
+    want = plain.logical_experts()
+    got, off = layer.logical_experts(), stranded.logical_experts()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(off["w13"], want["w13"], rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------- rebalance_interval
@@ -577,6 +746,7 @@ def test_gpu_fused_layer_with_replicas_matches_and_trains():
     for mod in (plain, layer):
         xg = x.clone().requires_grad_(True)
         mod(xg, ids, w).float().square().mean().backward()
-        grads.append((xg.grad, mod.experts.w13.grad, mod.experts.w2.grad))
+        logical = mod.logical_experts(grad=True)
+        grads.append((xg.grad, logical["w13"], logical["w2"]))
     for got, ref in zip(grads[1], grads[0]):
         assert _rel(got, ref) < 2e-2

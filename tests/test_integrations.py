@@ -338,8 +338,10 @@ def test_patch_model_with_redundant_experts_matches_and_keeps_the_keys(family, f
     blocks = _moe_blocks(patched)
     assert len(blocks) == MOE_LAYERS.get(family, 2)
     assert all(b.replicas is not None and b.rebalance_interval == 2 for b in blocks)
-    assert all(b.replicas.w13.device == b.experts.w13.device for b in blocks)
+    assert all(b.replicas.phy2log.device == b.experts.w13.device for b in blocks)
+    assert all(b.experts.w13.shape[0] == b.cfg.num_experts + 4 for b in blocks)  # slots only
     assert patched.state_dict().keys() == plain.state_dict().keys() == model.state_dict().keys()
+    assert all(v.shape == model.state_dict()[k].shape for k, v in patched.state_dict().items())
     home = [b.replicas.phy2log.clone() for b in blocks]
     for seed in range(3):                             # a rebalance after the second call
         ids = _tokens(seed=seed)
@@ -376,7 +378,7 @@ def test_an_ep_rank_holds_its_share_of_the_physical_experts(fake_world):
     fake_world(1, 2)
     patch_model(model, redundant_experts=2)
     for block in _moe_blocks(model):
-        assert block.experts.w13.shape[0] == 2 and block.replicas.w13.shape[0] == 3
+        assert block.local_experts == 2 and block.experts.w13.shape[0] == 3
         # the home layout: this rank's experts 2, 3 and a copy of one of them
         assert set(block.replicas.phy2log[3:].tolist()) == {2, 3}
 

@@ -238,7 +238,8 @@ _INSTANCE_NAMES = frozenset({
     "cfg", "par", "group", "mesh", "convention", "comm_blocks", "tuned_config_folder",
     "fused_backward", "_fused", "_op_key", "family", "mode", "returns_router_logits",
     "_comet_input_cfg", "_comet_check_input", "_comet_legacy", "_comet_rows_per_token",
-    "replicas", "rebalance_interval", "rebalance_window", "_rebalance_calls"})
+    "replicas", "rebalance_interval", "rebalance_window", "_rebalance_calls",
+    "_held_slots"})
 
 
 class CometMoEBlock(CometMoE):

@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. python scripts/device/eplb_check.py [--tiny] [--models M ...] [--ep 4 8] [--calls 200] [--output FILE.json]
+# usage: PYTHONPATH=. python scripts/device/eplb_check.py [--tiny] [--models M ...] [--ep 4 8] [--cases M:EP ...] [--calls 200] [--output FILE.json]
 """Redundant experts (EPLB) on one GPU with virtual ranks: balance, outputs, liveness.
 
 For each model (full size: a DeepSeek-V3-like layer, E=256 H=7168 F=2048 top-8, and a
@@ -22,16 +22,29 @@ of all tokens), with several thousand tokens per rank:
    written in place while the layer's CUDA graphs stay captured); after each rebalance
    the next call of each routing is checked against step 1.
 
+Steps 4-6 run first (before the cases of steps 1-3):
+
 4. the module: ``CometMoE(redundant_experts=E/8)`` at EP=1 (one process, the Qwen3-like
-   size) against ``CometMoE`` without replicas holding the same weights: outputs before
-   and after ``rebalance()`` from its own device load count, and a training step's
-   gradients (the fused backward, replica gradients folded into the logical experts).
+   size) against ``CometMoE`` without replicas holding the same weights: its parameter
+   and buffer bytes against the layer's without (the slots are the storage: ``(E + R) /
+   E``), outputs before and after ``rebalance()`` from its own device load count, and a
+   training step's gradients (the fused backward, replica gradients summed into each
+   expert's owner slot; compared as the logical experts, ``logical_experts(grad=True)``);
+5. the knob: ``CometMoE(redundant_experts=E/8, rebalance_interval=N)``, ``3 N`` calls
+   whose hot experts move every ``N`` calls, each against the layer without replicas,
+   and the rebalances the layer ran itself (one per ``N`` calls);
+6. ``comet.patch_model(redundant_experts=..., rebalance_interval=2)`` on a tiny
+   transformers MoE model built from its config (no download; skipped without
+   transformers): logits against the model patched without replicas across automatic
+   rebalances, and the checkpoint keys and shapes of the unpatched model.
 
 The translation and the load count are also run once under
 ``torch.cuda.set_sync_debug_mode("error")``: a host sync there fails the run.
 
 Exit 1 ("EPLB CHECK FAILED") on a timeout, an output further than
-comet.bench.records.MAX_REL_ERR from the layer without replicas, or a host sync.
+comet.bench.records.MAX_REL_ERR from the layer without replicas, a host sync, a layer
+with replicas holding over 1% more bytes than its ``(E + R) / E`` share, or an automatic
+rebalance count other than one per interval.
 ``--tiny``: the same steps on the CPU under TRITON_INTERPRET=1 at toy sizes (phase by
 phase, comet.runtime.virtual.VirtualEP), to check the script itself.
 """
@@ -311,6 +324,7 @@ def run_module(base: MoEConfig, tokens: int, device) -> dict:
     layer = CometMoE(base.num_experts, base.top_k, base.hidden_size, base.intermediate_size,
                      redundant_experts=redundant, **kw)
     layer.load_state_dict(plain.state_dict())
+    held = {"without_replicas": _bytes(plain), "with_replicas": _bytes(layer)}
     g = torch.Generator().manual_seed(SEED)
     ids, w = zipf_routing(tokens, base, g)
     ids, w = ids.to(device), w.to(device)
@@ -328,14 +342,90 @@ def run_module(base: MoEConfig, tokens: int, device) -> dict:
         xg = x.clone().requires_grad_(True)
         wg = w.clone().requires_grad_(True)
         m(xg, ids, wg).float().square().mean().backward()
-        grads.append({"x": xg.grad, "topk_weights": wg.grad, "w13": m.experts.w13.grad,
-                      "w2": m.experts.w2.grad})
+        logical = m.logical_experts(grad=True)
+        grads.append({"x": xg.grad, "topk_weights": wg.grad, "w13": logical["w13"],
+                      "w2": logical["w2"]})
     for name in grads[0]:
         errs[f"grad_{name}"] = rel_err(grads[1][name], grads[0][name])
+    expected = (base.num_experts + redundant) / base.num_experts
     return {"model": "module", "experts": base.num_experts, "redundant_experts": redundant,
-            "tokens": tokens, "pairs_counted": int(load.sum()),
+            "tokens": tokens, "pairs_counted": int(load.sum()), "bytes_per_rank": held,
+            "bytes_ratio": held["with_replicas"] / held["without_replicas"],
+            "bytes_ratio_slots": expected,
+            "bytes_ok": held["with_replicas"] <= 1.01 * expected * held["without_replicas"],
             "replicated_experts": int((plan.replicas[0] > 1).sum()), "rel_err": errs,
             "max_rel_err": max(errs.values())}
+
+
+def run_interval(base: MoEConfig, tokens: int, interval: int, device) -> dict:
+    """Step 5: ``rebalance_interval`` through CometMoE: ``3 * interval`` calls whose Zipf
+    order changes every ``interval`` calls, each against the layer without replicas."""
+    from comet import CometMoE
+    kw = dict(dtype=base.dtype, max_tokens=tokens, device=device)
+    torch.manual_seed(SEED)
+    dims = (base.num_experts, base.top_k, base.hidden_size, base.intermediate_size)
+    plain = CometMoE(*dims, **kw)
+    layer = CometMoE(*dims, redundant_experts=base.num_experts // 8,
+                     rebalance_interval=interval, **kw)
+    layer.load_state_dict(plain.state_dict())
+    rebalances, plans = [], set()
+    rebalance = layer.rebalance
+
+    def counted(plan=None):
+        rebalances.append(len(rebalances))
+        out = rebalance(plan)
+        plans.add(tuple(layer.replicas.phy2log.tolist()))
+        return out
+
+    layer.rebalance = counted
+    phases = []
+    for phase in range(3):
+        g = torch.Generator().manual_seed(derive_seed(SEED, "interval", phase))
+        ids, w = zipf_routing(tokens, base, g)
+        x = (torch.randn(tokens, base.hidden_size, generator=g) * 0.5).to(base.dtype)
+        phases.append((x.to(device), ids.to(device), w.to(device)))
+    worst, calls = 0.0, 3 * interval
+    with torch.no_grad():
+        for i in range(calls):
+            x, ids, w = phases[i // interval]
+            worst = max(worst, rel_err(layer(x, ids, w), plain(x, ids, w)))
+    return {"model": "module-interval", "experts": base.num_experts, "tokens": tokens,
+            "rebalance_interval": interval, "calls": calls, "rebalances": len(rebalances),
+            "distinct_plans": len(plans), "max_rel_err": worst,
+            "liveness": {"calls": calls, "rebalances": len(rebalances),
+                         "failures": [] if len(rebalances) == 3 else
+                         [f"{len(rebalances)} automatic rebalances in {calls} calls, "
+                          f"expected 3"]}}
+
+
+def run_patched(device) -> dict:
+    """Step 6: ``patch_model`` with redundant experts on a tiny transformers model."""
+    try:
+        from comet import CometMoE
+        from comet.integrations.tiny_models import build_tiny_model, patched_copy
+        model = build_tiny_model("mixtral", dtype=torch.float32 if device.type == "cpu"
+                                 else torch.bfloat16, device=device)
+    except ImportError as err:
+        return {"model": "patch_model", "skipped": f"{err}", "max_rel_err": 0.0}
+    plain = patched_copy(model)
+    patched = patched_copy(model, redundant_experts=4, rebalance_interval=2)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    keys_ok = {k: tuple(v.shape) for k, v in patched.state_dict().items()} == shapes
+    worst = 0.0
+    with torch.no_grad():
+        for seed in range(5):                  # automatic rebalances after calls 2 and 4
+            ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+            ids = ids.to(device)
+            worst = max(worst, rel_err(patched(ids).logits, plain(ids).logits))
+    blocks = [m for m in patched.modules() if isinstance(m, CometMoE) and m.replicas is not None]
+    return {"model": "patch_model", "family": "mixtral", "blocks": len(blocks),
+            "checkpoint_keys_and_shapes_kept": keys_ok, "max_rel_err": worst
+            if keys_ok and blocks else float("inf")}
+
+
+def _bytes(module) -> int:
+    """Parameter and buffer bytes of ``module``."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _rows(ids: list, slots_per_rank: int, world: int) -> torch.Tensor:
@@ -369,6 +459,9 @@ def main() -> int:
                     help=f"of {', '.join(MODELS)} (default: both)")
     ap.add_argument("--ep", nargs="+", type=int, default=None,
                     help="virtual ranks (default: 4 8; --tiny: 2 4)")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="MODEL:EP",
+                    help="model and virtual ranks pairs, instead of every --models by "
+                         "every --ep (e.g. deepseek-v3-like:4 qwen3-30b-a3b-like:8)")
     ap.add_argument("--tokens", nargs="+", type=int, default=None,
                     help="tokens per rank, the most whose workspaces fit --workspace-gb "
                          "taken (default: 4096 3072 2048; --tiny: 12)")
@@ -380,7 +473,10 @@ def main() -> int:
     ap.add_argument("--rebalance-every", type=int, default=None,
                     help="calls between rebalances (default 50; --tiny: 2)")
     ap.add_argument("--no-module", action="store_true",
-                    help="skip step 4 (CometMoE with and without replicas, EP=1)")
+                    help="skip steps 4-6 (CometMoE with and without replicas at EP=1, "
+                         "rebalance_interval, patch_model)")
+    ap.add_argument("--module-interval", type=int, default=None,
+                    help="step 5's rebalance_interval (default 50; --tiny: 2)")
     ap.add_argument("--output", default=None,
                     help="JSON file (default: $OUT/eplb_check.json, $OUT or ./out)")
     args = ap.parse_args()
@@ -390,6 +486,8 @@ def main() -> int:
     args.tokens = args.tokens or ([12] if tiny else [4096, 3072, 2048])
     args.calls = args.calls if args.calls is not None else (6 if tiny else 200)
     args.rebalance_every = args.rebalance_every or (2 if tiny else 50)
+    args.module_interval = args.module_interval or (2 if tiny else 50)
+    cases = _cases(args, models)
     device = torch.device("cpu") if tiny else torch.device("cuda", 0)
     if not tiny:
         models = {n: c.replace(dtype=torch.bfloat16) for n, c in models.items()}
@@ -398,25 +496,50 @@ def main() -> int:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     rng = random.Random(SEED)
     records = []
-    for name, cfg in models.items():
-        for world in args.ep:
-            rec = run_model(name, cfg, world, args, device, rng)
-            records.append(rec)
-            print(json.dumps(_summary(rec)), flush=True)
-            _write(path, records, device, partial=True)
     if not args.no_module:
+        # First: the steps that run CometMoE's own storage, exchanges and knobs (the
+        # virtual-rank cases after them hold the weights themselves), within a time limit.
         name = "tiny" if tiny else "qwen3-30b-a3b-like"
         base = TINY["tiny"] if tiny else MODELS[name].replace(dtype=torch.bfloat16)
-        rec = run_module(base, 16 if tiny else 2048, device)
+        tokens = 16 if tiny else 2048
+        for step in (lambda: run_module(base, tokens, device),
+                     lambda: run_interval(base, tokens, args.module_interval, device),
+                     lambda: run_patched(device)):
+            rec = step()
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            _write(path, records, device, partial=True)
+            if device.type == "cuda":
+                gc.collect()            # the layers' workspaces, before the cases' groups
+                torch.cuda.empty_cache()
+    for name, world in cases:
+        rec = run_model(name, models[name], world, args, device, rng)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(_summary(rec)), flush=True)
+        _write(path, records, device, partial=True)
     bad = [r for r in records if r.get("liveness", {}).get("failures")
-           or not r.get("no_host_sync", True) or not r["max_rel_err"] <= MAX_REL_ERR]
+           or not r.get("no_host_sync", True) or not r.get("bytes_ok", True)
+           or not r["max_rel_err"] <= MAX_REL_ERR]
     _write(path, records, device, partial=False)
     print(f"wrote {path}")
     print(f"EPLB CHECK {'FAILED' if bad else 'PASSED'}: {len(records)} records, "
           f"{len(bad)} bad", flush=True)
     return 1 if bad else 0
+
+
+def _cases(args, models: dict) -> list[tuple[str, int]]:
+    """``(model, EP)`` pairs to run: ``--cases``, else every model by every ``--ep``.
+    SystemExit naming a bad pair, before anything runs."""
+    if args.cases is None:
+        return [(name, world) for name in models for world in args.ep]
+    out = []
+    for case in args.cases:
+        name, _, world = case.partition(":")
+        if name not in models or not world.isdigit() or int(world) < 1:
+            sys.exit(f"--cases takes MODEL:EP with MODEL one of {', '.join(models)} and EP "
+                     f"a positive int, got {case!r}")
+        out.append((name, int(world)))
+    return out
 
 
 def _summary(rec: dict) -> dict:
