@@ -20,6 +20,7 @@ import torch
 from comet.constants import (ERR_TIMEOUT, ERROR_WORD, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT,
                              SITE_COMBINE, SITE_COUNTS, SITE_DISPATCH, SITE_ENTRIES,
                              SITE_ROW_ENTRIES, SITE_SPLIT)
+from comet.runtime import topology
 
 #: Fatal word code of a failed wait.
 TIMEOUT_CODE = int(ERR_TIMEOUT)
@@ -130,9 +131,20 @@ class ErrorReports:
 
     def snapshot(self) -> None:
         """Copy the error words to the host copy, stream-ordered after the call's work
-        (the call's last phase; capturable)."""
-        if self._pending is not None:
-            self._pending.copy_(self.error, non_blocking=True)
+        (the call's last phase; capturable).
+
+        A plain cudaMemcpyAsync, not ``Tensor.copy_``: torch's pinned-memory allocator
+        records an event per copy into a pinned block, and one recorded inside a graph
+        capture crashed the process when the block was freed (segfaults of 371bd2d on
+        an H200)."""
+        if self._pending is None:
+            return
+        rt = topology.cuda_runtime()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        topology.checked(rt, "cudaMemcpyAsync", rt.cudaMemcpyAsync(
+            self._pending.data_ptr(), self.error.data_ptr(),
+            self.error.numel() * self.error.element_size(),
+            rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
 
     def after_launch(self) -> None:
         """Report errors of this call (``"sync"``) or of earlier ones (``"lazy"``: what
