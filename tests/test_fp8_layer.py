@@ -17,6 +17,7 @@ from comet.config import MoEConfig, TileConfig
 from comet.constants import interpreting
 from comet.kernels.fp8_gemm import quantize_rows_triton
 from comet.kernels.fp8_roles import packed_row_bytes, packed_views
+from comet.mesh import MeshLayout
 from comet.quant import E4M3, Fp8, ScaleBlocks, quantize_weight
 from comet.runtime.layer import FusedMoE
 from comet.runtime.virtual import VirtualEP
@@ -229,3 +230,60 @@ def test_virtual_ranks_send_fp8_rows_and_match_the_emulation(world, kind, scatte
     for r in range(world):
         if ids[r].shape[0]:
             assert_matches(ys[r], emulate(xs[r], ids[r], wts[r], gate_up, down))
+
+
+# ------------------------------------------------------------------------- TP and hybrid
+def emulate_mesh(x, ids, weights, gate_up, down, tp):
+    """The FP8 layer as a TP layout computes it: the sum over TP shards of each shard's
+    layer (h requantized in groups of the shard's own columns)."""
+    mesh = MeshLayout(tp=tp, ep=1)
+    return sum(emulate(x, ids, weights, *mesh.shard_fp8(t, gate_up, down)) for t in range(tp))
+
+
+@pytest.mark.parametrize("layout, convention, scatter", [
+    ((2, 1), "sequence", True), ((2, 1), "replicated", False), ((2, 2), "sequence", False),
+    ((2, 2), "replicated", True)], ids=lambda v: str(v))
+def test_tp_and_hybrid_layouts_run_fp8_shards_of_192(layout, convention, scatter):
+    """F = 384 over tp = 2: shards of 192 columns (a ragged 64-wide last group of h; the
+    second shard's blocks re-blocked 64 wide by Fp8Weight.narrow), rows crossing as FP8;
+    a rank's output sums its token's shards."""
+    mesh = MeshLayout(*layout)
+    cfg = fp8_config(e=4, k=2, f=384, max_tokens=6)
+    g = torch.Generator().manual_seed(sum(layout) + len(convention))
+    gate_up, down = fp8_experts(cfg, g)
+    shards = [mesh.shard_fp8(r, gate_up, down) for r in range(mesh.world)]
+    sources = mesh.world if convention == "sequence" else mesh.ep
+    ids = make_ids("random", make_tokens("random", sources, cfg.max_tokens, g),
+                   cfg.num_experts, cfg.top_k, g)
+    xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).bfloat16() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    if convention == "replicated":
+        pick = [mesh.coords(r)[0] for r in range(mesh.world)]
+        xs, ids, wts = ([a[p] for p in pick] for a in (xs, ids, wts))
+    tile = TileConfig.small().with_fields(layer1_scatter=scatter)
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], tile, mesh=mesh,
+                   convention=convention)
+    ys = ep.forward(xs, ids, wts)
+    for r in range(mesh.world):
+        if ids[r].shape[0]:
+            assert_matches(ys[r], emulate_mesh(xs[r], ids[r], wts[r], gate_up, down, mesh.tp))
+
+
+def test_fp8_shards_are_the_full_weights_columns():
+    """MeshLayout.shard_fp8 cuts gate, up and down exactly (scales included), from
+    gate_up quantized per projection or as one part."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(4, 2 * 384, 256, generator=g)
+    down = quantize_weight(torch.randn(4, 256, 384, generator=g))
+    mesh = MeshLayout(tp=2, ep=2)
+    for parts in (1, 2):
+        gate_up = quantize_weight(full, parts=parts)
+        for r in range(mesh.world):
+            gu, dn = mesh.shard_fp8(r, gate_up, down)
+            e, t = mesh.coords(r)
+            cols = torch.cat([torch.arange(192 * t, 192 * t + 192),
+                              384 + torch.arange(192 * t, 192 * t + 192)])
+            assert gu.parts == 2 and gu.weight.shape == (2, 384, 256)
+            assert torch.equal(gu.dequantize(), gate_up.dequantize()[2 * e:2 * e + 2, cols])
+            assert torch.equal(dn.dequantize(),
+                               down.dequantize()[2 * e:2 * e + 2, :, 192 * t:192 * t + 192])
