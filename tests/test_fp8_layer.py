@@ -287,3 +287,50 @@ def test_fp8_shards_are_the_full_weights_columns():
             assert torch.equal(gu.dequantize(), gate_up.dequantize()[2 * e:2 * e + 2, cols])
             assert torch.equal(dn.dequantize(),
                                down.dequantize()[2 * e:2 * e + 2, :, 192 * t:192 * t + 192])
+
+
+# ------------------------------------------------------------------------- CometMoE
+def test_quantize_experts_turns_a_bf16_comet_moe_into_an_fp8_one():
+    """One call quantizes the block's experts (gate rows then up rows, down as [E, H, F]:
+    the checkpoints' layout) and sets cfg.fp8; the CPU path is then comet.reference's
+    emulation, near the bf16 layer; a call that needs gradients raises."""
+    from comet import reference
+    from comet.moe import CometMoE, quantize_experts
+    torch.manual_seed(0)
+    moe = CometMoE(4, 2, 256, 192, max_tokens=8)
+    x = torch.randn(5, 256).bfloat16()
+    with torch.no_grad():
+        bf16 = moe(x).float()
+        logits, wts, ids = moe.gate(x)
+    assert quantize_experts(moe) is moe and moe.cfg.fp8 == Fp8()
+    gate_up, down = moe.experts.fp8_weights()
+    assert gate_up.weight.shape == (4, 384, 256) and gate_up.parts == 2
+    assert down.weight.shape == (4, 256, 192)
+    full = moe.experts.gate_up()                   # [E, H, 2F], gate columns first
+    assert torch.equal(gate_up.weight, quantize_weight(full.transpose(1, 2), parts=2).weight)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        moe(x)
+    with torch.no_grad():
+        y = moe(x).float()
+    expect = reference.moe_forward_fp8(x.float(), ids, wts, gate_up, down)
+    torch.testing.assert_close(y, expect.bfloat16().float())
+    assert float((y - bf16).norm() / bf16.norm()) < 0.1
+    with pytest.raises(ValueError, match="FP8 already"):
+        quantize_experts(moe)
+
+
+def test_a_comet_moe_built_fp8_requantizes_the_bf16_experts_it_loads():
+    """CometMoE(..., fp8=Fp8()) keeps its bf16 experts in the state dict and quantizes
+    whatever it loads, so it serves the same calls as a bf16 block quantized after."""
+    from comet.moe import CometMoE, quantize_experts
+    torch.manual_seed(1)
+    source = CometMoE(4, 2, 256, 192, max_tokens=8)
+    fp8 = CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8())
+    assert set(fp8.state_dict()) == set(source.state_dict())
+    fp8.load_state_dict(source.state_dict())
+    quantize_experts(source)
+    x = torch.randn(6, 256).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(fp8(x), source(x))
+    with pytest.raises(NotImplementedError, match="biases"):
+        CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8(), expert_bias=True)

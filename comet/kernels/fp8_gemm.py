@@ -329,7 +329,8 @@ def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: to
         act_tile(activation) if activation is not None else act_tile(),
         constexpr(activation is not None))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
-    b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k), [block_n, block_k])
+    b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
+                                          [block_n, block_k])
     return Fp8Operands(a_desc, b_desc, gemm), tile
 
 
