@@ -188,6 +188,23 @@ def test_fp8_layers_run_forward_only():
         assert_matches(layer(x, ids, w), emulate(x.detach(), ids, w, gate_up, down))
 
 
+def test_bad_routing_of_an_fp8_call_is_reported_and_the_layer_stays_usable():
+    """An expert id outside [-1, E) is the device-side CometInputError, as for bf16; the
+    next call is clean."""
+    from comet.runtime.errors import CometInputError
+    cfg, gate_up, down = _weights()
+    layer = FusedMoE(cfg, gate_up, down)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, cfg.hidden_size, generator=g).bfloat16()
+    ids = make_ids("random", [6], cfg.num_experts, cfg.top_k, g)[0]
+    w = torch.rand(6, cfg.top_k, generator=g)
+    bad = ids.clone()
+    bad[4, 1] = cfg.num_experts
+    with pytest.raises(CometInputError, match="token 4, slot 1"):
+        layer(x, bad, w)
+    assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down))
+
+
 def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
     """a0 (what peers write) holds rows as they cross -- e4m3 values and fp32 scales
     packed, ~0.52x a bf16 row at H = 7168 -- and h is e4m3 with its scales."""
