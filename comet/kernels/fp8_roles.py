@@ -22,6 +22,13 @@ function the persistent kernels call; the launchers here run it standalone, for 
   :data:`comet.weights.GATE_UP_BLOCK`) into the two tiles, the half-tail box of an F
   that ends in half a block included.
 
+* :func:`quantize_home_kernel` -- **the fused layer's quantize on the home rank**: the
+  call's input rows, read at their staged address, into *packed rows*
+  (:class:`PackedRows`, :func:`packed_row_bytes`): a row's e4m3 values, then its fp32
+  scales, rounded up to 16 bytes -- one row that the dispatch role copies as bytes into
+  its destinations' shared tensor, and layer0's GEMM reads through two strided views
+  (:func:`packed_views`).
+
 **Widths that are not a multiple of GROUP** (a TP shard of F = 192 = 64 x 3, Qwen3-30B-A3B
 at TP=4): the last group is ragged -- 64 columns wide at F = 192 -- and its scale is the
 amax of those 64 values only. That is :func:`comet.quant.quantize_rows`' ``ceil(F /

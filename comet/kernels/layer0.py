@@ -43,6 +43,11 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   last round of items is mostly empty may take that round's items as K splits
   (:func:`tail_split`, ``Variant.layer0_tail_split``).
 
+FP8 layers (``GemmTile.FP8``, comet.kernels.fp8_gemm.Fp8Tile): the rows that cross are
+FP8 rows packed with their scales (comet.kernels.fp8_roles.PackedRows, quantized on their
+home rank before the kernel), copied as bytes; the GEMM role runs the block-scaled K loop
+on them and stores h in FP8 groups.
+
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
 

@@ -212,6 +212,11 @@ class FusedMoE:
         cfg: layer shape; ``cfg.max_tokens`` sizes the workspaces.
         w13: ``[El, H, 2F]`` this rank's experts, CUDA, in the layout ``w13_layout`` says.
         w2: ``[El, F, H]``.
+            With ``cfg.fp8`` (FP8 experts, forward only): :class:`comet.quant.Fp8Weight`
+            ``[El, 2F, H]`` (gate rows, then up rows; ``w13_layout`` ``"gate_up"``) and
+            ``[El, H, F]``, or e4m3 tensors of those shapes with their fp32
+            ``w13_scale_inv`` / ``w2_scale_inv`` in ``cfg.fp8.blocks``
+            (:func:`expert_weights`).
         w13_layout: ``"gate_up"`` (all gate columns, then all up columns, as models store
             them): the layer keeps its own copy in the kernels' interleaved layout, which
             costs W13's memory again; ``"interleaved"`` (:mod:`comet.weights`, e.g. from
