@@ -379,7 +379,8 @@ class CometMoE(nn.Module):
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
-            max_tokens).
+            max_tokens, fp8). ``fp8=comet.quant.Fp8()`` runs the routed experts in W8A8
+            FP8, forward only (:func:`quantize_experts` turns a built block FP8).
 
     The router and the shared expert are replicated: every rank must hold the same ones.
 

@@ -19,7 +19,7 @@ from comet.kernels.fp8_gemm import quantize_rows_triton
 from comet.kernels.fp8_roles import packed_row_bytes, packed_views
 from comet.mesh import MeshLayout
 from comet.quant import E4M3, Fp8, ScaleBlocks, quantize_weight
-from comet.runtime.layer import FusedMoE
+from comet.runtime.layer import FusedMoE, fp8_tile
 from comet.runtime.virtual import VirtualEP
 from routings import make_ids, make_tokens
 
@@ -225,6 +225,8 @@ def test_an_fp8_layer_runs_without_the_small_call_variants():
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
     assert (v.layer0_gather, v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == \
         (False, False, 0, 1)
+    # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
+    assert fp8_tile(TileConfig()).gemm.block_m == 64
 
 
 # ------------------------------------------------------------------------- virtual ranks
