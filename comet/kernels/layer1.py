@@ -68,8 +68,8 @@ from comet.config import TileConfig
 from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_ENTRIES, SITE_SPLIT,
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
-from comet.kernels.fp8_gemm import fp8_acc, fp8_item
 from comet.kernels.activation import act_tile
+from comet.kernels.fp8_gemm import fp8_acc, fp8_item
 from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
                                       dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
