@@ -249,6 +249,19 @@ def test_virtual_ranks_send_fp8_rows_and_match_the_emulation(world, kind, scatte
     for r in range(world):
         if ids[r].shape[0]:
             assert_matches(ys[r], emulate(xs[r], ids[r], wts[r], gate_up, down))
+    # What crossed: every row a rank's GEMM read is, byte for byte, a packed FP8 row one
+    # rank quantized at home -- and more than its own.
+    sent = {ws.rank: {bytes(row.tolist()) for row in ws.home_rows[:ids[ws.rank].shape[0]]}
+            for ws in ep.ws}
+    for ws in ep.ws:
+        t = ws.plan.tiles
+        live = [i for j in range(int(t.num)) for i in range(int(t.row_start[j]),
+                                                              int(t.row_end[j]))]
+        got = {bytes(ws.local.a0[i].tolist()) for i in live}
+        assert got <= set().union(*sent.values())
+        el = cfg.num_experts // world
+        if any(bool((ids[s] // el == ws.rank).any()) for s in range(world) if s != ws.rank):
+            assert got - sent[ws.rank], "no row came from a peer"
 
 
 # ------------------------------------------------------------------------- TP and hybrid
