@@ -358,6 +358,8 @@ def _as_weight(name: str, w, scale_inv, blocks: ScaleBlocks, parts: tuple[int, .
                         "comet.quant.quantize_weight)")
     if not isinstance(scale_inv, torch.Tensor):
         raise ValueError(f"an {E4M3} {name} needs its {name}_scale_inv tensor")
+    if _is_ue8m0(scale_inv):       # DeepSeek-V4 / MXFP8 exponent bytes: exact in fp32
+        scale_inv = ue8m0_to_fp32(scale_inv)
     for p in parts[:-1]:
         try:
             return Fp8Weight(w, scale_inv, blocks, p)

@@ -109,6 +109,14 @@ def test_fp8_layer_takes_checkpoint_tensors_and_their_scales():
     ids = make_ids("random", [5], cfg.num_experts, cfg.top_k, g)[0]
     w = torch.rand(5, cfg.top_k, generator=g)
     assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down))
+    # UE8M0 scales (exponent bytes) are taken exactly: power-of-two scales, same layer
+    pow2 = [type(q)(q.weight, torch.exp2(torch.round(torch.log2(q.scale_inv))), q.blocks,
+                    q.parts) for q in (gate_up, down)]
+    ue8m0 = FusedMoE(cfg, pow2[0].weight, pow2[1].weight,
+                     w13_scale_inv=(torch.log2(pow2[0].scale_inv) + 127).to(torch.uint8),
+                     w2_scale_inv=(torch.log2(pow2[1].scale_inv) + 127).to(torch.uint8))
+    assert torch.equal(ue8m0.w13.scale_inv, pow2[0].scale_inv)
+    assert_matches(ue8m0(x, ids, w), emulate(x, ids, w, *pow2))
 
 
 # ------------------------------------------------------------------------- errors
@@ -122,6 +130,7 @@ def _weights():
     ("list_w2", TypeError, "Fp8Weight or an"),
     ("no_scale", ValueError, "needs its w13_scale_inv"),
     ("bad_scale", ValueError, "scale_inv must be"),
+    ("bf16_scale", ValueError, "scale_inv must be fp32"),
     ("w13_shape", ValueError, r"FP8 w13 must be \[4, 384, 256\]"),
     ("w2_as_w13", ValueError, r"FP8 w2 must be \[4, 256, 192\]"),
     ("scale_and_weight", ValueError, "pass no w13_scale_inv"),
@@ -142,6 +151,9 @@ def test_bad_fp8_weights_are_refused_before_any_kernel(case, err, match):
     elif case == "bad_scale":
         args[1] = gate_up.weight
         kw["w13_scale_inv"] = gate_up.scale_inv[:, :1]
+    elif case == "bf16_scale":
+        args[2] = down.weight
+        kw["w2_scale_inv"] = down.scale_inv.bfloat16()
     elif case == "w13_shape":
         args[1] = quantize_weight(torch.randn(4, 2 * 128, 256), parts=2)
     elif case == "w2_as_w13":
