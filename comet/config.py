@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from comet.activation import SILU, GatedActivation
+from comet.quant import GROUP, Fp8
 from comet.weights import GATE_UP_BLOCK
 
 RouterKind = Literal["softmax", "sigmoid"]
@@ -77,6 +78,10 @@ class MoEConfig:
             (None: all of them). Set by :meth:`comet.mesh.MeshLayout.kernel_config` for the
             kernels' view of a tensor-parallel layout, whose tokens have ``k * tp`` slots
             of which at most ``k`` land on one rank: it sizes the received rows.
+        fp8: the routed experts in W8A8 FP8 (:class:`comet.quant.Fp8`: e4m3 weights with
+            block scales, token rows quantized per 128 values on their home rank; forward
+            only, bf16 in and out), or None for experts in ``dtype``. Needs ``dtype``
+            bf16 and ``hidden_size`` a multiple of :data:`comet.quant.GROUP`.
     """
 
     num_experts: int
@@ -97,6 +102,7 @@ class MoEConfig:
     activation: GatedActivation = SILU
     expert_bias: bool = False
     rank_slots: int | None = None
+    fp8: Fp8 | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size",
@@ -144,6 +150,16 @@ class MoEConfig:
         if not self.routed_scaling_factor > 0:
             raise ValueError(
                 f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.fp8 is not None:
+            if not isinstance(self.fp8, Fp8):
+                raise ValueError(f"fp8 must be a comet.quant.Fp8 or None, got {self.fp8!r}")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"fp8 layers take and return bf16 rows: dtype must be "
+                                 f"torch.bfloat16, got {self.dtype}")
+            if self.hidden_size % GROUP:
+                raise ValueError(f"fp8 quantizes token rows in whole groups of {GROUP}: "
+                                 f"hidden_size must be a multiple of {GROUP}, got "
+                                 f"{self.hidden_size}")
 
     @property
     def slots_per_rank(self) -> int:

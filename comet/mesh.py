@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 
 from comet.config import MoEConfig
+from comet.quant import Fp8Weight
 
 Convention = Literal["sequence", "replicated"]
 CONVENTIONS = ("sequence", "replicated")
@@ -182,6 +183,23 @@ class MeshLayout:
             out["b2"] = b2[sel]
         return out
 
+    def shard_fp8(self, rank: int, gate_up: Fp8Weight, down: Fp8Weight
+                  ) -> tuple[Fp8Weight, Fp8Weight]:
+        """:meth:`shard` of FP8 experts (:mod:`comet.quant`): ``gate_up [E, 2F, H]``
+        (gate rows, then up rows) and ``down [E, H, F]`` -> ``rank``'s ``[El, 2Ft, H]``
+        (its gate rows, then its up rows, each with its own block grid: ``parts=2``) and
+        ``[El, H, Ft]``, scales included, exactly (:meth:`~comet.quant.Fp8Weight.narrow`:
+        a shard that starts inside a block is re-blocked, 64 wide for Ft = 192)."""
+        e, f = down.experts, down.k
+        self.check(e, f)
+        experts, cols = self.expert_range(e, rank), self.ffn_range(f, rank)
+        halves = [h.narrow(1, cols.start, len(cols)) for h in _gate_and_up(gate_up)]
+        stacked = Fp8Weight(torch.cat([h.weight for h in halves], dim=1),
+                            torch.cat([h.scale_inv for h in halves], dim=1), halves[0].blocks,
+                            parts=2)
+        return (_experts(stacked, experts),
+                _experts(down.narrow(2, cols.start, len(cols)), experts))
+
     # ------------------------------------------------------------------ the kernels' view
     def home_fanout(self, convention: Convention) -> int:
         """Ranks each partial output row is written to: the token's TP group under
@@ -248,3 +266,29 @@ class MeshLayout:
 def _check_convention(convention: str) -> None:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+
+
+def _gate_and_up(w: Fp8Weight) -> tuple[Fp8Weight, Fp8Weight]:
+    """The gate and the up rows of ``gate_up [E, 2F, K]`` as one-part weights: its two
+    parts, or halves of one part whose row blocks do not straddle them."""
+    f = w.n // 2
+    if w.parts == 2:
+        return tuple(Fp8Weight(q, s, w.blocks) for q, s in
+                     zip(w.weight.chunk(2, dim=1), w.scale_inv.chunk(2, dim=1)))
+    if w.parts != 1:
+        raise ValueError(f"gate_up has parts 1 or 2 (gate, up), got {w.parts}")
+    if w.blocks.n is None:       # one scale row: each half keeps it
+        return tuple(Fp8Weight(q, w.scale_inv, w.blocks) for q in w.weight.chunk(2, dim=1))
+    bn = w.block_shape()[0]
+    if f % bn:
+        raise ValueError(f"gate_up's {bn}-row scale blocks straddle its gate and up rows "
+                         f"(F = {f}): quantize it with parts=2")
+    return tuple(Fp8Weight(q, s, w.blocks) for q, s in
+                 zip(w.weight.chunk(2, dim=1), w.scale_inv.split(f // bn, dim=1)))
+
+
+def _experts(w: Fp8Weight, experts: range) -> Fp8Weight:
+    """Experts ``experts`` of ``w`` (contiguous copies: the kernels read whole rows)."""
+    sel = slice(experts.start, experts.stop)
+    return Fp8Weight(w.weight[sel].contiguous(), w.scale_inv[sel].contiguous(), w.blocks,
+                     w.parts)

@@ -34,6 +34,7 @@ from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.eplb import ExpertReplicas, physical_config
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
 from comet.placement import Placement, PlacementConfig
+from comet.quant import Fp8, Fp8Weight, quantize_weight
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
@@ -132,6 +133,31 @@ class LocalExperts(nn.Module):
         if self.b13 is None:
             return {}
         return {"b13": gate_up_first(self.b13), "b2": self.added_b2}
+
+    def quantize_fp8(self, fp8: Fp8) -> None:
+        """Quantize these experts into FP8 with :mod:`comet.quant`'s recipe in ``fp8``'s
+        blocks, into buffers the layer runs from (:meth:`fp8_weights`): ``w13_fp8``
+        e4m3 ``[El, 2Ft, H]`` (gate rows, then up rows, a block grid each) and
+        ``w2_fp8`` ``[El, H, Ft]`` -- the checkpoints' layout -- with fp32
+        ``w13_scale_inv`` / ``w2_scale_inv``. The bf16 parameters stay (their shape,
+        dtype and device describe the layer, and they are what the state dict holds) but
+        are frozen: an FP8 layer runs the forward only."""
+        gate_up = quantize_weight(gate_up_first(self.w13).detach().transpose(1, 2),
+                                  fp8.blocks, parts=2)
+        down = quantize_weight(self.w2.detach().transpose(1, 2), fp8.blocks)
+        # Not in the state dict, which keeps the bf16 experts (CometMoE requantizes them
+        # after a load).
+        for name, w in (("w13", gate_up), ("w2", down)):
+            self.register_buffer(f"{name}_fp8", w.weight, persistent=False)
+            self.register_buffer(f"{name}_scale_inv", w.scale_inv, persistent=False)
+        self.fp8_blocks = fp8.blocks
+        self.w13.requires_grad_(False)
+        self.w2.requires_grad_(False)
+
+    def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
+        """``(gate_up, down)``: the experts :meth:`quantize_fp8` made."""
+        return (Fp8Weight(self.w13_fp8, self.w13_scale_inv, self.fp8_blocks, parts=2),
+                Fp8Weight(self.w2_fp8, self.w2_scale_inv, self.fp8_blocks))
 
     def gate_up(self) -> torch.Tensor:
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
@@ -384,7 +410,8 @@ class CometMoE(nn.Module):
         **kwargs: the remaining :class:`MoEConfig` fields (router, renormalize,
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
-            max_tokens).
+            max_tokens, fp8). ``fp8=comet.quant.Fp8()`` runs the routed experts in W8A8
+            FP8, forward only (:func:`quantize_experts` turns a built block FP8).
 
     The router and the shared expert are replicated: every rank must hold the same ones.
 
@@ -462,6 +489,21 @@ class CometMoE(nn.Module):
         self._rebalance_calls = 0       # counted calls since the last rebalance (host)
         self._fused = None
         self._op_key = custom_op.register(self)
+        if cfg.fp8 is not None:
+            self._start_fp8(cfg.fp8)
+
+    def _start_fp8(self, fp8: Fp8) -> None:
+        """Run the routed experts in FP8 from now on (:func:`quantize_experts`)."""
+        if self.replicas is not None:
+            raise NotImplementedError("FP8 experts with redundant experts (EPLB) are not "
+                                      "supported yet")
+        if self.cfg.expert_bias:
+            raise NotImplementedError("FP8 experts with biases (expert_bias) are not "
+                                      "supported yet")
+        self.cfg = self.cfg.replace(fp8=fp8)
+        self.experts.quantize_fp8(fp8)
+        self._fused = None
+        self.register_load_state_dict_post_hook(_requantize)
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, unpickling) is a layer of its own: give it its own key,
@@ -688,6 +730,11 @@ class CometMoE(nn.Module):
         if self.check_replicated:
             self._check_replicated(x, topk_ids, topk_weights)
         needs_grad = self._needs_grad(x, topk_weights)
+        if needs_grad and self.cfg.fp8 is not None:
+            raise NotImplementedError(
+                "FP8 experts run the forward only, and this call needs gradients (grad "
+                "mode is on and x or the routing weights require them). Run it under "
+                "torch.no_grad() or torch.inference_mode()")
         if needs_grad and self.mesh.tp > 1:
             raise NotImplementedError(
                 f"training in tensor-parallel layouts is not supported: this layer is a "
@@ -752,6 +799,13 @@ class CometMoE(nn.Module):
         if x.is_cuda:
             return self.fused_layer()(x, topk_ids, topk_weights, comm_blocks=self.comm_blocks,
                                       checked=checked)
+        if self.cfg.fp8 is not None:
+            if self.par.world_size > 1:
+                raise NotImplementedError("FP8 experts over several ranks run on CUDA only "
+                                          "(the fused kernels)")
+            return reference.moe_forward_fp8(x.float(), topk_ids, topk_weights,
+                                             *experts.fp8_weights(),
+                                             activation=self.cfg.activation).to(x.dtype)
         biases = experts.biases()
         if self.mesh.tp > 1:
             groups = _mesh_groups(self.mesh)
@@ -821,6 +875,10 @@ class CometMoE(nn.Module):
                                    w13_layout="interleaved",
                                    tuned_config_folder=self.tuned_config_folder,
                                    mesh=self.mesh, convention=self.convention, tile=self.tile)
+        if self._fused is None and self.cfg.fp8 is not None:
+            self._fused = FusedMoE(self.cfg, *self.experts.fp8_weights(), group=self.group,
+                                   tuned_config_folder=self.tuned_config_folder,
+                                   mesh=self.mesh, convention=self.convention, tile=self.tile)
         if self._fused is None:
             self._fused = FusedMoE(self.cfg, self.experts.w13, self.experts.w2,
                                    b13=self.experts.b13, b2=self.experts.added_b2,
@@ -828,3 +886,27 @@ class CometMoE(nn.Module):
                                    tuned_config_folder=self.tuned_config_folder,
                                    mesh=self.mesh, convention=self.convention, tile=self.tile)
         return self._fused
+
+
+def quantize_experts(module: CometMoE, fp8: Fp8 = Fp8()) -> CometMoE:
+    """Run a bf16 :class:`CometMoE`'s routed experts in W8A8 FP8 from now on, in one call:
+    its experts quantized with :mod:`comet.quant`'s recipe (``fp8.blocks``, 128 x 128 by
+    default; :meth:`LocalExperts.quantize_fp8`), its config's ``fp8`` set, its fused layer
+    rebuilt on first use. Each rank quantizes its own experts (its TP shard's, with block
+    grids of their own). Forward only: a call that needs gradients then raises
+    NotImplementedError. Returns ``module``."""
+    if not isinstance(module, CometMoE):
+        raise TypeError(f"quantize_experts takes a CometMoE, got {type(module).__name__}")
+    if not isinstance(fp8, Fp8):
+        raise TypeError(f"fp8 must be a comet.quant.Fp8, got {type(fp8).__name__}")
+    if module.cfg.fp8 is not None:
+        raise ValueError("this layer's experts are FP8 already")
+    module._start_fp8(fp8)
+    return module
+
+
+def _requantize(module: "CometMoE", incompatible_keys) -> None:
+    """After a state dict loaded (bf16 experts: the FP8 buffers are not part of it),
+    quantize the experts again and rebuild the fused layer on first use."""
+    module.experts.quantize_fp8(module.cfg.fp8)
+    module._fused = None

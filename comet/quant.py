@@ -75,6 +75,20 @@ class ScaleBlocks:
         return (n if self.n is None else self.n), (k if self.k is None else self.k)
 
 
+@dataclass(frozen=True)
+class Fp8:
+    """A layer's experts in W8A8 FP8 (:attr:`comet.config.MoEConfig.fp8`): e4m3 weights
+    with fp32 ``scale_inv`` per ``blocks`` (:class:`Fp8Weight`), token rows quantized at run
+    time per row in groups of :data:`GROUP` (:class:`Fp8Rows`), fp32 accumulation, output
+    in the layer's dtype. ``Fp8()`` is the checkpoints' 128 x 128 recipe."""
+
+    blocks: ScaleBlocks = ScaleBlocks()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, ScaleBlocks):
+            raise ValueError(f"Fp8.blocks must be a ScaleBlocks, got {self.blocks!r}")
+
+
 def _block_expand(scale: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:
     """``scale [..., ceil(n/bn), ceil(k/bk)]`` broadcast to one value per element
     ``[..., n, k]`` (partial last blocks cut)."""
@@ -127,6 +141,10 @@ class Fp8Weight:
     @property
     def experts(self) -> int:
         return self.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
 
     @property
     def n(self) -> int:
@@ -321,3 +339,56 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
     return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def _as_weight(name: str, w, scale_inv, blocks: ScaleBlocks, parts: tuple[int, ...]
+               ) -> Fp8Weight:
+    """``w`` as an :class:`Fp8Weight`: as given, or an e4m3 tensor with its ``scale_inv``
+    in ``blocks`` (``parts``: the stackings to try, the first whose scale grid fits)."""
+    if isinstance(w, Fp8Weight):
+        if scale_inv is not None:
+            raise ValueError(f"{name} is an Fp8Weight (it holds its scales): pass no "
+                             f"{name}_scale_inv")
+        return w
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"FP8 {name} must be a comet.quant.Fp8Weight or an {E4M3} tensor, "
+                        f"got {type(w).__name__}")
+    if w.dtype != E4M3:
+        raise TypeError(f"FP8 {name} must be {E4M3}, got {w.dtype} (quantize it with "
+                        "comet.quant.quantize_weight)")
+    if not isinstance(scale_inv, torch.Tensor):
+        raise ValueError(f"an {E4M3} {name} needs its {name}_scale_inv tensor")
+    if _is_ue8m0(scale_inv):       # DeepSeek-V4 / MXFP8 exponent bytes: exact in fp32
+        scale_inv = ue8m0_to_fp32(scale_inv)
+    for p in parts[:-1]:
+        try:
+            return Fp8Weight(w, scale_inv, blocks, p)
+        except ValueError:
+            continue
+    return Fp8Weight(w, scale_inv, blocks, parts[-1])
+
+
+def fp8_experts(w13, w2, experts: int, hidden: int, ffn: int, blocks: ScaleBlocks,
+                w13_scale_inv: torch.Tensor | None = None,
+                w2_scale_inv: torch.Tensor | None = None) -> tuple[Fp8Weight, Fp8Weight]:
+    """One rank's FP8 experts, checked: ``(gate_up, down)`` with ``gate_up`` e4m3
+    ``[experts, 2 * ffn, hidden]`` (all gate rows, then all up rows: the checkpoints'
+    ``gate_up_proj``) and ``down`` ``[experts, hidden, ffn]``, each an
+    :class:`Fp8Weight` or an e4m3 tensor with its fp32 ``*_scale_inv`` in ``blocks``
+    (a ``gate_up`` scale grid per projection, ``parts=2``, or one over both). TypeError
+    for a weight that is not FP8, ValueError for a shape, scale grid or device that does
+    not fit -- before any kernel runs."""
+    gate_up = _as_weight("w13", w13, w13_scale_inv, blocks, (2, 1))
+    down = _as_weight("w2", w2, w2_scale_inv, blocks, (1,))
+    for name, w, want in (("w13", gate_up, (experts, 2 * ffn, hidden)),
+                          ("w2", down, (experts, hidden, ffn))):
+        if tuple(w.weight.shape) != want:
+            raise ValueError(f"FP8 {name} must be {list(want)} (K contiguous, the "
+                             f"checkpoint's layout), got {list(w.weight.shape)}")
+    if gate_up.parts not in (1, 2) or down.parts != 1:
+        raise ValueError(f"FP8 w13 has parts 1 or 2 (gate, up) and w2 parts 1; got "
+                         f"{gate_up.parts} and {down.parts}")
+    if gate_up.weight.device != down.weight.device:
+        raise ValueError(f"FP8 w13 is on {gate_up.weight.device}, w2 on "
+                         f"{down.weight.device}")
+    return gate_up, down

@@ -226,6 +226,12 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # The unfused baselines' activation pass, the default and a variant.
         for act in (None, gpt_oss):
             gated_rows(torch.zeros(64, 2 * 320, dtype=dtype), *([act] if act else []))
+        # FP8 experts (MoEConfig.fp8): the whole call (the home rank's quantize, the
+        # dispatch of packed rows with layer0's block-scaled GEMM, layer1's scatter,
+        # combine), layer0 and layer1's reduce kernel in every role, the decode tile; and
+        # a TP shard of F = 192 (a ragged group, 64-wide blocks: per-column scales).
+        for fp8_launch in fp8_launches(cfg, world, inputs, grids):
+            fp8_launch()
         # The fused backward: every kernel variant of its phases, fused and by role.
         bufs = GradBuffers.allocate(cfg, world, "cpu")
         staged = (torch.full((cfg.max_tokens, cfg.top_k), -1, dtype=torch.int64),
@@ -234,6 +240,45 @@ def fused_launches(dtype=torch.bfloat16, world=4):
             BackwardCall(ws, cfg, tile, w13, w2, bufs, *staged, 132, fused=fused,
                          layer0_comm=True).start(x, x, ids[:10], wts[:10], (4, 4)).run()
     return record_launches(run)
+
+
+def fp8_launches(cfg, world, inputs, grids) -> list:
+    """The FP8 layer's launches of :func:`fused_launches` (callables)."""
+    from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED
+    from comet.quant import E4M3, Fp8, Fp8Weight, ScaleBlocks
+    from comet.runtime.forward import ForwardCall
+    from comet.runtime.layer import fp8_tile
+    from comet.runtime.workspace import allocate_virtual
+    from comet.config import TileConfig
+
+    def weights(el, h, f, blocks):
+        gate_up = Fp8Weight(torch.zeros(el, 2 * f, h, dtype=E4M3),
+                            torch.ones(el, 2 * -(-f // blocks.n), -(-h // blocks.k)), blocks,
+                            parts=2)
+        down = Fp8Weight(torch.zeros(el, h, f, dtype=E4M3),
+                         torch.ones(el, -(-h // blocks.n), -(-f // blocks.k)), blocks)
+        return gate_up, down
+
+    tile = fp8_tile(TileConfig())
+    el = cfg.num_experts // world
+    fp8 = cfg.replace(fp8=Fp8())
+    ws = allocate_virtual(fp8, world, "cpu", tile)[0]
+    w13, w2 = weights(el, cfg.hidden_size, cfg.intermediate_size, ScaleBlocks())
+
+    def call(mode="fused", t=tile, space=ws, w=(w13, w2)):
+        return ForwardCall(space, *w, t, inputs, grids, mode)
+
+    out = [lambda: call().run()]
+    for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
+        out.append(lambda role=role: call().launch_layer0(role, 132))
+        out.append(lambda role=role: call("sequential").launch_layer1(role, 132))
+    out.append(lambda: call(t=tile.decode_tile()).launch_layer1(ROLE_FUSED, 132))
+    shard = fp8.replace(intermediate_size=192)
+    shard_ws = allocate_virtual(shard, world, "cpu", tile)[0]
+    shard_w = weights(el, cfg.hidden_size, 192, ScaleBlocks(64, 128))
+    shard_w = (shard_w[0], weights(el, cfg.hidden_size, 192, ScaleBlocks(128, 64))[1])
+    out.append(lambda: call(space=shard_ws, w=shard_w).run())
+    return out
 
 
 def resource_usage(compiled) -> str:
@@ -279,7 +324,8 @@ def pipelined(name: str, kwargs: dict, shared: int) -> str:
     item = kwargs["item"]
     gate_up = item.GATED     # gate and up columns per tile
     b_cols = int(item.BLOCK_N) * (2 if gate_up else 1)
-    step = 2 * int(item.BLOCK_K) * (int(item.BLOCK_M) + b_cols)   # 16-bit operands
+    width = 1 if item.FP8 else 2     # bytes of an operand element: e4m3, or 16-bit
+    step = width * int(item.BLOCK_K) * (int(item.BLOCK_M) + b_cols)
     return "yes" if shared >= kwargs["num_stages"] * step else "no"
 
 

@@ -30,6 +30,7 @@ group's amax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,6 +94,13 @@ class Fp8Tile(NamedTuple):
     GATED: tl.constexpr      # out = act(A @ gate^T) * (A @ up^T): B is [gate | up]
     ACT: Act
     REQUANT: tl.constexpr    # out in FP8 groups of A_GROUP columns, with out_scale
+    # As a work item of the fused layer kernels, whose code around the GEMM reads these
+    # of any item (comet.kernels.group_gemm.GemmTile): none of those choices is FP8's.
+    ONE_DOT: tl.constexpr = constexpr(False)
+    TRANS_B: tl.constexpr = constexpr(False)
+    BIAS: tl.constexpr = constexpr(False)
+    A_OWN: tl.constexpr = constexpr(False)
+    FP8: tl.constexpr = constexpr(True)
 
 
 # ------------------------------------------------------------------------------- roles
@@ -188,18 +196,32 @@ def store_fp8_groups(h, g, t, row_start, row_end, n0):
 
 
 @triton.jit
-def fp8_gemm_tile(a_desc, b_desc, g, t, tiles, tile, n0):
-    """One work item: m-tile ``tile`` times columns ``n0:+BLOCK_N``, stored."""
-    expert = tl.load(tiles.expert + tile)
-    row_start = tl.load(tiles.row_start + tile)
-    row_end = tl.load(tiles.row_end + tile)
+def fp8_acc(a_desc, b_desc, g, t, expert, row_start, n0):
+    """The fp32 tile of rows ``row_start:+BLOCK_M`` of ``expert`` times columns
+    ``n0:+BLOCK_N``, through the gated activation with ``GATED`` (layer1's scatter
+    epilogue takes it as it is)."""
     acc, acc_up = block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, n0)
     if t.GATED:
         acc = gated(acc, acc_up, t.ACT)
+    return acc
+
+
+@triton.jit
+def fp8_item(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
+    """One work item of ``expert``'s rows ``[row_start, row_end)``, columns
+    ``n0:+BLOCK_N``, stored: as FP8 groups (``REQUANT``) or in ``out``'s dtype."""
+    acc = fp8_acc(a_desc, b_desc, g, t, expert, row_start, n0)
     if t.REQUANT:
         store_fp8_groups(acc, g, t, row_start, row_end, n0)
     else:
         store_tile(acc, g, row_start, row_end, n0, t.BLOCK_M, t.BLOCK_N)
+
+
+@triton.jit
+def fp8_gemm_tile(a_desc, b_desc, g, t, tiles, tile, n0):
+    """One work item: m-tile ``tile`` times columns ``n0:+BLOCK_N``, stored."""
+    fp8_item(a_desc, b_desc, g, t, tl.load(tiles.expert + tile),
+             tl.load(tiles.row_start + tile), tl.load(tiles.row_end + tile), n0)
 
 
 @triton.jit
@@ -253,6 +275,63 @@ def quantize_rows_triton(x: torch.Tensor, group: int = GROUP) -> Fp8Rows:
             x_ptr=x, q_ptr=q, s_ptr=s, rows=rows, K=k, stride_x=x.stride(0),
             BLOCK_R=QUANT_BLOCK_ROWS, GROUP=group, num_warps=4)
     return Fp8Rows(q, s, group)
+
+
+#: Most K values per step of the fused layers' FP8 K loop: one activation group.
+FUSED_BLOCK_K = GROUP
+#: Columns of a layer0 FP8 work item: one activation group, which its epilogue quantizes
+#: whole (the gate and up tiles are two dots of this width).
+LAYER0_BLOCK_N = GROUP
+#: Fewest K values of an FP8 dot.
+MIN_BLOCK_K = 32
+
+
+class Fp8Operands(NamedTuple):
+    """A fused layer's FP8 GroupGEMM as its kernel takes it: the two TMA descriptors
+    (top-level arguments, as :class:`comet.kernels.group_gemm.Gemm`'s) and the rest."""
+
+    a: TensorDescriptor      # the FP8 rows [rows, K]; box [BLOCK_M, BLOCK_K]
+    b: TensorDescriptor      # the experts [El * NB, K]; box [BLOCK_N, BLOCK_K]
+    gemm: Fp8Gemm
+
+    def kernel_args(self) -> dict:
+        return dict(a_desc=self.a, b_desc=self.b, gemm=self.gemm)
+
+
+def fused_k_step(w: Fp8Weight) -> int:
+    """K step of the fused layers' K loop on ``w``: the largest power of two up to
+    :data:`FUSED_BLOCK_K` inside one of its K blocks (64 for a TP shard re-blocked by
+    :meth:`comet.quant.Fp8Weight.narrow`); every step then has one scale of A and of B."""
+    return math.gcd(FUSED_BLOCK_K, w.block_shape()[1])
+
+
+def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
+                   out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
+                   group_m: int, activation: GatedActivation | None = None
+                   ) -> tuple[Fp8Operands, Fp8Tile]:
+    """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
+    K]`` (any row stride: layer0 reads them where the dispatch packed them with their
+    scales) with fp32 ``a_scale [rows, ceil(K / GROUP)]`` (any strides) times ``w``. With
+    ``activation`` (layer0), ``act(gate) * up`` over ``w = [gate | up]`` quantized into
+    ``out`` (e4m3 ``[rows, F]``) and ``out_scale``; else (layer1) ``out`` in its dtype."""
+    rows, k = a.shape
+    nb = w.n
+    n = nb // 2 if activation is not None else nb
+    bn, bk = w.block_shape()
+    block_k = fused_k_step(w)
+    aligned_up = activation is None or w.parts == 2 or n % bn == 0
+    gemm = Fp8Gemm(a_scale, a_scale.stride(0), a_scale.stride(1), rows, w.scale_inv, nb,
+                   nb // w.parts, w.scale_grid()[0] // w.parts,
+                   out, out if out_scale is None else out_scale, k, n)
+    tile = Fp8Tile(*(constexpr(v) for v in (
+        block_m, block_n, block_k, group_m, GROUP, bn, bk, bn % block_n == 0 and aligned_up,
+        activation is not None)),
+        act_tile(activation) if activation is not None else act_tile(),
+        constexpr(activation is not None))
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
+                                          [block_n, block_k])
+    return Fp8Operands(a_desc, b_desc, gemm), tile
 
 
 def m_tiles(expert_rows: list[int], block_m: int, device: torch.device | str = "cpu"

@@ -117,6 +117,8 @@ class GemmTile(NamedTuple):
     #: nested in one with a None field before it (``gemm.rows.X``, after ``gemm.bias``)
     #: as None (docs/design.md, "Kernel arguments").
     A_OWN: tl.constexpr = constexpr(False)
+    #: The item is comet.kernels.fp8_gemm.Fp8Tile's (block-scaled FP8), never this one's.
+    FP8: tl.constexpr = constexpr(False)
 
 
 def descriptor(t2d: torch.Tensor, block: list[int]) -> TensorDescriptor:

@@ -43,6 +43,11 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
   last round of items is mostly empty may take that round's items as K splits
   (:func:`tail_split`, ``Variant.layer0_tail_split``).
 
+FP8 layers (``GemmTile.FP8``, comet.kernels.fp8_gemm.Fp8Tile): the rows that cross are
+FP8 rows packed with their scales (comet.kernels.fp8_roles.PackedRows, quantized on their
+home rank before the kernel), copied as bytes; the GEMM role runs the block-scaled K loop
+on them and stores h in FP8 groups.
+
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
 
@@ -66,6 +71,7 @@ from comet.config import TileConfig
 from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
 from comet.kernels.activation import act_tile
+from comet.kernels.fp8_gemm import fp8_item
 from comet.kernels.group_gemm import (Gathered, Gemm, GemmTile, descriptor, dot_precision,
                                       gemm_tile, grouped_work, lane_shape, one_dot_acc,
                                       one_dot_epilogue, store_tile, strided_take)
@@ -139,6 +145,9 @@ class Dispatch(NamedTuple):
     #: int32 [DISPATCH_PART_SLOTS]: parts copied per chunk, when chunks are cut in parts
     #: (``DispatchTile.PARTS`` > 1; zeroed per call)
     parts: torch.Tensor | None = None
+    #: FP8 (``GemmTile.FP8``): bytes of a row as it crosses, its e4m3 values and fp32
+    #: scales packed (comet.kernels.fp8_roles.PackedRows); x and a0 are such rows
+    row_bytes: int | None = None
 
 
 class GatherTargets(NamedTuple):
@@ -647,8 +656,14 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, work
                     start = clock_ns()
                 tile, nb = grouped_work(w, num_tiles, n_blocks, lanes.GROUP_M)
                 expert = tl.load(tiles.expert + tile)
-                gemm_tile(a_desc, b_desc, gemm, item, expert, tl.load(tiles.row_start + tile),
-                          tl.load(tiles.row_end + tile), nb * item.BLOCK_N)
+                if item.FP8:
+                    fp8_item(a_desc, b_desc, gemm, item, expert,
+                             tl.load(tiles.row_start + tile), tl.load(tiles.row_end + tile),
+                             nb * item.BLOCK_N)
+                else:
+                    gemm_tile(a_desc, b_desc, gemm, item, expert,
+                              tl.load(tiles.row_start + tile), tl.load(tiles.row_end + tile),
+                              nb * item.BLOCK_N)
                 if trace.ON:
                     events = stamp(trace, events, shape.WORLD + expert, tile, start)
         first, end = strided_take(work.queue, programs, items, head, lanes_end)
@@ -822,8 +837,12 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     events = tl.full([], 0, tl.int32)
     if ROLE != ROLE_COMPUTE:
         if comm_role:
-            events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape, comm,
-                                   n_role)
+            if item.FP8:    # a row crosses as its FP8 values and scales, packed in bytes
+                events = dispatch_role(dispatch, dispatch.row_bytes, epoch, sync, trace,
+                                       events, shape, comm, n_role)
+            else:
+                events = dispatch_role(dispatch, gemm.K, epoch, sync, trace, events, shape,
+                                       comm, n_role)
     # Fused: a comm block that has pushed its chunks joins the GEMM (no SM idles for the
     # rest of the call); it never holds a tile while a peer waits on its pushes.
     if ROLE != ROLE_COMM:

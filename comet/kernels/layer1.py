@@ -69,6 +69,7 @@ from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SIT
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
 from comet.kernels.activation import act_tile
+from comet.kernels.fp8_gemm import fp8_acc, fp8_item
 from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
                                       dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
@@ -178,9 +179,13 @@ def layer1_gemm(h: torch.Tensor, w: torch.Tensor, out1: torch.Tensor, tile: Tile
         tile.gemm.block_m, tile.gemm.block_n1, bk, False, False, transposed, 0, False,
         dot_precision(h.dtype))),
         act_tile(), constexpr(bias is not None))
-    splits = Splits(constexpr(tile.blocks_per_split(hidden)),
-                    constexpr(tile.n_splits(hidden)))
-    return Gemm(descriptor(h, [tile.gemm.block_m, bk]), b, out1, k, hidden, bias), item, splits
+    return (Gemm(descriptor(h, [tile.gemm.block_m, bk]), b, out1, k, hidden, bias), item,
+            column_splits(tile, hidden))
+
+
+def column_splits(tile: TileConfig, hidden: int) -> Splits:
+    """layer1's column splits over ``hidden`` output columns."""
+    return Splits(constexpr(tile.blocks_per_split(hidden)), constexpr(tile.n_splits(hidden)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -277,10 +282,17 @@ def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, spli
                 row_start = tl.load(tiles.row_start + t)
                 row_end = tl.load(tiles.row_end + t)
                 if SCATTER:
-                    acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end,
-                                   nb * BLOCK_N)
+                    if item.FP8:
+                        acc = fp8_acc(a_desc, b_desc, gemm, item, expert, row_start,
+                                      nb * BLOCK_N)
+                    else:
+                        acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start,
+                                       row_end, nb * BLOCK_N)
                     scatter_home(acc, homes, row_start, row_end, nb * BLOCK_N, gemm.N,
                                  item.BLOCK_M, BLOCK_N)
+                elif item.FP8:
+                    fp8_item(a_desc, b_desc, gemm, item, expert, row_start, row_end,
+                             nb * BLOCK_N)
                 else:
                     gemm_tile(a_desc, b_desc, gemm, item, expert, row_start, row_end,
                               nb * BLOCK_N)

@@ -32,10 +32,13 @@ from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
 from comet.kernels.combine import combine_of
 from comet.kernels.layer0 import Dispatch, layer0_gemm
-from comet.kernels.layer1 import layer1_gemm
+from comet.kernels.fp8_gemm import LAYER0_BLOCK_N, fused_fp8_gemm
+from comet.kernels.fp8_roles import home_quantizer, launch_quantize_home, packed_views
+from comet.kernels.layer1 import column_splits, layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
+from comet.quant import Fp8Weight
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
                                 launch_open, launch_place)
@@ -139,7 +142,9 @@ class ForwardCall:
     """One variant of a rank's forward call (``tile``, ``mode``, whether layer0 has comm
     blocks), on the staged ``inputs``; :meth:`stages` lists its phases.
 
-    ``w13``: ``[El, H, 2F]`` interleaved (comet.weights); ``w2``: ``[El, F, H]``.
+    ``w13``: ``[El, H, 2F]`` interleaved (comet.weights); ``w2``: ``[El, F, H]`` -- or,
+    for an FP8 layer (``ws.cfg.fp8``), :class:`comet.quant.Fp8Weight` ``[El, 2F, H]``
+    (gate rows, then up rows) and ``[El, H, F]``.
     ``cooperative``: fused launches guarantee co-residency (a rank on a GPU of its own;
     virtual ranks sharing one launch without it, their grids sized to fit side by side).
     ``roles_apart``: every layer's roles as separate launches, producers first, even in
@@ -156,8 +161,8 @@ class ForwardCall:
     (comet.kernels.plan.open_kernel); None where the rows are written already."""
 
     ws: Workspace
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: torch.Tensor | Fp8Weight
+    w2: torch.Tensor | Fp8Weight
     tile: TileConfig
     inputs: CallInputs
     grids: Grids
@@ -185,19 +190,24 @@ class ForwardCall:
         self._trace = {name: Trace.on(traces[name]) if name in traces else self._quiet
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
-        gather = tile.variant.layer0_gather
-        rows = None
-        if gather:
-            rows = (ws.gathered_rows(self.inputs.x_addr, self.inputs.num_tokens)
-                    if tile.variant.layer0_own_in_place else ws.gathered_rows())
-        gemm0, item0 = layer0_gemm(ws.local.a0, self.w13, ws.h, tile, gated=True,
-                                   activation=ws.cfg.activation, bias=self.b13, rows=rows)
+        self.fp8 = ws.cfg.fp8 is not None
+        if self.fp8:
+            dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
+            splits = column_splits(tile, ws.cfg.hidden_size)
+        else:
+            gather = tile.variant.layer0_gather
+            rows = None
+            if gather:
+                rows = (ws.gathered_rows(self.inputs.x_addr, self.inputs.num_tokens)
+                        if tile.variant.layer0_own_in_place else ws.gathered_rows())
+            dispatch = dispatch_of(ws, self.inputs.x_addr, homes, gather)
+            gemm0, item0 = layer0_gemm(ws.local.a0, self.w13, ws.h, tile, gated=True,
+                                       activation=ws.cfg.activation, bias=self.b13, rows=rows)
+            gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self.layer0 = Layer0Launch(
-            dispatch_of(ws, self.inputs.x_addr, homes, gather), gemm0, item0, ws.plan.tiles,
-            ws.plan.segments,
+            dispatch, gemm0, item0, ws.plan.tiles, ws.plan.segments,
             ws.layer0_work(tile.variant.layer0_stream_k, tile.variant.layer0_tail_split),
             ws.sync, self.inputs.split0, ws.shape, tile)
-        gemm1, item1, splits = layer1_gemm(ws.h, self.w2, ws.out1, tile, bias=self.b2)
         self.layer1 = Layer1Launch(self.strategy, ws, gemm1, item1, splits, tile,
                                    self.inputs.split1)
         self.combine = CombineLaunch(
@@ -205,6 +215,32 @@ class ForwardCall:
                        tile), ws.local.flag1, ws.cfg.max_tokens, ws.sync, tile)
         self._routing = Routing.of(self.inputs.ids, self.inputs.weights,
                                    self.inputs.num_tokens)
+
+    def _fp8_layers(self, homes) -> tuple:
+        """``(dispatch, layer0 operands, item, layer1 operands, item)`` of an FP8 layer
+        (``ws.cfg.fp8``): the dispatch sends the rows :attr:`quantize` packed on this
+        rank, layer0 runs the block-scaled GEMM on them and quantizes h in its epilogue,
+        layer1 runs it on h. Its tile's variant has none of the small-call variants
+        (:func:`comet.runtime.layer.fp8_tile`)."""
+        ws, tile = self.ws, self.tile
+        h = ws.cfg.hidden_size
+        self.quantize = home_quantizer(ws.home_rows, h)
+        dispatch = dispatch_of(ws, ws.home_addr, homes)._replace(
+            row_bytes=ws.home_rows.shape[1])
+        rows, scales = packed_views(ws.local.a0, h)
+        gemm0, item0 = fused_fp8_gemm(rows, scales, self.w13, ws.h, ws.h_scale,
+                                      block_m=tile.gemm.block_m, block_n=LAYER0_BLOCK_N,
+                                      group_m=tile.gemm.group_m, activation=ws.cfg.activation)
+        gemm1, item1 = fused_fp8_gemm(ws.h, ws.h_scale, self.w2, ws.out1, None,
+                                      block_m=tile.gemm.block_m, block_n=tile.gemm.block_n1,
+                                      group_m=tile.gemm.group_m)
+        return dispatch, gemm0, item0, gemm1, item1
+
+    def quantize_home(self) -> None:
+        """An FP8 layer's first step of layer0: this rank's rows quantized, once, before
+        any of them crosses (into ``ws.home_rows``, which the dispatch sends)."""
+        launch_quantize_home(self.inputs.x_addr, self.ws.out1, self.inputs.num_tokens,
+                             *self.quantize)
 
     # ------------------------------------------------------------------ phases
     def stages(self) -> list[tuple[str, list[Phase]]]:
@@ -250,11 +286,11 @@ class ForwardCall:
         """Fused with comm blocks as one launch; else the comm role (unless computing
         only), then the compute role (unless communicating only) as two."""
         mode, grids = self.mode, self.grids
+        phases = [self.quantize_home] if self.fp8 and mode != "compute_only" else []
         if self.fused and self.layer0_comm:
-            return [lambda: self.launch_layer0(ROLE_FUSED, grids.compute,
-                                               trace=self._trace["layer0"],
-                                               cooperative=self.cooperative)]
-        phases = []
+            return phases + [lambda: self.launch_layer0(ROLE_FUSED, grids.compute,
+                                                        trace=self._trace["layer0"],
+                                                        cooperative=self.cooperative)]
         if mode != "compute_only":
             phases.append(lambda: self.launch_layer0(ROLE_COMM, grids.layer0_comm))
         if mode != "comm_only":

@@ -18,6 +18,7 @@ The backward (comet.runtime.backward) runs the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ import torch
 from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.constants import interpreting
 from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
+from comet.kernels.fp8_gemm import MIN_BLOCK_K, fused_k_step
 from comet.kernels.layer0 import check_gather, one_dot_tiles
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
@@ -40,6 +42,7 @@ from comet.runtime.selection import Selector
 from comet.runtime.staging import StagedScalars, StaticInputs, aligned
 from comet.runtime.strategies import gather_pays, scatter_pays
 from comet.runtime.workspace import Workspace, allocate_symmetric, allocate_virtual, timeout_ns
+from comet.quant import Fp8Weight, fp8_experts
 from comet.weights import interleave_gate_up
 
 
@@ -95,11 +98,29 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     return tile
 
 
+#: Most rows of an FP8 m-tile: layer0's gate and up accumulators and each K step's two
+#: products, fp32 [BLOCK_M, 128] each, fit the registers of 8 warps at 64 rows; at 128
+#: they spilled (sm_90, triton 3.6: tests/sm90_compile.py).
+FP8_BLOCK_M = 64
+
+
+def fp8_tile(tile: TileConfig) -> TileConfig:
+    """``tile`` as an FP8 layer runs it: without layer0's gathered dispatch, stream-K and
+    tail splits and layer1's K splits, which its kernels do not have yet (an FP8 work item
+    is two dots of 128 columns on the block-scaled K loop, not a one-dot box)."""
+    return tile.with_fields(layer0_gather=False, layer0_stream_k=False,
+                            layer0_tail_split=0, layer1_split_k=1,
+                            block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
+
+
 def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
               cfg: MoEConfig) -> TileConfig:
-    """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg``;
-    ValueError for one its kernels' shapes cannot run (a gather without one-dot items)."""
+    """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg`` (for an
+    FP8 layer, :func:`fp8_tile` of it); ValueError for one its kernels' shapes cannot run
+    (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
+    if cfg.fp8 is not None:
+        tile = fp8_tile(tile)
     if tile.variant.layer0_gather:
         check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
@@ -115,6 +136,34 @@ def _kernel_layout(w13_layout: str, w13: torch.Tensor, b13: torch.Tensor | None,
     return interleave_gate_up(w13), None if b13 is None else interleave_gate_up(b13), b2
 
 
+def expert_weights(cfg: MoEConfig, mesh: MeshLayout, w13, w2,
+                   w13_scale_inv: torch.Tensor | None = None,
+                   w2_scale_inv: torch.Tensor | None = None) -> tuple:
+    """``(w13, w2)`` as the layer keeps them: the tensors as given, or for an FP8 layer
+    (``cfg.fp8``) :class:`comet.quant.Fp8Weight` ``[El, 2F, H]`` and ``[El, H, F]``
+    (from Fp8Weights, or e4m3 tensors and their ``*_scale_inv`` in ``cfg.fp8.blocks``;
+    :func:`comet.quant.fp8_experts`), contiguous, each with a K step of the fused K loop
+    of at least :data:`comet.kernels.fp8_gemm.MIN_BLOCK_K`. TypeError / ValueError
+    before anything is allocated."""
+    if cfg.fp8 is None:
+        if isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight):
+            raise ValueError("FP8 experts (Fp8Weight) need cfg.fp8 = comet.quant.Fp8()")
+        if w13_scale_inv is not None or w2_scale_inv is not None:
+            raise ValueError("scale_inv given, but cfg.fp8 is None (a bf16 layer)")
+        return w13, w2
+    weights = fp8_experts(w13, w2, cfg.num_experts // mesh.ep, cfg.hidden_size,
+                          cfg.intermediate_size // mesh.tp, cfg.fp8.blocks, w13_scale_inv,
+                          w2_scale_inv)
+    out = []
+    for name, w in zip(("w13", "w2"), weights):
+        if fused_k_step(w) < MIN_BLOCK_K:
+            raise ValueError(f"FP8 {name}'s K blocks of {w.block_shape()[1]} leave the fused "
+                             f"K loop steps below {MIN_BLOCK_K} values")
+        out.append(w if w.weight.is_contiguous() else
+                   dataclasses.replace(w, weight=w.weight.contiguous()))
+    return tuple(out)
+
+
 def mesh_of(mesh: MeshLayout | None, world: int) -> MeshLayout:
     """The layout of ``world`` ranks: ``mesh``, or expert parallelism over all of them."""
     return mesh if mesh is not None else MeshLayout(tp=1, ep=world)
@@ -127,6 +176,18 @@ def _output_bias(cfg: MoEConfig, mesh: MeshLayout, rank: int, b2, w2):
     if cfg.expert_bias and b2 is None:
         return torch.zeros(w2.shape[0], w2.shape[2], dtype=w2.dtype, device=w2.device)
     return b2
+
+
+def _check_fp8_layer(cfg: MoEConfig, w13_layout: str, b13: torch.Tensor | None,
+                     b2: torch.Tensor | None) -> None:
+    """NotImplementedError for what an FP8 layer cannot run yet, ValueError for what it
+    never will."""
+    if cfg.expert_bias or b13 is not None or b2 is not None:
+        raise NotImplementedError("FP8 experts with biases (cfg.expert_bias) are not "
+                                  "supported yet")
+    if w13_layout != "gate_up":
+        raise ValueError(f"FP8 w13 is [El, 2F, H] with its gate rows, then its up rows "
+                         f"(w13_layout 'gate_up'), got w13_layout {w13_layout!r}")
 
 
 @dataclass(frozen=True)
@@ -159,6 +220,11 @@ class FusedMoE:
         cfg: layer shape; ``cfg.max_tokens`` sizes the workspaces.
         w13: ``[El, H, 2F]`` this rank's experts, CUDA, in the layout ``w13_layout`` says.
         w2: ``[El, F, H]``.
+            With ``cfg.fp8`` (FP8 experts, forward only): :class:`comet.quant.Fp8Weight`
+            ``[El, 2F, H]`` (gate rows, then up rows; ``w13_layout`` ``"gate_up"``) and
+            ``[El, H, F]``, or e4m3 tensors of those shapes with their fp32
+            ``w13_scale_inv`` / ``w2_scale_inv`` in ``cfg.fp8.blocks``
+            (:func:`expert_weights`).
         w13_layout: ``"gate_up"`` (all gate columns, then all up columns, as models store
             them): the layer keeps its own copy in the kernels' interleaved layout, which
             costs W13's memory again; ``"interleaved"`` (:mod:`comet.weights`, e.g. from
@@ -204,9 +270,12 @@ class FusedMoE:
                  check_errors: str = "lazy", use_graphs: bool = True,
                  w13_layout: str = "gate_up", b13: torch.Tensor | None = None,
                  b2: torch.Tensor | None = None, mesh: MeshLayout | None = None,
-                 convention: Convention = "sequence"):
+                 convention: Convention = "sequence",
+                 w13_scale_inv: torch.Tensor | None = None,
+                 w2_scale_inv: torch.Tensor | None = None):
         par = ParallelConfig.from_group(group)
         mesh = mesh_of(mesh, par.world_size)
+        w13, w2 = expert_weights(cfg, mesh, w13, w2, w13_scale_inv, w2_scale_inv)
         self.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         tile = layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
         kernel_cfg = mesh.kernel_config(cfg)
@@ -234,6 +303,7 @@ class FusedMoE:
         ``programs`` launched as ``residency`` says. Other arguments as for the
         constructor."""
         mesh = mesh_of(mesh, par.world_size)
+        w13, w2 = expert_weights(cfg, mesh, w13, w2)
         cls.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
         layer = cls.__new__(cls)
         layer._build(ws, cfg, w13, w2, b13, b2, w13_layout, group, par, tile, programs,
@@ -258,6 +328,9 @@ class FusedMoE:
                              f"{w13_layout!r}")
         el = cfg.num_experts // mesh.ep
         h, f = cfg.hidden_size, cfg.intermediate_size // mesh.tp
+        if cfg.fp8 is not None:
+            _check_fp8_layer(cfg, w13_layout, b13, b2)
+            return      # the weights: expert_weights
         if tuple(w13.shape) != (el, h, 2 * f) or tuple(w2.shape) != (el, f, h):
             raise ValueError(f"expected w13 [{el}, {h}, {2 * f}] and w2 [{el}, {f}, {h}] "
                              f"(this rank's shard of a {mesh} layout), got "
@@ -285,8 +358,11 @@ class FusedMoE:
         # built under torch.inference_mode() (a server's warm-up) fails every later call
         # made outside it.
         with torch.inference_mode(False):
-            w13, self.b13, self.b2 = _kernel_layout(w13_layout, w13, b13,
-                                                    _output_bias(cfg, mesh, par.rank, b2, w2))
+            if cfg.fp8 is None:
+                w13, self.b13, self.b2 = _kernel_layout(
+                    w13_layout, w13, b13, _output_bias(cfg, mesh, par.rank, b2, w2))
+            else:
+                self.b13 = self.b2 = None
             self._setup(ws, w13, w2, group, par, tile, programs, residency,
                         tuned_config_folder, check_errors, use_graphs, cfg, mesh, convention)
 
@@ -393,6 +469,11 @@ class FusedMoE:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if self.cfg.fp8 is not None and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (x, topk_weights)):
+            raise NotImplementedError("FP8 experts run the forward only: call the layer "
+                                      "under torch.no_grad() (or on inputs that need no "
+                                      "gradient)")
         m = x.shape[0] if checked else self._check(x, topk_ids, topk_weights)
         self.errors.check_usable()
         if comm_blocks is None and decode_tile is None and tile_overrides is None:
@@ -529,6 +610,9 @@ class FusedMoE:
         the same exchanges). ``comm_blocks`` as for a call (default: the call's own).
         A layer with expert biases also returns ``(db13 [El, 2F] interleaved, db2 [El,
         H])`` (None without ``weight_grads``)."""
+        if self.cfg.fp8 is not None:
+            raise NotImplementedError("FP8 experts run the forward only: the fused backward "
+                                      "needs experts in bf16")
         if self.mesh.tp > 1:
             raise NotImplementedError(
                 f"the fused backward runs expert-parallel layouts only; this layer is a "

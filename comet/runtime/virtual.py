@@ -28,7 +28,8 @@ from comet.mesh import Convention, MeshLayout
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
 from comet.runtime.errors import raise_if_failed
 from comet.runtime.forward import CallInputs, ForwardCall, Grids
-from comet.runtime.layer import FusedMoE, Residency, layer_tile, mesh_of, sm_count
+from comet.runtime.layer import (FusedMoE, Residency, fp8_tile, layer_tile, mesh_of,
+                                 sm_count)
 from comet.runtime.staging import StagedScalars, address_of, aligned
 from comet.runtime.workspace import allocate_virtual
 from comet.weights import interleave_gate_up
@@ -98,7 +99,9 @@ class VirtualEP:
     """Args:
         cfg: layer shape (``num_experts`` divisible by ``world``).
         w13_shards, w2_shards: per rank ``[El, H, 2F]`` (gate columns first; kept as the
-            kernels' interleaved copy, :mod:`comet.weights`) and ``[El, F, H]``.
+            kernels' interleaved copy, :mod:`comet.weights`) and ``[El, F, H]``; with
+            ``cfg.fp8``, :class:`comet.quant.Fp8Weight` ``[El, 2F, H]`` (gate rows first)
+            and ``[El, H, F]``.
         tile: tile configuration (default: :meth:`TileConfig.small`).
         b13_shards, b2_shards: per rank ``[El, 2F]`` (gate first) and ``[El, H]`` expert
             biases (``cfg.expert_bias``), or None.
@@ -116,13 +119,17 @@ class VirtualEP:
         self.world = len(w13_shards)
         self.mesh = mesh or MeshLayout(tp=1, ep=self.world)
         self.convention = convention
-        self.w13 = [interleave_gate_up(w) for w in w13_shards]
+        # FP8 experts (cfg.fp8) stay as given: Fp8Weights [El, 2F, H], gate rows first.
+        self.w13 = (list(w13_shards) if cfg.fp8 is not None
+                    else [interleave_gate_up(w) for w in w13_shards])
         self.w2 = w2_shards
         self.b13 = ([interleave_gate_up(b) for b in b13_shards] if b13_shards is not None
                     else [None] * self.world)
         self.b2 = list(b2_shards) if b2_shards is not None else [None] * self.world
         self.device = w13_shards[0].device
         self.tile = tile or TileConfig.small()
+        if cfg.fp8 is not None:
+            self.tile = fp8_tile(self.tile)
         self.ws = allocate_virtual(self.mesh.kernel_config(cfg), self.world, self.device,
                                    self.tile)
         for ws in self.ws:

@@ -37,6 +37,7 @@ from comet.config import MoEConfig, TileConfig
 from comet.constants import COUNT_BUFFERS, ERROR_WORD, constexpr
 from comet.kernels.address import PeerBuffer
 from comet.kernels.exchange import Exchange, exchange_block
+from comet.kernels.fp8_roles import packed_row_bytes
 from comet.kernels.group_gemm import Gathered, OwnRows
 from comet.kernels.layer0 import (DISPATCH_PART_SLOTS, STREAM_K_PROGRAMS, STREAM_K_ROWS,
                                   Arrivals, GatherTargets, Work, one_dot_tiles)
@@ -44,6 +45,7 @@ from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
 from comet.kernels.sync import Sync
+from comet.quant import E4M3, GROUP
 from comet.routing import recv_capacity
 from comet.runtime.strategies import BufferSpec, strategies_of
 
@@ -75,7 +77,9 @@ def symmetric_specs(cfg: MoEConfig, world: int, tile: TileConfig) -> list[Buffer
         # [epoch parity, source s]: the source's pairs per expert and tokens per rank
         BufferSpec("counts", (COUNT_BUFFERS.value, world, world * (el + 1)), torch.int32),
         BufferSpec("count_flags", (world,), torch.int64),
-        BufferSpec("a0", (rows, h), cfg.dtype),                     # layer0 shared tensor
+        # layer0 shared tensor (FP8: each row's e4m3 values and scales, packed)
+        (BufferSpec("a0", (rows, h), cfg.dtype) if cfg.fp8 is None
+         else BufferSpec("a0", (rows, packed_row_bytes(h)), torch.uint8)),
         BufferSpec("recv_token", (world, mx), torch.int32),         # return entries by source
         BufferSpec("recv_rows", (world, mx, k), torch.int32),
         BufferSpec("recv_weight", (world, mx, k), torch.float32),
@@ -171,7 +175,7 @@ class Workspace:
     local: SymmetricBuffers
     #: their peer address tables (int64 [W]: every rank's address of the buffer)
     tables: SymmetricBuffers
-    h: torch.Tensor           # [rows, F] layer0 output (local)
+    h: torch.Tensor           # [rows, F] layer0 output (local; FP8 layers: e4m3)
     out1: torch.Tensor        # [rows, H] layer1 shared tensor (local)
     #: int32 [5 (+ SPLIT_K_SLOTS) (+ 2 * STREAM_K_PROGRAMS) + n_splits_max]: :class:`Counters`
     counters: torch.Tensor
@@ -184,6 +188,13 @@ class Workspace:
     #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * block_n0]: layer0's stream-K parts,
     #: with ``Variant.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
     l0_partial: torch.Tensor | None = None
+    #: FP8 layers (``cfg.fp8``): fp32 [rows, ceil(F / 128)], the scales of h (then e4m3)
+    h_scale: torch.Tensor | None = None
+    #: FP8 layers: uint8 [max_tokens, packed_row_bytes(H)], this rank's rows quantized on
+    #: their home before they cross (comet.kernels.fp8_roles.quantize_home_kernel) ...
+    home_rows: torch.Tensor | None = None
+    #: ... and int64 [1], their address (the dispatch reads its rows from there)
+    home_addr: torch.Tensor | None = None
     _keepalive: list = field(default_factory=list, repr=False)
     #: Ranks each output row is written to: 1, or a replicated TP layout's group size
     #: (comet.mesh.MeshLayout.home_fanout); set by the layer before its first call.
@@ -308,8 +319,21 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         l0_slots = 2 * STREAM_K_PROGRAMS.value
         l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.gemm.block_n0,
                                  dtype=torch.float32, device=device)
+    fp8 = {}
+    if cfg.fp8 is not None:
+        # h in FP8 groups (layer1's A), and this rank's rows quantized before they cross
+        f, h = cfg.intermediate_size, cfg.hidden_size
+        home = torch.empty(cfg.max_tokens, packed_row_bytes(h), dtype=torch.uint8,
+                           device=device)
+        fp8 = dict(h=torch.empty(rows, f, dtype=E4M3, device=device),
+                   h_scale=torch.empty(rows, -(-f // GROUP), dtype=torch.float32,
+                                       device=device),
+                   home_rows=home,
+                   home_addr=torch.tensor([home.data_ptr()], dtype=torch.int64,
+                                          device=device))
     return dict(
-        h=torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device),
+        h=(torch.empty(rows, cfg.intermediate_size, dtype=cfg.dtype, device=device)
+           if cfg.fp8 is None else None),
         out1=torch.empty(rows, cfg.hidden_size, dtype=cfg.dtype, device=device),
         counters=torch.zeros(_QUEUE_COUNTERS + DISPATCH_PART_SLOTS.value + k_slots
                              + l0_slots + n_splits,
@@ -318,7 +342,7 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
-                           tile.gemm.block_m, cfg.slots_per_rank))
+                           tile.gemm.block_m, cfg.slots_per_rank)) | fp8
 
 
 def workspace_bytes(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
