@@ -25,10 +25,11 @@ import torch
 from comet import reference
 from comet.activation import gated
 from comet.bench.provenance import write_result
-from comet.config import PRESETS
+from comet.config import PRESETS, MoEConfig
 from comet.kernels.fp8_gemm import fp8_group_gemm, m_tiles, quantize_rows_triton
 from comet.quant import Fp8, Fp8Weight, quantize_rows, quantize_weight
 
+DEVICE = "cuda"
 #: Experts quantized at once (a preset's fp32 copies do not fit at once).
 CHUNK = 8
 
@@ -36,7 +37,7 @@ CHUNK = 8
 def quantized(shape, scale, g, parts=1) -> Fp8Weight:
     e, n, k = shape
     chunks = [quantize_weight((torch.randn(min(CHUNK, e - s), n, k, generator=g,
-                                           device="cuda") * scale).bfloat16(), parts=parts)
+                                           device=DEVICE) * scale).bfloat16(), parts=parts)
               for s in range(0, e, CHUNK)]
     return Fp8Weight(torch.cat([c.weight for c in chunks]),
                      torch.cat([c.scale_inv for c in chunks]), chunks[0].blocks, parts)
@@ -93,19 +94,31 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["qwen2-moe", "mixtral"])
     p.add_argument("--tokens", type=int, default=384)
     p.add_argument("--output", default="out/fp8_layer_diff.json")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 4-expert H=256, F=256 layer on the CPU (TRITON_INTERPRET=1): a "
+                        "dry run of this script, not a measurement (the interpreter's "
+                        "e4m3 casts differ from torch's)")
     a = p.parse_args()
     from comet.runtime.layer import FusedMoE
+    global DEVICE
+    if a.tiny:
+        DEVICE = "cpu"
+        presets = {"tiny": MoEConfig(num_experts=4, top_k=2, hidden_size=256,
+                                     intermediate_size=256)}
+        a.configs, a.tokens = ["tiny"], min(a.tokens, 12)
+    else:
+        presets = PRESETS
     records = []
     for name in a.configs:
-        cfg = PRESETS[name].replace(max_tokens=max(a.tokens, 16), fp8=Fp8())
+        cfg = presets[name].replace(max_tokens=max(a.tokens, 16), fp8=Fp8())
         e, h, f, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-        g = torch.Generator(device="cuda").manual_seed(0)
+        g = torch.Generator(device=DEVICE).manual_seed(0)
         gu8 = quantized((e, 2 * f, h), h ** -0.5, g, parts=2)
         dn8 = quantized((e, h, f), f ** -0.5, g)
-        x = torch.randn(a.tokens, h, generator=g, device="cuda").bfloat16()
-        ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k]
+        x = torch.randn(a.tokens, h, generator=g, device=DEVICE).bfloat16()
+        ids = torch.stack([torch.randperm(e, device=DEVICE, generator=g)[:k]
                            for _ in range(a.tokens)])
-        wts = torch.softmax(torch.randn(a.tokens, k, generator=g, device="cuda"), -1)
+        wts = torch.softmax(torch.randn(a.tokens, k, generator=g, device=DEVICE), -1)
         expect = emulate(x, ids, wts, gu8, dn8, cfg.activation)
         layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
         y = layer(x, ids, wts).float()
@@ -128,7 +141,8 @@ def main() -> None:
         records.append(record)
         print(record, flush=True)
         del layer
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     write_result(a.output, {"records": records})
 
 
