@@ -190,6 +190,50 @@ def test_fp8_virtual_group_runs_the_fused_launches_concurrently(world):
             _check(ys[r], _emulate(xs[r], ids[r], ws[r], gu8, dn8, cfg.activation))
 
 
+#: Most cycles a rank's stream spins before its call in the drift test (~0.1 ms).
+MAX_DELAY_CYCLES = 200_000
+
+
+@pytest.mark.parametrize("name, world", [("deepseek-v3-like", 4), ("mixtral", 2)])
+def test_fp8_liveness_200_drifting_calls_full_size(name, world):
+    """The FP8 liveness stress: W FusedMoE ranks at the preset's full size, 200
+    back-to-back calls of 0-384 tokens a rank (zero-token ranks among them), each rank's
+    stream spinning a random while before its call so ranks drift a call apart, block
+    splits varying: no call fails or hangs, every rank ends at epoch 200, and the outputs
+    are the emulation's."""
+    import random
+    from comet.runtime.virtual import concurrent_forward, virtual_group
+    max_tokens, calls = 384, 200
+    cfg = PRESETS[name].replace(max_tokens=max_tokens, fp8=Fp8())
+    _, _, gu8, dn8 = _experts(cfg, 13)
+    layers = virtual_group(cfg, [_shard(gu8, r, world) for r in range(world)],
+                           [_shard(dn8, r, world) for r in range(world)])
+    p = layers[0].programs
+    splits = [None, (1, 1), (min(16, p - 1),) * 2, (p // 2, p // 2)]
+    rng = random.Random(world)
+    inputs = []
+    for i in range(calls):
+        tokens = [0 if rng.random() < 0.1 else rng.randint(1, max_tokens)
+                  for _ in range(world)]
+        inputs.append(_inputs(cfg, tokens, 100 + i, ("random", "skewed")[i % 2]))
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    torch.cuda.synchronize()
+    outputs = [concurrent_forward(layers, xs, ids, ws, streams,
+                                  comm_blocks=splits[i % len(splits)],
+                                  delay_cycles=[rng.choice([0, rng.randint(1, MAX_DELAY_CYCLES)])
+                                                for _ in range(world)])
+               for i, (xs, ids, ws) in enumerate(inputs)]
+    torch.cuda.synchronize()
+    for layer in layers:
+        layer.check_errors_now()
+    assert all(int(layer.ws.epoch) == calls for layer in layers)
+    assert all(bool(y.isfinite().all()) for ys in outputs for y in ys)
+    # The emulation dequantizes every expert a call touches: every 10th call is checked.
+    for (xs, ids, ws), ys in list(zip(inputs, outputs))[::10]:
+        for r in range(world):
+            _check(ys[r], _emulate(xs[r], ids[r], ws[r], gu8, dn8, cfg.activation))
+
+
 # ------------------------------------------------------------------------- TP shard of 192
 def test_fp8_tp_shards_of_192_columns():
     """Qwen3-30B-A3B's experts at TP=4 (F = 768: shards of 192, a ragged 64-wide group of
