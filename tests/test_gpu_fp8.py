@@ -11,7 +11,7 @@ import torch
 from comet import reference
 from comet.activation import gated
 from comet.config import PRESETS, MoEConfig, TileConfig
-from comet.quant import Fp8, Fp8Weight, quantize_weight
+from comet.quant import Fp8, Fp8Weight, calc_diff, quantize_weight
 from routings import make_ids, make_tokens
 
 pytestmark = pytest.mark.gpu
@@ -79,14 +79,18 @@ def _bf16(x, ids, wts, gate_up, down, activation, offset=0):
 
 
 def _check(y, expect, bf16=None):
+    """Issue 68's bounds: against the emulation, rel L2 and elementwise; against the bf16
+    layer (``bf16``), no farther than the emulation is (its calc_diff x 1.1: the recipe's
+    own cost, ~2e-3 on Gaussian data, is the yardstick, not a fixed number)."""
     if not expect.numel():
         return
     y = y.float()
     rel = float((y - expect).norm() / expect.norm().clamp_min(1e-6))
     assert rel <= REL_L2, rel
     torch.testing.assert_close(y, expect, **TOL)
-    if bf16 is not None:     # the recipe's cost on Gaussian data: ~6% rel L2
-        assert float((y - bf16).norm() / bf16.norm()) < 0.1
+    if bf16 is not None:
+        recipe = calc_diff(expect, bf16)
+        assert calc_diff(y, bf16) <= 1.1 * recipe, (calc_diff(y, bf16), recipe)
 
 
 def _inputs(cfg, tokens, seed, kind="random"):
