@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -487,6 +489,8 @@ class CometMoE(nn.Module):
             self.register_load_state_dict_post_hook(_fill_slots)
         self.rebalance_interval, self.rebalance_window = interval, window
         self._rebalance_calls = 0       # counted calls since the last rebalance (host)
+        self._optimizer = None          # weakref to what automatic rebalances move
+        self._warned_optimizer = False
         self._fused = None
         self._op_key = custom_op.register(self)
         if cfg.fp8 is not None:
@@ -619,8 +623,9 @@ class CometMoE(nn.Module):
         a rank lacks sent point to point from one rank holding it -- with pending
         gradients (``.grad``) following their owners, and the translation tables, then
         resets the load count. Given ``optimizer``, its per-slot state (tensors shaped
-        like the slots: Adam's moments) follows the owners too; without one (and in an
-        automatic rebalance) it stays with the slot, now another expert's. Collective: every rank
+        like the slots: Adam's moments) follows the owners too; without one it stays with
+        the slot, now another expert's (an automatic rebalance moves the state of the
+        optimizer :meth:`track_optimizer` names). Collective: every rank
         calls it with the same plan, between calls. The fused layer and any CUDA graph
         holding it stay valid: no address changes. Returns the plan."""
         replicas = self._require_replicas()
@@ -642,6 +647,30 @@ class CometMoE(nn.Module):
         self._rebalance_calls = 0
         return plan
 
+    def track_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer whose per-slot state an automatic rebalance
+        (``rebalance_interval``) moves with the experts, as :meth:`rebalance`'s
+        ``optimizer`` does; None forgets it. Held by a weak reference (the module does
+        not keep an optimizer alive)."""
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        self._require_replicas()
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+
+    def _auto_rebalance(self) -> None:
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if (optimizer is None and self.training and torch.is_grad_enabled()
+                and not self._warned_optimizer
+                and any(p.requires_grad for p in self.experts.parameters())):
+            # Moved slots would step with another expert's optimizer state.
+            warnings.warn("comet: an automatic rebalance moved experts of a layer in "
+                          "training, but no optimizer is tracked: its per-slot state "
+                          "(Adam's moments) stays with the slots; call "
+                          "CometMoE.track_optimizer(optimizer)", stacklevel=4)
+            self._warned_optimizer = True
+        self.rebalance(optimizer=optimizer)
+
     def _count_call(self, x: torch.Tensor) -> None:
         """``rebalance_interval``: count one eager call and rebalance at the interval's
         last (collective: every rank counts the same calls). Compiled and captured calls
@@ -654,7 +683,7 @@ class CometMoE(nn.Module):
             return
         self._rebalance_calls += 1
         if self._rebalance_calls >= interval:
-            self.rebalance()
+            self._auto_rebalance()
         elif self._rebalance_calls == interval - self.rebalance_window:
             # The window starts after this call: drop the older calls' load.
             self.reset_expert_load()

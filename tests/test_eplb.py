@@ -410,14 +410,42 @@ def test_an_optimizers_state_follows_the_owners():
     assert not torch.allclose(off["w13"], want["w13"], rtol=1e-4, atol=1e-5)
 
 
+def test_automatic_rebalances_move_the_tracked_optimizers_state(recwarn):
+    """rebalance_interval in training: with the optimizer tracked, the layer trains as the
+    layer without replicas while its experts move every two steps; untracked, it warns
+    once and drifts (moved slots step with other experts' moments)."""
+    plain, layer = _pair(rebalance_interval=2)
+    _, untracked = _pair(rebalance_interval=2)
+    layers = (plain, layer, untracked)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in layers]
+    layer.track_optimizer(opts[1])
+    x = torch.randn(24, H)
+    for step in range(6):
+        ids, w = _skewed_ids(24, seed=step)
+        ids[:, 0] = (3 + 2 * step) % E          # the hot expert moves: so do the owners
+        for m, opt in zip(layers, opts):
+            opt.zero_grad()
+            m(x, ids, w).square().sum().backward()
+            opt.step()
+    assert [type(wn.message) for wn in recwarn.list
+            if "no optimizer is tracked" in str(wn.message)] == [UserWarning]
+    want = plain.logical_experts()
+    got, off = layer.logical_experts(), untracked.logical_experts()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(off["w13"], want["w13"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        layer.track_optimizer(object())
+
+
 # ----------------------------------------------------------------- rebalance_interval
 def _spy_rebalances(layer, monkeypatch) -> list[tuple[int, torch.Tensor]]:
     """Record ``(calls so far, the load planned from)`` at each rebalance of ``layer``."""
     seen, calls, real = [], [0], layer.rebalance
 
-    def spy(plan=None):
+    def spy(plan=None, optimizer=None):
         seen.append((calls[0], layer.expert_load()))
-        return real(plan)
+        return real(plan, optimizer)
 
     monkeypatch.setattr(layer, "rebalance", spy)
     original_forward = layer.experts_forward
