@@ -363,7 +363,13 @@ def test_redundant_experts_are_checked_for_every_block_before_any_is_converted(f
     model = build_tiny_model("mixtral")                                    # E = 4
     config = copy.deepcopy(model.config)
     config.num_local_experts = 6
-    model.model.layers[1].mlp = type(model.model.layers[0].mlp)(config)    # E = 6
+    block = type(model.model.layers[0].mlp)(config)                        # E = 6
+    # A block built by hand holds uninitialised memory: NaNs in it would fail the
+    # experts' probe (a TypeError) before the redundant-experts check this test is about.
+    torch.manual_seed(0)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.02)
+    model.model.layers[1].mlp = block
     fake_world(0, 4)
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp'.*6 \+ 4 must be divisible by "
                                          r"the group's 4 ranks"):
