@@ -18,6 +18,7 @@ from comet.constants import interpreting
 from comet.kernels.fp8_roles import packed_row_bytes
 from comet.quant import Fp8, quantize_weight
 from comet.scheduler import tuned
+from test_bench import fake_fused  # noqa: F401  (a fixture)
 
 CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=128,
                 max_tokens=64)
@@ -141,6 +142,11 @@ def test_the_fp8_lines_hold_fp8_against_bf16_of_the_same_run():
     assert "DeepGEMM" in line and "not measured" in line
     # the bf16 lines see the bf16 records alone
     assert not any("fp8" in s for s in lines if not s.startswith("fp8 "))
+    # the docs' tables: bf16 rows in the layer's table, FP8 rows in their own
+    md = report.docs_markdown([("f.json", records)])
+    bf16_table, fp8_table = md.split("The FP8 layer against bf16, uniform routing:")
+    assert bf16_table.count("| q | ") == 5 and fp8_table.count("| q | ") == 5
+    assert "| q | 8 | uniform | 55.0 | 100.0 | 0.55 |" in fp8_table
 
 
 def test_fp8_ratios_are_never_taken_across_runs():
@@ -200,3 +206,16 @@ def test_tune_builds_the_fp8_layer_and_names_its_table(tmp_path):
     with pytest.raises(SystemExit):       # the FP8 layer needs H in whole groups of 128
         tune.main(["--experts", "8", "--topk", "2", "--hidden", "96", "--ffn", "64",
                    "--dtype", "fp8"])
+
+
+def test_only_fused_leaves_the_baselines_out(tmp_path, fake_fused):
+    """``--only-fused``: comet's layer is timed, the baselines and reference GEMMs not."""
+    assert bench.main(["--only-fused", "--tokens", "16", "--iters", "1", "--warmup", "0",
+                       "--input-sets", "1", "--routing", "uniform", "--layers", "moe",
+                       "--output-dir", str(tmp_path), "--no-plot"]) == 0
+    [r] = rec.read_json(glob.glob(str(tmp_path / "bench-ep1-*.json"))[0])
+    assert r["fused_us"] > 0
+    assert r["baseline_us"] is r["chunked_us"] is r["torch_gmm_us"] is None
+    assert r["max_rel_err"]["fused"] is not None         # still checked against the baseline
+    with pytest.raises(SystemExit):
+        bench.main(["--only-fused", "--peers", "deepep", "--tokens", "4"])

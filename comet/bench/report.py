@@ -6,7 +6,8 @@ import os
 from collections.abc import Callable, Sequence
 
 from comet.bench.provenance import repo_relative
-from comet.bench.records import MAX_REL_ERR, geomean, is_fp8, peer_names, wrong_fused
+from comet.bench.records import (MAX_REL_ERR, geomean, is_fp8, pair_dtypes, peer_names,
+                                 wrong_fused)
 from comet.constants import kernels_of
 
 Column = tuple[str, Callable[[dict], str]]
@@ -549,10 +550,16 @@ def docs_markdown(files: Sequence[tuple[str, Sequence[dict]]],
                if routings is None or r.get("routing") in routings]
     moe = [r for r in records if r.get("layer") == "moe"]
     out = [f"- {provenance_line(path, recs)}" for path, recs in files]
+    pair_dtypes(records)
     for routing in sorted({r["routing"] for r in moe}):
-        rows = [r for r in moe if r["routing"] == routing]
-        out += ["", f"Whole layer, {routing} routing, slowest rank, median us:", "",
-                markdown_table(rows, DOCS_COLUMNS)]
+        rows = [r for r in moe if r["routing"] == routing and not is_fp8(r)]
+        fp8 = [r for r in moe if r["routing"] == routing and is_fp8(r)]
+        if rows:
+            out += ["", f"Whole layer, {routing} routing, slowest rank, median us:", "",
+                    markdown_table(rows, DOCS_COLUMNS)]
+        if fp8:
+            out += ["", f"The FP8 layer against bf16, {routing} routing:", "",
+                    markdown_table(fp8, FP8_COLUMNS)]
         if peer_columns(rows):
             out += ["", f"Against the peers, {routing} routing:", "",
                     markdown_table(rows, peer_columns(rows))]

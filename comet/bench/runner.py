@@ -104,6 +104,9 @@ class Settings:
     #: Microseconds the GPU sleeps before each whole-call iteration, so the host issues
     #: the call ahead (comet.bench.timing.time_calls; 0: calls back to back).
     lead_us: float = 0.0
+    #: Time comet's layer alone: no baselines, reference GEMMs or NCCL (their columns
+    #: None), for sweeps that hold the layer against itself (``--dtype bf16 fp8``).
+    only_fused: bool = False
 
 
 @dataclass
@@ -214,14 +217,16 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         return Series(series, phases)
 
     out: dict[str, Series] = {}
-    # The whole-call time of the baseline comes from calls without phase events: its
-    # small-token regime is host-bound, and ~20 event records would add to it.
-    phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
-    phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
-    out["baseline"] = Series(phases, LAYER_PHASES["baseline"])
-    for n in st.chunk_options:
-        out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
-            sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
+    if not st.only_fused:
+        # The whole-call time of the baseline comes from calls without phase events: its
+        # small-token regime is host-bound, and ~20 event records would add to it.
+        phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
+        phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
+        out["baseline"] = Series(phases, LAYER_PHASES["baseline"])
+        for n in st.chunk_options:
+            out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
+                sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group,
+                chunks=n)))
     ref = baseline(sets[0])
     peer_status = _time_peers(peers, sets, ref, timed, out, group) if peers is not None else {}
     n_comm = None
@@ -238,19 +243,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
         decode_tile = fused.layer.last_decode
         tile_overrides = fused.layer.last_tile_overrides
-    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
-                 torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
-                for p in plans]
-
-    out["torch_gmm"] = reference(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
-                                 LAYER_PHASES["gmm"])
-    if cutlass_mm is not None:
-        out["cutlass_gmm"] = reference(gemm_fn(
-            plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
-            LAYER_PHASES["gmm"])
-    del gmm_rows
-    if st.world > 1:
-        out["nccl"] = reference(_a2a_fn(sets, plans, group), LAYER_PHASES["a2a"])
+    if not st.only_fused:
+        _time_references(out, reference, plans, cfg, w13, w2, cutlass_mm, sets, st)
 
     flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
     order = timed_sets(st.n_sets, st.iters, st.warmup)
@@ -268,12 +262,12 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
 
     results = []
     for layer in layers:
-        chunked = {n: out[f"chunked{n}"].median(layer) for n in st.chunk_options}
-        best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
-                   default=None)
-
         def med(variant, phases=None, layer=layer):
             return median(out[variant].layer(layer, phases)) if variant in out else None
+
+        chunked = {n: med(f"chunked{n}") for n in st.chunk_options}
+        best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
+                   default=None)
 
         def gmm_tflops(variant, phases=None, layer=layer):
             times = out[variant].layer(layer, phases) if variant in out else None
@@ -319,6 +313,26 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     return results
 
 
+def _time_references(out: dict[str, Series], reference: Callable, plans, cfg: MoEConfig,
+                     w13, w2, cutlass_mm, sets: list[InputSet], st: Settings) -> None:
+    """Time the GEMMs (torch's, CUTLASS's) on the layer's rows and, across ranks, NCCL's
+    all-to-all of them, into ``out`` (``reference(fn, phases)``: phases and whole calls
+    of ``fn``)."""
+    dev = st.device
+    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
+                 torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
+                for p in plans]
+    out["torch_gmm"] = reference(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
+                                 LAYER_PHASES["gmm"])
+    if cutlass_mm is not None:
+        out["cutlass_gmm"] = reference(gemm_fn(
+            plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
+            LAYER_PHASES["gmm"])
+    del gmm_rows
+    if st.world > 1:
+        out["nccl"] = reference(_a2a_fn(sets, plans, st.group), LAYER_PHASES["a2a"])
+
+
 #: The columns an FP8 record leaves empty, and why: the unfused and chunked baselines,
 #: the torch and CUTLASS grouped GEMMs, NCCL's all-to-all and the peers run bf16 rows
 #: through bf16 weights; their times are in the bf16 record of the same case (``--dtype
@@ -360,6 +374,7 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
                                          mode)
             except Exception as err:  # a mode the FP8 kernels lack: say so, time the rest
                 skipped[mode] = f"{type(err).__name__}: {err}"
+    if fused is not None and "fused" in out:
         for n in fixed_splits(st, fused):
             out[f"fixed{n}"] = fused_series(timed, fused, sets, n, "fused")
         y = fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,

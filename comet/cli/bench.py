@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
                    help="integer TileConfig fields of comet's layer (e.g. layer1_scatter=0 "
                         "for layer1's column-split reduce; default: the layer's defaults)")
+    g.add_argument("--only-fused", action="store_true",
+                   help="time comet's layer alone (its modes, --fixed-splits): not the "
+                        "baselines, reference GEMMs, NCCL or peers, whose columns stay "
+                        "empty -- what --dtype bf16 fp8's ratios need, in a fraction of "
+                        "the time")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -405,6 +410,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if args.tp < 1 or world % args.tp:
         parser.error(f"--tp must divide the number of ranks ({world})")
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    if args.only_fused and (args.peers or mesh.tp > 1):
+        parser.error("--only-fused times an expert-parallel sweep's own layer (no --peers, "
+                     "no --tp)")
     if args.peers and mesh.tp > 1:
         parser.error("--peers times expert-parallel layers only (no --tp)")
     if args.redundant_experts is not None and (args.redundant_experts < 0 or mesh.tp > 1
@@ -432,7 +440,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
                   chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits),
-                  lead_us=args.lead_us)
+                  lead_us=args.lead_us, only_fused=args.only_fused)
     if args.lead_us:
         meta["lead_us"] = args.lead_us
     if args.timeline:
