@@ -5,7 +5,8 @@ like vLLM's fused-MoE configs::
 
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
 
-(a variant other than the default's adds ``variant=<hash>,`` before ``device_name``:
+(``dtype=fp8`` for a layer with FP8 experts: :func:`dtype_name`; a variant other than the
+default's adds ``variant=<hash>,`` before ``device_name``:
 :func:`file_name`; tables named without it load too, their ``meta["tile"]`` matched).
 
 A tensor-parallel layout's table is keyed by the kernels' shard-expert shape and by its
