@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from comet.config import MoEConfig
+from comet.quant import Fp8Weight, quantize_weight
 
 ROUTINGS = ("uniform", "skewed")
 HOT_EXPERT = 0
@@ -84,3 +85,22 @@ def make_expert_weights(cfg: MoEConfig, local_experts: int, config_name: str, ra
     w13 = torch.randn(local_experts, h, 2 * f, generator=g, device=device, dtype=cfg.dtype)
     w2 = torch.randn(local_experts, f, h, generator=g, device=device, dtype=cfg.dtype)
     return w13.mul_(h ** -0.5), w2.mul_(f ** -0.5)
+
+
+#: Experts quantized at once: the recipe works on fp32 copies, which for a whole preset
+#: (DeepSeek-V3's 256 experts: 45 GB) would not fit beside the bf16 experts.
+QUANT_CHUNK = 8
+
+
+def quantize_expert_weights(w13: torch.Tensor, w2: torch.Tensor, chunk: int = QUANT_CHUNK
+                            ) -> tuple[Fp8Weight, Fp8Weight]:
+    """The FP8 form of :func:`make_expert_weights`' experts, in the layout the FP8 layer
+    takes: ``gate_up [El, 2F, H]`` (gate rows, then up rows: their own block grids) and
+    ``down [El, H, F]``, by :func:`comet.quant.quantize_weight`'s recipe, ``chunk``
+    experts at a time."""
+    def quantized(w: torch.Tensor, parts: int) -> Fp8Weight:
+        pieces = [quantize_weight(w[i:i + chunk].transpose(1, 2), parts=parts)
+                  for i in range(0, w.shape[0], chunk)]
+        return Fp8Weight(torch.cat([p.weight for p in pieces]),
+                         torch.cat([p.scale_inv for p in pieces]), pieces[0].blocks, parts)
+    return quantized(w13, 2), quantized(w2, 1)

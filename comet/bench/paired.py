@@ -1,7 +1,7 @@
 """Paired comparison of two sweeps on the same machine: is a change slower anywhere?
 
-Each sweep is one or more ``comet bench`` JSON files of the same cases (config, tokens per
-rank, routing, layer). Runs of one side are averaged per record (their spread is the
+Each sweep is one or more ``comet bench`` JSON files of the same cases (config, dtype,
+tokens per rank, routing, layer). Runs of one side are averaged per record (their spread is the
 noise estimate); the ratio new / base of each comet column is reported per record, with
 the worst and the geometric mean. Run the two sides alternately on one machine
 (``scripts/device/paired_bench.sh``): timings on these GPUs drift by several percent
@@ -16,7 +16,8 @@ from comet.bench.records import geomean
 
 #: The columns compared: comet's whole call and its decomposition.
 COLUMNS = ("fused_us", "sequential_us", "compute_only_us", "comm_only_us")
-_KEY = ("config", "tokens_per_rank", "routing", "layer")
+#: ``dtype`` too: a ``--dtype bf16 fp8`` sweep has a record of each layer per case.
+_KEY = ("config", "dtype", "tokens_per_rank", "routing", "layer")
 
 
 def _by_case(runs: Sequence[Sequence[dict]]) -> dict[tuple, list[dict]]:

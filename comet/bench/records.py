@@ -26,6 +26,17 @@ or a per-layer row of a variant that has no layers). Variants:
   (``Variant.layer0_gather``).
 * ``fixed_split_us`` -- with ``--fixed-splits``: the fused layer at each fixed comm-block
   count (``{"16": us, ...}``), and ``best_fixed_split`` / ``best_fixed_us`` the fastest.
+* ``dispatch_rows`` / ``dispatch_row_bytes`` / ``dispatch_bytes`` -- rows the slowest
+  rank's dispatch writes (local ones included; once per (token, rank) where the layer
+  gathers), the bytes of one as it crosses (a bf16 row, or the FP8 layer's packed row of
+  e4m3 values and fp32 group scales) and their product.
+* FP8 records (``dtype`` ``"fp8"``, ``comet bench --dtype fp8``): comet's FP8 layer on
+  the same weights quantized; the bf16-only columns are None and ``omitted`` says why,
+  a mode the FP8 kernels cannot run is in ``skipped_modes``; ``hbm_floor_us`` counts
+  e4m3 weights, their scales and the rows the GEMMs read; ``max_rel_err["fused"]`` is
+  against the emulation of the quantized layer (one rank only). With a bf16 record of
+  the same case in the same run: ``bf16_fused_us``, ``fp8_over_bf16``,
+  ``bf16_over_fp8``, ``dispatch_bytes_over_bf16`` (:func:`pair_dtypes`).
 * ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs
   (:mod:`comet.bench.peers`), None where it was not timed (``peers`` says why: its
   status, reason, backend and output error per peer); ``best_peer`` / ``best_peer_us``
@@ -129,6 +140,38 @@ def derive(rec: dict) -> dict:
     rec["best_peer_us"] = peers.get(rec["best_peer"])
     rec["speedup_vs_best_peer"] = ratio(rec["best_peer_us"], rec.get("fused_us"))
     return rec
+
+
+#: ``dtype`` of a record of comet's FP8 layer (``comet bench --dtype fp8``); the others
+#: name torch's dtype of the rows (``bfloat16``).
+FP8 = "fp8"
+BF16 = "bfloat16"
+
+
+def is_fp8(rec: dict) -> bool:
+    return rec.get("dtype") == FP8
+
+
+def pair_dtypes(records: list[dict]) -> list[dict]:
+    """Hold each FP8 record against the bf16 record of the same case measured in the same
+    run (same date, layout, config, tokens, routing, layer; ``--dtype bf16 fp8``), in
+    place: ``bf16_fused_us``, ``fp8_over_bf16`` (FP8 (b) over bf16 (b)),
+    ``bf16_over_fp8`` (its inverse, the FP8 layer's speedup) and
+    ``dispatch_bytes_over_bf16``; None without such a record -- ratios are never taken
+    across runs, whose clocks and power states differ."""
+    def key(r: dict) -> tuple:
+        return tuple(r.get(k) for k in ("date", "layout", "config", "tokens_per_rank",
+                                        "routing", "layer"))
+    bf16 = {key(r): r for r in records if r.get("dtype") == BF16}
+    for r in records:
+        if is_fp8(r):
+            b = bf16.get(key(r), {})
+            r["bf16_fused_us"] = b.get("fused_us")
+            r["fp8_over_bf16"] = ratio(r.get("fused_us"), r["bf16_fused_us"])
+            r["bf16_over_fp8"] = ratio(r["bf16_fused_us"], r.get("fused_us"))
+            r["dispatch_bytes_over_bf16"] = ratio(r.get("dispatch_bytes"),
+                                                  b.get("dispatch_bytes"))
+    return records
 
 
 def wrong_fused(records) -> list[dict]:

@@ -6,16 +6,17 @@ import os
 from collections.abc import Callable, Sequence
 
 from comet.bench.provenance import repo_relative
-from comet.bench.records import MAX_REL_ERR, geomean, peer_names, wrong_fused
+from comet.bench.records import (MAX_REL_ERR, geomean, is_fp8, pair_dtypes, peer_names,
+                                 wrong_fused)
 from comet.constants import kernels_of
 
 Column = tuple[str, Callable[[dict], str]]
 
 
-def _num(key: str, fmt: str = "{:.1f}") -> Callable[[dict], str]:
+def _num(key: str, fmt: str = "{:.1f}", scale: float = 1.0) -> Callable[[dict], str]:
     def get(r: dict) -> str:
         v = r.get(key)
-        return "-" if v is None else fmt.format(v)
+        return "-" if v is None else fmt.format(v * scale)
     return get
 
 
@@ -103,6 +104,24 @@ BREAKDOWN_COLUMNS: list[Column] = _KEY[:3] + [
     ("act us", _phase("act")),
     ("permutes+reduce us", _phase("permute")),
     ("whole layer us", _num("baseline_us")),
+]
+
+
+#: comet's FP8 layer (``--dtype fp8``; whole-layer rows) against its bf16 layer of the
+#: same run and its FP8 HBM floor.
+FP8_COLUMNS: list[Column] = _KEY[:3] + [
+    ("FP8 (b) us", _num("fused_us")),
+    ("bf16 (b) us", _num("bf16_fused_us")),
+    ("FP8/bf16", _num("fp8_over_bf16", "{:.2f}")),
+    ("FP8 HBM floor us", _num("hbm_floor_us")),
+    ("b/HBM floor", _num("fused_over_hbm_floor", "{:.2f}")),
+    ("b host us", _num("fused_host_us")),
+    ("(c) compute us", _num("compute_only_us")),
+    ("(d) comm us", _num("comm_only_us")),
+    ("b/seq", _num("fused_over_sequential", "{:.2f}")),
+    ("dispatch MB", _num("dispatch_bytes", "{:.3g}", 1e-6)),
+    ("dispatch FP8/bf16", _num("dispatch_bytes_over_bf16", "{:.3f}")),
+    ("n_comm", _n_comm),
 ]
 
 
@@ -217,7 +236,9 @@ def summary(records: Sequence[dict]) -> list[str]:
                      "layer's times) in " + ", ".join(
                          f"{r['config']} {r['tokens_per_rank']} {r['routing']} {r['layer']} "
                          f"({r['max_rel_err']['fused']:.3g})" for r in wrong))
-    moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
+    moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None
+           and not is_fp8(r)]
+    lines += fp8_summary([r for r in records if is_fp8(r)])
     for routing in sorted({r["routing"] for r in moe}):
         rows = [r for r in moe if r["routing"] == routing]
         big = [r for r in rows if r["tokens_per_rank"] >= 4096]
@@ -292,6 +313,59 @@ def _decode_bound(small: Sequence[dict]) -> str:
             f"{abs(worst):.1f} us {'over' if worst > 0 else 'under'})")
 
 
+#: Issue 68's speed criteria for the FP8 layer, each against the bf16 layer's (b) of the
+#: same case in the same run (``fp8_over_bf16``), whole layer, one rank: at decode sizes
+#: (tokens/rank in FP8_DECODE_TOKENS, bounds included) FP8 (b) at most FP8_DECODE_RATIO
+#: of bf16's and within issue 41's bound of the FP8 HBM floor; a one-token call no
+#: slower than bf16's; at prefill sizes (>= FP8_PREFILL_TOKENS) bf16 / FP8 at least
+#: FP8_PREFILL_MIN in every record and FP8_PREFILL_GEOMEAN in geomean; the dispatch's
+#: bytes at most FP8_DISPATCH_RATIO of bf16's.
+FP8_DECODE_TOKENS = (8, 128)
+FP8_DECODE_RATIO = 0.6
+FP8_PREFILL_TOKENS = 4096
+FP8_PREFILL_MIN = 1.3
+FP8_PREFILL_GEOMEAN = 1.4
+FP8_DISPATCH_RATIO = 0.53
+
+
+def fp8_summary(records: Sequence[dict]) -> list[str]:
+    """One line per routing of FP8 whole-layer records against issue 68's criteria
+    (:data:`FP8_DECODE_RATIO` and the rest); the ratios need the bf16 record of the same
+    case (:func:`comet.bench.records.pair_dtypes`), a '-' says it is missing. The
+    criterion on the GEMM phases against DeepGEMM's grouped FP8 GEMM has no column yet."""
+    lines = []
+    moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
+    lo, hi = FP8_DECODE_TOKENS
+    for routing in sorted({r["routing"] for r in moe}):
+        rows = [r for r in moe if r["routing"] == routing]
+        decode = [r for r in rows if lo <= r["tokens_per_rank"] <= hi]
+        one = [r for r in rows if r["tokens_per_rank"] == 1]
+        big = [r for r in rows if r["tokens_per_rank"] >= FP8_PREFILL_TOKENS]
+        parts = []
+        if decode:
+            parts.append(_check(decode, "fp8_over_bf16", f"FP8/bf16 b at {lo}-{hi} "
+                                "tokens/rank", "max", FP8_DECODE_RATIO))
+            over = [v for r in decode if (v := over_decode_bound(r)) is not None]
+            parts.append(f"b <= {DECODE_BOUND_FACTOR:g} FP8 HBM floor + {DECODE_BOUND_US:g} "
+                         f"us at {lo}-{hi} tokens/rank in {sum(v <= 0 for v in over)}/"
+                         f"{len(over)}" + (f" (worst {max(over):+.1f} us)" if over else ""))
+        if one:
+            parts.append(_check(one, "fp8_over_bf16", "FP8/bf16 b at 1 token/rank", "max",
+                                1.0))
+        if big:
+            parts.append(_check(big, "bf16_over_fp8", f"bf16/FP8 b at >= "
+                                f"{FP8_PREFILL_TOKENS} tokens/rank", "min", FP8_PREFILL_MIN))
+            parts.append(f"geomean bf16/FP8 b at >= {FP8_PREFILL_TOKENS} tokens/rank "
+                         f"{_fmt(geomean(r.get('bf16_over_fp8') for r in big))} (target "
+                         f"{FP8_PREFILL_GEOMEAN:g})")
+        parts.append(_check(rows, "dispatch_bytes_over_bf16", "dispatch bytes FP8/bf16",
+                            "max", FP8_DISPATCH_RATIO))
+        parts.append("FP8 GEMM phases vs DeepGEMM's grouped FP8 GEMM: not measured (no "
+                     "FP8 peer yet)")
+        lines.append(f"fp8 {routing}: " + "; ".join(parts))
+    return lines
+
+
 #: A fused call whose host time is at least this share of (b) had the GPU wait for the
 #: host (or close to it): its (b) is the host's pace, not the kernels'.
 HOST_BOUND = 0.9
@@ -358,7 +432,8 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     out = [f"# comet bench: {first.get('layout', '?')} on {first.get('device', '?')}", "",
            f"- date: {first.get('date', '?')}",
            f"- command: `{first.get('command', '?')}`",
-           f"- dtype: {first.get('dtype', '?')}; iterations: {first.get('iters', '?')} "
+           f"- dtype: {', '.join(sorted({str(r.get('dtype', '?')) for r in records}))}; "
+           f"iterations: {first.get('iters', '?')} "
            f"(median of the slowest rank), warm-up {first.get('warmup', '?')}, "
            f"{first.get('input_sets', '?')} input sets"]
     out += [f"- {name}: {what}" for name, what in (first.get("baselines") or {}).items()]
@@ -366,9 +441,13 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     lines = summary(records)
     if lines:
         out += ["", "## Summary", ""] + [f"- {s}" for s in lines]
+    fp8 = [r for r in records if is_fp8(r) and r["layer"] == "moe"]
+    records = [r for r in records if not is_fp8(r)]
     out += ["", "## Times", "", markdown_table(records, MAIN_COLUMNS),
             "", "## Compute and communication efficiency", "",
             markdown_table(records, EFFICIENCY_COLUMNS)]
+    if fp8:
+        out += ["", "## The FP8 layer against bf16", "", markdown_table(fp8, FP8_COLUMNS)]
     moe = [r for r in records if r["layer"] == "moe"]
     if moe:
         out += ["", "## Where the unfused baseline spends its time", "",
@@ -471,10 +550,16 @@ def docs_markdown(files: Sequence[tuple[str, Sequence[dict]]],
                if routings is None or r.get("routing") in routings]
     moe = [r for r in records if r.get("layer") == "moe"]
     out = [f"- {provenance_line(path, recs)}" for path, recs in files]
+    pair_dtypes(records)
     for routing in sorted({r["routing"] for r in moe}):
-        rows = [r for r in moe if r["routing"] == routing]
-        out += ["", f"Whole layer, {routing} routing, slowest rank, median us:", "",
-                markdown_table(rows, DOCS_COLUMNS)]
+        rows = [r for r in moe if r["routing"] == routing and not is_fp8(r)]
+        fp8 = [r for r in moe if r["routing"] == routing and is_fp8(r)]
+        if rows:
+            out += ["", f"Whole layer, {routing} routing, slowest rank, median us:", "",
+                    markdown_table(rows, DOCS_COLUMNS)]
+        if fp8:
+            out += ["", f"The FP8 layer against bf16, {routing} routing:", "",
+                    markdown_table(fp8, FP8_COLUMNS)]
         if peer_columns(rows):
             out += ["", f"Against the peers, {routing} routing:", "",
                     markdown_table(rows, peer_columns(rows))]

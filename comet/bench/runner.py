@@ -36,15 +36,20 @@ import torch
 import torch.distributed as dist
 
 from comet import reference
+from comet.activation import gated
 from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
-from comet.bench.floors import expert_bytes, hbm_floor_us, link_rows
+from comet.bench.floors import (dispatch_rows, expert_bytes, fp8_expert_bytes,
+                                 fp8_row_bytes, hbm_floor_us, link_rows)
 from comet.bench.inputs import InputSet, make_input_sets
 from comet.bench.peers import PeerLayer, Peers
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.config import MoEConfig
 from comet.grouped import grouped_mm
+from comet.kernels.fp8_gemm import quantize_rows_triton
+from comet.kernels.fp8_roles import packed_row_bytes
+from comet.quant import Fp8Weight
 
 # compute_only after modes that dispatch: its GEMMs then read real rows. On a zeroed
 # workspace they run 15-18% faster (a power-limited GPU clocks higher when the tensor
@@ -99,6 +104,9 @@ class Settings:
     #: Microseconds the GPU sleeps before each whole-call iteration, so the host issues
     #: the call ahead (comet.bench.timing.time_calls; 0: calls back to back).
     lead_us: float = 0.0
+    #: Time comet's layer alone: no baselines, reference GEMMs or NCCL (their columns
+    #: None), for sweeps that hold the layer against itself (``--dtype bf16 fp8``).
+    only_fused: bool = False
 
 
 @dataclass
@@ -209,14 +217,16 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         return Series(series, phases)
 
     out: dict[str, Series] = {}
-    # The whole-call time of the baseline comes from calls without phase events: its
-    # small-token regime is host-bound, and ~20 event records would add to it.
-    phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
-    phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
-    out["baseline"] = Series(phases, LAYER_PHASES["baseline"])
-    for n in st.chunk_options:
-        out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
-            sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group, chunks=n)))
+    if not st.only_fused:
+        # The whole-call time of the baseline comes from calls without phase events: its
+        # small-token regime is host-bound, and ~20 event records would add to it.
+        phases = timed(lambda i, t: baseline(sets[i], t), phase_clock)
+        phases["total"] = timed(lambda i, t: baseline(sets[i]))["total"]
+        out["baseline"] = Series(phases, LAYER_PHASES["baseline"])
+        for n in st.chunk_options:
+            out[f"chunked{n}"] = Series(timed(lambda i, t, n=n: chunked_ep_moe_forward(
+                sets[i].x, sets[i].topk_ids, sets[i].topk_weights, w13, w2, group,
+                chunks=n)))
     ref = baseline(sets[0])
     peer_status = _time_peers(peers, sets, ref, timed, out, group) if peers is not None else {}
     n_comm = None
@@ -233,19 +243,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
         decode_tile = fused.layer.last_decode
         tile_overrides = fused.layer.last_tile_overrides
-    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
-                 torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
-                for p in plans]
-
-    out["torch_gmm"] = reference(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
-                                 LAYER_PHASES["gmm"])
-    if cutlass_mm is not None:
-        out["cutlass_gmm"] = reference(gemm_fn(
-            plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
-            LAYER_PHASES["gmm"])
-    del gmm_rows
-    if st.world > 1:
-        out["nccl"] = reference(_a2a_fn(sets, plans, group), LAYER_PHASES["a2a"])
+    if not st.only_fused:
+        _time_references(out, reference, plans, cfg, w13, w2, cutlass_mm, sets, st)
 
     flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
     order = timed_sets(st.n_sets, st.iters, st.warmup)
@@ -254,18 +253,21 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size,
                            w13.element_size(), st)
     link = link_columns([s.topk_ids for s in sets], el, st)
+    gathered = bool(fused is not None and fused.layer.tile.variant.layer0_gather)
+    dispatch = dispatch_columns([s.topk_ids for s in sets], el, st, gathered,
+                                cfg.hidden_size * w13.element_size())
     checks = {**_checks(sets[0], ref, w13, w2, st, fused),
               **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
                  if "max_rel_err" in s}}
 
     results = []
     for layer in layers:
-        chunked = {n: out[f"chunked{n}"].median(layer) for n in st.chunk_options}
-        best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
-                   default=None)
-
         def med(variant, phases=None, layer=layer):
             return median(out[variant].layer(layer, phases)) if variant in out else None
+
+        chunked = {n: med(f"chunked{n}") for n in st.chunk_options}
+        best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
+                   default=None)
 
         def gmm_tflops(variant, phases=None, layer=layer):
             times = out[variant].layer(layer, phases) if variant in out else None
@@ -301,6 +303,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             **gather_column(fused),
             "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
             **link,
+            **dispatch,
             "max_rel_err": checks,
             **run_columns(st, hbm_floor, layer),
         }
@@ -310,15 +313,163 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     return results
 
 
+def _time_references(out: dict[str, Series], reference: Callable, plans, cfg: MoEConfig,
+                     w13, w2, cutlass_mm, sets: list[InputSet], st: Settings) -> None:
+    """Time the GEMMs (torch's, CUTLASS's) on the layer's rows and, across ranks, NCCL's
+    all-to-all of them, into ``out`` (``reference(fn, phases)``: phases and whole calls
+    of ``fn``)."""
+    dev = st.device
+    gmm_rows = [(torch.randn(p.rows, cfg.hidden_size, device=dev, dtype=cfg.dtype),
+                 torch.randn(p.rows, cfg.intermediate_size, device=dev, dtype=cfg.dtype))
+                for p in plans]
+    out["torch_gmm"] = reference(gemm_fn(plans, gmm_rows, w13, w2, grouped_mm),
+                                 LAYER_PHASES["gmm"])
+    if cutlass_mm is not None:
+        out["cutlass_gmm"] = reference(gemm_fn(
+            plans, gmm_rows, w13, w2, lambda a, b, rows, _: cutlass_mm(a, b, rows)),
+            LAYER_PHASES["gmm"])
+    del gmm_rows
+    if st.world > 1:
+        out["nccl"] = reference(_a2a_fn(sets, plans, st.group), LAYER_PHASES["a2a"])
+
+
+#: The columns an FP8 record leaves empty, and why: the unfused and chunked baselines,
+#: the torch and CUTLASS grouped GEMMs, NCCL's all-to-all and the peers run bf16 rows
+#: through bf16 weights; their times are in the bf16 record of the same case (``--dtype
+#: bf16 fp8``), which the FP8 one is held against.
+FP8_OMITTED = {
+    "baseline_us": "the unfused baseline has no FP8 form",
+    "chunked_us": "the chunked baseline has no FP8 form",
+    "torch_gmm_us": "torch's grouped GEMM takes no block-scaled FP8 operands",
+    "cutlass_gmm_us": "the CUTLASS reference is a bf16 grouped GEMM",
+    "nccl_a2a_us": "NCCL's reference moves bf16 rows",
+    "peers": "the peers are timed on bf16 experts; DeepGEMM's FP8 grouped GEMM is not "
+             "wired in yet",
+}
+
+
+def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
+                 fused: Fused | None, layers: Sequence[str] = rec.LAYERS) -> list[dict]:
+    """:func:`run_case` for comet's FP8 layer (``case.cfg.fp8``; forward only): the fused
+    call and its modes, the fixed splits, its HBM floor with FP8 bytes and its dispatch
+    bytes, its output against the emulation of the quantized layer (:func:`emulate_fp8`;
+    one rank only: it needs every expert). The bf16 variants have no FP8 form
+    (:data:`FP8_OMITTED`: their columns are None, ``omitted`` says why). A mode that
+    raises is left out (``skipped_modes``: why); collective over ``st.group``."""
+    cfg, group = case.cfg, st.group
+    el = gate_up.experts
+    sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, st.rank,
+                           st.seed, st.device)
+    plans = [plan_dispatch(s.topk_ids, el, group) for s in sets]
+    timed = case_timer(st, L2Flush(st.device))
+    out: dict[str, Series] = {}
+    skipped: dict[str, str] = {}
+    n_comm = decode_tile = tile_overrides = None
+    checks: dict[str, float | None] = {"fused": None}
+    if fused is not None:
+        for mode in FUSED_MODES:
+            try:
+                out[mode] = fused_series(timed, fused, sets,
+                                         None if mode == "sequential" else st.comm_blocks,
+                                         mode)
+            except Exception as err:  # a mode the FP8 kernels lack: say so, time the rest
+                skipped[mode] = f"{type(err).__name__}: {err}"
+    if fused is not None and "fused" in out:
+        for n in fixed_splits(st, fused):
+            out[f"fixed{n}"] = fused_series(timed, fused, sets, n, "fused")
+        y = fused.layer(sets[0].x, sets[0].topk_ids, sets[0].topk_weights,
+                        comm_blocks=st.comm_blocks, mode="fused")
+        n_comm = _gather([list(fused.layer.last_comm_blocks)], group)
+        decode_tile = fused.layer.last_decode
+        tile_overrides = fused.layer.last_tile_overrides
+        if st.world == 1:
+            checks["fused"] = rel_err(y, emulate_fp8(sets[0], gate_up, down, cfg))
+    order = timed_sets(st.n_sets, st.iters, st.warmup)
+    flops_by_set = [_gemm_flops(p.rows, cfg) for p in plans]
+    flops = reduce_over_ranks({name: [flops_by_set[s][name] for s in order]
+                               for name in rec.LAYERS}, group, sums=rec.LAYERS)
+    hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size, 1, st,
+                           fp8_expert_bytes(gate_up, down),
+                           fp8_row_bytes(cfg.hidden_size, cfg.intermediate_size))
+    ids = [s.topk_ids for s in sets]
+    link = link_columns(ids, el, st)
+    dispatch = dispatch_columns(ids, el, st, False, packed_row_bytes(cfg.hidden_size))
+
+    results = []
+    for layer in layers:
+        def med(variant, phases=None, layer=layer):
+            return median(out[variant].layer(layer, phases)) if variant in out else None
+
+        times = out["compute_only"].layer(layer, _RATE_PHASES["comet_kernels"]) \
+            if "compute_only" in out else None
+        r = {
+            **case_columns(case, layer),
+            **{k: None for k in ("baseline_us", "chunked_us", "torch_gmm_us",
+                                 "torch_gmm_tflops", "cutlass_gmm_us", "cutlass_gmm_tflops",
+                                 "nccl_a2a_us")},
+            "omitted": FP8_OMITTED,
+            "fused_us": med("fused"), "sequential_us": med("sequential"),
+            "compute_only_us": med("compute_only"), "comm_only_us": med("comm_only"),
+            "skipped_modes": skipped or None,
+            "comet_gmm_tflops": median([rec.tflops(f, st.world * t)
+                                        for f, t in zip(flops[layer], times)])
+            if times else None,
+            "comet_gmm_us": (med("compute_only", LAYER_PHASES["comet_kernels"])
+                             if layer != "moe" else None),
+            **fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
+            "fused_host_us": fused_host_us(out, layer),
+            "n_comm": n_comm[0] if n_comm else None,
+            "n_comm_per_rank": n_comm,
+            "decode_tile": decode_tile,
+            "tile_overrides": tile_overrides,
+            **gather_column(fused),
+            "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            **link,
+            **dispatch,
+            "max_rel_err": checks,
+            **run_columns(st, hbm_floor, layer),
+        }
+        if layer == "moe":
+            r.update(phase_columns(out, {}))
+        results.append(rec.derive(r))
+    return results
+
+
+def emulate_fp8(s: InputSet, gate_up: Fp8Weight, down: Fp8Weight, cfg: MoEConfig
+                ) -> torch.Tensor:
+    """The FP8 layer's output on ``s`` emulated in fp32 as
+    :func:`comet.reference.expert_mlp_fp8` does, its rows quantized by the kernels'
+    recipe (:func:`comet.kernels.fp8_gemm.quantize_rows_triton`: torch's bits on a GPU,
+    the interpreter's casts under it, whose known e4m3 errors would otherwise read as a
+    wrong layer), one expert dequantized at a time (a preset's fp32 experts would not
+    fit)."""
+    f = down.k
+    xq = quantize_rows_triton(s.x).dequantize()
+    out = torch.zeros(s.x.shape, dtype=torch.float32, device=s.x.device)
+    for e in range(gate_up.experts):
+        tok, slot = (s.topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            w13, w2 = (Fp8Weight(w.weight[e:e + 1], w.scale_inv[e:e + 1], w.blocks,
+                                 w.parts).dequantize()[0] for w in (gate_up, down))
+            gu = xq[tok] @ w13.T
+            h = quantize_rows_triton(gated(gu[:, :f], gu[:, f:], cfg.activation))
+            out.index_add_(0, tok, (h.dequantize() @ w2.T)
+                           * s.topk_weights[tok, slot].float().unsqueeze(1))
+    return out
+
+
 def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int,
-               st: Settings) -> dict[str, list[float]] | None:
+               st: Settings, per_expert: dict[str, int] | None = None,
+               per_row: dict[str, int] | None = None) -> dict[str, list[float]] | None:
     """Per layer, the HBM floor of each timed iteration (the slowest rank's; ``order``:
     the input set of each, :func:`comet.bench.timing.timed_sets`) for ``plans``' rows per
-    expert of ``ffn``-wide experts; None when no HBM rate was measured. Collective."""
+    expert of ``ffn``-wide experts (``per_expert`` / ``per_row``: an FP8 layer's bytes,
+    :func:`comet.bench.floors.hbm_floor_us`); None when no HBM rate was measured.
+    Collective."""
     if not st.hbm_gbps:
         return None
-    per_expert = expert_bytes(hidden, ffn, element_size)
-    by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps) for p in plans]
+    per_expert = per_expert or expert_bytes(hidden, ffn, element_size)
+    by_set = [hbm_floor_us(p.expert_rows, per_expert, st.hbm_gbps, per_row) for p in plans]
     return reduce_over_ranks({name: [by_set[s][name] for s in order] for name in rec.LAYERS},
                              st.group)
 
@@ -339,6 +490,19 @@ def link_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings) 
     return {"link_rows": median(link["pairs"]), "link_token_rows": median(link["tokens"])}
 
 
+def dispatch_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings,
+                     gathered: bool, row_bytes: int) -> dict:
+    """``dispatch_rows`` (:func:`comet.bench.floors.dispatch_rows` of each input set, the
+    slowest rank's, median over the sets), ``dispatch_row_bytes`` (a row as it crosses)
+    and ``dispatch_bytes``, their product. Collective."""
+    rows = reduce_over_ranks({"rows": [float(dispatch_rows(i, local_experts, st.world,
+                                                           gathered)) for i in ids]},
+                             st.group)
+    n = median(rows["rows"])
+    return {"dispatch_rows": n, "dispatch_row_bytes": row_bytes,
+            "dispatch_bytes": None if n is None else n * row_bytes}
+
+
 def run_columns(st: Settings, hbm_floor: dict | None, layer: str) -> dict:
     """The fields every record of a run shares: the measured HBM rate, this layer's HBM
     floor, the iteration counts."""
@@ -352,7 +516,8 @@ def case_columns(case: Case, layer: str) -> dict:
     cfg = case.cfg
     return {"config": case.config, "experts": cfg.num_experts, "topk": cfg.top_k,
             "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size,
-            "dtype": str(cfg.dtype).removeprefix("torch."),
+            "dtype": (rec.FP8 if cfg.fp8 is not None
+                      else str(cfg.dtype).removeprefix("torch.")),
             "tokens_per_rank": case.tokens, "routing": case.routing, "layer": layer}
 
 
@@ -382,11 +547,11 @@ def phase_columns(out: dict[str, Series], breakdown: dict[str, tuple[str, ...]])
     """A whole-layer record's breakdowns: the baseline's phases summed into ``breakdown``'s
     columns (those it has), and where comet's time goes, per mode and phase (plan,
     layer0, layer1, combine)."""
-    base = out["baseline"].series
+    base = out["baseline"].series if "baseline" in out else {}
     return {
         "baseline_phases_us": {
             name: median([sum(v) for v in zip(*[base[p] for p in parts if p in base])])
-            for name, parts in breakdown.items() if any(p in base for p in parts)},
+            for name, parts in breakdown.items() if any(p in base for p in parts)} or None,
         "comet_phases_us": {
             mode: {p: median(v) for p, v in out[mode].series.items()
                    if p not in ("total", "host")}

@@ -23,6 +23,7 @@ import datetime
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,18 @@ from comet.bench import records as rec
 from comet.bench import paired, report, trace
 from comet.bench.cutlass_ref import load_cutlass_grouped_mm
 from comet.bench.floors import hbm_read_gbps
-from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.inputs import (ROUTINGS, make_expert_weights, make_input_sets,
+                                quantize_expert_weights)
 from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.peers import PEERS, build_peers, load_peers
-from comet.bench.runner import Case, Fused, Settings, run_case
+from comet.bench.runner import Case, Fused, Settings, run_case, run_fp8_case
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
-from comet.constants import kernel_identity, kernels_of
+from comet.constants import interpreting, kernel_identity, kernels_of
 from comet.mesh import CONVENTIONS, MeshLayout
+from comet.quant import Fp8, Fp8Weight
 
 #: Small enough that the CPU run finishes in seconds.
 CPU_CONFIG = "cpu-tiny"
@@ -53,6 +56,12 @@ GPU_CONFIGS = ("mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like")
 GPU_TOKENS = (128, 1024, 4096, 16384)
 CPU_TOKENS = (64, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: ``--dtype`` of comet's FP8 layer: bf16 rows, FP8 experts (``MoEConfig.fp8``).
+FP8 = "fp8"
+FP8_INTERPRETED_NOTE = ("fp8 without a GPU: comet's FP8 layer runs under the Triton "
+                        "interpreter, to show the records; its times mean nothing")
+NO_FP8_NOTE = ("fp8 skipped: the FP8 layer has no torch path; without a GPU it runs under "
+               "the Triton interpreter only (TRITON_INTERPRET=1)")
 NO_GPU_NOTE = ("no GPU: these are CPU times of the torch paths (unfused and chunked "
                "baselines, per-expert GEMM loop) on a scaled-down config, not GPU timings; "
                "comet's fused kernels need CUDA, so its columns are empty")
@@ -81,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", nargs="+", choices=rec.LAYERS, default=list(rec.LAYERS),
                    help="layer0 (dispatch + GEMM0 + act), layer1 (GEMM1 + combine), moe "
                         "(the whole layer) (default: all)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: bf16 on a GPU, fp32 on the CPU (CPU bf16 GEMMs crawl)")
+    g.add_argument("--dtype", nargs="+", choices=[*sorted(DTYPES), FP8], default=None,
+                   help="default: bf16 on a GPU, fp32 on the CPU (CPU bf16 GEMMs crawl); "
+                        "fp8: comet's FP8 layer (forward only) on the same weights "
+                        "quantized (comet.quant); 'bf16 fp8' times both, case by case, and "
+                        "holds the FP8 layer against bf16 (docs/benchmarking.md, 'FP8')")
     g.add_argument("--comm-blocks", nargs="+", type=int, default=None, metavar="N",
                    help="fix the block split: one count for both layers or two "
                         "(layer0 layer1); default: comet chooses per call")
@@ -98,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tile", default="", metavar="FIELD=V[,FIELD=V]",
                    help="integer TileConfig fields of comet's layer (e.g. layer1_scatter=0 "
                         "for layer1's column-split reduce; default: the layer's defaults)")
+    g.add_argument("--only-fused", action="store_true",
+                   help="time comet's layer alone (its modes, --fixed-splits): not the "
+                        "baselines, reference GEMMs, NCCL or peers, whose columns stay "
+                        "empty -- what --dtype bf16 fp8's ratios need, in a fraction of "
+                        "the time")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -231,7 +248,8 @@ def _comm_blocks(values, parser):
 def _build_fused(cfg, w13, w2, group, device, **kwargs) -> tuple[Fused | None, str | None]:
     """comet's layer for ``cfg`` (``kwargs``: FusedMoE's ``tile``, and ``mesh`` and
     ``convention`` of a TP layout), or None and why; every rank gets the same answer."""
-    if device.type != "cuda":
+    # The FP8 layer has no torch path to time instead: on the CPU it runs interpreted.
+    if device.type != "cuda" and not (cfg.fp8 is not None and interpreting()):
         return None, None
     try:
         from comet.runtime.layer import FusedMoE, PhaseTimer
@@ -267,13 +285,20 @@ def _report_other_kernels(paths: list[str]) -> None:
 def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: str,
           plot: bool) -> None:
     """Print the report and write JSON, markdown and PNG (rank 0 only)."""
+    rec.pair_dtypes(records)
     for n in notes:
         print(f"note: {n}")
-    print()
-    print(report.text_table(records, report.MAIN_COLUMNS))
-    print()
-    print(report.text_table(records, report.EFFICIENCY_COLUMNS))
-    moe = [r for r in records if r["layer"] == "moe"]
+    plain = [r for r in records if not rec.is_fp8(r)]
+    fp8 = [r for r in records if rec.is_fp8(r) and r["layer"] == "moe"]
+    if plain:
+        print()
+        print(report.text_table(plain, report.MAIN_COLUMNS))
+        print()
+        print(report.text_table(plain, report.EFFICIENCY_COLUMNS))
+    if fp8:
+        print()
+        print(report.text_table(fp8, report.FP8_COLUMNS))
+    moe = [r for r in plain if r["layer"] == "moe"]
     if moe:
         print()
         print(report.text_table(moe, report.BREAKDOWN_COLUMNS))
@@ -291,8 +316,8 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
         return
     base = os.path.join(output_dir, stem)
     print(f"wrote {rec.write_json(records, base + '.json')}")
-    if plot:
-        _, note = report.plot_speedup(records, base + ".png")
+    if plot and plain:
+        _, note = report.plot_speedup(plain, base + ".png")
         notes = notes + [note]
         print(note)
     with open(base + ".md", "w") as f:
@@ -366,13 +391,28 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         parser.error("--tokens must be >= 0; --iters, --input-sets and --chunks >= 1")
     if any(n < 0 for n in args.fixed_splits):
         parser.error("--fixed-splits must be >= 0")
-    dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    dtypes = list(dict.fromkeys(args.dtype or ["bf16" if on_gpu else "fp32"]))
+    plain = [d for d in dtypes if d != FP8]
+    if len(plain) > 1:
+        parser.error("--dtype takes one row dtype per run, and fp8 beside it")
+    fp8 = FP8 in dtypes
+    if fp8 and (args.tp > 1 or args.timeline or args.redundant_experts is not None):
+        parser.error("--dtype fp8 times an expert-parallel sweep (no --tp, --timeline or "
+                     "--redundant-experts)")
+    # The FP8 layer's experts are quantized from bf16 ones, the bf16 layer's own.
+    dtype = DTYPES[plain[0]] if plain else torch.bfloat16
     notes = [] if on_gpu else [NO_GPU_NOTE]
+    if fp8 and not on_gpu:
+        notes.append(FP8_INTERPRETED_NOTE if interpreting() else NO_FP8_NOTE)
+        fp8 = interpreting()
     if on_gpu and iters < 20:
         notes.append(f"only {iters} timed iterations; the protocol quotes medians of >= 20")
     if args.tp < 1 or world % args.tp:
         parser.error(f"--tp must divide the number of ranks ({world})")
     mesh = MeshLayout(tp=args.tp, ep=world // args.tp)
+    if args.only_fused and (args.peers or mesh.tp > 1):
+        parser.error("--only-fused times an expert-parallel sweep's own layer (no --peers, "
+                     "no --tp)")
     if args.peers and mesh.tp > 1:
         parser.error("--peers times expert-parallel layers only (no --tp)")
     if args.redundant_experts is not None and (args.redundant_experts < 0 or mesh.tp > 1
@@ -400,7 +440,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                   warmup=warmup, n_sets=args.input_sets, seed=args.seed,
                   comm_blocks=_comm_blocks(args.comm_blocks, parser),
                   chunk_options=tuple(args.chunks), fixed_splits=tuple(args.fixed_splits),
-                  lead_us=args.lead_us)
+                  lead_us=args.lead_us, only_fused=args.only_fused)
     if args.lead_us:
         meta["lead_us"] = args.lead_us
     if args.timeline:
@@ -412,10 +452,11 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         meta["convention"] = args.convention
         return _run_mesh(args, configs, tokens, st, dtype, meta, notes, stamp, mesh)
 
-    cutlass_mm, cutlass_note = load_cutlass_grouped_mm(device, dtype)
-    if cutlass_mm is None:
+    cutlass_mm, cutlass_note = (load_cutlass_grouped_mm(device, dtype) if plain
+                                else (None, None))
+    if plain and cutlass_mm is None:
         notes.append(cutlass_note)
-    loaded_peers = load_peers(args.peers, device, world, group)
+    loaded_peers = load_peers(args.peers, device, world, group) if plain else None
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
     stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
@@ -432,8 +473,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        replicas = None
-        if args.redundant_experts is not None:
+        fused = peers = replicas = None
+        if plain and args.redundant_experts is not None:
             try:
                 replicas = _replicated(cfg, name, args, meta, group, device, world, rank,
                                        w13, w2)
@@ -442,25 +483,43 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 bar.update(len(tokens) * len(args.routing))
                 continue
             fused, why = replicas.fused, replicas.why
-        else:
+        elif plain:
             fused, why = _build_fused(cfg, w13, w2, group, device,
                                       **_tile_of(meta, cfg, MeshLayout(ep=world)))
+        else:
+            why = None
         if why and why not in notes:
             notes.append(why)
-        peers = build_peers(loaded_peers, cfg, w13, w2, group, device) if args.peers else None
+        if plain and args.peers:
+            peers = build_peers(loaded_peers, cfg, w13, w2, group, device)
+        fp8_layer = None
+        if fp8:
+            fp8_layer = _fp8_layer(name, cfg, w13, w2, meta, args.seed, group, device,
+                                   world, rank)
+            if isinstance(fp8_layer, str):
+                notes.append(fp8_layer)
+                fp8_layer = None
+            elif fp8_layer.why and fp8_layer.why not in notes:
+                notes.append(fp8_layer.why)
         for t in tokens:
             for routing in args.routing:
                 bar.set_postfix_str(f"{name} {t} {routing}")
-                balance = ({} if replicas is None else
-                           replicas.prepare(Case(name, cfg, t, routing), st))
-                for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused, cutlass_mm,
-                                  args.layers, peers):
-                    records.append({**meta, **r, **balance, "notes": notes})
+                if plain:
+                    balance = ({} if replicas is None else
+                               replicas.prepare(Case(name, cfg, t, routing), st))
+                    for r in run_case(Case(name, cfg, t, routing), st, w13, w2, fused,
+                                      cutlass_mm, args.layers, peers):
+                        records.append({**meta, **r, **balance, "notes": notes})
+                if fp8_layer is not None:
+                    f8 = fp8_layer
+                    for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
+                                          f8.down, f8.fused, args.layers):
+                        records.append({**meta, **r, "notes": notes})
                 partial.save(records)
                 bar.update()
         if peers is not None:
             peers.close()
-        del w13, w2, fused, peers
+        del w13, w2, fused, peers, fp8_layer
         if on_gpu:
             torch.cuda.empty_cache()
     bar.close()
@@ -468,6 +527,37 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         _emit(records, notes, args.output_dir, stem, not args.no_plot)
     partial.done()
     return _status(records)
+
+
+@dataclass
+class _Fp8Layer:
+    """comet's FP8 layer of one config: its config, this rank's FP8 experts, the layer
+    (None, and ``why``, where it cannot be built)."""
+
+    cfg: MoEConfig
+    gate_up: Fp8Weight
+    down: Fp8Weight
+    fused: Fused | None
+    why: str | None
+
+
+def _fp8_layer(name: str, cfg: MoEConfig, w13, w2, meta: dict, seed: int, group, device,
+               world: int, rank: int) -> _Fp8Layer | str:
+    """The :class:`_Fp8Layer` of ``cfg`` on this rank's experts quantized (``w13``/``w2``
+    where they are bf16, else the same draws in bf16), or a note saying why the config
+    has no FP8 form."""
+    try:
+        cfg8 = cfg.replace(dtype=torch.bfloat16, fp8=Fp8())
+        check_layout(cfg8, ParallelConfig(world, rank))
+    except ValueError as err:
+        return f"{name} fp8 skipped: {err}"
+    if w13.dtype != torch.bfloat16:
+        w13, w2 = make_expert_weights(cfg8, cfg8.num_experts // world, name, rank, seed,
+                                      device)
+    gate_up, down = quantize_expert_weights(w13, w2)
+    fused, why = _build_fused(cfg8, gate_up, down, group, device,
+                              **_tile_of(meta, cfg8, MeshLayout(ep=world)))
+    return _Fp8Layer(cfg8, gate_up, down, fused, why)
 
 
 class _Replicas:

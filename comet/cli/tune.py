@@ -32,6 +32,7 @@ Examples::
     comet tune --experts 64 --topk 8 --hidden 4096 --ffn 1024 --output-dir my_tables/
     comet tune --config mixtral --check --tokens 128 3000 8192
     comet tune --config qwen2-moe --tp 2 --convention replicated   # a TP layout's table
+    comet tune --config mixtral --dtype fp8            # the FP8 layer's table (dtype=fp8)
 """
 
 from __future__ import annotations
@@ -47,15 +48,19 @@ import torch
 import torch.distributed as dist
 
 from comet import __version__
-from comet.bench.inputs import ROUTINGS, make_expert_weights, make_input_sets
+from comet.bench.inputs import (ROUTINGS, make_expert_weights, make_input_sets,
+                                quantize_expert_weights)
 from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import median, reduce_over_ranks, time_calls
 from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, TileConfig
 from comet.mesh import CONVENTIONS, MeshLayout
+from comet.quant import Fp8
 from comet.scheduler import search, tuned
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``--dtype`` of the FP8 layer, whose table no bf16 layer loads (tuned.dtype_name).
+FP8 = "fp8"
 #: Token buckets from decode to long prefill chunks; a call uses the nearest (log scale).
 DEFAULT_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -89,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=["uniform"],
                    help="routings a split is timed on; it is chosen for their mean time "
                         "(default: %(default)s)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), FP8], default="bf16",
+                   help="fp8: the FP8 layer (MoEConfig.fp8: bf16 rows, FP8 experts), "
+                        "into its own table (dtype=fp8) (default: bf16)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--output-dir", default=os.environ.get(tuned.ENV_FOLDER, "comet_tuned"),
@@ -297,8 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    cfg = resolve_config(args, parser).replace(dtype=DTYPES[args.dtype],
-                                               max_tokens=max(args.tokens))
+    cfg = resolve_config(args, parser)
+    try:
+        cfg = (cfg.replace(dtype=torch.bfloat16, fp8=Fp8(), max_tokens=max(args.tokens))
+               if args.dtype == FP8 else
+               cfg.replace(dtype=DTYPES[args.dtype], max_tokens=max(args.tokens)))
+    except ValueError as err:
+        parser.error(str(err))
     code = maybe_relaunch(argv, args.nproc, "comet.cli.tune")
     if code is not None:
         return code
@@ -333,6 +345,8 @@ def tuned_layer(cfg: MoEConfig, args, device, world: int, rank: int):
     shard = cfg.replace(intermediate_size=cfg.intermediate_size // mesh.tp)
     w13, w2 = make_expert_weights(shard, cfg.num_experts // mesh.ep, "tune", rank, args.seed,
                                   device)
+    if cfg.fp8 is not None:
+        w13, w2 = quantize_expert_weights(w13, w2)
     layer = FusedMoE(cfg, w13, w2, mesh=mesh, convention=args.convention)
     return layer, layer.ws.cfg
 

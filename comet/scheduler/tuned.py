@@ -5,7 +5,8 @@ like vLLM's fused-MoE configs::
 
     E=8,H=4096,F=14336,topk=2,ep=4,device_name=NVIDIA_H200,dtype=bf16.json
 
-(a variant other than the default's adds ``variant=<hash>,`` before ``device_name``:
+(``dtype=fp8`` for a layer with FP8 experts: :func:`dtype_name`; a variant other than the
+default's adds ``variant=<hash>,`` before ``device_name``:
 :func:`file_name`; tables named without it load too, their ``meta["tile"]`` matched).
 
 A tensor-parallel layout's table is keyed by the kernels' shard-expert shape and by its
@@ -69,6 +70,14 @@ ENV_FOLDER = "COMET_TUNED_CONFIG_FOLDER"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def dtype_name(cfg: MoEConfig) -> str:
+    """The dtype a table names and records: ``"fp8"`` for a layer with FP8 experts (its
+    rows enter and leave in bf16, but its kernels, workspace and best splits are its
+    own, so a bf16 table must never serve it, nor its table a bf16 layer), else the
+    rows' dtype."""
+    return "fp8" if cfg.fp8 is not None else _DTYPE_NAMES[cfg.dtype]
+
+
 def device_name(device: torch.device | str | None = None) -> str:
     """The device name as used in file names (``NVIDIA H200`` -> ``NVIDIA_H200``)."""
     if device is None or torch.device(device).type != "cuda":
@@ -89,7 +98,7 @@ def file_name(cfg: MoEConfig, world_size: int, device: str, layout: str | None =
     return (f"E={cfg.num_experts},H={cfg.hidden_size},F={cfg.intermediate_size},"
             f"topk={cfg.top_k},ep={world_size},"
             + (f"layout={layout}," if layout else "") + tag
-            + f"device_name={device},dtype={_DTYPE_NAMES[cfg.dtype]}.json")
+            + f"device_name={device},dtype={dtype_name(cfg)}.json")
 
 
 def file_names(cfg: MoEConfig, world_size: int, device: str, layout: str | None = None,
@@ -108,7 +117,7 @@ def expected_meta(cfg: MoEConfig, world_size: int, device: str,
     key, absent from expert-parallel tables)."""
     meta = {"E": cfg.num_experts, "H": cfg.hidden_size, "F": cfg.intermediate_size,
             "top_k": cfg.top_k, "world_size": world_size, "device_name": device,
-            "dtype": _DTYPE_NAMES[cfg.dtype], "kernels": kernel_identity()}
+            "dtype": dtype_name(cfg), "kernels": kernel_identity()}
     variant = (tile or TileConfig()).table_variant()
     if variant:
         meta["tile"] = variant
