@@ -56,8 +56,12 @@ def quantize(model: torch.nn.Module, qcfg: FineGrainedFP8Config) -> None:
     transformers' quantization of the bf16 ones."""
     device = next(model.parameters()).device
     bf16 = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}   # rotary inv_freq, ...
     replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=qcfg)
-    model.to_empty(device=device)
+    model.to_empty(device=device)       # the FP8 modules were built on the meta device
+    with torch.no_grad():
+        for key, value in model.named_buffers():
+            value.copy_(buffers[key])
     quantizer = Fp8Quantize(SimpleNamespace(quantization_config=qcfg))
     state = model.state_dict()
     with torch.no_grad():

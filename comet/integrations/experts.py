@@ -40,7 +40,7 @@ from torch import nn
 from comet import reference
 from comet.activation import SILU, GatedActivation
 from comet.integrations.fp8 import (FP8_STATE, Fp8Checkpoint, fp8_refusals,
-                                    has_fp8_linear, is_fp8_experts)
+                                    has_fp8_linear, is_fp8_experts, packed_refusal)
 from comet.integrations.gate import (GateMatch, candidates, clamp_limit, gate_function,
                                      gate_function_refusal, gate_refusal, match_gate,
                                      ungated_reason)
@@ -282,6 +282,9 @@ def _inspect_fused(experts: nn.Module, where: str, registry: bool, dense: bool) 
     cls = type(experts).__name__
     if registry and not getattr(experts, "has_gate", True):
         _refuse(where, [ungated_reason(experts)])
+    packed = packed_refusal(experts) if is_fp8_experts(experts) else None
+    if packed:
+        _refuse(where, [packed])
     transposed = bool(getattr(experts, "is_transposed", False))
     if not registry:  # infer the layout from the shapes
         transposed = _fused_shapes(experts, True) is not None

@@ -13,7 +13,7 @@ transpose; UE8M0 scales are turned into fp32 (one small copy) where the layer is
 Refused, each by name (:func:`fp8_refusals`), before anything is converted: static
 (per-tensor) activation scales, a ``weight_block_size`` other than 128 x 128 (comet
 quantizes activations in 1x128 groups; per-tensor weight scales included), FP4-packed
-experts, other FP8 formats, expert biases, alternating gate/up rows and transposed
+experts (:func:`packed_refusal`), other FP8 formats, expert biases, alternating gate/up rows and transposed
 weights (those would need a copy in another layout), and scale grids that do not fit
 the weights. Per-expert ``FP8Linear`` experts (a ``ModuleList``) are refused as well.
 """
@@ -71,6 +71,17 @@ def has_fp8_linear(experts: nn.ModuleList) -> bool:
                for m in experts[0].modules() if isinstance(m, nn.Linear))
 
 
+def packed_refusal(experts: nn.Module) -> str | None:
+    """The refusal of FP4-packed experts (int8 weights, K halved: their shapes are not
+    an MLP's), or None."""
+    weights = [getattr(experts, k, None) for k in ("gate_up_proj", "up_proj", "down_proj")]
+    if getattr(experts, "expert_dtype", None) == "fp4" or any(
+            isinstance(w, torch.Tensor) and w.dtype == torch.int8 for w in weights):
+        return ("FP4-packed experts (int8 weights, expert_dtype='fp4') are not supported: "
+                "comet runs e4m3 experts")
+    return None
+
+
 def fp8_refusals(experts: nn.Module, sizes: tuple[int, int, int], transposed: bool,
                  biases: frozenset[str]) -> tuple[Fp8Checkpoint | None, list[str]]:
     """``(format, reasons)`` of fused FP8 experts of ``sizes`` ``(E, H, F)``: what
@@ -79,10 +90,7 @@ def fp8_refusals(experts: nn.Module, sizes: tuple[int, int, int], transposed: bo
     reasons = []
     gate_up, down = experts.gate_up_proj, experts.down_proj
     dtypes = {gate_up.dtype, down.dtype}
-    if torch.int8 in dtypes or getattr(experts, "expert_dtype", None) == "fp4":
-        reasons.append("FP4-packed experts (int8 weights, expert_dtype='fp4') are not "
-                       "supported: comet runs e4m3 experts")
-    elif dtypes != {E4M3}:
+    if dtypes != {E4M3}:
         reasons.append(f"FP8 experts in {', '.join(sorted(map(str, dtypes)))} are not "
                        f"supported: comet runs {E4M3}")
     scheme = getattr(experts, "activation_scheme", "dynamic")
