@@ -66,9 +66,10 @@ from comet import reference
 from comet.config import MoEConfig, TileConfig
 from comet.integrations.experts import ExpertsSpec, inspect_experts
 from comet.integrations.layout import expert_weight, kernel_biases, kernel_weights
-from comet.integrations.local_experts import TransformersExperts
+from comet.integrations.local_experts import Fp8TransformersExperts, TransformersExperts
 from comet.mesh import Convention
 from comet.moe import CometMoE
+from comet.quant import Fp8
 from comet.runtime.inputs import check_inputs
 
 # --------------------------------------------------------------------------- 4.x routing
@@ -281,6 +282,8 @@ class CometMoEBlock(CometMoE):
         settings = dict(num_experts=e, top_k=spec.top_k, hidden_size=h, intermediate_size=f,
                         dtype=w_ref.dtype, max_tokens=tokens * rows,
                         activation=xs.activation, expert_bias=bool(xs.layout.biases))
+        if xs.fp8 is not None:      # the FP8 layer takes and returns bf16 rows
+            settings.update(dtype=torch.bfloat16, fp8=Fp8(xs.fp8.blocks))
         if spec.legacy is not None:
             settings.update(self._legacy_settings(block, spec.legacy))
         where = f"{type(block).__name__} ({spec.family})"
@@ -299,6 +302,8 @@ class CometMoEBlock(CometMoE):
         # CometMoE built its replicas on the meta device, of meta experts; they are
         # built again below from the block's experts, where those live.
         placement = None if self.replicas is None else self.replicas.placement_config
+        if xs.fp8 is not None:
+            _check_fp8_layout(self, where)
 
         self._adopt(block)
         self.family = spec.legacy.name if spec.legacy else spec.family
@@ -312,20 +317,30 @@ class CometMoEBlock(CometMoE):
         mine = self.mesh.expert_range(e, self.par.rank)
         tp_rank = self.mesh.coords(self.par.rank)[1]
         cols = self.ffn_range if self.mesh.tp > 1 else None     # None: every F column
-        w13, w2 = kernel_weights(experts, xs.layout, mine.start, mine.stop, cols)
-        b13, b2 = kernel_biases(experts, xs.layout, mine.start, mine.stop, cols)
-        new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, mine.start,
-                                          requires_grad=w_ref.requires_grad, b13=b13, b2=b2,
-                                          ffn_cols=cols, adds_b2=tp_rank == 0)
+        if xs.fp8 is not None:
+            new_experts = Fp8TransformersExperts(self.cfg, experts, xs.fp8, mine.start,
+                                                 len(mine))
+        else:
+            w13, w2 = kernel_weights(experts, xs.layout, mine.start, mine.stop, cols)
+            b13, b2 = kernel_biases(experts, xs.layout, mine.start, mine.stop, cols)
+            new_experts = TransformersExperts(self.cfg, w13, w2, xs.layout, mine.start,
+                                              requires_grad=w_ref.requires_grad, b13=b13,
+                                              b2=b2, ffn_cols=cols, adds_b2=tp_rank == 0)
         new_experts.__dict__["_comet_block"] = self   # plain attribute: not a submodule
         self._modules["experts"] = new_experts
         if placement is not None:
-            self._build_replicas(placement, w13.device)
+            self._build_replicas(placement, new_experts.w13.device)
         self._comet_legacy = spec.legacy
         self.returns_router_logits = (spec.legacy is not None
                                       and isinstance(_router_of(block), nn.Linear))
 
     # ------------------------------------------------------------------ construction
+    def _start_fp8(self, fp8: Fp8) -> None:
+        """FP8 experts come quantized from the checkpoint (:class:`Fp8TransformersExperts`,
+        built once this layer is): nothing to quantize, and the state dict holds those
+        FP8 tensors, so nothing to requantize after a load."""
+        self.cfg = self.cfg.replace(fp8=fp8)
+
     @staticmethod
     def _legacy_settings(block: nn.Module, family: Family) -> dict:
         """:class:`MoEConfig` routing fields of a 4.x block (its gate gives only logits)."""
@@ -366,9 +381,15 @@ class CometMoEBlock(CometMoE):
             return self._legacy_forward(*args, **kwargs)
         if self._comet_check_input:
             x = args[0] if args else kwargs.get("hidden_states")
-            check_inputs(self._comet_input_cfg, x, None, None, dtype=self.experts.w13.dtype,
+            check_inputs(self._comet_input_cfg, x, None, None, dtype=self._comet_dtype,
                          device=self.experts.w13.device, rank=self.par.rank, batched=True)
         return self._replaced_class.forward(self, *args, **kwargs)
+
+    @property
+    def _comet_dtype(self) -> torch.dtype:
+        """The dtype of the rows the experts take: their weights', or for FP8 experts the
+        layer's (bf16)."""
+        return self.cfg.dtype if self.cfg.fp8 is not None else self.experts.w13.dtype
 
     def call_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None,
                      top_k_weights: torch.Tensor | None) -> torch.Tensor:
@@ -379,9 +400,9 @@ class CometMoEBlock(CometMoE):
         sentinels -- contribute nothing), ``top_k_weights [T, k]`` -> ``hidden``'s shape.
         Dense experts: ``routed_in [E*T, H]`` (row block ``e`` = expert ``e``'s inputs) ->
         ``[E*T, H]``. The result has the input's dtype."""
-        w13 = self.experts.w13
+        w13, rows_dtype = self.experts.w13, self._comet_dtype
         shape, dtype = hidden_states.shape, hidden_states.dtype
-        x = hidden_states.reshape(-1, shape[-1]).to(w13.dtype).contiguous()
+        x = hidden_states.reshape(-1, shape[-1]).to(rows_dtype).contiguous()
         if top_k_index is None:
             if self.mode != "dense":
                 raise TypeError(f"the experts of {self.family} take (hidden_states, "
@@ -396,7 +417,7 @@ class CometMoEBlock(CometMoE):
             if ids.shape[1] != self.cfg.top_k:
                 raise ValueError(f"the {self.family} block routed {ids.shape[1]} experts per "
                                  f"token; comet was built for top_k={self.cfg.top_k}")
-        check_inputs(self.cfg, x, None, None, dtype=w13.dtype, device=w13.device,
+        check_inputs(self.cfg, x, None, None, dtype=rows_dtype, device=w13.device,
                      rank=self.par.rank)
         y = self.experts_forward(x, ids, weights)
         return y.to(dtype).reshape(shape)
@@ -436,6 +457,18 @@ class CometMoEBlock(CometMoE):
         # 4.x DeepSeek-V3 router: (ids, weights), no logits.
         ids, weights = out if not out[0].is_floating_point() else out[::-1]
         return None, weights, ids
+
+
+def _check_fp8_layout(block: CometMoEBlock, where: str) -> None:
+    """ValueError where ``block``'s layout cannot take FP8 experts from a checkpoint
+    (raised before the block is converted)."""
+    if block.mesh.tp > 1:
+        raise ValueError(f"cannot convert {where}: FP8 experts under a tensor-parallel "
+                         f"layout ({block.mesh}) are not supported yet: use expert "
+                         "parallelism (tp=1)")
+    if block.replicas is not None:
+        raise ValueError(f"cannot convert {where}: FP8 experts with redundant experts (EPLB) "
+                         "are not supported yet")
 
 
 class _InitShim(nn.Module):

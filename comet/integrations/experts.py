@@ -22,7 +22,9 @@ is refused with a :class:`NotImplementedError` that names it. Last, the module's
 forward is run on probe rows against :mod:`comet.reference` with what was found
 (:func:`_probe_forward`; per-expert MLPs: their forward picks the activation among the
 candidates), so a module that computes something else is refused rather than converted
-wrong. Anything that is none of the kinds, or whose weights comet cannot read, is a
+wrong. FP8 experts (transformers' ``FP8Experts``, :mod:`comet.integrations.fp8`) are
+checked by their flags, dtypes, shapes and gate function, not run: their forward needs
+transformers' GPU kernels. Anything that is none of the kinds, or whose weights comet cannot read, is a
 :class:`TypeError`.
 """
 
@@ -37,6 +39,8 @@ from torch import nn
 
 from comet import reference
 from comet.activation import SILU, GatedActivation
+from comet.integrations.fp8 import (FP8_STATE, Fp8Checkpoint, fp8_refusals,
+                                    has_fp8_linear, is_fp8_experts, packed_refusal)
 from comet.integrations.gate import (GateMatch, candidates, clamp_limit, gate_function,
                                      gate_function_refusal, gate_refusal, match_gate,
                                      ungated_reason)
@@ -56,6 +60,7 @@ class ExpertsSpec:
             :class:`ExpertLayout`.
         num_experts, hidden_size, intermediate_size: E, H, F.
         activation: the experts' gated activation.
+        fp8: how FP8 experts store their weights and scales (None: not FP8).
     """
 
     mode: str
@@ -64,6 +69,7 @@ class ExpertsSpec:
     hidden_size: int
     intermediate_size: int
     activation: GatedActivation = SILU
+    fp8: Fp8Checkpoint | None = None
 
 
 # --------------------------------------------------------------------------- structure
@@ -144,15 +150,17 @@ def _extra_state(experts: nn.Module, known: set[str], skip: tuple[str, ...] = ()
     return [f"extra expert state ({', '.join(extra)}) is not supported"] if extra else []
 
 
-def _fused_reasons(experts: nn.Module, biases: frozenset[str]) -> list[str]:
+def _fused_reasons(experts: nn.Module, biases: frozenset[str],
+                   also_known: tuple[str, ...] = ()) -> list[str]:
     """Why comet cannot run a gated fused experts module, its gate function and biases
-    aside (empty: it can)."""
+    aside (empty: it can); ``also_known``: more state it reads (FP8 scales)."""
     reasons = []
     if getattr(experts, "has_post_expert_norm", False):
         norm = getattr(experts, "post_expert_norm", None)
         reasons.append(f"a norm after each expert (post_expert_norm: {type(norm).__name__}) "
                        "is not supported yet")
-    known = set(_FUSED_KEYS) | {k for k, parts in _FUSED_BIASES.items() if biases & set(parts)}
+    known = set(_FUSED_KEYS) | set(also_known) | {
+        k for k, parts in _FUSED_BIASES.items() if biases & set(parts)}
     return reasons + _extra_state(experts, known, skip=("post_expert_norm",))
 
 
@@ -241,6 +249,9 @@ def inspect_experts(experts: nn.Module, where: str | None = None) -> ExpertsSpec
         return _inspect_stacked(experts, where, *stacked)
     if isinstance(experts, nn.ModuleList) and len(experts) > 0:
         kinds = sorted({type(e).__name__ for e in experts})
+        if has_fp8_linear(experts):
+            _refuse(where, ["per-expert FP8 linears (a ModuleList of FP8Linear MLPs) are not "
+                            "supported yet: comet converts fused FP8Experts"])
         identity = sum(isinstance(e, nn.Identity) for e in experts)
         if identity and identity < len(experts):
             _refuse(where, [f"{identity} identity ('zero-computation') experts next to the "
@@ -271,6 +282,9 @@ def _inspect_fused(experts: nn.Module, where: str, registry: bool, dense: bool) 
     cls = type(experts).__name__
     if registry and not getattr(experts, "has_gate", True):
         _refuse(where, [ungated_reason(experts)])
+    packed = packed_refusal(experts) if is_fp8_experts(experts) else None
+    if packed:
+        _refuse(where, [packed])
     transposed = bool(getattr(experts, "is_transposed", False))
     if not registry:  # infer the layout from the shapes
         transposed = _fused_shapes(experts, True) is not None
@@ -279,16 +293,27 @@ def _inspect_fused(experts: nn.Module, where: str, registry: bool, dense: bool) 
         raise TypeError(f"{where}: {cls} has no gate_up_proj / down_proj pair of 3-D "
                         "expert weights comet can read")
     biases, reasons = _fused_bias_parts(experts, registry, sizes)
-    reasons += _fused_reasons(experts, biases)
+    fp8, quantized = None, is_fp8_experts(experts)
+    if quantized:
+        fp8, fp8_reasons = fp8_refusals(experts, sizes, transposed, biases)
+        reasons += fp8_reasons
+        if dense:
+            reasons.append("dense FP8 experts (called as experts(routed_in)) are not "
+                           "supported yet")
+    reasons += _fused_reasons(experts, biases, FP8_STATE if quantized else ())
     if dense and biases:
         reasons.append("expert biases on dense experts (called as experts(routed_in)) are "
                        "not supported: comet skips the all-zero rows of unrouted slots, "
                        "which a bias would not leave zero")
     match = _gate_or_refuse(experts, where, reasons)
+    if fp8 is not None and match.order != "concatenated":
+        _refuse(where, [f"FP8 experts with {match.order} gate/up rows are not supported: "
+                        "comet runs the gate rows, then the up rows, without a copy"])
     layout = ExpertLayout("fused", transposed=transposed, gate_up=match.order, biases=biases)
     spec = ExpertsSpec("dense" if dense else "routed", layout, *sizes,
-                       activation=match.activation)
-    _probe_forward(experts, spec, where)
+                       activation=match.activation, fp8=fp8)
+    if not quantized:   # an FP8 forward needs transformers' GPU kernels: not probed
+        _probe_forward(experts, spec, where)
     return spec
 
 

@@ -7,7 +7,8 @@ checkpoints the unconverted one loads: :class:`TransformersExperts` keeps ``w13`
 module's keys and in its layout (fused ``gate_up_proj`` / ``down_proj``, per-expert
 ``{e}.gate_proj.weight``, stacked ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``), sliced to this
 rank's experts under expert parallelism, and to its F shard of each under a (tp, ep)
-layout (:mod:`comet.mesh`). The conversions themselves are
+layout (:mod:`comet.mesh`). FP8 experts (:class:`Fp8TransformersExperts`) keep the
+checkpoint's own tensors, keys and dtypes. The conversions themselves are
 :mod:`comet.integrations.layout`'s; this module decides which keys a rank writes, which
 it takes and what it reports as missing, unexpected or mismatched.
 """
@@ -20,11 +21,13 @@ import torch
 from torch import nn
 
 from comet.config import MoEConfig
+from comet.integrations.fp8 import Fp8Checkpoint
 from comet.integrations.layout import (_FUSED_BIASES, _FUSED_KEYS, _LINEAR_NAMES, _PARTS,
                                        ExpertLayout, _fused_to_kernel, _gate_then_up,
                                        _kernel_to_stacked, _linear_to_kernel, _models_order,
                                        _stacked_to_kernel, ffn_columns)
 from comet.moe import LocalExperts
+from comet.quant import Fp8Weight, fp8_experts
 from comet.weights import gate_up_first, interleave_gate_up
 
 
@@ -302,3 +305,85 @@ class TransformersExperts(LocalExperts):
                     if (e, n, "bias") in linear:
                         bias = linear[(e, n, "bias")]
                         slot.copy_(bias if part == "down" else self._ffn_shard(bias, 0))
+
+
+class Fp8TransformersExperts(nn.Module):
+    """This rank's FP8 experts as the FP8 checkpoint holds them, under its keys:
+    ``gate_up_proj`` e4m3 ``[El, 2F, H]`` (gate rows, then up rows), ``down_proj`` e4m3
+    ``[El, H, F]``, ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` in the
+    checkpoint's dtype (fp32 or UE8M0) -- the replaced ``FP8Experts``' own tensors on a
+    single expert-parallel rank, a copy of this rank's ``El`` experts otherwise (so the
+    others' memory is freed). :meth:`fp8_weights` hands them to the layer as
+    :class:`comet.quant.Fp8Weight` (UE8M0 scales as fp32). Forward only; no biases.
+
+    Called as the replaced module was (``experts(hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H]``), it runs the experts on comet through the block
+    that owns it. ``state_dict()`` writes this rank's tensors; ``load_state_dict()`` takes
+    this rank's or the full ``[E, ...]`` ones (sliced to this rank).
+    """
+
+    _comet_block = None     # the owning CometMoEBlock (a plain attribute, not a child)
+    b13 = b2 = added_b2 = None    # FP8 experts have no biases
+
+    def __init__(self, cfg: MoEConfig, experts: nn.Module, fp8: Fp8Checkpoint,
+                 first_expert: int, local_experts: int):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.first_expert = first_expert
+        self.fp8 = fp8
+        self.ffn = cfg.intermediate_size
+        whole = local_experts == self.num_experts
+        for name in _FP8_KEYS:
+            value = getattr(experts, name).detach()
+            if not whole:
+                value = value[first_expert:first_expert + local_experts].clone()
+            self.register_parameter(name, nn.Parameter(value, requires_grad=False))
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """The layer's ``w13``: ``gate_up_proj`` (its dtype, device and ``requires_grad``
+        are what :class:`comet.CometMoE` reads)."""
+        return self.gate_up_proj
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.down_proj
+
+    def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
+        """``(gate_up, down)`` as the FP8 layer takes them."""
+        h = self.down_proj.shape[1]
+        return fp8_experts(self.gate_up_proj, self.down_proj, self.gate_up_proj.shape[0], h,
+                           self.ffn, self.fp8.blocks, self.gate_up_proj_scale_inv,
+                           self.down_proj_scale_inv)
+
+    def extra_repr(self) -> str:
+        el = self.gate_up_proj.shape[0]
+        return (f"experts [{self.first_expert}, {self.first_expert + el}) of "
+                f"{self.num_experts}, FP8 {self.fp8.blocks.n}x{self.fp8.blocks.k} blocks, "
+                f"scales {self.fp8.scale_dtype}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The replaced experts module's call, computed by comet (see the class doc)."""
+        block = self._comet_block
+        if block is None:
+            raise RuntimeError("these experts are not attached to a CometMoEBlock "
+                               "(build them with comet.integrations.from_module)")
+        return block.call_experts(hidden_states, top_k_index, top_k_weights)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        el, lo = self.gate_up_proj.shape[0], self.first_expert
+        for name in _FP8_KEYS:
+            value = state_dict.get(prefix + name)
+            if (isinstance(value, torch.Tensor) and value.dim() and el != self.num_experts
+                    and value.shape[0] == self.num_experts):
+                state_dict[prefix + name] = value[lo:lo + el]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        if self._comet_block is not None:     # its fused layer may hold fp32 copies of
+            self._comet_block._fused = None   # UE8M0 scales: rebuilt on first use
+
+
+#: The tensors of fused FP8 experts, in the checkpoint's names.
+_FP8_KEYS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")

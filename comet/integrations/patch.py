@@ -98,7 +98,13 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
             unrecognised experts module); every such block is named. Nothing has been
             replaced when this is raised.
         ValueError: no MoE block found, or the group size does not divide the experts,
-            or a layout that cannot shard a block (see :func:`from_module`).
+            or a layout that cannot shard a block (see :func:`from_module`), or FP8
+            blocks under a layout they do not take yet (``tp > 1``, redundant experts).
+
+    FP8 models (transformers' FineGrainedFP8 ``FP8Experts``) stay FP8: each block runs
+    the checkpoint's e4m3 experts and ``*_scale_inv`` on comet's FP8 layer, and the
+    state dict keeps their keys, shapes and dtypes (:mod:`comet.integrations.fp8` lists
+    the variants refused).
     """
     targets = find_moe_blocks(model)
     done = sum(isinstance(m, CometMoE) for m in model.modules())
@@ -125,6 +131,7 @@ def patch_model(model: nn.Module, group=None, mesh=None, convention: Convention 
     eplb = dict(redundant_experts=redundant_experts, placement_nodes=placement_nodes,
                 rebalance_interval=rebalance_interval, rebalance_window=rebalance_window)
     _check_eplb(specs, group, mesh, **eplb)
+    _check_fp8(specs, mesh, redundant_experts)
     for path, _ in targets:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -150,6 +157,21 @@ def _check_eplb(specs: dict[str, BlockSpec], group, mesh: MeshLayout | None,
                                 placement_nodes)
         except ValueError as err:
             raise ValueError(f"cannot give {path!r} redundant experts: {err}") from err
+
+
+def _check_fp8(specs: dict[str, BlockSpec], mesh: MeshLayout | None,
+               redundant_experts: int) -> None:
+    """ValueError naming the first FP8 block the layout cannot take, before any block is
+    converted (:func:`comet.integrations.blocks.from_module` would refuse it midway)."""
+    fp8 = [path for path, spec in specs.items() if spec.experts.fp8 is not None]
+    if not fp8:
+        return
+    if mesh is not None and mesh.tp > 1:
+        raise ValueError(f"cannot convert {fp8[0]!r}: FP8 experts under a tensor-parallel "
+                         f"layout ({mesh}) are not supported yet: use expert parallelism")
+    if redundant_experts:
+        raise ValueError(f"cannot convert {fp8[0]!r}: FP8 experts with redundant experts "
+                         "(EPLB) are not supported yet")
 
 
 def count_patched(model: nn.Module) -> int:
