@@ -295,13 +295,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
             # Whole layer only: a peer has no phases, so its layer rows are None.
             **({**{f"peer_{name}_us": med(f"peer_{name}") for name in peers.names},
                 "peers": peer_status} if peers is not None else {}),
-            "fused_host_us": fused_host_us(out, layer),
-            "n_comm": n_comm[0] if n_comm else None,
-            "n_comm_per_rank": n_comm,
-            "decode_tile": decode_tile,
-            "tile_overrides": tile_overrides,
-            **gather_column(fused),
-            "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            **call_columns(out, layer, fused, n_comm, decode_tile, tile_overrides,
+                           flops, st),
             **link,
             **dispatch,
             "max_rel_err": checks,
@@ -417,13 +412,8 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
             "comet_gmm_us": (med("compute_only", LAYER_PHASES["comet_kernels"])
                              if layer != "moe" else None),
             **fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
-            "fused_host_us": fused_host_us(out, layer),
-            "n_comm": n_comm[0] if n_comm else None,
-            "n_comm_per_rank": n_comm,
-            "decode_tile": decode_tile,
-            "tile_overrides": tile_overrides,
-            **gather_column(fused),
-            "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+            **call_columns(out, layer, fused, n_comm, decode_tile, tile_overrides,
+                           flops, st),
             **link,
             **dispatch,
             "max_rel_err": checks,
@@ -534,6 +524,21 @@ def fused_series(timed: Callable, fused: Fused, sets: Sequence[InputSet], comm_b
     whole = timed(call)
     phases["total"], phases["host"] = whole["total"], whole["host"]
     return Series(phases, LAYER_PHASES["comet"])
+
+
+def call_columns(out: dict[str, Series], layer: str, fused: Fused, n_comm, decode_tile,
+                 tile_overrides, flops: dict, st: Settings) -> dict:
+    """A record's columns of comet's own calls: the host's time per call, the block split
+    and tile each rank chose, the gather, and the GEMM work per rank."""
+    return {
+        "fused_host_us": fused_host_us(out, layer),
+        "n_comm": n_comm[0] if n_comm else None,
+        "n_comm_per_rank": n_comm,
+        "decode_tile": decode_tile,
+        "tile_overrides": tile_overrides,
+        **gather_column(fused),
+        "gemm_tflop_per_rank": median(flops[layer]) / st.world / 1e12,
+    }
 
 
 def fused_host_us(out: dict[str, Series], layer: str) -> float | None:
