@@ -31,6 +31,17 @@ from comet.quant import Fp8Weight, fp8_experts
 from comet.weights import gate_up_first, interleave_gate_up
 
 
+def _call_block(experts: nn.Module, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor | None, top_k_weights: torch.Tensor | None
+                ) -> torch.Tensor:
+    """An experts module's call, run by the CometMoEBlock that owns it."""
+    block = experts._comet_block
+    if block is None:
+        raise RuntimeError("these experts are not attached to a CometMoEBlock "
+                           "(build them with comet.integrations.from_module)")
+    return block.call_experts(hidden_states, top_k_index, top_k_weights)
+
+
 class TransformersExperts(LocalExperts):
     """This rank's experts (``w13 [El, H, 2F]`` interleaved, ``w2 [El, F, H]``, and with
     ``cfg.expert_bias`` ``b13 [El, 2F]`` / ``b2 [El, H]``; see
@@ -95,11 +106,7 @@ class TransformersExperts(LocalExperts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         """The replaced experts module's call, computed by comet (see the class doc)."""
-        block = self._comet_block
-        if block is None:
-            raise RuntimeError("these experts are not attached to a CometMoEBlock "
-                               "(build them with comet.integrations.from_module)")
-        return block.call_experts(hidden_states, top_k_index, top_k_weights)
+        return _call_block(self, hidden_states, top_k_index, top_k_weights)
 
     # ------------------------------------------------------------------ saving
     def _checkpoint_entries(self, w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
@@ -365,11 +372,7 @@ class Fp8TransformersExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         """The replaced experts module's call, computed by comet (see the class doc)."""
-        block = self._comet_block
-        if block is None:
-            raise RuntimeError("these experts are not attached to a CometMoEBlock "
-                               "(build them with comet.integrations.from_module)")
-        return block.call_experts(hidden_states, top_k_index, top_k_weights)
+        return _call_block(self, hidden_states, top_k_index, top_k_weights)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
