@@ -80,13 +80,23 @@ class Fp8:
     """A layer's experts in W8A8 FP8 (:attr:`comet.config.MoEConfig.fp8`): e4m3 weights
     with fp32 ``scale_inv`` per ``blocks`` (:class:`Fp8Weight`), token rows quantized at run
     time per row in groups of :data:`GROUP` (:class:`Fp8Rows`), fp32 accumulation, output
-    in the layer's dtype. ``Fp8()`` is the checkpoints' 128 x 128 recipe."""
+    in the layer's dtype. ``Fp8()`` is the checkpoints' 128 x 128 recipe.
+
+    ``fast_accumulation``: let Hopper's FP8 tensor cores sum a whole K step (up to 128
+    values) in their reduced-precision accumulator before it is promoted to fp32 (Triton's
+    default on sm90, DeepGEMM's promotion interval, torch's ``use_fast_accum``). Off, every
+    MMA instruction's 32-value sum is promoted: the fp32 accumulation the reference
+    emulates."""
 
     blocks: ScaleBlocks = ScaleBlocks()
+    fast_accumulation: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, ScaleBlocks):
             raise ValueError(f"Fp8.blocks must be a ScaleBlocks, got {self.blocks!r}")
+        if not isinstance(self.fast_accumulation, bool):
+            raise ValueError(f"Fp8.fast_accumulation must be a bool, got "
+                             f"{self.fast_accumulation!r}")
 
 
 def _block_expand(scale: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:

@@ -94,6 +94,7 @@ class Fp8Tile(NamedTuple):
     GATED: tl.constexpr      # out = act(A @ gate^T) * (A @ up^T): B is [gate | up]
     ACT: Act
     REQUANT: tl.constexpr    # out in FP8 groups of A_GROUP columns, with out_scale
+    IMPRECISE_ACC: tl.constexpr  # K values an MMA sums before fp32 promotion (imprecise_acc)
     # As a work item of the fused layer kernels, whose code around the GEMM reads these
     # of any item (comet.kernels.group_gemm.GemmTile): none of those choices is FP8's.
     ONE_DOT: tl.constexpr = constexpr(False)
@@ -156,10 +157,11 @@ def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, n0):
     for k in range(0, g.K, t.BLOCK_K):
         a = a_desc.load([row_start, k])
         sa = a_scales(g, t, rows, k)
-        d = tl.dot(a, b_desc.load([b_row, k]).T)
+        d = tl.dot(a, b_desc.load([b_row, k]).T, max_num_imprecise_acc=t.IMPRECISE_ACC)
         acc = promote(acc, d, sa, b_scales(g, t, expert, n0, gate_end, k), t)
         if t.GATED:
-            d_up = tl.dot(a, b_desc.load([b_row + g.N, k]).T)
+            d_up = tl.dot(a, b_desc.load([b_row + g.N, k]).T,
+                          max_num_imprecise_acc=t.IMPRECISE_ACC)
             acc_up = promote(acc_up, d_up, sa, b_scales(g, t, expert, g.N + n0, g.NB, k), t)
     return acc, acc_up
 
@@ -282,8 +284,15 @@ FUSED_BLOCK_K = GROUP
 #: Columns of a layer0 FP8 work item: one activation group, which its epilogue quantizes
 #: whole (the gate and up tiles are two dots of this width).
 LAYER0_BLOCK_N = GROUP
-#: Fewest K values of an FP8 dot.
+#: Fewest K values of an FP8 dot (and those of one Hopper FP8 MMA instruction).
 MIN_BLOCK_K = 32
+
+
+def imprecise_acc(fast_accumulation: bool, block_k: int) -> int:
+    """``max_num_imprecise_acc`` of the K loop's dots: the whole K step with
+    ``fast_accumulation`` (:class:`comet.quant.Fp8`), else one MMA instruction's K, so that
+    every instruction's sum is promoted to fp32."""
+    return block_k if fast_accumulation else MIN_BLOCK_K
 
 
 class Fp8Operands(NamedTuple):
@@ -307,8 +316,8 @@ def fused_k_step(w: Fp8Weight) -> int:
 
 def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
                    out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
-                   group_m: int, activation: GatedActivation | None = None
-                   ) -> tuple[Fp8Operands, Fp8Tile]:
+                   group_m: int, activation: GatedActivation | None = None,
+                   fast_accumulation: bool = False) -> tuple[Fp8Operands, Fp8Tile]:
     """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
     K]`` (any row stride: layer0 reads them where the dispatch packed them with their
     scales) with fp32 ``a_scale [rows, ceil(K / GROUP)]`` (any strides) times ``w``. With
@@ -327,7 +336,8 @@ def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: to
         block_m, block_n, block_k, group_m, GROUP, bn, bk, bn % block_n == 0 and aligned_up,
         activation is not None)),
         act_tile(activation) if activation is not None else act_tile(),
-        constexpr(activation is not None))
+        constexpr(activation is not None),
+        constexpr(imprecise_acc(fast_accumulation, block_k)))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                           [block_n, block_k])
@@ -361,6 +371,7 @@ class Fp8GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     programs: int | None = None
+    fast_accumulation: bool = False
 
 
 def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
@@ -397,7 +408,7 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
     tile = Fp8Tile(*(constexpr(v) for v in (
         c.block_m, c.block_n, c.block_k, c.group_m, a.group, bn, bk, scalar_b, activation is not None)),
         act_tile(activation) if activation is not None else act_tile(),
-        constexpr(requant))
+        constexpr(requant), constexpr(imprecise_acc(c.fast_accumulation, c.block_k)))
     a_desc = TensorDescriptor.from_tensor(a.data, [c.block_m, c.block_k])
     b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                           [c.block_n, c.block_k])

@@ -228,12 +228,14 @@ class ForwardCall:
         dispatch = dispatch_of(ws, ws.home_addr, homes)._replace(
             row_bytes=ws.home_rows.shape[1])
         rows, scales = packed_views(ws.local.a0, h)
+        fast = ws.cfg.fp8.fast_accumulation
         gemm0, item0 = fused_fp8_gemm(rows, scales, self.w13, ws.h, ws.h_scale,
                                       block_m=tile.gemm.block_m, block_n=LAYER0_BLOCK_N,
-                                      group_m=tile.gemm.group_m, activation=ws.cfg.activation)
+                                      group_m=tile.gemm.group_m, activation=ws.cfg.activation,
+                                      fast_accumulation=fast)
         gemm1, item1 = fused_fp8_gemm(ws.h, ws.h_scale, self.w2, ws.out1, None,
                                       block_m=tile.gemm.block_m, block_n=tile.gemm.block_n1,
-                                      group_m=tile.gemm.group_m)
+                                      group_m=tile.gemm.group_m, fast_accumulation=fast)
         return dispatch, gemm0, item0, gemm1, item1
 
     def quantize_home(self) -> None:

@@ -10,6 +10,8 @@ tells the candidate causes apart on one call at a preset's size (EP=1):
   or the emulation;
 * h of the standalone layer0 against the emulation's quantized h: the share of e4m3
   values equal and the scales' difference -> layer0 or layer1;
+* both accumulations (:class:`comet.quant.Fp8` ``fast_accumulation``): the MMA's
+  reduced-precision sum over a 128-wide K step, or every instruction promoted to fp32;
 * the fused output's error per token: a few tokens far off (a wrong row, tile or scale)
   or every token a little (rounding).
 
@@ -26,7 +28,7 @@ from comet import reference
 from comet.activation import gated
 from comet.bench.provenance import write_result
 from comet.config import PRESETS, MoEConfig
-from comet.kernels.fp8_gemm import fp8_group_gemm, m_tiles, quantize_rows_triton
+from comet.kernels.fp8_gemm import Fp8GemmConfig, fp8_group_gemm, m_tiles, quantize_rows_triton
 from comet.quant import Fp8, Fp8Weight, quantize_rows, quantize_weight
 
 DEVICE = "cuda"
@@ -63,7 +65,7 @@ def emulate(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation) -> torch.Te
     return out
 
 
-def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation):
+def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation, fast: bool):
     """The layer on the phase-1 kernels: ``(y fp32 [M, H], h per expert, emulated h per
     expert)``."""
     e = gu8.experts
@@ -73,8 +75,9 @@ def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation):
     tok = order // ids.shape[1]
     rows = quantize_rows_triton(x[tok])
     tiles = m_tiles(counts, 128, x.device)
-    h = fp8_group_gemm(rows, gu8, tiles, activation=activation, requant=True)
-    out = fp8_group_gemm(h, dn8, tiles)
+    config = Fp8GemmConfig(fast_accumulation=fast)
+    h = fp8_group_gemm(rows, gu8, tiles, activation=activation, requant=True, config=config)
+    out = fp8_group_gemm(h, dn8, tiles, config=config)
     y = torch.zeros(x.shape[0], x.shape[1], device=x.device)
     y.index_add_(0, tok, out.float() * wts.flatten()[order].float().unsqueeze(1))
     # the emulation's h, expert by expert, on the same rows
@@ -109,8 +112,9 @@ def main() -> None:
     else:
         presets = PRESETS
     records = []
-    for name in a.configs:
-        cfg = presets[name].replace(max_tokens=max(a.tokens, 16), fp8=Fp8())
+    for name, fast in [(n, f) for n in a.configs for f in (False, True)]:
+        cfg = presets[name].replace(max_tokens=max(a.tokens, 16),
+                                    fp8=Fp8(fast_accumulation=fast))
         e, h, f, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
         g = torch.Generator(device=DEVICE).manual_seed(0)
         gu8 = quantized((e, 2 * f, h), h ** -0.5, g, parts=2)
@@ -122,12 +126,17 @@ def main() -> None:
         expect = emulate(x, ids, wts, gu8, dn8, cfg.activation)
         layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
         y = layer(x, ids, wts).float()
-        y_std, h_std, h_emul, counts = standalone(x, ids, wts, gu8, dn8, cfg.activation)
+        y_std, h_std, h_emul, counts = standalone(x, ids, wts, gu8, dn8, cfg.activation,
+                                                  fast)
+        xq, xq_ref = quantize_rows_triton(x), quantize_rows(x.float())
         hq = torch.cat([r.data.view(torch.uint8) for r in h_emul])
         hs = torch.cat([r.scale for r in h_emul])
         per_token = ((y - expect).norm(dim=1) / expect.norm(dim=1).clamp_min(1e-12))
         record = {
-            "config": name, "tokens": a.tokens,
+            "config": name, "tokens": a.tokens, "fast_accumulation": fast,
+            "x_values_equal": float((xq.data.view(torch.uint8)
+                                     == xq_ref.data.view(torch.uint8)).float().mean()),
+            "x_scales_rel": rel(xq.scale, xq_ref.scale),
             "fused_vs_emulation": rel(y, expect),
             "standalone_vs_emulation": rel(y_std, expect),
             "fused_vs_standalone": rel(y, y_std),
