@@ -12,6 +12,8 @@ tells the candidate causes apart on one call at a preset's size (EP=1):
   values equal and the scales' difference -> layer0 or layer1;
 * both accumulations (:class:`comet.quant.Fp8` ``fast_accumulation``): the MMA's
   reduced-precision sum over a 128-wide K step, or every instruction promoted to fp32;
+* the same math with cuBLAS's FP8 tensor-core GEMM summing each K block (fast
+  accumulation off): how far any Hopper FP8 MMA lands from the exact-fp32 emulation;
 * the fused output's error per token: a few tokens far off (a wrong row, tile or scale)
   or every token a little (rounding).
 
@@ -29,7 +31,7 @@ from comet.activation import gated
 from comet.bench.provenance import write_result
 from comet.config import PRESETS, MoEConfig
 from comet.kernels.fp8_gemm import Fp8GemmConfig, fp8_group_gemm, m_tiles, quantize_rows_triton
-from comet.quant import Fp8, Fp8Weight, quantize_rows, quantize_weight
+from comet.quant import GROUP, Fp8, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
 
 DEVICE = "cuda"
 #: Experts quantized at once (a preset's fp32 copies do not fit at once).
@@ -61,6 +63,38 @@ def emulate(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation) -> torch.Te
         if tok.numel():
             y = reference.expert_mlp_fp8(x[tok].float(), expert_of(gu8, local),
                                          expert_of(dn8, local), 0, activation)
+            out.index_add_(0, tok, y * wts[tok, slot].float().unsqueeze(1))
+    return out
+
+
+def tensor_core_mm(a: Fp8Rows, w: Fp8Weight) -> torch.Tensor:
+    """``a @ w[0]^T`` (fp32) with each 128-wide K block's FP8 products summed by cuBLAS's
+    FP8 tensor-core GEMM (``torch._scaled_mm``, fast accumulation off), then scaled and
+    added in fp32: the kernels' math on another vendor's MMA path."""
+    rows, k = a.data.shape
+    m = -(-rows // 16) * 16
+    data = torch.zeros(m, k, dtype=a.data.dtype, device=a.data.device)
+    data[:rows] = a.data
+    sb = w.scales()[0]
+    one = torch.ones((), device=a.data.device)
+    out = torch.zeros(m, w.n, device=a.data.device)
+    for j in range(0, k, GROUP):
+        d = torch._scaled_mm(data[:, j:j + GROUP].contiguous(), w.weight[0, :, j:j + GROUP].t(),
+                             one, one, out_dtype=torch.float32, use_fast_accum=False)
+        out[:rows] += d[:rows] * a.scale[:, j // GROUP, None] * sb[None, :, j]
+    return out[:rows]
+
+
+def tensor_core_layer(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation):
+    """The emulation with its GEMMs on :func:`tensor_core_mm`: ``[M, H]`` fp32."""
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
+    f = dn8.k
+    for local in range(gu8.experts):
+        tok, slot = (ids == local).nonzero(as_tuple=True)
+        if tok.numel():
+            gu = tensor_core_mm(quantize_rows(x[tok].float()), expert_of(gu8, local))
+            h = quantize_rows(gated(gu[:, :f], gu[:, f:], activation))
+            y = tensor_core_mm(h, expert_of(dn8, local))
             out.index_add_(0, tok, y * wts[tok, slot].float().unsqueeze(1))
     return out
 
@@ -131,6 +165,8 @@ def main() -> None:
         xq, xq_ref = quantize_rows_triton(x), quantize_rows(x.float())
         hq = torch.cat([r.data.view(torch.uint8) for r in h_emul])
         hs = torch.cat([r.scale for r in h_emul])
+        cublas = (tensor_core_layer(x, ids, wts, gu8, dn8, cfg.activation)
+                  if DEVICE == "cuda" else expect)
         per_token = ((y - expect).norm(dim=1) / expect.norm(dim=1).clamp_min(1e-12))
         record = {
             "config": name, "tokens": a.tokens, "fast_accumulation": fast,
@@ -140,6 +176,10 @@ def main() -> None:
             "fused_vs_emulation": rel(y, expect),
             "standalone_vs_emulation": rel(y_std, expect),
             "fused_vs_standalone": rel(y, y_std),
+            "cublas_vs_emulation": rel(cublas, expect),
+            "fused_vs_cublas": rel(y, cublas),
+            "elementwise_within_0.035": bool(torch.allclose(y, expect, atol=0.035,
+                                                            rtol=0.035)),
             "h_values_equal": float((h_std.data.view(torch.uint8) == hq).float().mean()),
             "h_scales_rel": rel(h_std.scale, hs),
             "per_token_rel_err": {q: float(per_token.quantile(q)) for q in
