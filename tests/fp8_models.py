@@ -39,15 +39,21 @@ def fp8_model(family: str, scale_fmt: str = "float", seed: int = 0, device="cpu"
     """A tiny ``family`` model (:data:`comet.integrations.tiny_models.TINY_MODELS`,
     ``deepseek_v3`` or ``qwen3_moe``) in FineGrainedFP8, random weights, eval mode.
     ``overrides``: config fields (real widths for the GPU test)."""
+    model = bf16_model(family, seed, device, **overrides)
+    quantize(model, FineGrainedFP8Config(weight_block_size=[128, 128], scale_fmt=scale_fmt))
+    # transformers' other FP8 experts paths call its hub kernels directly, not fp8_linear
+    model.set_experts_implementation("eager")
+    return model.eval()
+
+
+def bf16_model(family: str, seed: int = 0, device="cpu", **overrides) -> torch.nn.Module:
+    """The bf16 model :func:`fp8_model` quantizes (same family, seed and overrides)."""
     config_cls, model_cls, settings = TINY_MODELS[family]
     config = getattr(transformers, config_cls)(**{**_COMMON, **settings, **FP8_SIZES,
                                                   **overrides})
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
-    quantize(model, FineGrainedFP8Config(weight_block_size=[128, 128], scale_fmt=scale_fmt))
-    # transformers' other FP8 experts paths call its hub kernels directly, not fp8_linear
-    model.set_experts_implementation("eager")
     return model.eval()
 
 
