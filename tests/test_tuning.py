@@ -10,6 +10,7 @@ import torch
 from comet.cli import tune
 from comet.config import MoEConfig, TileConfig, Variant, preset
 from comet.constants import kernel_identity
+from comet.kernels.fp8_roles import packed_row_bytes
 from comet.mesh import MeshLayout
 from comet.scheduler import search, tuned
 from comet.scheduler.split import analytic_split, layer_work, predicted_time
@@ -188,6 +189,20 @@ def test_tune_resumes_and_refuses_foreign_tables(tmp_path):
 def test_tune_without_gpu_says_so(capsys):
     assert tune.main(["--config", "mixtral", "--tokens", "16"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_fp8_layer_sends_its_packed_rows_and_runs_a_faster_gemm():
+    """FP8: layer0 sends 0.52x the bf16 bytes at H = 7168 and both GEMMs count half their
+    FLOPs; layer1's rows stay bf16. The layer's dispatch is the same share of a cheaper
+    GEMM, so the chosen split must still be one of the model's best."""
+    bf0, bf1 = layer_work(4096, 8, 8, 7168, 2048)
+    f0, f1 = layer_work(4096, 8, 8, 7168, 2048, dispatch_row_bytes=packed_row_bytes(7168))
+    assert f0.comm_bytes / bf0.comm_bytes == pytest.approx(7392 / 14336)
+    assert f0.flops == bf0.flops / 2 and f1.flops == bf1.flops / 2
+    assert f1.comm_bytes == bf1.comm_bytes
+    n = analytic_split(f0, 132)
+    assert predicted_time(f0, n, 132) <= 1.01 * min(predicted_time(f0, k, 132)
+                                                    for k in range(67))
 
 
 def test_analytic_split_with_no_tokens_and_few_programs():

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
+from comet.kernels.fp8_roles import packed_row_bytes
 from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, one_dot_tiles
 from comet.kernels.plan import open_step_blocks, plan_block_tokens
 from comet.scheduler import tuned
@@ -103,9 +104,10 @@ class Selector:
         """(layer0, layer1) comm blocks of the analytic model for ``num_tokens`` (layer1:
         0 with the scatter epilogue, which has no comm role)."""
         c = self.cfg
+        fp8_row = packed_row_bytes(c.hidden_size) if c.fp8 is not None else None
         w0, w1 = layer_work(num_tokens, self.world, c.top_k, c.hidden_size,
                             c.intermediate_size, c.dtype.itemsize,
-                            self.tile.n_splits(c.hidden_size))
+                            self.tile.n_splits(c.hidden_size), fp8_row)
         n1 = 0 if self.tile.variant.layer1_scatter else analytic_split(w1, self.programs)
         return analytic_split(w0, self.programs), n1
 

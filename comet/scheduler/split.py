@@ -72,22 +72,33 @@ class LayerWork:
     splits: int = 2         # layer1 column splits (the last one cannot overlap)
 
 
+#: An FP8 GEMM's FLOPs counted at the bf16 rate of :class:`MachineModel`: Hopper's FP8
+#: MMA runs at twice the bf16 rate.
+FP8_FLOPS_FACTOR = 0.5
+
+
 def layer_work(tokens: int, world: int, top_k: int, hidden: int, ffn: int,
-               dtype_bytes: int = 2, splits: int = 2) -> tuple[LayerWork, LayerWork]:
+               dtype_bytes: int = 2, splits: int = 2, dispatch_row_bytes: int | None = None
+               ) -> tuple[LayerWork, LayerWork]:
     """Expected (layer0, layer1) work under uniform routing for ``tokens`` on this rank
     (``splits``: layer1's column splits, ``TileConfig.n_splits``).
 
     layer0 sends each (token, slot) row to the expert's rank; layer1 sends one pre-summed
     row per (token, destination rank), i.e. ``W * (1 - (1 - 1/W)^k)`` rows per token.
+    ``dispatch_row_bytes``: an FP8 layer's dispatched row (e4m3 values and their scales,
+    :func:`comet.kernels.fp8_roles.packed_row_bytes`); its GEMMs then count
+    :data:`FP8_FLOPS_FACTOR` of their FLOPs. Layer1's rows are ``dtype_bytes`` either way.
     """
     remote = (world - 1) / world
     rows = tokens * top_k
-    l0 = LayerWork(rows * remote * hidden * dtype_bytes, rows / world * hidden * dtype_bytes,
-                   2.0 * rows * hidden * 2 * ffn, world=world)
+    row0 = hidden * dtype_bytes if dispatch_row_bytes is None else dispatch_row_bytes
+    flops = 1.0 if dispatch_row_bytes is None else FP8_FLOPS_FACTOR
+    l0 = LayerWork(rows * remote * row0, rows / world * row0,
+                   flops * 2.0 * rows * hidden * 2 * ffn, world=world)
     ranks_per_token = world * (1.0 - (1.0 - 1.0 / world) ** top_k)
     ret_rows = tokens * ranks_per_token
     l1 = LayerWork(ret_rows * remote * hidden * dtype_bytes,
-                   ret_rows / world * hidden * dtype_bytes, 2.0 * rows * ffn * hidden,
+                   ret_rows / world * hidden * dtype_bytes, flops * 2.0 * rows * ffn * hidden,
                    reduce=True, world=world, splits=splits)
     return l0, l1
 
