@@ -138,6 +138,12 @@ if importlib.util.find_spec("wheel") is None:
     sys.modules["wheel"] = types.ModuleType("wheel")
     sys.modules["wheel.bdist_wheel"] = shim
     print("DeepGEMM: wheel not installed; setup.py gets setuptools' bdist_wheel")
+# ... and packaging.version.parse, which setuptools vendors where packaging is not installed.
+if importlib.util.find_spec("packaging") is None:
+    import setuptools._vendor.packaging as packaging
+    import setuptools._vendor.packaging.version
+    sys.modules["packaging"], sys.modules["packaging.version"] = packaging, packaging.version
+    print("DeepGEMM: packaging not installed; setup.py gets setuptools' vendored copy")
 # Its host flags ask for C++17; torch's headers from 2.12 on refuse anything older than
 # C++20 (the JIT compiles the kernels as C++20 already).
 major, minor = (int(v) for v in torch.__version__.split(".")[:2])
