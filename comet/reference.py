@@ -25,7 +25,7 @@ import torch
 from comet.activation import SILU, GatedActivation, gated
 from comet.config import MoEConfig
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
-from comet.quant import Fp8Weight, quantize_rows
+from comet.quant import Fp8Rows, Fp8Weight, quantize_rows
 
 
 # --------------------------------------------------------------------------- router
@@ -287,4 +287,23 @@ def moe_forward_fp8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             continue
         y = expert_mlp_fp8(x[tok], gate_up, down, local, activation)
         out.index_add_(0, tok, y * topk_weights[tok, slot].float().unsqueeze(1))
+    return out
+
+
+def grouped_gemm_fp8(a: Fp8Rows, w: Fp8Weight, expert_rows: list[int]) -> torch.Tensor:
+    """One block-scaled FP8 grouped GEMM emulated in fp32: ``a``'s rows grouped by expert
+    (``expert_rows[e]`` rows of expert ``e`` after those of ``e - 1``) times ``w [E, N, K]``
+    transposed, each expert dequantized alone (a preset's fp32 experts would not fit):
+    ``[R, N]`` fp32, the products of dequantized values summed in fp32."""
+    if len(expert_rows) != w.experts or sum(expert_rows) != a.data.shape[0]:
+        raise ValueError(f"{list(expert_rows)} rows per expert for {a.data.shape[0]} rows and "
+                         f"{w.experts} experts")
+    x = a.dequantize()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(expert_rows):
+        if n:
+            we = Fp8Weight(w.weight[e:e + 1], w.scale_inv[e:e + 1], w.blocks, w.parts)
+            out[start:start + n] = x[start:start + n] @ we.dequantize()[0].T
+        start += n
     return out

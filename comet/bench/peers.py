@@ -93,14 +93,17 @@ class Peers:
         self.ready = []
 
 
-def load_peers(names: Sequence[str], device: torch.device, world: int, group=None
-               ) -> dict[str, Builder | str]:
-    """Each named peer's builder, or why it cannot run; every rank gets the same answer
-    (collective over ``group``)."""
+def load_peers(names: Sequence[str], device: torch.device, world: int, group=None,
+               registry: dict[str, Peer] | None = None) -> dict[str, Builder | str]:
+    """Each named peer's builder (what its ``load`` returns), or why it cannot run; every
+    rank gets the same answer (collective over ``group``). ``registry``: where the names
+    are (default :data:`PEERS`; :data:`comet.bench.deepgemm.FP8_PEERS` for the FP8 GEMM
+    peer)."""
+    registry = PEERS if registry is None else registry
     loaded: dict[str, Builder | str] = {}
     for name in names:
         try:
-            loaded[name] = PEERS[name].load(device, world)
+            loaded[name] = registry[name].load(device, world)
         except Exception as err:  # an extension that fails to load, say: report and go on
             loaded[name] = f"failed to load: {type(err).__name__}: {err}"
     why = _agree({n: v if isinstance(v, str) else None for n, v in loaded.items()}, group)

@@ -36,7 +36,14 @@ or a per-layer row of a variant that has no layers). Variants:
   e4m3 weights, their scales and the rows the GEMMs read; ``max_rel_err["fused"]`` is
   against the emulation of the quantized layer (one rank only). With a bf16 record of
   the same case in the same run: ``bf16_fused_us``, ``fp8_over_bf16``,
-  ``bf16_over_fp8``, ``dispatch_bytes_over_bf16`` (:func:`pair_dtypes`).
+  ``bf16_over_fp8``, ``dispatch_bytes_over_bf16`` (:func:`pair_dtypes`). With ``--peers
+  deepgemm``: ``deepgemm_gmm_us`` / ``deepgemm_gmm_tflops``, DeepGEMM's grouped FP8 GEMMs
+  (contiguous or masked layout, the faster; :mod:`comet.bench.deepgemm`) on the same rows
+  per expert -- layer0 the gate/up GEMM, layer1 the down GEMM, "moe" both -- and
+  ``deepgemm`` (its status, reason, backend, layout, output error); comet's side is its
+  GEMM phases (``comet_gmm_tflops``: layer0 and layer1 of (c), each a GEMM with its fused
+  epilogue, rows already in place), and ``fp8_gmm_over_deepgemm`` the ratio of the two
+  throughputs.
 * ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs
   (:mod:`comet.bench.peers`), None where it was not timed (``peers`` says why: its
   status, reason, backend and output error per peer); ``best_peer`` / ``best_peer_us``
@@ -112,6 +119,8 @@ def derive(rec: dict) -> dict:
     own kernels run one after the other (below 1: the overlap pays).  fused_over_best_fixed:
     b over the fastest fixed split of the record (the per-call choice against hindsight).
     speedup_vs_best_peer: ``best_peer_us`` (the fastest ``peer_<name>_us``) over b.
+    fp8_gmm_over_deepgemm: comet's GEMM TFLOP/s over DeepGEMM's grouped FP8 GEMM's on the
+    same rows (an FP8 record with ``--peers deepgemm``; issue 68 asks >= 0.85).
     gemm_floor_us: the fastest GEMM measured on the layer's rows (torch, comet's kernels
     alone, CUTLASS); speedup_at_floor: a over it, the speedup of a layer that cost only
     its GEMMs -- where that is below a speedup target, no overlap can reach the target
@@ -139,6 +148,8 @@ def derive(rec: dict) -> dict:
     rec["best_peer"] = min(peers, key=peers.get, default=None)
     rec["best_peer_us"] = peers.get(rec["best_peer"])
     rec["speedup_vs_best_peer"] = ratio(rec["best_peer_us"], rec.get("fused_us"))
+    rec["fp8_gmm_over_deepgemm"] = ratio(rec.get("comet_gmm_tflops"),
+                                         rec.get("deepgemm_gmm_tflops"))
     return rec
 
 

@@ -124,6 +124,20 @@ FP8_COLUMNS: list[Column] = _KEY[:3] + [
     ("n_comm", _n_comm),
 ]
 
+#: With ``--peers deepgemm``: comet's FP8 GEMM phases against DeepGEMM's grouped FP8 GEMMs
+#: on the same rows.
+DEEPGEMM_COLUMNS: list[Column] = [
+    ("comet GEMM TFLOP/s", _num("comet_gmm_tflops", "{:.4g}")),
+    ("DeepGEMM TFLOP/s", _num("deepgemm_gmm_tflops", "{:.4g}")),
+    ("DeepGEMM layout", lambda r: (r.get("deepgemm") or {}).get("layout") or "-"),
+    ("comet/DeepGEMM", _num("fp8_gmm_over_deepgemm", "{:.2f}")),
+]
+
+
+def fp8_columns(records: Sequence[dict]) -> list[Column]:
+    """:data:`FP8_COLUMNS`, and :data:`DEEPGEMM_COLUMNS` where a record has DeepGEMM's."""
+    return FP8_COLUMNS + (DEEPGEMM_COLUMNS if any("deepgemm" in r for r in records) else [])
+
 
 def peer_columns(records: Sequence[dict]) -> list[Column]:
     """comet against the peers (``--peers``; whole-layer rows): the fused layer, the
@@ -331,8 +345,8 @@ FP8_DISPATCH_RATIO = 0.53
 def fp8_summary(records: Sequence[dict]) -> list[str]:
     """One line per routing of FP8 whole-layer records against issue 68's criteria
     (:data:`FP8_DECODE_RATIO` and the rest); the ratios need the bf16 record of the same
-    case (:func:`comet.bench.records.pair_dtypes`), a '-' says it is missing. The
-    criterion on the GEMM phases against DeepGEMM's grouped FP8 GEMM has no column yet."""
+    case (:func:`comet.bench.records.pair_dtypes`), a '-' says it is missing. The GEMM
+    phases against DeepGEMM's grouped FP8 GEMM: :func:`deepgemm_check`."""
     lines = []
     moe = [r for r in records if r["layer"] == "moe" and r.get("fused_us") is not None]
     lo, hi = FP8_DECODE_TOKENS
@@ -360,10 +374,32 @@ def fp8_summary(records: Sequence[dict]) -> list[str]:
                          f"{FP8_PREFILL_GEOMEAN:g})")
         parts.append(_check(rows, "dispatch_bytes_over_bf16", "dispatch bytes FP8/bf16",
                             "max", FP8_DISPATCH_RATIO))
-        parts.append("FP8 GEMM phases vs DeepGEMM's grouped FP8 GEMM: not measured (no "
-                     "FP8 peer yet)")
+        parts.append(deepgemm_check(rows))
         lines.append(f"fp8 {routing}: " + "; ".join(parts))
     return lines
+
+
+#: Issue 68: comet's FP8 GEMM phases at least this share of DeepGEMM's grouped FP8 GEMM
+#: throughput on the same rows (``fp8_gmm_over_deepgemm``), every record.
+FP8_DEEPGEMM_MIN = 0.85
+
+
+def deepgemm_check(rows: Sequence[dict]) -> str:
+    """FP8 records against :data:`FP8_DEEPGEMM_MIN`; "not measured" and why where no record
+    has the ratio (no ``--peers deepgemm``, or the peer's reasons)."""
+    label = "FP8 GEMM phases vs DeepGEMM's grouped FP8 GEMM"
+    asked = [r for r in rows if "deepgemm" in r]
+    if not asked:
+        return f"{label}: not measured (comet bench --dtype fp8 --peers deepgemm)"
+    measured = [r for r in asked if r.get("fp8_gmm_over_deepgemm") is not None]
+    if not measured:
+        why = sorted({(r.get("deepgemm") or {}).get("reason") or "no GEMM phases"
+                      for r in asked})
+        return f"{label}: not measured ({'; '.join(why)})"
+    missing = len(asked) - len(measured)
+    return (_check(measured, "fp8_gmm_over_deepgemm", f"{label}, TFLOP/s ratio", "min",
+                   FP8_DEEPGEMM_MIN)
+            + (f"; {missing} record(s) without the ratio" if missing else ""))
 
 
 #: A fused call whose host time is at least this share of (b) had the GPU wait for the
@@ -447,7 +483,7 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
             "", "## Compute and communication efficiency", "",
             markdown_table(records, EFFICIENCY_COLUMNS)]
     if fp8:
-        out += ["", "## The FP8 layer against bf16", "", markdown_table(fp8, FP8_COLUMNS)]
+        out += ["", "## The FP8 layer against bf16", "", markdown_table(fp8, fp8_columns(fp8))]
     moe = [r for r in records if r["layer"] == "moe"]
     if moe:
         out += ["", "## Where the unfused baseline spends its time", "",
@@ -559,7 +595,7 @@ def docs_markdown(files: Sequence[tuple[str, Sequence[dict]]],
                     markdown_table(rows, DOCS_COLUMNS)]
         if fp8:
             out += ["", f"The FP8 layer against bf16, {routing} routing:", "",
-                    markdown_table(fp8, FP8_COLUMNS)]
+                    markdown_table(fp8, fp8_columns(fp8))]
         if peer_columns(rows):
             out += ["", f"Against the peers, {routing} routing:", "",
                     markdown_table(rows, peer_columns(rows))]

@@ -39,10 +39,12 @@ from comet import reference
 from comet.activation import gated
 from comet.baseline import chunked_ep_moe_forward, ep_moe_forward, plan_dispatch
 from comet.bench import records as rec
+from comet.bench.deepgemm import (MAX_DIFF, DeepGemm, check_layout, layouts_for,
+                                   weight_operand)
 from comet.bench.floors import (dispatch_rows, expert_bytes, fp8_expert_bytes,
                                  fp8_row_bytes, hbm_floor_us, link_rows)
 from comet.bench.inputs import InputSet, make_input_sets
-from comet.bench.peers import PeerLayer, Peers
+from comet.bench.peers import PeerLayer, PeerUnavailable, Peers
 from comet.bench.timing import (L2Flush, PhaseClock, median, reduce_over_ranks, time_calls,
                                 timed_sets)
 from comet.config import MoEConfig
@@ -174,6 +176,27 @@ def case_timer(st: Settings, flush: L2Flush) -> Callable[..., dict[str, list[flo
     return timed
 
 
+def reference_series(timed: Callable, fn, phases: dict[str, tuple[str, ...]],
+                     device: torch.device) -> Series:
+    """A reference's :class:`Series`: ``fn``'s phases from calls with events, its whole-call
+    time from calls without (``timed``: :func:`case_timer`'s)."""
+    series = timed(fn, lambda: PhaseClock(device))
+    series["total"] = timed(fn)["total"]
+    return Series(series, phases)
+
+
+def gemm_rate(out: dict[str, Series], variant: str, layer: str,
+              phases: dict[str, tuple[str, ...]], flops: dict[str, list[float]],
+              st: Settings) -> float | None:
+    """TFLOP/s of ``variant``'s ``layer`` (``phases``: its GEMM phases, "moe" their sum):
+    each iteration's GEMM work over all ranks over its time on the slowest, the median; None
+    where it was not timed."""
+    times = out[variant].layer(layer, phases) if variant in out else None
+    if not times:
+        return None
+    return median([rec.tflops(f, st.world * t) for f, t in zip(flops[layer], times)])
+
+
 def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
              fused: Fused | None = None,
              cutlass_mm: Callable | None = None,
@@ -212,9 +235,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         return PhaseClock(dev)
 
     def reference(fn, phases) -> Series:
-        series = timed(fn, phase_clock)
-        series["total"] = timed(fn)["total"]
-        return Series(series, phases)
+        return reference_series(timed, fn, phases, dev)
 
     out: dict[str, Series] = {}
     if not st.only_fused:
@@ -269,11 +290,8 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
         best = min((n for n in chunked if chunked[n] is not None), key=chunked.get,
                    default=None)
 
-        def gmm_tflops(variant, phases=None, layer=layer):
-            times = out[variant].layer(layer, phases) if variant in out else None
-            if not times:
-                return None
-            return median([rec.tflops(f, st.world * t) for f, t in zip(flops[layer], times)])
+        def gmm_tflops(variant, phases, layer=layer):
+            return gemm_rate(out, variant, layer, phases, flops, st)
 
         r = {
             **case_columns(case, layer),
@@ -338,19 +356,24 @@ FP8_OMITTED = {
     "torch_gmm_us": "torch's grouped GEMM takes no block-scaled FP8 operands",
     "cutlass_gmm_us": "the CUTLASS reference is a bf16 grouped GEMM",
     "nccl_a2a_us": "NCCL's reference moves bf16 rows",
-    "peers": "the peers are timed on bf16 experts; DeepGEMM's FP8 grouped GEMM is not "
-             "wired in yet",
+    "peers": "the whole-layer peers run bf16 experts; DeepGEMM's grouped FP8 GEMM "
+             "(--peers deepgemm) is in deepgemm_gmm_us",
 }
 
 
 def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
-                 fused: Fused | None, layers: Sequence[str] = rec.LAYERS) -> list[dict]:
+                 fused: Fused | None, layers: Sequence[str] = rec.LAYERS,
+                 deepgemm: DeepGemm | str | None = None) -> list[dict]:
     """:func:`run_case` for comet's FP8 layer (``case.cfg.fp8``; forward only): the fused
     call and its modes, the fixed splits, its HBM floor with FP8 bytes and its dispatch
     bytes, its output against the emulation of the quantized layer (:func:`emulate_fp8`;
     one rank only: it needs every expert). The bf16 variants have no FP8 form
     (:data:`FP8_OMITTED`: their columns are None, ``omitted`` says why). A mode that
-    raises is left out (``skipped_modes``: why); collective over ``st.group``."""
+    raises is left out (``skipped_modes``: why); collective over ``st.group``.
+
+    ``deepgemm`` (``--peers deepgemm``): DeepGEMM's grouped FP8 GEMMs on the same rows per
+    expert, or why it cannot run; the records then have ``deepgemm_gmm_us``,
+    ``deepgemm_gmm_tflops`` and ``deepgemm`` (:func:`deepgemm_series`)."""
     cfg, group = case.cfg, st.group
     el = gate_up.experts
     sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, st.rank,
@@ -389,14 +412,16 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
     ids = [s.topk_ids for s in sets]
     link = link_columns(ids, el, st)
     dispatch = dispatch_columns(ids, el, st, False, packed_row_bytes(cfg.hidden_size))
+    deepgemm_status = None
+    if deepgemm is not None:
+        deepgemm_status = deepgemm_series(deepgemm, case, plans, gate_up, down, st, timed,
+                                          out)
 
     results = []
     for layer in layers:
         def med(variant, phases=None, layer=layer):
             return median(out[variant].layer(layer, phases)) if variant in out else None
 
-        times = out["compute_only"].layer(layer, _RATE_PHASES["comet_kernels"]) \
-            if "compute_only" in out else None
         r = {
             **case_columns(case, layer),
             **{k: None for k in ("baseline_us", "chunked_us", "torch_gmm_us",
@@ -406,9 +431,8 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
             "fused_us": med("fused"), "sequential_us": med("sequential"),
             "compute_only_us": med("compute_only"), "comm_only_us": med("comm_only"),
             "skipped_modes": skipped or None,
-            "comet_gmm_tflops": median([rec.tflops(f, st.world * t)
-                                        for f, t in zip(flops[layer], times)])
-            if times else None,
+            "comet_gmm_tflops": gemm_rate(out, "compute_only", layer,
+                                          _RATE_PHASES["comet_kernels"], flops, st),
             "comet_gmm_us": (med("compute_only", LAYER_PHASES["comet_kernels"])
                              if layer != "moe" else None),
             **fixed_columns({n: med(f"fixed{n}") for n in st.fixed_splits}),
@@ -419,10 +443,83 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
             "max_rel_err": checks,
             **run_columns(st, hbm_floor, layer),
         }
+        if deepgemm_status is not None:
+            r.update({"deepgemm_gmm_us": med("deepgemm"),
+                      "deepgemm_gmm_tflops": gemm_rate(out, "deepgemm", layer,
+                                                       _RATE_PHASES["gmm"], flops, st),
+                      "deepgemm": deepgemm_status})
         if layer == "moe":
             r.update(phase_columns(out, {}))
         results.append(rec.derive(r))
     return results
+
+
+def deepgemm_series(dg: DeepGemm | str, case: Case, plans, gate_up: Fp8Weight,
+                    down: Fp8Weight, st: Settings, timed: Callable, out: dict[str, Series]
+                    ) -> dict:
+    """DeepGEMM's grouped FP8 GEMMs on the rows per expert of ``plans`` (layer0: ``[R, H]``
+    times ``gate_up``, N = 2F; layer1: ``[R, F]`` times ``down``, N = H; random rows
+    quantized by comet's quantizer, as the bf16 records' reference GEMMs take random rows),
+    timed as those are (phases ``gemm0`` / ``gemm1``, whole calls apart) into
+    ``out["deepgemm"]``.
+
+    Each layout of :func:`comet.bench.deepgemm.layouts_for` is first checked on the first
+    input set against the fp32 emulation on every rank (``calc_diff`` at most
+    :data:`comet.bench.deepgemm.MAX_DIFF`); those right everywhere are timed and the
+    fastest (median of the two GEMMs' sum) kept. Returns the record's ``deepgemm`` field:
+    ``status`` (``timed``, ``wrong``, ``failed``, ``unavailable``), ``reason``, ``backend``,
+    ``layout`` (the one kept), ``calc_diff`` and ``layout_us`` per layout, and where one
+    layout was timed but another not, ``failed_layouts`` (why, per layout). Collective."""
+    if isinstance(dg, str):
+        return {"status": "unavailable", "reason": dg}
+    try:
+        weights = (weight_operand(gate_up), weight_operand(down))
+    except PeerUnavailable as err:
+        return {"status": "unavailable", "reason": str(err)}
+    dev, cfg = st.device, case.cfg
+    rows = [tuple(quantize_rows_triton(torch.randn(p.rows, width, device=dev,
+                                                   dtype=torch.bfloat16))
+                  for width in (cfg.hidden_size, cfg.intermediate_size)) for p in plans]
+    status: dict = {"backend": dg.backend, "calc_diff": {}, "layout_us": {}}
+    failures: dict[str, str] = {}
+    for layout in layouts_for(case.tokens):
+        try:
+            diff = {name: check_layout(dg, layout, a, w, plans[0].expert_rows)
+                    for name, a, w in (("layer0", rows[0][0], gate_up),
+                                       ("layer1", rows[0][1], down))}
+            failure = None
+        except Exception as exc:  # a peer's failure is reported; comet's columns still run
+            diff, failure = None, f"{type(exc).__name__}: {exc}"
+        verdicts = _gather([(diff, failure)], st.group)
+        failure = next((f for _, f in verdicts if f is not None), None)
+        if failure is not None:
+            failures[layout] = failure
+            continue
+        worst = {name: max(d[name] for d, _ in verdicts) for name in diff}
+        status["calc_diff"][layout] = worst
+        if not all(v <= MAX_DIFF for v in worst.values()):   # NaN is not <=: wrong too
+            failures[layout] = f"calc_diff {worst} over {MAX_DIFF:g}"
+            continue
+        # Per input set, each GEMM's rows in the layout and its output (laid out untimed).
+        operands = [tuple(dg.operand(layout, a, p.expert_rows, w.n)
+                          for a, w in zip(pair, (gate_up, down)))
+                    for p, pair in zip(plans, rows)]
+        series = reference_series(timed, gemm_fn(
+            plans, operands, *weights, lambda a, w, _rows, _offs: dg.launch(a[0], w, a[1])),
+            LAYER_PHASES["gmm"], dev)
+        us = status["layout_us"][layout] = median(series.layer("moe", _RATE_PHASES["gmm"]))
+        if "deepgemm" not in out or us < status["layout_us"][status["layout"]]:
+            out["deepgemm"], status["layout"] = series, layout
+        del operands
+    if "deepgemm" in out:
+        status["status"] = "timed"
+        if failures:
+            status["failed_layouts"] = failures
+    else:
+        wrong = any(layout in status["calc_diff"] for layout in failures)
+        status.update(status="wrong" if wrong else "failed", reason="; ".join(
+            f"{layout}: {why}" for layout, why in failures.items()))
+    return status
 
 
 def emulate_fp8(s: InputSet, gate_up: Fp8Weight, down: Fp8Weight, cfg: MoEConfig

@@ -38,6 +38,8 @@ from comet.bench.inputs import (ROUTINGS, make_expert_weights, make_input_sets,
 from comet.bench.provenance import provenance, write_result
 from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
+from comet.bench.deepgemm import FP8_PEERS
+from comet.bench.deepgemm import NAME as DEEPGEMM
 from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case, run_fp8_case
 from comet.cli.launch import init_ranks, maybe_relaunch
@@ -118,12 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
-    g.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=[], metavar="NAME",
+    g.add_argument("--peers", nargs="+", choices=sorted({**PEERS, **FP8_PEERS}), default=[],
+                   metavar="NAME",
                    help="also time other projects' layers on the same inputs, whole layer, "
                         "each checked against the unfused baseline first: "
-                        f"{', '.join(sorted(PEERS))} (optional packages: "
-                        "scripts/device/build_peers.sh); one that cannot run shows '-' and "
-                        "why (docs/benchmarks.md, 'Peers')")
+                        f"{', '.join(sorted(PEERS))}; and with --dtype fp8, {DEEPGEMM}: "
+                        "DeepGEMM's grouped FP8 GEMMs on the FP8 layer's rows, checked "
+                        "against the fp32 emulation, beside comet's GEMM phases (optional "
+                        "packages: scripts/device/build_peers.sh); one that cannot run shows "
+                        "'-' and why (docs/benchmarks.md, 'Peers')")
     g.add_argument("--redundant-experts", type=int, default=None, metavar="R",
                    help="run comet's layer on E + R physical experts placed by the EPLB "
                         "planner from each case's own routing (comet.placement), and add "
@@ -297,7 +302,7 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
         print(report.text_table(plain, report.EFFICIENCY_COLUMNS))
     if fp8:
         print()
-        print(report.text_table(fp8, report.FP8_COLUMNS))
+        print(report.text_table(fp8, report.fp8_columns(fp8)))
     moe = [r for r in plain if r["layer"] == "moe"]
     if moe:
         print()
@@ -415,6 +420,11 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                      "no --tp)")
     if args.peers and mesh.tp > 1:
         parser.error("--peers times expert-parallel layers only (no --tp)")
+    layer_peers = [n for n in args.peers if n in PEERS]
+    gemm_peers = [n for n in args.peers if n in FP8_PEERS]
+    if gemm_peers and FP8 not in dtypes:
+        parser.error(f"--peers {' '.join(gemm_peers)} times the FP8 layer's GEMMs: add "
+                     "--dtype fp8")
     if args.redundant_experts is not None and (args.redundant_experts < 0 or mesh.tp > 1
                                                or args.timeline):
         parser.error("--redundant-experts takes R >= 0, in an expert-parallel sweep (no "
@@ -456,7 +466,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                                 else (None, None))
     if plain and cutlass_mm is None:
         notes.append(cutlass_note)
-    loaded_peers = load_peers(args.peers, device, world, group) if plain else None
+    loaded_peers = load_peers(layer_peers, device, world, group) if plain else None
+    deepgemm = (load_peers(gemm_peers, device, world, group, FP8_PEERS).get(DEEPGEMM)
+                if fp8 else None)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
     stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
@@ -490,7 +502,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             why = None
         if why and why not in notes:
             notes.append(why)
-        if plain and args.peers:
+        if plain and layer_peers:
             peers = build_peers(loaded_peers, cfg, w13, w2, group, device)
         fp8_layer = None
         if fp8:
@@ -513,7 +525,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 if fp8_layer is not None:
                     f8 = fp8_layer
                     for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
-                                          f8.down, f8.fused, args.layers):
+                                          f8.down, f8.fused, args.layers, deepgemm):
                         records.append({**meta, **r, "notes": notes})
                 partial.save(records)
                 bar.update()
