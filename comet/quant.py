@@ -17,8 +17,15 @@ FineGrainedFP8 ``FP8Experts``), and what comet computes with:
 * **UE8M0 scales** (power-of-two exponents, one byte each: DeepSeek-V4, MXFP8) are turned
   into fp32 exactly at load (:func:`ue8m0_to_fp32`).
 
-The quantizer is the reference recipe: ``scale = max(amax, eps) / 448`` per block (or
-group), ``q = clamp(x / scale, -448, 448)`` cast to e4m3 (round to nearest even). Every
+The quantizer is the reference recipe: ``scale = max(amax, eps) * (1 / 448)`` per block
+(or group), ``q = clamp(x / scale, -448, 448)`` cast to e4m3 (round to nearest even).
+The scale is a multiply by fp32 ``1 / 448``, not a division, because that is what torch
+computes for ``amax / 448`` on a GPU (a division by a scalar runs as a multiply by its
+reciprocal) and a multiply rounds the same in torch, Triton and the interpreter. With bf16
+inputs ``x / scale`` often lands exactly on an e4m3 tie, which a scale one ulp away
+breaks the other way: with a division in the kernels, 0.13% of a layer's input FP8
+values were one step from torch's on an H200 (benchmarks/results/2026-12-05,
+``fp8_layer_diff``). Every
 check here runs on the host before any kernel: a bad layout is a ValueError naming what
 is wrong.
 """
@@ -33,6 +40,8 @@ import torch
 #: The FP8 format of weights and activations, and its largest finite value.
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+#: The scale per amax of the recipe (an fp32 multiplier: see the module docstring).
+SCALE_PER_AMAX = 1.0 / E4M3_MAX
 #: Floor of a block's (or group's) amax: an all-zero block gets a tiny scale, not 0/0.
 AMAX_EPS = 1e-10
 #: Consecutive K values of an activation row sharing one scale; the weight block's side.
@@ -261,7 +270,7 @@ def _saturating_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _recipe_scale(amax: torch.Tensor) -> torch.Tensor:
-    return amax.clamp(min=AMAX_EPS) / E4M3_MAX
+    return amax.clamp(min=AMAX_EPS) * SCALE_PER_AMAX
 
 
 def quantize_weight(w: torch.Tensor, blocks: ScaleBlocks = ScaleBlocks(),

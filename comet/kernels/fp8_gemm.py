@@ -45,11 +45,13 @@ from comet.kernels.activation import Act, act_tile, gated
 from comet.kernels.group_gemm import grouped_work, store_tile
 from comet.quant import AMAX_EPS as _EPS
 from comet.quant import E4M3, E4M3_MAX as _MAX
+from comet.quant import SCALE_PER_AMAX as _PER_AMAX
 from comet.quant import GROUP, Fp8Rows, Fp8Weight
 
 #: The recipe's numbers, as the kernels read them.
 E4M3_MAX = constexpr(_MAX)
 AMAX_EPS = constexpr(_EPS)
+SCALE_PER_AMAX = constexpr(_PER_AMAX)
 
 
 class MTiles(NamedTuple):
@@ -170,10 +172,10 @@ def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, n0):
 def quantize_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constexpr):
     """``x [ROWS, COLS]`` (fp32; columns to leave out already zero) in FP8 groups of
     ``GROUP`` columns: ``(q [ROWS, COLS] e4m3, scale [ROWS, COLS // GROUP] fp32)``, the
-    recipe of :func:`comet.quant.quantize_rows` (IEEE divisions, as torch's)."""
+    recipe of :func:`comet.quant.quantize_rows` (its scale multiply and IEEE division
+    round as torch's)."""
     xg = tl.reshape(x, (ROWS, COLS // GROUP, GROUP))
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=2), AMAX_EPS),
-                      tl.full((ROWS, COLS // GROUP), E4M3_MAX, tl.float32))
+    scale = tl.maximum(tl.max(tl.abs(xg), axis=2), AMAX_EPS) * SCALE_PER_AMAX
     q = tl.div_rn(xg, tl.broadcast_to(scale[:, :, None], (ROWS, COLS // GROUP, GROUP)))
     q = tl.clamp(q, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
     return tl.reshape(q, (ROWS, COLS)), scale

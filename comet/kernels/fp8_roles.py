@@ -3,8 +3,8 @@ layer0's epilogue requantization for layer1.
 
 Both quantize in groups of :data:`comet.quant.GROUP` consecutive columns with the reference
 recipe (:func:`comet.kernels.fp8_gemm.quantize_groups`, the kernel form of
-:func:`comet.quant.quantize_rows`: ``scale = max(amax, eps) / 448``, ``q = clamp(x /
-scale, -448, 448)`` cast to e4m3, IEEE divisions). Each role is a small ``@triton.jit``
+:func:`comet.quant.quantize_rows`: ``scale = max(amax, eps) * (1 / 448)``, ``q =
+clamp(x / scale, -448, 448)`` cast to e4m3, an IEEE division). Each role is a small ``@triton.jit``
 function the persistent kernels call; the launchers here run it standalone, for tests:
 
 * :func:`quantize_row_block` -- **quantize on dispatch**: a block of token rows ``x [T,
