@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# usage: bash scripts/device/fp8_check.sh [diff|tests|models|bench|deepgemm] ...  (default: diff tests)
+# Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
+# (no pip install), each step in the order given, each under its own time limit so that
+# what ran comes back from one 10-minute call:
+#   diff      scripts/device/fp8_layer_diff.py: the layer against its emulation and against
+#             cuBLAS's FP8 tensor cores on the same recipe, value by value (~70 s)
+#   tests     tests/test_gpu_fp8.py (every layout, CUDA graphs, the FP8 liveness stress)
+#   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
+#   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
+#             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
+#   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
+#             then `comet bench --dtype fp8 --peers deepgemm` on one preset
+# Writes under $OUT (./out if unset): fp8_layer_diff.json, tests/ and models/
+# (gpu_tests.log), bench/ and deepgemm/ (bench JSON and logs), fp8_check.log.
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+status=0
+
+run_tests() {   # $1: name, $2: test file, $3: seconds
+  OUT="$OUT/$1" GPU_TEST_FILES="$2" GPU_TESTS_TIMEOUT_S="$3" \
+    bash scripts/device/gpu_tests.sh -rA -p no:cacheprovider || status=1
+  tail -n 1 "$OUT/$1/gpu_tests.log" | grep -q "exit 0" || status=1
+}
+
+bench() {   # $1: folder, then comet bench arguments
+  local dir="$OUT/$1"; shift
+  mkdir -p "$dir"
+  timeout "${FP8_BENCH_TIMEOUT_S:-300}" python3 -m comet.cli.bench --nproc 1 --layers moe \
+    --routing uniform --iters "${FP8_BENCH_ITERS:-10}" --no-plot --output-dir "$dir" "$@" \
+    > "$dir/bench.log" 2>&1 || status=1
+  tail -n 25 "$dir/bench.log"
+}
+
+for step in "${@:-diff tests}"; do
+  for s in $step; do
+    echo "== $s at ${SECONDS}s"
+    case "$s" in
+      diff) timeout "${FP8_DIFF_TIMEOUT_S:-120}" python3 scripts/device/fp8_layer_diff.py \
+              --output "$OUT/fp8_layer_diff.json" || status=1 ;;
+      tests) run_tests tests tests/test_gpu_fp8.py "${FP8_TESTS_TIMEOUT_S:-260}" ;;
+      models) run_tests models tests/test_gpu_fp8_models.py "${FP8_MODELS_TIMEOUT_S:-200}" ;;
+      bench) bench bench --dtype bf16 fp8 --only-fused \
+               --config mixtral qwen2-moe phi3.5-moe deepseek-v3-like \
+               --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384}
+             bench bench-qwen3 --dtype bf16 fp8 --only-fused \
+               --experts 128 --topk 8 --hidden 2048 --ffn 768 \
+               --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384} ;;
+      deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
+                bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
+                  --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
+      *) echo "unknown step $s (diff|tests|models|bench|deepgemm)"; exit 2 ;;
+    esac
+  done
+done
+echo "fp8_check $*: exit $status" | tee -a "$OUT/fp8_check.log"
+exit $status
