@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|tests|models|bench|deepgemm] ...  (default: diff tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
 #   diff      scripts/device/fp8_layer_diff.py: the layer against its emulation and against
 #             cuBLAS's FP8 tensor cores on the same recipe, value by value (~70 s)
+#   kernels   the FP8 kernel tests the CI runs under the interpreter (tests/test_quant.py,
+#             test_fp8_gemm.py, test_fp8_roles.py, test_fp8_layer.py) on the GPU, where the
+#             FP8 values must equal torch's bit for bit (the interpreter's casts differ)
 #   tests     tests/test_gpu_fp8.py (every layout, CUDA graphs, the FP8 liveness stress)
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
-# Writes under $OUT (./out if unset): fp8_layer_diff.json, tests/ and models/
+# Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
 # (gpu_tests.log), bench/ and deepgemm/ (bench JSON and logs), fp8_check.log.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -34,12 +37,17 @@ bench() {   # $1: folder, then comet bench arguments
   tail -n 25 "$dir/bench.log"
 }
 
-for step in "${@:-diff tests}"; do
+for step in "${@:-diff kernels tests}"; do
   for s in $step; do
     echo "== $s at ${SECONDS}s"
     case "$s" in
       diff) timeout "${FP8_DIFF_TIMEOUT_S:-120}" python3 scripts/device/fp8_layer_diff.py \
               --output "$OUT/fp8_layer_diff.json" || status=1 ;;
+      kernels) mkdir -p "$OUT/kernels"
+               timeout "${FP8_KERNELS_TIMEOUT_S:-200}" python3 -m pytest -q -rA -p no:cacheprovider \
+                 tests/test_quant.py tests/test_fp8_gemm.py tests/test_fp8_roles.py \
+                 tests/test_fp8_layer.py > "$OUT/kernels/pytest.log" 2>&1 || status=1
+               tail -n 15 "$OUT/kernels/pytest.log" ;;
       tests) run_tests tests tests/test_gpu_fp8.py "${FP8_TESTS_TIMEOUT_S:-260}" ;;
       models) run_tests models tests/test_gpu_fp8_models.py "${FP8_MODELS_TIMEOUT_S:-200}" ;;
       bench) bench bench --dtype bf16 fp8 --only-fused \
@@ -51,7 +59,7 @@ for step in "${@:-diff tests}"; do
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|tests|models|bench|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|deepgemm)"; exit 2 ;;
     esac
   done
 done
