@@ -36,10 +36,13 @@ def test_bench_parses_fp8_beside_one_row_dtype(capsys):
     args = bench.build_parser().parse_args(["--dtype", "bf16", "fp8"])
     assert args.dtype == ["bf16", "fp8"]
     for bad in (["--dtype", "bf16", "fp16"], ["--dtype", "fp8", "--redundant-experts", "0"],
-                ["--dtype", "bf16", "fp8", "--timeline"]):
+                ["--dtype", "bf16", "fp8", "--timeline"], ["--fp8-accumulation", "fast"]):
         with pytest.raises(SystemExit):
             bench.main(bad + ["--tokens", "4"])
-    assert "--dtype" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "--fp8-accumulation needs --dtype fp8" in err
+    args = bench.build_parser().parse_args(["--dtype", "fp8", "--fp8-accumulation", "fast"])
+    assert args.fp8_accumulation == "fast"
 
 
 @pytest.mark.skipif(not interpreting(), reason="the FP8 layer interpreted on the CPU")
@@ -56,6 +59,7 @@ def test_an_fp8_sweep_under_the_interpreter_writes_fp8_records(tmp_path, capsys)
     [b16] = [r for r in records if r["dtype"] == "bfloat16"]
     [f8] = [r for r in records if r["dtype"] == "fp8"]
     assert set(rec.REQUIRED_KEYS) <= set(f8)
+    assert f8["fp8_accumulation"] == "fp32" and "fp8_accumulation" not in b16
     for mode in ("fused_us", "sequential_us", "compute_only_us", "comm_only_us"):
         assert f8[mode] > 0, mode
     assert f8["skipped_modes"] is None

@@ -58,6 +58,8 @@ GPU_CONFIGS = ("mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like")
 GPU_TOKENS = (128, 1024, 4096, 16384)
 CPU_TOKENS = (64, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: ``--fp8-accumulation``: :class:`comet.quant.Fp8`'s ``fast_accumulation`` off / on.
+FP8_ACCUMULATIONS = ("fp32", "fast")
 #: ``--dtype`` of comet's FP8 layer: bf16 rows, FP8 experts (``MoEConfig.fp8``).
 FP8 = "fp8"
 FP8_INTERPRETED_NOTE = ("fp8 without a GPU: comet's FP8 layer runs under the Triton "
@@ -117,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines, reference GEMMs, NCCL or peers, whose columns stay "
                         "empty -- what --dtype bf16 fp8's ratios need, in a fraction of "
                         "the time")
+    g.add_argument("--fp8-accumulation", choices=FP8_ACCUMULATIONS, default="fp32",
+                   help="with --dtype fp8: fp32 (default: every FP8 MMA instruction's sum "
+                        "promoted to fp32) or fast (the tensor cores sum a whole 128-wide K "
+                        "step first: comet.quant.Fp8(fast_accumulation=True)); the FP8 "
+                        "records name it")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -401,6 +408,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if len(plain) > 1:
         parser.error("--dtype takes one row dtype per run, and fp8 beside it")
     fp8 = FP8 in dtypes
+    if args.fp8_accumulation != "fp32" and not fp8:
+        parser.error("--fp8-accumulation needs --dtype fp8")
     if fp8 and (args.tp > 1 or args.timeline or args.redundant_experts is not None):
         parser.error("--dtype fp8 times an expert-parallel sweep (no --tp, --timeline or "
                      "--redundant-experts)")
@@ -507,7 +516,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         fp8_layer = None
         if fp8:
             fp8_layer = _fp8_layer(name, cfg, w13, w2, meta, args.seed, group, device,
-                                   world, rank)
+                                   world, rank, args.fp8_accumulation)
             if isinstance(fp8_layer, str):
                 notes.append(fp8_layer)
                 fp8_layer = None
@@ -526,7 +535,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                     f8 = fp8_layer
                     for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
                                           f8.down, f8.fused, args.layers, deepgemm):
-                        records.append({**meta, **r, "notes": notes})
+                        records.append({**meta, **r, "fp8_accumulation":
+                                        args.fp8_accumulation, "notes": notes})
                 partial.save(records)
                 bar.update()
         if peers is not None:
@@ -554,12 +564,13 @@ class _Fp8Layer:
 
 
 def _fp8_layer(name: str, cfg: MoEConfig, w13, w2, meta: dict, seed: int, group, device,
-               world: int, rank: int) -> _Fp8Layer | str:
+               world: int, rank: int, accumulation: str = "fp32") -> _Fp8Layer | str:
     """The :class:`_Fp8Layer` of ``cfg`` on this rank's experts quantized (``w13``/``w2``
     where they are bf16, else the same draws in bf16), or a note saying why the config
-    has no FP8 form."""
+    has no FP8 form. ``accumulation``: one of :data:`FP8_ACCUMULATIONS`."""
     try:
-        cfg8 = cfg.replace(dtype=torch.bfloat16, fp8=Fp8())
+        fp8 = Fp8(fast_accumulation=accumulation == "fast")
+        cfg8 = cfg.replace(dtype=torch.bfloat16, fp8=fp8)
         check_layout(cfg8, ParallelConfig(world, rank))
     except ValueError as err:
         return f"{name} fp8 skipped: {err}"
