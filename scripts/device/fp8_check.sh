@@ -12,6 +12,7 @@
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
+#             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -32,7 +33,8 @@ bench() {   # $1: folder, then comet bench arguments
   local dir="$OUT/$1"; shift
   mkdir -p "$dir"
   timeout "${FP8_BENCH_TIMEOUT_S:-300}" python3 -m comet.cli.bench --nproc 1 --layers moe \
-    --routing uniform --iters "${FP8_BENCH_ITERS:-10}" --no-plot --output-dir "$dir" "$@" \
+    --routing uniform --iters "${FP8_BENCH_ITERS:-10}" --no-plot --output-dir "$dir" \
+    --fp8-accumulation "${FP8_ACCUMULATION:-fp32}" "$@" \
     > "$dir/bench.log" 2>&1 || status=1
   tail -n 25 "$dir/bench.log"
 }
