@@ -292,9 +292,10 @@ MIN_BLOCK_K = 32
 
 def imprecise_acc(fast_accumulation: bool, block_k: int) -> int:
     """``max_num_imprecise_acc`` of the K loop's dots: the whole K step with
-    ``fast_accumulation`` (:class:`comet.quant.Fp8`), else one MMA instruction's K, so that
-    every instruction's sum is promoted to fp32."""
-    return block_k if fast_accumulation else MIN_BLOCK_K
+    ``fast_accumulation`` (:class:`comet.quant.Fp8`), else one MMA instruction's K (or
+    the whole step when it is shorter), so that every instruction's sum is promoted to
+    fp32."""
+    return block_k if fast_accumulation else min(block_k, MIN_BLOCK_K)
 
 
 class Fp8Operands(NamedTuple):
