@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from comet.activation import SILU, GatedActivation, gated
-from comet.kernels.fp8_gemm import (Fp8GemmConfig, fp8_group_gemm, m_tiles,
-                                    quantize_rows_triton)
-from comet.quant import (E4M3, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight)
+from comet.kernels.fp8_gemm import (MIN_BLOCK_K, Fp8GemmConfig, fp8_group_gemm,
+                                    imprecise_acc, m_tiles, quantize_rows_triton)
+from comet.quant import E4M3, Fp8, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight
 from fp8_checks import same_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,3 +136,14 @@ def test_fp8_gemm_at_size_on_gpu():
     torch.testing.assert_close(q.scale, ref.scale, rtol=1e-5, atol=0)
     assert torch.all(same_fp8(q.data, ref.data, steps=1))
     assert same_fp8(q.data, ref.data).float().mean() > 0.97
+
+
+def test_fp32_accumulation_promotes_every_mma_instruction_unless_fast():
+    """The K loop's dots: each 32-value MMA sum promoted to fp32 by default (a shorter K
+    step: the step), the whole step with fast accumulation."""
+    assert imprecise_acc(False, 128) == MIN_BLOCK_K == 32
+    assert imprecise_acc(False, 16) == 16
+    assert imprecise_acc(True, 128) == 128 and imprecise_acc(True, 64) == 64
+    assert Fp8().fast_accumulation is False
+    with pytest.raises(ValueError, match="fast_accumulation"):
+        Fp8(fast_accumulation=1)
