@@ -21,9 +21,13 @@ SMALL = Fp8GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stag
 
 
 
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    """Seeded draws on DEV: each test's data is the same whatever ran before it."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
 def _rows(e_rows, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(e_rows), k, generator=g).to(DEV)
+    return _randn(sum(e_rows), k, seed=seed)
 
 
 def _emulated(a: Fp8Rows, w, e_rows) -> torch.Tensor:
@@ -52,7 +56,7 @@ def test_row_quantizer_kernel_is_the_recipe():
 ])
 def test_block_scaled_k_loop_matches_the_emulation(n, k, blocks, block_n, block_k):
     e_rows = [70, 0, 33]
-    w = quantize_weight(torch.randn(3, n, k, device=DEV) / 10, blocks)
+    w = quantize_weight(_randn(3, n, k, seed=n + k) / 10, blocks)
     a = quantize_rows(_rows(e_rows, k))
     cfg = Fp8GemmConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4,
                         num_stages=2)
@@ -65,7 +69,7 @@ def test_block_scaled_k_loop_matches_the_emulation(n, k, blocks, block_n, block_
 def test_a_tp_shard_runs_in_64_wide_blocks():
     """Qwen3-30B-A3B at TP=4: rank 1's F shard [192, 384) of a 768 down projection's K,
     its scales re-blocked to 64 (comet.quant.Fp8Weight.narrow); the K step follows."""
-    full = quantize_weight(torch.randn(2, 128, 768, device=DEV) / 10)
+    full = quantize_weight(_randn(2, 128, 768, seed=2) / 10)
     shard = full.narrow(2, 192, 192)
     assert shard.block_shape() == (128, 64)
     e_rows = [20, 45]
@@ -84,7 +88,7 @@ def test_a_tp_shard_runs_in_64_wide_blocks():
 def test_gated_epilogue_requantizes_for_layer1(f, parts, act):
     e_rows = [50, 30]
     k = 256
-    w = quantize_weight(torch.randn(2, 2 * f, k, device=DEV) / 10, parts=parts)
+    w = quantize_weight(_randn(2, 2 * f, k, seed=f) / 10, parts=parts)
     a = quantize_rows(_rows(e_rows, k, seed=1))
     cfg = Fp8GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=2)
     tiles = m_tiles(e_rows, 64, DEV)
