@@ -80,10 +80,15 @@ def mn_major_scales(scale: torch.Tensor) -> torch.Tensor:
     return columns.transpose(-1, -2)[..., :m, :]
 
 
-def _counts(expert_rows: Sequence[int], device: torch.device) -> torch.Tensor:
+def _counts(a: Fp8Rows, expert_rows: Sequence[int]) -> torch.Tensor:
+    """``expert_rows`` on ``a``'s device, once checked against ``a`` (its rows, its groups:
+    DeepGEMM's recipe)."""
     if any(n < 0 for n in expert_rows):
         raise ValueError(f"rows per expert must be >= 0, got {list(expert_rows)}")
-    return torch.tensor(list(expert_rows), dtype=torch.int64, device=device)
+    if sum(expert_rows) != a.data.shape[0] or a.group != GROUP:
+        raise ValueError(f"{sum(expert_rows)} rows per expert for {a.data.shape[0]} rows in "
+                         f"groups of {a.group} (DeepGEMM's recipe: {GROUP})")
+    return torch.tensor(list(expert_rows), dtype=torch.int64, device=a.data.device)
 
 
 def _scatter_rows(data: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -143,11 +148,8 @@ def contiguous_layout(a: Fp8Rows, expert_rows: Sequence[int], align: int = M_ALI
                       ) -> ContiguousRows:
     """``a``'s rows (``expert_rows[e]`` rows of expert ``e`` after those of ``e - 1``) in
     DeepGEMM's contiguous layout, each expert's run padded to ``align`` rows."""
-    if sum(expert_rows) != a.data.shape[0] or a.group != GROUP:
-        raise ValueError(f"{sum(expert_rows)} rows per expert for {a.data.shape[0]} rows in "
-                         f"groups of {a.group} (DeepGEMM's recipe: {GROUP})")
     dev = a.data.device
-    counts = _counts(expert_rows, dev)
+    counts = _counts(a, expert_rows)
     padded = [_align(n, align) for n in expert_rows]
     total = sum(padded)
     starts = torch.tensor([0, *padded[:-1]], dtype=torch.int64, device=dev).cumsum(0)
@@ -169,11 +171,8 @@ def masked_layout(a: Fp8Rows, expert_rows: Sequence[int], align: int = M_ALIGN
     """``a``'s rows (grouped by expert as for :func:`contiguous_layout`) in DeepGEMM's
     masked layout, ``max_m`` the busiest expert's rows rounded up to ``align``, and
     ``expected_m`` the mean rows per expert (what a decode caller knows)."""
-    if sum(expert_rows) != a.data.shape[0] or a.group != GROUP:
-        raise ValueError(f"{sum(expert_rows)} rows per expert for {a.data.shape[0]} rows in "
-                         f"groups of {a.group} (DeepGEMM's recipe: {GROUP})")
     dev = a.data.device
-    counts = _counts(expert_rows, dev)
+    counts = _counts(a, expert_rows)
     e, k = len(expert_rows), a.data.shape[1]
     max_m = _align(max(max(expert_rows, default=0), 1), align)
     first = counts.cumsum(0) - counts
