@@ -55,16 +55,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def emulate(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation) -> torch.Tensor:
-    """comet.reference's emulation, one expert's weights dequantized at a time."""
+def combine(x, ids, wts, experts: int, mlp) -> torch.Tensor:
+    """The layer's fp32 output ``[M, H]``: each expert's ``mlp(rows, expert)`` weighted and
+    summed per token."""
     out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
-    for local in range(gu8.experts):
+    for local in range(experts):
         tok, slot = (ids == local).nonzero(as_tuple=True)
         if tok.numel():
-            y = reference.expert_mlp_fp8(x[tok].float(), expert_of(gu8, local),
-                                         expert_of(dn8, local), 0, activation)
-            out.index_add_(0, tok, y * wts[tok, slot].float().unsqueeze(1))
+            out.index_add_(0, tok, mlp(x[tok], local) * wts[tok, slot].float().unsqueeze(1))
     return out
+
+
+def emulate(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation) -> torch.Tensor:
+    """comet.reference's emulation, one expert's weights dequantized at a time."""
+    return combine(x, ids, wts, gu8.experts, lambda rows, e: reference.expert_mlp_fp8(
+        rows.float(), expert_of(gu8, e), expert_of(dn8, e), 0, activation))
 
 
 def tensor_core_mm(a: Fp8Rows, w: Fp8Weight) -> torch.Tensor:
@@ -87,16 +92,13 @@ def tensor_core_mm(a: Fp8Rows, w: Fp8Weight) -> torch.Tensor:
 
 def tensor_core_layer(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation):
     """The emulation with its GEMMs on :func:`tensor_core_mm`: ``[M, H]`` fp32."""
-    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
     f = dn8.k
-    for local in range(gu8.experts):
-        tok, slot = (ids == local).nonzero(as_tuple=True)
-        if tok.numel():
-            gu = tensor_core_mm(quantize_rows(x[tok].float()), expert_of(gu8, local))
-            h = quantize_rows(gated(gu[:, :f], gu[:, f:], activation))
-            y = tensor_core_mm(h, expert_of(dn8, local))
-            out.index_add_(0, tok, y * wts[tok, slot].float().unsqueeze(1))
-    return out
+
+    def mlp(rows, e):
+        gu = tensor_core_mm(quantize_rows(rows.float()), expert_of(gu8, e))
+        return tensor_core_mm(quantize_rows(gated(gu[:, :f], gu[:, f:], activation)),
+                              expert_of(dn8, e))
+    return combine(x, ids, wts, gu8.experts, mlp)
 
 
 def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation, fast: bool):
