@@ -83,13 +83,14 @@ def test_dispatch_quantizer_of_no_rows():
     (torch.zeros(4, 256, dtype=torch.int32), "token rows in"),
     (torch.zeros(4, 256).to(E4M3), "token rows in"),
     (torch.zeros(2, 4, 256), r"\[T, H\]"),
-    (torch.zeros(512, 4).T, "contiguous"),
-    (torch.zeros(4, 512)[:, ::2], "contiguous"),
+    (lambda: torch.zeros(512, 4, device=DEV).T, "contiguous"),   # made on DEV: .to() copies
+    (lambda: torch.zeros(4, 512, device=DEV)[:, ::2], "contiguous"),
     ("not a tensor", "token rows in"),
 ])
 def test_dispatch_quantizer_refuses_bad_rows_before_the_kernel(x, match):
+    x = x() if callable(x) else x.to(DEV) if isinstance(x, torch.Tensor) else x
     with pytest.raises(ValueError, match=match):
-        quantize_dispatch(x.to(DEV) if isinstance(x, torch.Tensor) else x)
+        quantize_dispatch(x)
 
 
 # ------------------------------------------------------------------ epilogue requantization
