@@ -14,6 +14,12 @@ from comet.constants import interpreting
 SUM_RTOL = 1e-5 if interpreting() else 1e-3
 
 
+def e4m3_step(v: torch.Tensor) -> torch.Tensor:
+    """The distance from each e4m3 value to the next one away from zero (fp32)."""
+    _, e = torch.frexp(v.float().abs().clamp(min=2.0 ** -6))
+    return torch.ldexp(torch.ones_like(v, dtype=torch.float32), e - 4)
+
+
 def pow2(v: torch.Tensor) -> torch.Tensor:
     m, _ = torch.frexp(v.abs())
     return m == 0.5
@@ -32,11 +38,21 @@ def same_fp8(q: torch.Tensor, ref: torch.Tensor, steps: int = 0,
         ok_tie = torch.zeros_like(q, dtype=torch.bool)
     ok = q == ref
     if steps:
-        _, e = torch.frexp(ref.abs().clamp(min=2.0 ** -6))
-        ok |= (q - ref).abs() <= steps * torch.ldexp(torch.ones_like(ref), e - 4)
+        ok |= (q - ref).abs() <= steps * e4m3_step(ref)
     if interpreting():
         ok |= (2 * q == ref) & pow2(ref)
         # subnormals (|q| < 2^-6, steps of 2^-9) truncated toward zero, not rounded
         ok |= (ref.abs() <= 2.0 ** -6) & (q * ref >= 0) & \
             ((ref - q).abs() == 2.0 ** -9) & (q.abs() < ref.abs())
     return ok | ok_tie
+
+
+def requant_close(q: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """A requantized GEMM output ``q`` against the one of the emulation ``ref`` (e4m3, each
+    row's groups scaled to 448): one e4m3 step apart; on a GPU also a value the tensor
+    cores' summation order moved by up to ``SUM_RTOL`` of its group's amax, which is many
+    steps for a value near zero."""
+    ok = same_fp8(q, ref, steps=1)
+    if not interpreting():
+        ok |= (q.float() - ref.float()).abs() <= e4m3_step(ref) + SUM_RTOL * 448
+    return ok

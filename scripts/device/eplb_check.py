@@ -371,9 +371,9 @@ def run_interval(base: MoEConfig, tokens: int, interval: int, device) -> dict:
     rebalances, plans = [], set()
     rebalance = layer.rebalance
 
-    def counted(plan=None):
+    def counted(plan=None, **kwargs):
         rebalances.append(len(rebalances))
-        out = rebalance(plan)
+        out = rebalance(plan, **kwargs)
         plans.add(tuple(layer.replicas.phy2log.tolist()))
         return out
 
