@@ -12,7 +12,8 @@
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
-#             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation)
+#             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation; FP8_BENCH_CONFIGS,
+#             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -53,9 +54,9 @@ for step in "${@:-diff kernels tests}"; do
       tests) run_tests tests tests/test_gpu_fp8.py "${FP8_TESTS_TIMEOUT_S:-260}" ;;
       models) run_tests models tests/test_gpu_fp8_models.py "${FP8_MODELS_TIMEOUT_S:-200}" ;;
       bench) bench bench --dtype bf16 fp8 --only-fused \
-               --config mixtral qwen2-moe phi3.5-moe deepseek-v3-like \
+               --config ${FP8_BENCH_CONFIGS:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like} \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384}
-             bench bench-qwen3 --dtype bf16 fp8 --only-fused \
+             [ "${FP8_BENCH_QWEN3:-1}" = 1 ] && bench bench-qwen3 --dtype bf16 fp8 --only-fused \
                --experts 128 --topk 8 --hidden 2048 --ffn 768 \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384} ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
