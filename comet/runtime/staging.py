@@ -9,7 +9,11 @@ seven scalars (:class:`StaticInputs`), the backward six (:mod:`comet.runtime.bac
 
 The scalars reach the device in one copy from a pinned host ring rather than one fill per
 scalar: each small device op costs the host ~8-11 us (H100, ``h100-host-cost.json``), and
-a decode-sized call is host-bound.
+a decode-sized call is host-bound. The copy is a plain cudaMemcpyAsync rather than
+``Tensor.copy_``: for a pinned source torch's copy also records an event into its
+pinned-memory allocator, which made the copy the costliest step of a graph-replayed call
+(8.0-8.5 us of ~29, ``benchmarks/results/2026-12-04/host-profile-after.json``); the ring's
+own segment events already say when a slot may be written again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from comet.config import MoEConfig
 from comet.constants import ADDRESS_ALIGN
+from comet.runtime import topology
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +63,8 @@ class StagedScalars:
                       if cuda else None)
         # Written through numpy: no tensor is built per call.
         self._ring_host = self._ring.numpy() if cuda else None
+        self._rt = topology.cuda_runtime() if cuda else None
+        self._row_bytes = n * self.values.element_size()
         self._done: list[torch.cuda.Event | None] = [None] * (self.RING // self.SEGMENT)
         self._next = 0
         self._device = self.values.device
@@ -87,11 +94,21 @@ class StagedScalars:
             self._follow(stream_id)
         self._next += 1
         self._ring_host[slot] = values
-        self.values.copy_(self._ring[slot], non_blocking=True)
+        self._copy(slot, stream_id)
         if first == self.SEGMENT - 1:
             if self._done[segment] is None:
                 self._done[segment] = torch.cuda.Event()
             self._done[segment].record()
+
+    def _copy(self, slot: int, stream_id: int) -> None:
+        """Ring slot ``slot`` into :attr:`values`, ordered on the raw stream ``stream_id``."""
+        rt = self._rt
+        if rt is None:      # no cuda-python: torch's copy (slower on the host, same order)
+            self.values.copy_(self._ring[slot], non_blocking=True)
+            return
+        topology.checked(rt, "cudaMemcpyAsync", rt.cudaMemcpyAsync(
+            self.values.data_ptr(), self._ring.data_ptr() + slot * self._row_bytes,
+            self._row_bytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream_id))
 
     def _follow(self, stream_id: int) -> None:
         """Order the current stream after the last copy's stream."""
