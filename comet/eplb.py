@@ -24,6 +24,7 @@ the fused layer, and any CUDA graph that captured it, keep reading the right add
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,14 @@ __all__ = ["ExpertReplicas", "copy_experts", "physical_config", "senders"]
 Sources = dict[int, list[tuple[int, int]]]
 #: ``[(rank, row, expert), ...]``: rows to fill with an expert.
 Targets = list[tuple[int, int, int]]
+#: ``(rows, device) -> int64 tensor of rows on device``: how an exchange makes its indices.
+Indexer = Callable[[tuple[int, ...], torch.device], torch.Tensor]
+
+
+def host_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``rows`` as an index tensor on ``device``, made now (a pageable copy to a GPU, which
+    waits for the device: fine once per re-placement, not once per training step)."""
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def physical_config(cfg: MoEConfig, redundant_experts: int) -> MoEConfig:
@@ -72,13 +81,15 @@ def senders(sources: Sources, targets: Targets) -> dict[tuple[int, int], list[in
 
 @torch.no_grad()
 def copy_experts(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
-                 sources: Sources, targets: Targets, rank: int, group=None) -> None:
+                 sources: Sources, targets: Targets, rank: int, group=None,
+                 index: Indexer = host_index) -> None:
     """Fill this rank's ``targets`` rows of ``dst`` (per name) with their experts' rows of
     ``src`` (per name, the same names): from a row of this rank where it holds one, else
     received from the rank :func:`senders` names, all sends and receives of the rank in
     one ``batch_isend_irecv``. Every read is done before any write, so ``src`` may be
     ``dst``. Collective over the ranks that send or receive (every rank calls it with the
-    same ``sources`` and ``targets``); ``group`` None: the default group."""
+    same ``sources`` and ``targets``); ``group`` None: the default group. ``index`` makes
+    the row indices (a cache of them keeps a repeated exchange off the host's path)."""
     moves = senders(sources, targets)
     local = {e: row for e, rows in sources.items() for r, row in reversed(rows) if r == rank}
     mine = [(row, e) for r, row, e in targets if r == rank]
@@ -89,21 +100,22 @@ def copy_experts(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
         peer = _global(group, d if s == rank else s)
         for name, t in src.items():
             if s == rank:
-                ops.append(dist.P2POp(dist.isend, t[[local[e] for e in experts]].contiguous(),
-                                      peer, group))
+                rows = index(tuple(local[e] for e in experts), t.device)
+                ops.append(dist.P2POp(dist.isend, t[rows], peer, group))
             else:
                 buf = t.new_empty((len(experts), *t.shape[1:]))
                 ops.append(dist.P2POp(dist.irecv, buf, peer, group))
                 for i, e in enumerate(experts):
                     received[name, e] = (buf, i)
     here = [(row, e) for row, e in mine if e in local]
-    gathered = {name: t[[local[e] for _, e in here]] for name, t in src.items()} if here else {}
+    gathered = ({name: t[index(tuple(local[e] for _, e in here), t.device)]
+                 for name, t in src.items()} if here else {})
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     for name, t in dst.items():
         if here:
-            t[[row for row, _ in here]] = gathered[name].to(t.dtype)
+            t[index(tuple(row for row, _ in here), t.device)] = gathered[name].to(t.dtype)
         for row, e in mine:
             if e not in local:
                 buf, i = received[name, e]
@@ -144,6 +156,9 @@ class ExpertReplicas(nn.Module):
         self.placement: Placement | None = None    # the plan the slots hold (host)
         self._layout: list[int] = []               # its phy2log on the host
         self._versions: tuple = ()                 # the slots' when last made consistent
+        # Row indices of this layout's repeated exchanges (refresh and fold run once per
+        # training step) on the device, made once per layout.
+        self._indices: dict[tuple, torch.Tensor] = {}
 
     @property
     def tables(self) -> ReplicaTables:
@@ -230,6 +245,14 @@ class ExpertReplicas(nn.Module):
         shares = plan.shares if plan.shares is not None else dispatch_shares(plan)
         self.tables.load_(plan.phy2log[0], plan.log2phy[0], plan.replicas[0], shares[0])
         self.placement, self._layout = plan, plan.phy2log[0].tolist()
+        self._indices.clear()
+
+    def _index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """:func:`host_index`, cached for the current layout."""
+        key = (rows, device)
+        if key not in self._indices:
+            self._indices[key] = host_index(rows, device)
+        return self._indices[key]
 
     @torch.no_grad()
     def expand(self, logical: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
@@ -293,7 +316,7 @@ class ExpertReplicas(nn.Module):
         owners = self.owners()
         targets = [(*self._rank_row(s), e) for s, e in enumerate(self._layout)
                    if owners[e][0] != self._rank_row(s)]
-        copy_experts(present, present, owners, targets, self.par.rank, group)
+        copy_experts(present, present, owners, targets, self.par.rank, group, self._index)
         self._versions = _versions(slots)
 
     @torch.no_grad()
@@ -348,24 +371,25 @@ class ExpertReplicas(nn.Module):
                 if out_experts:
                     buf = g.new_zeros((len(out_experts), *g.shape[1:]), dtype=torch.float32)
                     pos = {e: i for i, e in enumerate(out_experts)}
-                    here = [i for i, e in enumerate(mine) if e in pos]
-                    buf.index_add_(0, torch.tensor([pos[mine[i]] for i in here],
-                                                   device=g.device), g[here].float())
+                    here = tuple(i for i, e in enumerate(mine) if e in pos)
+                    buf.index_add_(0, self._index(tuple(pos[mine[i]] for i in here), g.device),
+                                   g[self._index(here, g.device)].float())
                     ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
                 if in_experts:
                     buf = g.new_empty((len(in_experts), *g.shape[1:]), dtype=torch.float32)
                     ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
-                    received.append((n, [owners[e][1] for e in in_experts], buf))
-        here = [i for i, e in enumerate(mine) if owners[e][0] == rank]
+                    received.append((n, tuple(owners[e][1] for e in in_experts), buf))
+        here = tuple(i for i, e in enumerate(mine) if owners[e][0] == rank)
         if here:
-            index = torch.tensor([owners[mine[i]][1] for i in here])
+            rows = tuple(owners[mine[i]][1] for i in here)
             for n, g in present.items():
-                out[n].index_add_(0, index.to(g.device), g[here].float())
+                out[n].index_add_(0, self._index(rows, g.device),
+                                  g[self._index(here, g.device)].float())
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         for n, rows, buf in received:
-            out[n].index_add_(0, torch.tensor(rows, device=buf.device), buf)
+            out[n].index_add_(0, self._index(rows, buf.device), buf)
         return {n: None if g is None else out[n].to(g.dtype) for n, g in grads.items()}
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import comet.eplb
 import gloo_ranks
 from comet import CometMoE, reference
 from comet.config import MoEConfig
@@ -184,6 +185,32 @@ def test_training_sums_the_replicas_gradients_into_their_logical_experts(bias):
     for slot, e in enumerate(layer.replicas.phy2log.tolist()):
         assert torch.equal(layer.experts.w13[slot], layer.experts.w13[owners[e][0][1]])
         torch.testing.assert_close(layer.experts.w13[slot], plain.experts.w13[e])
+
+
+def test_training_steps_reuse_the_layouts_indices(monkeypatch):
+    """Refresh and fold run once per training step: their row indices are made once per
+    layout (on a GPU a fresh index is a pageable copy that waits for the device)."""
+    plain, layer = _pair()
+    ids, w = _skewed_ids(24)
+    x = torch.randn(24, H)
+    with torch.no_grad():
+        layer(x, ids, w)
+    layer.rebalance()
+    for _ in range(2):          # the first backward folds, the second call refreshes
+        _train_step(layer, x, ids, w)
+        _train_step(plain, x, ids, w)
+    made = []
+    real = comet.eplb.host_index
+    monkeypatch.setattr(comet.eplb, "host_index", lambda *a: made.append(a) or real(*a))
+    for _ in range(2):
+        y1, _ = _train_step(layer, x, ids, w)
+        y0, _ = _train_step(plain, x, ids, w)
+        # summation order apart, grown by four steps
+        torch.testing.assert_close(y1, y0, rtol=2e-3, atol=1e-3 * float(y0.abs().max()))
+    assert made == []
+    layer.rebalance()                                 # a new layout makes its own
+    _train_step(layer, x, ids, w)
+    assert made
 
 
 def test_training_through_the_router_reaches_the_gate():
