@@ -749,6 +749,39 @@ def test_gpu_translation_and_load_count_never_sync_the_host():
 
 
 @pytest.mark.gpu
+def test_gpu_refresh_and_fold_of_a_training_step_never_sync_the_host():
+    """What a training step adds with replicas -- the owners copied into their replicas,
+    the replicas' gradients folded into their owners -- runs on the device alone once its
+    layout's indices exist."""
+    layer = CometMoE(E, K, 256, 256, dtype=torch.bfloat16, max_tokens=64, device="cuda",
+                     redundant_experts=4)
+    layer.rebalance(Placement.from_phy2log(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 3, 3, 5, 0]),
+                                           E, 1))
+    slots = layer._slots()
+    grads = {n: torch.randn_like(p) for n, p in slots.items() if p is not None}
+    for _ in range(2):                                # the second runs on the cached indices
+        with torch.no_grad():
+            for p in slots.values():
+                if p is not None:
+                    p.add_(1.0)                       # an optimizer step: the copies are stale
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if _ else "default")
+        try:
+            layer.replicas.refresh(slots)
+            folded = layer.replicas.fold(grads)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    owners = layer.replicas.owners()
+    w13 = slots["w13"]
+    for slot, e in enumerate(layer.replicas.phy2log.tolist()):
+        assert torch.equal(w13[slot], w13[owners[e][0][1]])
+    want = torch.zeros(E, *grads["w13"].shape[1:], device="cuda")
+    want.index_add_(0, layer.replicas.phy2log.long(), grads["w13"].float())
+    got = folded["w13"].float()[[rows[0][1] for _, rows in sorted(owners.items())]]
+    assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_translation_with_dispatch_shares_never_syncs_the_host():
     """The split by dispatch shares (a stable sort, an index_add_, a scatter) on the
     device: no host sync, and the same ids as on the CPU."""
