@@ -229,7 +229,8 @@ def fused_launches(dtype=torch.bfloat16, world=4):
         # FP8 experts (MoEConfig.fp8): the whole call (the home rank's quantize, the
         # dispatch of packed rows with layer0's block-scaled GEMM, layer1's scatter,
         # combine), layer0 and layer1's reduce kernel in every role, the decode tile; and
-        # a TP shard of F = 192 (a ragged group, 64-wide blocks: per-column scales).
+        # a gathered dispatch; a TP shard of F = 192 (a ragged group, 64-wide blocks:
+        # per-column scales).
         for fp8_launch in fp8_launches(cfg, world, inputs, grids):
             fp8_launch()
         # The fused backward: every kernel variant of its phases, fused and by role.
@@ -273,6 +274,13 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
         out.append(lambda role=role: call().launch_layer0(role, 132))
         out.append(lambda role=role: call("sequential").launch_layer1(role, 132))
     out.append(lambda: call(t=tile.decode_tile()).launch_layer1(ROLE_FUSED, 132))
+    # A gathered dispatch (Variant.layer0_gather): the GEMM's packed rows through the
+    # index, this rank's own from its home rows (the default) or copied.
+    gather = tile.with_fields(layer0_gather=True)
+    gather_ws = allocate_virtual(fp8, world, "cpu", gather)[0]
+    for t in (gather, gather.with_fields(layer0_own_in_place=False)):
+        out.append(lambda t=t: call(t=t, space=gather_ws).run())
+    out.append(lambda: call(t=gather, space=gather_ws).launch_layer0(ROLE_COMPUTE, 132))
     shard = fp8.replace(intermediate_size=192)
     shard_ws = allocate_virtual(shard, world, "cpu", tile)[0]
     shard_w = weights(el, cfg.hidden_size, 192, ScaleBlocks(64, 128))

@@ -230,13 +230,14 @@ def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
 
 
 def test_an_fp8_layer_runs_without_the_small_call_variants():
-    """The tile an FP8 layer runs has none of the variants its kernels lack."""
+    """The tile an FP8 layer runs has none of the variants its kernels lack; it keeps a
+    gathered dispatch, whose FP8 K loop always loads only a tile's own rows."""
     cfg, gate_up, down = _weights()
     tile = TileConfig.small().with_fields(layer0_stream_k=True, layer0_tail_split=4,
-                                          layer1_split_k=4)
+                                          layer1_split_k=4, layer0_gather=True)
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
-    assert (v.layer0_gather, v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == \
-        (False, False, 0, 1)
+    assert (v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == (False, 0, 1)
+    assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
 
@@ -274,6 +275,67 @@ def test_virtual_ranks_send_fp8_rows_and_match_the_emulation(world, kind, scatte
         el = cfg.num_experts // world
         if any(bool((ids[s] // el == ws.rank).any()) for s in range(world) if s != ws.rank):
             assert got - sent[ws.rank], "no row came from a peer"
+
+
+# ------------------------------------------------------------------------- gathered dispatch
+#: An e4m3 NaN in every byte of a buffer no row may be read from.
+POISON = 0x7F
+
+
+def test_a_gathered_fp8_dispatch_on_one_rank_copies_no_row():
+    """Top-4 on one rank: the default tile gathers (a token's row crosses once per rank,
+    0.52x a bf16 row), and the GEMM reads this rank's rows where they were packed on
+    their home rank -- so nothing is written into a0, whose poisoned bytes no tile reads."""
+    cfg = fp8_config(e=8, k=4)
+    g = torch.Generator().manual_seed(8)
+    gate_up, down = fp8_experts(cfg, g)
+    layer = FusedMoE(cfg, gate_up, down)
+    v = layer.tile.variant
+    assert v.layer0_gather and v.layer0_own_in_place
+    layer.ws.local.a0.fill_(POISON)
+    for m in (11, 3):
+        x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
+        ids = make_ids("skewed", [m], cfg.num_experts, cfg.top_k, g)[0]
+        w = torch.rand(m, cfg.top_k, generator=g)
+        assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down))
+        assert bool((layer.ws.local.a0 == POISON).all())
+
+
+@pytest.mark.parametrize("world, kind, own, scatter", [
+    (2, "random", True, True), (2, "zero_token_rank", False, False),
+    (4, "skewed", True, False)])
+def test_virtual_ranks_gather_fp8_rows_once_per_rank(world, kind, own, scatter):
+    """A gathered FP8 dispatch: each rank sends a token's packed row once to every rank
+    that holds one of its experts, and the GEMM reads its rows through the index -- its
+    own from its home rows (``own``) or from the copy it sent itself."""
+    cfg = fp8_config(e=8, k=4)
+    g = torch.Generator().manual_seed(10 * world + own)
+    gate_up, down = fp8_experts(cfg, g)
+    tokens = make_tokens(kind, world, cfg.max_tokens, g)
+    ids = make_ids(kind, tokens, cfg.num_experts, cfg.top_k, g)
+    xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).bfloat16() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    tile = TileConfig.small().with_fields(layer0_gather=True, layer0_own_in_place=own,
+                                          layer1_scatter=scatter)
+    ep = VirtualEP(cfg, [shard(gate_up, r, world) for r in range(world)],
+                   [shard(down, r, world) for r in range(world)], tile)
+    for ws in ep.ws:
+        ws.local.a0.fill_(POISON)
+    ys = ep.forward(xs, ids, wts)
+    for r in range(world):
+        if ids[r].shape[0]:
+            assert_matches(ys[r], emulate(xs[r], ids[r], wts[r], gate_up, down))
+    el, mx = cfg.num_experts // world, cfg.max_tokens
+    for ws in ep.ws:
+        for s in range(world):
+            hit = (ids[s] // el == ws.rank).any(dim=1)
+            got = ws.local.a0[s * mx:s * mx + ids[s].shape[0]]
+            sent = ep.ws[s].home_rows[:ids[s].shape[0]]
+            if s == ws.rank and own:
+                assert bool((got == POISON).all()), "an own row was copied"
+            else:   # exactly the tokens with an expert here crossed, byte for byte
+                assert torch.equal(got[hit], sent[hit])
+                assert bool((got[~hit] == POISON).all())
 
 
 # ------------------------------------------------------------------------- TP and hybrid

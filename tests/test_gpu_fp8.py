@@ -12,6 +12,7 @@ from comet import reference
 from comet.activation import gated
 from comet.config import PRESETS, MoEConfig, TileConfig
 from comet.quant import Fp8, Fp8Weight, calc_diff, quantize_weight
+from comet.runtime.strategies import gather_pays
 from routings import make_ids, make_tokens
 
 pytestmark = pytest.mark.gpu
@@ -119,6 +120,7 @@ def test_fp8_fused_layer_w1_matches_the_emulation_over_block_splits(name):
     cfg = PRESETS[name].replace(max_tokens=512, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 0)
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
+    assert layer.tile.variant.layer0_gather == gather_pays(cfg.top_k, 1)  # a row once, not k times
     p = layer.programs
     for tokens in (384, 3):
         (x,), (ids,), (w,) = _inputs(cfg, [tokens], tokens)
@@ -156,11 +158,13 @@ def test_fp8_fused_layer_takes_checkpoint_tensors_and_refuses_gradients():
                                            ("mixtral", True)])
 def test_fp8_virtual_ranks_match_the_emulation(world, name, scatter):
     """VirtualEP: each rank quantizes its rows, which cross as packed FP8 rows; layer1
-    scatters (or reduces) its bf16 rows home."""
+    scatters (or reduces) its bf16 rows home. deepseek-v3-like's dispatch is gathered (a
+    token's row once per rank, the GEMM reading its own rows from its home rows)."""
     from comet.runtime.virtual import VirtualEP
     cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, world)
-    tile = TileConfig().with_fields(layer1_scatter=scatter)
+    tile = TileConfig().with_fields(layer1_scatter=scatter,
+                                    layer0_gather=name == "deepseek-v3-like")
     ep = VirtualEP(cfg, [_shard(gu8, r, world) for r in range(world)],
                    [_shard(dn8, r, world) for r in range(world)], tile)
     for kind in ("random", "zero_token_rank", "skewed"):
@@ -198,13 +202,15 @@ def test_fp8_virtual_group_runs_the_fused_launches_concurrently(world):
 MAX_DELAY_CYCLES = 200_000
 
 
-@pytest.mark.parametrize("name, world", [("deepseek-v3-like", 4), ("mixtral", 2)])
+@pytest.mark.parametrize("name, world", [("deepseek-v3-like", 4), ("mixtral", 2),
+                                         ("deepseek-v3-like", 2)])
 def test_fp8_liveness_200_drifting_calls_full_size(name, world):
     """The FP8 liveness stress: W FusedMoE ranks at the preset's full size, 200
     back-to-back calls of 0-384 tokens a rank (zero-token ranks among them), each rank's
     stream spinning a random while before its call so ranks drift a call apart, block
     splits varying: no call fails or hangs, every rank ends at epoch 200, and the outputs
-    are the emulation's."""
+    are the emulation's. deepseek-v3-like at EP=2 runs the default tile's gathered
+    dispatch (top-8 over two ranks)."""
     import random
     from comet.runtime.virtual import concurrent_forward, virtual_group
     max_tokens, calls = 384, 200
@@ -212,6 +218,7 @@ def test_fp8_liveness_200_drifting_calls_full_size(name, world):
     _, _, gu8, dn8 = _experts(cfg, 13)
     layers = virtual_group(cfg, [_shard(gu8, r, world) for r in range(world)],
                            [_shard(dn8, r, world) for r in range(world)])
+    assert layers[0].tile.variant.layer0_gather == gather_pays(cfg.top_k, world)
     p = layers[0].programs
     splits = [None, (1, 1), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     rng = random.Random(world)

@@ -80,6 +80,27 @@ class Fp8Gemm(NamedTuple):
     out_scale: torch.Tensor  # fp32 [rows, ceil(N / A_GROUP)] (REQUANT; else unused)
     K: int
     N: int                   # output columns (gated: F)
+    gather: "Fp8Gather | None" = None   # A's rows read through an index (A_GATHER)
+
+
+class Fp8Gather(NamedTuple):
+    """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
+    ``Variant.layer0_gather``): row ``r`` is the packed row ``tokens[src[r]]`` (its K e4m3
+    values, then its fp32 group scales: :class:`comet.kernels.fp8_roles.PackedRows`) --
+    or, with ``A_OWN``, row ``src[r] - own_base`` of this rank's own packed rows when
+    that is one of the call's tokens, so that no row of its own is copied."""
+
+    src: torch.Tensor        # int32 [rows]: the token row each row of A reads
+    tokens: torch.Tensor     # uint8 [W * max_tokens, row_bytes]: every source's rows
+    row_bytes: int           # bytes of a packed row (both buffers' row stride)
+    #: A_OWN: bytes from where an own row's entry points in ``tokens`` (``src * row_bytes``)
+    #: to the row in this rank's home rows. A row's address stays ``tokens`` plus an
+    #: offset, this one added where the row is its own: a select between two addresses
+    #: kept Triton from pipelining the K loop's loads (tests/sm90_compile.py).
+    own_delta: int
+    own_base: int            # this rank's first index entry: rank * max_tokens
+    max_tokens: int          # entries per source (a tile reads only its own rows' entries,
+                             # all of this call: no stale one past the call's tokens)
 
 
 class Fp8Tile(NamedTuple):
@@ -102,8 +123,9 @@ class Fp8Tile(NamedTuple):
     ONE_DOT: tl.constexpr = constexpr(False)
     TRANS_B: tl.constexpr = constexpr(False)
     BIAS: tl.constexpr = constexpr(False)
-    A_OWN: tl.constexpr = constexpr(False)
+    A_OWN: tl.constexpr = constexpr(False)     # A_GATHER: own rows in place (Fp8Gather)
     FP8: tl.constexpr = constexpr(True)
+    A_GATHER: tl.constexpr = constexpr(False)  # A's rows through an index (Fp8Gemm.gather)
 
 
 # ------------------------------------------------------------------------------- roles
@@ -147,18 +169,50 @@ def promote(acc, d, sa, sb, t):
 
 
 @triton.jit
-def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, n0):
+def gathered_rows(gather, t, rows, row_end):
+    """``(base, read)``: byte pointers to the packed rows that A's rows ``rows`` read
+    (``A_GATHER``), and which rows to read (the tile's own: the others load as zeros)."""
+    read = rows < row_end
+    src = tl.load(gather.src + rows, mask=read, other=0).to(tl.int64)
+    at = src * gather.row_bytes
+    if t.A_OWN:
+        own = src - gather.own_base
+        mine = (own >= 0) & (own < gather.max_tokens)
+        at += mine.to(tl.int64) * gather.own_delta
+    return gather.tokens + at, read
+
+
+@triton.jit
+def gathered_a(base, read, g, t, k):
+    """K step ``k`` of gathered rows (:func:`gathered_rows`): the e4m3 values ``[BLOCK_M,
+    BLOCK_K]`` and their scales ``[BLOCK_M]`` (a packed row's scales follow its K values)."""
+    cols = k + tl.arange(0, t.BLOCK_K)
+    values = (base[:, None] + cols[None, :]).to(tl.pointer_type(tl.float8e4nv))
+    a = tl.load(values, mask=read[:, None] & (cols[None, :] < g.K), other=0.0)
+    scales = (base + g.K + 4 * (k // t.A_GROUP)).to(tl.pointer_type(tl.float32))
+    return a, tl.load(scales, mask=read, other=0.0)
+
+
+@triton.jit
+def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][n0:+BLOCK_N]^T`` over all of K,
     block-scaled; with ``GATED`` also the up tile (B rows ``N + n0``), from the same A
-    loads. Returns ``(acc, acc_up)`` (``acc_up`` unused without ``GATED``)."""
+    loads. A's rows come through TMA boxes, or with ``A_GATHER`` through the index (rows
+    from ``row_end`` on as zeros). Returns ``(acc, acc_up)`` (``acc_up`` unused without
+    ``GATED``)."""
     rows = row_start + tl.arange(0, t.BLOCK_M)
     b_row = expert * g.NB + n0
     acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
     gate_end = g.N if t.GATED else g.NB
+    if t.A_GATHER:
+        base, read = gathered_rows(g.gather, t, rows, row_end)
     for k in range(0, g.K, t.BLOCK_K):
-        a = a_desc.load([row_start, k])
-        sa = a_scales(g, t, rows, k)
+        if t.A_GATHER:
+            a, sa = gathered_a(base, read, g, t, k)
+        else:
+            a = a_desc.load([row_start, k])
+            sa = a_scales(g, t, rows, k)
         d = tl.dot(a, b_desc.load([b_row, k]).T, max_num_imprecise_acc=t.IMPRECISE_ACC)
         acc = promote(acc, d, sa, b_scales(g, t, expert, n0, gate_end, k), t)
         if t.GATED:
@@ -200,11 +254,11 @@ def store_fp8_groups(h, g, t, row_start, row_end, n0):
 
 
 @triton.jit
-def fp8_acc(a_desc, b_desc, g, t, expert, row_start, n0):
-    """The fp32 tile of rows ``row_start:+BLOCK_M`` of ``expert`` times columns
-    ``n0:+BLOCK_N``, through the gated activation with ``GATED`` (layer1's scatter
-    epilogue takes it as it is)."""
-    acc, acc_up = block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, n0)
+def fp8_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
+    """The fp32 tile of rows ``row_start:+BLOCK_M`` of ``expert`` (those up to
+    ``row_end`` its own) times columns ``n0:+BLOCK_N``, through the gated activation with
+    ``GATED`` (layer1's scatter epilogue takes it as it is)."""
+    acc, acc_up = block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0)
     if t.GATED:
         acc = gated(acc, acc_up, t.ACT)
     return acc
@@ -214,7 +268,7 @@ def fp8_acc(a_desc, b_desc, g, t, expert, row_start, n0):
 def fp8_item(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """One work item of ``expert``'s rows ``[row_start, row_end)``, columns
     ``n0:+BLOCK_N``, stored: as FP8 groups (``REQUANT``) or in ``out``'s dtype."""
-    acc = fp8_acc(a_desc, b_desc, g, t, expert, row_start, n0)
+    acc = fp8_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0)
     if t.REQUANT:
         store_fp8_groups(acc, g, t, row_start, row_end, n0)
     else:
@@ -320,12 +374,17 @@ def fused_k_step(w: Fp8Weight) -> int:
 def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
                    out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
                    group_m: int, activation: GatedActivation | None = None,
-                   fast_accumulation: bool = False) -> tuple[Fp8Operands, Fp8Tile]:
+                   fast_accumulation: bool = False, gather: Fp8Gather | None = None,
+                   own_in_place: bool = False) -> tuple[Fp8Operands, Fp8Tile]:
     """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
     K]`` (any row stride: layer0 reads them where the dispatch packed them with their
     scales) with fp32 ``a_scale [rows, ceil(K / GROUP)]`` (any strides) times ``w``. With
     ``activation`` (layer0), ``act(gate) * up`` over ``w = [gate | up]`` quantized into
-    ``out`` (e4m3 ``[rows, F]``) and ``out_scale``; else (layer1) ``out`` in its dtype."""
+    ``out`` (e4m3 ``[rows, F]``) and ``out_scale``; else (layer1) ``out`` in its dtype.
+    ``gather`` (layer0 of a gathered dispatch): A's rows through its index instead of
+    ``a``, this rank's own rows in place with ``own_in_place``."""
+    if own_in_place and gather is None:
+        raise ValueError("own_in_place reads rows through the gather's index: pass gather")
     rows, k = a.shape
     nb = w.n
     n = nb // 2 if activation is not None else nb
@@ -334,13 +393,14 @@ def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: to
     aligned_up = activation is None or w.parts == 2 or n % bn == 0
     gemm = Fp8Gemm(a_scale, a_scale.stride(0), a_scale.stride(1), rows, w.scale_inv, nb,
                    nb // w.parts, w.scale_grid()[0] // w.parts,
-                   out, out if out_scale is None else out_scale, k, n)
+                   out, out if out_scale is None else out_scale, k, n, gather)
     tile = Fp8Tile(*(constexpr(v) for v in (
         block_m, block_n, block_k, group_m, GROUP, bn, bk, bn % block_n == 0 and aligned_up,
         activation is not None)),
         act_tile(activation) if activation is not None else act_tile(),
         constexpr(activation is not None),
-        constexpr(imprecise_acc(fast_accumulation, block_k)))
+        constexpr(imprecise_acc(fast_accumulation, block_k)),
+        A_OWN=constexpr(own_in_place), A_GATHER=constexpr(gather is not None))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                           [block_n, block_k])

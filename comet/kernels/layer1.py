@@ -284,7 +284,7 @@ def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, spli
                 if SCATTER:
                     if item.FP8:
                         acc = fp8_acc(a_desc, b_desc, gemm, item, expert, row_start,
-                                      nb * BLOCK_N)
+                                      row_end, nb * BLOCK_N)
                     else:
                         acc = gemm_acc(a_desc, b_desc, gemm, item, expert, row_start,
                                        row_end, nb * BLOCK_N)

@@ -93,7 +93,8 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     if not scatter_pays(mesh.tp, mesh.ep, convention):
         tile = tile.with_fields(layer1_scatter=False)
     if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
-            and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp)):
+            and (cfg.fp8 is not None
+                 or one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp))):
         tile = tile.with_fields(layer0_gather=True)
     return tile
 
@@ -105,11 +106,14 @@ FP8_BLOCK_M = 64
 
 
 def fp8_tile(tile: TileConfig) -> TileConfig:
-    """``tile`` as an FP8 layer runs it: without layer0's gathered dispatch, stream-K and
-    tail splits and layer1's K splits, which its kernels do not have yet (an FP8 work item
-    is two dots of 128 columns on the block-scaled K loop, not a one-dot box)."""
-    return tile.with_fields(layer0_gather=False, layer0_stream_k=False,
-                            layer0_tail_split=0, layer1_split_k=1,
+    """``tile`` as an FP8 layer runs it: without layer0's stream-K and tail splits and
+    layer1's K splits, which its kernels do not have yet (an FP8 work item is two dots of
+    128 columns on the block-scaled K loop, not a one-dot box). With layer0's gathered
+    dispatch (``layer0_own_in_place``: this rank's own rows read where they were packed,
+    its home rows), the gathered K loop always loads only a tile's own rows, so the
+    variant has no live-row switch for the Selector to turn."""
+    return tile.with_fields(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1,
+                            layer0_live_rows=False,
                             block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
 
 
@@ -121,7 +125,7 @@ def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention
     tile = tile or default_tile(mesh, convention, cfg)
     if cfg.fp8 is not None:
         tile = fp8_tile(tile)
-    if tile.variant.layer0_gather:
+    elif tile.variant.layer0_gather:
         check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
 
