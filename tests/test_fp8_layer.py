@@ -283,13 +283,15 @@ POISON = 0x7F
 
 
 def test_a_gathered_fp8_dispatch_on_one_rank_copies_no_row():
-    """Top-4 on one rank: the default tile gathers (a token's row crosses once per rank,
-    0.52x a bf16 row), and the GEMM reads this rank's rows where they were packed on
-    their home rank -- so nothing is written into a0, whose poisoned bytes no tile reads."""
+    """Top-4 on one rank with a gathered dispatch (a token's row crosses once per rank,
+    0.52x a bf16 row; asked for: an FP8 layer's default tile does not gather): the GEMM
+    reads this rank's rows where they were packed on their home rank -- so nothing is
+    written into a0, whose poisoned bytes no tile reads."""
     cfg = fp8_config(e=8, k=4)
     g = torch.Generator().manual_seed(8)
     gate_up, down = fp8_experts(cfg, g)
-    layer = FusedMoE(cfg, gate_up, down)
+    assert not FusedMoE(cfg, gate_up, down).tile.variant.layer0_gather
+    layer = FusedMoE(cfg, gate_up, down, tile=TileConfig.small().with_fields(layer0_gather=True))
     v = layer.tile.variant
     assert v.layer0_gather and v.layer0_own_in_place
     layer.ws.local.a0.fill_(POISON)

@@ -11,7 +11,9 @@ import torch
 from comet import reference
 from comet.activation import gated
 from comet.config import PRESETS, MoEConfig, TileConfig
+from comet.mesh import MeshLayout
 from comet.quant import Fp8, Fp8Weight, calc_diff, quantize_weight
+from comet.runtime.layer import default_tile
 from comet.runtime.strategies import gather_pays
 from routings import make_ids, make_tokens
 
@@ -120,15 +122,19 @@ def test_fp8_fused_layer_w1_matches_the_emulation_over_block_splits(name):
     cfg = PRESETS[name].replace(max_tokens=512, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 0)
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
-    assert layer.tile.variant.layer0_gather == gather_pays(cfg.top_k, 1)  # a row once, not k times
+    layers = [layer]
+    if gather_pays(cfg.top_k, 1):   # and with the gathered dispatch, own rows in place
+        layers.append(FusedMoE(cfg, gu8, dn8, check_errors="sync",
+                               tile=layer.tile.with_fields(layer0_gather=True)))
     p = layer.programs
     for tokens in (384, 3):
         (x,), (ids,), (w,) = _inputs(cfg, [tokens], tokens)
         expect = _emulate(x, ids, w, gu8, dn8, cfg.activation)
         bf16 = _bf16(x, ids, w, gu, dn, cfg.activation)
         for n_comm in sorted({0, 1, p // 2}):
-            for _ in range(2):
-                _check(layer(x, ids, w, comm_blocks=n_comm), expect, bf16)
+            for each in layers:
+                for _ in range(2):
+                    _check(each(x, ids, w, comm_blocks=n_comm), expect, bf16)
 
 
 def test_fp8_fused_layer_takes_checkpoint_tensors_and_refuses_gradients():
@@ -209,16 +215,18 @@ def test_fp8_liveness_200_drifting_calls_full_size(name, world):
     back-to-back calls of 0-384 tokens a rank (zero-token ranks among them), each rank's
     stream spinning a random while before its call so ranks drift a call apart, block
     splits varying: no call fails or hangs, every rank ends at epoch 200, and the outputs
-    are the emulation's. deepseek-v3-like at EP=2 runs the default tile's gathered
-    dispatch (top-8 over two ranks)."""
+    are the emulation's. deepseek-v3-like at EP=2 runs the gathered dispatch (top-8 over
+    two ranks, where bf16 gathers by default)."""
     import random
     from comet.runtime.virtual import concurrent_forward, virtual_group
     max_tokens, calls = 384, 200
     cfg = PRESETS[name].replace(max_tokens=max_tokens, fp8=Fp8())
     _, _, gu8, dn8 = _experts(cfg, 13)
+    gather = gather_pays(cfg.top_k, world)
+    tile = default_tile(MeshLayout(ep=world), cfg=cfg).with_fields(layer0_gather=gather)
     layers = virtual_group(cfg, [_shard(gu8, r, world) for r in range(world)],
-                           [_shard(dn8, r, world) for r in range(world)])
-    assert layers[0].tile.variant.layer0_gather == gather_pays(cfg.top_k, world)
+                           [_shard(dn8, r, world) for r in range(world)], tile)
+    assert layers[0].tile.variant.layer0_gather == gather
     p = layers[0].programs
     splits = [None, (1, 1), (min(16, p - 1),) * 2, (p // 2, p // 2)]
     rng = random.Random(world)
@@ -250,7 +258,6 @@ def test_fp8_tp_shards_of_192_columns():
     """Qwen3-30B-A3B's experts at TP=4 (F = 768: shards of 192, a ragged 64-wide group of
     h, the later shards re-blocked 64 wide), virtual ranks concurrent; each rank's output
     against the emulation summed over its token's shards."""
-    from comet.mesh import MeshLayout
     from comet.runtime.virtual import concurrent_forward, virtual_group
     cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
                     max_tokens=256, fp8=Fp8())

@@ -411,7 +411,8 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
                            fp8_row_bytes(cfg.hidden_size, cfg.intermediate_size))
     ids = [s.topk_ids for s in sets]
     link = link_columns(ids, el, st)
-    dispatch = dispatch_columns(ids, el, st, False, packed_row_bytes(cfg.hidden_size))
+    gathered = bool(fused is not None and fused.layer.tile.variant.layer0_gather)
+    dispatch = dispatch_columns(ids, el, st, gathered, packed_row_bytes(cfg.hidden_size))
     deepgemm_status = None
     if deepgemm is not None:
         deepgemm_status = deepgemm_series(deepgemm, case, plans, gate_up, down, st, timed,

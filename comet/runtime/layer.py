@@ -87,14 +87,16 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     """Hopper tiles on a GPU, tiny ones under the interpreter; layer1 the scatter epilogue
     unless the layout is one where the reduce pays (:func:`scatter_pays`); for the
     model ``cfg``, layer0's gathered dispatch where it pays (:func:`gather_pays`) and
-    layer0's items are one dot each."""
+    layer0's items are one dot each -- in bf16 only: an FP8 layer's gathered K loop
+    (pointer loads instead of TMA boxes) made its calls 14-30% slower at 128-4096 tokens
+    on one H200, more than the copies it saves (docs/precision.md), so FP8 gathers only
+    when asked."""
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):
         tile = tile.with_fields(layer1_scatter=False)
-    if (cfg is not None and gather_pays(cfg.top_k, mesh.ep)
-            and (cfg.fp8 is not None
-                 or one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp))):
+    if (cfg is not None and cfg.fp8 is None and gather_pays(cfg.top_k, mesh.ep)
+            and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp)):
         tile = tile.with_fields(layer0_gather=True)
     return tile
 
