@@ -274,8 +274,7 @@ def run_case(case: Case, st: Settings, w13: torch.Tensor, w2: torch.Tensor,
     hbm_floor = hbm_floors(plans, order, cfg.hidden_size, cfg.intermediate_size,
                            w13.element_size(), st)
     link = link_columns([s.topk_ids for s in sets], el, st)
-    gathered = bool(fused is not None and fused.layer.tile.variant.layer0_gather)
-    dispatch = dispatch_columns([s.topk_ids for s in sets], el, st, gathered,
+    dispatch = dispatch_columns([s.topk_ids for s in sets], el, st, layer_gathers(fused),
                                 cfg.hidden_size * w13.element_size())
     checks = {**_checks(sets[0], ref, w13, w2, st, fused),
               **{f"peer_{name}": s["max_rel_err"] for name, s in peer_status.items()
@@ -411,8 +410,8 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
                            fp8_row_bytes(cfg.hidden_size, cfg.intermediate_size))
     ids = [s.topk_ids for s in sets]
     link = link_columns(ids, el, st)
-    gathered = bool(fused is not None and fused.layer.tile.variant.layer0_gather)
-    dispatch = dispatch_columns(ids, el, st, gathered, packed_row_bytes(cfg.hidden_size))
+    dispatch = dispatch_columns(ids, el, st, layer_gathers(fused),
+                                packed_row_bytes(cfg.hidden_size))
     deepgemm_status = None
     if deepgemm is not None:
         deepgemm_status = deepgemm_series(deepgemm, case, plans, gate_up, down, st, timed,
@@ -562,10 +561,15 @@ def hbm_floors(plans, order: list[int], hidden: int, ffn: int, element_size: int
                              st.group)
 
 
+def layer_gathers(fused: Fused | None) -> bool:
+    """Whether comet's layer sent a token's row once per rank (``Variant.layer0_gather``)."""
+    return bool(fused is not None and fused.layer.tile.variant.layer0_gather)
+
+
 def gather_column(fused: Fused | None) -> dict:
     """``layer0_gather``: whether comet's layer sent a token's row once per rank (its
     link rows are then ``link_token_rows``, else ``link_rows``); None without one."""
-    return {"layer0_gather": None if fused is None else fused.layer.tile.variant.layer0_gather}
+    return {"layer0_gather": None if fused is None else layer_gathers(fused)}
 
 
 def link_columns(ids: Sequence[torch.Tensor], local_experts: int, st: Settings) -> dict:

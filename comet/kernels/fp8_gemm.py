@@ -87,18 +87,26 @@ class Fp8Gather(NamedTuple):
     """A's rows read through an index (``A_GATHER``; layer0 of a gathered dispatch,
     ``Variant.layer0_gather``): row ``r`` is the packed row ``tokens[src[r]]`` (its K e4m3
     values, then its fp32 group scales: :class:`comet.kernels.fp8_roles.PackedRows`) --
-    or, with ``A_OWN``, row ``src[r] - own_base`` of this rank's own packed rows when
-    that is one of the call's tokens, so that no row of its own is copied."""
+    or, with ``own`` (``A_OWN``), this rank's own packed row where the entry is one of
+    its tokens, so that no row of its own is copied (as bf16's
+    :class:`comet.kernels.group_gemm.Gathered`)."""
 
     src: torch.Tensor        # int32 [rows]: the token row each row of A reads
     tokens: torch.Tensor     # uint8 [W * max_tokens, row_bytes]: every source's rows
     row_bytes: int           # bytes of a packed row (both buffers' row stride)
-    #: A_OWN: bytes from where an own row's entry points in ``tokens`` (``src * row_bytes``)
-    #: to the row in this rank's home rows. A row's address stays ``tokens`` plus an
-    #: offset, this one added where the row is its own: a select between two addresses
-    #: kept Triton from pipelining the K loop's loads (tests/sm90_compile.py).
-    own_delta: int
-    own_base: int            # this rank's first index entry: rank * max_tokens
+    own: "Fp8OwnRows | None" = None
+
+
+class Fp8OwnRows(NamedTuple):
+    """This rank's own rows, read where its home rank packed them (``A_OWN``,
+    ``Variant.layer0_own_in_place``)."""
+
+    #: bytes from where an own row's entry points in ``tokens`` (``src * row_bytes``) to
+    #: the row in this rank's home rows. A row's address stays ``tokens`` plus an offset,
+    #: this one added where the row is its own: a select between two addresses kept
+    #: Triton from pipelining the K loop's loads (tests/sm90_compile.py).
+    delta: int
+    base: int                # this rank's first index entry: rank * max_tokens
     max_tokens: int          # entries per source (a tile reads only its own rows' entries,
                              # all of this call: no stale one past the call's tokens)
 
@@ -123,7 +131,7 @@ class Fp8Tile(NamedTuple):
     ONE_DOT: tl.constexpr = constexpr(False)
     TRANS_B: tl.constexpr = constexpr(False)
     BIAS: tl.constexpr = constexpr(False)
-    A_OWN: tl.constexpr = constexpr(False)     # A_GATHER: own rows in place (Fp8Gather)
+    A_OWN: tl.constexpr = constexpr(False)     # A_GATHER: own rows in place (Fp8Gather.own)
     FP8: tl.constexpr = constexpr(True)
     A_GATHER: tl.constexpr = constexpr(False)  # A's rows through an index (Fp8Gemm.gather)
 
@@ -176,9 +184,9 @@ def gathered_rows(gather, t, rows, row_end):
     src = tl.load(gather.src + rows, mask=read, other=0).to(tl.int64)
     at = src * gather.row_bytes
     if t.A_OWN:
-        own = src - gather.own_base
-        mine = (own >= 0) & (own < gather.max_tokens)
-        at += mine.to(tl.int64) * gather.own_delta
+        own = src - gather.own.base
+        mine = (own >= 0) & (own < gather.own.max_tokens)
+        at += mine.to(tl.int64) * gather.own.delta
     return gather.tokens + at, read
 
 
@@ -374,17 +382,15 @@ def fused_k_step(w: Fp8Weight) -> int:
 def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
                    out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
                    group_m: int, activation: GatedActivation | None = None,
-                   fast_accumulation: bool = False, gather: Fp8Gather | None = None,
-                   own_in_place: bool = False) -> tuple[Fp8Operands, Fp8Tile]:
+                   fast_accumulation: bool = False, gather: Fp8Gather | None = None
+                   ) -> tuple[Fp8Operands, Fp8Tile]:
     """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
     K]`` (any row stride: layer0 reads them where the dispatch packed them with their
     scales) with fp32 ``a_scale [rows, ceil(K / GROUP)]`` (any strides) times ``w``. With
     ``activation`` (layer0), ``act(gate) * up`` over ``w = [gate | up]`` quantized into
     ``out`` (e4m3 ``[rows, F]``) and ``out_scale``; else (layer1) ``out`` in its dtype.
     ``gather`` (layer0 of a gathered dispatch): A's rows through its index instead of
-    ``a``, this rank's own rows in place with ``own_in_place``."""
-    if own_in_place and gather is None:
-        raise ValueError("own_in_place reads rows through the gather's index: pass gather")
+    ``a`` (this rank's own in place with ``gather.own``)."""
     rows, k = a.shape
     nb = w.n
     n = nb // 2 if activation is not None else nb
@@ -400,7 +406,8 @@ def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: to
         act_tile(activation) if activation is not None else act_tile(),
         constexpr(activation is not None),
         constexpr(imprecise_acc(fast_accumulation, block_k)),
-        A_OWN=constexpr(own_in_place), A_GATHER=constexpr(gather is not None))
+        A_OWN=constexpr(gather is not None and gather.own is not None),
+        A_GATHER=constexpr(gather is not None))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                           [block_n, block_k])

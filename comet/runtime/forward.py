@@ -32,7 +32,7 @@ from comet.config import TileConfig
 from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
 from comet.kernels.combine import combine_of
 from comet.kernels.layer0 import Dispatch, layer0_gemm
-from comet.kernels.fp8_gemm import LAYER0_BLOCK_N, Fp8Gather, fused_fp8_gemm
+from comet.kernels.fp8_gemm import LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, fused_fp8_gemm
 from comet.kernels.fp8_roles import home_quantizer, launch_quantize_home, packed_views
 from comet.kernels.layer1 import column_splits, layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
@@ -226,7 +226,6 @@ class ForwardCall:
         h = ws.cfg.hidden_size
         self.quantize = home_quantizer(ws.home_rows, h)
         gather = tile.variant.layer0_gather
-        own = gather and tile.variant.layer0_own_in_place
         dispatch = dispatch_of(ws, ws.home_addr, homes, gather)._replace(
             row_bytes=ws.home_rows.shape[1])
         rows, scales = packed_views(ws.local.a0, h)
@@ -235,8 +234,7 @@ class ForwardCall:
                                       block_m=tile.gemm.block_m, block_n=LAYER0_BLOCK_N,
                                       group_m=tile.gemm.group_m, activation=ws.cfg.activation,
                                       fast_accumulation=fast,
-                                      gather=self._fp8_gather() if gather else None,
-                                      own_in_place=own)
+                                      gather=self._fp8_gather() if gather else None)
         gemm1, item1 = fused_fp8_gemm(ws.h, ws.h_scale, self.w2, ws.out1, None,
                                       block_m=tile.gemm.block_m, block_n=tile.gemm.block_n1,
                                       group_m=tile.gemm.group_m, fast_accumulation=fast)
@@ -245,12 +243,16 @@ class ForwardCall:
     def _fp8_gather(self) -> Fp8Gather:
         """Where layer0's FP8 GEMM reads its rows after a gathered dispatch: the packed
         token rows in ``a0``'s memory through ``a0_src``, this rank's own in its home rows
-        (they are packed there before the dispatch, so none needs copying)."""
+        (``Variant.layer0_own_in_place``: they are packed there before the dispatch, so
+        none needs copying)."""
         ws = self.ws
         g = ws.gathered_rows()
         row_bytes, base = ws.home_rows.shape[1], ws.rank * ws.cfg.max_tokens
-        own_delta = ws.home_rows.data_ptr() - (g.tokens.data_ptr() + base * row_bytes)
-        return Fp8Gather(g.src, g.tokens, row_bytes, own_delta, base, ws.cfg.max_tokens)
+        own = None
+        if self.tile.variant.layer0_own_in_place:
+            delta = ws.home_rows.data_ptr() - (g.tokens.data_ptr() + base * row_bytes)
+            own = Fp8OwnRows(delta, base, ws.cfg.max_tokens)
+        return Fp8Gather(g.src, g.tokens, row_bytes, own)
 
     def quantize_home(self) -> None:
         """An FP8 layer's first step of layer0: this rank's rows quantized, once, before
