@@ -364,6 +364,18 @@ class Variant:
             kernel's programs place the send list, a block each (the host's gate, which
             also bounds the steps: comet.runtime.selection.Selector.small_plan_by_rule;
             0: never).
+        fp8_ws_gemm: an FP8 layer's large calls run layer0's and layer1's GEMMs on the
+            warp-specialized Gluon kernel (comet.kernels.fp8_ws: a TMA producer warp,
+            the fp32 promotion of one K step under the next step's wgmma) as launches of
+            their own after the dispatch, instead of the ``tl`` K loop inside the fused
+            kernels, whose synchronous dots cap it near 450 TFLOP/s (Mixtral 4096
+            tokens, 1x H200, docs/precision.md). The kernel waits for no peer, so an
+            FP8 layer keeps it only where it has none and its weights' scale blocks fit
+            the kernel, on a GPU (comet.runtime.layer.fp8_tile), and the Selector
+            keeps it for calls whose experts fill whole m-tiles
+            (comet.runtime.selection.WS_MIN_ROWS); fused forward calls with the scatter
+            epilogue only. bf16 layers ignore it. On by default (``fp8_ws_gemm=0``
+            keeps every call on the fused kernels); not yet measured on a GPU.
     """
 
     layer1_scatter: bool = True
@@ -374,6 +386,7 @@ class Variant:
     layer0_tail_split: int = 4
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
+    fp8_ws_gemm: bool = True
 
     def __post_init__(self):
         if self.layer1_split_k < 1:

@@ -23,6 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -54,7 +55,8 @@ def compile_launch(kernel, args, kwargs):
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if getattr(kernel, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=HOPPER, options=options.__dict__)
     launcher_source(src, compiled)
     return compiled
@@ -286,6 +288,19 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     shard_w = weights(el, cfg.hidden_size, 192, ScaleBlocks(64, 128))
     shard_w = (shard_w[0], weights(el, cfg.hidden_size, 192, ScaleBlocks(128, 64))[1])
     out.append(lambda: call(space=shard_ws, w=shard_w).run())
+    # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_gemm,
+    # comet.kernels.fp8_ws): the whole call (the dispatch launch, both Gluon GEMMs,
+    # flag1's release, the combine); GPT-OSS's clamped SwiGLU and GELU-tanh in layer0's
+    # epilogue, with F ending in part of a group (320).
+    from comet.activation import GatedActivation
+    ws_tile = tile.with_fields(fp8_ws_gemm=True)
+    out.append(lambda: call(t=ws_tile, space=allocate_virtual(fp8, world, "cpu", ws_tile)[0]).run())
+    for act in (GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0),
+                GatedActivation(kind="gelu_tanh")):
+        ragged = fp8.replace(intermediate_size=320, activation=act)
+        out.append(lambda ragged=ragged: call(
+            t=ws_tile, space=allocate_virtual(ragged, world, "cpu", ws_tile)[0],
+            w=weights(el, cfg.hidden_size, 320, ScaleBlocks())).run())
     return out
 
 

@@ -240,6 +240,30 @@ def test_an_fp8_layer_runs_without_the_small_call_variants():
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
+    assert not v.fp8_ws_gemm        # the interpreter has no Gluon
+
+
+@pytest.mark.parametrize("blocks, ffn, fits", [
+    (ScaleBlocks(), 256, True), (ScaleBlocks(), 320, True),      # ragged F: parts of 2
+    (ScaleBlocks(256, 256), 512, True), (ScaleBlocks(64, 128), 256, False),
+    (ScaleBlocks(128, 64), 256, False), (ScaleBlocks(1, 128), 256, False)])
+def test_the_warp_specialized_gemm_takes_whole_box_scale_blocks(blocks, ffn, fits):
+    """comet.kernels.fp8_ws reads one B scale per box and K step: scale blocks that are
+    whole 128 x 128 boxes (a TP shard's 64-wide blocks, per-channel scales: the tl
+    kernels); and a layer runs it only on its own (it waits for no peer's rows)."""
+    from comet.kernels.fp8_ws import fits as ws_fits
+    from comet.runtime.layer import ws_gemm_fits
+    h = 256
+    gate_up = quantize_weight(torch.randn(2, 2 * ffn, h), blocks, parts=2)
+    down = quantize_weight(torch.randn(2, h, ffn), blocks)
+    assert ws_fits(gate_up, gated=True) is fits and ws_fits(down, gated=False) is fits
+    one = MeshLayout()
+    assert ws_gemm_fits(one, gate_up, down) is (fits and not interpreting())
+    assert not ws_gemm_fits(MeshLayout(ep=2), gate_up, down)
+    assert not ws_gemm_fits(MeshLayout(tp=2, ep=1), gate_up, down)
+    # one block grid over [gate | up]: the up half must start on a block boundary
+    whole = quantize_weight(torch.randn(2, 2 * 320, h), ScaleBlocks())
+    assert not ws_fits(whole, gated=True) and ws_fits(whole, gated=False)
 
 
 # ------------------------------------------------------------------------- virtual ranks

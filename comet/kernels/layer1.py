@@ -400,6 +400,17 @@ def _release_sources(progress, epoch, sync):
 
 
 @triton.jit
+def release_sources_kernel(progress, sync):
+    """layer1's end as a launch of its own, one program, after a GroupGEMM launch that
+    counts no programs (comet.kernels.fp8_ws): ``flag1`` released on every source."""
+    _release_sources(progress, tl.load(sync.epoch), sync)
+
+
+def launch_release_sources(*, progress: Progress, sync: Sync) -> None:
+    release_sources_kernel[(1, )](progress=progress, sync=sync, num_warps=1)
+
+
+@triton.jit
 def _return_pairs(pair_src, pair_dst, recv_rows, q, live, tok, TOPK: tl.constexpr):
     """``pair_dst[token, j] = pair_src[row_j]`` for the slots of entries ``q`` held here."""
     for j in tl.static_range(TOPK):

@@ -29,12 +29,15 @@ from typing import Callable, NamedTuple
 import torch
 
 from comet.config import TileConfig
-from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
+from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, constexpr, interpreting
 from comet.kernels.combine import combine_of
 from comet.kernels.layer0 import Dispatch, layer0_gemm
-from comet.kernels.fp8_gemm import LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, fused_fp8_gemm
+from comet.kernels.fp8_gemm import (LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, MTiles,
+                                     fused_fp8_gemm)
+from comet.kernels.fp8_ws import WsH, WsLaunch, ws_gemm
 from comet.kernels.fp8_roles import home_quantizer, launch_quantize_home, packed_views
-from comet.kernels.layer1 import column_splits, layer1_gemm
+from comet.kernels.layer1 import (Homes, Progress, column_splits, launch_release_sources,
+                                  layer1_gemm)
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
@@ -191,9 +194,15 @@ class ForwardCall:
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
         self.fp8 = ws.cfg.fp8 is not None
+        # The warp-specialized GEMMs serve fused calls whose layer1 scatters (the
+        # decomposed modes run the reduce strategy, whose comm role counts GEMM tiles).
+        self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_gemm and self.mode == "fused"
+                        and self.strategy.name == "scatter")
         if self.fp8:
             dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
             splits = column_splits(tile, ws.cfg.hidden_size)
+            if self.ws_gemm:
+                self.ws_layer0, self.ws_layer1 = self._ws_layers()
         else:
             gather = tile.variant.layer0_gather
             rows = None
@@ -239,6 +248,30 @@ class ForwardCall:
                                       block_m=tile.gemm.block_m, block_n=tile.gemm.block_n1,
                                       group_m=tile.gemm.group_m, fast_accumulation=fast)
         return dispatch, gemm0, item0, gemm1, item1
+
+    def _ws_layers(self) -> tuple[WsLaunch, WsLaunch]:
+        """layer0's and layer1's GEMMs on the warp-specialized kernel
+        (``Variant.fp8_ws_gemm``): over the plan's m-tiles, layer0 from the rows the
+        dispatch placed into h in FP8 groups, layer1 from h, scattering each weighted
+        row into its token's slot as the fused kernel's epilogue does."""
+        ws, cfg = self.ws, self.ws.cfg
+        t = ws.plan.tiles
+        tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
+        rows, scales = packed_views(ws.local.a0, cfg.hidden_size)
+        kw = dict(group_m=self.tile.gemm.group_m, fast_accumulation=cfg.fp8.fast_accumulation)
+        layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
+                         activation=cfg.activation, **kw)
+        homes = Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
+                      cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
+        layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, homes, scatter=True, **kw)
+        return layer0, layer1
+
+    def release_layer1(self) -> None:
+        """After the warp-specialized layer1: every source told its rows landed (the
+        fused kernel's last program does so)."""
+        ws = self.ws
+        launch_release_sources(progress=Progress(ws.count.split, ws.count.l1_done,
+                                                 ws.peers.flag1), sync=ws.sync)
 
     def _fp8_gather(self) -> Fp8Gather:
         """Where layer0's FP8 GEMM reads its rows after a gathered dispatch: the packed
@@ -305,6 +338,9 @@ class ForwardCall:
         only), then the compute role (unless communicating only) as two."""
         mode, grids = self.mode, self.grids
         phases = [self.quantize_home] if self.fp8 and mode != "compute_only" else []
+        if self.ws_gemm:    # the dispatch on every program, then the GEMM
+            return phases + [lambda: self.launch_layer0(ROLE_COMM, grids.compute),
+                             lambda: self.ws_layer0(grids.compute)]
         if self.fused and self.layer0_comm:
             return phases + [lambda: self.launch_layer0(ROLE_FUSED, grids.compute,
                                                         trace=self._trace["layer0"],
@@ -320,6 +356,8 @@ class ForwardCall:
         """The scatter on every program; the reduce kernel fused (any split, read on the
         device), or its compute role then its comm role."""
         mode, grids = self.mode, self.grids
+        if self.ws_gemm:
+            return [lambda: self.ws_layer1(grids.compute), self.release_layer1]
         if self.strategy.comm_blocks(1) == 0 or self.fused:
             return [lambda: self.launch_layer1(ROLE_FUSED, grids.compute,
                                                trace=self._trace["layer1"],

@@ -28,6 +28,7 @@ from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.constants import interpreting
 from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
 from comet.kernels.fp8_gemm import MIN_BLOCK_K, fused_k_step
+from comet.kernels.fp8_ws import fits as ws_fits
 from comet.kernels.layer0 import check_gather, one_dot_tiles
 from comet.runtime import topology
 from comet.runtime.backward import BACKWARD_SCALARS, BackwardCall, GradBuffers
@@ -107,26 +108,39 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
 FP8_BLOCK_M = 64
 
 
-def fp8_tile(tile: TileConfig) -> TileConfig:
+def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     """``tile`` as an FP8 layer runs it: without layer0's stream-K and tail splits and
     layer1's K splits, which its kernels do not have yet (an FP8 work item is two dots of
     128 columns on the block-scaled K loop, not a one-dot box). With layer0's gathered
     dispatch (``layer0_own_in_place``: this rank's own rows read where they were packed,
     its home rows), the gathered K loop always loads only a tile's own rows, so the
-    variant has no live-row switch for the Selector to turn."""
+    variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
+    layer can run large calls' GEMMs on comet.kernels.fp8_ws (:func:`ws_gemm_fits`);
+    ``Variant.fp8_ws_gemm`` stays on only then."""
     return tile.with_fields(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1,
                             layer0_live_rows=False,
+                            fp8_ws_gemm=tile.variant.fp8_ws_gemm and warp_specialized,
                             block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
 
 
+def ws_gemm_fits(mesh: MeshLayout, w13: Fp8Weight, w2: Fp8Weight) -> bool:
+    """Whether an FP8 layer may run its GEMMs on the warp-specialized kernel: a layer of
+    one rank (the kernel waits for no peer's rows), on a GPU (Gluon has no interpreter),
+    weights whose scale blocks the kernel reads (:func:`comet.kernels.fp8_ws.fits`)."""
+    return (mesh.tp * mesh.ep == 1 and not interpreting()
+            and ws_fits(w13, gated=True) and ws_fits(w2, gated=False))
+
+
 def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention,
-              cfg: MoEConfig) -> TileConfig:
+               cfg: MoEConfig, weights: tuple[Fp8Weight, Fp8Weight] | None = None
+               ) -> TileConfig:
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg`` (for an
-    FP8 layer, :func:`fp8_tile` of it); ValueError for one its kernels' shapes cannot run
-    (a gather without one-dot items)."""
+    FP8 layer, :func:`fp8_tile` of it, warp-specialized where :func:`ws_gemm_fits` its
+    ``weights``); ValueError for one its kernels' shapes cannot run (a gather without
+    one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
     if cfg.fp8 is not None:
-        tile = fp8_tile(tile)
+        tile = fp8_tile(tile, weights is not None and ws_gemm_fits(mesh, *weights))
     elif tile.variant.layer0_gather:
         check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
@@ -283,7 +297,8 @@ class FusedMoE:
         mesh = mesh_of(mesh, par.world_size)
         w13, w2 = expert_weights(cfg, mesh, w13, w2, w13_scale_inv, w2_scale_inv)
         self.validate(cfg, par, w13, w2, w13_layout, b13, b2, mesh, convention)
-        tile = layer_tile(tile, mesh, convention, cfg)   # before any buffer (a collective)
+        weights = (w13, w2) if cfg.fp8 is not None else None
+        tile = layer_tile(tile, mesh, convention, cfg, weights)   # before any buffer (a collective)
         kernel_cfg = mesh.kernel_config(cfg)
         with torch.inference_mode(False):   # see _build
             if par.world_size == 1:

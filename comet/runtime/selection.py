@@ -40,6 +40,12 @@ LIVE_ROWS_MAX_FILL = 1 / 8
 #: 8 blocks, mixtral's 8 and 16), two 24.2 against 29.5 (qwen2-moe's 16), four 35.8
 #: against 29.8 (qwen2-moe's 32), eight 44.7 against 32.3 (deepseek-v3-like's 16).
 SMALL_PLAN_STEPS = 2
+#: Fewest rows per expert (expected as :meth:`Selector.decode_by_rule` expects them) of
+#: a call that runs an FP8 layer's GEMMs on the warp-specialized kernel
+#: (``Variant.fp8_ws_gemm``): two of its m-tiles. Not yet measured against the fused
+#: kernels' ``tl`` loop on a GPU: the first guess of where separate launches stop costing
+#: more than the faster K loop gains.
+WS_MIN_ROWS = 128
 
 
 class Selector:
@@ -71,6 +77,7 @@ class Selector:
         self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
+        self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_gemm
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
         self._per_call: dict[tuple, tuple[tuple[int, int], TileConfig]] = {}
@@ -151,12 +158,13 @@ class Selector:
         return self.without(tile, self.too_large_for(num_tokens))
 
     def too_large_for(self, num_tokens: int) -> tuple[str, ...]:
-        """The small-call variants the layer may run that a call with ``num_tokens`` runs
-        without: layer0's stream-K past :meth:`stream_k_by_rule`, its last round's K
-        splits where :meth:`tail_split_by_rule` says no, the gathered GEMM's
+        """The variants the layer may run that a call with ``num_tokens`` runs without:
+        the small-call ones -- layer0's stream-K past :meth:`stream_k_by_rule`, its last
+        round's K splits where :meth:`tail_split_by_rule` says no, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
         keeps them: it is a small one), the two-launch plan past
-        :meth:`small_plan_by_rule`. Decided once per token count."""
+        :meth:`small_plan_by_rule` -- and the one of large calls, the warp-specialized
+        FP8 GEMM below :meth:`ws_gemm_by_rule`. Decided once per token count."""
         if num_tokens not in self._too_large:
             stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
             off = []
@@ -168,6 +176,8 @@ class Selector:
                 off.append("layer0_live_rows")
             if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
                 off.append("small_plan_blocks")
+            if self.may_ws_gemm and not self.ws_gemm_by_rule(num_tokens):
+                off.append("fp8_ws_gemm")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
@@ -210,7 +220,8 @@ class Selector:
         rule's answer turns with the last round's fill, so every count up to its last
         (small m-tiles) is tried."""
         counts = {0, 1, self.cfg.max_tokens}
-        for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule):
+        for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule,
+                     lambda n: not self.ws_gemm_by_rule(n)):
             lo = self._last_true(rule)
             counts |= {lo, lo + 1}
         if self.may_tail_split:
@@ -302,6 +313,14 @@ class Selector:
         step = open_step_blocks(self.cfg.num_experts)
         return (blocks <= self.tile.variant.small_plan_blocks
                 and -(-blocks // step) <= SMALL_PLAN_STEPS)
+
+    def ws_gemm_by_rule(self, num_tokens: int) -> bool:
+        """Whether an FP8 call with ``num_tokens`` on this rank runs its GEMMs on the
+        warp-specialized kernel: each expert's rows, expected as :meth:`decode_by_rule`
+        expects them, are at least :data:`WS_MIN_ROWS` (large calls; the rule holds from
+        some count on, the others' up to one)."""
+        per_expert, busy = self._expected_rows(num_tokens)
+        return busy > 0 and per_expert >= WS_MIN_ROWS
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where

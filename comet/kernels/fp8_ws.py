@@ -1,0 +1,503 @@
+"""The block-scaled FP8 GroupGEMM of large calls as a warp-specialized Gluon kernel.
+
+Why a second kernel: in :mod:`comet.kernels.fp8_gemm`'s ``tl`` K loop each step's product
+must be complete before it is scaled into the fp32 accumulator (a dot whose result another
+op uses is made synchronous), so the tensor core idles while the CUDA cores promote. Here
+a one-warp producer partition streams the boxes through ``STAGES`` slots of shared memory
+with TMA, and the consumer warpgroups promote step ``i``'s product while step ``i + 1``'s
+wgmma runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
+prefill GEMM, where the ``tl`` loop of the fused layers runs ~450: docs/precision.md).
+
+A work item is one m-tile of the plan's table (``BLOCK_M`` = 64 rows of one expert) times
+two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``), on two
+consumer partitions of one warpgroup each that share the A box:
+
+* layer0 (``GATED``): box 0 the gate rows ``n0:+BLOCK_N``, box 1 the up rows ``N + n0:``;
+  the up partition hands its fp32 tile to the gate partition through shared memory, which
+  applies the gated activation, quantizes each row's ``BLOCK_N`` columns as one group of
+  the recipe (:func:`comet.kernels.fp8_gemm.quantize_groups`) and stores h in FP8;
+* layer1: boxes 0 and 1 the columns ``n0:+BLOCK_N`` and ``n0 + BLOCK_N:``, each partition
+  storing its own tile -- into a bf16 ``out`` (``EPILOGUE_STORE``), or, weighted, into its
+  rows' token slots (``EPILOGUE_SCATTER``, :func:`comet.kernels.layer1.scatter_home`'s
+  epilogue).
+
+The kernel waits for no peer: it runs where every row it reads is in place when it starts
+(a rank with no peers, after its dispatch launch: ``Variant.fp8_warp_specialized``). Its
+scales are one per step for A (a row's 128-value group) and for B (``SCALE_N x SCALE_K``
+blocks that are multiples of the boxes: :func:`fits`); other scale layouts run the ``tl``
+kernels. Gluon has no interpreter: the kernel is checked by compiling it for sm_90
+(tests/sm90_compile.py) and on a GPU (tests/test_gpu_fp8.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from comet.activation import GatedActivation
+from comet.constants import ADDRESS_ALIGN, constexpr
+from comet.kernels.activation import Act, act_tile, gated
+from comet.kernels.fp8_gemm import AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, MTiles, imprecise_acc
+from comet.kernels.group_gemm import grouped_work
+from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
+
+#: Rows of a work item: the FP8 plan's m-tile (comet.runtime.layer.FP8_BLOCK_M), one
+#: warpgroup's wgmma rows.
+BLOCK_M = 64
+#: Rows of each B box: one activation group (layer0 quantizes a tile's h row as one group).
+BLOCK_N = GROUP
+#: K per step: one scale of A and of B per step.
+BLOCK_K = GROUP
+#: Shared-memory slots of the ring: 40 KiB each (A box and two B boxes).
+STAGES = 4
+#: Registers of the producer warp (it only issues TMA copies) and of the second consumer.
+PRODUCER_REGS = constexpr(40)
+CONSUMER_REGS = constexpr(232)
+#: Most K steps per drained group of :func:`_steps`: a wgmma's register tile never
+#: crosses a loop edge (a copy of one in flight made ptxas serialize every wgmma, C7514).
+MAX_UNROLL = 2
+
+#: TMA box load: ``async_load`` from Triton 3.7 on, which removed 3.6's name for it.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+EPILOGUE_STORE = constexpr(0)
+EPILOGUE_SCATTER = constexpr(1)
+
+
+class WsTile(NamedTuple):
+    """Constexpr shape and choices of the kernel."""
+
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_K: gl.constexpr
+    GROUP_M: gl.constexpr      # m-tiles sweeping the column blocks together (L2 reuse)
+    STAGES: gl.constexpr
+    UNROLL: gl.constexpr       # K steps per drained group (divides the step count)
+    A_GROUP: gl.constexpr      # K values per A scale
+    SCALE_N: gl.constexpr      # B's scale block
+    SCALE_K: gl.constexpr
+    GATED: gl.constexpr        # box 1 is the up half: act(gate) * up, requantized
+    ACT: Act
+    EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
+    IMPRECISE_ACC: gl.constexpr  # K values a wgmma sums before fp32 promotion (0: a step)
+
+
+class WsOperands(NamedTuple):
+    """Run-time operands besides the TMA descriptors and the epilogue's group."""
+
+    tiles: MTiles
+    a_scale: torch.Tensor      # fp32 [rows, ceil(K / A_GROUP)] (strides below)
+    sa_row: int
+    sa_group: int
+    rows: int                  # rows of A: scale loads stop there
+    b_scale: torch.Tensor      # fp32 [E, SN, SK]
+    SN: int                    # scale rows per expert
+    up_scale_row: int          # GATED: scale row of the first up row (else unused)
+    NB: int                    # B rows per expert
+    N: int                     # output columns (GATED: F)
+    K: int
+
+
+class WsH(NamedTuple):
+    """layer0's output: h in FP8 groups (``GATED``)."""
+
+    out: torch.Tensor          # e4m3 [rows, N]
+    out_scale: torch.Tensor    # fp32 [rows, ceil(N / BLOCK_N)]
+
+
+class WsOut(NamedTuple):
+    """A plain GEMM's output (``EPILOGUE_STORE``)."""
+
+    out: torch.Tensor          # bf16 [rows, N]
+
+
+# ------------------------------------------------------------------------ producer
+@gluon.jit
+def _item(w, tiles, n_blocks, t):
+    """``(expert, row_start, row_end, n0)`` of work item ``w`` in the grouped order."""
+    tile, nb = grouped_work(w, gl.load(tiles.num), n_blocks, t.GROUP_M)
+    return (gl.load(tiles.expert + tile), gl.load(tiles.row_start + tile),
+            gl.load(tiles.row_end + tile), nb * _item_cols(t))
+
+
+@gluon.jit
+def _item_cols(t):
+    """Output columns of one item: ``BLOCK_N`` (GATED: both boxes give one h tile) or two
+    boxes' worth."""
+    if t.GATED:
+        return t.BLOCK_N
+    else:
+        return 2 * t.BLOCK_N
+
+
+@gluon.jit
+def _second_box(op, t):
+    """B rows from box 0 to box 1: the up half (GATED) or the next column block."""
+    if t.GATED:
+        off = op.N
+    else:
+        off = t.BLOCK_N
+    return off
+
+
+@gluon.jit
+def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t):
+    """Every item of this program, every K step: the A box and both B boxes into the
+    next free slot (``empty``), landing on ``ready``."""
+    n_blocks = gl.cdiv(op.N, _item_cols(t))
+    k_steps = gl.cdiv(op.K, t.BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    it = 0
+    for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
+        expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
+        b_row = expert * op.NB + n0
+        for kk in range(k_steps):
+            s = it % t.STAGES
+            mbarrier.wait(empty.index(s), ((it // t.STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            k = kk * t.BLOCK_K
+            tma_load(a_desc, [row_start, k], ready.index(s),
+                                            a_bufs.index(s))
+            tma_load(b_desc, [b_row, k], ready.index(s),
+                                            b_bufs.index(s))
+            tma_load(b_desc, [b_row + _second_box(op, t), k],
+                                            ready.index(s), c_bufs.index(s))
+            it += 1
+
+
+# ------------------------------------------------------------------------ consumers
+#: A consumer warpgroup's accumulator: wgmma's register layout, four warps of 16 rows.
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, BLOCK_N, 32]))
+#: h's FP8 tile as layer0 stores it: 16 bytes of a row per thread.
+ROW_STORE = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+#: The up tile's layout in shared memory (written and read in MMA's layout).
+XBUF = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
+def _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, k):
+    """fp32 ``[BLOCK_M]``: A's row scales times B's block scale for K step ``k``."""
+    sa = gl.load(sa_ptr + (k // t.A_GROUP) * op.sa_group, mask=live, other=0.0)
+    return sa * gl.load(sb_ptr + k // t.SCALE_K, mask=sb_ok, other=0.0)
+
+
+@gluon.jit
+def _wgmma(a, b, into, t):
+    """One K step's exact product ``a @ b^T`` into the registers of ``into`` (async):
+    with ``IMPRECISE_ACC`` (the default recipe) each instruction's 32-value sum is added
+    to it in fp32, else the tensor core sums the whole step (``fast_accumulation``)."""
+    if t.IMPRECISE_ACC > 0:
+        tok = warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True,
+                            max_num_imprecise_acc=t.IMPRECISE_ACC)
+    else:
+        tok = warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
+           sb_ok, op, t):
+    """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``): each step's exact
+    product is promoted, ``acc += d * sa * sb``, while the next step's wgmma runs; the
+    last one drained. A wgmma writes into a tile already promoted (``spare``: the operand
+    of a ``use_acc=False`` wgmma is only its registers), so the accumulator and two
+    product tiles are all the registers it takes. Returns the accumulator and two spares."""
+    s = it % t.STAGES
+    mbarrier.wait(ready.index(s), (it // t.STAGES) & 1)
+    tok = _wgmma(a_bufs.index(s), x_bufs.index(s), spare0, t)
+    sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
+    spare = spare1
+    for j in gl.static_range(1, t.UNROLL):
+        s = (it + j) % t.STAGES
+        mbarrier.wait(ready.index(s), ((it + j) // t.STAGES) & 1)
+        nxt = _wgmma(a_bufs.index(s), x_bufs.index(s), spare, t)
+        sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, (kk + j) * t.BLOCK_K)
+        d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
+        acc += d * sc[:, None]
+        mbarrier.arrive(empty.index((it + j - 1) % t.STAGES), count=1)
+        spare = d
+        tok = nxt
+        sc = sc_next
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+    acc += d * sc[:, None]
+    mbarrier.arrive(empty.index((it + t.UNROLL - 1) % t.STAGES), count=1)
+    return acc, spare, d
+
+
+@gluon.jit
+def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, n0, op, t,
+              BOX: gl.constexpr):
+    """The fp32 tile of rows ``row_start:+BLOCK_M`` times box ``BOX`` of the item at
+    columns ``n0`` (B rows as :func:`producer` loads them) over all of K, from the ring
+    (positions from ``it``); returns it and the next position."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    live = rows < op.rows
+    sa_ptr = op.a_scale + rows.to(gl.int64) * op.sa_row
+    sk = gl.cdiv(op.K, t.SCALE_K)
+    if BOX == 0:
+        scale_row = n0 // t.SCALE_N
+    elif t.GATED:
+        scale_row = op.up_scale_row + n0 // t.SCALE_N
+    else:
+        scale_row = (n0 + t.BLOCK_N) // t.SCALE_N
+    sb_ok = scale_row < op.SN      # box 1 of a layer's last column block may lie past N
+    sb_ptr = op.b_scale + (expert.to(gl.int64) * op.SN + scale_row) * sk
+    zero = gl.full([t.BLOCK_M, t.BLOCK_N], 0.0, gl.float32, MMA)
+    acc = zero
+    spare0 = zero
+    spare1 = zero
+    k_steps = gl.cdiv(op.K, t.BLOCK_K)
+    for kk in range(0, k_steps, t.UNROLL):
+        acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t)
+    return acc, it + k_steps
+
+
+@gluon.jit
+def _store(acc, epi, op, t, row_start, row_end, n0):
+    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    mask = (rows[:, None] < row_end) & (cols[None, :] < op.N)
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
+             acc.to(epi.out.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _scatter(acc, homes, op, t, row_start, row_end, n0):
+    """``EPILOGUE_SCATTER``: row ``r`` of the tile, times its routing weight, into its
+    token's slot ``pair_out[home[r]]`` on the token's rank (and the rest of its group of
+    ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's layout."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    live = rows < row_end
+    home = gl.load(homes.home + rows, mask=live, other=0)
+    weight = gl.load(homes.weight + rows, mask=live, other=0.0)
+    value = (acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty)
+    mask = live[:, None] & (cols[None, :] < op.N)
+    rank = home // homes.slots
+    offset = (home % homes.slots).to(gl.int64) * op.N
+    for q in gl.static_range(homes.FANOUT):
+        base = gl.load(homes.pair_out.peers + (rank - rank % homes.FANOUT + q), mask=live,
+                       other=0)
+        # Symmetric buffers are ADDRESS_ALIGN-aligned (comet.kernels.address): said so,
+        # a thread's two adjacent values are one store, not two 2-byte ones.
+        ptr = gl.multiple_of(base.to(gl.pointer_type(homes.pair_out.local.dtype.element_ty)),
+                             ADDRESS_ALIGN) + offset
+        gl.store(ptr[:, None] + cols[None, :], value, mask=mask)
+
+
+@gluon.jit
+def _epilogue(acc, epi, op, t, row_start, row_end, n0):
+    if t.EPILOGUE == EPILOGUE_SCATTER:
+        _scatter(acc, epi, op, t, row_start, row_end, n0)
+    else:
+        _store(acc, epi, op, t, row_start, row_end, n0)
+
+
+@gluon.jit
+def _requant_store(h, epi, op, t, row_start, row_end, n0):
+    """``GATED``: the h tile (columns ``n0:+BLOCK_N``, one group) quantized per row by the
+    recipe, its e4m3 values and fp32 scale stored."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    h = gl.where(cols[None, :] < op.N, h, 0.0)
+    scale = gl.maximum(gl.max(gl.abs(h), axis=1), AMAX_EPS) * SCALE_PER_AMAX
+    q = gl.div_rn(h, gl.broadcast(scale[:, None], h)[0])
+    q = gl.minimum(gl.maximum(q, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+    gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N) + n0 // t.BLOCK_N,
+             scale, mask=rows < row_end)
+    # A thread of MMA holds two adjacent values (2-byte stores): 16 a thread instead.
+    q = gl.convert_layout(q, ROW_STORE)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, ROW_STORE))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, ROW_STORE))
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
+             mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
+
+
+@gluon.jit
+def first_consumer(a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t):
+    """Box 0 of every item: with ``GATED`` the gate tile, which waits for the up tile
+    (``x_full``) and runs the layer0 epilogue; else its own columns' epilogue."""
+    n_blocks = gl.cdiv(op.N, _item_cols(t))
+    it = 0
+    j = 0
+    for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
+        expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
+        acc, it = _tile_acc(a_bufs, b_bufs, ready, empty, it, expert, row_start, n0, op, t,
+                            0)
+        if t.GATED:
+            mbarrier.wait(x_full, j & 1)
+            up = xbuf.load(MMA)
+            mbarrier.arrive(x_free, count=1)
+            _requant_store(gated(acc, up, t.ACT), epi, op, t, row_start, row_end, n0)
+        else:
+            _epilogue(acc, epi, op, t, row_start, row_end, n0)
+        j += 1
+
+
+@gluon.jit
+def second_consumer(a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t):
+    """Box 1 of every item: with ``GATED`` the up tile, handed to the first consumer
+    through ``xbuf`` (``x_free`` says the last one was read); else the next column
+    block's epilogue."""
+    n_blocks = gl.cdiv(op.N, _item_cols(t))
+    it = 0
+    j = 0
+    for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
+        expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
+        acc, it = _tile_acc(a_bufs, c_bufs, ready, empty, it, expert, row_start, n0, op, t,
+                            1)
+        if t.GATED:
+            mbarrier.wait(x_free, (j & 1) ^ 1)
+            xbuf.store(acc)
+            mbarrier.arrive(x_full, count=1)
+        else:
+            _epilogue(acc, epi, op, t, row_start, row_end, n0 + t.BLOCK_N)
+        j += 1
+
+
+# ------------------------------------------------------------------------ kernel
+@gluon.jit
+def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
+    """Persistent programs striding over the work items (m-tile x column block, in
+    layer0's grouped order, comet.kernels.group_gemm.grouped_work): the producer warp
+    and the two consumer warpgroups of :mod:`this module <comet.kernels.fp8_ws>`.
+
+    a_desc, b_desc: TMA descriptors of A (FP8 rows, box ``[BLOCK_M, BLOCK_K]``) and B
+    (``[E * NB, K]``, box ``[BLOCK_N, BLOCK_K]``); op: :class:`WsOperands`; epi:
+    :class:`WsH` (``GATED``), :class:`WsOut` or :class:`comet.kernels.layer1.Homes`;
+    t: :class:`WsTile`."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [t.STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
+                                       b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
+                                       b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
+    # GATED: the up tile on its way to the gate partition (unused, one element, else).
+    if t.GATED:
+        xbuf = gl.allocate_shared_memory(gl.float32, [t.BLOCK_M, t.BLOCK_N], XBUF)
+    else:
+        xbuf = gl.allocate_shared_memory(gl.float32, [1, 1], XBUF)
+    x_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(t.STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        # Both consumers read every slot; an arrive is one per partition.
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(x_full, count=1)
+    mbarrier.init(x_free, count=1)
+    gl.warp_specialize([
+        (first_consumer, (a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t)),
+        (second_consumer, (a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t)),
+        (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------- host
+def fits(w: Fp8Weight, gated: bool) -> bool:
+    """Whether this kernel runs GEMMs on ``w``: one B scale per box and step (scale
+    blocks of whole boxes, and the up half on a block boundary), K rows 16-byte aligned."""
+    bn, bk = w.block_shape()
+    up_aligned = not gated or w.parts == 2 or (w.n // 2) % bn == 0
+    return bn % BLOCK_N == 0 and bk % BLOCK_K == 0 and up_aligned and w.k % 16 == 0
+
+
+def unroll(k: int, fast_accumulation: bool) -> int:
+    """K steps per drained group: the most, up to :data:`MAX_UNROLL`, dividing the steps
+    -- 1 without ``fast_accumulation``, whose per-instruction fp32 sums take another
+    register tile: with the overlap's two product tiles beside the accumulator, layer0's
+    kernel spilled 1.1 KB; without the overlap still 0.66 KB (layer1's 0.54 KB), where
+    the fast kernels spill nothing (sm_90, triton 3.6, tests/sm90_compile.py)."""
+    if not fast_accumulation:
+        return 1
+    steps = triton.cdiv(k, BLOCK_K)
+    return next(u for u in range(MAX_UNROLL, 0, -1) if steps % u == 0)
+
+
+class WsLaunch(NamedTuple):
+    """One launch of :func:`fp8_ws_gemm_kernel`, its arguments built once (the same
+    launch serves every call of a layer: its buffers are at fixed addresses)."""
+
+    a: TensorDescriptor
+    b: TensorDescriptor
+    op: WsOperands
+    epi: tuple
+    tile: WsTile
+
+    def __call__(self, programs: int) -> None:
+        fp8_ws_gemm_kernel[(programs, )](a_desc=self.a, b_desc=self.b, op=self.op,
+                                         epi=self.epi, t=self.tile, num_warps=4)
+
+
+def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles, epi: tuple,
+            *, activation: GatedActivation | None = None, scatter: bool = False,
+            group_m: int = 8, fast_accumulation: bool = False) -> WsLaunch:
+    """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
+    ``a_scale [rows, ceil(K / GROUP)]``, any strides) times ``w``, over ``tiles`` (m-tiles
+    of at most :data:`BLOCK_M` rows): with ``activation`` (``w = [gate | up]``), h into
+    ``epi`` (:class:`WsH`); else ``epi`` a :class:`WsOut` or (``scatter``) the scatter
+    epilogue's :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`.
+    ``fast_accumulation``: as :class:`comet.quant.Fp8` (off: every wgmma instruction's
+    32-value sum promoted to fp32, not a whole 128-value step)."""
+    gated_ = activation is not None
+    if not fits(w, gated_):
+        raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
+                         f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
+    rows, k = a.shape
+    nb = w.n
+    n = nb // 2 if gated_ else nb
+    bn, bk = w.block_shape()
+    sn = w.scale_grid()[0]
+    up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
+    op = WsOperands(tiles, a_scale, a_scale.stride(0), a_scale.stride(1), rows, w.scale_inv,
+                    sn, up_row, nb, n, k)
+    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
+                                           unroll(k, fast_accumulation), GROUP, bn, bk,
+                                           gated_)),
+                  act_tile(activation) if gated_ else act_tile(),
+                  EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
+                  constexpr(0 if fast_accumulation else imprecise_acc(False, BLOCK_K)))
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
+    return WsLaunch(TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout),
+                    TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
+                                                 [BLOCK_N, BLOCK_K], b_layout),
+                    op, epi, tile)
+
+
+def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
+                  activation: GatedActivation | None = None, programs: int | None = None,
+                  fast_accumulation: bool = False) -> torch.Tensor | Fp8Rows:
+    """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
+    :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
+    :class:`comet.quant.Fp8Rows` (``requant`` there). ``programs``: persistent programs
+    (default: one per work item)."""
+    if a.group != GROUP:
+        raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads {GROUP}")
+    rows = a.data.shape[0]
+    n = w.n // 2 if activation is not None else w.n
+    if activation is not None:
+        epi = WsH(torch.empty(rows, n, dtype=E4M3, device=a.data.device),
+                  torch.empty(rows, triton.cdiv(n, GROUP), dtype=torch.float32,
+                              device=a.data.device))
+        cols = BLOCK_N
+    else:
+        epi = WsOut(torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device))
+        cols = 2 * BLOCK_N
+    launch = ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
+                     fast_accumulation=fast_accumulation)
+    items = tiles.expert.shape[0] * triton.cdiv(n, cols)
+    if items:
+        launch(max(1, min(items, programs or items)))
+    return Fp8Rows(epi.out, epi.out_scale, GROUP) if activation is not None else epi.out

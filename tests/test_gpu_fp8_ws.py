@@ -1,0 +1,127 @@
+"""comet.kernels.fp8_ws, the warp-specialized FP8 GroupGEMM (Gluon: no interpreter, so
+GPU only, marker gpu): the plain GEMM and layer0's gated, requantizing one against the
+fp32 emulation (partial column boxes, ragged K and F, every activation variant), and the
+one-rank FP8 layer whose large calls run it (``Variant.fp8_ws_gemm``) against the
+emulation -- large and small calls interleaved, graph replays, and many back-to-back
+calls of drifting sizes at a preset's full width."""
+
+import pytest
+import torch
+
+from comet.activation import SILU, GatedActivation, gated
+from comet.config import PRESETS
+from comet.kernels.fp8_gemm import m_tiles
+from comet.quant import E4M3, Fp8, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight
+from fp8_checks import SUM_RTOL, requant_close, same_fp8
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
+def _emulated(a: Fp8Rows, w, e_rows) -> torch.Tensor:
+    x, wd, out, base = a.dequantize(), w.dequantize(), [], 0
+    for e, n in enumerate(e_rows):
+        out.append(x[base:base + n] @ wd[e].T)
+        base += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("n, k", [
+    (256, 256),       # two column boxes, one item wide
+    (192, 320),       # box 1 partly past N (past the tensor for the last expert); 3 K steps
+    (640, 4096),      # a partial second item; 32 K steps, drained two at a time
+])
+def test_ws_gemm_matches_the_emulation(n, k):
+    from comet.kernels.fp8_ws import ws_group_gemm
+    e_rows = [70, 0, 33, 64, 1]
+    w = quantize_weight(_randn(len(e_rows), n, k, seed=n + k) / k ** 0.5)
+    a = quantize_rows(_randn(sum(e_rows), k, seed=1))
+    out = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV))
+    ref = _emulated(a, w, e_rows)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    # a persistent grid of fewer programs than items walks the same items
+    few = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), programs=3)
+    assert torch.equal(few, out)
+
+
+@pytest.mark.parametrize("f, parts, act", [
+    (192, 2, SILU),                       # F not a multiple of 128: gate and up apart
+    (256, 1, SILU),
+    (128, 1, GatedActivation(kind="gelu_tanh")),
+    (320, 2, GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)),
+])
+def test_ws_gated_epilogue_requantizes_for_layer1(f, parts, act):
+    from comet.kernels.fp8_ws import ws_group_gemm
+    e_rows = [50, 30, 129]
+    k = 512
+    w = quantize_weight(_randn(3, 2 * f, k, seed=f) / k ** 0.5, parts=parts)
+    a = quantize_rows(_randn(sum(e_rows), k, seed=2))
+    q = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), activation=act)
+    gu = _emulated(a, w, e_rows)
+    ref = quantize_rows(gated(gu[:, :f], gu[:, f:], act))
+    assert isinstance(q, Fp8Rows) and q.data.dtype == E4M3 and q.scale.shape == ref.scale.shape
+    torch.testing.assert_close(q.scale, ref.scale, rtol=SUM_RTOL, atol=0)
+    assert torch.all(requant_close(q.data, ref.data))
+    assert same_fp8(q.data, ref.data).float().mean() > 0.97
+
+
+def test_ws_gemm_at_mixtral_width():
+    """Mixtral-width layer0 (H = 4096, F = 14336 of it) on whole m-tiles, a partial one
+    and a one-row expert: the requantized h against the emulation."""
+    from comet.kernels.fp8_ws import ws_group_gemm
+    e_rows = [256, 64, 1, 100]
+    f = 14336
+    w = quantize_weight(_randn(4, 2 * f, 4096, seed=3) / 64, parts=2)
+    a = quantize_rows(_randn(sum(e_rows), 4096, seed=4))
+    q = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), activation=SILU)
+    gu = _emulated(a, w, e_rows)
+    ref = quantize_rows(gated(gu[:, :f], gu[:, f:], SILU))
+    torch.testing.assert_close(q.scale, ref.scale, rtol=SUM_RTOL, atol=0)
+    assert torch.all(requant_close(q.data, ref.data))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
+def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
+    """FusedMoE on FP8 experts at the preset's size, one rank: calls large enough for
+    the warp-specialized GEMMs and small ones interleaved, each twice (graph replay),
+    then 60 back-to-back calls of drifting sizes, every output against the emulation."""
+    from test_gpu_fp8 import _bf16, _check, _emulate, _experts, _inputs
+    from comet.runtime.layer import FusedMoE
+    from comet.runtime.selection import WS_MIN_ROWS
+    cfg = PRESETS[name].replace(max_tokens=4096, fp8=Fp8())
+    gu, dn, gu8, dn8 = _experts(cfg, 0)
+    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
+    assert layer.tile.variant.fp8_ws_gemm
+    large = -(-WS_MIN_ROWS * cfg.num_experts // cfg.top_k)
+    sizes = [4096, 3, large, 200, 4096]
+    xs, ids, ws = _inputs(cfg, sizes, 5)
+    for x, i, w in zip(xs, ids, ws):
+        expect = _emulate(x, i, w, gu8, dn8, cfg.activation)
+        bf16 = _bf16(x, i, w, gu, dn, cfg.activation)
+        for _ in range(2):
+            _check(layer(x, i, w), expect, bf16)
+        assert layer.last_tile.variant.fp8_ws_gemm is (x.shape[0] >= large), x.shape[0]
+    drift = [int(v) for v in torch.randint(1, 4097, (60, ), generator=torch.Generator()
+                                          .manual_seed(6))]
+    xs, ids, ws = _inputs(cfg, drift, 7)
+    outs = [layer(x, i, w) for x, i, w in zip(xs, ids, ws)]
+    for y, x, i, w in zip(outs, xs, ids, ws):
+        _check(y, _emulate(x, i, w, gu8, dn8, cfg.activation))
+
+
+def test_scale_blocks_the_kernel_cannot_read_run_the_tl_kernels():
+    """A layer whose weights' scale blocks are not whole boxes (per-channel here) keeps
+    the fused kernels' K loop for every call."""
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS["mixtral"].replace(max_tokens=1024, fp8=Fp8(blocks=ScaleBlocks.per_channel()))
+    f, h = cfg.intermediate_size, cfg.hidden_size
+    gu8 = quantize_weight(_randn(8, 2 * f, h, seed=8) / h ** 0.5, ScaleBlocks.per_channel(),
+                          parts=2)
+    dn8 = quantize_weight(_randn(8, h, f, seed=9) / f ** 0.5, ScaleBlocks.per_channel())
+    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
+    assert not layer.tile.variant.fp8_ws_gemm
