@@ -374,8 +374,9 @@ class Variant:
             the kernel, on a GPU (comet.runtime.layer.fp8_tile), and the Selector
             keeps it for calls whose experts fill whole m-tiles
             (comet.runtime.selection.WS_MIN_ROWS); fused forward calls with the scatter
-            epilogue only. bf16 layers ignore it. On by default (``fp8_ws_gemm=0``
-            keeps every call on the fused kernels); not yet measured on a GPU.
+            epilogue only. bf16 layers ignore it. Off by default until a GPU has run
+            and timed it (compiled for sm_90 only, at 291d666): ``comet bench --tile
+            fp8_ws_gemm=1`` (or a TileConfig with it) asks for it.
     """
 
     layer1_scatter: bool = True
@@ -386,7 +387,7 @@ class Variant:
     layer0_tail_split: int = 4
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
-    fp8_ws_gemm: bool = True
+    fp8_ws_gemm: bool = False
 
     def __post_init__(self):
         if self.layer1_split_k < 1:

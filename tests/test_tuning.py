@@ -795,7 +795,7 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     from comet.runtime.layer import fp8_tile
     from comet.runtime.selection import WS_MIN_ROWS, Selector
     cfg = preset(name).replace(fp8=Fp8(), max_tokens=16384)
-    tile = fp8_tile(TileConfig(), warp_specialized=True)
+    tile = fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True), warp_specialized=True)
     selection = Selector(cfg, 1, tile, 132, torch.device("cpu"), folder=None)
     first = next(t for t in range(1, 16385) if selection.ws_gemm_by_rule(t))
     per_expert = -(-first * cfg.top_k // cfg.num_experts)
@@ -807,13 +807,13 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     assert selection._reachable_offs() == sorted(every)
     assert {selection.tile_for(t) for t in range(1, 16385, 97)} <= set(
         selection.tile_variants())
-    for off in (fp8_tile(TileConfig()), fp8_tile(TileConfig().with_fields(fp8_ws_gemm=False),
-                                                 warp_specialized=True)):
+    for off in (fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True)),
+                fp8_tile(TileConfig(), warp_specialized=True)):
         plain = Selector(cfg, 1, off, 132, torch.device("cpu"), folder=None)
         assert not any(t.variant.fp8_ws_gemm for t in plain.tile_variants())
     # a bf16 layer's tile carries the field as it is and no call turns it
-    bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig(), 132, torch.device("cpu"),
-                    folder=None)
+    bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig().with_fields(fp8_ws_gemm=True),
+                    132, torch.device("cpu"), folder=None)
     assert all(t.variant.fp8_ws_gemm for t in bf16.tile_variants())
 
 
