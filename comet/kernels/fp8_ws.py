@@ -478,11 +478,13 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles,
 
 def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  fast_accumulation: bool = False) -> torch.Tensor | Fp8Rows:
+                  fast_accumulation: bool = False, out: torch.Tensor | None = None
+                  ) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``programs``: persistent programs
-    (default: one per work item)."""
+    (default: one per work item). ``out``: the bf16 output to write (not with
+    ``activation``)."""
     if a.group != GROUP:
         raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads {GROUP}")
     rows = a.data.shape[0]
@@ -493,7 +495,12 @@ def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                               device=a.data.device))
         cols = BLOCK_N
     else:
-        epi = WsOut(torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device))
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device)
+        elif out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}], got "
+                             f"{out.dtype} {list(out.shape)}")
+        epi = WsOut(out)
         cols = 2 * BLOCK_N
     launch = ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
                      fast_accumulation=fast_accumulation)

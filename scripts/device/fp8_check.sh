@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -15,6 +15,11 @@
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation; FP8_BENCH_CONFIGS,
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
+#   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_gemm, opt-in):
+#             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
+#             rows, N = 28672, K = 4096) on it, fast and fp32-promoted, beside the prototype
+#             and the tl kernel; then prefill calls with it asked for (--tile
+#             fp8_ws_gemm=1), bf16 and FP8 in one run (FP8_WS_CONFIGS narrows the presets)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -60,10 +65,18 @@ for step in "${@:-diff kernels tests}"; do
              [ "${FP8_BENCH_QWEN3:-1}" = 1 ] && bench bench-qwen3 --dtype bf16 fp8 --only-fused \
                --experts 128 --topk 8 --hidden 2048 --ffn 768 \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384} ;;
+      ws) run_tests ws tests/test_gpu_fp8_ws.py "${FP8_WS_TIMEOUT_S:-240}"
+          mkdir -p "$OUT/ws"
+          OUT="$OUT/ws" timeout 200 python3 scripts/device/fp8_gemm_probe.py --budget-s 150 \
+            --variants comet-ws,comet-ws-fast,gluon-ws-stages4,tl-64x128x128-w4-s4 \
+            --decode-variants comet-ws,comet-ws-fast > "$OUT/ws/probe.log" 2>&1 || status=1
+          tail -n 12 "$OUT/ws/probe.log"
+          bench bench-ws --dtype bf16 fp8 --only-fused --tile fp8_ws_gemm=1 \
+            --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 4096 16384 ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|deepgemm)"; exit 2 ;;
     esac
   done
 done
