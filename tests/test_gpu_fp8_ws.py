@@ -13,21 +13,12 @@ from comet.config import PRESETS
 from comet.kernels.fp8_gemm import m_tiles
 from comet.quant import E4M3, Fp8, Fp8Rows, ScaleBlocks, quantize_rows, quantize_weight
 from fp8_checks import SUM_RTOL, requant_close, same_fp8
+from test_fp8_gemm import _emulated, _randn
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
-
-
-def _emulated(a: Fp8Rows, w, e_rows) -> torch.Tensor:
-    x, wd, out, base = a.dequantize(), w.dequantize(), [], 0
-    for e, n in enumerate(e_rows):
-        out.append(x[base:base + n] @ wd[e].T)
-        base += n
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("n, k", [

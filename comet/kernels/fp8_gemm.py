@@ -467,11 +467,7 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
         out_scale = torch.empty(rows, triton.cdiv(n, a.group), dtype=torch.float32,
                                 device=a.data.device)
     else:
-        if out is None:
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device)
-        elif out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}], got "
-                             f"{out.dtype} {list(out.shape)}")
+        out = bf16_out(out, rows, n, a.data.device)
         out_scale = out                        # never read
     gemm = Fp8Gemm(a.scale, a.scale.stride(0), a.scale.stride(1), rows, w.scale_inv, nb,
                    part_rows, part_blocks, out, out_scale, k, n)
@@ -489,6 +485,17 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                                     tile=tile, num_warps=c.num_warps,
                                     num_stages=c.num_stages)
     return Fp8Rows(out, out_scale, a.group) if requant else out
+
+
+def bf16_out(out: torch.Tensor | None, rows: int, n: int, device) -> torch.Tensor:
+    """A GroupGEMM's bf16 output ``[rows, n]``: ``out`` if it is one (ValueError if not),
+    else a new one."""
+    if out is None:
+        return torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+    if out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}], got "
+                         f"{out.dtype} {list(out.shape)}")
+    return out
 
 
 def _check(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, activation, requant: bool,

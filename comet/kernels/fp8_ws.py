@@ -44,7 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from comet.activation import GatedActivation
 from comet.constants import ADDRESS_ALIGN, constexpr
 from comet.kernels.activation import Act, act_tile, gated
-from comet.kernels.fp8_gemm import AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, MTiles, imprecise_acc
+from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, MTiles, bf16_out,
+                                    imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
 from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 
@@ -324,44 +325,30 @@ def _requant_store(h, epi, op, t, row_start, row_end, n0):
 
 
 @gluon.jit
-def first_consumer(a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t):
-    """Box 0 of every item: with ``GATED`` the gate tile, which waits for the up tile
-    (``x_full``) and runs the layer0 epilogue; else its own columns' epilogue."""
+def consumer(a_bufs, x_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t,
+             BOX: gl.constexpr):
+    """Box ``BOX`` of every item. With ``GATED``, box 0 is the gate tile, which waits for
+    the up tile (``x_full``) and runs layer0's epilogue, and box 1 the up tile, handed
+    over through ``xbuf`` once the last one was read (``x_free``); else each box's
+    columns get the layer's epilogue."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     it = 0
     j = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        acc, it = _tile_acc(a_bufs, b_bufs, ready, empty, it, expert, row_start, n0, op, t,
-                            0)
-        if t.GATED:
+        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, n0, op, t,
+                            BOX)
+        if not t.GATED:
+            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
+        elif BOX == 0:
             mbarrier.wait(x_full, j & 1)
             up = xbuf.load(MMA)
             mbarrier.arrive(x_free, count=1)
             _requant_store(gated(acc, up, t.ACT), epi, op, t, row_start, row_end, n0)
         else:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0)
-        j += 1
-
-
-@gluon.jit
-def second_consumer(a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t):
-    """Box 1 of every item: with ``GATED`` the up tile, handed to the first consumer
-    through ``xbuf`` (``x_free`` says the last one was read); else the next column
-    block's epilogue."""
-    n_blocks = gl.cdiv(op.N, _item_cols(t))
-    it = 0
-    j = 0
-    for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
-        expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        acc, it = _tile_acc(a_bufs, c_bufs, ready, empty, it, expert, row_start, n0, op, t,
-                            1)
-        if t.GATED:
             mbarrier.wait(x_free, (j & 1) ^ 1)
             xbuf.store(acc)
             mbarrier.arrive(x_full, count=1)
-        else:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0 + t.BLOCK_N)
         j += 1
 
 
@@ -398,8 +385,8 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
     mbarrier.init(x_full, count=1)
     mbarrier.init(x_free, count=1)
     gl.warp_specialize([
-        (first_consumer, (a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t)),
-        (second_consumer, (a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t)),
+        (consumer, (a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t, 0)),
+        (consumer, (a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t, 1)),
         (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -495,12 +482,7 @@ def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                               device=a.data.device))
         cols = BLOCK_N
     else:
-        if out is None:
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.data.device)
-        elif out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}], got "
-                             f"{out.dtype} {list(out.shape)}")
-        epi = WsOut(out)
+        epi = WsOut(bf16_out(out, rows, n, a.data.device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
                      fast_accumulation=fast_accumulation)
