@@ -808,7 +808,9 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     assert {selection.tile_for(t) for t in range(1, 16385, 97)} <= set(
         selection.tile_variants())
     for off in (fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True)),
-                fp8_tile(TileConfig(), warp_specialized=True)):
+                fp8_tile(TileConfig(), warp_specialized=True),
+                fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True, layer0_gather=True),
+                         warp_specialized=True)):
         plain = Selector(cfg, 1, off, 132, torch.device("cpu"), folder=None)
         assert not any(t.variant.fp8_ws_gemm for t in plain.tile_variants())
     # a bf16 layer's tile carries the field as it is and no call turns it

@@ -164,12 +164,10 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t):
             mbarrier.wait(empty.index(s), ((it // t.STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             k = kk * t.BLOCK_K
-            tma_load(a_desc, [row_start, k], ready.index(s),
-                                            a_bufs.index(s))
-            tma_load(b_desc, [b_row, k], ready.index(s),
-                                            b_bufs.index(s))
-            tma_load(b_desc, [b_row + _second_box(op, t), k],
-                                            ready.index(s), c_bufs.index(s))
+            tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
+            tma_load(b_desc, [b_row, k], ready.index(s), b_bufs.index(s))
+            tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
+                     c_bufs.index(s))
             it += 1
 
 

@@ -197,7 +197,8 @@ class ForwardCall:
         # The warp-specialized GEMMs serve fused calls whose layer1 scatters (the
         # decomposed modes run the reduce strategy, whose comm role counts GEMM tiles).
         self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_gemm and self.mode == "fused"
-                        and self.strategy.name == "scatter")
+                        and self.strategy.name == "scatter"
+                        and not tile.variant.layer0_gather)
         if self.fp8:
             dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
             splits = column_splits(tile, ws.cfg.hidden_size)
