@@ -4,9 +4,11 @@ Why a second kernel: in :mod:`comet.kernels.fp8_gemm`'s ``tl`` K loop each step'
 must be complete before it is scaled into the fp32 accumulator (a dot whose result another
 op uses is made synchronous), so the tensor core idles while the CUDA cores promote. Here
 a one-warp producer partition streams the boxes through ``STAGES`` slots of shared memory
-with TMA, and the consumer warpgroups promote step ``i``'s product while step ``i + 1``'s
-wgmma runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
-prefill GEMM, where the ``tl`` loop of the fused layers runs ~450: docs/precision.md).
+with TMA, and the consumer warpgroups promote each wgmma's product while the next one
+runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
+prefill GEMM with one wgmma per 128-K step, where the ``tl`` loop of the fused layers
+runs ~450: docs/precision.md). The default recipe promotes every 32 K (four wgmmas on
+slices of a step's boxes); ``fast_accumulation`` every step.
 
 A work item is one m-tile of the plan's table (``BLOCK_M`` = 64 rows of one expert) times
 two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``), on two
@@ -87,7 +89,7 @@ class WsTile(NamedTuple):
     GATED: gl.constexpr        # box 1 is the up half: act(gate) * up, requantized
     ACT: Act
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
-    IMPRECISE_ACC: gl.constexpr  # K values a wgmma sums before fp32 promotion (0: a step)
+    MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
 
 
 class WsOperands(NamedTuple):
@@ -189,45 +191,62 @@ def _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, k):
 
 
 @gluon.jit
-def _wgmma(a, b, into, t):
-    """One K step's exact product ``a @ b^T`` into the registers of ``into`` (async):
-    with ``IMPRECISE_ACC`` (the default recipe) each instruction's 32-value sum is added
-    to it in fp32, else the tensor core sums the whole step (``fast_accumulation``)."""
-    if t.IMPRECISE_ACC > 0:
-        tok = warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True,
-                            max_num_imprecise_acc=t.IMPRECISE_ACC)
+def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t):
+    """K slice ``J`` (``MMA_K`` values) of ring step ``step``: its exact product ``A @
+    B^T`` into the registers of ``into``, async; a step's first slice waits for its slot
+    to land."""
+    s = step % t.STAGES
+    if J == 0:
+        mbarrier.wait(ready.index(s), (step // t.STAGES) & 1)
+    if t.MMA_K == t.BLOCK_K:
+        a = a_bufs.index(s)
+        b = x_bufs.index(s)
     else:
-        tok = warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True)
-    return tok
+        a = a_bufs.index(s).slice(J * t.MMA_K, t.MMA_K, 1)
+        b = x_bufs.index(s).slice(J * t.MMA_K, t.MMA_K, 1)
+    return warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promoted(acc, d, sc, empty, step, J: gl.constexpr, t):
+    """``acc + d * sc`` for slice ``J`` of ring step ``step``; a step's last slice frees
+    its slot for the producer."""
+    acc += d * sc[:, None]
+    if J == t.BLOCK_K // t.MMA_K - 1:
+        mbarrier.arrive(empty.index(step % t.STAGES), count=1)
+    return acc
 
 
 @gluon.jit
 def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
            sb_ok, op, t):
-    """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``): each step's exact
-    product is promoted, ``acc += d * sa * sb``, while the next step's wgmma runs; the
-    last one drained. A wgmma writes into a tile already promoted (``spare``: the operand
+    """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
+    ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
+    promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
+    runs; the last one drained. With ``MMA_K`` = 32 (the default recipe) that is every
+    instruction's sum, as ``max_num_imprecise_acc=32`` asks -- whose lowering takes
+    another register tile and spilled here -- and with ``BLOCK_K`` (``fast_accumulation``)
+    a whole step's. A wgmma writes into a tile already promoted (``spare``: the operand
     of a ``use_acc=False`` wgmma is only its registers), so the accumulator and two
     product tiles are all the registers it takes. Returns the accumulator and two spares."""
-    s = it % t.STAGES
-    mbarrier.wait(ready.index(s), (it // t.STAGES) & 1)
-    tok = _wgmma(a_bufs.index(s), x_bufs.index(s), spare0, t)
+    SLICES: gl.constexpr = t.BLOCK_K // t.MMA_K
+    tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t)
     sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
     spare = spare1
-    for j in gl.static_range(1, t.UNROLL):
-        s = (it + j) % t.STAGES
-        mbarrier.wait(ready.index(s), ((it + j) // t.STAGES) & 1)
-        nxt = _wgmma(a_bufs.index(s), x_bufs.index(s), spare, t)
-        sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, (kk + j) * t.BLOCK_K)
+    for j in gl.static_range(1, t.UNROLL * SLICES):
+        nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t)
+        if j % SLICES == 0:
+            sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                  (kk + j // SLICES) * t.BLOCK_K)
+        else:
+            sc_next = sc
         d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
-        acc += d * sc[:, None]
-        mbarrier.arrive(empty.index((it + j - 1) % t.STAGES), count=1)
+        acc = _promoted(acc, d, sc, empty, it + (j - 1) // SLICES, (j - 1) % SLICES, t)
         spare = d
         tok = nxt
         sc = sc_next
     d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-    acc += d * sc[:, None]
-    mbarrier.arrive(empty.index((it + t.UNROLL - 1) % t.STAGES), count=1)
+    acc = _promoted(acc, d, sc, empty, it + t.UNROLL - 1, SLICES - 1, t)
     return acc, spare, d
 
 
@@ -400,10 +419,8 @@ def fits(w: Fp8Weight, gated: bool) -> bool:
 
 def unroll(k: int, fast_accumulation: bool) -> int:
     """K steps per drained group: the most, up to :data:`MAX_UNROLL`, dividing the steps
-    -- 1 without ``fast_accumulation``, whose per-instruction fp32 sums take another
-    register tile: with the overlap's two product tiles beside the accumulator, layer0's
-    kernel spilled 1.1 KB; without the overlap still 0.66 KB (layer1's 0.54 KB), where
-    the fast kernels spill nothing (sm_90, triton 3.6, tests/sm90_compile.py)."""
+    -- one without ``fast_accumulation``, whose step is already four wgmmas in a chain
+    (two steps of them spilled layer0's kernel 1.7 KB at 168 registers)."""
     if not fast_accumulation:
         return 1
     steps = triton.cdiv(k, BLOCK_K)
@@ -452,7 +469,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles,
                                            gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(0 if fast_accumulation else imprecise_acc(False, BLOCK_K)))
+                  constexpr(imprecise_acc(fast_accumulation, BLOCK_K)))
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     return WsLaunch(TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout),
