@@ -119,6 +119,67 @@ def test_fp8_layer_takes_checkpoint_tensors_and_their_scales():
     assert_matches(ue8m0(x, ids, w), emulate(x, ids, w, *pow2))
 
 
+def _ws_kernel_model(activation, calls):
+    """A stand-in for comet.kernels.fp8_ws's kernel (Gluon has no interpreter): what it
+    computes from the arguments it is given, in torch -- each m-tile's rows of A (through
+    A's descriptor and ``op.a_scale``) times its expert's B rows (through B's descriptor,
+    ``op.b_scale`` and ``op.up_scale_row``), then layer0's gated, requantized h or
+    layer1's weighted rows into their token slots. ``calls`` gets each launch's tile."""
+    def run(*args, grid, warmup, a_desc, b_desc, op, epi, t, **kwargs):
+        calls.append(t)
+        a, b, tiles = a_desc.base, b_desc.base, op.tiles
+        bn, bk, kk = int(t.SCALE_N), int(t.SCALE_K), torch.arange(op.K)
+
+        def weight(e, row0, rows, scale_row0):
+            w = b[e * op.NB + row0:e * op.NB + row0 + rows].float()
+            s = op.b_scale[e][scale_row0 + torch.arange(rows) // bn]
+            return w * s[:, kk // bk]
+        for i in range(int(tiles.num[0])):
+            e, rs, re = (int(v[i]) for v in (tiles.expert, tiles.row_start, tiles.row_end))
+            x = a[rs:re].float() * op.a_scale[rs:re][:, kk // int(t.A_GROUP)]
+            if t.GATED:
+                gate = x @ weight(e, 0, op.N, 0).T
+                up = x @ weight(e, op.N, op.N, op.up_scale_row).T
+                h = quantize_rows_triton(gated(gate, up, activation))
+                epi.out[rs:re], epi.out_scale[rs:re] = h.data, h.scale
+            else:
+                y = (x @ weight(e, 0, op.N, 0).T) * epi.weight[rs:re, None]
+                epi.pair_out.local.view(-1, op.N)[epi.home[rs:re].long()] = y.bfloat16()
+    return run
+
+
+@pytest.mark.parametrize("f, act", [(192, SILU), (256, GELU)], ids=["f192_silu", "f256_gelu"])
+def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffers(
+        monkeypatch, f, act):
+    """A one-rank layer with ``Variant.fp8_ws_gemm`` (here as on a GPU; the rule's rows
+    made small): a large call runs the dispatch as its own launch, layer0's and layer1's
+    GEMMs as the warp-specialized kernel's two launches -- here a torch model of that
+    kernel over the very arguments it gets: the descriptors of the packed rows, of h and
+    of the weights, the scales, the tile table, the token slots -- then flag1's release
+    and the combine, and matches the emulation; a small call keeps the fused kernels."""
+    import comet.kernels.fp8_ws as fp8_ws
+    import comet.runtime.layer as layer_mod
+    import comet.runtime.selection as selection
+    monkeypatch.setattr(layer_mod, "ws_gemm_fits", lambda *args: True)
+    monkeypatch.setattr(selection, "WS_MIN_ROWS", 4)
+    calls = []
+    monkeypatch.setattr(fp8_ws.fp8_ws_gemm_kernel, "run", _ws_kernel_model(act, calls))
+    cfg = fp8_config(f=f, activation=act)
+    g = torch.Generator().manual_seed(f + 1)
+    gate_up, down = fp8_experts(cfg, g)
+    layer = FusedMoE(cfg, gate_up, down, tile=TileConfig.small().with_fields(fp8_ws_gemm=True))
+    assert layer.tile.variant.fp8_ws_gemm
+    for m, ws in ((12, True), (1, False), (9, True)):
+        x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
+        ids = make_ids("random", [m], cfg.num_experts, cfg.top_k, g)[0]
+        w = torch.rand(m, cfg.top_k, generator=g)
+        calls.clear()
+        assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down, act))
+        assert layer.last_tile.variant.fp8_ws_gemm is ws
+        assert [(bool(t.GATED), int(t.EPILOGUE)) for t in calls] == (
+            [(True, 0), (False, int(fp8_ws.EPILOGUE_SCATTER))] if ws else [])
+
+
 # ------------------------------------------------------------------------- errors
 def _weights():
     cfg = fp8_config()
