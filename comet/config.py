@@ -364,19 +364,20 @@ class Variant:
             kernel's programs place the send list, a block each (the host's gate, which
             also bounds the steps: comet.runtime.selection.Selector.small_plan_by_rule;
             0: never).
-        fp8_ws_gemm: an FP8 layer's large calls run layer0's and layer1's GEMMs on the
+        fp8_ws_min_rows: an FP8 layer's calls of at least this many rows per expert
+            (expected under even routing; 0: none) run layer0's and layer1's GEMMs on the
             warp-specialized Gluon kernel (comet.kernels.fp8_ws: a TMA producer warp,
             the fp32 promotion of one K step under the next step's wgmma) as launches of
             their own after the dispatch, instead of the ``tl`` K loop inside the fused
             kernels, whose synchronous dots cap it near 450 TFLOP/s (Mixtral 4096
             tokens, 1x H200, docs/precision.md). The kernel waits for no peer, so an
             FP8 layer keeps it only where it has none and its weights' scale blocks fit
-            the kernel, on a GPU (comet.runtime.layer.fp8_tile), and the Selector
-            keeps it for calls whose experts fill whole m-tiles
-            (comet.runtime.selection.WS_MIN_ROWS); fused forward calls with the scatter
-            epilogue only. bf16 layers ignore it. Off by default until a GPU has run
-            and timed it (compiled for sm_90 only, at 291d666): ``comet bench --tile
-            fp8_ws_gemm=1`` (or a TileConfig with it) asks for it.
+            the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
+            off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
+            fused forward calls with the scatter epilogue only. bf16 layers ignore it.
+            Off by default until a GPU has run and timed it (compiled for sm_90 only,
+            at 291d666): ``comet bench --tile fp8_ws_min_rows=128`` (two of its m-tiles
+            per expert; 1: every call) asks for it.
     """
 
     layer1_scatter: bool = True
@@ -387,7 +388,7 @@ class Variant:
     layer0_tail_split: int = 4
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
-    fp8_ws_gemm: bool = False
+    fp8_ws_min_rows: int = 0
 
     def __post_init__(self):
         if self.layer1_split_k < 1:
@@ -396,6 +397,8 @@ class Variant:
             raise ValueError(f"layer0_tail_split must be >= 0, got {self.layer0_tail_split}")
         if self.small_plan_blocks < 0:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
+        if self.fp8_ws_min_rows < 0:
+            raise ValueError(f"fp8_ws_min_rows must be >= 0, got {self.fp8_ws_min_rows}")
 
     def without(self, names: tuple[VariantName, ...]) -> "Variant":
         """This variant with the fields ``names`` off (False, or 0)."""

@@ -288,12 +288,12 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     shard_w = weights(el, cfg.hidden_size, 192, ScaleBlocks(64, 128))
     shard_w = (shard_w[0], weights(el, cfg.hidden_size, 192, ScaleBlocks(128, 64))[1])
     out.append(lambda: call(space=shard_ws, w=shard_w).run())
-    # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_gemm,
+    # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_min_rows,
     # comet.kernels.fp8_ws): the whole call (the dispatch launch, both Gluon GEMMs,
     # flag1's release, the combine); GPT-OSS's clamped SwiGLU and GELU-tanh in layer0's
     # epilogue, with F ending in part of a group (320).
     from comet.activation import GatedActivation
-    ws_tile = tile.with_fields(fp8_ws_gemm=True)
+    ws_tile = tile.with_fields(fp8_ws_min_rows=128)
     out.append(lambda: call(t=ws_tile, space=allocate_virtual(fp8, world, "cpu", ws_tile)[0]).run())
     for act in (GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0),
                 GatedActivation(kind="gelu_tanh")):

@@ -151,31 +151,29 @@ def _ws_kernel_model(activation, calls):
 @pytest.mark.parametrize("f, act", [(192, SILU), (256, GELU)], ids=["f192_silu", "f256_gelu"])
 def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffers(
         monkeypatch, f, act):
-    """A one-rank layer with ``Variant.fp8_ws_gemm`` (here as on a GPU; the rule's rows
-    made small): a large call runs the dispatch as its own launch, layer0's and layer1's
+    """A one-rank layer with ``Variant.fp8_ws_min_rows`` (here as on a GPU, at 4 rows per
+    expert): a large call runs the dispatch as its own launch, layer0's and layer1's
     GEMMs as the warp-specialized kernel's two launches -- here a torch model of that
     kernel over the very arguments it gets: the descriptors of the packed rows, of h and
     of the weights, the scales, the tile table, the token slots -- then flag1's release
     and the combine, and matches the emulation; a small call keeps the fused kernels."""
     import comet.kernels.fp8_ws as fp8_ws
     import comet.runtime.layer as layer_mod
-    import comet.runtime.selection as selection
     monkeypatch.setattr(layer_mod, "ws_gemm_fits", lambda *args: True)
-    monkeypatch.setattr(selection, "WS_MIN_ROWS", 4)
     calls = []
     monkeypatch.setattr(fp8_ws.fp8_ws_gemm_kernel, "run", _ws_kernel_model(act, calls))
     cfg = fp8_config(f=f, activation=act)
     g = torch.Generator().manual_seed(f + 1)
     gate_up, down = fp8_experts(cfg, g)
-    layer = FusedMoE(cfg, gate_up, down, tile=TileConfig.small().with_fields(fp8_ws_gemm=True))
-    assert layer.tile.variant.fp8_ws_gemm
+    layer = FusedMoE(cfg, gate_up, down, tile=TileConfig.small().with_fields(fp8_ws_min_rows=4))
+    assert layer.tile.variant.fp8_ws_min_rows == 4
     for m, ws in ((12, True), (1, False), (9, True)):
         x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
         ids = make_ids("random", [m], cfg.num_experts, cfg.top_k, g)[0]
         w = torch.rand(m, cfg.top_k, generator=g)
         calls.clear()
         assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down, act))
-        assert layer.last_tile.variant.fp8_ws_gemm is ws
+        assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is ws
         assert [(bool(t.GATED), int(t.EPILOGUE)) for t in calls] == (
             [(True, 0), (False, int(fp8_ws.EPILOGUE_SCATTER))] if ws else [])
 
@@ -301,7 +299,7 @@ def test_an_fp8_layer_runs_without_the_small_call_variants():
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
-    assert not v.fp8_ws_gemm        # the interpreter has no Gluon
+    assert not v.fp8_ws_min_rows    # the interpreter has no Gluon
 
 
 @pytest.mark.parametrize("blocks, ffn, fits", [

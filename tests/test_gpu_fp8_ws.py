@@ -1,7 +1,7 @@
 """comet.kernels.fp8_ws, the warp-specialized FP8 GroupGEMM (Gluon: no interpreter, so
 GPU only, marker gpu): the plain GEMM and layer0's gated, requantizing one against the
 fp32 emulation (partial column boxes, ragged K and F, every activation variant), and the
-one-rank FP8 layer whose large calls run it (``Variant.fp8_ws_gemm``, asked for: off by
+one-rank FP8 layer whose large calls run it (``Variant.fp8_ws_min_rows``, asked for: off by
 default until these pass) against the emulation -- large and small calls interleaved, graph replays, and many back-to-back
 calls of drifting sizes at a preset's full width."""
 
@@ -87,13 +87,13 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
     then 60 back-to-back calls of drifting sizes, every output against the emulation."""
     from test_gpu_fp8 import _bf16, _check, _emulate, _experts, _inputs
     from comet.runtime.layer import FusedMoE, default_tile
-    from comet.runtime.selection import WS_MIN_ROWS
+    rows = 128      # two m-tiles per expert
     cfg = PRESETS[name].replace(max_tokens=4096, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 0)
-    tile = default_tile(cfg=cfg).with_fields(fp8_ws_gemm=True)
+    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=rows)
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
-    assert layer.tile.variant.fp8_ws_gemm
-    large = -(-WS_MIN_ROWS * cfg.num_experts // cfg.top_k)
+    assert layer.tile.variant.fp8_ws_min_rows == rows
+    large = -(-rows * cfg.num_experts // cfg.top_k)
     sizes = [4096, 3, large, 200, 4096]
     xs, ids, ws = _inputs(cfg, sizes, 5)
     for x, i, w in zip(xs, ids, ws):
@@ -101,7 +101,8 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
         bf16 = _bf16(x, i, w, gu, dn, cfg.activation)
         for _ in range(2):
             _check(layer(x, i, w), expect, bf16)
-        assert layer.last_tile.variant.fp8_ws_gemm is (x.shape[0] >= large), x.shape[0]
+        assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is (x.shape[0] >= large), \
+            x.shape[0]
     drift = [int(v) for v in torch.randint(1, 4097, (60, ), generator=torch.Generator()
                                           .manual_seed(6))]
     xs, ids, ws = _inputs(cfg, drift, 7)
@@ -120,5 +121,5 @@ def test_scale_blocks_the_kernel_cannot_read_run_the_tl_kernels():
                           parts=2)
     dn8 = quantize_weight(_randn(8, h, f, seed=9) / f ** 0.5, ScaleBlocks.per_channel())
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync",
-                     tile=default_tile(cfg=cfg).with_fields(fp8_ws_gemm=True))
-    assert not layer.tile.variant.fp8_ws_gemm
+                     tile=default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=128))
+    assert not layer.tile.variant.fp8_ws_min_rows

@@ -788,35 +788,36 @@ def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world
 @pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
 def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     """An FP8 layer that may run its GEMMs on the warp-specialized kernel
-    (``Variant.fp8_ws_gemm``) does so in calls whose experts' expected rows fill two of
-    its m-tiles, and keeps the fused kernels below; every tile a call may pick is
+    (``Variant.fp8_ws_min_rows``) does so in calls of at least that many expected rows
+    per expert, and keeps the fused kernels below; every tile a call may pick is
     warmed up, and a layer without the variant never gets it."""
     from comet.quant import Fp8
     from comet.runtime.layer import fp8_tile
-    from comet.runtime.selection import WS_MIN_ROWS, Selector
+    from comet.runtime.selection import Selector
+    rows = 128
     cfg = preset(name).replace(fp8=Fp8(), max_tokens=16384)
-    tile = fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True), warp_specialized=True)
+    tile = fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows), warp_specialized=True)
     selection = Selector(cfg, 1, tile, 132, torch.device("cpu"), folder=None)
     first = next(t for t in range(1, 16385) if selection.ws_gemm_by_rule(t))
     per_expert = -(-first * cfg.top_k // cfg.num_experts)
-    assert per_expert >= WS_MIN_ROWS > -(-(first - 1) * cfg.top_k // cfg.num_experts)
+    assert per_expert >= rows > -(-(first - 1) * cfg.top_k // cfg.num_experts)
     for tokens, ws in ((1, False), (128, False), (first - 1, False), (first, True),
                        (4096, True), (16384, True)):
-        assert selection.tile_for(tokens).variant.fp8_ws_gemm is ws, tokens
+        assert (selection.tile_for(tokens).variant.fp8_ws_min_rows == rows) is ws, tokens
     every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
     assert selection._reachable_offs() == sorted(every)
     assert {selection.tile_for(t) for t in range(1, 16385, 97)} <= set(
         selection.tile_variants())
-    for off in (fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True)),
+    for off in (fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows)),
                 fp8_tile(TileConfig(), warp_specialized=True),
-                fp8_tile(TileConfig().with_fields(fp8_ws_gemm=True, layer0_gather=True),
+                fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows, layer0_gather=True),
                          warp_specialized=True)):
         plain = Selector(cfg, 1, off, 132, torch.device("cpu"), folder=None)
-        assert not any(t.variant.fp8_ws_gemm for t in plain.tile_variants())
+        assert not any(t.variant.fp8_ws_min_rows for t in plain.tile_variants())
     # a bf16 layer's tile carries the field as it is and no call turns it
-    bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig().with_fields(fp8_ws_gemm=True),
+    bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig().with_fields(fp8_ws_min_rows=rows),
                     132, torch.device("cpu"), folder=None)
-    assert all(t.variant.fp8_ws_gemm for t in bf16.tile_variants())
+    assert all(t.variant.fp8_ws_min_rows == rows for t in bf16.tile_variants())
 
 
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():

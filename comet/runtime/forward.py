@@ -196,8 +196,8 @@ class ForwardCall:
         self.fp8 = ws.cfg.fp8 is not None
         # The warp-specialized GEMMs serve fused calls whose layer1 scatters (the
         # decomposed modes run the reduce strategy, whose comm role counts GEMM tiles).
-        self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_gemm and self.mode == "fused"
-                        and self.strategy.name == "scatter"
+        self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_min_rows > 0
+                        and self.mode == "fused" and self.strategy.name == "scatter"
                         and not tile.variant.layer0_gather)
         if self.fp8:
             dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
@@ -252,7 +252,7 @@ class ForwardCall:
 
     def _ws_layers(self) -> tuple[WsLaunch, WsLaunch]:
         """layer0's and layer1's GEMMs on the warp-specialized kernel
-        (``Variant.fp8_ws_gemm``): over the plan's m-tiles, layer0 from the rows the
+        (``Variant.fp8_ws_min_rows``): over the plan's m-tiles, layer0 from the rows the
         dispatch placed into h in FP8 groups, layer1 from h, scattering each weighted
         row into its token's slot as the fused kernel's epilogue does."""
         ws, cfg = self.ws, self.ws.cfg

@@ -40,12 +40,6 @@ LIVE_ROWS_MAX_FILL = 1 / 8
 #: 8 blocks, mixtral's 8 and 16), two 24.2 against 29.5 (qwen2-moe's 16), four 35.8
 #: against 29.8 (qwen2-moe's 32), eight 44.7 against 32.3 (deepseek-v3-like's 16).
 SMALL_PLAN_STEPS = 2
-#: Fewest rows per expert (expected as :meth:`Selector.decode_by_rule` expects them) of
-#: a call that runs an FP8 layer's GEMMs on the warp-specialized kernel
-#: (``Variant.fp8_ws_gemm``): two of its m-tiles. Not yet measured against the fused
-#: kernels' ``tl`` loop on a GPU: the first guess of where separate launches stop costing
-#: more than the faster K loop gains.
-WS_MIN_ROWS = 128
 
 
 class Selector:
@@ -77,7 +71,7 @@ class Selector:
         self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
-        self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_gemm
+        self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_min_rows > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
         self._per_call: dict[tuple, tuple[tuple[int, int], TileConfig]] = {}
@@ -177,7 +171,7 @@ class Selector:
             if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
                 off.append("small_plan_blocks")
             if self.may_ws_gemm and not self.ws_gemm_by_rule(num_tokens):
-                off.append("fp8_ws_gemm")
+                off.append("fp8_ws_min_rows")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
@@ -317,10 +311,10 @@ class Selector:
     def ws_gemm_by_rule(self, num_tokens: int) -> bool:
         """Whether an FP8 call with ``num_tokens`` on this rank runs its GEMMs on the
         warp-specialized kernel: each expert's rows, expected as :meth:`decode_by_rule`
-        expects them, are at least :data:`WS_MIN_ROWS` (large calls; the rule holds from
-        some count on, the others' up to one)."""
+        expects them, are at least the layer's ``Variant.fp8_ws_min_rows`` (large calls;
+        the rule holds from some count on, the others' up to one)."""
         per_expert, busy = self._expected_rows(num_tokens)
-        return busy > 0 and per_expert >= WS_MIN_ROWS
+        return busy > 0 and per_expert >= self.tile.variant.fp8_ws_min_rows
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where

@@ -15,11 +15,12 @@
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation; FP8_BENCH_CONFIGS,
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
-#   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_gemm, opt-in):
+#   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows, opt-in):
 #             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
 #             rows, N = 28672, K = 4096) on it, fast and fp32-promoted, beside the prototype
-#             and the tl kernel; then prefill calls with it asked for (--tile
-#             fp8_ws_gemm=1), bf16 and FP8 in one run (FP8_WS_CONFIGS narrows the presets)
+#             and the tl kernel; then calls with it asked for in every one (--tile
+#             fp8_ws_min_rows=1), decode and prefill, bf16 and FP8 in one run, beside the
+#             plain FP8 bench's records (FP8_WS_CONFIGS narrows the presets)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -71,8 +72,8 @@ for step in "${@:-diff kernels tests}"; do
             --variants comet-ws,comet-ws-fast,gluon-ws-stages4,tl-64x128x128-w4-s4 \
             --decode-variants comet-ws,comet-ws-fast > "$OUT/ws/probe.log" 2>&1 || status=1
           tail -n 12 "$OUT/ws/probe.log"
-          bench bench-ws --dtype bf16 fp8 --only-fused --tile fp8_ws_gemm=1 \
-            --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 4096 16384 ;;
+          bench bench-ws --dtype bf16 fp8 --only-fused --tile fp8_ws_min_rows=1 \
+            --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
