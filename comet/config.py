@@ -374,7 +374,7 @@ class Variant:
             FP8 layer keeps it only where it has none and its weights' scale blocks fit
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
-            fused forward calls with the scatter epilogue only. bf16 layers ignore it.
+            fused forward calls with the scatter epilogue only. A bf16 layer drops it.
             Off by default until a GPU has run and timed it (compiled for sm_90 only,
             at 291d666): ``comet bench --tile fp8_ws_min_rows=128`` (two of its m-tiles
             per expert; 1: every call) asks for it.

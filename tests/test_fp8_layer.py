@@ -300,6 +300,11 @@ def test_an_fp8_layer_runs_without_the_small_call_variants():
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
     assert not v.fp8_ws_min_rows    # the interpreter has no Gluon
+    # a bf16 layer drops the FP8-only field (its tuned tables then serve the tile)
+    from comet.runtime.layer import layer_tile
+    asked = TileConfig.small().with_fields(fp8_ws_min_rows=128)
+    assert layer_tile(asked, MeshLayout(), "sequence", cfg.replace(fp8=None)) == \
+        TileConfig.small()
 
 
 @pytest.mark.parametrize("blocks, ffn, fits", [

@@ -66,7 +66,7 @@ for step in "${@:-diff kernels tests}"; do
              [ "${FP8_BENCH_QWEN3:-1}" = 1 ] && bench bench-qwen3 --dtype bf16 fp8 --only-fused \
                --experts 128 --topk 8 --hidden 2048 --ffn 768 \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384} ;;
-      ws) run_tests ws tests/test_gpu_fp8_ws.py "${FP8_WS_TIMEOUT_S:-240}"
+      ws) run_tests ws tests/test_gpu_fp8_ws.py "${FP8_WS_TIMEOUT_S:-300}"
           mkdir -p "$OUT/ws"
           OUT="$OUT/ws" timeout 200 python3 scripts/device/fp8_gemm_probe.py --budget-s 150 \
             --variants comet-ws,comet-ws-fast,gluon-ws-stages4,tl-64x128x128-w4-s4 \
