@@ -127,6 +127,24 @@ def test_bad_input_is_a_value_error_before_any_launch(change, match):
                        requant=change.get("requant", False), config=cfg)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(k_rows=128), "K = 128"),
+    (dict(rows_per_tile=65), "longer than block_m = 64"),
+    (dict(blocks=ScaleBlocks(64, 128)), "whole 128x128 boxes"),
+    (dict(group=64), r"row group \(64\)"),
+    (dict(bf16_rows=True), "Fp8Rows"),
+])
+def test_the_warp_specialized_gemm_refuses_bad_input_before_any_launch(change, match):
+    """comet.kernels.fp8_ws's launcher checks what its kernel relies on (the Gluon kernel
+    itself runs on a GPU only: these errors come first on any machine)."""
+    from comet.kernels.fp8_ws import ws_group_gemm
+    w = quantize_weight(torch.randn(2, 256, 256) / 10, change.get("blocks", ScaleBlocks()))
+    a = quantize_rows(torch.randn(130, change.get("k_rows", 256)), change.get("group", 128))
+    tiles = m_tiles([change.get("rows_per_tile", 64), 66], change.get("rows_per_tile", 64))
+    with pytest.raises(ValueError, match=match):
+        ws_group_gemm(a.data.float() if change.get("bf16_rows") else a, w, tiles)
+
+
 @pytest.mark.gpu
 def test_fp8_gemm_at_size_on_gpu():
     """Mixtral-width layer0 (H = 4096, F = 1024 of it) at the default tile: whole m-tiles,

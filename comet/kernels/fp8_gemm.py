@@ -452,7 +452,7 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
     with ``activation``, ``act(gate) * up`` over ``w = [gate | up]`` (``[E, 2F, K]``),
     ``[rows, F]``; with ``requant``, that output as :class:`comet.quant.Fp8Rows` (groups of
     ``a.group``), layer1's input. ``out``: the bf16 output to write (not with ``requant``)."""
-    _check(a, w, tiles, activation, requant, config)
+    check_group_gemm(a, w, tiles, activation, requant, config)
     c = config
     rows, k = a.data.shape
     nb = w.n
@@ -498,9 +498,10 @@ def bf16_out(out: torch.Tensor | None, rows: int, n: int, device) -> torch.Tenso
     return out
 
 
-def _check(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, activation, requant: bool,
-           c: Fp8GemmConfig) -> None:
-    """Every condition the kernel relies on, as a ValueError before the launch."""
+def check_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, activation, requant: bool,
+                     c: Fp8GemmConfig) -> None:
+    """Every condition a standalone FP8 GroupGEMM of tile ``c`` relies on (this module's
+    and comet.kernels.fp8_ws's), as a ValueError before the launch."""
     if not isinstance(a, Fp8Rows) or not isinstance(w, Fp8Weight):
         raise ValueError("fp8_group_gemm takes Fp8Rows and an Fp8Weight (comet.quant)")
     rows, k = a.data.shape

@@ -46,8 +46,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from comet.activation import GatedActivation
 from comet.constants import ADDRESS_ALIGN, constexpr
 from comet.kernels.activation import Act, act_tile, gated
-from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, MTiles, bf16_out,
-                                    imprecise_acc)
+from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8GemmConfig, MTiles,
+                                    bf16_out, check_group_gemm, imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
 from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 
@@ -487,6 +487,8 @@ def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``programs``: persistent programs
     (default: one per work item). ``out``: the bf16 output to write (not with
     ``activation``)."""
+    check_group_gemm(a, w, tiles, activation, activation is not None,
+                     Fp8GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K))
     if a.group != GROUP:
         raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads {GROUP}")
     rows = a.data.shape[0]
