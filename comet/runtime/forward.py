@@ -29,15 +29,14 @@ from typing import Callable, NamedTuple
 import torch
 
 from comet.config import TileConfig
-from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, constexpr, interpreting
+from comet.constants import ROLE_COMM, ROLE_COMPUTE, ROLE_FUSED, interpreting
 from comet.kernels.combine import combine_of
 from comet.kernels.layer0 import Dispatch, layer0_gemm
 from comet.kernels.fp8_gemm import (LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, MTiles,
                                      fused_fp8_gemm)
 from comet.kernels.fp8_ws import WsH, WsLaunch, ws_gemm
 from comet.kernels.fp8_roles import home_quantizer, launch_quantize_home, packed_views
-from comet.kernels.layer1 import (Homes, Progress, column_splits, launch_release_sources,
-                                  layer1_gemm)
+from comet.kernels.layer1 import column_splits, launch_release_sources, layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
@@ -47,7 +46,7 @@ from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
                                 launch_open, launch_place)
 from comet.kernels.sync import Trace
 from comet.runtime.launches import CombineLaunch, Layer0Launch, Layer1Launch
-from comet.runtime.strategies import strategy_for
+from comet.runtime.strategies import progress_of, scatter_homes, strategy_for
 from comet.runtime.workspace import Workspace
 
 MODES = ("fused", "sequential", "compute_only", "comm_only")
@@ -204,6 +203,7 @@ class ForwardCall:
             splits = column_splits(tile, ws.cfg.hidden_size)
             if self.ws_gemm:
                 self.ws_layer0, self.ws_layer1 = self._ws_layers()
+                self._progress = progress_of(ws)
         else:
             gather = tile.variant.layer0_gather
             rows = None
@@ -262,17 +262,14 @@ class ForwardCall:
         kw = dict(group_m=self.tile.gemm.group_m, fast_accumulation=cfg.fp8.fast_accumulation)
         layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
-        homes = Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
-                      cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
-        layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, homes, scatter=True, **kw)
+        layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,
+                         **kw)
         return layer0, layer1
 
     def release_layer1(self) -> None:
         """After the warp-specialized layer1: every source told its rows landed (the
         fused kernel's last program does so)."""
-        ws = self.ws
-        launch_release_sources(progress=Progress(ws.count.split, ws.count.l1_done,
-                                                 ws.peers.flag1), sync=ws.sync)
+        launch_release_sources(progress=self._progress, sync=self.ws.sync)
 
     def _fp8_gather(self) -> Fp8Gather:
         """Where layer0's FP8 GEMM reads its rows after a gathered dispatch: the packed

@@ -46,8 +46,17 @@ class BufferSpec:
     dtype: torch.dtype
 
 
-def _progress(ws: "Workspace") -> Progress:
+def progress_of(ws: "Workspace") -> Progress:
+    """How layer1 on ``ws`` counts its progress and tells the sources it is done."""
     return Progress(ws.count.split, ws.count.l1_done, ws.peers.flag1)
+
+
+def scatter_homes(ws: "Workspace") -> Homes:
+    """Where the scatter epilogue on ``ws`` sends each row: its token's slot of
+    ``pair_out`` on the token's rank (and that rank's group of ``fanout``)."""
+    cfg = ws.cfg
+    return Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
+                 cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
 
 
 class ColumnReduce:
@@ -78,7 +87,7 @@ class ColumnReduce:
         recv = EntryTables(*(b.local for b in ws.recv))
         launch_layer1_reduce(
             grid, gemm=gemm, item=item, splits=splits, tiles=ws.plan.tiles,
-            progress=_progress(ws), reduce=Reduce(recv, ws.peers.comb, mx, ws.rank % ws.tp,
+            progress=progress_of(ws), reduce=Reduce(recv, ws.peers.comb, mx, ws.rank % ws.tp,
                                                   ws.count.l1_reduce, pairs,
                                                   constexpr(ws.fanout), constexpr(ws.tp)),
             arrivals=ws.arrivals, sync=ws.sync, split=split, trace=trace, shape=ws.shape,
@@ -124,16 +133,13 @@ class Scatter:
         """layer1 on every program of ``grid`` (``role``, ``split``, ``wait`` and
         ``cooperative`` do not apply: its programs wait for no peer)."""
         assert pairs is None, "the scatter epilogue serves the forward only"
-        cfg = ws.cfg
-        homes = Homes(ws.local.row_home, ws.local.row_weight, ws.peers.pair_out,
-                      cfg.max_tokens * cfg.top_k, constexpr(ws.fanout))
         ksplit = ({"ksplit": KSplit(ws.l1_partial, ws.count.arrived,
                                     constexpr(tile.variant.layer1_split_k))}
                   if tile.variant.layer1_split_k > 1 else {})
         launch_layer1_scatter(grid, gemm=gemm, item=item, splits=splits,
-                              tiles=ws.plan.tiles, progress=_progress(ws), homes=homes,
-                              sync=ws.sync, trace=trace, shape=ws.shape, tile=tile,
-                              **ksplit)
+                              tiles=ws.plan.tiles, progress=progress_of(ws),
+                              homes=scatter_homes(ws), sync=ws.sync, trace=trace,
+                              shape=ws.shape, tile=tile, **ksplit)
 
     @staticmethod
     def parts(ws: "Workspace") -> Parts:
