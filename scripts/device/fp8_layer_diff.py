@@ -133,12 +133,15 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["qwen2-moe", "mixtral"])
     p.add_argument("--tokens", type=int, default=384)
     p.add_argument("--output", default="out/fp8_layer_diff.json")
+    p.add_argument("--ws-min-rows", type=int, default=0,
+                   help="Variant.fp8_ws_min_rows of the fused layer (0: its default, the "
+                        "fused kernels' K loop; 1: the warp-specialized GEMMs for every call)")
     p.add_argument("--tiny", action="store_true",
                    help="a 4-expert H=256, F=256 layer on the CPU (TRITON_INTERPRET=1): a "
                         "dry run of this script, not a measurement (the interpreter's "
                         "e4m3 casts differ from torch's)")
     a = p.parse_args()
-    from comet.runtime.layer import FusedMoE
+    from comet.runtime.layer import FusedMoE, default_tile
     global DEVICE
     if a.tiny:
         DEVICE = "cpu"
@@ -160,7 +163,10 @@ def main() -> None:
                            for _ in range(a.tokens)])
         wts = torch.softmax(torch.randn(a.tokens, k, generator=g, device=DEVICE), -1)
         expect = emulate(x, ids, wts, gu8, dn8, cfg.activation)
-        layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
+        tile = default_tile(cfg=cfg)
+        if a.ws_min_rows:
+            tile = tile.with_fields(fp8_ws_min_rows=a.ws_min_rows)
+        layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
         y = layer(x, ids, wts).float()
         y_std, h_std, h_emul, counts = standalone(x, ids, wts, gu8, dn8, cfg.activation,
                                                   fast)
@@ -172,6 +178,7 @@ def main() -> None:
         per_token = ((y - expect).norm(dim=1) / expect.norm(dim=1).clamp_min(1e-12))
         record = {
             "config": name, "tokens": a.tokens, "fast_accumulation": fast,
+            "warp_specialized": bool(layer.last_tile.variant.fp8_ws_min_rows),
             "x_values_equal": float((xq.data.view(torch.uint8)
                                      == xq_ref.data.view(torch.uint8)).float().mean()),
             "x_scales_rel": rel(xq.scale, xq_ref.scale),
