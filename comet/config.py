@@ -375,9 +375,11 @@ class Variant:
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
             fused forward calls with the scatter epilogue only. A bf16 layer drops it.
-            Off by default until a GPU has run and timed it (compiled for sm_90 only,
-            at 291d666): ``comet bench --tile fp8_ws_min_rows=128`` (two of its m-tiles
-            per expert; 1: every call) asks for it.
+            Off by default: correct on an H100, but with the default accumulation (every
+            instruction's sum promoted) no faster than the ``tl`` loop (568 against 564
+            TFLOP/s at the gate shape, docs/precision.md); ``comet bench --tile
+            fp8_ws_min_rows=128`` (two of its m-tiles per expert; 1: every call) asks
+            for it.
     """
 
     layer1_scatter: bool = True
