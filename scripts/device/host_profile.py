@@ -3,7 +3,14 @@
 Builds a preset layer at EP=1 on one GPU, warms each token count up (compile, capture), then
 times many back-to-back graph-replayed calls: the whole call (CPU wall per call), each step
 of it alone (the same code the layer runs, called in a loop), and a cProfile of the calls.
-Writes ``host_profile.json`` (provenance fields) and ``host_profile.txt`` (the profile).
+Beside them, the same call issued alone, as ``comet bench``'s ``fused_host_us`` times it
+(which measured 33.5-73.5 us where the loop measured 26-27, 2026-12-05/`abea07a`):
+``lone_synced_us`` after a synchronize (an idle GPU, an empty launch queue), and
+``lone_bench_us`` through the bench's own timing loop (an L2 flush and an event before each
+call, no synchronize: the GPU runs behind). Loop < synced says cold host caches cost the
+difference; synced < bench says the bench's loop does (its launches queued behind a busy
+GPU). Writes ``host_profile.json`` (provenance fields) and ``host_profile.txt`` (the
+profile).
 
     PYTHONPATH=. python scripts/device/host_profile.py --output-dir $OUT
 """
@@ -20,6 +27,7 @@ from pathlib import Path
 import torch
 
 from comet.bench.provenance import write_result
+from comet.bench.timing import L2Flush, time_calls
 from comet.config import preset
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
@@ -43,6 +51,26 @@ def layer_of(name: str, max_tokens: int) -> FusedMoE:
     w13 = torch.randn(e, h, 2 * f, device="cuda", dtype=cfg.dtype) * h ** -0.5
     w2 = torch.randn(e, f, h, device="cuda", dtype=cfg.dtype) * f ** -0.5
     return FusedMoE(cfg, w13, w2)
+
+
+def lone_synced_us(fn, calls: int) -> float:
+    """Median host time of ``calls`` calls, each issued after a synchronize."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def lone_bench_us(fn, calls: int) -> float:
+    """Median host time per call as ``comet bench`` measures it (its timing loop)."""
+    device = torch.device("cuda")
+    host = time_calls(lambda i, t: fn(), n_sets=1, iters=calls, warmup=3, device=device,
+                      flush=L2Flush(device))["host"]
+    return sorted(host)[len(host) // 2]
 
 
 def steps(layer: FusedMoE, x, ids, w) -> dict:
@@ -87,7 +115,8 @@ class _Nop(torch.nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--configs", nargs="+", default=["qwen2-moe", "mixtral"])
+    p.add_argument("--configs", nargs="+",
+                   default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 128])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--output-dir", default="out")
@@ -117,6 +146,8 @@ def profile(a, records: list, text: io.StringIO) -> None:
                     layer(x, ids, w)
                 torch.cuda.synchronize()
                 whole = per_call_us(lambda: layer(x, ids, w), a.calls)
+                synced = lone_synced_us(lambda: layer(x, ids, w), a.calls)
+                benched = lone_bench_us(lambda: layer(x, ids, w), a.calls)
                 parts = {k: round(per_call_us(fn, a.calls), 2)
                          for k, fn in steps(layer, x, ids, w).items()}
                 prof = cProfile.Profile()
@@ -130,8 +161,10 @@ def profile(a, records: list, text: io.StringIO) -> None:
                 text.write(f"===== {name} {m} tokens: whole call {whole:.1f} us\n")
                 text.write(s.getvalue())
                 records.append({"config": name, "tokens": m, "host_us": round(whole, 2),
-                                "steps_us": parts})
-                print(name, m, f"whole {whole:.1f} us", parts, flush=True)
+                                "lone_synced_us": round(synced, 2),
+                                "lone_bench_us": round(benched, 2), "steps_us": parts})
+                print(name, m, f"whole {whole:.1f} us, alone after a sync {synced:.1f}, "
+                      f"in the bench's loop {benched:.1f}", parts, flush=True)
             layer.check_errors_now()
 
 

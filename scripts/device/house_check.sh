@@ -5,10 +5,13 @@
 #   gpu       tests/test_gpu.py, with the no-host-sync test of a fused call
 #   host      `comet bench` at EP=1 on the presets, whole layer, uniform routing: the
 #             host's time to enqueue one fused call (fused_host_us, CPU wall over the
-#             timed calls) beside the device time, and the summary's check against 30 us
+#             timed calls) beside the device time, and the summary's check against 30 us;
+#             then scripts/device/host_profile.py: the same call in a loop, alone after a
+#             synchronize and in the bench's timing loop, and each of its steps
 # The whole suite may outgrow one 10-minute device call: run the steps as separate calls
 # there (liveness, then gpu, then host). Writes under $OUT (./out if unset):
-# gpu_tests.log (per test step: liveness/, gpu/), bench/ (JSON, markdown), host_us.txt.
+# gpu_tests.log (per test step: liveness/, gpu/), bench/ (JSON, markdown), host_us.txt,
+# profile/ (host_profile.json, .txt), host_profile.log.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,6 +44,9 @@ for path in sys.argv[1:]:
                   f"{host if host is None else round(host, 1)!s:>8} "
                   f"{dev if dev is None else round(dev, 1)!s:>10}")
 EOF
+  timeout "${HOST_PROFILE_TIMEOUT_S:-240}" python3 scripts/device/host_profile.py \
+    --output-dir "$OUT/profile" > "$OUT/host_profile.log" 2>&1 || status=1
+  grep -E "whole" "$OUT/host_profile.log" | cut -c1-160
 }
 
 case "$step" in
