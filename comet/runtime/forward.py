@@ -193,11 +193,11 @@ class ForwardCall:
                        for name in ("layer0", "layer1")}
         homes = self.strategy.homes(ws) if self.strategy.sends_homes else None
         self.fp8 = ws.cfg.fp8 is not None
-        # The warp-specialized GEMMs serve fused calls whose layer1 scatters (the
-        # decomposed modes run the reduce strategy, whose comm role counts GEMM tiles).
-        self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_min_rows > 0
-                        and self.mode == "fused" and self.strategy.name == "scatter"
-                        and not tile.variant.layer0_gather)
+        # The warp-specialized GEMMs serve the calls whose layer1 scatters: fused ones
+        # (the decomposed modes run the reduce strategy, whose comm role counts GEMM
+        # tiles). Only an FP8 layer without a gathered dispatch has the field on
+        # (runtime.layer.layer_tile).
+        self.ws_gemm = tile.variant.fp8_ws_min_rows > 0 and self.strategy.name == "scatter"
         if self.fp8:
             dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
             splits = column_splits(tile, ws.cfg.hidden_size)
