@@ -46,6 +46,10 @@ SCALE_PER_AMAX = 1.0 / E4M3_MAX
 AMAX_EPS = 1e-10
 #: Consecutive K values of an activation row sharing one scale; the weight block's side.
 GROUP = 128
+#: :attr:`Fp8.promotion_k`'s choices (one wgmma instruction's K, or one K step's) and
+#: its default.
+PROMOTION_KS = (32, 128)
+PROMOTION_K = 128
 
 _UE8M0 = getattr(torch, "float8_e8m0fnu", None)
 #: The exponent byte that means NaN in UE8M0.
@@ -91,21 +95,26 @@ class Fp8:
     time per row in groups of :data:`GROUP` (:class:`Fp8Rows`), fp32 accumulation, output
     in the layer's dtype. ``Fp8()`` is the checkpoints' 128 x 128 recipe.
 
-    ``fast_accumulation``: let Hopper's FP8 tensor cores sum a whole K step (up to 128
-    values) in their reduced-precision accumulator before it is promoted to fp32 (Triton's
-    default on sm90, DeepGEMM's promotion interval, torch's ``use_fast_accum``). Off, every
-    MMA instruction's 32-value sum is promoted: the fp32 accumulation the reference
-    emulates."""
+    ``promotion_k``: how many K values Hopper's FP8 tensor cores sum in their own
+    accumulator (about 14 bits of mantissa) before the sum joins the fp32 accumulator on
+    the CUDA cores. 128, one K step of the kernels (the default): DeepSeek-V3's promotion
+    interval N_C, DeepGEMM's, and CUTLASS's FP8 GEMM without ``FP8FastAccum``; the layer
+    lands 4.1e-3 (rel L2) from the emulation of exact fp32 sums, as far as cuBLAS's FP8
+    GEMM summing the same 128-K blocks lands (3.4e-3; 2.3e-3 between the two). 32: every
+    wgmma instruction's sum promoted (3.0e-3 from the emulation), at about 0.65x the
+    GEMMs' throughput, since one instruction's promotion takes the CUDA cores as long as
+    its wgmma takes the tensor cores (docs/precision.md). Neither is "fast accumulation" in cuBLAS's or CUTLASS's
+    sense (no promotion at all): comet has none."""
 
     blocks: ScaleBlocks = ScaleBlocks()
-    fast_accumulation: bool = False
+    promotion_k: int = PROMOTION_K
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, ScaleBlocks):
             raise ValueError(f"Fp8.blocks must be a ScaleBlocks, got {self.blocks!r}")
-        if not isinstance(self.fast_accumulation, bool):
-            raise ValueError(f"Fp8.fast_accumulation must be a bool, got "
-                             f"{self.fast_accumulation!r}")
+        if type(self.promotion_k) is not int or self.promotion_k not in PROMOTION_KS:
+            raise ValueError(f"Fp8.promotion_k must be one of {PROMOTION_KS}, got "
+                             f"{self.promotion_k!r}")
 
 
 def _block_expand(scale: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from comet.bench import floors, report
 from comet.bench import records as rec
 from comet.bench.inputs import quantize_expert_weights
 from comet.cli import bench, tune
-from comet.config import MoEConfig, TileConfig
+from comet.config import MoEConfig, TileConfig, Variant
 from comet.constants import interpreting
 from comet.kernels.fp8_roles import packed_row_bytes
 from comet.quant import Fp8, quantize_weight
@@ -36,13 +36,15 @@ def test_bench_parses_fp8_beside_one_row_dtype(capsys):
     args = bench.build_parser().parse_args(["--dtype", "bf16", "fp8"])
     assert args.dtype == ["bf16", "fp8"]
     for bad in (["--dtype", "bf16", "fp16"], ["--dtype", "fp8", "--redundant-experts", "0"],
-                ["--dtype", "bf16", "fp8", "--timeline"], ["--fp8-accumulation", "fast"]):
+                ["--dtype", "bf16", "fp8", "--timeline"], ["--fp8-promotion-k", "32"],
+                ["--dtype", "fp8", "--fp8-promotion-k", "64"]):
         with pytest.raises(SystemExit):
             bench.main(bad + ["--tokens", "4"])
     err = capsys.readouterr().err
-    assert "--dtype" in err and "--fp8-accumulation needs --dtype fp8" in err
-    args = bench.build_parser().parse_args(["--dtype", "fp8", "--fp8-accumulation", "fast"])
-    assert args.fp8_accumulation == "fast"
+    assert "--dtype" in err and "--fp8-promotion-k needs --dtype fp8" in err
+    assert "invalid choice: 64" in err
+    args = bench.build_parser().parse_args(["--dtype", "fp8", "--fp8-promotion-k", "32"])
+    assert args.fp8_promotion_k == 32
 
 
 @pytest.mark.skipif(not interpreting(), reason="the FP8 layer interpreted on the CPU")
@@ -59,7 +61,7 @@ def test_an_fp8_sweep_under_the_interpreter_writes_fp8_records(tmp_path, capsys)
     [b16] = [r for r in records if r["dtype"] == "bfloat16"]
     [f8] = [r for r in records if r["dtype"] == "fp8"]
     assert set(rec.REQUIRED_KEYS) <= set(f8)
-    assert f8["fp8_accumulation"] == "fp32" and "fp8_accumulation" not in b16
+    assert f8["fp8_promotion_k"] == 128 and "fp8_promotion_k" not in b16
     for mode in ("fused_us", "sequential_us", "compute_only_us", "comm_only_us"):
         assert f8[mode] > 0, mode
     assert f8["skipped_modes"] is None
@@ -177,23 +179,25 @@ def _layer(cfg, folder, tile):
     return FusedMoE(cfg, w13, w2, tuned_config_folder=folder, tile=tile)
 
 
-def _write_table(folder, layer, splits):
-    cfg, tile = layer.selection.cfg, layer.tile
+def _write_table(folder, layer, splits, tile=None):
+    cfg, tile = layer.selection.cfg, tile or layer.tile
     (folder / tuned.file_name(cfg, 1, "cpu", tile=tile)).write_text(json.dumps({
         "meta": tuned.expected_meta(cfg, 1, "cpu", tile),
         "buckets": {"32": {"layer0": splits[0], "layer1": splits[1]}}}))
 
 
 def test_a_bf16_table_never_serves_an_fp8_layer_nor_the_other_way(tmp_path):
-    """Same shape, same TileConfig (the FP8 layer's): only the dtype tells the tables
-    apart, and each layer loads its own or none."""
+    """Same shape, same TileConfig (the FP8 layer's; a bf16 layer's own has the FP8-only
+    field at its default): only the dtype tells the tables apart, and each layer loads
+    its own or none."""
     fp8 = _layer(CFG8, tmp_path, TileConfig.small())
     bf16 = _layer(CFG, tmp_path, fp8.tile)
-    assert bf16.tile == fp8.tile
-    _write_table(tmp_path, bf16, (1, 2))
+    assert bf16.tile == fp8.tile.with_fields(fp8_ws_min_rows=Variant.fp8_ws_min_rows)
+    _write_table(tmp_path, bf16, (1, 2), tile=fp8.tile)
     assert fp8.selection.analytic(32) != (1, 2)
     assert fp8.selection.comm_blocks(32) == fp8.selection.analytic(32)   # not bf16's
     _write_table(tmp_path, fp8, (2, 1))
+    _write_table(tmp_path, bf16, (1, 2))
     tuned._load.cache_clear()
     assert _layer(CFG8, tmp_path, TileConfig.small()).selection.comm_blocks(32) == (2, 1)
     assert _layer(CFG, tmp_path, fp8.tile).selection.comm_blocks(32) == (1, 2)

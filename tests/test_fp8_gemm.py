@@ -160,12 +160,14 @@ def test_fp8_gemm_at_size_on_gpu():
     assert same_fp8(q.data, ref.data).float().mean() > 0.97
 
 
-def test_fp32_accumulation_promotes_every_mma_instruction_unless_fast():
-    """The K loop's dots: each 32-value MMA sum promoted to fp32 by default (a shorter K
-    step: the step), the whole step with fast accumulation."""
-    assert imprecise_acc(False, 128) == MIN_BLOCK_K == 32
-    assert imprecise_acc(False, 16) == 16
-    assert imprecise_acc(True, 128) == 128 and imprecise_acc(True, 64) == 64
-    assert Fp8().fast_accumulation is False
-    with pytest.raises(ValueError, match="fast_accumulation"):
-        Fp8(fast_accumulation=1)
+def test_fp32_promotion_every_k_step_by_default_or_every_mma_instruction():
+    """The K loop's dots: each K step's sum promoted to fp32 by default (DeepSeek-V3's
+    128), each 32-value MMA instruction's with ``promotion_k=32``; a shorter K step (a
+    re-blocked TP shard) is promoted whole either way."""
+    assert Fp8().promotion_k == 128
+    assert imprecise_acc(Fp8().promotion_k, 128) == 128
+    assert imprecise_acc(32, 128) == MIN_BLOCK_K == 32
+    assert imprecise_acc(32, 16) == 16 and imprecise_acc(128, 64) == 64
+    for bad in (64, 0, True, 128.0):
+        with pytest.raises(ValueError, match="promotion_k"):
+            Fp8(promotion_k=bad)

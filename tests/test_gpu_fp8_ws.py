@@ -21,42 +21,41 @@ DEV = "cuda"
 
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("promotion_k", [32, 128])
 @pytest.mark.parametrize("n, k", [
     (256, 256),       # two column boxes, one item wide
     (192, 320),       # box 1 partly past N (past the tensor for the last expert); 3 K steps
-    (640, 4096),      # a partial second item; 32 K steps (fast: drained two at a time)
+    (640, 4096),      # a partial second item; 32 K steps (per step: drained two at a time)
 ])
-def test_ws_gemm_matches_the_emulation(n, k, fast):
-    """Promotion every 32 K (four wgmmas on slices of a step's boxes) or, ``fast``,
-    every step."""
+def test_ws_gemm_matches_the_emulation(n, k, promotion_k):
+    """Promotion every 32 K (four wgmmas on slices of a step's boxes) or every step."""
     from comet.kernels.fp8_ws import ws_group_gemm
     e_rows = [70, 0, 33, 64, 1]
     w = quantize_weight(_randn(len(e_rows), n, k, seed=n + k) / k ** 0.5)
     a = quantize_rows(_randn(sum(e_rows), k, seed=1))
-    out = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), fast_accumulation=fast)
+    out = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), promotion_k=promotion_k)
     ref = _emulated(a, w, e_rows)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     # a persistent grid of fewer programs than items walks the same items
-    few = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), programs=3, fast_accumulation=fast)
+    few = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), programs=3, promotion_k=promotion_k)
     assert torch.equal(few, out)
 
 
-@pytest.mark.parametrize("f, parts, act, fast", [
-    (192, 2, SILU, False),                # F not a multiple of 128: gate and up apart
-    (256, 1, SILU, False),
-    (256, 1, SILU, True),
-    (128, 1, GatedActivation(kind="gelu_tanh"), False),
-    (320, 2, GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0), True),
+@pytest.mark.parametrize("f, parts, act, promotion_k", [
+    (192, 2, SILU, 32),                   # F not a multiple of 128: gate and up apart
+    (256, 1, SILU, 32),
+    (256, 1, SILU, 128),
+    (128, 1, GatedActivation(kind="gelu_tanh"), 32),
+    (320, 2, GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0), 128),
 ])
-def test_ws_gated_epilogue_requantizes_for_layer1(f, parts, act, fast):
+def test_ws_gated_epilogue_requantizes_for_layer1(f, parts, act, promotion_k):
     from comet.kernels.fp8_ws import ws_group_gemm
     e_rows = [50, 30, 129]
     k = 512
     w = quantize_weight(_randn(3, 2 * f, k, seed=f) / k ** 0.5, parts=parts)
     a = quantize_rows(_randn(sum(e_rows), k, seed=2))
-    q = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), activation=act, fast_accumulation=fast)
+    q = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), activation=act, promotion_k=promotion_k)
     gu = _emulated(a, w, e_rows)
     ref = quantize_rows(gated(gu[:, :f], gu[:, f:], act))
     assert isinstance(q, Fp8Rows) and q.data.dtype == E4M3 and q.scale.shape == ref.scale.shape

@@ -46,7 +46,7 @@ from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
 from comet.constants import interpreting, kernel_identity, kernels_of
 from comet.mesh import CONVENTIONS, MeshLayout
-from comet.quant import Fp8, Fp8Weight
+from comet.quant import PROMOTION_K, PROMOTION_KS, Fp8, Fp8Weight
 
 #: Small enough that the CPU run finishes in seconds.
 CPU_CONFIG = "cpu-tiny"
@@ -58,8 +58,6 @@ GPU_CONFIGS = ("mixtral", "qwen2-moe", "phi3.5-moe", "deepseek-v3-like")
 GPU_TOKENS = (128, 1024, 4096, 16384)
 CPU_TOKENS = (64, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: ``--fp8-accumulation``: :class:`comet.quant.Fp8`'s ``fast_accumulation`` off / on.
-FP8_ACCUMULATIONS = ("fp32", "fast")
 #: ``--dtype`` of comet's FP8 layer: bf16 rows, FP8 experts (``MoEConfig.fp8``).
 FP8 = "fp8"
 FP8_INTERPRETED_NOTE = ("fp8 without a GPU: comet's FP8 layer runs under the Triton "
@@ -119,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines, reference GEMMs, NCCL or peers, whose columns stay "
                         "empty -- what --dtype bf16 fp8's ratios need, in a fraction of "
                         "the time")
-    g.add_argument("--fp8-accumulation", choices=FP8_ACCUMULATIONS, default="fp32",
-                   help="with --dtype fp8: fp32 (default: every FP8 MMA instruction's sum "
-                        "promoted to fp32) or fast (the tensor cores sum a whole 128-wide K "
-                        "step first: comet.quant.Fp8(fast_accumulation=True)); the FP8 "
-                        "records name it")
+    g.add_argument("--fp8-promotion-k", type=int, choices=PROMOTION_KS, default=None,
+                   help=f"with --dtype fp8: the K values the FP8 tensor cores sum before "
+                        f"the sum is promoted to fp32 (comet.quant.Fp8.promotion_k): "
+                        f"{PROMOTION_K}, one K step (default), or 32, every MMA "
+                        f"instruction; the FP8 records name it")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -408,8 +406,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     if len(plain) > 1:
         parser.error("--dtype takes one row dtype per run, and fp8 beside it")
     fp8 = FP8 in dtypes
-    if args.fp8_accumulation != "fp32" and not fp8:
-        parser.error("--fp8-accumulation needs --dtype fp8")
+    if args.fp8_promotion_k is not None and not fp8:
+        parser.error("--fp8-promotion-k needs --dtype fp8")
     if fp8 and (args.tp > 1 or args.timeline or args.redundant_experts is not None):
         parser.error("--dtype fp8 times an expert-parallel sweep (no --tp, --timeline or "
                      "--redundant-experts)")
@@ -516,7 +514,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         fp8_layer = None
         if fp8:
             fp8_layer = _fp8_layer(name, cfg, w13, w2, meta, args.seed, group, device,
-                                   world, rank, args.fp8_accumulation)
+                                   world, rank, args.fp8_promotion_k or PROMOTION_K)
             if isinstance(fp8_layer, str):
                 notes.append(fp8_layer)
                 fp8_layer = None
@@ -535,8 +533,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                     f8 = fp8_layer
                     for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
                                           f8.down, f8.fused, args.layers, deepgemm):
-                        records.append({**meta, **r, "fp8_accumulation":
-                                        args.fp8_accumulation, "notes": notes})
+                        records.append({**meta, **r, "fp8_promotion_k":
+                                        f8.cfg.fp8.promotion_k, "notes": notes})
                 partial.save(records)
                 bar.update()
         if peers is not None:
@@ -564,12 +562,12 @@ class _Fp8Layer:
 
 
 def _fp8_layer(name: str, cfg: MoEConfig, w13, w2, meta: dict, seed: int, group, device,
-               world: int, rank: int, accumulation: str = "fp32") -> _Fp8Layer | str:
+               world: int, rank: int, promotion_k: int = PROMOTION_K) -> _Fp8Layer | str:
     """The :class:`_Fp8Layer` of ``cfg`` on this rank's experts quantized (``w13``/``w2``
     where they are bf16, else the same draws in bf16), or a note saying why the config
-    has no FP8 form. ``accumulation``: one of :data:`FP8_ACCUMULATIONS`."""
+    has no FP8 form. ``promotion_k``: :attr:`comet.quant.Fp8.promotion_k`."""
     try:
-        fp8 = Fp8(fast_accumulation=accumulation == "fast")
+        fp8 = Fp8(promotion_k=promotion_k)
         cfg8 = cfg.replace(dtype=torch.bfloat16, fp8=fp8)
         check_layout(cfg8, ParallelConfig(world, rank))
     except ValueError as err:

@@ -46,7 +46,7 @@ from comet.kernels.group_gemm import grouped_work, store_tile
 from comet.quant import AMAX_EPS as _EPS
 from comet.quant import E4M3, E4M3_MAX as _MAX
 from comet.quant import SCALE_PER_AMAX as _PER_AMAX
-from comet.quant import GROUP, Fp8Rows, Fp8Weight
+from comet.quant import GROUP, PROMOTION_K, Fp8Rows, Fp8Weight
 
 #: The recipe's numbers, as the kernels read them.
 E4M3_MAX = constexpr(_MAX)
@@ -352,12 +352,11 @@ LAYER0_BLOCK_N = GROUP
 MIN_BLOCK_K = 32
 
 
-def imprecise_acc(fast_accumulation: bool, block_k: int) -> int:
-    """``max_num_imprecise_acc`` of the K loop's dots: the whole K step with
-    ``fast_accumulation`` (:class:`comet.quant.Fp8`), else one MMA instruction's K (or
-    the whole step when it is shorter), so that every instruction's sum is promoted to
-    fp32."""
-    return block_k if fast_accumulation else min(block_k, MIN_BLOCK_K)
+def imprecise_acc(promotion_k: int, block_k: int) -> int:
+    """``max_num_imprecise_acc`` of the K loop's dots: :attr:`comet.quant.Fp8.promotion_k`
+    values, or the whole K step when it is shorter (each step's sum is promoted anyway:
+    it is scaled into the fp32 accumulator)."""
+    return min(block_k, promotion_k)
 
 
 class Fp8Operands(NamedTuple):
@@ -382,7 +381,7 @@ def fused_k_step(w: Fp8Weight) -> int:
 def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
                    out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
                    group_m: int, activation: GatedActivation | None = None,
-                   fast_accumulation: bool = False, gather: Fp8Gather | None = None
+                   promotion_k: int = PROMOTION_K, gather: Fp8Gather | None = None
                    ) -> tuple[Fp8Operands, Fp8Tile]:
     """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
     K]`` (any row stride: layer0 reads them where the dispatch packed them with their
@@ -405,7 +404,7 @@ def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: to
         activation is not None)),
         act_tile(activation) if activation is not None else act_tile(),
         constexpr(activation is not None),
-        constexpr(imprecise_acc(fast_accumulation, block_k)),
+        constexpr(imprecise_acc(promotion_k, block_k)),
         A_OWN=constexpr(gather is not None and gather.own is not None),
         A_GATHER=constexpr(gather is not None))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
@@ -432,7 +431,8 @@ def m_tiles(expert_rows: list[int], block_m: int, device: torch.device | str = "
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """Tile and launch of :func:`fp8_group_gemm` (``programs``: None launches one program
-    per work item; else that many persistent programs)."""
+    per work item; else that many persistent programs; ``promotion_k``: as
+    :class:`comet.quant.Fp8`)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -441,7 +441,7 @@ class Fp8GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     programs: int | None = None
-    fast_accumulation: bool = False
+    promotion_k: int = PROMOTION_K
 
 
 def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
@@ -474,7 +474,7 @@ def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
     tile = Fp8Tile(*(constexpr(v) for v in (
         c.block_m, c.block_n, c.block_k, c.group_m, a.group, bn, bk, scalar_b, activation is not None)),
         act_tile(activation) if activation is not None else act_tile(),
-        constexpr(requant), constexpr(imprecise_acc(c.fast_accumulation, c.block_k)))
+        constexpr(requant), constexpr(imprecise_acc(c.promotion_k, c.block_k)))
     a_desc = TensorDescriptor.from_tensor(a.data, [c.block_m, c.block_k])
     b_desc = TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                           [c.block_n, c.block_k])

@@ -7,10 +7,10 @@ a one-warp producer partition streams the boxes through ``STAGES`` slots of shar
 with TMA, and the consumer warpgroups promote each wgmma's product while the next one
 runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
 prefill GEMM with one wgmma per 128-K step, where the ``tl`` loop of the fused layers
-runs ~450: docs/precision.md). The default recipe promotes every 32 K (four wgmmas on
-slices of a step's boxes); ``fast_accumulation`` every step -- on an H100, 568 and 878.5
-TFLOP/s at that shape: a promotion per 32 K costs the CUDA cores what the wgmma costs the
-tensor cores.
+runs ~450: docs/precision.md). The default recipe promotes every step's sum (128 K);
+``promotion_k=32`` promotes every 32 K (four wgmmas on slices of a step's boxes) -- on an
+H100, 878.5 and 568 TFLOP/s at that shape: a promotion per 32 K costs the CUDA cores what
+the wgmma costs the tensor cores.
 
 A work item is one m-tile of the plan's table (``BLOCK_M`` = 64 rows of one expert) times
 two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``), on two
@@ -51,7 +51,7 @@ from comet.kernels.activation import Act, act_tile, gated
 from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8GemmConfig, MTiles,
                                     bf16_out, check_group_gemm, imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
-from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
+from comet.quant import E4M3, GROUP, PROMOTION_K, Fp8Rows, Fp8Weight
 
 #: Rows of a work item: the FP8 plan's m-tile (comet.runtime.layer.FP8_BLOCK_M), one
 #: warpgroup's wgmma rows.
@@ -225,10 +225,10 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
     """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
     ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
     promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
-    runs; the last one drained. With ``MMA_K`` = 32 (the default recipe) that is every
-    instruction's sum, as ``max_num_imprecise_acc=32`` asks -- whose lowering takes
-    another register tile and spilled here -- and with ``BLOCK_K`` (``fast_accumulation``)
-    a whole step's. A wgmma writes into a tile already promoted (``spare``: the operand
+    runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default recipe) that is
+    a whole step's sum, and with 32 (``promotion_k=32``) every instruction's, as
+    ``max_num_imprecise_acc=32`` asks -- whose lowering takes another register tile and
+    spilled here. A wgmma writes into a tile already promoted (``spare``: the operand
     of a ``use_acc=False`` wgmma is only its registers), so the accumulator and two
     product tiles are all the registers it takes. Returns the accumulator and two spares."""
     SLICES: gl.constexpr = t.BLOCK_K // t.MMA_K
@@ -419,11 +419,11 @@ def fits(w: Fp8Weight, gated: bool) -> bool:
     return bn % BLOCK_N == 0 and bk % BLOCK_K == 0 and up_aligned and w.k % 16 == 0
 
 
-def unroll(k: int, fast_accumulation: bool) -> int:
+def unroll(k: int, promotion_k: int) -> int:
     """K steps per drained group: the most, up to :data:`MAX_UNROLL`, dividing the steps
-    -- one without ``fast_accumulation``, whose step is already four wgmmas in a chain
-    (two steps of them spilled layer0's kernel 1.7 KB at 168 registers)."""
-    if not fast_accumulation:
+    -- one where ``promotion_k`` splits a step into a chain of wgmmas (two steps of four
+    spilled layer0's kernel 1.7 KB at 168 registers)."""
+    if promotion_k < BLOCK_K:
         return 1
     steps = triton.cdiv(k, BLOCK_K)
     return next(u for u in range(MAX_UNROLL, 0, -1) if steps % u == 0)
@@ -446,14 +446,13 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles, epi: tuple,
             *, activation: GatedActivation | None = None, scatter: bool = False,
-            group_m: int = 8, fast_accumulation: bool = False) -> WsLaunch:
+            group_m: int = 8, promotion_k: int = PROMOTION_K) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides) times ``w``, over ``tiles`` (m-tiles
     of at most :data:`BLOCK_M` rows): with ``activation`` (``w = [gate | up]``), h into
     ``epi`` (:class:`WsH`); else ``epi`` a :class:`WsOut` or (``scatter``) the scatter
     epilogue's :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`.
-    ``fast_accumulation``: as :class:`comet.quant.Fp8` (off: every wgmma instruction's
-    32-value sum promoted to fp32, not a whole 128-value step)."""
+    ``promotion_k``: as :class:`comet.quant.Fp8`."""
     gated_ = activation is not None
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
@@ -467,11 +466,11 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles,
     op = WsOperands(tiles, a_scale, a_scale.stride(0), a_scale.stride(1), rows, w.scale_inv,
                     sn, up_row, nb, n, k)
     tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
-                                           unroll(k, fast_accumulation), GROUP, bn, bk,
+                                           unroll(k, promotion_k), GROUP, bn, bk,
                                            gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(fast_accumulation, BLOCK_K)))
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)))
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     return WsLaunch(TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout),
@@ -482,7 +481,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles,
 
 def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  fast_accumulation: bool = False, out: torch.Tensor | None = None
+                  promotion_k: int = PROMOTION_K, out: torch.Tensor | None = None
                   ) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
@@ -504,7 +503,7 @@ def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
         epi = WsOut(bf16_out(out, rows, n, a.data.device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
-                     fast_accumulation=fast_accumulation)
+                     promotion_k=promotion_k)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))

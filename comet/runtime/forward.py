@@ -195,9 +195,10 @@ class ForwardCall:
         self.fp8 = ws.cfg.fp8 is not None
         # The warp-specialized GEMMs serve the calls whose layer1 scatters: fused ones
         # (the decomposed modes run the reduce strategy, whose comm role counts GEMM
-        # tiles). Only an FP8 layer without a gathered dispatch has the field on
-        # (runtime.layer.layer_tile).
-        self.ws_gemm = tile.variant.fp8_ws_min_rows > 0 and self.strategy.name == "scatter"
+        # tiles). An FP8 layer has the field on only where the kernel fits it
+        # (runtime.layer.layer_tile); a bf16 layer ignores it.
+        self.ws_gemm = (self.fp8 and tile.variant.fp8_ws_min_rows > 0
+                        and self.strategy.name == "scatter")
         if self.fp8:
             dispatch, gemm0, item0, gemm1, item1 = self._fp8_layers(homes)
             splits = column_splits(tile, ws.cfg.hidden_size)
@@ -239,15 +240,15 @@ class ForwardCall:
         dispatch = dispatch_of(ws, ws.home_addr, homes, gather)._replace(
             row_bytes=ws.home_rows.shape[1])
         rows, scales = packed_views(ws.local.a0, h)
-        fast = ws.cfg.fp8.fast_accumulation
+        promotion = ws.cfg.fp8.promotion_k
         gemm0, item0 = fused_fp8_gemm(rows, scales, self.w13, ws.h, ws.h_scale,
                                       block_m=tile.gemm.block_m, block_n=LAYER0_BLOCK_N,
                                       group_m=tile.gemm.group_m, activation=ws.cfg.activation,
-                                      fast_accumulation=fast,
+                                      promotion_k=promotion,
                                       gather=self._fp8_gather() if gather else None)
         gemm1, item1 = fused_fp8_gemm(ws.h, ws.h_scale, self.w2, ws.out1, None,
                                       block_m=tile.gemm.block_m, block_n=tile.gemm.block_n1,
-                                      group_m=tile.gemm.group_m, fast_accumulation=fast)
+                                      group_m=tile.gemm.group_m, promotion_k=promotion)
         return dispatch, gemm0, item0, gemm1, item1
 
     def _ws_layers(self) -> tuple[WsLaunch, WsLaunch]:
@@ -259,7 +260,7 @@ class ForwardCall:
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
         rows, scales = packed_views(ws.local.a0, cfg.hidden_size)
-        kw = dict(group_m=self.tile.gemm.group_m, fast_accumulation=cfg.fp8.fast_accumulation)
+        kw = dict(group_m=self.tile.gemm.group_m, promotion_k=cfg.fp8.promotion_k)
         layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,

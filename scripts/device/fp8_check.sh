@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decide|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -13,21 +13,14 @@
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
-#             (FP8_ACCUMULATION=fast: with the tensor cores' fast accumulation; FP8_BENCH_CONFIGS,
+#             (FP8_PROMOTION_K=32: every MMA instruction's sum promoted; FP8_BENCH_CONFIGS,
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
 #   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows, opt-in):
 #             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
-#             rows, N = 28672, K = 4096) on it, fast and fp32-promoted, beside the prototype
+#             rows, N = 28672, K = 4096) on it, promoted per K step and per 32 K, beside the prototype
 #             and the tl kernel; then calls with it asked for in every one (--tile
 #             fp8_ws_min_rows=1), decode and prefill, bf16 and FP8 in one run, beside the
 #             plain FP8 bench's records (FP8_WS_CONFIGS narrows the presets)
-#   decide    the two choices left open on 2026-12-05, in one call: how far the layer on the
-#             warp-specialized GEMMs lands from its emulation in each accumulation
-#             (fp8_layer_diff.py --ws-min-rows 1) and the tl layer's at deepseek-v3-like size;
-#             then FP8 calls with each 128-K step promoted on the tl kernels and on the
-#             warp-specialized ones (--tile fp8_ws_min_rows=1), record by record
-#             (comet bench --from-json ... --against ...): the default accumulation and
-#             the default fp8_ws_min_rows come from these (FP8_DECIDE_CONFIGS narrows)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -49,7 +42,7 @@ bench() {   # $1: folder, then comet bench arguments
   mkdir -p "$dir"
   timeout "${FP8_BENCH_TIMEOUT_S:-300}" python3 -m comet.cli.bench --nproc 1 --layers moe \
     --routing uniform --iters "${FP8_BENCH_ITERS:-10}" --no-plot --output-dir "$dir" \
-    --fp8-accumulation "${FP8_ACCUMULATION:-fp32}" "$@" \
+    ${FP8_PROMOTION_K:+--fp8-promotion-k "$FP8_PROMOTION_K"} "$@" \
     > "$dir/bench.log" 2>&1 || status=1
   tail -n 25 "$dir/bench.log"
 }
@@ -76,32 +69,15 @@ for step in "${@:-diff kernels tests}"; do
       ws) run_tests ws tests/test_gpu_fp8_ws.py "${FP8_WS_TIMEOUT_S:-300}"
           mkdir -p "$OUT/ws"
           OUT="$OUT/ws" timeout 200 python3 scripts/device/fp8_gemm_probe.py --budget-s 150 \
-            --variants comet-ws,comet-ws-fast,gluon-ws-stages4,tl-64x128x128-w4-s4 \
-            --decode-variants comet-ws,comet-ws-fast > "$OUT/ws/probe.log" 2>&1 || status=1
+            --variants comet-ws,comet-ws-k32,gluon-ws-stages4,tl-64x128x128-w4-s4 \
+            --decode-variants comet-ws,comet-ws-k32 > "$OUT/ws/probe.log" 2>&1 || status=1
           tail -n 12 "$OUT/ws/probe.log"
           bench bench-ws --dtype bf16 fp8 --only-fused --tile fp8_ws_min_rows=1 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
-      decide) mkdir -p "$OUT/decide"
-              timeout 150 python3 scripts/device/fp8_layer_diff.py --ws-min-rows 1 --tokens 2048 \
-                --configs deepseek-v3-like mixtral qwen2-moe \
-                --output "$OUT/decide/diff-ws.json" > "$OUT/decide/diff.log" 2>&1 || status=1
-              timeout 60 python3 scripts/device/fp8_layer_diff.py --tokens 2048 \
-                --configs deepseek-v3-like --output "$OUT/decide/diff-tl.json" \
-                >> "$OUT/decide/diff.log" 2>&1 || status=1
-              FP8_ACCUMULATION=fast bench decide/tl --dtype fp8 --only-fused \
-                --config ${FP8_DECIDE_CONFIGS:-mixtral qwen2-moe deepseek-v3-like} \
-                --tokens 128 1024 4096 16384
-              FP8_ACCUMULATION=fast bench decide/ws --dtype bf16 fp8 --only-fused \
-                --tile fp8_ws_min_rows=1 \
-                --config ${FP8_DECIDE_CONFIGS:-mixtral qwen2-moe deepseek-v3-like} \
-                --tokens 128 1024 4096 16384
-              python3 -m comet.cli.bench --from-json "$OUT"/decide/ws/bench-*.json \
-                --against "$OUT"/decide/tl/bench-*.json --output-dir "$OUT/decide" \
-                2>&1 | tail -n 30 | tee "$OUT/decide/ws-against-tl.txt" ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decide|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|deepgemm)"; exit 2 ;;
     esac
   done
 done

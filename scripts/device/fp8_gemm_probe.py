@@ -163,14 +163,14 @@ def gluon_variant(ws: bool, **kw):
     return run
 
 
-def comet_ws_variant(fast: bool):
+def comet_ws_variant(promotion_k: int):
     """The library's warp-specialized kernel (comet.kernels.fp8_ws: 64-row m-tiles, two
-    column boxes per item), fp32 promotion per instruction or (``fast``) per K step."""
+    column boxes per item), fp32 promotion every ``promotion_k`` K values."""
     from comet.kernels.fp8_ws import BLOCK_M, ws_group_gemm
 
     def run(case: Case, i: int, out):
         return ws_group_gemm(case.x[i], case.w[i], case.tiles[BLOCK_M], out=out,
-                             fast_accumulation=fast)
+                             promotion_k=promotion_k)
     return run
 
 
@@ -252,8 +252,8 @@ def variants():
                    (False, dict(block_m=64, stages=6))]:
         name = ("gluon-ws-" if ws else "gluon-sw-") + "-".join(f"{k}{v_}" for k, v_ in kw.items())
         v[name] = (gluon_variant(ws, **kw), True)
-    v["comet-ws"] = (comet_ws_variant(False), True)
-    v["comet-ws-fast"] = (comet_ws_variant(True), True)
+    v["comet-ws"] = (comet_ws_variant(128), True)
+    v["comet-ws-k32"] = (comet_ws_variant(32), True)
     v["tl-per-tensor-128x256-w8-s3"] = per_tensor_variant()
     v["tl-per-tensor-128x128-w8-s4"] = per_tensor_variant(bn=128, stages=4)
     v["cublas-fp8-per-tensor"] = scaled_mm_per_tensor()

@@ -10,8 +10,8 @@ tells the candidate causes apart on one call at a preset's size (EP=1):
   or the emulation;
 * h of the standalone layer0 against the emulation's quantized h: the share of e4m3
   values equal and the scales' difference -> layer0 or layer1;
-* both accumulations (:class:`comet.quant.Fp8` ``fast_accumulation``): the MMA's
-  reduced-precision sum over a 128-wide K step, or every instruction promoted to fp32;
+* both promotion intervals (:attr:`comet.quant.Fp8.promotion_k`): the MMA's
+  reduced-precision sum over a 128-wide K step promoted to fp32, or every instruction's;
 * the same math with cuBLAS's FP8 tensor-core GEMM summing each K block (fast
   accumulation off): how far any Hopper FP8 MMA lands from the exact-fp32 emulation;
 * the fused output's error per token: a few tokens far off (a wrong row, tile or scale)
@@ -31,7 +31,8 @@ from comet.activation import gated
 from comet.bench.provenance import write_result
 from comet.config import PRESETS, MoEConfig
 from comet.kernels.fp8_gemm import Fp8GemmConfig, fp8_group_gemm, m_tiles, quantize_rows_triton
-from comet.quant import GROUP, Fp8, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
+from comet.quant import (GROUP, PROMOTION_KS, Fp8, Fp8Rows, Fp8Weight, quantize_rows,
+                         quantize_weight)
 
 DEVICE = "cuda"
 #: Experts quantized at once (a preset's fp32 copies do not fit at once).
@@ -101,7 +102,7 @@ def tensor_core_layer(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation):
     return combine(x, ids, wts, gu8.experts, mlp)
 
 
-def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation, fast: bool):
+def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation, promotion_k: int):
     """The layer on the phase-1 kernels: ``(y fp32 [M, H], h per expert, emulated h per
     expert)``."""
     e = gu8.experts
@@ -111,7 +112,7 @@ def standalone(x, ids, wts, gu8: Fp8Weight, dn8: Fp8Weight, activation, fast: bo
     tok = order // ids.shape[1]
     rows = quantize_rows_triton(x[tok])
     tiles = m_tiles(counts, 128, x.device)
-    config = Fp8GemmConfig(fast_accumulation=fast)
+    config = Fp8GemmConfig(promotion_k=promotion_k)
     h = fp8_group_gemm(rows, gu8, tiles, activation=activation, requant=True, config=config)
     out = fp8_group_gemm(h, dn8, tiles, config=config)
     y = torch.zeros(x.shape[0], x.shape[1], device=x.device)
@@ -151,9 +152,9 @@ def main() -> None:
     else:
         presets = PRESETS
     records = []
-    for name, fast in [(n, f) for n in a.configs for f in (False, True)]:
+    for name, promotion in [(n, p) for n in a.configs for p in PROMOTION_KS]:
         cfg = presets[name].replace(max_tokens=max(a.tokens, 16),
-                                    fp8=Fp8(fast_accumulation=fast))
+                                    fp8=Fp8(promotion_k=promotion))
         e, h, f, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
         g = torch.Generator(device=DEVICE).manual_seed(0)
         gu8 = quantized((e, 2 * f, h), h ** -0.5, g, parts=2)
@@ -169,7 +170,7 @@ def main() -> None:
         layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
         y = layer(x, ids, wts).float()
         y_std, h_std, h_emul, counts = standalone(x, ids, wts, gu8, dn8, cfg.activation,
-                                                  fast)
+                                                  promotion)
         xq, xq_ref = quantize_rows_triton(x), quantize_rows(x.float())
         hq = torch.cat([r.data.view(torch.uint8) for r in h_emul])
         hs = torch.cat([r.scale for r in h_emul])
@@ -177,7 +178,7 @@ def main() -> None:
                   if DEVICE == "cuda" else expect)
         per_token = ((y - expect).norm(dim=1) / expect.norm(dim=1).clamp_min(1e-12))
         record = {
-            "config": name, "tokens": a.tokens, "fast_accumulation": fast,
+            "config": name, "tokens": a.tokens, "promotion_k": promotion,
             "warp_specialized": bool(layer.last_tile.variant.fp8_ws_min_rows),
             "x_values_equal": float((xq.data.view(torch.uint8)
                                      == xq_ref.data.view(torch.uint8)).float().mean()),
