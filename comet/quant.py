@@ -46,10 +46,8 @@ SCALE_PER_AMAX = 1.0 / E4M3_MAX
 AMAX_EPS = 1e-10
 #: Consecutive K values of an activation row sharing one scale; the weight block's side.
 GROUP = 128
-#: :attr:`Fp8.promotion_k`'s choices (one wgmma instruction's K, or one K step's) and
-#: its default.
+#: :attr:`Fp8.promotion_k`'s choices: one wgmma instruction's K, or one K step's.
 PROMOTION_KS = (32, 128)
-PROMOTION_K = 128
 
 _UE8M0 = getattr(torch, "float8_e8m0fnu", None)
 #: The exponent byte that means NaN in UE8M0.
@@ -97,24 +95,36 @@ class Fp8:
 
     ``promotion_k``: how many K values Hopper's FP8 tensor cores sum in their own
     accumulator (about 14 bits of mantissa) before the sum joins the fp32 accumulator on
-    the CUDA cores. 128, one K step of the kernels (the default): DeepSeek-V3's promotion
-    interval N_C, DeepGEMM's, and CUTLASS's FP8 GEMM without ``FP8FastAccum``; the layer
-    lands 4.1e-3 (rel L2) from the emulation of exact fp32 sums, as far as cuBLAS's FP8
-    GEMM summing the same 128-K blocks lands (3.4e-3; 2.3e-3 between the two). 32: every
-    wgmma instruction's sum promoted (3.0e-3 from the emulation), at about 0.65x the
-    GEMMs' throughput, since one instruction's promotion takes the CUDA cores as long as
-    its wgmma takes the tensor cores (docs/precision.md). Neither is "fast accumulation" in cuBLAS's or CUTLASS's
-    sense (no promotion at all): comet has none."""
+    the CUDA cores. 128, one K step: DeepSeek-V3's promotion interval N_C, DeepGEMM's,
+    CUTLASS's FP8 GEMM without ``FP8FastAccum``; a 2048-token layer lands 4.1e-3 (rel
+    L2) from the emulation of exact fp32 sums, about as far as cuBLAS's FP8 GEMM summing
+    the same 128-K blocks (3.4e-3). 32: every wgmma instruction's sum (3.0e-3), at about
+    0.65x the GEMMs' throughput where the tensor cores are the bottleneck, since one
+    instruction's promotion takes the CUDA cores as long as its wgmma takes the tensor
+    cores. None (the default): 128 in the warp-specialized GEMMs of large one-rank calls
+    (compute-bound), 32 in the ``tl`` kernels of the others (:meth:`promotion`), whose
+    small calls wait on memory and whose few tokens let 128's error reach the bound
+    (5.04e-3 in a 35-53-token call at EP=4; docs/precision.md). Neither is "fast
+    accumulation" in cuBLAS's or CUTLASS's sense (no promotion at all): comet has none."""
 
     blocks: ScaleBlocks = ScaleBlocks()
-    promotion_k: int = PROMOTION_K
+    promotion_k: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, ScaleBlocks):
             raise ValueError(f"Fp8.blocks must be a ScaleBlocks, got {self.blocks!r}")
-        if type(self.promotion_k) is not int or self.promotion_k not in PROMOTION_KS:
-            raise ValueError(f"Fp8.promotion_k must be one of {PROMOTION_KS}, got "
+        if self.promotion_k is not None and (type(self.promotion_k) is not int
+                                             or self.promotion_k not in PROMOTION_KS):
+            raise ValueError(f"Fp8.promotion_k must be None or one of {PROMOTION_KS}, got "
                              f"{self.promotion_k!r}")
+
+    def promotion(self, warp_specialized: bool) -> int:
+        """K values per fp32 promotion in the warp-specialized GEMMs or the ``tl``
+        kernels: :attr:`promotion_k`, or by default a K step's in the first and one
+        instruction's in the second."""
+        if self.promotion_k is not None:
+            return self.promotion_k
+        return PROMOTION_KS[1] if warp_specialized else PROMOTION_KS[0]
 
 
 def _block_expand(scale: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:

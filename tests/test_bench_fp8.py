@@ -61,7 +61,7 @@ def test_an_fp8_sweep_under_the_interpreter_writes_fp8_records(tmp_path, capsys)
     [b16] = [r for r in records if r["dtype"] == "bfloat16"]
     [f8] = [r for r in records if r["dtype"] == "fp8"]
     assert set(rec.REQUIRED_KEYS) <= set(f8)
-    assert f8["fp8_promotion_k"] == 128 and "fp8_promotion_k" not in b16
+    assert f8["fp8_promotion_k"] == "auto" and "fp8_promotion_k" not in b16
     for mode in ("fused_us", "sequential_us", "compute_only_us", "comm_only_us"):
         assert f8[mode] > 0, mode
     assert f8["skipped_modes"] is None

@@ -160,13 +160,16 @@ def test_fp8_gemm_at_size_on_gpu():
     assert same_fp8(q.data, ref.data).float().mean() > 0.97
 
 
-def test_fp32_promotion_every_k_step_by_default_or_every_mma_instruction():
-    """The K loop's dots: each K step's sum promoted to fp32 by default (DeepSeek-V3's
-    128), each 32-value MMA instruction's with ``promotion_k=32``; a shorter K step (a
-    re-blocked TP shard) is promoted whole either way."""
-    assert Fp8().promotion_k == 128
-    assert imprecise_acc(Fp8().promotion_k, 128) == 128
-    assert imprecise_acc(32, 128) == MIN_BLOCK_K == 32
+def test_fp32_promotion_per_instruction_in_tl_per_k_step_warp_specialized():
+    """By default the ``tl`` K loop's dots promote each 32-value MMA instruction's sum to
+    fp32 and the warp-specialized GEMMs each K step's (DeepSeek-V3's 128); a
+    ``promotion_k`` holds for both; a shorter K step (a re-blocked TP shard) is promoted
+    whole either way."""
+    assert Fp8().promotion(warp_specialized=False) == MIN_BLOCK_K == 32
+    assert Fp8().promotion(warp_specialized=True) == 128
+    for k in (32, 128):
+        assert {Fp8(promotion_k=k).promotion(ws) for ws in (False, True)} == {k}
+    assert imprecise_acc(32, 128) == 32 and imprecise_acc(128, 128) == 128
     assert imprecise_acc(32, 16) == 16 and imprecise_acc(128, 64) == 64
     for bad in (64, 0, True, 128.0):
         with pytest.raises(ValueError, match="promotion_k"):

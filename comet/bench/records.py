@@ -35,8 +35,9 @@ or a per-layer row of a variant that has no layers). Variants:
   a mode the FP8 kernels cannot run is in ``skipped_modes``; ``hbm_floor_us`` counts
   e4m3 weights, their scales and the rows the GEMMs read; ``max_rel_err["fused"]`` is
   against the emulation of the quantized layer (one rank only); ``fp8_promotion_k``
-  the layer's :attr:`comet.quant.Fp8.promotion_k` (``--fp8-promotion-k``; records before
-  2026-12-06 say ``fp8_accumulation``: ``"fp32"`` was 32, ``"fast"`` 128). With a bf16 record of
+  the layer's :attr:`comet.quant.Fp8.promotion_k` (``--fp8-promotion-k``, ``"auto"``: the
+  default; records before 2026-12-06 say ``fp8_accumulation``: ``"fp32"`` was 32 in
+  every GEMM, ``"fast"`` 128). With a bf16 record of
   the same case in the same run: ``bf16_fused_us``, ``fp8_over_bf16``,
   ``bf16_over_fp8``, ``dispatch_bytes_over_bf16`` (:func:`pair_dtypes`). With ``--peers
   deepgemm``: ``deepgemm_gmm_us`` / ``deepgemm_gmm_tflops``, DeepGEMM's grouped FP8 GEMMs

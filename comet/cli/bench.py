@@ -46,7 +46,7 @@ from comet.cli.launch import init_ranks, maybe_relaunch
 from comet.config import PRESETS, MoEConfig, ParallelConfig, check_layout
 from comet.constants import interpreting, kernel_identity, kernels_of
 from comet.mesh import CONVENTIONS, MeshLayout
-from comet.quant import PROMOTION_K, PROMOTION_KS, Fp8, Fp8Weight
+from comet.quant import PROMOTION_KS, Fp8, Fp8Weight
 
 #: Small enough that the CPU run finishes in seconds.
 CPU_CONFIG = "cpu-tiny"
@@ -118,10 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "empty -- what --dtype bf16 fp8's ratios need, in a fraction of "
                         "the time")
     g.add_argument("--fp8-promotion-k", type=int, choices=PROMOTION_KS, default=None,
-                   help=f"with --dtype fp8: the K values the FP8 tensor cores sum before "
-                        f"the sum is promoted to fp32 (comet.quant.Fp8.promotion_k): "
-                        f"{PROMOTION_K}, one K step (default), or 32, every MMA "
-                        f"instruction; the FP8 records name it")
+                   help="with --dtype fp8: the K values the FP8 tensor cores sum before "
+                        "the sum is promoted to fp32 (comet.quant.Fp8.promotion_k): 128, "
+                        "one K step, or 32, every MMA instruction, in every GEMM (default: "
+                        "128 in the warp-specialized GEMMs of large calls, 32 in the "
+                        "others); the FP8 records name it (\"auto\" for the default)")
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
@@ -514,7 +515,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         fp8_layer = None
         if fp8:
             fp8_layer = _fp8_layer(name, cfg, w13, w2, meta, args.seed, group, device,
-                                   world, rank, args.fp8_promotion_k or PROMOTION_K)
+                                   world, rank, args.fp8_promotion_k)
             if isinstance(fp8_layer, str):
                 notes.append(fp8_layer)
                 fp8_layer = None
@@ -534,7 +535,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                     for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
                                           f8.down, f8.fused, args.layers, deepgemm):
                         records.append({**meta, **r, "fp8_promotion_k":
-                                        f8.cfg.fp8.promotion_k, "notes": notes})
+                                        f8.cfg.fp8.promotion_k or "auto", "notes": notes})
                 partial.save(records)
                 bar.update()
         if peers is not None:
@@ -562,7 +563,7 @@ class _Fp8Layer:
 
 
 def _fp8_layer(name: str, cfg: MoEConfig, w13, w2, meta: dict, seed: int, group, device,
-               world: int, rank: int, promotion_k: int = PROMOTION_K) -> _Fp8Layer | str:
+               world: int, rank: int, promotion_k: int | None = None) -> _Fp8Layer | str:
     """The :class:`_Fp8Layer` of ``cfg`` on this rank's experts quantized (``w13``/``w2``
     where they are bf16, else the same draws in bf16), or a note saying why the config
     has no FP8 form. ``promotion_k``: :attr:`comet.quant.Fp8.promotion_k`."""

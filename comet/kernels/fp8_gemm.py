@@ -46,7 +46,7 @@ from comet.kernels.group_gemm import grouped_work, store_tile
 from comet.quant import AMAX_EPS as _EPS
 from comet.quant import E4M3, E4M3_MAX as _MAX
 from comet.quant import SCALE_PER_AMAX as _PER_AMAX
-from comet.quant import GROUP, PROMOTION_K, Fp8Rows, Fp8Weight
+from comet.quant import GROUP, Fp8Rows, Fp8Weight
 
 #: The recipe's numbers, as the kernels read them.
 E4M3_MAX = constexpr(_MAX)
@@ -381,7 +381,7 @@ def fused_k_step(w: Fp8Weight) -> int:
 def fused_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out: torch.Tensor,
                    out_scale: torch.Tensor | None, *, block_m: int, block_n: int,
                    group_m: int, activation: GatedActivation | None = None,
-                   promotion_k: int = PROMOTION_K, gather: Fp8Gather | None = None
+                   promotion_k: int = MIN_BLOCK_K, gather: Fp8Gather | None = None
                    ) -> tuple[Fp8Operands, Fp8Tile]:
     """Operands and work item of a fused layer's FP8 GroupGEMM: the e4m3 rows ``a [rows,
     K]`` (any row stride: layer0 reads them where the dispatch packed them with their
@@ -441,7 +441,7 @@ class Fp8GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     programs: int | None = None
-    promotion_k: int = PROMOTION_K
+    promotion_k: int = MIN_BLOCK_K
 
 
 def fp8_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,

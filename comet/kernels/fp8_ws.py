@@ -7,8 +7,8 @@ a one-warp producer partition streams the boxes through ``STAGES`` slots of shar
 with TMA, and the consumer warpgroups promote each wgmma's product while the next one
 runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
 prefill GEMM with one wgmma per 128-K step, where the ``tl`` loop of the fused layers
-runs ~450: docs/precision.md). The default recipe promotes every step's sum (128 K);
-``promotion_k=32`` promotes every 32 K (four wgmmas on slices of a step's boxes) -- on an
+runs ~450: docs/precision.md). By default it promotes every step's sum (128 K);
+``promotion_k=32`` every 32 K (four wgmmas on slices of a step's boxes) -- on an
 H100, 878.5 and 568 TFLOP/s at that shape: a promotion per 32 K costs the CUDA cores what
 the wgmma costs the tensor cores.
 
@@ -51,7 +51,7 @@ from comet.kernels.activation import Act, act_tile, gated
 from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8GemmConfig, MTiles,
                                     bf16_out, check_group_gemm, imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
-from comet.quant import E4M3, GROUP, PROMOTION_K, Fp8Rows, Fp8Weight
+from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 
 #: Rows of a work item: the FP8 plan's m-tile (comet.runtime.layer.FP8_BLOCK_M), one
 #: warpgroup's wgmma rows.
@@ -225,7 +225,7 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
     """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
     ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
     promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
-    runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default recipe) that is
+    runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default) that is
     a whole step's sum, and with 32 (``promotion_k=32``) every instruction's, as
     ``max_num_imprecise_acc=32`` asks -- whose lowering takes another register tile and
     spilled here. A wgmma writes into a tile already promoted (``spare``: the operand
@@ -446,7 +446,7 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles, epi: tuple,
             *, activation: GatedActivation | None = None, scatter: bool = False,
-            group_m: int = 8, promotion_k: int = PROMOTION_K) -> WsLaunch:
+            group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides) times ``w``, over ``tiles`` (m-tiles
     of at most :data:`BLOCK_M` rows): with ``activation`` (``w = [gate | up]``), h into
@@ -481,7 +481,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles,
 
 def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  promotion_k: int = PROMOTION_K, out: torch.Tensor | None = None
+                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None
                   ) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as

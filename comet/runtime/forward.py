@@ -240,7 +240,7 @@ class ForwardCall:
         dispatch = dispatch_of(ws, ws.home_addr, homes, gather)._replace(
             row_bytes=ws.home_rows.shape[1])
         rows, scales = packed_views(ws.local.a0, h)
-        promotion = ws.cfg.fp8.promotion_k
+        promotion = ws.cfg.fp8.promotion(warp_specialized=False)
         gemm0, item0 = fused_fp8_gemm(rows, scales, self.w13, ws.h, ws.h_scale,
                                       block_m=tile.gemm.block_m, block_n=LAYER0_BLOCK_N,
                                       group_m=tile.gemm.group_m, activation=ws.cfg.activation,
@@ -260,7 +260,8 @@ class ForwardCall:
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
         rows, scales = packed_views(ws.local.a0, cfg.hidden_size)
-        kw = dict(group_m=self.tile.gemm.group_m, promotion_k=cfg.fp8.promotion_k)
+        kw = dict(group_m=self.tile.gemm.group_m,
+                  promotion_k=cfg.fp8.promotion(warp_specialized=True))
         layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,

@@ -13,7 +13,7 @@
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
-#             (FP8_PROMOTION_K=32: every MMA instruction's sum promoted; FP8_BENCH_CONFIGS,
+#             (FP8_PROMOTION_K=32 or 128: that promotion in every GEMM; FP8_BENCH_CONFIGS,
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
 #   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows, opt-in):
 #             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
