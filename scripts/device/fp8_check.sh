@@ -15,7 +15,7 @@
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #             (FP8_PROMOTION_K=32 or 128: that promotion in every GEMM; FP8_BENCH_CONFIGS,
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
-#   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows, opt-in):
+#   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows):
 #             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
 #             rows, N = 28672, K = 4096) on it, promoted per K step and per 32 K, beside the prototype
 #             and the tl kernel; then calls with it asked for in every one (--tile
