@@ -375,11 +375,11 @@ class Variant:
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
             fused forward calls with the scatter epilogue only. A bf16 layer drops it.
-            4 by default: with each K step's sum promoted (comet.quant.Fp8's default)
-            its calls took 0.63-0.97x the ``tl`` kernels' time in every record measured,
-            mixtral, qwen2-moe and deepseek-v3-like at 128-16384 tokens, down to 4 rows
-            per expert (deepseek-v3-like at 128 tokens: 0.95x; 1x H100,
-            benchmarks/results/2026-12-06/README.md); fewer rows are not measured.
+            1 by default (every call with rows): promoting each K step's sum, its calls
+            took 0.63-0.98x the ``tl`` kernels' time in all 18 records measured, mixtral,
+            qwen2-moe and deepseek-v3-like at 1-16384 tokens (1x H100,
+            benchmarks/results/2026-12-06/README.md): 0.91-0.98x at 1-32 tokens, where
+            both stream the weights; 0.63-0.78x at 4096-16384.
     """
 
     layer1_scatter: bool = True
@@ -390,7 +390,7 @@ class Variant:
     layer0_tail_split: int = 4
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
-    fp8_ws_min_rows: int = 4
+    fp8_ws_min_rows: int = 1
 
     def __post_init__(self):
         if self.layer1_split_k < 1:

@@ -17,10 +17,11 @@
 #             FP8_BENCH_TOKENS narrow the sweep, FP8_BENCH_QWEN3=0 leaves that shape out)
 #   ws        the warp-specialized GEMM (comet.kernels.fp8_ws, Variant.fp8_ws_min_rows):
 #             tests/test_gpu_fp8_ws.py; the GEMM gate probe (Mixtral-sized prefill, 8 x 2048
-#             rows, N = 28672, K = 4096) on it, promoted per K step and per 32 K, beside the prototype
-#             and the tl kernel; then calls with it asked for in every one (--tile
-#             fp8_ws_min_rows=1), decode and prefill, bf16 and FP8 in one run, beside the
-#             plain FP8 bench's records (FP8_WS_CONFIGS narrows the presets)
+#             rows, N = 28672, K = 4096) on it, promoted per K step and per 32 K, beside
+#             the prototype and the tl kernel; then FP8 calls without it (--tile
+#             fp8_ws_min_rows=0: the tl kernels), decode and prefill, to hold against the
+#             bench step's records (comet bench --from-json ... --against ...;
+#             FP8_WS_CONFIGS narrows the presets)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -72,7 +73,7 @@ for step in "${@:-diff kernels tests}"; do
             --variants comet-ws,comet-ws-k32,gluon-ws-stages4,tl-64x128x128-w4-s4 \
             --decode-variants comet-ws,comet-ws-k32 > "$OUT/ws/probe.log" 2>&1 || status=1
           tail -n 12 "$OUT/ws/probe.log"
-          bench bench-ws --dtype bf16 fp8 --only-fused --tile fp8_ws_min_rows=1 \
+          bench bench-tl --dtype fp8 --only-fused --tile fp8_ws_min_rows=0 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
