@@ -101,10 +101,12 @@ class Fp8:
     the same 128-K blocks (3.4e-3). 32: every wgmma instruction's sum (3.0e-3), at about
     0.65x the GEMMs' throughput where the tensor cores are the bottleneck, since one
     instruction's promotion takes the CUDA cores as long as its wgmma takes the tensor
-    cores. None (the default): 128 in the warp-specialized GEMMs of large one-rank calls
-    (compute-bound), 32 in the ``tl`` kernels of the others (:meth:`promotion`), whose
-    small calls wait on memory and whose few tokens let 128's error reach the bound
-    (5.04e-3 in a 35-53-token call at EP=4; docs/precision.md). Neither is "fast
+    cores. None (the default): 128 in the warp-specialized GEMMs (a one-rank layer's
+    calls of ``Variant.fp8_ws_min_rows`` rows per expert and more: compute-bound when
+    large), 32 in the ``tl`` kernels of the others (:meth:`promotion`): layers with peers,
+    small calls, which wait on memory, and where 128 over a few tokens reached the bound
+    (5.04e-3 in one call of the EP=4 liveness stress, 0-384 tokens a rank;
+    docs/precision.md). Neither is "fast
     accumulation" in cuBLAS's or CUTLASS's sense (no promotion at all): comet has none."""
 
     blocks: ScaleBlocks = ScaleBlocks()
