@@ -1,9 +1,9 @@
 """comet.kernels.fp8_ws, the warp-specialized FP8 GroupGEMM (Gluon: no interpreter, so
 GPU only, marker gpu): the plain GEMM and layer0's gated, requantizing one against the
 fp32 emulation (partial column boxes, ragged K and F, every activation variant), and the
-one-rank FP8 layer whose large calls run it (``Variant.fp8_ws_min_rows``, asked for: off by
-default) against the emulation -- large and small calls interleaved, graph replays, and many back-to-back
-calls of drifting sizes at a preset's full width."""
+one-rank FP8 layer whose large calls run it (``Variant.fp8_ws_min_rows``, here a threshold
+of its own) against the emulation -- large and small calls interleaved, graph replays, and
+many back-to-back calls of drifting sizes at a preset's full width."""
 
 import pytest
 import torch
