@@ -374,14 +374,10 @@ class Variant:
             FP8 layer keeps it only where it has none and its weights' scale blocks fit
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
-            fused forward calls with the scatter epilogue only. A bf16 layer drops it.
-            4 by default: promoting each K step's sum, its calls took 0.63-0.97x the
-            ``tl`` kernels' time at 128-16384 tokens (mixtral, qwen2-moe,
-            deepseek-v3-like; 1x H100, benchmarks/results/2026-12-06/README.md), and the
-            GPU tests pass with it from 4 rows. Below, at 1-32 tokens, it was faster too
-            (0.91-0.98x), but per-128 promotion over so few tokens has not been held to
-            the 5e-3 bound by a GPU test (its error spreads wider the fewer the tokens:
-            docs/precision.md), so 1 is not the default yet.
+            fused forward calls with the scatter epilogue only. A bf16 layer ignores it.
+            4 by default: faster than the ``tl`` kernels at every size measured, and
+            GPU-tested from 4 rows; below that its per-128 promotion over a few tokens is
+            not yet held to the accuracy bound (docs/precision.md).
     """
 
     layer1_scatter: bool = True

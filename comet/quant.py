@@ -94,20 +94,13 @@ class Fp8:
     in the layer's dtype. ``Fp8()`` is the checkpoints' 128 x 128 recipe.
 
     ``promotion_k``: how many K values Hopper's FP8 tensor cores sum in their own
-    accumulator (about 14 bits of mantissa) before the sum joins the fp32 accumulator on
-    the CUDA cores. 128, one K step: DeepSeek-V3's promotion interval N_C, DeepGEMM's,
-    CUTLASS's FP8 GEMM without ``FP8FastAccum``; a 2048-token layer lands 4.1e-3 (rel
-    L2) from the emulation of exact fp32 sums, about as far as cuBLAS's FP8 GEMM summing
-    the same 128-K blocks (3.4e-3). 32: every wgmma instruction's sum (3.0e-3), at about
-    0.65x the GEMMs' throughput where the tensor cores are the bottleneck, since one
-    instruction's promotion takes the CUDA cores as long as its wgmma takes the tensor
-    cores. None (the default): 128 in the warp-specialized GEMMs (a one-rank layer's
-    calls of ``Variant.fp8_ws_min_rows`` rows per expert and more: compute-bound when
-    large), 32 in the ``tl`` kernels of the others (:meth:`promotion`): layers with peers,
-    small calls, which wait on memory, and where 128 over a few tokens reached the bound
-    (5.04e-3 in one call of the EP=4 liveness stress, 0-384 tokens a rank;
-    docs/precision.md). Neither is "fast
-    accumulation" in cuBLAS's or CUTLASS's sense (no promotion at all): comet has none."""
+    accumulator (about 14 bits of mantissa) before the sum joins the fp32 accumulator:
+    128, one K step (DeepSeek-V3's interval, DeepGEMM's, CUTLASS's without
+    ``FP8FastAccum``), or 32, every wgmma instruction (closer to exact fp32 sums, slower
+    where the tensor cores are the bottleneck). None (the default): 128 in the
+    warp-specialized GEMMs, 32 in the ``tl`` kernels (:meth:`promotion`). The
+    measurements behind the choice: docs/precision.md, "Accumulation". Neither is "fast
+    accumulation" in cuBLAS's or CUTLASS's sense (never promoted): comet has none."""
 
     blocks: ScaleBlocks = ScaleBlocks()
     promotion_k: int | None = None
