@@ -153,7 +153,9 @@ class ErrorReports:
         if self.mode == "sync" or self._pending is None:
             self.check_now()
             return
-        self._raise_for(self._pending_host.tolist())
+        word = self._pending_host.tolist()
+        if word[0] or word[ERROR_WORD]:     # else all clear, the common case: nothing to parse
+            self._raise_for(word)
 
     def check_now(self) -> None:
         """Synchronise and raise if any call so far failed (or had bad routing)."""

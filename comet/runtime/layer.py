@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,9 +43,13 @@ from comet.runtime.inputs import check_inputs
 from comet.runtime.selection import Selector
 from comet.runtime.staging import StagedScalars, StaticInputs, aligned
 from comet.runtime.strategies import gather_pays, scatter_pays
-from comet.runtime.workspace import Workspace, allocate_symmetric, allocate_virtual, timeout_ns
+from comet.runtime.workspace import (TIMEOUT_ENV, Workspace, allocate_symmetric,
+                                     allocate_virtual, timeout_ns)
 from comet.quant import Fp8Weight, fp8_experts
 from comet.weights import interleave_gate_up
+
+#: A layer's timeout setting before its first call (never an environment value).
+_NOT_WRITTEN = object()
 
 
 @dataclass
@@ -424,7 +429,8 @@ class FusedMoE:
                 torch.zeros(rows, slots, dtype=torch.float32, device=self.device),
                 num_experts=cfg.num_experts, ep=mesh.ep, tp=mesh.tp,
                 kept=mesh.coords(par.rank)[1] if convention == "replicated" else -1)
-        self._timeout: int | None = None           # last value written to ws.timeout
+        # The COMET_TIMEOUT_S that ws.timeout was last written from (first call: written)
+        self._timeout_setting: object = _NOT_WRITTEN
         # Per variant: its call and the segments a user's call issues.
         self._calls: dict[tuple, tuple[ForwardCall, list]] = {}
         self.last_comm_blocks: tuple[int, int] | None = None
@@ -516,10 +522,10 @@ class FusedMoE:
                             device=self.device, rank=self.par.rank, contiguous=True)
 
     def _refresh_timeout(self) -> None:
-        timeout = timeout_ns()
-        if timeout != self._timeout:
-            self.ws.timeout.fill_(timeout)
-            self._timeout = timeout
+        setting = os.environ.get(TIMEOUT_ENV)
+        if setting != self._timeout_setting:
+            self.ws.timeout.fill_(timeout_ns(setting))
+            self._timeout_setting = setting
 
     def _grids(self) -> Grids:
         grid = self.programs
@@ -562,7 +568,9 @@ class FusedMoE:
         weights = (topk_weights
                    if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
                    else topk_weights.to(torch.float32).contiguous())
-        call = self._call(mode, n0 > 0, tile, trace)
+        key = (mode, n0 > 0, tile)
+        entry = self._calls.get(key) if trace is None else None
+        call = entry[0] if entry is not None else self._call(mode, n0 > 0, tile, trace)
         n1 = call.strategy.comm_blocks(n1)
         self.last_comm_blocks = (n0, n1)
         self.last_tile = tile
@@ -572,9 +580,8 @@ class FusedMoE:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         self._static.stage(x.data_ptr(), y.data_ptr(), m, n0, n1, ids.data_ptr(),
                            weights.data_ptr(), capturing)
-        key = (mode, n0 > 0, tile)
         if timer is None and trace is None:
-            segments = self._calls[key][1]
+            segments = (entry or self._calls[key])[1]
         elif timer is None:
             segments = [(True, [*call.phases(), self.errors.snapshot])]
         else:

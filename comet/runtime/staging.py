@@ -18,6 +18,7 @@ own segment events already say when a slot may be written again.
 
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
 import torch
@@ -61,15 +62,25 @@ class StagedScalars:
         cuda = torch.device(device).type == "cuda"
         self._ring = (torch.zeros(self.RING, n, dtype=torch.int64, pin_memory=True)
                       if cuda else None)
-        # Written through numpy: no tensor is built per call.
-        self._ring_host = self._ring.numpy() if cuda else None
-        self._rt = topology.cuda_runtime() if cuda else None
         self._row_bytes = n * self.values.element_size()
+        # Slots are written with struct.pack_into on the ring's bytes: no tensor and no
+        # numpy conversion per call (half the host time of a numpy row assignment).
+        self._pack = struct.Struct(f"={n}q").pack_into
+        self._ring_bytes = (memoryview(self._ring.numpy()).cast("B")
+                            if cuda else None)
+        self._rt = topology.cuda_runtime() if cuda else None
+        if self._rt is not None:
+            # Looked up once: cuda-python builds an enum or a stream object per lookup.
+            self._memcpy = self._rt.cudaMemcpyAsync
+            self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            self._success = self._rt.cudaError_t.cudaSuccess
+            self._dst, self._src = self.values.data_ptr(), self._ring.data_ptr()
         self._done: list[torch.cuda.Event | None] = [None] * (self.RING // self.SEGMENT)
         self._next = 0
         self._device = self.values.device
         self._stream: torch.cuda.Stream | None = None   # of the last copy
         self._stream_id = 0
+        self._stream_arg = None                         # the same, as cuda-python takes it
 
     def stage(self, values: Sequence[int], capturing: bool | None = None) -> None:
         """Write ``values`` into :attr:`values` (stream-ordered; no host wait).
@@ -93,22 +104,22 @@ class StagedScalars:
         if stream_id != self._stream_id:
             self._follow(stream_id)
         self._next += 1
-        self._ring_host[slot] = values
-        self._copy(slot, stream_id)
+        self._pack(self._ring_bytes, slot * self._row_bytes, *values)
+        self._copy(slot)
         if first == self.SEGMENT - 1:
             if self._done[segment] is None:
                 self._done[segment] = torch.cuda.Event()
             self._done[segment].record()
 
-    def _copy(self, slot: int, stream_id: int) -> None:
-        """Ring slot ``slot`` into :attr:`values`, ordered on the raw stream ``stream_id``."""
-        rt = self._rt
-        if rt is None:      # no cuda-python: torch's copy (slower on the host, same order)
+    def _copy(self, slot: int) -> None:
+        """Ring slot ``slot`` into :attr:`values`, ordered on the current stream."""
+        if self._rt is None:    # no cuda-python: torch's copy (slower on the host, same order)
             self.values.copy_(self._ring[slot], non_blocking=True)
             return
-        topology.checked(rt, "cudaMemcpyAsync", rt.cudaMemcpyAsync(
-            self.values.data_ptr(), self._ring.data_ptr() + slot * self._row_bytes,
-            self._row_bytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream_id))
+        result = self._memcpy(self._dst, self._src + slot * self._row_bytes,
+                              self._row_bytes, self._h2d, self._stream_arg)
+        if result[0] != self._success:
+            topology.checked(self._rt, "cudaMemcpyAsync", result)
 
     def _follow(self, stream_id: int) -> None:
         """Order the current stream after the last copy's stream."""
@@ -116,6 +127,8 @@ class StagedScalars:
         if self._stream is not None:
             stream.wait_stream(self._stream)
         self._stream, self._stream_id = stream, stream_id
+        if self._rt is not None:
+            self._stream_arg = self._rt.cudaStream_t(stream_id)
 
 
 class StaticInputs:

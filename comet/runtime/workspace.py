@@ -52,11 +52,17 @@ from comet.runtime.strategies import BufferSpec, strategies_of
 _ALIGN = 256  # bytes: keeps every buffer 16-byte vector- and TMA-aligned
 
 
-def timeout_ns() -> int:
-    """Bound of every cross-rank wait, ``COMET_TIMEOUT_S`` (default 10 s), in ns. Kernels
-    read it from :attr:`Workspace.timeout` on the device, so captured graphs follow a
-    change (the layer refreshes it before each call)."""
-    return int(float(os.environ.get("COMET_TIMEOUT_S", "10")) * 1e9)
+TIMEOUT_ENV = "COMET_TIMEOUT_S"
+
+
+def timeout_ns(setting: str | None = None) -> int:
+    """Bound of every cross-rank wait, ``COMET_TIMEOUT_S`` (default 10 s; ``setting``: its
+    value if the caller read it), in ns. Kernels read it from :attr:`Workspace.timeout` on
+    the device, so captured graphs follow a change (the layer refreshes it before each
+    call)."""
+    if setting is None:
+        setting = os.environ.get(TIMEOUT_ENV)
+    return int(float(setting or "10") * 1e9)
 
 
 def chunk_slots(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
