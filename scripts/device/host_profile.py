@@ -9,8 +9,12 @@ Beside them, the same call issued alone, as ``comet bench``'s ``fused_host_us`` 
 ``lone_bench_us`` through the bench's own timing loop (an L2 flush and an event before each
 call, no synchronize: the GPU runs behind). Loop < synced says cold host caches cost the
 difference; synced < bench says the bench's loop does (its launches queued behind a busy
-GPU). Writes ``host_profile.json`` (provenance fields) and ``host_profile.txt`` (the
-profile).
+GPU). The bench-loop call is also given as a spread (10th, 50th, 90th percentile) and
+split into its steps by stamps (``lone_bench_steps_us``: each step of :data:`STAMPED` and
+the gaps between them), beside the host's CPU, load and steal time before and after
+(``machine``): a lone call that is slow in every step says the host was, one slow step says
+where to look. Writes ``host_profile.json`` (provenance fields) and ``host_profile.txt``
+(the profile).
 
     PYTHONPATH=. python scripts/device/host_profile.py --output-dir $OUT
 """
@@ -65,12 +69,80 @@ def lone_synced_us(fn, calls: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def lone_bench_us(fn, calls: int) -> float:
-    """Median host time per call as ``comet bench`` measures it (its timing loop)."""
+def lone_bench_us(fn, calls: int) -> dict:
+    """Host time per call as ``comet bench`` measures it (its timing loop): the median
+    and the 10th and 90th percentiles, us."""
     device = torch.device("cuda")
-    host = time_calls(lambda i, t: fn(), n_sets=1, iters=calls, warmup=3, device=device,
-                      flush=L2Flush(device))["host"]
-    return sorted(host)[len(host) // 2]
+    host = sorted(time_calls(lambda i, t: fn(), n_sets=1, iters=calls, warmup=3,
+                             device=device, flush=L2Flush(device))["host"])
+    return {q: round(host[int(f * (len(host) - 1))], 2)
+            for q, f in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9))}
+
+
+#: The layer's steps whose entry and exit a stamped call records, in call order.
+STAMPED = (("check", "_check"), ("select", "selection.for_call"),
+           ("stage", "_static.stage"), ("replay", "graphs.run"),
+           ("errors", "errors.after_launch"))
+
+
+def lone_bench_steps(layer: FusedMoE, x, ids, w, calls: int) -> dict[str, float]:
+    """Where a call's host time goes inside the bench's timing loop: each step of
+    :data:`STAMPED` and the gaps between them (the rest of ``__call__`` and
+    ``_launch``), median us over ``calls`` calls, from perf_counter stamps taken by
+    wrappers (~0.1 us each)."""
+    stamps: list[tuple[str, float]] = []
+    originals = []
+    for label, path in STAMPED:
+        *parents, attr = path.split(".")
+        owner = layer
+        for part in parents:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+
+        def wrapped(*a, _fn=fn, _label=label, **k):
+            stamps.append((_label + ">", time.perf_counter()))
+            try:
+                return _fn(*a, **k)
+            finally:
+                stamps.append(("<" + _label, time.perf_counter()))
+        originals.append((owner, attr, fn))
+        setattr(owner, attr, wrapped)
+    per_call: list[dict[str, float]] = []
+
+    def call():
+        stamps.clear()
+        stamps.append(("start", time.perf_counter()))
+        layer(x, ids, w)
+        stamps.append(("end", time.perf_counter()))
+        parts = {}
+        for (a, ta), (b, tb) in zip(stamps, stamps[1:]):
+            parts[f"{a}..{b}"] = parts.get(f"{a}..{b}", 0.0) + (tb - ta) * 1e6
+        per_call.append(parts)
+    try:
+        lone_bench_us(call, calls)
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    names = per_call[-1]
+    return {k: round(sorted(p.get(k, 0.0) for p in per_call)[len(per_call) // 2], 2)
+            for k in names}
+
+
+def machine() -> dict:
+    """The host's CPU, load and steal time (a busy or shared host shows in lone calls)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        info["cpu_jiffies"] = dict(zip(("user", "nice", "system", "idle", "iowait", "irq",
+                                        "softirq", "steal"), map(int, fields)))
+    except OSError as e:
+        info["error"] = str(e)
+    return info
 
 
 def steps(layer: FusedMoE, x, ids, w) -> dict:
@@ -123,12 +195,13 @@ def main() -> None:
     a = p.parse_args()
     out_dir = Path(a.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records, text = [], io.StringIO()
+    records, text, start = [], io.StringIO(), machine()
     try:
         profile(a, records, text)
     finally:
         (out_dir / "host_profile.txt").write_text(text.getvalue())
-        write_result(out_dir / "host_profile.json", {"records": records})
+        write_result(out_dir / "host_profile.json", {"records": records,
+                                                     "machine": [start, machine()]})
 
 
 def profile(a, records: list, text: io.StringIO) -> None:
@@ -148,6 +221,7 @@ def profile(a, records: list, text: io.StringIO) -> None:
                 whole = per_call_us(lambda: layer(x, ids, w), a.calls)
                 synced = lone_synced_us(lambda: layer(x, ids, w), a.calls)
                 benched = lone_bench_us(lambda: layer(x, ids, w), a.calls)
+                inside = lone_bench_steps(layer, x, ids, w, a.calls)
                 parts = {k: round(per_call_us(fn, a.calls), 2)
                          for k, fn in steps(layer, x, ids, w).items()}
                 prof = cProfile.Profile()
@@ -162,9 +236,12 @@ def profile(a, records: list, text: io.StringIO) -> None:
                 text.write(s.getvalue())
                 records.append({"config": name, "tokens": m, "host_us": round(whole, 2),
                                 "lone_synced_us": round(synced, 2),
-                                "lone_bench_us": round(benched, 2), "steps_us": parts})
+                                "lone_bench_us": benched["p50"],
+                                "lone_bench_spread_us": benched,
+                                "lone_bench_steps_us": inside, "steps_us": parts})
                 print(name, m, f"whole {whole:.1f} us, alone after a sync {synced:.1f}, "
-                      f"in the bench's loop {benched:.1f}", parts, flush=True)
+                      f"in the bench's loop {benched}", parts, flush=True)
+                print("  inside the bench's loop:", inside, flush=True)
             layer.check_errors_now()
 
 
