@@ -110,21 +110,20 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
         _check(y, _emulate(x, i, w, gu8, dn8, cfg.activation))
 
 
-@pytest.mark.parametrize("name, promotion_k", [
-    ("mixtral", None), ("qwen2-moe", None), ("deepseek-v3-like", None), ("mixtral", 32)])
-def test_small_calls_on_the_warp_specialized_gemms(name, promotion_k):
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3-like", "phi3.5-moe"])
+def test_small_calls_on_the_warp_specialized_gemms(name):
     """Decode-sized calls (1-32 tokens: a few rows per expert, most experts idle) on the
-    warp-specialized GEMMs (``fp8_ws_min_rows=1``), each against the emulation and the
-    bf16 layer with the same bounds as every FP8 call: the fewer a call's tokens, the
-    wider per-128 promotion's spread around its mean, so these are the calls that hold
-    the threshold down. Three routings per size, each call twice (the second replays a
-    graph); the worst relative L2 is printed."""
+    warp-specialized GEMMs with the layer's defaults (``fp8_ws_min_rows=1``; fewer rows
+    than ``fp8_ws_fine_rows``, so every wgmma's sum promoted), each against the
+    emulation and the bf16 layer with the bounds of every FP8 call. Per-128 promotion
+    failed here at e14573e (qwen2-moe 5.9e-3, deepseek-v3-like 5.0002e-3 rel L2): the
+    fewer a call's products per output, the wider its error's spread. Three routings per
+    size, each call twice (the second replays a graph); the worst rel L2 is printed."""
     from test_gpu_fp8 import REL_L2, _bf16, _check, _emulate, _experts, _inputs
-    from comet.runtime.layer import FusedMoE, default_tile
-    cfg = PRESETS[name].replace(max_tokens=64, fp8=Fp8(promotion_k=promotion_k))
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS[name].replace(max_tokens=64, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 21)
-    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=1)
-    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
+    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync")
     worst = 0.0
     for tokens in (1, 2, 3, 5, 8, 16, 32):
         for seed, kind in enumerate(("random", "skewed", "random")):
@@ -133,12 +132,11 @@ def test_small_calls_on_the_warp_specialized_gemms(name, promotion_k):
             bf16 = _bf16(x, i, w, gu, dn, cfg.activation)
             for _ in range(2):
                 y = layer(x, i, w)
-                assert layer.last_tile.variant.fp8_ws_min_rows > 0, tokens
+                v = layer.last_tile.variant
+                assert v.fp8_ws_min_rows > 0 and v.fp8_ws_fine_rows > 0, tokens
                 _check(y, expect, bf16)
-            rel = float((y.float() - expect).norm() / expect.norm())
-            worst = max(worst, rel)
-    print(f"{name} promotion_k={promotion_k}: worst rel L2 {worst:.2e} over 1-32 tokens "
-          f"(bound {REL_L2})")
+            worst = max(worst, float((y.float() - expect).norm() / expect.norm()))
+    print(f"{name}: worst rel L2 {worst:.2e} over 1-32 tokens (bound {REL_L2})")
 
 
 def test_scale_blocks_the_kernel_cannot_read_run_the_tl_kernels():
