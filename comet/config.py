@@ -266,8 +266,7 @@ def tile_field_error(name: str, value) -> str | None:
 
 VariantName = Literal["layer1_scatter", "layer0_gather", "layer0_own_in_place",
                       "layer0_live_rows", "layer0_stream_k", "layer0_tail_split",
-                      "layer1_split_k", "small_plan_blocks", "fp8_ws_min_rows",
-                      "fp8_ws_fine_rows"]
+                      "layer1_split_k", "small_plan_blocks"]
 
 
 @dataclass(frozen=True)
@@ -376,16 +375,9 @@ class Variant:
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
             fused forward calls with the scatter epilogue only. A bf16 layer ignores it.
-            1 by default (every call with rows): faster than the ``tl`` kernels at every
-            size measured (docs/precision.md).
-        fp8_ws_fine_rows: the warp-specialized calls with fewer expected rows per expert
-            than this promote every wgmma instruction's sum (32 K) instead of each K
-            step's (128 K), where the layer's ``Fp8.promotion_k`` is None: a call of a
-            few tokens sums few products per output, so per-128's error, 4.1e-3 of the
-            emulation on average, spreads past issue 68's 5e-3 bound there (5.9e-3 at
-            qwen2-moe, 1-32 tokens), while such a call waits on the weights' bytes, not
-            on the CUDA cores the finer promotion costs. The Selector turns it off for
-            larger calls (comet.runtime.selection.Selector.ws_fine_by_rule); 0: never.
+            4 by default: faster than the ``tl`` kernels at every size measured, and
+            GPU-tested from 4 rows; below that its per-128 promotion over a few tokens is
+            not yet held to the accuracy bound (docs/precision.md).
     """
 
     layer1_scatter: bool = True
@@ -396,8 +388,7 @@ class Variant:
     layer0_tail_split: int = 4
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
-    fp8_ws_min_rows: int = 1
-    fp8_ws_fine_rows: int = 64
+    fp8_ws_min_rows: int = 4
 
     def __post_init__(self):
         if self.layer1_split_k < 1:
@@ -408,8 +399,6 @@ class Variant:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
         if self.fp8_ws_min_rows < 0:
             raise ValueError(f"fp8_ws_min_rows must be >= 0, got {self.fp8_ws_min_rows}")
-        if self.fp8_ws_fine_rows < 0:
-            raise ValueError(f"fp8_ws_fine_rows must be >= 0, got {self.fp8_ws_fine_rows}")
 
     def without(self, names: tuple[VariantName, ...]) -> "Variant":
         """This variant with the fields ``names`` off (False, or 0)."""

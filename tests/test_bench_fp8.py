@@ -188,12 +188,11 @@ def _write_table(folder, layer, splits, tile=None):
 
 def test_a_bf16_table_never_serves_an_fp8_layer_nor_the_other_way(tmp_path):
     """Same shape, same TileConfig (the FP8 layer's; a bf16 layer's own has the FP8-only
-    fields at their defaults): only the dtype tells the tables apart, and each layer loads
+    field at its default): only the dtype tells the tables apart, and each layer loads
     its own or none."""
     fp8 = _layer(CFG8, tmp_path, TileConfig.small())
     bf16 = _layer(CFG, tmp_path, fp8.tile)
-    assert bf16.tile == fp8.tile.with_fields(fp8_ws_min_rows=Variant.fp8_ws_min_rows,
-                                             fp8_ws_fine_rows=Variant.fp8_ws_fine_rows)
+    assert bf16.tile == fp8.tile.with_fields(fp8_ws_min_rows=Variant.fp8_ws_min_rows)
     _write_table(tmp_path, bf16, (1, 2), tile=fp8.tile)
     assert fp8.selection.analytic(32) != (1, 2)
     assert fp8.selection.comm_blocks(32) == fp8.selection.analytic(32)   # not bf16's

@@ -820,38 +820,6 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     assert all(t.variant.fp8_ws_min_rows == rows for t in bf16.tile_variants())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3-like"])
-def test_small_warp_specialized_calls_promote_every_instruction(name):
-    """With the defaults every FP8 call with rows runs the warp-specialized GEMMs; those
-    with fewer expected rows per expert than ``Variant.fp8_ws_fine_rows`` promote every
-    wgmma's sum (32 K), the larger ones each K step's -- the field on exactly where the
-    rule says, off in calls without the GEMM, never on where ``Fp8.promotion_k`` is
-    set, and every tile a call may pick warmed up."""
-    from comet.config import Variant
-    from comet.quant import Fp8
-    from comet.runtime.layer import fp8_tile
-    from comet.runtime.selection import Selector
-    fine = Variant.fp8_ws_fine_rows
-    cfg = preset(name).replace(fp8=Fp8(), max_tokens=16384)
-    selection = Selector(cfg, 1, fp8_tile(TileConfig(), warp_specialized=True), 132,
-                         torch.device("cpu"), folder=None)
-    first = next(t for t in range(1, 16385) if not selection.ws_fine_by_rule(t))
-    assert -(-first * cfg.top_k // cfg.num_experts) >= fine
-    assert -(-(first - 1) * cfg.top_k // cfg.num_experts) < fine
-    for tokens in (0, 1, 8, first - 1, first, 16384):
-        v = selection.tile_for(tokens).variant
-        assert bool(v.fp8_ws_min_rows) is (tokens > 0), tokens
-        assert (v.fp8_ws_fine_rows == fine) is (0 < tokens < first), tokens
-    every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
-    assert selection._reachable_offs() == sorted(every)
-    assert {selection.tile_for(t) for t in range(0, 16385, 61)} <= set(
-        selection.tile_variants())
-    fixed = Selector(cfg.replace(fp8=Fp8(promotion_k=128)), 1,
-                     fp8_tile(TileConfig(), warp_specialized=True), 132,
-                     torch.device("cpu"), folder=None)
-    assert not any(fixed.tile_for(t).variant.fp8_ws_fine_rows for t in (1, 8, 16384))
-
-
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():
     # DBRX sizes, EP=1, 3000 tokens: 2304 default items in 17.5 waves, 4608 decode items
     # in 34.9 -- fewer columns per program, but the decode tile measured 1.45x slower.

@@ -40,7 +40,7 @@ from comet.kernels.layer1 import column_splits, launch_release_sources, layer1_g
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
 from comet.mesh import Convention, MeshLayout
-from comet.quant import PROMOTION_KS, Fp8Weight
+from comet.quant import Fp8Weight
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
                                 launch_open, launch_place)
@@ -260,12 +260,8 @@ class ForwardCall:
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
         rows, scales = packed_views(ws.local.a0, cfg.hidden_size)
-        # A small call's finer promotion (Variant.fp8_ws_fine_rows, on only where
-        # Fp8.promotion_k leaves the choice to the layer).
-        fine = self.tile.variant.fp8_ws_fine_rows > 0
         kw = dict(group_m=self.tile.gemm.group_m,
-                  promotion_k=(PROMOTION_KS[0] if fine
-                               else cfg.fp8.promotion(warp_specialized=True)))
+                  promotion_k=cfg.fp8.promotion(warp_specialized=True))
         layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,

@@ -121,14 +121,12 @@ def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     its home rows), the gathered K loop always loads only a tile's own rows, so the
     variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
     layer can run large calls' GEMMs on comet.kernels.fp8_ws (:func:`ws_gemm_fits`);
-    ``Variant.fp8_ws_min_rows`` (and its small calls' ``fp8_ws_fine_rows``) stays on
-    only then, and not with a gathered dispatch (that kernel reads A as TMA boxes of
-    rows placed per pair)."""
-    ws = warp_specialized and not tile.variant.layer0_gather
-    ws_rows = tile.variant.fp8_ws_min_rows if ws else 0
+    ``Variant.fp8_ws_min_rows`` stays on only then, and not with a gathered dispatch
+    (that kernel reads A as TMA boxes of rows placed per pair)."""
+    ws_rows = (tile.variant.fp8_ws_min_rows
+               if warp_specialized and not tile.variant.layer0_gather else 0)
     return tile.with_fields(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1,
                             layer0_live_rows=False, fp8_ws_min_rows=ws_rows,
-                            fp8_ws_fine_rows=tile.variant.fp8_ws_fine_rows if ws_rows else 0,
                             block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
 
 
@@ -145,16 +143,14 @@ def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention
                ) -> TileConfig:
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg`` (for an
     FP8 layer, :func:`fp8_tile` of it, warp-specialized where :func:`ws_gemm_fits` its
-    ``weights``; a bf16 layer's has the FP8-only fields at their defaults, whatever was
-    asked, so that its tuned tables serve it); ValueError for one its kernels' shapes
-    cannot run (a gather without one-dot items)."""
+    ``weights``; a bf16 layer's has the FP8-only ``fp8_ws_min_rows`` at its default,
+    whatever was asked, so that its tuned tables serve it); ValueError for one its
+    kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
     if cfg.fp8 is not None:
         return fp8_tile(tile, weights is not None and ws_gemm_fits(mesh, *weights))
-    fp8_only = {"fp8_ws_min_rows": Variant.fp8_ws_min_rows,
-                "fp8_ws_fine_rows": Variant.fp8_ws_fine_rows}
-    if any(getattr(tile.variant, k) != v for k, v in fp8_only.items()):
-        tile = tile.with_fields(**fp8_only)
+    if tile.variant.fp8_ws_min_rows != Variant.fp8_ws_min_rows:
+        tile = tile.with_fields(fp8_ws_min_rows=Variant.fp8_ws_min_rows)
     if tile.variant.layer0_gather:
         check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile

@@ -72,7 +72,6 @@ class Selector:
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
         self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_min_rows > 0
-        self.may_ws_fine = self.may_ws_gemm and tile.variant.fp8_ws_fine_rows > 0
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
         self._per_call: dict[tuple, tuple[tuple[int, int], TileConfig]] = {}
@@ -158,10 +157,8 @@ class Selector:
         round's K splits where :meth:`tail_split_by_rule` says no, the gathered GEMM's
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
         keeps them: it is a small one), the two-launch plan past
-        :meth:`small_plan_by_rule`, the warp-specialized FP8 GEMM's finer promotion
-        past :meth:`ws_fine_by_rule` (and wherever the call runs no such GEMM) -- and
-        the one of large calls, the warp-specialized FP8 GEMM below
-        :meth:`ws_gemm_by_rule`. Decided once per token count."""
+        :meth:`small_plan_by_rule` -- and the one of large calls, the warp-specialized
+        FP8 GEMM below :meth:`ws_gemm_by_rule`. Decided once per token count."""
         if num_tokens not in self._too_large:
             stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
             off = []
@@ -173,11 +170,8 @@ class Selector:
                 off.append("layer0_live_rows")
             if self.may_small_plan and not self.small_plan_by_rule(num_tokens):
                 off.append("small_plan_blocks")
-            ws = self.may_ws_gemm and self.ws_gemm_by_rule(num_tokens)
-            if self.may_ws_gemm and not ws:
+            if self.may_ws_gemm and not self.ws_gemm_by_rule(num_tokens):
                 off.append("fp8_ws_min_rows")
-            if self.may_ws_fine and not (ws and self.ws_fine_by_rule(num_tokens)):
-                off.append("fp8_ws_fine_rows")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
@@ -221,7 +215,7 @@ class Selector:
         (small m-tiles) is tried."""
         counts = {0, 1, self.cfg.max_tokens}
         for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule,
-                     lambda n: not self.ws_gemm_by_rule(n), self.ws_fine_by_rule):
+                     lambda n: not self.ws_gemm_by_rule(n)):
             lo = self._last_true(rule)
             counts |= {lo, lo + 1}
         if self.may_tail_split:
@@ -321,15 +315,6 @@ class Selector:
         the rule holds from some count on, the others' up to one)."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert >= self.tile.variant.fp8_ws_min_rows
-
-    def ws_fine_by_rule(self, num_tokens: int) -> bool:
-        """Whether a warp-specialized FP8 call with ``num_tokens`` on this rank promotes
-        every wgmma instruction's sum: each expert's expected rows (as
-        :meth:`ws_gemm_by_rule` counts them) are fewer than the layer's
-        ``Variant.fp8_ws_fine_rows`` (small calls, which wait on the weights' bytes), and
-        the layer's ``Fp8.promotion_k`` leaves the choice to it (None)."""
-        return (self.cfg.fp8 is not None and self.cfg.fp8.promotion_k is None
-                and self._expected_rows(num_tokens)[0] < self.tile.variant.fp8_ws_fine_rows)
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where
