@@ -17,7 +17,31 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                   reason="needs a CUDA GPU (run by scripts/device/*.sh)")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th (from 1) of N contiguous slices of the selected "
+                          "tests, equal in count: a GPU file that outgrows one device call "
+                          "runs as N calls (scripts/device/gpu_tests.sh)")
+
+
+def shard_slice(spec: str, count: int) -> slice:
+    """The slice of ``count`` selected tests that ``--shard I/N`` keeps: contiguous, so a
+    test's parametrizations (which share compiled kernels) mostly stay in one call."""
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes I/N, got {spec!r}") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {spec}: I must be in 1..N")
+    return slice((i - 1) * count // n, i * count // n)
+
+
+@pytest.hookimpl(trylast=True)   # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
+    if (spec := config.getoption("--shard")) is not None:
+        keep = shard_slice(spec, len(items))
+        config.hook.pytest_deselected(items=items[:keep.start] + items[keep.stop:])
+        items[:] = items[keep]
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; "

@@ -4,7 +4,9 @@
 # liveness tests (virtual ranks running concurrently at full model sizes, injected
 # stalls, bad routing), then the rest of the GPU suite. The whole suite outgrew one
 # 10-minute device call on an H100; run it as two calls there,
-# GPU_TEST_FILES=tests/test_gpu_liveness.py, then GPU_TEST_FILES=tests/test_gpu.py.
+# GPU_TEST_FILES=tests/test_gpu_liveness.py, then GPU_TEST_FILES=tests/test_gpu.py. On a
+# cold machine the liveness file outgrows one call too (8 of its tests in 430 s on an
+# H200, mostly compiling): pass `--shard 1/2`, then `--shard 2/2` (tests/conftest.py).
 # Writes $OUT/gpu_tests.log (./out if OUT is unset).
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
