@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/house_check.sh [liveness|gpu|host|all]  (default: all)
+# usage: bash scripts/device/house_check.sh [liveness [I/N]|gpu|host|all]  (default: all)
 # Issue 70's one-GPU checks, from the repo root on a device machine (no pip install):
-#   liveness  tests/test_gpu_liveness.py            (scripts/device/gpu_tests.sh)
+#   liveness  tests/test_gpu_liveness.py (scripts/device/gpu_tests.sh); with I/N only the
+#             I-th of N slices of it (pytest --shard: on a cold machine the file outgrows
+#             one call, so `liveness 1/2`, then `liveness 2/2`)
 #   gpu       tests/test_gpu.py, with the no-host-sync test of a fused call
 #   host      `comet bench` at EP=1 on the presets, whole layer, uniform routing: the
 #             host's time to enqueue one fused call (fused_host_us, CPU wall over the
@@ -19,10 +21,11 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 step=${1:-all}
 status=0
 
-run_tests() {   # $1: name, $2: test file
-  OUT="$OUT/$1" GPU_TEST_FILES="$2" GPU_TESTS_TIMEOUT_S="${GPU_TESTS_TIMEOUT_S:-540}" \
-    bash scripts/device/gpu_tests.sh || status=1
-  tail -n 1 "$OUT/$1/gpu_tests.log" | grep -q "exit 0" || status=1
+run_tests() {   # $1: name, $2: test file, then pytest arguments
+  local name=$1 file=$2; shift 2
+  OUT="$OUT/$name" GPU_TEST_FILES="$file" GPU_TESTS_TIMEOUT_S="${GPU_TESTS_TIMEOUT_S:-540}" \
+    bash scripts/device/gpu_tests.sh "$@" || status=1
+  tail -n 1 "$OUT/$name/gpu_tests.log" | grep -q "exit 0" || status=1
 }
 
 host_times() {
@@ -50,7 +53,7 @@ EOF
 }
 
 case "$step" in
-  liveness) run_tests liveness tests/test_gpu_liveness.py ;;
+  liveness) run_tests liveness tests/test_gpu_liveness.py ${2:+--shard "$2"} ;;
   gpu) run_tests gpu tests/test_gpu.py ;;
   host) host_times ;;
   all) run_tests liveness tests/test_gpu_liveness.py; run_tests gpu tests/test_gpu.py
