@@ -375,9 +375,8 @@ class Variant:
             the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
             off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
             fused forward calls with the scatter epilogue only. A bf16 layer ignores it.
-            4 by default: below that its per-128 promotion missed the accuracy bound
-            and per-32 promotion gained nothing over the ``tl`` kernels
-            (docs/precision.md).
+            4 by default: the rows from which it is GPU-tested against the accuracy
+            bound (docs/precision.md).
     """
 
     layer1_scatter: bool = True

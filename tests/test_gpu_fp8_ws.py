@@ -118,8 +118,7 @@ def test_small_calls_with_the_defaults(name):
     per-128's error widest; the smaller ones run the ``tl`` kernels (per 32 K). Each
     against the emulation and the bf16 layer with the bounds of every FP8 call, three
     routings per size, each call twice (the second replays a graph); the worst rel L2 of
-    each kernel is printed. Per-128 on every call (``fp8_ws_min_rows=1``) failed here at
-    e14573e: qwen2-moe 5.9e-3, deepseek-v3-like 5.0002e-3 over 1-32 tokens."""
+    each kernel is printed."""
     from test_gpu_fp8 import REL_L2, _bf16, _check, _emulate, _experts, _inputs
     from comet.runtime.layer import FusedMoE
     cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
