@@ -275,6 +275,8 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     for role in (ROLE_FUSED, ROLE_COMM, ROLE_COMPUTE):
         out.append(lambda role=role: call().launch_layer0(role, 132))
         out.append(lambda role=role: call("sequential").launch_layer1(role, 132))
+    # layer1 of a small call on the decode tile, in K splits (Variant.layer1_split_k): on
+    # the preset's K steps of 128 and on a TP shard's of 64 (below).
     out.append(lambda: call(t=tile.decode_tile()).launch_layer1(ROLE_FUSED, 132))
     # A gathered dispatch (Variant.layer0_gather): the GEMM's packed rows through the
     # index, this rank's own from its home rows (the default) or copied.
@@ -288,6 +290,8 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     shard_w = weights(el, cfg.hidden_size, 192, ScaleBlocks(64, 128))
     shard_w = (shard_w[0], weights(el, cfg.hidden_size, 192, ScaleBlocks(128, 64))[1])
     out.append(lambda: call(space=shard_ws, w=shard_w).run())
+    out.append(lambda: call(t=tile.decode_tile(), space=shard_ws, w=shard_w).launch_layer1(
+        ROLE_FUSED, 132))
     # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_min_rows,
     # comet.kernels.fp8_ws): the whole call (the dispatch launch, both Gluon GEMMs,
     # flag1's release, the combine); GPT-OSS's clamped SwiGLU and GELU-tanh in layer0's

@@ -289,13 +289,15 @@ def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
 
 
 def test_an_fp8_layer_runs_without_the_small_call_variants():
-    """The tile an FP8 layer runs has none of the variants its kernels lack; it keeps a
-    gathered dispatch, whose FP8 K loop always loads only a tile's own rows."""
+    """The tile an FP8 layer runs has none of the variants its kernels lack (layer0's
+    stream-K and tail splits); it keeps layer1's K splits and a gathered dispatch, whose
+    FP8 K loop always loads only a tile's own rows."""
     cfg, gate_up, down = _weights()
     tile = TileConfig.small().with_fields(layer0_stream_k=True, layer0_tail_split=4,
                                           layer1_split_k=4, layer0_gather=True)
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
-    assert (v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == (False, 0, 1)
+    assert (v.layer0_stream_k, v.layer0_tail_split) == (False, 0)
+    assert v.layer1_split_k == 4     # layer1's K splits run on the block-scaled K loop
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
@@ -363,6 +365,40 @@ def test_virtual_ranks_send_fp8_rows_and_match_the_emulation(world, kind, scatte
         el = cfg.num_experts // world
         if any(bool((ids[s] // el == ws.rank).any()) for s in range(world) if s != ws.rank):
             assert got - sent[ws.rank], "no row came from a peer"
+
+
+@pytest.mark.parametrize("split_k, layout, f", [
+    (2, (1, 2), 192), (4, (1, 2), 192), (2, (2, 1), 384)], ids=lambda v: str(v))
+def test_small_fp8_calls_split_layer1_over_k(split_k, layout, f):
+    """layer1's K splits on the block-scaled K loop: a call whose layer1 items leave
+    programs idle runs each item in as many K splits as fit, up to ``split_k``, each from
+    a K step on (F = 192: 128 + a ragged 64; with 4 splits two have no K left; at TP = 2
+    the second shard's scale blocks are 64 wide, and so its K steps), the last summing
+    the partials; on too few programs, whole items. All match the emulation, and the
+    counters say what ran."""
+    mesh = MeshLayout(*layout)
+    cfg = fp8_config(e=4, k=2, h=128, f=f, max_tokens=6)
+    g = torch.Generator().manual_seed(split_k + f)
+    gate_up, down = fp8_experts(cfg, g)
+    shards = [mesh.shard_fp8(r, gate_up, down) for r in range(mesh.world)]
+    ids = make_ids("random", [5, 3], cfg.num_experts, cfg.top_k, g)
+    xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).bfloat16() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    tile = TileConfig.small().with_fields(layer1_split_k=split_k)
+    ep = VirtualEP(cfg, [s[0] for s in shards], [s[1] for s in shards], tile, mesh=mesh)
+    assert ep.tile.variant.layer1_split_k == split_k
+    engaged = set()
+    for programs in (48, 9, 3):
+        ys = ep.forward(xs, ids, wts, compute_programs=programs)
+        for r in range(mesh.world):
+            assert_matches(ys[r], emulate_mesh(xs[r], ids[r], wts[r], gate_up, down, mesh.tp))
+        for ws in ep.ws:
+            items = int(ws.plan.tiles.num) * -(-cfg.hidden_size // tile.gemm.block_n1)
+            splits = min(split_k, programs // items)     # as many as fit, up to split_k
+            splits = splits if splits >= 2 else 0
+            assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
+            engaged.add(splits)
+    assert {0, split_k} <= engaged
 
 
 # ------------------------------------------------------------------------- gathered dispatch

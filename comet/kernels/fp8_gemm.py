@@ -202,12 +202,13 @@ def gathered_a(base, read, g, t, k):
 
 
 @triton.jit
-def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
-    """The fp32 tile ``A[row_start:+BLOCK_M] @ B[expert][n0:+BLOCK_N]^T`` over all of K,
-    block-scaled; with ``GATED`` also the up tile (B rows ``N + n0``), from the same A
-    loads. A's rows come through TMA boxes, or with ``A_GATHER`` through the index (rows
-    from ``row_end`` on as zeros). Returns ``(acc, acc_up)`` (``acc_up`` unused without
-    ``GATED``)."""
+def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
+    """The fp32 tile ``A[row_start:+BLOCK_M, k0:k1] @ B[expert][n0:+BLOCK_N, k0:k1]^T``,
+    block-scaled (``k0`` a multiple of ``BLOCK_K``, which divides a scale block: each
+    step has one scale of A and of B); with ``GATED`` also the up tile (B rows ``N +
+    n0``), from the same A loads. A's rows come through TMA boxes, or with ``A_GATHER``
+    through the index (rows from ``row_end`` on as zeros). Returns ``(acc, acc_up)``
+    (``acc_up`` unused without ``GATED``)."""
     rows = row_start + tl.arange(0, t.BLOCK_M)
     b_row = expert * g.NB + n0
     acc = tl.zeros((t.BLOCK_M, t.BLOCK_N), dtype=tl.float32)
@@ -215,7 +216,7 @@ def block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     gate_end = g.N if t.GATED else g.NB
     if t.A_GATHER:
         base, read = gathered_rows(g.gather, t, rows, row_end)
-    for k in range(0, g.K, t.BLOCK_K):
+    for k in range(k0, k1, t.BLOCK_K):
         if t.A_GATHER:
             a, sa = gathered_a(base, read, g, t, k)
         else:
@@ -266,7 +267,8 @@ def fp8_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     """The fp32 tile of rows ``row_start:+BLOCK_M`` of ``expert`` (those up to
     ``row_end`` its own) times columns ``n0:+BLOCK_N``, through the gated activation with
     ``GATED`` (layer1's scatter epilogue takes it as it is)."""
-    acc, acc_up = block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0)
+    acc, acc_up = block_scaled_k_loop(a_desc, b_desc, g, t, expert, row_start, row_end, n0,
+                                      0, g.K)
     if t.GATED:
         acc = gated(acc, acc_up, t.ACT)
     return acc

@@ -69,7 +69,7 @@ from comet.constants import (constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SIT
                              TRACE_REDUCE)
 from comet.kernels.address import PeerBuffer, peer
 from comet.kernels.activation import act_tile
-from comet.kernels.fp8_gemm import fp8_acc, fp8_item
+from comet.kernels.fp8_gemm import block_scaled_k_loop, fp8_acc, fp8_item
 from comet.kernels.group_gemm import (Gemm, GemmTile, bias_row, column_work, descriptor,
                                       dot_precision, gemm_acc, gemm_acc_k, gemm_tile)
 from comet.kernels.layer0 import Arrivals
@@ -369,8 +369,12 @@ def split_k_role(a_desc, b_desc, gemm, item, tiles, homes, ksplit, k_splits, tra
         row_end = tl.load(tiles.row_end + t)
         k_per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), k_splits) * item.BLOCK_K
         k0 = (p % k_splits) * k_per
-        acc = gemm_acc_k(a_desc, b_desc, gemm, item, expert, row_start, n0, k0,
-                         tl.minimum(k0 + k_per, gemm.K))
+        k1 = tl.minimum(k0 + k_per, gemm.K)
+        if item.FP8:
+            acc, _ = block_scaled_k_loop(a_desc, b_desc, gemm, item, expert, row_start,
+                                         row_end, n0, k0, k1)
+        else:
+            acc = gemm_acc_k(a_desc, b_desc, gemm, item, expert, row_start, n0, k0, k1)
         r = tl.arange(0, BLOCK_M)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         keep = (r < row_end - row_start) & (c < BLOCK_N)

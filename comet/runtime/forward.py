@@ -231,7 +231,7 @@ class ForwardCall:
         """``(dispatch, layer0 operands, item, layer1 operands, item)`` of an FP8 layer
         (``ws.cfg.fp8``): the dispatch sends the rows :attr:`quantize` packed on this
         rank, layer0 runs the block-scaled GEMM on them and quantizes h in its epilogue,
-        layer1 runs it on h. Its tile's variant has none of the small-call variants
+        layer1 runs it on h. Its tile's variant has none of layer0's small-call variants
         (:func:`comet.runtime.layer.fp8_tile`)."""
         ws, tile = self.ws, self.tile
         h = ws.cfg.hidden_size

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -22,6 +22,12 @@
 #             fp8_ws_min_rows=0: the tl kernels), decode and prefill, to hold against the
 #             bench step's records (comet bench --from-json ... --against ...;
 #             FP8_WS_CONFIGS narrows the presets)
+#   decode    small calls with layer1's K splits (Variant.layer1_split_k): the small-call
+#             test (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults), then
+#             `comet bench --dtype bf16 fp8 --only-fused` at 1-128 tokens on the four presets
+#             (decode/) and FP8 with the K splits off (decode-nosplit/, --tile
+#             layer1_split_k=1), whose fused times `comet bench --from-json ... --against`
+#             compares (FP8_BENCH_CONFIGS narrows the presets)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -75,10 +81,21 @@ for step in "${@:-diff kernels tests}"; do
           tail -n 12 "$OUT/ws/probe.log"
           bench bench-tl --dtype fp8 --only-fused --tile fp8_ws_min_rows=0 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
+      decode) run_tests small tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults \
+                "${FP8_SMALL_TIMEOUT_S:-150}"
+              presets="${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe}"
+              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode --dtype bf16 fp8 \
+                --only-fused --config $presets --tokens 1 8 32 128
+              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-nosplit --dtype fp8 \
+                --only-fused --tile layer1_split_k=1 --config $presets --tokens 1 8 32 128
+              python3 -m comet.cli.bench --from-json "$OUT"/decode/*.json \
+                --against "$OUT"/decode-nosplit/*.json > "$OUT/decode-vs-nosplit.txt" 2>&1 \
+                || status=1
+              cat "$OUT/decode-vs-nosplit.txt" ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|deepgemm)"; exit 2 ;;
     esac
   done
 done
