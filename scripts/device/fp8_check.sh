@@ -27,7 +27,7 @@
 #             `comet bench --dtype bf16 fp8 --only-fused` at 1-128 tokens on the four presets
 #             (decode/) and FP8 with the K splits off at 1-32 tokens (decode-nosplit/,
 #             --tile layer1_split_k=1; 128-token calls have no idle programs), whose fused times `comet bench --from-json ... --against`
-#             compares (FP8_BENCH_CONFIGS narrows the presets)
+#             compares (FP8_BENCH_CONFIGS narrows the presets, FP8_DECODE_TOKENS the sizes)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -85,9 +85,10 @@ for step in "${@:-diff kernels tests}"; do
                 "${FP8_SMALL_TIMEOUT_S:-150}"
               presets="${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe}"
               FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode --dtype bf16 fp8 \
-                --only-fused --config $presets --tokens 1 8 32 128
+                --only-fused --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32 128}
               FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-nosplit --dtype fp8 \
-                --only-fused --tile layer1_split_k=1 --config $presets --tokens 1 8 32
+                --only-fused --tile layer1_split_k=1 --config $presets \
+                --tokens ${FP8_DECODE_TOKENS:-1 8 32}
               python3 -m comet.cli.bench --from-json "$OUT"/decode/*.json \
                 --against "$OUT"/decode-nosplit/*.json > "$OUT/decode-vs-nosplit.txt" 2>&1 \
                 || status=1
