@@ -291,13 +291,15 @@ def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
 def test_an_fp8_layer_runs_without_the_small_call_variants():
     """The tile an FP8 layer runs has none of the variants its kernels lack (layer0's
     stream-K and tail splits); it keeps layer1's K splits and a gathered dispatch, whose
-    FP8 K loop always loads only a tile's own rows."""
+    FP8 K loop always loads only a tile's own rows, where they are asked for."""
     cfg, gate_up, down = _weights()
     tile = TileConfig.small().with_fields(layer0_stream_k=True, layer0_tail_split=4,
                                           layer1_split_k=4, layer0_gather=True)
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
     assert (v.layer0_stream_k, v.layer0_tail_split) == (False, 0)
     assert v.layer1_split_k == 4     # layer1's K splits run on the block-scaled K loop
+    # ... where asked: the default FP8 tile has them off (not yet timed on a GPU)
+    assert FusedMoE(cfg, gate_up, down).tile.variant.layer1_split_k == 1
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64

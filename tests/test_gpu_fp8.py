@@ -137,6 +137,31 @@ def test_fp8_fused_layer_w1_matches_the_emulation_over_block_splits(name):
                     _check(each(x, ids, w, comm_blocks=n_comm), expect, bf16)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3-like", "phi3.5-moe"])
+def test_fp8_small_calls_split_layer1_over_k(name):
+    """layer1's K splits asked for on an FP8 layer (``layer1_split_k=4``; the default FP8
+    tile has them off): 1-3 tokens at the preset's full size, where layer1's items leave
+    programs idle and each runs in slices of the block-scaled K loop, against the
+    emulation and the bf16 layer; three routings, each call twice (the second replays a
+    graph); some call must have split."""
+    from comet.runtime.layer import FusedMoE
+    cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
+    gu, dn, gu8, dn8 = _experts(cfg, 22)
+    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync",
+                     tile=default_tile(cfg=cfg).with_fields(layer1_split_k=4))
+    assert layer.tile.variant.layer1_split_k == 4
+    splits = 0
+    for tokens in (1, 2, 3):
+        for seed, kind in enumerate(("random", "skewed", "random")):
+            (x,), (i,), (w,) = _inputs(cfg, [tokens], 100 * tokens + seed, kind)
+            expect = _emulate(x, i, w, gu8, dn8, cfg.activation)
+            bf16 = _bf16(x, i, w, gu, dn, cfg.activation)
+            for _ in range(2):
+                _check(layer(x, i, w), expect, bf16)
+                splits = max(splits, int(layer.ws.count.arrived.max()))
+    assert splits >= 2, "no call split layer1 over K"
+
+
 def test_fp8_fused_layer_takes_checkpoint_tensors_and_refuses_gradients():
     """e4m3 tensors with their scale_inv; a call needing gradients raises
     NotImplementedError before any kernel; a bad expert id is a CometInputError and the

@@ -22,12 +22,15 @@
 #             fp8_ws_min_rows=0: the tl kernels), decode and prefill, to hold against the
 #             bench step's records (comet bench --from-json ... --against ...;
 #             FP8_WS_CONFIGS narrows the presets)
-#   decode    small calls with layer1's K splits (Variant.layer1_split_k): the small-call
-#             test (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults), then
-#             `comet bench --dtype bf16 fp8 --only-fused` at 1-128 tokens on the four presets
-#             (decode/) and FP8 with the K splits off at 1-32 tokens (decode-nosplit/,
-#             --tile layer1_split_k=1; 128-token calls have no idle programs), whose fused times `comet bench --from-json ... --against`
-#             compares (FP8_BENCH_CONFIGS narrows the presets, FP8_DECODE_TOKENS the sizes)
+#   decode    small calls and layer1's K splits in FP8 (Variant.layer1_split_k: off in an
+#             FP8 layer's default tile until this step has timed them): the small-call tests
+#             (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults, and
+#             tests/test_gpu_fp8.py::test_fp8_small_calls_split_layer1_over_k), then `comet
+#             bench --dtype bf16 fp8 --only-fused` at 1-128 tokens on the four presets
+#             (decode/) and FP8 with the K splits asked for at 1-32 tokens (decode-split/,
+#             --tile layer1_split_k=4; 128-token calls have no idle programs), whose fused
+#             times `comet bench --from-json ... --against` compares (decode-split-vs-off.txt;
+#             FP8_BENCH_CONFIGS narrows the presets, FP8_DECODE_TOKENS the sizes)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -81,18 +84,19 @@ for step in "${@:-diff kernels tests}"; do
           tail -n 12 "$OUT/ws/probe.log"
           bench bench-tl --dtype fp8 --only-fused --tile fp8_ws_min_rows=0 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
-      decode) run_tests small tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults \
-                "${FP8_SMALL_TIMEOUT_S:-150}"
+      decode) run_tests small "tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults
+                tests/test_gpu_fp8.py::test_fp8_small_calls_split_layer1_over_k" \
+                "${FP8_SMALL_TIMEOUT_S:-240}"
               presets="${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe}"
               FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode --dtype bf16 fp8 \
                 --only-fused --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32 128}
-              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-nosplit --dtype fp8 \
-                --only-fused --tile layer1_split_k=1 --config $presets \
+              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-split --dtype fp8 \
+                --only-fused --tile layer1_split_k=4 --config $presets \
                 --tokens ${FP8_DECODE_TOKENS:-1 8 32}
-              python3 -m comet.cli.bench --from-json "$OUT"/decode/*.json \
-                --against "$OUT"/decode-nosplit/*.json > "$OUT/decode-vs-nosplit.txt" 2>&1 \
+              python3 -m comet.cli.bench --from-json "$OUT"/decode-split/*.json \
+                --against "$OUT"/decode/*.json > "$OUT/decode-split-vs-off.txt" 2>&1 \
                 || status=1
-              cat "$OUT/decode-vs-nosplit.txt" ;;
+              cat "$OUT/decode-split-vs-off.txt" ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
