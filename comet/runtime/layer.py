@@ -121,10 +121,10 @@ def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     """``tile`` as an FP8 layer runs it: without layer0's stream-K and tail splits, which
     its kernels do not have yet (an FP8 work item is two dots of 128 columns on the
     block-scaled K loop, not a one-dot box); layer1's K splits, where the tile asks for
-    them (not :func:`default_tile`'s), run on that K loop. With
-    layer0's gathered dispatch (``layer0_own_in_place``: this rank's own rows read where
-    they were packed, its home rows), the gathered K loop always loads only a tile's own
-    rows, so the variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
+    them (not :func:`default_tile`'s), run on that K loop. With layer0's gathered
+    dispatch (``layer0_own_in_place``: this rank's own rows read where they were packed,
+    its home rows), the gathered K loop always loads only a tile's own rows, so the
+    variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
     layer can run large calls' GEMMs on comet.kernels.fp8_ws (:func:`ws_gemm_fits`);
     ``Variant.fp8_ws_min_rows`` stays on only then, and not with a gathered dispatch
     (that kernel reads A as TMA boxes of rows placed per pair)."""
