@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|small|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -31,6 +31,12 @@
 #             --tile layer1_split_k=4; 128-token calls have no idle programs), whose fused
 #             times `comet bench --from-json ... --against` compares (decode-split-vs-off.txt;
 #             FP8_BENCH_CONFIGS narrows the presets, FP8_DECODE_TOKENS the sizes)
+#   small     whether the warp-specialized GEMMs (promoted per 128 K) could take every
+#             small call: scripts/device/fp8_small_accuracy.py (1-32 tokens, four presets,
+#             the defaults and fp8_ws_min_rows=1 against the emulation and the bf16 layer;
+#             accuracy/fp8_small_accuracy.json), then FP8 with --tile fp8_ws_min_rows=1 at
+#             1-32 tokens (small-ws1/) against the decode step's default FP8 calls
+#             (small-ws1-vs-default.txt; run after decode, in the same call or not)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -97,10 +103,25 @@ for step in "${@:-diff kernels tests}"; do
                 --against "$OUT"/decode/*.json > "$OUT/decode-split-vs-off.txt" 2>&1 \
                 || status=1
               cat "$OUT/decode-split-vs-off.txt" ;;
+      small) mkdir -p "$OUT/accuracy"
+             PYTHONPATH=.:tests timeout "${FP8_SMALL_ACC_TIMEOUT_S:-240}" python3 \
+               scripts/device/fp8_small_accuracy.py --output "$OUT/accuracy/fp8_small_accuracy.json" \
+               > "$OUT/accuracy/accuracy.log" 2>&1 || status=1
+             tail -n 12 "$OUT/accuracy/accuracy.log"
+             FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench small-ws1 --dtype fp8 \
+               --only-fused --tile fp8_ws_min_rows=1 \
+               --config ${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe} \
+               --tokens ${FP8_DECODE_TOKENS:-1 8 32}
+             if ls "$OUT"/decode/*.json > /dev/null 2>&1; then
+               python3 -m comet.cli.bench --from-json "$OUT"/small-ws1/*.json \
+                 --against "$OUT"/decode/*.json > "$OUT/small-ws1-vs-default.txt" 2>&1 \
+                 || status=1
+               cat "$OUT/small-ws1-vs-default.txt"
+             fi ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|small|deepgemm)"; exit 2 ;;
     esac
   done
 done
