@@ -288,18 +288,18 @@ def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
     assert ws.h.dtype == E4M3 and ws.h_scale.shape == (ws.h.shape[0], 2)
 
 
-def test_an_fp8_layer_runs_without_the_small_call_variants():
-    """The tile an FP8 layer runs has none of the variants its kernels lack (layer0's
-    stream-K and tail splits); it keeps layer1's K splits and a gathered dispatch, whose
-    FP8 K loop always loads only a tile's own rows, where they are asked for."""
+def test_an_fp8_layer_cuts_its_k_loops_only_where_asked():
+    """The tile an FP8 layer runs keeps the small-call K cuts where they are asked for
+    (layer0's stream-K and tail splits, layer1's K splits: all on the block-scaled K
+    loop) and a gathered dispatch, whose FP8 K loop always loads only a tile's own rows;
+    the default FP8 tile has the cuts off (not yet timed on a GPU)."""
     cfg, gate_up, down = _weights()
     tile = TileConfig.small().with_fields(layer0_stream_k=True, layer0_tail_split=4,
                                           layer1_split_k=4, layer0_gather=True)
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
-    assert (v.layer0_stream_k, v.layer0_tail_split) == (False, 0)
-    assert v.layer1_split_k == 4     # layer1's K splits run on the block-scaled K loop
-    # ... where asked: the default FP8 tile has them off (not yet timed on a GPU)
-    assert FusedMoE(cfg, gate_up, down).tile.variant.layer1_split_k == 1
+    assert (v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == (True, 4, 4)
+    d = FusedMoE(cfg, gate_up, down).tile.variant
+    assert (d.layer0_stream_k, d.layer0_tail_split, d.layer1_split_k) == (False, 0, 1)
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64
@@ -401,6 +401,45 @@ def test_small_fp8_calls_split_layer1_over_k(split_k, layout, f):
             assert items > 0 and ws.count.arrived[:items].tolist() == [splits] * items
             engaged.add(splits)
     assert {0, split_k} <= engaged
+
+
+@pytest.mark.parametrize("cut", ["stream_k", "tail_split"])
+def test_small_fp8_calls_cut_layer0_over_k(cut):
+    """layer0's stream-K and tail splits on the block-scaled K loop: two ranks with four
+    items each (two m-tiles x two 128-column blocks, 4 K steps of 128), a part's gate and
+    up tiles side by side in the scratch, the item's last part summing them in order
+    before the activation and h's FP8 groups. Stream-K cuts items on 3 and 5 programs
+    (none on 4 and 2); the tail splits cut the last item of one whole round on 3 programs
+    into 3 splits (K steps 2, 2 and none), nothing on 2 and 5. All match the emulation,
+    and the counters say which items were cut."""
+    from test_kernels_interpreter import _stream_k_parts
+    cfg = fp8_config(e=4, k=2, h=512, f=256, max_tokens=4)
+    g = torch.Generator().manual_seed(17)
+    gate_up, down = fp8_experts(cfg, g)
+    stream_k = cut == "stream_k"
+    tile = TileConfig.small().with_fields(layer0_stream_k=stream_k,
+                                          layer0_tail_split=0 if stream_k else 4)
+    ep = VirtualEP(cfg, [shard(gate_up, r, 2) for r in range(2)],
+                   [shard(down, r, 2) for r in range(2)], tile)
+    ids = [torch.tensor([[0, 2], [1, 3], [2, 1]]), torch.tensor([[3, 0], [1, 2]])]
+    xs = [torch.randn(i.shape[0], cfg.hidden_size, generator=g).bfloat16() for i in ids]
+    wts = [torch.rand(i.shape, generator=g) for i in ids]
+    tails = {3: [3, 0, 0, 0], 2: [0] * 4, 5: [0] * 4}
+    cut_on = set()
+    for programs in ((3, 5, 4, 2) if stream_k else (3, 2, 5)):
+        ys = ep.forward(xs, ids, wts, compute_programs=programs)
+        for r in range(2):
+            assert_matches(ys[r], emulate(xs[r], ids[r], wts[r], gate_up, down))
+        for ws in ep.ws:
+            items = int(ws.plan.tiles.num) * (cfg.intermediate_size // 128)
+            assert items == 4
+            got = ws.count.l0_arrived[:items].tolist()
+            want = ((_stream_k_parts(items, cfg.hidden_size // 128, programs) or [0] * 4)
+                    if stream_k else tails[programs])
+            assert got == want, (programs, got, want)
+            if any(want):
+                cut_on.add(programs)
+    assert cut_on == ({3, 5} if stream_k else {3})
 
 
 # ------------------------------------------------------------------------- gathered dispatch

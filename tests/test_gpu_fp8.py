@@ -137,29 +137,46 @@ def test_fp8_fused_layer_w1_matches_the_emulation_over_block_splits(name):
                     _check(each(x, ids, w, comm_blocks=n_comm), expect, bf16)
 
 
+#: The K cuts of small FP8 calls (off in the default FP8 tile until timed): the field
+#: that asks for one, its value, and the counters that say an item was cut.
+K_CUTS = {"layer1_split_k": (4, "arrived"), "layer0_stream_k": (True, "l0_arrived"),
+          "layer0_tail_split": (4, "l0_arrived")}
+
+
+@pytest.mark.parametrize("cut", list(K_CUTS))
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3-like", "phi3.5-moe"])
-def test_fp8_small_calls_split_layer1_over_k(name):
-    """layer1's K splits asked for on an FP8 layer (``layer1_split_k=4``; the default FP8
-    tile has them off): 1-3 tokens at the preset's full size, where layer1's items leave
-    programs idle and each runs in slices of the block-scaled K loop, against the
-    emulation and the bf16 layer; three routings, each call twice (the second replays a
-    graph); some call must have split."""
+def test_fp8_small_calls_cut_the_k_loop(name, cut):
+    """The K cuts asked for on an FP8 layer (the default FP8 tile has them off):
+    layer1's K splits and layer0's stream-K at 1-3 tokens of the preset's full size,
+    layer0's tail splits at the call sizes whose last round the Selector expects to be
+    cut, each cutting the block-scaled K loop in slices; against the emulation and the
+    bf16 layer, three routings, each call twice (the second replays a graph); some call
+    must have been cut."""
     from comet.runtime.layer import FusedMoE
+    value, counter = K_CUTS[cut]
     cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 22)
-    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync",
-                     tile=default_tile(cfg=cfg).with_fields(layer1_split_k=4))
-    assert layer.tile.variant.layer1_split_k == 4
-    splits = 0
-    for tokens in (1, 2, 3):
+    tile = default_tile(cfg=cfg).with_fields(layer0_stream_k=False, layer0_tail_split=0,
+                                             layer1_split_k=1, **{cut: value})
+    layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
+    assert getattr(layer.tile.variant, cut) == value
+    sizes = (1, 2, 3)
+    if cut == "layer0_tail_split":
+        sel = layer.selection
+        sizes = [t for t in range(1, cfg.max_tokens + 1) if sel.tail_split_by_rule(t)
+                 and not sel.ws_gemm_by_rule(t)][:3]
+        if not sizes:
+            pytest.skip(f"{name}: no call on the tl kernels has a last round to cut")
+    parts = 0
+    for tokens in sizes:
         for seed, kind in enumerate(("random", "skewed", "random")):
             (x,), (i,), (w,) = _inputs(cfg, [tokens], 100 * tokens + seed, kind)
             expect = _emulate(x, i, w, gu8, dn8, cfg.activation)
             bf16 = _bf16(x, i, w, gu, dn, cfg.activation)
             for _ in range(2):
                 _check(layer(x, i, w), expect, bf16)
-                splits = max(splits, int(layer.ws.count.arrived.max()))
-    assert splits >= 2, "no call split layer1 over K"
+                parts = max(parts, int(getattr(layer.ws.count, counter).max()))
+    assert parts >= 2, f"no call cut an item ({cut}, {sizes} tokens)"
 
 
 def test_fp8_fused_layer_takes_checkpoint_tensors_and_refuses_gradients():

@@ -245,15 +245,15 @@ def quantize_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constex
 
 
 @triton.jit
-def store_fp8_groups(h, g, t, row_start, row_end, n0):
-    """Rows ``[row_start, row_end)``, columns ``n0:+BLOCK_N`` of ``h`` as FP8 groups:
-    ``out`` gets the e4m3 values, ``out_scale`` one scale per row and group (a tile holds
-    whole groups: ``BLOCK_N`` is a multiple of ``A_GROUP``)."""
+def store_fp8_groups(h, g, t, row_start, row_end, n0, ROWS: tl.constexpr):
+    """Rows ``[row_start, row_end)``, columns ``n0:+BLOCK_N`` of ``h [ROWS, BLOCK_N]`` as
+    FP8 groups: ``out`` gets the e4m3 values, ``out_scale`` one scale per row and group (a
+    tile holds whole groups: ``BLOCK_N`` is a multiple of ``A_GROUP``)."""
     GROUPS: tl.constexpr = t.BLOCK_N // t.A_GROUP
-    rows = row_start + tl.arange(0, t.BLOCK_M)
+    rows = row_start + tl.arange(0, ROWS)
     cols = n0 + tl.arange(0, t.BLOCK_N)
     h = tl.where(cols[None, :] < g.N, h, 0.0)
-    q, scale = quantize_groups(h, t.BLOCK_M, t.BLOCK_N, t.A_GROUP)
+    q, scale = quantize_groups(h, ROWS, t.BLOCK_N, t.A_GROUP)
     live = rows[:, None] < row_end
     tl.store(g.out + rows[:, None].to(tl.int64) * g.N + cols[None, :], q,
              mask=live & (cols[None, :] < g.N))
@@ -280,7 +280,7 @@ def fp8_item(a_desc, b_desc, g, t, expert, row_start, row_end, n0):
     ``n0:+BLOCK_N``, stored: as FP8 groups (``REQUANT``) or in ``out``'s dtype."""
     acc = fp8_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0)
     if t.REQUANT:
-        store_fp8_groups(acc, g, t, row_start, row_end, n0)
+        store_fp8_groups(acc, g, t, row_start, row_end, n0, t.BLOCK_M)
     else:
         store_tile(acc, g, row_start, row_end, n0, t.BLOCK_M, t.BLOCK_N)
 

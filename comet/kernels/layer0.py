@@ -46,7 +46,8 @@ Roles (program ids below ``n_comm`` communicate, the rest compute):
 FP8 layers (``GemmTile.FP8``, comet.kernels.fp8_gemm.Fp8Tile): the rows that cross are
 FP8 rows packed with their scales (comet.kernels.fp8_roles.PackedRows, quantized on their
 home rank before the kernel), copied as bytes; the GEMM role runs the block-scaled K loop
-on them and stores h in FP8 groups.
+on them and stores h in FP8 groups; stream-K and the tail splits cut its K loop as they
+cut a one-dot box's (the gate and up tiles of a part side by side in the scratch).
 
 The count exchange that precedes the kernel (comet.kernels.exchange) is where every rank
 learns the layout of every destination's shared tensor.
@@ -70,8 +71,8 @@ from comet.activation import SILU, GatedActivation
 from comet.config import TileConfig
 from comet.constants import constexpr, CHUNK_SCAN, ROLE_COMM, ROLE_COMPUTE, SITE_DISPATCH
 from comet.kernels.address import PeerBuffer, peer, pointer_at
-from comet.kernels.activation import act_tile
-from comet.kernels.fp8_gemm import fp8_item
+from comet.kernels.activation import act_tile, gated
+from comet.kernels.fp8_gemm import LAYER0_BLOCK_N, block_scaled_k_loop, fp8_item, store_fp8_groups
 from comet.kernels.group_gemm import (Gathered, Gemm, GemmTile, descriptor, dot_precision,
                                       gemm_tile, grouped_work, lane_shape, one_dot_acc,
                                       one_dot_epilogue, store_tile, strided_take)
@@ -229,8 +230,18 @@ def lanes(tile: TileConfig) -> Lanes:
 def one_dot_tiles(block_n0: int, ffn: int) -> bool:
     """Whether layer0's gated items over F = ``ffn`` columns are one dot each: whole
     interleave blocks, or a last half block whose box the half-tail epilogue unpacks
-    (F = 704, 2880: TP shards, GPT-OSS). Stream-K runs on such items only."""
+    (F = 704, 2880: TP shards, GPT-OSS). Stream-K runs on such bf16 items only."""
     return block_n0 == GATE_UP_BLOCK and ffn % (GATE_UP_BLOCK // 2) == 0
+
+
+def cut_item_columns(block_n0: int, ffn: int, fp8: bool) -> int:
+    """Columns of layer0's gated items if stream-K and the tail splits can cut their K
+    loop (the scratch keeps a box of twice as many per part), else 0: an FP8 layer's
+    items (``LAYER0_BLOCK_N``, gate and up as two dots) and one-dot ones
+    (:func:`one_dot_tiles`)."""
+    if fp8:
+        return LAYER0_BLOCK_N
+    return block_n0 if one_dot_tiles(block_n0, ffn) else 0
 
 
 def check_gather(block_n0: int, ffn: int) -> None:
@@ -577,6 +588,37 @@ def tail_split(tiles, total, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _part_box(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0, k0, k1):
+    """K steps ``[k0, k1)`` of a gated item, fp32 ``[BLOCK_M, 2 * BLOCK_N]`` before the
+    epilogue: a one-dot box, or an FP8 item's gate and up tiles (two dots on the
+    block-scaled K loop) side by side, column ``2 c`` gate and ``2 c + 1`` up -- a join,
+    which costs no data movement -- so that a part of either kind keeps one box in the
+    scratch."""
+    if item.FP8:
+        gate, up = block_scaled_k_loop(a_desc, b_desc, gemm, item, expert, row_start,
+                                       row_end, n0, k0, k1)
+        box = tl.reshape(tl.join(gate, up), (item.BLOCK_M, 2 * item.BLOCK_N))
+    else:
+        box = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0, k0,
+                          k1)
+    return box
+
+
+@triton.jit
+def _store_box(box, gemm, item, expert, row_start, row_end, n0, ROWS: tl.constexpr):
+    """The epilogue of a gated item's box ``[ROWS, 2 * BLOCK_N]`` summed over all of K
+    (:func:`_part_box`), stored: bias and activation, or for an FP8 item the activation
+    and h in FP8 groups."""
+    if item.FP8:
+        gate, up = tl.split(tl.reshape(box, (ROWS, item.BLOCK_N, 2)))
+        store_fp8_groups(gated(gate, up, item.ACT), gemm, item, row_start, row_end, n0,
+                         ROWS)
+    else:
+        store_tile(one_dot_epilogue(box, gemm, item, expert, n0, ROWS), gemm, row_start,
+                   row_end, n0, ROWS, item.BLOCK_N)
+
+
+@triton.jit
 def _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start, row_end,
                n0):
     """Unit ``u`` of a tail split: K split ``u % splits`` of the round's item ``j``, its
@@ -587,8 +629,8 @@ def _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start
     SLOT: tl.constexpr = TAIL_ROWS * BOX     # the scratch (< 2^31 elements) needs no int64
     per = tl.cdiv(tl.cdiv(gemm.K, item.BLOCK_K), splits) * item.BLOCK_K
     k0 = (u % splits) * per
-    both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0, k0,
-                       tl.minimum(k0 + per, gemm.K))
+    both = _part_box(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0, k0,
+                     tl.minimum(k0 + per, gemm.K))
     n_rows = row_end - row_start
     rb = tl.arange(0, item.BLOCK_M)[:, None]
     c = tl.arange(0, BOX)[None, :]
@@ -601,8 +643,7 @@ def _tail_part(a_desc, b_desc, gemm, item, work, u, splits, j, expert, row_start
         for q in range(splits):
             box += tl.load(work.partial + (j * splits + q) * SLOT + r * BOX + c, mask=keep,
                            other=0.0)
-        store_tile(one_dot_epilogue(box, gemm, item, expert, n0, TAIL_ROWS), gemm,
-                   row_start, row_end, n0, TAIL_ROWS, item.BLOCK_N)
+        _store_box(box, gemm, item, expert, row_start, row_end, n0, TAIL_ROWS)
 
 
 @triton.jit
@@ -626,8 +667,8 @@ def layer0_compute_role(a_desc, b_desc, gemm, item, lanes, tiles, segments, work
     n_blocks = tl.cdiv(gemm.N, item.BLOCK_N)
     total = num_tiles * n_blocks
     programs = tl.num_programs(0)
-    # Gated one-dot items only (the forward's GEMM): a split keeps the one-dot box.
-    TAIL: tl.constexpr = (work.TAIL_SPLIT > 1) and item.GATED and item.ONE_DOT
+    # The forward's gated items only, one-dot or FP8: a split keeps their box.
+    TAIL: tl.constexpr = (work.TAIL_SPLIT > 1) and item.GATED and (item.ONE_DOT or item.FP8)
     whole = total
     splits = 1
     if TAIL:
@@ -782,12 +823,11 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
         if ready:   # after a failure the call's output is void: skip the GEMMs
             if trace.ON:
                 start = clock_ns()
-            both = one_dot_acc(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0,
-                               (s - first) * item.BLOCK_K,
-                               tl.minimum((end - first) * item.BLOCK_K, gemm.K))
+            both = _part_box(a_desc, b_desc, gemm, item, expert, row_start, row_end, n0,
+                             (s - first) * item.BLOCK_K,
+                             tl.minimum((end - first) * item.BLOCK_K, gemm.K))
             if (s == first) & (end == first + steps):
-                store_tile(one_dot_epilogue(both, gemm, item, expert, n0, item.BLOCK_M),
-                           gemm, row_start, row_end, n0, item.BLOCK_M, BLOCK_N)
+                _store_box(both, gemm, item, expert, row_start, row_end, n0, item.BLOCK_M)
             else:
                 slot = 2 * p + (s != lo).to(tl.int32)
                 tl.store(work.partial + slot * SLOT + rb * BOX + c, both,
@@ -805,8 +845,8 @@ def stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch, e
                     for q in range(p0 + 1, p1 + 1):
                         box += tl.load(work.partial + 2 * q * SLOT + r * BOX + c,
                                        mask=keep, other=0.0)
-                    store_tile(one_dot_epilogue(box, gemm, item, expert, n0, STREAM_K_ROWS),
-                               gemm, row_start, row_end, n0, STREAM_K_ROWS, BLOCK_N)
+                    _store_box(box, gemm, item, expert, row_start, row_end, n0,
+                               STREAM_K_ROWS)
             if trace.ON:
                 events = stamp(trace, events, shape.WORLD + expert, t, start)
         s = end
@@ -848,7 +888,7 @@ def layer0_kernel(a_desc, b_desc, dispatch, gemm, tiles, segments, work, sync, s
     if ROLE != ROLE_COMM:
         # The outer test is a constexpr (without STREAM_K the kernel compiles as it did
         # before stream-K existed), the inner one a run-time choice.
-        if work.STREAM_K and item.GATED and item.ONE_DOT:
+        if work.STREAM_K and item.GATED and (item.ONE_DOT or item.FP8):
             if stream_k_pays(tiles, gemm.N, gemm.K, item.BLOCK_N, item.BLOCK_K):
                 stream_k_role(a_desc, b_desc, gemm, item, tiles, segments, work, dispatch,
                               epoch, sync, trace, events, shape, WAIT, comm.ROWS)

@@ -24,7 +24,8 @@ import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.fp8_roles import packed_row_bytes
-from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, one_dot_tiles
+from comet.kernels.fp8_gemm import LAYER0_BLOCK_N
+from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, cut_item_columns
 from comet.kernels.plan import open_step_blocks, plan_block_tokens
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
@@ -64,11 +65,12 @@ class Selector:
         self._small: dict[int, bool] = {}
         self._stream_k: dict[int, bool] = {}
         self._too_large: dict[int, tuple[str, ...]] = {}
-        #: layer0's items are one dot each (block_n0 is no per-call field): only then has
-        #: the workspace stream-K's scratch, and the variant a kernel of its own
-        one_dot = one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size)
-        self.may_stream_k = tile.variant.layer0_stream_k and one_dot
-        self.may_tail_split = tile.variant.layer0_tail_split > 1 and one_dot
+        #: layer0's items can be cut in K (FP8, or one dot each; block_n0 is no per-call
+        #: field): only then has the workspace stream-K's scratch, and the variant a
+        #: kernel of its own
+        cut = cut_item_columns(tile.gemm.block_n0, cfg.intermediate_size, cfg.fp8 is not None)
+        self.may_stream_k = tile.variant.layer0_stream_k and cut > 0
+        self.may_tail_split = tile.variant.layer0_tail_split > 1 and cut > 0
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
         self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_min_rows > 0
@@ -272,12 +274,13 @@ class Selector:
 
     def _expected_items(self, num_tokens: int) -> int:
         """layer0's work items of a call with ``num_tokens``, rows expected as
-        :meth:`decode_by_rule` expects them: m-tiles of the experts with rows x
-        ``block_n0`` column blocks."""
+        :meth:`decode_by_rule` expects them: m-tiles of the experts with rows x column
+        blocks (``block_n0``; an FP8 layer's ``LAYER0_BLOCK_N``)."""
         per_expert, busy = self._expected_rows(num_tokens)
         t = self.tile
+        cols = LAYER0_BLOCK_N if self.cfg.fp8 is not None else t.gemm.block_n0
         return (busy * -(-per_expert // t.gemm.block_m)
-                * -(-self.cfg.intermediate_size // t.gemm.block_n0))
+                * -(-self.cfg.intermediate_size // cols))
 
     def _tail_rows_fit(self, num_tokens: int) -> bool:
         """Whether the m-tiles of a call with ``num_tokens``, rows expected as

@@ -40,7 +40,7 @@ from comet.kernels.exchange import Exchange, exchange_block
 from comet.kernels.fp8_roles import packed_row_bytes
 from comet.kernels.group_gemm import Gathered, OwnRows
 from comet.kernels.layer0 import (DISPATCH_PART_SLOTS, STREAM_K_PROGRAMS, STREAM_K_ROWS,
-                                  Arrivals, GatherTargets, Work, one_dot_tiles)
+                                  Arrivals, GatherTargets, Work, cut_item_columns)
 from comet.kernels.layer1 import SPLIT_K_BLOCK_N, SPLIT_K_ROWS, SPLIT_K_SLOTS
 from comet.kernels.plan import EntryTables, Plan, allocate_plan
 from comet.kernels.shape import Shape
@@ -191,7 +191,7 @@ class Workspace:
     #: fp32 [SPLIT_K_SLOTS, SPLIT_K_ROWS, SPLIT_K_BLOCK_N]: layer1's partial tiles, with
     #: ``Variant.layer1_split_k`` > 1 (comet.kernels.layer1.KSplit); else None.
     l1_partial: torch.Tensor | None = None
-    #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * block_n0]: layer0's stream-K parts,
+    #: fp32 [2 * STREAM_K_PROGRAMS, STREAM_K_ROWS, 2 * item columns]: layer0's stream-K parts,
     #: with ``Variant.layer0_stream_k`` (comet.kernels.layer0.Work); else None.
     l0_partial: torch.Tensor | None = None
     #: FP8 layers (``cfg.fp8``): fp32 [rows, ceil(F / 128)], the scales of h (then e4m3)
@@ -320,10 +320,10 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         partial = torch.empty(k_slots, SPLIT_K_ROWS.value, SPLIT_K_BLOCK_N.value,
                               dtype=torch.float32, device=device)
     l0_partial, l0_slots = None, 0
-    if ((tile.variant.layer0_stream_k or tile.variant.layer0_tail_split > 1)
-            and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size)):
+    cut = cut_item_columns(tile.gemm.block_n0, cfg.intermediate_size, cfg.fp8 is not None)
+    if (tile.variant.layer0_stream_k or tile.variant.layer0_tail_split > 1) and cut:
         l0_slots = 2 * STREAM_K_PROGRAMS.value
-        l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * tile.gemm.block_n0,
+        l0_partial = torch.empty(l0_slots, STREAM_K_ROWS.value, 2 * cut,
                                  dtype=torch.float32, device=device)
     fp8 = {}
     if cfg.fp8 is not None:
