@@ -262,7 +262,9 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
                          torch.ones(el, -(-h // blocks.n), -(-f // blocks.k)), blocks)
         return gate_up, down
 
-    tile = fp8_tile(TileConfig())
+    # The cuts of layer0's K loop (stream-K, tail splits) only where asked, as in the
+    # default FP8 tile; layer1's K splits on (the decode tile's launches below).
+    tile = fp8_tile(TileConfig().with_fields(layer0_stream_k=False, layer0_tail_split=0))
     el = cfg.num_experts // world
     fp8 = cfg.replace(fp8=Fp8())
     ws = allocate_virtual(fp8, world, "cpu", tile)[0]
@@ -291,6 +293,15 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     shard_w = (shard_w[0], weights(el, cfg.hidden_size, 192, ScaleBlocks(128, 64))[1])
     out.append(lambda: call(space=shard_ws, w=shard_w).run())
     out.append(lambda: call(t=tile.decode_tile(), space=shard_ws, w=shard_w).launch_layer1(
+        ROLE_FUSED, 132))
+    # layer0 of a small call cut in K (Variant.layer0_stream_k, layer0_tail_split: both
+    # compiled into one launch) on the decode tile and the large one, and on the TP shard.
+    cut = fp8_tile(TileConfig())
+    cut_ws = allocate_virtual(fp8, world, "cpu", cut)[0]
+    cut_shard_ws = allocate_virtual(shard, world, "cpu", cut)[0]
+    for t in (cut.decode_tile(), cut):
+        out.append(lambda t=t: call(t=t, space=cut_ws).launch_layer0(ROLE_FUSED, 132))
+    out.append(lambda: call(t=cut.decode_tile(), space=cut_shard_ws, w=shard_w).launch_layer0(
         ROLE_FUSED, 132))
     # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_min_rows,
     # comet.kernels.fp8_ws): the whole call (the dispatch launch, both Gluon GEMMs,
