@@ -156,8 +156,8 @@ def test_fp8_small_calls_cut_the_k_loop(name, cut):
     value, counter = K_CUTS[cut]
     cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 22)
-    tile = default_tile(cfg=cfg).with_fields(layer0_stream_k=False, layer0_tail_split=0,
-                                             layer1_split_k=1, **{cut: value})
+    off = dict(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1)
+    tile = default_tile(cfg=cfg).with_fields(**{**off, cut: value})
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
     assert getattr(layer.tile.variant, cut) == value
     sizes = (1, 2, 3)
