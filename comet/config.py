@@ -287,9 +287,8 @@ class Variant:
             split order (bitwise the same output whoever finishes last) and sends the
             rows home. Decided on the device per call, by the rank alone
             (comet.kernels.layer1.KSplit; the decode tile's column blocks only); a local
-            scratch of 4 MiB when on. On by default: a 1-token Mixtral call at EP=2 ran
-            layer1 35-40% faster in 2 splits, calls with no room unchanged (2x H200,
-            benchmarks/results/2026-11-26/README.md, "layer1 in K splits").
+            scratch of 4 MiB when on. On by default: it shortens 1-token calls and leaves
+            calls with no room as they were (docs/notebook.md, "Small calls").
         layer0_stream_k: layer0's gated GEMM as stream-K in calls whose work items would
             leave programs idle: the call's K steps cut into one equal run per program,
             a work item's parts summed in program order by the last to finish (bitwise
@@ -299,10 +298,8 @@ class Variant:
             decided on the device per call, by the rank alone
             (comet.kernels.layer0.stream_k_pays; one-dot tiles, ``block_n0`` = the W13
             interleave block); a local scratch of 2 x 256 partial boxes (16 MiB at
-            ``block_n0`` 128). On by default: on 2x H100 at EP=2 layer0 of a 1-token
-            call took 0.87x (deepseek-v3-like), 0.90x (phi3.5-moe), 0.97x (qwen2-moe)
-            and 1.00x (mixtral) the time, and 8-128-token calls, which the gate keeps
-            it out of, 0.99-1.00x (benchmarks/results/2026-11-26/README.md, "layer0 as stream-K").
+            ``block_n0`` 128). On by default: it pays for 1-token calls whose items it cuts
+            and costs nothing where the gate keeps it out (docs/notebook.md, "Small calls").
         layer0_tail_split: most K splits of each item of layer0's last partial round of
             work items, in calls whose last round fills at most half the programs and
             whose m-tiles have at most 64 rows (comet.kernels.layer0.tail_split, decided
@@ -312,10 +309,8 @@ class Variant:
             same output whoever is last). Compiled in only for calls whose expected
             items leave such a round (the host's gate,
             comet.runtime.selection.Selector.tail_split_by_rule). Uses stream-K's
-            scratch. 4 by default: on 2 GPUs of a 4x H100 at EP=2, phi3.5-moe's 8-128-token
-            calls (400 items, 4 in the last round) took 0.96-0.98x the time, mixtral's
-            (448 items, 52) 0.994-1.002x; the gate keeps it out of qwen2-moe's and
-            deepseek-v3-like's (docs/notebook.md, "Small calls").
+            scratch. 4 by default: it shortens calls whose last round is a few items and
+            leaves the others as they were (docs/notebook.md, "Small calls").
         layer1_scatter: fused calls send each layer1 output row, weighted, straight from
             the GEMM epilogue into its token's home, and the combine sums a token's top-k
             rows -- instead of the paper's column-split reduce, whose comm blocks sum a
@@ -334,28 +329,21 @@ class Variant:
             layer0 items (``block_n0`` = the W13 interleave block); the forward only (the
             backward keeps rows placed per pair). Off in ``TileConfig()``; a layer's
             default tile turns it on where a token has at least four of its slots per
-            rank (comet.runtime.strategies.gather_pays: deepseek-v3-like at (2, 1) and
-            EP=2, 0.87-0.98x the fused time on 2x H100; top-2 models 0.98-1.03x).
+            rank (comet.runtime.strategies.gather_pays, which says why).
         layer0_own_in_place: with ``layer0_gather``, this rank's own tokens are not
             copied into its shared tensor: their index entries name rows of the caller's
             x, which the GEMM reads in place. The dispatch then copies rows only to
             peers, and the tiles of the local head wait for index entries, not for a
-            copy of every local row (which one comm program per 256-row chunk made
-            layer0's GEMM wait 140 us for in deepseek-v3-like's 4096-token EP=2 call).
-            On by default: paired on 4x H100, 1.3-1.6% faster at 1 token, even at
-            8-128, 1.4-3.3% at 4096 and 0-1% at 16384 (deepseek-v3-like at EP=2 and
-            (2, 1), qwen2-moe at (2, 1)), 4-7% for qwen2-moe (2, 1) replicated
-            (benchmarks/results/2026-11-27/README.md, levers of issue 41).
+            copy of every local row, one comm program per 256-row chunk, which held the
+            GEMM's start. On by default: faster or even at every size measured
+            (docs/notebook.md, "Large calls").
         layer0_live_rows: with ``layer0_gather``, the GEMM loads only a tile's own A
             rows (masked loads; the others, the next expert's rows or padding, are
             zeros) in calls whose experts' rows, as the decode rule expects them, fill at
             most an eighth of an m-tile (the host's gate,
             comet.runtime.selection.Selector.live_rows_by_rule); larger calls run the
-            kernel without the masks, which cost full tiles 1-5%. On by default: one
-            rank's layer0 at 1-16 rows per expert took 0.64-0.98x the time (1x H100);
-            whole calls of qwen2-moe at (2, 1) 0.87x at 16 tokens and 0.98x at 128,
-            deepseek-v3-like at EP=2 0.98x at 16-128 tokens (4x H100;
-            benchmarks/results/2026-11-26/README.md, "The gathered GEMM's live rows").
+            kernel without the masks, which slow full tiles. On by default: it shortens
+            layer0 at a few rows per expert (docs/notebook.md, "Small calls").
         small_plan_blocks: calls of at most this many of the plan's token blocks
             (comet.kernels.plan.plan_block_tokens: 64 slots, e.g. 8 tokens at top-8) plan
             in two launches instead of seven: one program opens the call, stages and
@@ -369,11 +357,11 @@ class Variant:
             warp-specialized Gluon kernel (comet.kernels.fp8_ws: a TMA producer warp,
             the fp32 promotion of one K step under the next step's wgmma) as launches of
             their own after the dispatch, instead of the ``tl`` K loop inside the fused
-            kernels, whose synchronous dots cap it near 450 TFLOP/s (Mixtral 4096
-            tokens, 1x H200, docs/precision.md). The kernel waits for no peer, so an
-            FP8 layer keeps it only where it has none and its weights' scale blocks fit
-            the kernel, on a GPU (comet.runtime.layer.fp8_tile); the Selector turns it
-            off for smaller calls (comet.runtime.selection.Selector.ws_gemm_by_rule);
+            kernels, whose synchronous dots stall on each promotion (docs/precision.md).
+            The kernel waits for no peer, so an FP8 layer keeps it only where it has none
+            and its weights' scale blocks fit the kernel, on a GPU
+            (comet.runtime.layer.fp8_tile); the Selector turns it off for smaller calls
+            (comet.runtime.selection.Selector.ws_gemm_by_rule);
             fused forward calls with the scatter epilogue only. A bf16 layer ignores it.
             4 by default: the rows from which it is GPU-tested against the accuracy
             bound (docs/precision.md).
@@ -486,10 +474,9 @@ class CommConfig:
             fewer chunks than comm blocks (1: one program copies each chunk). The sender's
             choice alone, made on the device per call (comet.kernels.layer0.dispatch_role):
             the chunks, each with its flag, stay what a destination waits for, and the
-            chunk's last part publishes it. A small call's rows to a destination are one
-            chunk, which one program copied at ~35 GB/s while the GEMM waited: 30 us of a
-            128-token Mixtral call at EP=2 on H100s; in parts, 128-token calls took
-            0.96-0.97x the time (docs/notebook.md, "Small calls").
+            chunk's last part publishes it. Parts because a small call's rows to a
+            destination are one chunk, too slow for one program to copy while the GEMM
+            waits (docs/design.md; docs/notebook.md, "Small calls").
         comm_entries: return entries per step of the layer1 reduce, and the copy tile of
             return entries in the dispatch.
         reduce_step_elements: elements a reduce step loads at once: ``comm_entries`` x
@@ -497,17 +484,12 @@ class CommConfig:
             of ``k * tp``; rounded up to a power of two) x as many columns as fit, at
             most ``comm_block_c`` in a layer over several GPUs, ``local_comm_block_c`` on
             one (comet.kernels.layer1.reduce_tile). Every slot of a step is one gather,
-            whose loads a thread issues together: a load per slot kept about one slot's
-            rows in flight and a block read ~11 GB/s. With the gather the reduce
-            alone took 0.70-0.89x the time on one GPU (Qwen2-MoE, Mixtral; 1.03x
-            DeepSeek-V3-like against its 64 x 256 tile) and 0.83-0.89x at (2,1)
-            replicated (``2026-11-27/h100x4-r43-*``, ``-r44-*``, ``-r46-*``); whole
-            calls did not move (docs/notebook.md).
+            whose loads a thread issues together: a load per slot kept only one slot's
+            rows in flight (docs/notebook.md, "Large calls").
         comm_block_c / local_comm_block_c: most columns of a reduce step where its sums
-            cross to a peer / stay in HBM. Where the reduce stores its sums to a peer,
-            64 x 256 steps took 1.6-2x the time of 32 x 128 (its stores crossed the link
-            at ~110-250 GB/s: DeepSeek-V3-like at (2,1) replicated, 16384 tokens;
-            ``2026-11-27/h100x4-r38-reduce-tile-*``); alone, wider steps stream HBM.
+            cross to a peer / stay in HBM: narrower where the stores cross the link, which
+            wide steps slowed; alone, wider steps stream HBM (docs/notebook.md, "Large
+            calls").
         reduce_item: return entries per item of layer1's reduce queue (rounded up to a
             multiple of the reduce tile's entries): one queue atomic per item.
         combine_rows / combine_block_h / combine_warps: tile of the final combine, a pure

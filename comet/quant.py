@@ -23,11 +23,9 @@ The scale is a multiply by fp32 ``1 / 448``, not a division, because that is wha
 computes for ``amax / 448`` on a GPU (a division by a scalar runs as a multiply by its
 reciprocal) and a multiply rounds the same in torch, Triton and the interpreter. With bf16
 inputs ``x / scale`` often lands exactly on an e4m3 tie, which a scale one ulp away
-breaks the other way: with a division in the kernels, 0.13% of a layer's input FP8
-values were one step from torch's on an H200 (benchmarks/results/2026-12-05,
-``fp8_layer_diff``). Every
-check here runs on the host before any kernel: a bad layout is a ValueError naming what
-is wrong.
+breaks the other way: with a division in the kernels, some of a layer's input FP8
+values were one step from torch's (docs/precision.md, "The recipe"). Every check here
+runs on the host before any kernel: a bad layout is a ValueError naming what is wrong.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ The fused backward (comet.runtime.backward) runs it on its capacity-sized row bu
 the row count read on the device (no host sync), and stores ``w * h`` -- what ``dW2``
 needs -- instead of ``h``.
 
-As separate torch ops this is about ten passes over ``[R, F]`` fp32 temporaries (a third
-of a training step's device time for Phi-3.5-MoE, H100); here each element is read and
-written once, in registers.
+As separate torch ops this is about ten passes over ``[R, F]`` fp32 temporaries, a large
+share of a training step's device time (benchmarks/results/2026-11-23/README.md, "Eleventh
+session"); here each element is read and written once, in registers.
 """
 
 from __future__ import annotations

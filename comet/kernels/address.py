@@ -4,8 +4,8 @@ them.
 Kernels reach peers' symmetric buffers, and the caller's input and output, through int64
 addresses loaded on the device (peer tables; staged addresses, so one captured graph
 serves every call). A pointer cast from an integer carries no alignment, and Triton then
-splits every row access into 2-byte loads and stores (the dispatch once stalled near 200
-GB/s on an H100 that way, docs/notebook.md). Every buffer reached this way is
+splits every row access into 2-byte loads and stores, which halved the dispatch's rate
+(docs/design.md, "Thread-block specialization"). Every buffer reached this way is
 :data:`~comet.constants.ADDRESS_ALIGN`-byte aligned -- workspace buffers are carved at 256
 bytes, and the runtime stages a misaligned input through a copy -- so the pointer says so
 and row accesses become 16-byte vectors.

@@ -5,12 +5,10 @@ must be complete before it is scaled into the fp32 accumulator (a dot whose resu
 op uses is made synchronous), so the tensor core idles while the CUDA cores promote. Here
 a one-warp producer partition streams the boxes through ``STAGES`` slots of shared memory
 with TMA, and the consumer warpgroups promote each wgmma's product while the next one
-runs (``scripts/device/fp8_gemm_gluon.py`` reached 1014 TFLOP/s on a Mixtral-sized
-prefill GEMM with one wgmma per 128-K step, where the ``tl`` loop of the fused layers
-runs ~450: docs/precision.md). By default it promotes every step's sum (128 K);
-``promotion_k=32`` every 32 K (four wgmmas on slices of a step's boxes) -- on an
-H100, 878.5 and 568 TFLOP/s at that shape: a promotion per 32 K costs the CUDA cores what
-the wgmma costs the tensor cores.
+runs, so neither unit waits for the other (docs/precision.md). By default it promotes
+every step's sum (128 K); ``promotion_k=32`` every 32 K (four wgmmas on slices of a
+step's boxes), slower: a promotion per 32 K costs the CUDA cores what the wgmma costs the
+tensor cores (docs/notebook.md, "GEMMs").
 
 A work item is one m-tile of the plan's table (``BLOCK_M`` = 64 rows of one expert) times
 two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``), on two

@@ -194,9 +194,9 @@ def one_dot_acc(a_desc, b_desc, g, t, expert, row_start, row_end, n0, k0, k1):
     tile. Rows past the tile's end (``row_end``: the next expert's rows, or padding)
     read whatever valid row their entry names, and the store drops them -- unless
     ``A_LIVE``: then they are zeros, loaded from nowhere. A small call's tiles are mostly
-    such rows, whose loads beside the weights' cost its layer0 up to 1.6x (the masks
-    cost a large call's full tiles 1-5%: comet.runtime.selection.Selector.live_rows_by_rule
-    compiles them in for small calls only)."""
+    such rows, whose loads beside the weights' slow its layer0 (the masks slow a large
+    call's full tiles, so comet.runtime.selection.Selector.live_rows_by_rule compiles
+    them in for small calls only; docs/design.md)."""
     b_row = expert * g.K
     both = tl.zeros((t.BLOCK_M, 2 * t.BLOCK_N), dtype=tl.float32)
     if t.A_GATHER:
@@ -335,7 +335,7 @@ def lane_shape(total, programs, LANE_ITEMS: tl.constexpr, HEAD_ROUNDS: tl.conste
     One-item takes at the ends: the first take of every block waits for the rows of its
     whole lane, and a lane of four reaches past the first round of dispatch chunks; and
     the last lanes end up to a lane (four tiles) apart while layer1 waits for the slowest
-    (kernel revision 8; benchmarks/results/2026-11-23/README.md has the timelines)."""
+    (docs/notebook.md, "Kernel structure")."""
     items = tl.where(total >= programs * LANE_ITEMS, LANE_ITEMS, 1)
     head = tl.minimum(HEAD_ROUNDS * programs, total)
     rounds = tl.maximum(total - head - TAIL_ROUNDS * programs, 0) // (programs * items)

@@ -244,13 +244,13 @@ def layer1_compute_role(comm, role_pid, n_role, a_desc, b_desc, gemm, item, spli
     Split 0 runs on every block of the grid (work item ``pid + i * programs``): no reduce
     item can start before it is complete, so a comm block (``comm``) that only waited
     for it would idle for the first split's whole GEMM, and layer1 would lose the comm
-    blocks' SM share over the whole call (kernel revision 7). Later splits run on the
+    blocks' SM share over the whole call (docs/notebook.md). Later splits run on the
     compute blocks (``role_pid + i * n_role``) while the comm blocks reduce.
 
     A static stride, not a queue: the rows are all in place when the kernel starts and
     which blocks run a split is fixed, so nothing needs handing out at run time -- and a
     static loop can be flattened, so Triton's pipeliner loads the next tile's operands
-    under this tile's epilogue (kernel revision 5).
+    under this tile's epilogue (docs/notebook.md, "Kernel structure").
 
     ``SCATTER``: each tile goes straight to its tokens' homes (:func:`scatter_home`)
     instead of into ``gemm.out``.
@@ -429,7 +429,7 @@ def _sum_slots(out1_ptr, H, rows, wgts, cols, cmask, WEIGHTED: tl.constexpr):
     """``sum_j wgts[:, j] * out1[rows[:, j], cols]`` in fp32 (``WEIGHTED``, else the plain
     sum) for ``rows [ENTRIES, SLOTS]`` (-1: a slot not held here) over the columns of
     ``cmask [1, BLOCK_C]``. One load for every slot: a load per slot kept a single slot's
-    rows in flight, and a block read ~11 GB/s (CommConfig.reduce_step_elements)."""
+    rows in flight (CommConfig.reduce_step_elements)."""
     ptrs = out1_ptr + rows[:, :, None] * H + cols[None, None, :]
     v = tl.load(ptrs, mask=(rows[:, :, None] >= 0) & cmask[:, None, :],
                 other=0.0).to(tl.float32)

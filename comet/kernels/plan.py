@@ -30,9 +30,7 @@ steps only: the host picks the two-launch plan per call (comet.runtime.selection
 
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
-decode-sized call costs what its tokens cost, not what the workspace holds. (Sized for
-``max_tokens``, torch's cumsum over the blocks -- one thread per column, serial over
-rows -- cost 120-450 us per call on an H200 whatever the call's size.)
+decode-sized call costs what its tokens cost, not what the workspace holds.
 
 Pair ``(t, j)`` is slot ``j`` of token ``t``; ids outside ``[0, E)`` mean "no expert".
 Only ``-1`` may say so on purpose: any other id outside ``[0, E)`` is reported in the
@@ -67,16 +65,13 @@ PLAN_BLOCK_PAIRS = 64
 #: Programs that fill the tile table (layout_kernel), at most.
 LAYOUT_PROGRAMS = 16
 #: Tile of the block-count scan: rows per step, columns per program. The steps of one
-#: program are a serial chain (~2 us each), so few tall steps and more programs: 64 x 64
-#: took 59 us for deepseek-v3-like at 16384 tokens (2048 block rows), 256 x 16 23 us (H100).
+#: program are a serial chain, so few tall steps and more programs (docs/notebook.md).
 SCAN_ROWS, SCAN_COLS = 256, 16
 #: Tiles of an expert cell the layout kernel writes per step.
 TILE_CHUNK = constexpr(64)
 #: A small call's opening (open_kernel) counts several token blocks per step, as many as
 #: keep a step's pairs and its (block, expert) histogram cells within these: its
-#: registers grow with the cells. At 4096 cells it spilled on sm_90, at 2048 it took up
-#: to 255 registers, at 1024 80-96 (Triton 3.6, E = 8..512;
-#: benchmarks/results/2026-12-02/cpu-sm90-open-kernel-step-cells.txt).
+#: registers grow with the cells, and it spilled at 4096 (docs/notebook.md, "Small calls").
 OPEN_STEP_PAIRS = 1024
 OPEN_STEP_CELLS = 1024
 
@@ -366,8 +361,8 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
 
     ``STEP_BLOCKS`` token blocks per step (:func:`open_step_blocks`): one load of their
     routing, one histogram of their (block, expert) keys, a prefix over the blocks, one
-    store of their rows (a block per step was a chain of dependent loads, ~1 us per
-    block on an H100). A one-block call counts its block alone."""
+    store of their rows (a block per step was a chain of dependent loads). A one-block
+    call counts its block alone."""
     tl.store(sync.epoch, tl.load(sync.epoch) + 1)
     c = tl.arange(0, COUNTERS_P2)
     tl.store(counters + c, tl.zeros([COUNTERS_P2], tl.int32), mask=c < COUNTERS)
@@ -378,7 +373,7 @@ def open_kernel(routing, stage, block_counts, blocks, counters, input_err, excha
     if STAGE:    # counted from the caller's ids: the staged copy is this program's stores
         ids = caller_ids(stage)
     # A one-block call (every decode step) counts its block alone: a whole step's masked
-    # loads and histogram cells cost it time (docs/notebook.md, "Small calls": `20962c7`).
+    # loads and histogram cells cost it time (docs/notebook.md, "Small calls").
     if rows <= BLOCK_T:
         carry_e, carry_d = _count_steps(ids, stage, block_counts, rows, input_err,
                                         sync.epoch, shape, STAGE, BINS, BLOCK_T, 1)
@@ -503,9 +498,9 @@ def layout_kernel(exchange, sync, send_base, dst_base, entry_count, segments,
     Every program computes the offsets (a few vector ops on ``counts``); program 0 stores
     them, and the programs split the tile table's cells (segment ``o``, expert ``el``)
     among themselves; with ``PLACE`` they also split the call's token blocks
-    (:func:`place_kernel`'s work). Filling a cell is a chain of dependent loads and
-    stores (~150 ns), and with 256 cells (256 experts) one program spent ~38 us on an
-    H100; placing a block ~3 us. ``scratch``: ``[programs, LAYOUT_SCRATCH, W * El]``
+    (:func:`place_kernel`'s work). Filling a cell, or placing a block, is a chain of
+    dependent loads and stores, too long in series for one program at hundreds of
+    cells (256 experts). ``scratch``: ``[programs, LAYOUT_SCRATCH, W * El]``
     int32, each program's own copy of what its cells and blocks read, so no program
     reads what another wrote.
     """

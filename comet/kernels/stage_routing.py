@@ -3,8 +3,8 @@ launch.
 
 A layer replays one captured graph for every call, so its kernels read the routing from
 fixed ``[max_tokens, k]`` rows (comet.runtime.staging). Copying the caller's routing into
-them from the host costs two device operations per call, ~8-11 us of host time each on an
-H100 (``h100-host-cost.json``) -- a decode-sized call is host-bound. Instead the host
+them from the host costs two device operations per call, host time a decode-sized call,
+host-bound already, cannot spare (docs/notebook.md, "Host path"). Instead the host
 stages the routing's two addresses with the call's other scalars, and this kernel, inside
 the graph, copies the call's rows (the token count is read on the device; programs past it
 return at once). Routing of other dtypes (int32 ids, bf16 weights) is converted on the host

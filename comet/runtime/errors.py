@@ -135,8 +135,8 @@ class ErrorReports:
 
         A plain cudaMemcpyAsync, not ``Tensor.copy_``: torch's pinned-memory allocator
         records an event per copy into a pinned block, and one recorded inside a graph
-        capture crashed the process when the block was freed (segfaults of 371bd2d on
-        an H200)."""
+        capture crashed the process when the block was freed (docs/notebook.md, "Host
+        path")."""
         if self._pending is None:
             return
         rt = topology.cuda_runtime()

@@ -8,11 +8,10 @@ block split -- into one small int64 device buffer the kernels load. The forward 
 seven scalars (:class:`StaticInputs`), the backward six (:mod:`comet.runtime.backward`).
 
 The scalars reach the device in one copy from a pinned host ring rather than one fill per
-scalar: each small device op costs the host ~8-11 us (H100, ``h100-host-cost.json``), and
-a decode-sized call is host-bound. The copy is a plain cudaMemcpyAsync rather than
-``Tensor.copy_``: for a pinned source torch's copy also records an event into its
-pinned-memory allocator, which made the copy the costliest step of a graph-replayed call
-(8.0-8.5 us of ~29, ``benchmarks/results/2026-12-04/host-profile-after.json``); the ring's
+scalar: every small device op costs the host time, and a decode-sized call is host-bound.
+The copy is a plain cudaMemcpyAsync rather than ``Tensor.copy_``: for a pinned source
+torch's copy also records an event into its pinned-memory allocator, which made the copy
+the costliest step of a graph-replayed call (docs/notebook.md, "Host path"); the ring's
 own segment events already say when a slot may be written again.
 """
 

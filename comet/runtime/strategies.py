@@ -153,15 +153,10 @@ def scatter_pays(tp: int, ep: int, convention: str) -> bool:
     Not where every rank holds every expert's F shard and every rank passes the same
     tokens (the replicated convention with ``ep == 1``): there each token's ``k`` slots
     are all on every rank, and the scatter stores ``k`` rows per token on each rank of
-    the group where the reduce sends one summed row. Measured on 4x H100
-    (benchmarks/results/2026-11-26, ``h100x4-r3-tile-probe-tp-reduce-*``): at (4, 1)
-    replicated the reduce took 0.68x the scatter's time (geomean, four presets, 4096
-    and 16384 tokens) and 1.04x at 128; at (2, 1) replicated 0.935x and 1.056x
-    (2x H100, paired, ``h100x2-r4-tile-probe-tp-reduce-*``); at (2, 2) replicated 0.95x
-    and 1.13x -- no default change there. Nor in the sequence convention, where each
-    token has one home: at (2, 1) the reduce took 1.03x the scatter's time (1.07x at
-    128). A choice by layout, not by call: every rank of a layout makes the same one,
-    which the combine on each token's rank relies on.
+    the group where the reduce sends one summed row. Elsewhere (``ep > 1``, or the
+    sequence convention, where each token has one home) the reduce was not faster at
+    every size (docs/notebook.md, "Large calls"). A choice by layout, not by call: every
+    rank of a layout makes the same one, which the combine on each token's rank relies on.
     """
     return not (convention == "replicated" and tp > 1 and ep == 1)
 
@@ -176,15 +171,9 @@ def gather_pays(top_k: int, ep: int) -> bool:
     through an index (``Variant.layer0_gather``) by default: where a token has, on
     average, at least :data:`GATHER_PAIRS_PER_RANK` of its (shard) slots on a rank --
     ``top_k / ep`` in a (tp, ep) layout, whose kernels see ``tp * top_k`` shard slots
-    over ``tp * ep`` ranks. Below that the index's loads (1.03-1.06x the GEMM's
-    compute-only time) cost more than the rows and copies they save.
-
-    Measured on 2x H100, paired against rows placed per pair (benchmarks/results/
-    2026-11-26, ``h100x2-r6-tile-probe-gather-*``, 4096 and 16384 tokens): deepseek-v3-like
-    (8 pairs per rank at (2, 1), 4 at EP=2) 0.90-0.98x the fused time, qwen2-moe at (2, 1)
-    (4) 0.94-1.01x; at 2 pairs per rank (qwen2-moe EP=2, mixtral and phi3.5-moe at
-    (2, 1)) 0.98-1.03x, at 1 (mixtral, phi3.5-moe EP=2) 1.01-1.02x. A choice by layout:
-    it sets which buffers every rank allocates."""
+    over ``tp * ep`` ranks. Below that the index's loads cost more than the rows and
+    copies they save (docs/notebook.md, "Large calls"). A choice by layout: it sets which
+    buffers every rank allocates."""
     return top_k >= GATHER_PAIRS_PER_RANK * ep
 
 

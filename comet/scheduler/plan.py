@@ -13,12 +13,11 @@ layer0 (dispatch -> GroupGEMM, shared tensor decomposed along M):
     read from HBM once and served from L2 to the rest. Ordering every stage-0 tile first
     (the paper's local-first order) cut each expert's tiles into W groups far apart, each
     reading the expert's weights again: on many small experts that made the GEMMs weight-
-    bandwidth bound (deepseek-v3-like at 4096 tokens/rank, EP=2 shapes: 1.34x the time
-    of the expert-major order; EP=4 1.66x; qwen2-moe 1.39x and 1.74x; H100,
-    ``h100-tile-order-ep2.json``). The dispatch pushes every destination's rows in expert
-    order, all destinations abreast (:func:`comet.kernels.layer0.dispatch_role`), so a
-    tile's remote rows land in the order the tiles need them. Each tile carries its
-    *wait set*: a bitmask of exactly the source ranks whose segments its rows overlap.
+    bandwidth bound (docs/design.md, "Rescheduling"). The dispatch pushes every
+    destination's rows in expert order, all destinations abreast
+    (:func:`comet.kernels.layer0.dispatch_role`), so a tile's remote rows land in the
+    order the tiles need them. Each tile carries its *wait set*: a bitmask of exactly the
+    source ranks whose segments its rows overlap.
     Work items are (m-tile, column block) pairs in :func:`grouped_work` order.
 
 layer1 (GroupGEMM -> top-k reduce + combine, shared tensor decomposed along N):

@@ -28,22 +28,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MachineModel:
-    """Rates the analytic split balances (defaults: measured on 4x H200, NVLink, bf16;
-    docs/benchmarks.md has the ceilings).
+    """Rates the analytic split balances (defaults: measured or fitted over NVLink, bf16;
+    docs/notebook.md, "The split's machine model").
 
     per_block_bw: bytes/s one layer0 comm block pushes to peers, as the fused kernel runs
-        it (fitted to the 2x H200 tune sweeps of 2026-11-23; a bare push kernel reached
-        17 GB/s per block).
+        it (fitted to tune sweeps: below a bare push kernel's rate).
     reduce_block_bw: bytes/s of partial rows one layer1 comm block reduces and sends
-        (fitted likewise; 4x H200 earlier: ~3 GB/s per block).
-    link_bw: bytes/s one rank can push to all peers together (NCCL all_to_all: 302 GB/s).
+        (fitted likewise).
+    link_bw: bytes/s one rank can push to all peers together (NCCL's all_to_all rate).
     local_block_bw: bytes/s one comm block copies inside its own GPU (an assumption: about
         twice the remote rate, since a block is bound by its own loads in flight).
-    hbm_bw: bytes/s of a whole-GPU copy (read + write; about 3 TB/s on an H100).
-    gemm_flops: bf16 GroupGEMM FLOP/s of the whole GPU (torch reached 616-759 TFLOP/s).
+    hbm_bw: bytes/s of a whole-GPU copy (read + write).
+    gemm_flops: bf16 GroupGEMM FLOP/s of the whole GPU (torch's rate).
     reduce_overlap: share of its rate a layer1 comm block keeps while the GEMM runs
-        (fitted, 2x H200: 16 comm blocks left Mixtral's reduce tail after the GEMM as
-        long as none did -- the reduce competes with the GEMM for memory).
+        (fitted: the reduce competes with the GEMM for memory).
     """
 
     per_block_bw: float = 11e9
@@ -142,8 +140,8 @@ def analytic_split(work: LayerWork, programs: int,
 
     Once comm blocks join the GEMM, every layer0 count between "the rows arrive before
     the GEMM needs them" and "the link is full" costs about the same block-time, and the
-    model cannot tell them apart; measured (2x H200), the larger counts of that range
-    are as fast or faster (rows land earlier, fewer tiles wait). So among near-ties the
+    model cannot tell them apart; measured, the larger counts of that range are as
+    fast or faster (rows land earlier, fewer tiles wait). So among near-ties the
     count closest to the one that fills the link wins (layer1: the smallest, since its
     comm blocks leave the GEMM after its first split)."""
     times = {n: predicted_time(work, n, programs, machine) for n in range(programs // 2 + 1)}

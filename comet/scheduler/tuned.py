@@ -39,7 +39,7 @@ Selection uses only what the host knows (this rank's token count, from the input
 shape): the bucket nearest to it in log scale (buckets are geometric), clamped at the
 ends. Splits are never interpolated: layer time over a split is far from linear (too few
 comm blocks for the rows starve the GEMM), and a split between two good ones can be the
-worst of all (one interpolated split took 3.5x the best layer0 on an H100).
+worst of all (docs/tuning.md).
 
 A missing or unusable table returns None (the caller falls back to the analytic model and
 logs once); a bad file is reported with a warning, never an exception in the middle of a
