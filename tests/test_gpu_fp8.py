@@ -5,6 +5,8 @@ columns, CometMoE's quantize_experts -- against comet.reference's fp32 emulation
 quantized layer with issue 68's bounds (rel L2 <= 5e-3, atol = rtol = 0.035), and against
 the bf16 layer on the weights before quantization (the recipe's own cost)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -143,24 +145,35 @@ K_CUTS = {"layer1_split_k": (4, "arrived"), "layer0_stream_k": (True, "l0_arrive
           "layer0_tail_split": (4, "l0_arrived")}
 
 
+@functools.lru_cache(maxsize=1)
+def _preset_experts(name: str):
+    """``(cfg, gate_up, down, gate_up FP8, down FP8)`` of a preset at full size, kept for
+    the next test of the same preset (deepseek-v3-like's bf16 and FP8 experts take 34 GB:
+    two sets at once do not fit an H100)."""
+    cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
+    return (cfg, *_experts(cfg, 22))
+
+
 @pytest.mark.parametrize("cut", list(K_CUTS))
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "deepseek-v3-like", "phi3.5-moe"])
 def test_fp8_small_calls_cut_the_k_loop(name, cut):
-    """The K cuts asked for on an FP8 layer (the default FP8 tile has them off):
-    layer1's K splits and layer0's stream-K at 1-3 tokens of the preset's full size,
-    layer0's tail splits at the call sizes whose last round the Selector expects to be
-    cut, each cutting the block-scaled K loop in slices; against the emulation and the
-    bf16 layer, three routings, each call twice (the second replays a graph); some call
-    must have been cut."""
+    """The K cuts asked for on an FP8 layer (the default FP8 tile has them off), at the
+    preset's full size, at the call sizes where they cut: layer1's K splits and layer0's
+    stream-K at 1 and 2 tokens, layer0's tail splits where the Selector expects a last
+    round to cut; each cuts the block-scaled K loop in slices. Against the emulation and
+    the bf16 layer, three routings, each call twice (the second replays a graph); some
+    call must have been cut."""
     from comet.runtime.layer import FusedMoE
     value, counter = K_CUTS[cut]
-    cfg = PRESETS[name].replace(max_tokens=256, fp8=Fp8())
-    gu, dn, gu8, dn8 = _experts(cfg, 22)
+    if (name, cut) == ("deepseek-v3-like", "layer1_split_k"):
+        pytest.skip("a 1-token deepseek-v3-like call's layer1 has 448 items on 132 "
+                    "programs: none idle, no K split")
+    cfg, gu, dn, gu8, dn8 = _preset_experts(name)
     off = dict(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1)
     tile = default_tile(cfg=cfg).with_fields(**{**off, cut: value})
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
     assert getattr(layer.tile.variant, cut) == value
-    sizes = (1, 2, 3)
+    sizes = (1, 2)
     if cut == "layer0_tail_split":
         sel = layer.selection
         sizes = [t for t in range(1, cfg.max_tokens + 1) if sel.tail_split_by_rule(t)
