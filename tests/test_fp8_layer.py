@@ -288,18 +288,21 @@ def test_an_fp8_workspace_holds_packed_rows_and_fp8_h():
     assert ws.h.dtype == E4M3 and ws.h_scale.shape == (ws.h.shape[0], 2)
 
 
-def test_an_fp8_layer_cuts_its_k_loops_only_where_asked():
-    """The tile an FP8 layer runs keeps the small-call K cuts where they are asked for
-    (layer0's stream-K and tail splits, layer1's K splits: all on the block-scaled K
-    loop) and a gathered dispatch, whose FP8 K loop always loads only a tile's own rows;
-    the default FP8 tile has the cuts off (not yet timed on a GPU)."""
+def test_an_fp8_layer_cuts_its_k_loops():
+    """The tile an FP8 layer runs keeps the small-call K cuts (layer0's stream-K and tail
+    splits, layer1's K splits: all on the block-scaled K loop), on by default as in
+    bf16, and a gathered dispatch where asked, whose FP8 K loop always loads only a
+    tile's own rows."""
     cfg, gate_up, down = _weights()
     tile = TileConfig.small().with_fields(layer0_stream_k=True, layer0_tail_split=4,
                                           layer1_split_k=4, layer0_gather=True)
     v = FusedMoE(cfg, gate_up, down, tile=tile).tile.variant
     assert (v.layer0_stream_k, v.layer0_tail_split, v.layer1_split_k) == (True, 4, 4)
     d = FusedMoE(cfg, gate_up, down).tile.variant
-    assert (d.layer0_stream_k, d.layer0_tail_split, d.layer1_split_k) == (False, 0, 1)
+    default = TileConfig.small().variant
+    assert (d.layer0_stream_k, d.layer0_tail_split, d.layer1_split_k) == (
+        default.layer0_stream_k, default.layer0_tail_split, default.layer1_split_k)
+    assert d.layer0_stream_k and d.layer0_tail_split > 1 and d.layer1_split_k > 1
     assert (v.layer0_gather, v.layer0_own_in_place, v.layer0_live_rows) == (True, True, False)
     # Hopper's tiles: m-tiles of 64 rows (128 spilled layer0's registers)
     assert fp8_tile(TileConfig()).gemm.block_m == 64

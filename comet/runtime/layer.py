@@ -96,15 +96,11 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     layer0's items are one dot each -- in bf16 only: an FP8 layer's gathered K loop
     (pointer loads instead of TMA boxes) made its calls 14-30% slower at 128-4096 tokens
     on one H200, more than the copies it saves (docs/precision.md), so FP8 gathers only
-    when asked. An FP8 layer cuts its GEMMs' K loops -- layer0's stream-K and tail
-    splits, layer1's K splits -- only when asked too: those kernels are checked under the
-    interpreter and compiled for sm_90, not yet timed on a GPU."""
+    when asked."""
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):
         tile = tile.with_fields(layer1_scatter=False)
-    if cfg is not None and cfg.fp8 is not None:
-        tile = tile.with_fields(layer0_stream_k=False, layer0_tail_split=0, layer1_split_k=1)
     if (cfg is not None and cfg.fp8 is None and gather_pays(cfg.top_k, mesh.ep)
             and one_dot_tiles(tile.gemm.block_n0, cfg.intermediate_size // mesh.tp)):
         tile = tile.with_fields(layer0_gather=True)
@@ -119,8 +115,8 @@ FP8_BLOCK_M = 64
 
 def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     """``tile`` as an FP8 layer runs it: layer0's stream-K and tail splits and layer1's
-    K splits, where the tile asks for them (not :func:`default_tile`'s), cut the
-    block-scaled K loop (an FP8 work item is two dots of 128 columns). With layer0's gathered
+    K splits cut the block-scaled K loop (an FP8 work item is two dots of 128 columns).
+    With layer0's gathered
     dispatch (``layer0_own_in_place``: this rank's own rows read where they were packed,
     its home rows), the gathered K loop always loads only a tile's own rows, so the
     variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
