@@ -297,8 +297,8 @@ class Variant:
             (the host's gate, comet.runtime.selection.Selector.stream_k_by_rule), then
             decided on the device per call, by the rank alone
             (comet.kernels.layer0.stream_k_pays; one-dot tiles, ``block_n0`` = the W13
-            interleave block); a local scratch of 2 x 256 partial boxes (16 MiB at
-            ``block_n0`` 128). On by default: it pays for 1-token calls whose items it cuts
+            interleave block, or an FP8 layer's items); a local scratch of 2 x 256
+            partial boxes (16 MiB at 128 columns). On by default: it pays for 1-token calls whose items it cuts
             and costs nothing where the gate keeps it out (docs/notebook.md, "Small calls").
         layer0_tail_split: most K splits of each item of layer0's last partial round of
             work items, in calls whose last round fills at most half the programs and
