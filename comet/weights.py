@@ -4,8 +4,7 @@ Models store ``W13 [..., H, 2F]`` as all gate columns, then all up columns ("gat
 layout, what :mod:`comet.reference` and the baselines take). The layer0 kernel computes
 ``silu(x @ gate) * (x @ up)`` for the same output columns; with gate and up ``F`` columns
 apart that is two dots per K step, and Triton's pipeliner then cannot load the next tile
-under this tile's epilogue (a flattened persistent loop ran 0.6-0.75x torch's grouped GEMM
-with two dots, 0.85-1.03x with one; H100, ``h100-gemm-strided.json``).
+under this tile's epilogue (docs/design.md).
 
 The *interleaved* layout puts them side by side in blocks of :data:`GATE_UP_BLOCK`
 columns: ``[gate 0 | up 0 | gate 1 | up 1 | ...]``, block ``j`` being columns

@@ -67,9 +67,9 @@ DEFAULT_CANDIDATES = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 #: The single split ``--check`` compares against (the split before tuning existed).
 FIXED_SPLIT = 16
 #: Per-call tile fields timed per bucket at the chosen split, beside the layer's own.
-#: A group of 16 m-tiles read an expert's W13 half as often at 16384 tokens/rank
-#: (mixtral: 1-2.6% faster calls, H100 and H200), no local head paid at 4096 tokens in
-#: fused EP=2 calls (2-3%, 2x H200): each where the other does not (docs/tuning.md).
+#: A group of 16 m-tiles reads an expert's W13 half as often in large calls, no local
+#: head paid in some mid-sized fused calls: each where the other does not
+#: (docs/tuning.md).
 TILE_CANDIDATES = ({"group_m": 16}, {"local_head_tiles": 0},
                    {"group_m": 16, "local_head_tiles": 0})
 #: How much faster (fraction of the call) a tile candidate must be to be kept: below
@@ -413,7 +413,7 @@ def pool_split_free(times: CheckTimes) -> CheckTimes:
     """``times`` with layer1's time of every split replaced by the median over the
     splits of its (decode tile, tile fields): with the scatter epilogue layer1 has no
     comm role, so its split changes nothing, and the fastest of several timings of one
-    program is luck (up to 1.11x at EP=4, 2026-11-26), not a better split."""
+    program is luck, not a better split."""
     pooled: dict[tuple, list[float]] = {}
     for (_, tile, fields), (_, t1) in times.items():
         pooled.setdefault((tile, fields), []).append(t1)

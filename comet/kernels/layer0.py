@@ -86,8 +86,8 @@ from comet.weights import GATE_UP_BLOCK
 #: Work items per take of layer0's queue (one lane of :func:`strided_take`) once the call
 #: has at least one full round of them (``programs * LANE_ITEMS`` items; below that, one
 #: item per take balances the few items there are). A lane of several items runs as one
-#: flattened loop, its tiles' epilogues under the next tile's loads. 4: within 3% of a
-#: static flattened loop, 2 and 8 lower (H100, ``h100-gemm-strided.json``).
+#: flattened loop, its tiles' epilogues under the next tile's loads. 4: the fastest
+#: measured, near a static flattened loop (docs/notebook.md, "Kernel structure").
 LANE_ITEMS = constexpr(4)
 #: Dispatch chunks that may be copied in parts, per call (one arrival counter each,
 #: ``Dispatch.parts``): parts are cut only when the call's chunks are fewer than the comm
@@ -456,8 +456,8 @@ def dispatch_role(dispatch, H, epoch, sync, trace, events, shape, comm, n_comm):
     (:func:`_parts_per_chunk`), taken from the queue like chunks; the last part to finish
     publishes. No chunk waits for another to publish: an in-order chain (each chunk
     published after the previous one) cost one system-scope release round trip per
-    chunk in series, which capped dispatch at ~7 us per chunk whatever the number of
-    comm blocks. Returns the trace events recorded so far."""
+    chunk in series, whatever the number of comm blocks (docs/design.md). Returns the
+    trace events recorded so far."""
     WORLD: tl.constexpr = shape.WORLD
     TOPK: tl.constexpr = shape.TOPK
     rank = sync.rank

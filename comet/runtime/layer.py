@@ -94,9 +94,8 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
     unless the layout is one where the reduce pays (:func:`scatter_pays`); for the
     model ``cfg``, layer0's gathered dispatch where it pays (:func:`gather_pays`) and
     layer0's items are one dot each -- in bf16 only: an FP8 layer's gathered K loop
-    (pointer loads instead of TMA boxes) made its calls 14-30% slower at 128-4096 tokens
-    on one H200, more than the copies it saves (docs/precision.md), so FP8 gathers only
-    when asked."""
+    (pointer loads instead of TMA boxes) costs more than the copies it saves
+    (docs/precision.md), so FP8 gathers only when asked."""
     tile = TileConfig.small() if interpreting() else TileConfig()
     mesh = mesh or MeshLayout()
     if not scatter_pays(mesh.tp, mesh.ep, convention):

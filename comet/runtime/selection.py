@@ -35,11 +35,9 @@ from comet.scheduler.split import analytic_split, layer_work
 #: fill at most this fraction of an m-tile (:meth:`Selector.live_rows_by_rule`).
 LIVE_ROWS_MAX_FILL = 1 / 8
 #: Most steps of a small call's opening (comet.kernels.plan.open_kernel) for which the
-#: two-launch plan pays (:meth:`Selector.small_plan_by_rule`). 1x H200, EP=1, the plan
-#: phase against the seven launches (benchmarks/results/2026-12-02,
-#: ``h200-r52-probe-small-plan-*``): one step 16.0-19.6 against 27.9-29.4 us (qwen2-moe's
-#: 8 blocks, mixtral's 8 and 16), two 24.2 against 29.5 (qwen2-moe's 16), four 35.8
-#: against 29.8 (qwen2-moe's 32), eight 44.7 against 32.3 (deepseek-v3-like's 16).
+#: two-launch plan pays (:meth:`Selector.small_plan_by_rule`): each step is a serial
+#: pass, and from four steps on the seven launches were faster (docs/notebook.md, "Small
+#: calls").
 SMALL_PLAN_STEPS = 2
 
 
@@ -263,9 +261,7 @@ class Selector:
         programs, on m-tiles of at most ``TAIL_ROWS`` rows -- the device's own test
         (comet.kernels.layer0.tail_split) on expected tiles. Elsewhere the call runs the
         kernel without it, as stream-K's gate does: compiled in and never cutting, it
-        took 512-token calls at EP=2 1.001-1.004x the time and 4096-token calls
-        1.008-1.034x (one round; 2 GPUs of a 4x H100, docs/notebook.md, "Small
-        calls")."""
+        slowed larger calls (docs/notebook.md, "Small calls")."""
         if not self._tail_rows_fit(num_tokens):
             return False
         items = self._expected_items(num_tokens)
@@ -291,12 +287,9 @@ class Selector:
     def live_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether a gathered layer0's call with ``num_tokens`` on this rank loads only
         its tiles' own A rows: each expert's rows, expected as :meth:`decode_by_rule`
-        expects them, fill at most :data:`LIVE_ROWS_MAX_FILL` of an m-tile. Measured on
-        1x H100 (one rank's shapes at EP=2 and (2, 1);
-        benchmarks/results/2026-11-26/README.md, "The gathered GEMM's live rows"): the
-        masks paid at 1-16 rows per expert in all 13 records (0.64-0.98x layer0's time),
-        were even at 32 (0.97-1.00x) and cost from 64 on (up to 1.09x); on 4x H100 the
-        whole qwen2-moe (2, 1) call at 32 rows per expert took 1.017x with them."""
+        expects them, fill at most :data:`LIVE_ROWS_MAX_FILL` of an m-tile: the masks pay
+        at a few rows per expert and cost full tiles (docs/notebook.md, "Small
+        calls")."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert <= LIVE_ROWS_MAX_FILL * self.tile.gemm.block_m
 
