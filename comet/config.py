@@ -298,8 +298,9 @@ class Variant:
             decided on the device per call, by the rank alone
             (comet.kernels.layer0.stream_k_pays; one-dot tiles, ``block_n0`` = the W13
             interleave block, or an FP8 layer's items); a local scratch of 2 x 256
-            partial boxes (16 MiB at 128 columns). On by default: it pays for 1-token calls whose items it cuts
-            and costs nothing where the gate keeps it out (docs/notebook.md, "Small calls").
+            partial boxes (16 MiB at 128 columns). On by default: it pays for 1-token
+            calls whose items it cuts and costs nothing where the gate keeps it out
+            (docs/notebook.md, "Small calls").
         layer0_tail_split: most K splits of each item of layer0's last partial round of
             work items, in calls whose last round fills at most half the programs and
             whose m-tiles have at most 64 rows (comet.kernels.layer0.tail_split, decided
