@@ -231,8 +231,7 @@ class ForwardCall:
         """``(dispatch, layer0 operands, item, layer1 operands, item)`` of an FP8 layer
         (``ws.cfg.fp8``): the dispatch sends the rows :attr:`quantize` packed on this
         rank, layer0 runs the block-scaled GEMM on them and quantizes h in its epilogue,
-        layer1 runs it on h. Its tile's variant has none of layer0's small-call variants
-        (:func:`comet.runtime.layer.fp8_tile`)."""
+        layer1 runs it on h (:func:`comet.runtime.layer.fp8_tile`: the tile it runs)."""
         ws, tile = self.ws, self.tile
         h = ws.cfg.hidden_size
         self.quantize = home_quantizer(ws.home_rows, h)
