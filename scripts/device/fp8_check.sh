@@ -23,17 +23,15 @@
 #             bench step's records (comet bench --from-json ... --against ...;
 #             FP8_WS_CONFIGS narrows the presets)
 #   decode    small calls and their K cuts in FP8 (layer0's stream-K and tail splits,
-#             layer1's K splits: off in an FP8 layer's default tile until this step has
-#             timed them): the small-call tests
+#             layer1's K splits: on by default since 6526001): the small-call tests
 #             (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults, and
 #             tests/test_gpu_fp8.py::test_fp8_small_calls_cut_the_k_loop), then `comet
 #             bench --dtype bf16 fp8 --only-fused` at 1-128 tokens on the four presets
-#             (decode/) and FP8 with the three cuts asked for at 1-32 tokens (decode-cuts/,
-#             --tile layer0_stream_k=1,layer0_tail_split=4,layer1_split_k=4; 128-token
-#             calls run the warp-specialized GEMMs), whose fused times `comet bench
-#             --from-json ... --against` compares (decode-cuts-vs-off.txt;
-#             FP8_BENCH_CONFIGS narrows the presets, FP8_DECODE_TOKENS the sizes,
-#             FP8_CUTS the --tile asked for)
+#             (decode/) and FP8 without the cuts at 1-32 tokens (decode-uncut/, --tile
+#             layer0_stream_k=0,layer0_tail_split=0,layer1_split_k=1; 128-token calls run
+#             the warp-specialized GEMMs), whose fused times `comet bench --from-json ...
+#             --against` compares (decode-vs-uncut.txt; FP8_BENCH_CONFIGS narrows the
+#             presets, FP8_DECODE_TOKENS the sizes, FP8_UNCUT the --tile of the second run)
 #   small     whether the warp-specialized GEMMs (promoted per 128 K) could take every
 #             small call: scripts/device/fp8_small_accuracy.py (1-32 tokens, four presets,
 #             the defaults and fp8_ws_min_rows=1 against the emulation and the bf16 layer;
@@ -99,13 +97,13 @@ for step in "${@:-diff kernels tests}"; do
               presets="${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe}"
               FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode --dtype bf16 fp8 \
                 --only-fused --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32 128}
-              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-cuts --dtype fp8 \
+              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench decode-uncut --dtype fp8 \
                 --only-fused --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32} \
-                --tile "${FP8_CUTS:-layer0_stream_k=1,layer0_tail_split=4,layer1_split_k=4}"
-              python3 -m comet.cli.bench --from-json "$OUT"/decode-cuts/*.json \
-                --against "$OUT"/decode/*.json > "$OUT/decode-cuts-vs-off.txt" 2>&1 \
+                --tile "${FP8_UNCUT:-layer0_stream_k=0,layer0_tail_split=0,layer1_split_k=1}"
+              python3 -m comet.cli.bench --from-json "$OUT"/decode/*.json \
+                --against "$OUT"/decode-uncut/*.json > "$OUT/decode-vs-uncut.txt" 2>&1 \
                 || status=1
-              cat "$OUT/decode-cuts-vs-off.txt" ;;
+              cat "$OUT/decode-vs-uncut.txt" ;;
       small) mkdir -p "$OUT/accuracy"
              PYTHONPATH=.:tests timeout "${FP8_SMALL_ACC_TIMEOUT_S:-240}" python3 \
                scripts/device/fp8_small_accuracy.py --output "$OUT/accuracy/fp8_small_accuracy.json" \
