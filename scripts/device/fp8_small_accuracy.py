@@ -3,15 +3,13 @@
 A one-rank FP8 layer runs calls of at least ``Variant.fp8_ws_min_rows`` expected rows per
 expert (4 by default) on the warp-specialized GEMMs, which promote each 128-K step, and
 the smaller ones on the ``tl`` kernels, which promote every 32 K. The warp-specialized
-GEMMs ran those small calls 0.86-0.97x the ``tl`` kernels' time (1x H100,
-``benchmarks/results/2026-12-06/fp8-small-calls-ws128-06d13c9-h100.json``), but the fewer
-products a call sums per output, the wider per-128's error spreads, and whether it holds
-issue 68's bounds at 1-32 tokens was never measured with a kept log. This script measures
-it: the four presets at full size, 1-32 tokens, three routings each, every call once with
-the layer's defaults and once with ``fp8_ws_min_rows=1`` (the warp-specialized GEMMs for
-every call they take), each against the fp32 emulation (rel L2 <= 5e-3; atol = rtol =
-0.035, reported as the worst ``|y - e| / (atol + rtol |e|)``, which must stay <= 1) and
-against the bf16 layer (calc_diff no more than 1.1x the emulation's own).
+GEMMs run small calls faster, but the fewer products a call sums per output, the wider
+per-128's error spreads. This script measures it: the four presets at full size, 1-32
+tokens, three routings each, every call once with the layer's defaults and once with
+``fp8_ws_min_rows=1`` (the warp-specialized GEMMs for every call they take), each against
+the fp32 emulation (rel L2 <= 5e-3; atol = rtol = 0.035, reported as the worst ``|y - e|
+/ (atol + rtol |e|)``, which must stay <= 1) and against the bf16 layer (calc_diff no more
+than 1.1x the emulation's own). Results: docs/precision.md (`fp8_ws_min_rows`).
 
     PYTHONPATH=.:tests python scripts/device/fp8_small_accuracy.py --output $OUT/acc.json
 """
