@@ -75,6 +75,30 @@ def test_dispatch_quantizer_of_no_rows():
     assert got.data.shape == (0, 256) and got.scale.shape == (0, 2)
 
 
+@pytest.mark.parametrize("programs, grid", [(2, (1, 2)), (4, (2, 2)), (512, (4, 2))])
+def test_home_quantizer_loops_a_bounded_grid_over_the_call_rows(programs, grid):
+    """An FP8 layer's rows quantized on their home rank (``quantize_home_kernel``) into
+    packed rows: the grid is fixed by the layer's capacity but bounded (``programs``), its
+    row programs striding over the call's row blocks -- here the 3 blocks of a 40-token
+    call on 1, 2 or 4 row programs (two column blocks each) -- each row the dispatch
+    quantizer's, the rows past the call untouched."""
+    from comet.kernels.fp8_roles import (home_quantizer, launch_quantize_home,
+                                         packed_row_bytes, packed_views)
+    h, capacity, tokens = 1024, 64, 40
+    x = _randn(tokens, h, seed=3, scale=3.0).bfloat16()
+    rows = torch.full((capacity, packed_row_bytes(h)), 0x7F, dtype=torch.uint8, device=DEV)
+    out, t, got_grid = home_quantizer(rows, h, programs)
+    assert got_grid == grid
+    launch_quantize_home(torch.tensor([x.data_ptr()], dtype=torch.int64, device=DEV), x,
+                         torch.tensor([tokens], dtype=torch.int64, device=DEV), out, t,
+                         got_grid)
+    values, scales = packed_views(rows, h)
+    ref = quantize_dispatch(x)
+    assert torch.equal(scales[:tokens], ref.scale)
+    assert torch.equal(values[:tokens].view(torch.uint8), ref.data.view(torch.uint8))
+    assert bool((rows[tokens:] == 0x7F).all())
+
+
 @pytest.mark.parametrize("x, match", [
     (torch.zeros(4, 192), "multiple of 128"),
     (torch.zeros(4, 100), "multiple of 128"),

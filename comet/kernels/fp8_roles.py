@@ -191,6 +191,9 @@ def requant_gated_kernel(acc_ptr, out, t):
 BLOCK_ROWS = 16
 #: Groups per column block of :func:`quantize_dispatch` (fewer when H has fewer).
 DISPATCH_GROUPS = 4
+#: Most programs of :func:`quantize_home_kernel`'s fixed grid (a few per SM): more row
+#: blocks than fit are looped over.
+HOME_QUANT_PROGRAMS = 512
 #: Input dtypes of the dispatch quantizer: what a layer's token rows are.
 DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -332,16 +335,17 @@ def store_packed_rows(q, scale, out, rows, live, c0, COLS: tl.constexpr, GROUP: 
 @triton.jit
 def quantize_home_kernel(x_addr, like, num_tokens, out, t):
     """Quantize on the home rank, before any row crosses: program ``(i, j)`` quantizes
-    rows ``[i * BLOCK_R, + BLOCK_R)``, columns ``[j * BLOCK_H, + BLOCK_H)`` of the call's
-    input (at the address ``x_addr[0]``, ``num_tokens[0]`` rows of ``out.N``; ``like``:
-    a tensor of its dtype) into ``out``. The grid covers the layer's most tokens, so one
-    launch serves every call (a graph replays it); programs past the call's rows return."""
+    the row blocks ``i, i + P, ...`` (``P`` programs along rows, ``BLOCK_R`` rows each)
+    of the call's input, columns ``[j * BLOCK_H, + BLOCK_H)`` (at the address
+    ``x_addr[0]``, ``num_tokens[0]`` rows of ``out.N``; ``like``: a tensor of its dtype)
+    into ``out``. The grid is fixed, so one launch serves every call (a graph replays
+    it), and bounded: a 1-token call of a layer sized for thousands of tokens schedules a
+    few hundred programs, not one per row block of its capacity."""
     m = tl.load(num_tokens)
-    r0 = tl.program_id(0) * t.BLOCK_R
-    if r0 < m:
-        x = pointer_at(x_addr, 0, like)
+    x = pointer_at(x_addr, 0, like)
+    cols = tl.program_id(1) * t.BLOCK_H + tl.arange(0, t.BLOCK_H)
+    for r0 in range(tl.program_id(0) * t.BLOCK_R, m, tl.num_programs(0) * t.BLOCK_R):
         rows = r0 + tl.arange(0, t.BLOCK_R)
-        cols = tl.program_id(1) * t.BLOCK_H + tl.arange(0, t.BLOCK_H)
         live = rows < m
         v = tl.load(x + rows.to(tl.int64)[:, None] * out.N + cols[None, :],
                     mask=live[:, None] & (cols[None, :] < out.N), other=0.0)
@@ -350,13 +354,17 @@ def quantize_home_kernel(x_addr, like, num_tokens, out, t):
                           t.GROUP)
 
 
-def home_quantizer(rows: torch.Tensor, h: int) -> tuple[PackedRows, QuantTile, tuple[int, int]]:
+def home_quantizer(rows: torch.Tensor, h: int, programs: int = HOME_QUANT_PROGRAMS
+                   ) -> tuple[PackedRows, QuantTile, tuple[int, int]]:
     """The arguments of :func:`quantize_home_kernel` into packed rows ``rows`` (uint8
-    ``[max_tokens, packed_row_bytes(h)]``): ``(out, tile, grid)``."""
+    ``[max_tokens, packed_row_bytes(h)]``): ``(out, tile, grid)``, the grid of at most
+    ``programs`` programs (at least one per column block)."""
     groups = min(DISPATCH_GROUPS, 1 << (h // GROUP).bit_length() - 1)
     t = QuantTile(*(constexpr(v) for v in (BLOCK_ROWS, groups * GROUP, GROUP)))
     out = PackedRows(rows.view(E4M3), rows.view(torch.float32), h, rows.shape[1])
-    return out, t, (triton.cdiv(rows.shape[0], BLOCK_ROWS), triton.cdiv(h, groups * GROUP))
+    col_blocks = triton.cdiv(h, groups * GROUP)
+    row_programs = min(triton.cdiv(rows.shape[0], BLOCK_ROWS), max(1, programs // col_blocks))
+    return out, t, (row_programs, col_blocks)
 
 
 def launch_quantize_home(x_addr: torch.Tensor, like: torch.Tensor, num_tokens: torch.Tensor,
