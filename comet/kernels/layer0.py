@@ -234,14 +234,18 @@ def one_dot_tiles(block_n0: int, ffn: int) -> bool:
     return block_n0 == GATE_UP_BLOCK and ffn % (GATE_UP_BLOCK // 2) == 0
 
 
+def item_columns(block_n0: int, fp8: bool) -> int:
+    """Columns of one of layer0's work items: ``block_n0``, or an FP8 layer's
+    ``LAYER0_BLOCK_N`` (gate and up as two dots of one activation group each)."""
+    return LAYER0_BLOCK_N if fp8 else block_n0
+
+
 def cut_item_columns(block_n0: int, ffn: int, fp8: bool) -> int:
-    """Columns of layer0's gated items if stream-K and the tail splits can cut their K
-    loop (the scratch keeps a box of twice as many per part), else 0: an FP8 layer's
-    items (``LAYER0_BLOCK_N``, gate and up as two dots) and one-dot ones
-    (:func:`one_dot_tiles`)."""
-    if fp8:
-        return LAYER0_BLOCK_N
-    return block_n0 if one_dot_tiles(block_n0, ffn) else 0
+    """:func:`item_columns` if stream-K and the tail splits can cut the items' K loop
+    (the scratch keeps a box of twice as many columns per part: FP8 items and one-dot
+    ones, :func:`one_dot_tiles`), else 0."""
+    cut = fp8 or one_dot_tiles(block_n0, ffn)
+    return item_columns(block_n0, fp8) if cut else 0
 
 
 def check_gather(block_n0: int, ffn: int) -> None:

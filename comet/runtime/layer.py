@@ -115,10 +115,9 @@ FP8_BLOCK_M = 64
 def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     """``tile`` as an FP8 layer runs it: layer0's stream-K and tail splits and layer1's
     K splits cut the block-scaled K loop (an FP8 work item is two dots of 128 columns).
-    With layer0's gathered
-    dispatch (``layer0_own_in_place``: this rank's own rows read where they were packed,
-    its home rows), the gathered K loop always loads only a tile's own rows, so the
-    variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
+    With layer0's gathered dispatch (``layer0_own_in_place``: this rank's own rows read
+    where they were packed, its home rows), the gathered K loop always loads only a
+    tile's own rows, so the variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
     layer can run large calls' GEMMs on comet.kernels.fp8_ws (:func:`ws_gemm_fits`);
     ``Variant.fp8_ws_min_rows`` stays on only then, and not with a gathered dispatch
     (that kernel reads A as TMA boxes of rows placed per pair)."""

@@ -24,8 +24,7 @@ import torch
 
 from comet.config import TUNABLE_TILE_FIELDS, MoEConfig, TileConfig
 from comet.kernels.fp8_roles import packed_row_bytes
-from comet.kernels.fp8_gemm import LAYER0_BLOCK_N
-from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, cut_item_columns
+from comet.kernels.layer0 import STREAM_K_ROUNDS, TAIL_ROWS, cut_item_columns, item_columns
 from comet.kernels.plan import open_step_blocks, plan_block_tokens
 from comet.scheduler import tuned
 from comet.scheduler.split import analytic_split, layer_work
@@ -271,10 +270,10 @@ class Selector:
     def _expected_items(self, num_tokens: int) -> int:
         """layer0's work items of a call with ``num_tokens``, rows expected as
         :meth:`decode_by_rule` expects them: m-tiles of the experts with rows x column
-        blocks (``block_n0``; an FP8 layer's ``LAYER0_BLOCK_N``)."""
+        blocks (comet.kernels.layer0.item_columns)."""
         per_expert, busy = self._expected_rows(num_tokens)
         t = self.tile
-        cols = LAYER0_BLOCK_N if self.cfg.fp8 is not None else t.gemm.block_n0
+        cols = item_columns(t.gemm.block_n0, self.cfg.fp8 is not None)
         return (busy * -(-per_expert // t.gemm.block_m)
                 * -(-self.cfg.intermediate_size // cols))
 
