@@ -117,10 +117,10 @@ def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     K splits cut the block-scaled K loop (an FP8 work item is two dots of 128 columns).
     With layer0's gathered dispatch (``layer0_own_in_place``: this rank's own rows read
     where they were packed, its home rows), the gathered K loop always loads only a
-    tile's own rows, so the variant has no live-row switch for the Selector to turn. ``warp_specialized``: the
-    layer can run large calls' GEMMs on comet.kernels.fp8_ws (:func:`ws_gemm_fits`);
-    ``Variant.fp8_ws_min_rows`` stays on only then, and not with a gathered dispatch
-    (that kernel reads A as TMA boxes of rows placed per pair)."""
+    tile's own rows, so the variant has no live-row switch for the Selector to turn.
+    ``warp_specialized``: the layer can run large calls' GEMMs on comet.kernels.fp8_ws
+    (:func:`ws_gemm_fits`); ``Variant.fp8_ws_min_rows`` stays on only then, and not with
+    a gathered dispatch (that kernel reads A as TMA boxes of rows placed per pair)."""
     ws_rows = (tile.variant.fp8_ws_min_rows
                if warp_specialized and not tile.variant.layer0_gather else 0)
     return tile.with_fields(layer0_live_rows=False, fp8_ws_min_rows=ws_rows,
