@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/house_check.sh [liveness [I/N]|gpu|host|all]  (default: all)
+# usage: bash scripts/device/house_check.sh [liveness [I/N|all/N]|gpu|host|all]  (default: all)
 # Issue 70's one-GPU checks, from the repo root on a device machine (no pip install):
 #   liveness  tests/test_gpu_liveness.py (scripts/device/gpu_tests.sh); with I/N only the
 #             I-th of N slices of it (pytest --shard: on a cold machine the file outgrows
-#             one call, so `liveness 1/2`, then `liveness 2/2`)
+#             one call, so `liveness 1/2`, then `liveness 2/2`); with all/N the N slices
+#             at once, one pytest process each: the file's time is mostly Triton
+#             compiling on the CPU, which N processes share out over the machine's cores
+#             (the GPU time-slices their contexts, so each process's virtual ranks still
+#             run together)
 #   gpu       tests/test_gpu.py, with the no-host-sync test of a fused call
 #   host      `comet bench` at EP=1 on the presets, whole layer, uniform routing: the
 #             host's time to enqueue one fused call (fused_host_us, CPU wall over the
@@ -52,8 +56,23 @@ EOF
   grep -E "whole" "$OUT/host_profile.log" | cut -c1-160
 }
 
+liveness_at_once() {   # $1: N, the number of slices run side by side
+  local n=$1 i
+  for ((i = 1; i <= n; i++)); do
+    run_tests "liveness-$i" tests/test_gpu_liveness.py --shard "$i/$n" > /dev/null &
+  done
+  wait
+  for ((i = 1; i <= n; i++)); do
+    tail -n 1 "$OUT/liveness-$i/gpu_tests.log" | grep -q "exit 0" || status=1
+    grep -E "passed|failed|error" "$OUT/liveness-$i/gpu_tests.log" | tail -n 1
+  done
+}
+
 case "$step" in
-  liveness) run_tests liveness tests/test_gpu_liveness.py ${2:+--shard "$2"} ;;
+  liveness) case "${2:-}" in
+              all/*) liveness_at_once "${2#all/}" ;;
+              *) run_tests liveness tests/test_gpu_liveness.py ${2:+--shard "$2"} ;;
+            esac ;;
   gpu) run_tests gpu tests/test_gpu.py ;;
   host) host_times ;;
   all) run_tests liveness tests/test_gpu_liveness.py; run_tests gpu tests/test_gpu.py
