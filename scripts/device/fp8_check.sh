@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|small|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -38,6 +38,13 @@
 #             accuracy/fp8_small_accuracy.json), then FP8 with --tile fp8_ws_min_rows=1 at
 #             1-32 tokens (small-ws1/) against the decode step's default FP8 calls
 #             (small-ws1-vs-default.txt; run after decode, in the same call or not)
+#   rows      small calls on smaller m-tiles: FP8 at the default tile (rows/default/), then
+#             at each --tile of FP8_ROW_TILES (default: block_m=16 and 32 on the tl kernels,
+#             fp8_ws_min_rows=0: the warp-specialized GEMM's items are 64 rows) into
+#             rows/1/, rows/2/, ..., each compared with the default (rows-N-vs-default.txt):
+#             a 64-row tile of a call with a few rows per expert is mostly zero rows whose
+#             products and per-32-K promotions the K loop still computes
+#             (FP8_BENCH_CONFIGS, FP8_DECODE_TOKENS as for decode; default 1 8 32)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -119,10 +126,23 @@ for step in "${@:-diff kernels tests}"; do
                  || status=1
                cat "$OUT/small-ws1-vs-default.txt"
              fi ;;
+      rows) presets="${FP8_BENCH_CONFIGS:-mixtral qwen2-moe deepseek-v3-like phi3.5-moe}"
+            FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench rows/default --dtype fp8 --only-fused \
+              --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32}
+            i=0
+            for tile in ${FP8_ROW_TILES:-block_m=16,fp8_ws_min_rows=0 block_m=32,fp8_ws_min_rows=0}; do
+              i=$((i + 1))
+              FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench "rows/$i" --dtype fp8 --only-fused \
+                --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32} --tile "$tile"
+              { echo "--tile $tile"; python3 -m comet.cli.bench --from-json "$OUT/rows/$i"/*.json \
+                  --against "$OUT"/rows/default/*.json; } > "$OUT/rows-$i-vs-default.txt" 2>&1 \
+                || status=1
+              cat "$OUT/rows-$i-vs-default.txt"
+            done ;;
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers deepgemm --config deepseek-v3-like \
                   --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|small|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
 done
