@@ -5,7 +5,9 @@
 #   REF: the commit to take (default: DEEPEP_REF below; ignored for a plain tree)
 #   DEEPGEMM_GIT, CUTLASS_GIT, FMT_GIT (env): git directories (bare mirrors or checkouts) of
 #     DeepGEMM and of its two submodules, NVIDIA/cutlass and fmtlib/fmt; DEEPGEMM_REF (env)
-#     overrides the commit below. The submodules are taken at the commits DeepGEMM records.
+#     overrides the commit below: a hash or any ref the git directory resolves, a pull
+#     request's too where it holds refs/pull/* (DEEPGEMM_REF=refs/pull/323/head). The
+#     submodules are taken at the commits DeepGEMM records.
 # On a machine with the sources (and, for megatron-core, a package index), from the
 # repository root: fills the ignored folder .gl/peers that scripts/device/build_peers.sh
 # builds and installs from on a GPU machine, which reaches no network. Each peer is staged
@@ -32,6 +34,19 @@
 # extension is one C++ file built by torch's CUDAExtension (no nvcc at build time), which
 # torch 2.11 builds with the -std=c++17 it asks for. Its kernels are compiled at run time by
 # the machine's nvcc against the headers the wheel carries.
+# DeepGEMM's SM90 FP8 Mega MoE (deep_gemm.fp8_mega_moe, the peer of comet.bench.mega_moe)
+# is not on its main branch (whose Mega MoE is SM100-only) but in pull requests; both record
+# the submodule commits above:
+#   refs/pull/323/head (8ddf7f9, 2026-07-02; refs/pull/323/merge is the same tree): the
+#     newest, on top of DEEPGEMM_REF_DEFAULT -- main's grouped GEMMs, the SM90 FP8 (and FP4)
+#     Mega MoE, its pre-dispatch kernel. Its Python package is the sgl-deep-gemm fork's: the
+#     extension is csrc/tvm_ffi_api.cpp built with apache-tvm-ffi 0.1.11 and ninja
+#     (build_sgl_deep_gemm.sh); the setup.py build above no longer compiles there (every
+#     pybind register_apis is under #if 0), and the package names the masked grouped GEMM
+#     m_grouped_fp8_fp4_gemm_nt_masked only.
+#   refs/pull/352/head (bdb4395, 2026-06-09): on DeepGEMM of 2026-04-24 (891d57b), the same
+#     setup.py build as the default; grouped GEMMs under the names comet.bench.deepgemm calls,
+#     and the SM90 FP8 Mega MoE as a pair of kernels.
 set -euo pipefail
 DEEPEP_REF=567632dd59810d77b3cc05553df953cc0f779799
 DEEPGEMM_REF_DEFAULT=54e22612409371d6364144b69086735beb54e98b
@@ -92,7 +107,10 @@ stage_deepgemm() {
   : "${CUTLASS_GIT:?DEEPGEMM_GIT needs CUTLASS_GIT, a git directory of NVIDIA/cutlass}"
   : "${FMT_GIT:?DEEPGEMM_GIT needs FMT_GIT, a git directory of fmtlib/fmt}"
   local out="$dst/DeepGEMM" commit cutlass fmt full
-  commit=$(git -C "$DEEPGEMM_GIT" rev-parse --verify "${DEEPGEMM_REF:-$DEEPGEMM_REF_DEFAULT}^{commit}")
+  commit=$(git -C "$DEEPGEMM_GIT" rev-parse --verify --quiet \
+    "${DEEPGEMM_REF:-$DEEPGEMM_REF_DEFAULT}^{commit}") || {
+    echo "$DEEPGEMM_GIT has no commit ${DEEPGEMM_REF:-$DEEPGEMM_REF_DEFAULT} (a pull request's" \
+         "ref needs refs/pull/* fetched into it)" >&2; exit 1; }
   cutlass=$(submodule_commit "$commit" third-party/cutlass "$CUTLASS_GIT")
   fmt=$(submodule_commit "$commit" third-party/fmt "$FMT_GIT")
   rm -rf "$out" "$dst/DeepGEMM.commit"

@@ -362,7 +362,8 @@ FP8_OMITTED = {
 
 def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
                  fused: Fused | None, layers: Sequence[str] = rec.LAYERS,
-                 deepgemm: DeepGemm | str | None = None) -> list[dict]:
+                 deepgemm: DeepGemm | str | None = None, peers: Peers | None = None
+                 ) -> list[dict]:
     """:func:`run_case` for comet's FP8 layer (``case.cfg.fp8``; forward only): the fused
     call and its modes, the fixed splits, its HBM floor with FP8 bytes and its dispatch
     bytes, its output against the emulation of the quantized layer (:func:`emulate_fp8`;
@@ -372,7 +373,9 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
 
     ``deepgemm`` (``--peers deepgemm``): DeepGEMM's grouped FP8 GEMMs on the same rows per
     expert, or why it cannot run; the records then have ``deepgemm_gmm_us``,
-    ``deepgemm_gmm_tflops`` and ``deepgemm`` (:func:`deepgemm_series`)."""
+    ``deepgemm_gmm_tflops`` and ``deepgemm`` (:func:`deepgemm_series`). ``peers``: whole
+    FP8 layers of other projects on the same experts (``--peers mega-moe``), checked and
+    timed as whole calls (:func:`_time_fp8_peers`): ``peer_<name>_us`` and ``peers``."""
     cfg, group = case.cfg, st.group
     el = gate_up.experts
     sets = make_input_sets(cfg, case.config, case.tokens, case.routing, st.n_sets, st.rank,
@@ -416,6 +419,8 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
     if deepgemm is not None:
         deepgemm_status = deepgemm_series(deepgemm, case, plans, gate_up, down, st, timed,
                                           out)
+    peer_status = (_time_fp8_peers(peers, sets, gate_up, down, cfg, timed, out)
+                   if peers is not None else None)
 
     results = []
     for layer in layers:
@@ -443,6 +448,9 @@ def run_fp8_case(case: Case, st: Settings, gate_up: Fp8Weight, down: Fp8Weight,
             "max_rel_err": checks,
             **run_columns(st, hbm_floor, layer),
         }
+        if peer_status is not None:
+            r.update({**{f"peer_{name}_us": med(f"peer_{name}") for name in peers.names},
+                      "peers": peer_status})
         if deepgemm_status is not None:
             r.update({"deepgemm_gmm_us": med("deepgemm"),
                       "deepgemm_gmm_tflops": gemm_rate(out, "deepgemm", layer,
@@ -765,6 +773,37 @@ def _time_peers(peers: Peers, sets: list[InputSet], ref: torch.Tensor, timed, ou
             entry["status"] = "timed"
             out[f"peer_{p.name}"] = Series(timed(lambda i, t, p=p: p.layer(
                 sets[i].x, sets[i].topk_ids, sets[i].topk_weights)))
+        status[p.name] = entry
+    return status
+
+
+def _time_fp8_peers(peers: Peers, sets: list[InputSet], gate_up: Fp8Weight,
+                    down: Fp8Weight, cfg: MoEConfig, timed, out: dict) -> dict[str, dict]:
+    """:func:`_time_peers` for whole FP8 layers (one rank): each is held to the fp32
+    emulation of its own recipe (:func:`comet.bench.mega_moe.check_layer`; DeepGEMM's
+    Mega MoE quantizes h otherwise than comet, so comet's emulation is no verdict on it),
+    and its distance from comet's emulation is reported beside it (``rel_l2``)."""
+    from comet.bench.mega_moe import MAX_REL_L2, check_layer
+    status: dict[str, dict] = {name: {"status": "unavailable", "reason": why}
+                               for name, why in peers.unavailable.items()}
+    s = sets[0]
+    for p in peers.ready:
+        entry: dict = {"backend": p.backend}
+        try:
+            c = check_layer(p.layer, s.x, s.topk_ids, s.topk_weights, gate_up, down,
+                            cfg.activation)
+        except Exception as exc:  # a peer's failure is reported; comet's columns still run
+            entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+            status[p.name] = entry
+            continue
+        entry.update(rel_l2=c.rel_l2, rel_l2_recipe=c.rel_l2_recipe)
+        if c.ok:
+            entry["status"] = "timed"
+            out[f"peer_{p.name}"] = Series(timed(lambda i, t, p=p: p.layer(
+                sets[i].x, sets[i].topk_ids, sets[i].topk_weights)))
+        else:
+            entry.update(status="wrong", reason=f"rel L2 {c.rel_l2_recipe:.3g} from its own "
+                         f"recipe's emulation > {MAX_REL_L2:g}")
         status[p.name] = entry
     return status
 

@@ -40,6 +40,7 @@ from comet.bench.timing import park_and_align
 from comet.bench.mesh_runner import layout_name, run_mesh_case
 from comet.bench.deepgemm import FP8_PEERS
 from comet.bench.deepgemm import NAME as DEEPGEMM
+from comet.bench.mega_moe import FP8_LAYER_PEERS
 from comet.bench.peers import PEERS, build_peers, load_peers
 from comet.bench.runner import Case, Fused, Settings, run_case, run_fp8_case
 from comet.cli.launch import init_ranks, maybe_relaunch
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunks", nargs="+", type=int, default=[2, 4],
                    help="chunk counts tried for the coarse-grained baseline, the best "
                         "kept (default: 2 4)")
-    g.add_argument("--peers", nargs="+", choices=sorted({**PEERS, **FP8_PEERS}), default=[],
+    g.add_argument("--peers", nargs="+", choices=sorted({**PEERS, **FP8_PEERS, **FP8_LAYER_PEERS}), default=[],
                    metavar="NAME",
                    help="also time other projects' layers on the same inputs, whole layer, "
                         "each checked against the unfused baseline first: "
@@ -430,9 +431,10 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
         parser.error("--peers times expert-parallel layers only (no --tp)")
     layer_peers = [n for n in args.peers if n in PEERS]
     gemm_peers = [n for n in args.peers if n in FP8_PEERS]
-    if gemm_peers and FP8 not in dtypes:
-        parser.error(f"--peers {' '.join(gemm_peers)} times the FP8 layer's GEMMs: add "
-                     "--dtype fp8")
+    fp8_layer_peers = [n for n in args.peers if n in FP8_LAYER_PEERS]
+    if (gemm_peers or fp8_layer_peers) and FP8 not in dtypes:
+        parser.error(f"--peers {' '.join(gemm_peers + fp8_layer_peers)} times FP8 "
+                     "layers or GEMMs: add --dtype fp8")
     if args.redundant_experts is not None and (args.redundant_experts < 0 or mesh.tp > 1
                                                or args.timeline):
         parser.error("--redundant-experts takes R >= 0, in an expert-parallel sweep (no "
@@ -477,6 +479,8 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
     loaded_peers = load_peers(layer_peers, device, world, group) if plain else None
     deepgemm = (load_peers(gemm_peers, device, world, group, FP8_PEERS).get(DEEPGEMM)
                 if fp8 else None)
+    loaded_fp8_peers = (load_peers(fp8_layer_peers, device, world, group, FP8_LAYER_PEERS)
+                        if fp8 and fp8_layer_peers else None)
     cases = [(name, t, r) for name, _ in configs for t in tokens for r in args.routing]
     records: list[dict] = []
     stem = f"bench-{layout}-{stamp:%Y%m%d-%H%M%S}"
@@ -493,7 +497,7 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
             continue
         w13, w2 = make_expert_weights(cfg, cfg.num_experts // world, name, rank, args.seed,
                                       device)
-        fused = peers = replicas = None
+        fused = peers = fp8_peers = replicas = None
         if plain and args.redundant_experts is not None:
             try:
                 replicas = _replicated(cfg, name, args, meta, group, device, world, rank,
@@ -521,6 +525,9 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 fp8_layer = None
             elif fp8_layer.why and fp8_layer.why not in notes:
                 notes.append(fp8_layer.why)
+            if fp8_layer is not None and loaded_fp8_peers is not None:
+                fp8_peers = build_peers(loaded_fp8_peers, fp8_layer.cfg, fp8_layer.gate_up,
+                                        fp8_layer.down, group, device)
         for t in tokens:
             for routing in args.routing:
                 bar.set_postfix_str(f"{name} {t} {routing}")
@@ -533,14 +540,16 @@ def _run(args, parser, argv, stamp, device, group, world, rank) -> int:
                 if fp8_layer is not None:
                     f8 = fp8_layer
                     for r in run_fp8_case(Case(name, f8.cfg, t, routing), st, f8.gate_up,
-                                          f8.down, f8.fused, args.layers, deepgemm):
+                                          f8.down, f8.fused, args.layers, deepgemm,
+                                          fp8_peers):
                         records.append({**meta, **r, "fp8_promotion_k":
                                         f8.cfg.fp8.promotion_k or "auto", "notes": notes})
                 partial.save(records)
                 bar.update()
-        if peers is not None:
-            peers.close()
-        del w13, w2, fused, peers, fp8_layer
+        for built in (peers, fp8_peers):
+            if built is not None:
+                built.close()
+        del w13, w2, fused, peers, fp8_peers, fp8_layer
         if on_gpu:
             torch.cuda.empty_cache()
     bar.close()
