@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/house_check.sh [liveness [I/N|all/N]|gpu|host|all]  (default: all)
+# usage: bash scripts/device/house_check.sh [liveness [I/N|all/N]|gpu|suite N|host|all]  (default: all)
 # Issue 70's one-GPU checks, from the repo root on a device machine (no pip install):
 #   liveness  tests/test_gpu_liveness.py (scripts/device/gpu_tests.sh); with I/N only the
 #             I-th of N slices of it (pytest --shard: on a cold machine the file outgrows
@@ -9,6 +9,9 @@
 #             (the GPU time-slices their contexts, so each process's virtual ranks still
 #             run together)
 #   gpu       tests/test_gpu.py, with the no-host-sync test of a fused call
+#   suite N   the whole one-GPU suite in one call: liveness all/N and gpu side by side
+#             (N + 1 pytest processes; on an H100's 80 GB the largest presets' tests of two
+#             processes may meet, so a test that fails there for memory is rerun alone)
 #   host      `comet bench` at EP=1 on the presets, whole layer, uniform routing: the
 #             host's time to enqueue one fused call (fused_host_us, CPU wall over the
 #             timed calls) beside the device time, and the summary's check against 30 us;
@@ -56,15 +59,20 @@ EOF
   grep -E "whole" "$OUT/host_profile.log" | cut -c1-160
 }
 
-liveness_at_once() {   # $1: N, the number of slices run side by side
-  local n=$1 i
+liveness_at_once() {   # $1: N, the number of slices run side by side; $2: also gpu
+  local n=$1 i names=()
   for ((i = 1; i <= n; i++)); do
     run_tests "liveness-$i" tests/test_gpu_liveness.py --shard "$i/$n" > /dev/null &
+    names+=("liveness-$i")
   done
+  if [ -n "${2:-}" ]; then
+    run_tests gpu tests/test_gpu.py > /dev/null &
+    names+=(gpu)
+  fi
   wait
-  for ((i = 1; i <= n; i++)); do
-    tail -n 1 "$OUT/liveness-$i/gpu_tests.log" | grep -q "exit 0" || status=1
-    grep -E "passed|failed|error" "$OUT/liveness-$i/gpu_tests.log" | tail -n 1
+  for name in "${names[@]}"; do
+    tail -n 1 "$OUT/$name/gpu_tests.log" | grep -q "exit 0" || status=1
+    echo "$name: $(grep -E "passed|failed|error" "$OUT/$name/gpu_tests.log" | tail -n 1)"
   done
 }
 
@@ -74,10 +82,11 @@ case "$step" in
               *) run_tests liveness tests/test_gpu_liveness.py ${2:+--shard "$2"} ;;
             esac ;;
   gpu) run_tests gpu tests/test_gpu.py ;;
+  suite) liveness_at_once "${2:-3}" gpu ;;
   host) host_times ;;
   all) run_tests liveness tests/test_gpu_liveness.py; run_tests gpu tests/test_gpu.py
        host_times ;;
-  *) echo "unknown step $step (liveness|gpu|host|all)"; exit 2 ;;
+  *) echo "unknown step $step (liveness|gpu|suite|host|all)"; exit 2 ;;
 esac
 echo "house_check $step: exit $status" | tee -a "$OUT/house_check.log"
 exit $status
