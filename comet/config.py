@@ -423,6 +423,9 @@ class GemmConfig:
             ``kernels.layer0.LANE_ITEMS`` items (:func:`kernels.group_gemm.lane_shape`).
         decode_block_n1: layer1's column block in calls too small to give it a work item
             per SM with ``block_n1`` (:meth:`TileConfig.decode_tile`; 0: none).
+        small_block_m: rows of an FP8 layer's m-tiles in calls of a few rows per expert
+            that still give layer0 a round of work items
+            (:meth:`TileConfig.small_rows_tile`; 0: none; a bf16 layer ignores it).
     """
 
     block_m: int = 128
@@ -436,6 +439,7 @@ class GemmConfig:
     lane_head_rounds: int = 0
     lane_tail_rounds: int = 1
     decode_block_n1: int = 128
+    small_block_m: int = 16
 
     def __post_init__(self):
         # A layer0 tile must not straddle two blocks of the interleaved W13.
@@ -598,6 +602,24 @@ class TileConfig:
         if not gemm.decode_block_n1 or gemm.decode_block_n1 == gemm.block_n1:
             return None
         return self.with_fields(block_n1=gemm.decode_block_n1, decode_block_n1=0)
+
+    def small_rows_tile(self) -> "TileConfig | None":
+        """This configuration on m-tiles of ``small_block_m`` rows, or None where those are
+        no smaller. The FP8 `tl` kernels compute every row of an m-tile, live or not, and
+        promote each product into fp32: a 64-row tile of a call with a row or two per
+        expert is mostly zeros (docs/precision.md). The plan builds the tile table per
+        call, so both share one workspace (sized for the smaller tiles,
+        :meth:`plan_block_m`)."""
+        gemm = self.gemm
+        if not gemm.small_block_m or gemm.small_block_m >= gemm.block_m:
+            return None
+        return self.with_fields(block_m=gemm.small_block_m)
+
+    def plan_block_m(self, fp8: bool) -> int:
+        """Rows of the smallest m-tile a call of a layer on this configuration may plan
+        (FP8 layers: :meth:`small_rows_tile`'s too), which sizes its tile table."""
+        small = self.small_rows_tile() if fp8 else None
+        return (small or self).gemm.block_m
 
     def n_splits_max(self, hidden: int) -> int:
         """Most layer1 column splits any call may use (sizes the split counters)."""

@@ -445,6 +445,41 @@ def test_small_fp8_calls_cut_layer0_over_k(cut):
     assert cut_on == ({3, 5} if stream_k else {3})
 
 
+def test_small_fp8_calls_plan_16_row_m_tiles():
+    """A layer of 32-row m-tiles whose call's items fill a round of its 4 programs plans
+    16-row tiles (``small_block_m``), in the table sized for them: an expert with 17-32
+    rows gets two tiles where the layer's tile would be one; the output is the
+    emulation's and, value for value, the 32-row layer's; a 1-token call of 2 items keeps
+    the layer's tiles."""
+    cfg = fp8_config(e=4, k=2, h=256, f=128, max_tokens=40)
+    g = torch.Generator().manual_seed(23)
+    gate_up, down = fp8_experts(cfg, g)
+    tile = TileConfig.small().with_fields(block_m=32)
+    layer = FusedMoE(cfg, gate_up, down, tile=tile)
+    wide = FusedMoE(cfg, gate_up, down, tile=tile.with_fields(small_block_m=0))
+    assert layer.programs == 4 and layer.tile.plan_block_m(True) == 16
+    m = 40
+    x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
+    ids = torch.stack([torch.tensor([0, 1 + i % 3]) for i in range(m)])   # expert 0: 40
+    w = torch.rand(m, cfg.top_k, generator=g)
+    assert layer.selection.for_call(m)[1].gemm.block_m == 16
+    assert wide.selection.for_call(m)[1].gemm.block_m == 32
+    y = layer(x, ids, w)
+    assert_matches(y, emulate(x, ids, w, gate_up, down))
+    assert torch.equal(y, wide(x, ids, w))
+    for fused, rows in ((layer, 16), (wide, 32)):
+        t = fused.ws.plan.tiles
+        n = int(t.num[0])
+        spans = [(int(t.expert[i]), int(t.row_end[i]) - int(t.row_start[i])) for i in range(n)]
+        assert max(s for _, s in spans) == rows
+        assert sum(s for e, s in spans if e == 0) == m
+    one = torch.tensor([[2, 3]])
+    assert layer.selection.for_call(1)[1].gemm.block_m == 32      # 2 items on 4 programs
+    x1 = torch.randn(1, cfg.hidden_size, generator=g).bfloat16()
+    w1 = torch.rand(1, 2, generator=g)
+    assert_matches(layer(x1, one, w1), emulate(x1, one, w1, gate_up, down))
+
+
 # ------------------------------------------------------------------------- gathered dispatch
 #: An e4m3 NaN in every byte of a buffer no row may be read from.
 POISON = 0x7F

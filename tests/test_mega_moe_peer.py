@@ -159,7 +159,7 @@ def test_h_is_quantized_per_64_with_power_of_two_scales():
 # --------------------------------------------------------------------------- availability
 def test_bind_says_which_ref_has_the_mega_moe():
     why = mm.bind(types.ModuleType("deep_gemm"))
-    assert isinstance(why, str) and mm.ENTRY in why and "refs/pull/323" in why
+    assert isinstance(why, str) and mm.ENTRY in why and "refs/pull/352" in why
     bare = types.ModuleType("deep_gemm")
     bare.fp8_mega_moe = lambda *a, **k: None
     why = mm.bind(bare)

@@ -737,8 +737,9 @@ def test_the_tail_split_gate_compiles_it_in_only_where_the_last_round_is_nearly_
     else:
         assert on == list(range(cut[0], cut[1] + 1))
     assert {selection.tile_for(t) for t in range(0, 1100)} <= set(selection.tile_variants())
-    every = {selection.too_large_for(t) for t in range(selection.cfg.max_tokens + 1)}
-    assert selection._reachable_offs() == sorted(every)
+    every = {(selection.too_large_for(t), selection.small_rows_by_rule(t))
+             for t in range(selection.cfg.max_tokens + 1)}
+    assert selection._reachable_shapes() == sorted(every)
     off = Selector(preset(name), 2, TileConfig().with_fields(layer0_tail_split=1), 132,
                    torch.device("cpu"), folder=None)
     assert not off.may_tail_split
@@ -773,8 +774,9 @@ def test_the_live_row_gate_masks_a_gathered_gemm_only_in_small_calls(name, world
     assert selection.tile_for(1).variant.layer0_stream_k
     assert {selection.tile_for(t) for t in range(1, 5000, 7)} <= set(variants)
     # exactly the small-call variants some token count gets (found by the rules' ends)
-    every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
-    assert selection._reachable_offs() == sorted(every)
+    every = {(selection.too_large_for(t), selection.small_rows_by_rule(t))
+             for t in range(cfg.max_tokens + 1)}
+    assert selection._reachable_shapes() == sorted(every)
     assert len(variants) == len(set(variants)) == 2 * len(every)    # the tile and decode
     off = Selector(cfg, world, tile.with_fields(layer0_live_rows=False), 132,
                    torch.device("cpu"), folder=None, layout=layout)
@@ -804,8 +806,9 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     for tokens, ws in ((1, False), (128, False), (first - 1, False), (first, True),
                        (4096, True), (16384, True)):
         assert (selection.tile_for(tokens).variant.fp8_ws_min_rows == rows) is ws, tokens
-    every = {selection.too_large_for(t) for t in range(cfg.max_tokens + 1)}
-    assert selection._reachable_offs() == sorted(every)
+    every = {(selection.too_large_for(t), selection.small_rows_by_rule(t))
+             for t in range(cfg.max_tokens + 1)}
+    assert selection._reachable_shapes() == sorted(every)
     assert {selection.tile_for(t) for t in range(1, 16385, 97)} <= set(
         selection.tile_variants())
     for off in (fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows)),
@@ -818,6 +821,48 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig().with_fields(fp8_ws_min_rows=rows),
                     132, torch.device("cpu"), folder=None)
     assert all(t.variant.fp8_ws_min_rows == rows for t in bf16.tile_variants())
+
+
+@pytest.mark.parametrize("name, small, wide", [
+    ("qwen2-moe", (8, 32), (1, 4096)),         # 1 token: 4 experts x 11 items
+    ("phi3.5-moe", (8,), (1, 32)),             # 1 token 2 x 50; 32: 4 rows per expert,
+    ("deepseek-v3-like", (8, 32), (1, 4096)),  # the warp-specialized GEMM's; 1 token 8 x 16
+    ("mixtral", (1, 8), (32, 4096)),           # 2 x 112 items from 1 token
+])
+def test_small_fp8_calls_run_on_16_row_m_tiles_where_their_items_fill_a_round(
+        name, small, wide):
+    """An FP8 call on the `tl` kernels (below the warp-specialized GEMM's rows per
+    expert) whose expected layer0 items make at least a round of the programs runs on
+    16-row m-tiles (``small_block_m``), the rest on the layer's 64; the tile table is
+    sized for the smaller tiles, every pick is warmed up, and neither a layer with
+    ``small_block_m=0`` nor a bf16 one ever switches."""
+    from comet.config import GemmConfig
+    from comet.quant import Fp8
+    from comet.runtime.layer import fp8_tile
+    from comet.runtime.selection import Selector
+    cfg = preset(name).replace(fp8=Fp8(), max_tokens=4096)
+    tile = fp8_tile(TileConfig(), warp_specialized=True)
+    assert tile.gemm.block_m == 64 and tile.plan_block_m(True) == 16
+    selection = Selector(cfg, 1, tile, 132, torch.device("cpu"), folder=None)
+    for tokens, rows in [(t, 16) for t in small] + [(t, 64) for t in wide] + [(0, 64)]:
+        assert selection.tile_for(tokens).gemm.block_m == rows, tokens
+    for tokens in range(0, 4097, 37):
+        rule = (tokens > 0 and not selection.ws_gemm_by_rule(tokens)
+                and selection._expected_items(tokens) >= 132)
+        picked = selection.tile_for(tokens)
+        assert (picked.gemm.block_m == 16) is rule, tokens
+        assert picked.gemm.block_m == 64 or not picked.variant.fp8_ws_min_rows, tokens
+    assert {selection.tile_for(t) for t in range(0, 4097, 13)} <= set(
+        selection.tile_variants())
+    off = Selector(cfg, 1, tile.with_fields(small_block_m=0), 132, torch.device("cpu"),
+                   folder=None)
+    assert off.tile_for(small[0]).gemm.block_m == 64 and not off.may_small_rows
+    assert all(t.gemm.block_m == 64 for t in off.tile_variants())
+    assert tile.with_fields(small_block_m=0).plan_block_m(True) == 64
+    bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig(), 132, torch.device("cpu"),
+                    folder=None)
+    assert not bf16.may_small_rows and TileConfig().plan_block_m(False) == 128
+    assert all(t.gemm.block_m == GemmConfig.block_m for t in bf16.tile_variants())
 
 
 def test_the_decode_rule_keeps_large_calls_on_the_default_tile():

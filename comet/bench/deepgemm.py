@@ -269,14 +269,15 @@ def bind(module: types.ModuleType) -> DeepGemm | str:
                     f"{align} per expert) or {MASKED_FN}, fp32 scales, bf16 out")
 
 
-def load_deepgemm(device: torch.device) -> DeepGemm | str:
-    """The installed ``deep_gemm`` for ``device``, or why it cannot run there."""
+def import_deep_gemm(device: torch.device, kernels: str, build: str
+                     ) -> types.ModuleType | str:
+    """The installed ``deep_gemm`` for an SM90 ``device``, or why not (``kernels``: what
+    of it runs on Hopper only; ``build``: how to get it, for the reason)."""
     if device.type != "cuda":
         return "needs a CUDA GPU"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
-        return (f"DeepGEMM's grouped FP8 GEMMs with fp32 scales run on SM90 (Hopper); this "
-                f"GPU is sm_{major}{minor}")
+        return f"{kernels} run on SM90 (Hopper); this GPU is sm_{major}{minor}"
     # Its JIT finds nvcc through CUDA_HOME (else PATH): the toolkit torch builds with.
     from torch.utils.cpp_extension import CUDA_HOME
     if CUDA_HOME:
@@ -284,9 +285,15 @@ def load_deepgemm(device: torch.device) -> DeepGemm | str:
     try:
         import deep_gemm
     except ImportError as err:
-        return (f"deep_gemm does not import ({err}): build and install it with "
-                "scripts/device/build_peers.sh")
-    return bind(deep_gemm)
+        return f"deep_gemm does not import ({err}): {build}"
+    return deep_gemm
+
+
+def load_deepgemm(device: torch.device) -> DeepGemm | str:
+    """The installed ``deep_gemm`` for ``device``, or why it cannot run there."""
+    module = import_deep_gemm(device, "DeepGEMM's grouped FP8 GEMMs with fp32 scales",
+                              "build and install it with scripts/device/build_peers.sh")
+    return module if isinstance(module, str) else bind(module)
 
 
 #: The ``--peers`` names that time GEMMs beside comet's FP8 layer rather than a whole layer:

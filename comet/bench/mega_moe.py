@@ -43,7 +43,6 @@ against both emulations and exits 1 if it is off.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import sys
 import types
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from comet.activation import SILU, GatedActivation, gated
+from comet.bench.deepgemm import import_deep_gemm
 from comet.bench.peers import Peer, PeerLayer, PeerUnavailable
 from comet.config import MoEConfig
 from comet.quant import E4M3, E4M3_MAX, GROUP, SCALE_PER_AMAX, Fp8Rows, Fp8Weight, quantize_rows
@@ -380,8 +380,8 @@ def bind(module: types.ModuleType) -> MegaMoE | str:
     serve: no SM90 FP8 Mega MoE in it (DeepGEMM's main branch), or no buffer-size function."""
     if not hasattr(module, ENTRY):
         return (f"this deep_gemm has no {ENTRY} (DeepGEMM's main branch has the Mega MoE for "
-                "SM100 only): stage a ref with the SM90 one, DEEPGEMM_REF=refs/pull/323/head "
-                "(scripts/fetch_peer_sources.sh)")
+                "SM100 only): stage a ref with the SM90 one, DEEPGEMM_REF=refs/pull/352/head "
+                "(scripts/fetch_peer_sources.sh names the others)")
     ext = getattr(module, "_C", None)
     size_fn = next((getattr(ext, n) for n in SIZE_FNS if hasattr(ext, n)), None)
     if size_fn is None:
@@ -402,19 +402,10 @@ def load_mega_moe(device: torch.device, world: int = 1) -> MegaMoE | str:
     if world != 1:
         return (f"runs one rank (EP=1); at {world} ranks DeepGEMM's buffer is symmetric "
                 "memory over the group, which this peer does not set up")
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return f"the SM90 FP8 Mega MoE runs on Hopper (sm_90); this GPU is sm_{major}{minor}"
-    # Its JIT finds nvcc through CUDA_HOME (else PATH): the toolkit torch builds with.
-    from torch.utils.cpp_extension import CUDA_HOME
-    if CUDA_HOME:
-        os.environ.setdefault("CUDA_HOME", CUDA_HOME)
-    try:
-        import deep_gemm
-    except ImportError as err:
-        return (f"deep_gemm does not import ({err}): stage DeepGEMM with its SM90 Mega MoE "
-                "(scripts/fetch_peer_sources.sh) and build it on the GPU machine")
-    return bind(deep_gemm)
+    module = import_deep_gemm(device, "DeepGEMM's SM90 FP8 Mega MoE kernels",
+                              "stage DeepGEMM with its SM90 Mega MoE "
+                              "(scripts/fetch_peer_sources.sh) and build it on the GPU machine")
+    return module if isinstance(module, str) else bind(module)
 
 
 #: The whole-layer FP8 peers: :func:`comet.bench.peers.load_peers` with ``registry=`` this,

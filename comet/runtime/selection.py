@@ -4,7 +4,8 @@ The block split (comm blocks of each layer) comes from an explicit override, els
 tuned table of this shape, device and tile variant (comet.scheduler.tuned), else the
 analytic model (comet.scheduler.split). The tile is the layer's TileConfig with the tunable
 fields a tuned bucket sets, on the decode tile (narrower layer1 column blocks) when the
-table or a rule says a call is too small to fill the GPU, and with layer0's small-call
+table or a rule says a call is too small to fill the GPU, an FP8 call of a few rows per
+expert on m-tiles of ``small_block_m`` rows, and with layer0's small-call
 variants compiled in only for calls small enough: stream-K where the device may take
 it, the K splits of layer0's last round where that round is nearly empty, and a
 gathered GEMM's loads of live rows only where its tiles are mostly others' rows; the
@@ -71,6 +72,9 @@ class Selector:
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
         self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_min_rows > 0
+        self.may_small_rows = cfg.fp8 is not None and tile.small_rows_tile() is not None
+        self._small_rows: dict[int, bool] = {}
+        self._on_small_rows: dict[TileConfig, TileConfig] = {}
         self._without: dict[tuple[TileConfig, tuple[str, ...]], TileConfig] = {}
         self._selected: dict[tuple, tuned.Choice] = {}
         self._per_call: dict[tuple, tuple[tuple[int, int], TileConfig]] = {}
@@ -148,7 +152,20 @@ class Selector:
             if decode_tile is None:
                 decode_tile = self.decode_by_rule(num_tokens)
             tile = decode if decode_tile else base
-        return self.without(tile, self.too_large_for(num_tokens))
+        return self.shaped(tile, self.too_large_for(num_tokens),
+                           self.small_rows_by_rule(num_tokens))
+
+    def shaped(self, tile: TileConfig, off: tuple[str, ...], small_rows: bool
+               ) -> TileConfig:
+        """``tile`` as a call runs it: without the variants ``off``
+        (:meth:`too_large_for`), on :meth:`TileConfig.small_rows_tile` where
+        ``small_rows`` (:meth:`small_rows_by_rule`); built once per combination."""
+        tile = self.without(tile, off)
+        if small_rows:
+            if tile not in self._on_small_rows:
+                self._on_small_rows[tile] = tile.small_rows_tile() or tile
+            tile = self._on_small_rows[tile]
+        return tile
 
     def too_large_for(self, num_tokens: int) -> tuple[str, ...]:
         """The variants the layer may run that a call with ``num_tokens`` runs without:
@@ -203,23 +220,24 @@ class Selector:
                                  tile=self.tile, layout=self.layout)
         picks = {()} | {c.tile for c in (table or {}).values()}
         tiles = [t for o in sorted(picks) for t in self._variant(o) if t is not None]
-        return [self.without(t, off) for t in tiles for off in self._reachable_offs()]
+        return [self.shaped(t, *shape) for t in tiles for shape in self._reachable_shapes()]
 
-    def _reachable_offs(self) -> list[tuple[str, ...]]:
-        """Every answer of :meth:`too_large_for` some token count in ``[0, max_tokens]``
-        gets. Each size rule holds from 1 token up to a last count and not after (more
-        tokens, more rows and items), so its answers change only there: the counts
-        tried are 0, 1, ``max_tokens`` and each size rule's last and next. The tail
-        rule's answer turns with the last round's fill, so every count up to its last
-        (small m-tiles) is tried."""
+    def _reachable_shapes(self) -> list[tuple[tuple[str, ...], bool]]:
+        """Every answer of (:meth:`too_large_for`, :meth:`small_rows_by_rule`) some
+        token count in ``[0, max_tokens]`` gets. Each size rule holds from 1 token up to
+        a last count and not after (more tokens, more rows and items), so its answers
+        change only there: the counts tried are 0, 1, ``max_tokens`` and each size rule's
+        last and next. The tail rule's answer turns with the last round's fill, so every
+        count up to its last (small m-tiles) is tried."""
         counts = {0, 1, self.cfg.max_tokens}
         for rule in (self.stream_k_by_rule, self.live_rows_by_rule, self.small_plan_by_rule,
-                     lambda n: not self.ws_gemm_by_rule(n)):
+                     lambda n: not self.ws_gemm_by_rule(n), self._less_than_a_round):
             lo = self._last_true(rule)
             counts |= {lo, lo + 1}
         if self.may_tail_split:
             counts |= set(range(self._last_true(self._tail_rows_fit) + 2))
-        return sorted({self.too_large_for(n) for n in counts if n <= self.cfg.max_tokens})
+        return sorted({(self.too_large_for(n), self.small_rows_by_rule(n)) for n in counts
+                       if n <= self.cfg.max_tokens})
 
     def _last_true(self, rule) -> int:
         """The last token count in ``[0, max_tokens]`` where ``rule`` (true from 1 token
@@ -310,6 +328,25 @@ class Selector:
         the rule holds from some count on, the others' up to one)."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert >= self.tile.variant.fp8_ws_min_rows
+
+    def small_rows_by_rule(self, num_tokens: int) -> bool:
+        """Whether an FP8 call with ``num_tokens`` on this rank runs on
+        :meth:`TileConfig.small_rows_tile`: its GEMMs on the `tl` kernels (below
+        :meth:`ws_gemm_by_rule`, whose items are 64-row boxes) and its layer0 items,
+        expected as :meth:`stream_k_by_rule` expects them, at least a round of the
+        programs. There the 16-row tiles ran 8-32-token calls 0.87-0.96x the 64-row
+        ones' time; with less than a round (1-token qwen2-moe, phi3.5-moe) they were
+        no faster, each program's item its own latency (docs/precision.md)."""
+        if num_tokens not in self._small_rows:
+            self._small_rows[num_tokens] = (
+                self.may_small_rows and num_tokens > 0
+                and not (self.may_ws_gemm and self.ws_gemm_by_rule(num_tokens))
+                and not self._less_than_a_round(num_tokens))
+        return self._small_rows[num_tokens]
+
+    def _less_than_a_round(self, num_tokens: int) -> bool:
+        """Whether layer0's expected items (:meth:`_expected_items`) leave programs idle."""
+        return self._expected_items(num_tokens) < self.programs
 
     def _expected_rows(self, num_tokens: int) -> tuple[int, int]:
         """(rows per expert with rows, experts with rows) of this rank in a call where

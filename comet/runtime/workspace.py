@@ -348,7 +348,7 @@ def _local_scratch(cfg: MoEConfig, world: int, device, tile: TileConfig) -> dict
         epoch=torch.zeros(1, dtype=torch.int64, device=device),
         timeout=torch.full((1,), timeout_ns(), dtype=torch.int64, device=device),
         plan=allocate_plan(cfg.num_experts, cfg.top_k, cfg.max_tokens, world, device,
-                           tile.gemm.block_m, cfg.slots_per_rank)) | fp8
+                           tile.plan_block_m(cfg.fp8 is not None), cfg.slots_per_rank)) | fp8
 
 
 def workspace_bytes(cfg: MoEConfig, world: int, tile: TileConfig) -> int:
