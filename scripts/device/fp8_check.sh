@@ -38,13 +38,13 @@
 #             accuracy/fp8_small_accuracy.json), then FP8 with --tile fp8_ws_min_rows=1 at
 #             1-32 tokens (small-ws1/) against the decode step's default FP8 calls
 #             (small-ws1-vs-default.txt; run after decode, in the same call or not)
-#   rows      small calls on smaller m-tiles: FP8 at the default tile (rows/default/), then
-#             at each --tile of FP8_ROW_TILES (default: block_m=16 and 32 on the tl kernels,
-#             fp8_ws_min_rows=0: the warp-specialized GEMM's items are 64 rows) into
-#             rows/1/, rows/2/, ..., each compared with the default (rows-N-vs-default.txt):
-#             a 64-row tile of a call with a few rows per expert is mostly zero rows whose
-#             products and per-32-K promotions the K loop still computes
-#             (FP8_BENCH_CONFIGS, FP8_DECODE_TOKENS as for decode; default 1 8 32)
+#   rows      small calls and their m-tiles: FP8 at the default tile (rows/default/: 16-row
+#             m-tiles where the Selector's small-rows rule picks them, since 9d46a23), then
+#             at each --tile of FP8_ROW_TILES into rows/1/, rows/2/, ..., each compared
+#             with the default (rows-N-vs-default.txt). Default: small_block_m=0 (64-row
+#             tiles everywhere: the default before) and block_m=16,fp8_ws_min_rows=0 (16
+#             rows on the tl kernels in every call); FP8_BENCH_CONFIGS, FP8_DECODE_TOKENS
+#             as for decode (default 1 8 32)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm` on one preset
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
@@ -130,7 +130,7 @@ for step in "${@:-diff kernels tests}"; do
             FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench rows/default --dtype fp8 --only-fused \
               --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32}
             i=0
-            for tile in ${FP8_ROW_TILES:-block_m=16,fp8_ws_min_rows=0 block_m=32,fp8_ws_min_rows=0}; do
+            for tile in ${FP8_ROW_TILES:-small_block_m=0 block_m=16,fp8_ws_min_rows=0}; do
               i=$((i + 1))
               FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-20} bench "rows/$i" --dtype fp8 --only-fused \
                 --config $presets --tokens ${FP8_DECODE_TOKENS:-1 8 32} --tile "$tile"
