@@ -303,6 +303,11 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
         out.append(lambda t=t: call(t=t, space=cut_ws).launch_layer0(ROLE_FUSED, 132))
     out.append(lambda: call(t=cut.decode_tile(), space=cut_shard_ws, w=shard_w).launch_layer0(
         ROLE_FUSED, 132))
+    # Small calls on 16-row m-tiles (GemmConfig.small_block_m, the Selector's small-rows
+    # rule): the whole call with layer0's cuts, and layer1 on the decode tile.
+    small = cut.small_rows_tile()
+    out.append(lambda: call(t=small, space=cut_ws).run())
+    out.append(lambda: call(t=small.decode_tile(), space=cut_ws).launch_layer1(ROLE_FUSED, 132))
     # Large calls of a one-rank layer on the warp-specialized GEMMs (Variant.fp8_ws_min_rows,
     # comet.kernels.fp8_ws): the whole call (the dispatch launch, both Gluon GEMMs,
     # flag1's release, the combine); GPT-OSS's clamped SwiGLU and GELU-tanh in layer0's
