@@ -357,10 +357,11 @@ GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel"
 
 
 def pipelined(name: str, kwargs: dict, shared: int) -> str:
-    """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold
-    ``num_stages`` copies of a K step's operands (a GEMM loop Triton did not pipeline,
-    e.g. with an atomic inside it, has one); ``-`` for launches without a GEMM (layer0's
-    comm role apart)."""
+    """``yes``/``no`` for a launch with a GEMM role: does its shared memory hold at least
+    ``num_stages - 1`` (and two) copies of a K step's operands -- a loop on wgmma keeps
+    ``num_stages``, one on mma.sync (16-row m-tiles) one fewer
+    (scripts/fp8_stage_probe.py), one Triton did not pipeline (e.g. with an atomic inside
+    it) one; ``-`` for launches without a GEMM (layer0's comm role apart)."""
     from comet.constants import ROLE_COMM
     if name not in GEMM_KERNELS or kwargs.get("ROLE") == ROLE_COMM:
         return "-"
@@ -369,7 +370,7 @@ def pipelined(name: str, kwargs: dict, shared: int) -> str:
     b_cols = int(item.BLOCK_N) * (2 if gate_up else 1)
     width = 1 if item.FP8 else 2     # bytes of an operand element: e4m3, or 16-bit
     step = width * int(item.BLOCK_K) * (int(item.BLOCK_M) + b_cols)
-    return "yes" if shared >= kwargs["num_stages"] * step else "no"
+    return "yes" if shared >= max(2, kwargs["num_stages"] - 1) * step else "no"
 
 
 def constexprs_behind_none(group, path: str) -> list[str]:
