@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from comet.config import (GemmConfig, MoEConfig, ParallelConfig, TileConfig, Variant,
-                          check_layout)
+from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.constants import interpreting
 from comet.kernels.combine import COMBINE_PROGRAMS_PER_SM
 from comet.kernels.fp8_gemm import MIN_BLOCK_K, fused_k_step
@@ -111,6 +110,10 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
 #: products, fp32 [BLOCK_M, 128] each, fit the registers of 8 warps at 64 rows; at 128
 #: they spilled (sm_90, triton 3.6: tests/sm90_compile.py).
 FP8_BLOCK_M = 64
+#: TileConfig fields only an FP8 layer reads (``Variant.fp8_ws_min_rows``,
+#: ``GemmConfig.small_block_m``).
+FP8_ONLY_FIELDS = ("fp8_ws_min_rows", "small_block_m")
+_FP8_ONLY_DEFAULTS = {n: v for n, v in TileConfig().flat().items() if n in FP8_ONLY_FIELDS}
 
 
 def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
@@ -141,16 +144,16 @@ def layer_tile(tile: TileConfig | None, mesh: MeshLayout, convention: Convention
                ) -> TileConfig:
     """The TileConfig a layer runs: ``tile``, or the layout's default for ``cfg`` (for an
     FP8 layer, :func:`fp8_tile` of it, warp-specialized where :func:`ws_gemm_fits` its
-    ``weights``; a bf16 layer's has the FP8-only ``fp8_ws_min_rows`` and ``small_block_m``
-    at their defaults, whatever was asked, so that its tuned tables serve it); ValueError
+    ``weights``; a bf16 layer's has the FP8-only fields (:data:`FP8_ONLY_FIELDS`) at their
+    defaults, whatever was asked, so that its tuned tables serve it); ValueError
     for one its kernels' shapes cannot run (a gather without one-dot items)."""
     tile = tile or default_tile(mesh, convention, cfg)
     if cfg.fp8 is not None:
         return fp8_tile(tile, weights is not None and ws_gemm_fits(mesh, *weights))
-    if tile.variant.fp8_ws_min_rows != Variant.fp8_ws_min_rows:
-        tile = tile.with_fields(fp8_ws_min_rows=Variant.fp8_ws_min_rows)
-    if tile.gemm.small_block_m != GemmConfig.small_block_m:
-        tile = tile.with_fields(small_block_m=GemmConfig.small_block_m)
+    flat = tile.flat()
+    reset = {n: v for n, v in _FP8_ONLY_DEFAULTS.items() if flat[n] != v}
+    if reset:
+        tile = tile.with_fields(**reset)
     if tile.variant.layer0_gather:
         check_gather(tile.gemm.block_n0, mesh.kernel_config(cfg).intermediate_size)
     return tile
