@@ -26,6 +26,7 @@ small grouped GEMM of each layout against the fp32 emulation and exits 1 if eith
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import math
 import os
@@ -269,6 +270,28 @@ def bind(module: types.ModuleType) -> DeepGemm | str:
                     f"{align} per expert) or {MASKED_FN}, fp32 scales, bf16 out")
 
 
+def share_libstdcxx() -> list[str]:
+    """Puts the libstdc++ this process loaded into the global symbol scope (Linux; the paths
+    promoted), so that a module loaded later binds its libstdc++ symbols to it.
+
+    Why, for ``deep_gemm``: its module, built from source, carries its own definitions of
+    some libstdc++ data (the locale facet ids). Loaded after torch, whose libraries keep
+    libstdc++ in their local scope, it binds to those copies, which libstdc++ never
+    initialized, and its JIT's first ``std::regex`` segfaults (found with torch 2.11+cu130
+    and a wheel built there by scripts/device/build_peers.sh; an LD_PRELOAD of the same
+    libstdc++ made it run)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    except OSError:
+        return []
+    for path in paths:
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+    return paths
+
+
 def import_deep_gemm(device: torch.device, kernels: str, build: str
                      ) -> types.ModuleType | str:
     """The installed ``deep_gemm`` for an SM90 ``device``, or why not (``kernels``: what
@@ -282,6 +305,7 @@ def import_deep_gemm(device: torch.device, kernels: str, build: str
     from torch.utils.cpp_extension import CUDA_HOME
     if CUDA_HOME:
         os.environ.setdefault("CUDA_HOME", CUDA_HOME)
+    share_libstdcxx()
     try:
         import deep_gemm
     except ImportError as err:
