@@ -4,6 +4,7 @@ timing driven through a stand-in ``deep_gemm`` that computes what DeepGEMM's M-g
 GEMMs compute (and asserts what their host code asserts), the records' ratio and the
 summary line. The real package runs on a GPU only (``test_deepgemm_on_the_gpu``)."""
 
+import ctypes
 import glob
 import sys
 import types
@@ -311,3 +312,12 @@ def test_deepgemm_on_the_gpu():
     if isinstance(dg.load_deepgemm(torch.device("cuda")), str):
         pytest.skip(f"deepgemm: {dg.load_deepgemm(torch.device('cuda'))}")
     assert dg._smoke() == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dlopen scopes are Linux's")
+def test_share_libstdcxx_puts_the_loaded_libstdcxx_in_the_global_scope():
+    # torch loaded it; after the promotion a lookup in the global scope (dlopen(NULL))
+    # finds libstdc++'s own locale facet id, which deep_gemm's module must bind to.
+    paths = dg.share_libstdcxx()
+    assert paths and all("libstdc++.so" in p for p in paths)
+    assert hasattr(ctypes.CDLL(None), "_ZNSt5ctypeIcE2idE")

@@ -283,3 +283,19 @@ def test_weighted_silu_mul():
     want = torch.nn.functional.silu(gu[:, :2]) * gu[:, 2:] * 0.5
     torch.testing.assert_close(peers.weighted_silu_mul(gu, w), want)
     assert peers.weighted_silu_mul(gu.bfloat16(), w).dtype == torch.bfloat16
+
+
+def test_fp8_records_with_a_peer_get_the_peer_table_with_a_dtype_column_when_mixed():
+    def record(dtype, peer, us):
+        return {"config": "mixtral", "tokens_per_rank": 8, "routing": "uniform",
+                "layer": "moe", "dtype": dtype, "fused_us": 100.0, f"peer_{peer}_us": us,
+                "best_peer": peer, "speedup_vs_best_peer": us / 100.0}
+    fp8 = record("fp8", "mega-moe", 93.0)
+    bf16 = record("bf16", "deepep", 120.0)
+    dense = dict(fp8, layer="layer0")
+    assert report.peer_rows([fp8, dense]) == [fp8]
+    alone = report.text_table([fp8], report.peer_columns([fp8]))
+    assert "mega-moe us" in alone and "dtype" not in alone and "0.93" in alone
+    mixed = report.text_table([bf16, fp8], report.peer_columns([bf16, fp8]))
+    assert "dtype" in mixed and "deepep us" in mixed and "mega-moe us" in mixed
+    assert [line.split()[3] for line in mixed.splitlines()[2:]] == ["bf16", "fp8"]

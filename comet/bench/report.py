@@ -139,16 +139,23 @@ def fp8_columns(records: Sequence[dict]) -> list[Column]:
     return FP8_COLUMNS + (DEEPGEMM_COLUMNS if any("deepgemm" in r for r in records) else [])
 
 
+def peer_rows(records: Sequence[dict]) -> list[dict]:
+    """The whole-layer records, bf16 and FP8, that have a peer column (``--peers``)."""
+    return [r for r in records if r["layer"] == "moe" and peer_names(r)]
+
+
 def peer_columns(records: Sequence[dict]) -> list[Column]:
     """comet against the peers (``--peers``; whole-layer rows): the fused layer, the
     unfused baseline, each peer ("-" where it was not timed: :func:`peer_notes` says why),
     the fastest peer and its time over comet's, and the two floors that bound that ratio
-    (torch's grouped GEMMs on the rows, the HBM floor); no columns when no record has a
-    peer."""
+    (torch's grouped GEMMs on the rows, the HBM floor); a dtype column where both dtypes
+    have peers; no columns when no record has a peer."""
     names = sorted({n for r in records for n in peer_names(r)})
     if not names:
         return []
-    return (_KEY[:3] + [("(b) fused us", _num("fused_us")),
+    dtype: list[Column] = ([("dtype", lambda r: str(r.get("dtype", "-")))]
+                           if len({r.get("dtype") for r in records}) > 1 else [])
+    return (_KEY[:3] + dtype + [("(b) fused us", _num("fused_us")),
                         ("(a) baseline us", _num("baseline_us"))]
             + [(f"{n} us", _num(f"peer_{n}_us")) for n in names]
             + [("best peer", lambda r: r.get("best_peer") or "-"),
@@ -478,10 +485,12 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     if lines:
         out += ["", "## Summary", ""] + [f"- {s}" for s in lines]
     fp8 = [r for r in records if is_fp8(r) and r["layer"] == "moe"]
+    peers = peer_rows(records)
     records = [r for r in records if not is_fp8(r)]
-    out += ["", "## Times", "", markdown_table(records, MAIN_COLUMNS),
-            "", "## Compute and communication efficiency", "",
-            markdown_table(records, EFFICIENCY_COLUMNS)]
+    if records or not fp8:
+        out += ["", "## Times", "", markdown_table(records, MAIN_COLUMNS),
+                "", "## Compute and communication efficiency", "",
+                markdown_table(records, EFFICIENCY_COLUMNS)]
     if fp8:
         out += ["", "## The FP8 layer against bf16", "", markdown_table(fp8, fp8_columns(fp8))]
     moe = [r for r in records if r["layer"] == "moe"]
@@ -490,9 +499,9 @@ def markdown_report(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
                 markdown_table(moe, BREAKDOWN_COLUMNS)]
     if any("rows_max_over_mean_r0" in r for r in moe):
         out += ["", "## Redundant experts: rows per rank", "", markdown_table(moe, EPLB_COLUMNS)]
-    if peer_columns(moe):
-        out += ["", "## Against the peers", "", markdown_table(moe, peer_columns(moe)), ""]
-        out += [f"- {line}" for line in peer_notes(moe)]
+    if peers:
+        out += ["", "## Against the peers", "", markdown_table(peers, peer_columns(peers)), ""]
+        out += [f"- {line}" for line in peer_notes(peers)]
     return "\n".join(out) + "\n"
 
 
@@ -596,8 +605,8 @@ def docs_markdown(files: Sequence[tuple[str, Sequence[dict]]],
         if fp8:
             out += ["", f"The FP8 layer against bf16, {routing} routing:", "",
                     markdown_table(fp8, fp8_columns(fp8))]
-        if peer_columns(rows):
+        if peers := peer_rows(rows + fp8):
             out += ["", f"Against the peers, {routing} routing:", "",
-                    markdown_table(rows, peer_columns(rows))]
+                    markdown_table(peers, peer_columns(peers))]
     out += [""] + [f"- summary: {line}" for line in summary(records)]
     return "\n".join(out) + "\n"

@@ -317,10 +317,10 @@ def _emit(records: list[dict], notes: list[str], output_dir: str | None, stem: s
     if any("rows_max_over_mean_r0" in r for r in moe):
         print()
         print(report.text_table(moe, report.EPLB_COLUMNS))
-    if report.peer_columns(moe):
+    if peers := report.peer_rows(records):
         print()
-        print(report.text_table(moe, report.peer_columns(moe)))
-        for line in report.peer_notes(moe):
+        print(report.text_table(peers, report.peer_columns(peers)))
+        for line in report.peer_notes(peers):
             print(f"note: {line}")
     for line in report.summary(records):
         print(f"summary: {line}")
