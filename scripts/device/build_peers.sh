@@ -59,9 +59,11 @@ build_wheel() {
   (cd "$build" && env "$@" MAX_JOBS="$(nproc)" timeout "$limit" python3 - "$wheels") \
     || { status=$?; echo "$name: build failed (exit $status) at ${SECONDS}s"; }
   rm -rf "$build"
+  # A local version's "+" (deep_gemm-2.5.0+local-...) would keep the file from coming back
+  # from $OUT: it goes there as "_", and the install step below puts the "+" back.
   for w in "$wheels"/$pattern; do
-    [ -f "$w" ] && cp "$w" "$out"/ && echo "$name: built $(basename "$w")" \
-      "($(du -h "$w" | cut -f1)) at ${SECONDS}s; copied to \$OUT"
+    [ -f "$w" ] && cp "$w" "$out/$(basename "$w" | tr + _)" && echo "$name: built" \
+      "$(basename "$w") ($(du -h "$w" | cut -f1)) at ${SECONDS}s; copied to \$OUT"
   done
 }
 
@@ -157,6 +159,9 @@ sys.argv = ["setup.py", "bdist_wheel", "--dist-dir", sys.argv[1]]
 runpy.run_path("setup.py", run_name="__main__")
 PY
   fi
+  for w in "$wheels"/*_local-*.whl; do
+    [ -f "$w" ] && mv "$w" "${w/_local-/+local-}"
+  done
   if ls "$wheels"/*.whl >/dev/null 2>&1; then
     python3 -m pip install --no-index --no-deps --no-compile --no-cache-dir --force-reinstall \
       "$wheels"/*.whl || status=$?
