@@ -17,7 +17,8 @@ from comet.bench import deepgemm as dg
 from comet.bench import records as rec
 from comet.bench import report
 from comet.bench.peers import PeerUnavailable
-from comet.bench.runner import Case, Settings, case_timer, deepgemm_series
+from comet.bench.runner import (Case, Fused, Settings, case_timer, deepgemm_series,
+                               fp8_gemm_mode)
 from comet.bench.timing import L2Flush
 from comet.cli import bench
 from comet.config import MoEConfig
@@ -321,3 +322,15 @@ def test_share_libstdcxx_puts_the_loaded_libstdcxx_in_the_global_scope():
     paths = dg.share_libstdcxx()
     assert paths and all("libstdc++.so" in p for p in paths)
     assert hasattr(ctypes.CDLL(None), "_ZNSt5ctypeIcE2idE")
+
+
+def test_comet_side_times_the_gemms_the_fused_call_ran():
+    # The decomposed modes never run the warp-specialized GEMMs: where the fused call did,
+    # its own phases are comet's GEMM side.
+    class Layer:
+        last_ws_gemm = False
+    fused = Fused(Layer(), lambda: None)
+    assert fp8_gemm_mode(fused) == "compute_only"
+    fused.layer.last_ws_gemm = True
+    assert fp8_gemm_mode(fused) == "fused"
+    assert fp8_gemm_mode(Fused(object(), lambda: None)) == "compute_only"

@@ -174,6 +174,7 @@ def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffe
         calls.clear()
         assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down, act))
         assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is ws
+        assert layer.last_ws_gemm is ws
         assert [(bool(t.GATED), int(t.EPILOGUE)) for t in calls] == (
             [(True, 0), (False, int(fp8_ws.EPILOGUE_SCATTER))] if ws else [])
 

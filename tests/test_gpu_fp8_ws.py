@@ -102,6 +102,7 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
             _check(layer(x, i, w), expect, bf16)
         assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is (x.shape[0] >= large), \
             x.shape[0]
+        assert layer.last_ws_gemm is (x.shape[0] >= large), x.shape[0]
     drift = [int(v) for v in torch.randint(1, 4097, (60, ), generator=torch.Generator()
                                           .manual_seed(6))]
     xs, ids, ws = _inputs(cfg, drift, 7)

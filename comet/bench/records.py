@@ -44,9 +44,10 @@ or a per-layer row of a variant that has no layers). Variants:
   (contiguous or masked layout, the faster; :mod:`comet.bench.deepgemm`) on the same rows
   per expert -- layer0 the gate/up GEMM, layer1 the down GEMM, "moe" both -- and
   ``deepgemm`` (its status, reason, backend, layout, output error); comet's side is its
-  GEMM phases (``comet_gmm_tflops``: layer0 and layer1 of (c), each a GEMM with its fused
-  epilogue, rows already in place), and ``fp8_gmm_over_deepgemm`` the ratio of the two
-  throughputs.
+  GEMM phases (``comet_gmm_tflops``: layer0 and layer1, each a GEMM with its fused
+  epilogue, of the mode ``comet_gmm_mode`` names: (c), rows already in place, or the fused
+  call where it took the warp-specialized GEMMs, which (c) does not run, its dispatch
+  launch included), and ``fp8_gmm_over_deepgemm`` the ratio of the two throughputs.
 * ``peer_<name>_us`` -- with ``--peers``: another project's whole layer on the same inputs
   (:mod:`comet.bench.peers`), None where it was not timed (``peers`` says why: its
   status, reason, backend and output error per peer); ``best_peer`` / ``best_peer_us``

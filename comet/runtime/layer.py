@@ -438,6 +438,8 @@ class FusedMoE:
         self._calls: dict[tuple, tuple[ForwardCall, list]] = {}
         self.last_comm_blocks: tuple[int, int] | None = None
         self.last_tile: TileConfig | None = None
+        # Whether the last call ran its GEMMs on the warp-specialized FP8 kernel.
+        self.last_ws_gemm = False
         self._grad: GradBuffers | None = None     # the backward's scratch, on first use
         self._backward_scalars: StagedScalars | None = None
         self._backward_calls: dict[tuple[bool, bool], BackwardCall] = {}
@@ -577,6 +579,7 @@ class FusedMoE:
         n1 = call.strategy.comm_blocks(n1)
         self.last_comm_blocks = (n0, n1)
         self.last_tile = tile
+        self.last_ws_gemm = call.ws_gemm
         y = torch.empty_like(x)
         self._refresh_timeout()
         x = aligned(x)
