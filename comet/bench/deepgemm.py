@@ -284,12 +284,17 @@ def share_libstdcxx() -> list[str]:
         return []
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+            fields = [line.split(maxsplit=5) for line in maps if "/libstdc++.so" in line]
     except OSError:
         return []
-    for path in paths:
-        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-    return paths
+    promoted = []
+    for path in sorted({f[5].strip() for f in fields if len(f) == 6}):
+        try:
+            ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:     # replaced on disk since it was mapped ("... (deleted)")
+            continue
+        promoted.append(path)
+    return promoted
 
 
 def import_deep_gemm(device: torch.device, kernels: str, build: str
