@@ -47,7 +47,8 @@
 #             as for decode (default 1 8 32)
 #   deepgemm  the DeepGEMM peer (carry .gl/peers; scripts/fetch_peer_sources.sh) built,
 #             then `comet bench --dtype fp8 --peers deepgemm mega-moe` (FP8_PEERS) on
-#             deepseek-v3-like (FP8_BENCH_CONFIGS) at 8 128 4096 tokens (FP8_BENCH_TOKENS)
+#             deepseek-v3-like (FP8_BENCH_CONFIGS) at 8 128 4096 tokens (FP8_BENCH_TOKENS);
+#             FP8_DEEPGEMM_QWEN3=1 adds the Qwen3-30B-A3B-like shape (deepgemm-qwen3/)
 # Writes under $OUT (./out if unset): fp8_layer_diff.json, kernels/pytest.log, tests/ and models/
 # (gpu_tests.log), bench/ and deepgemm/ (bench JSON and logs), fp8_check.log.
 set -uo pipefail
@@ -143,7 +144,10 @@ for step in "${@:-diff kernels tests}"; do
       deepgemm) BUILD_PEERS=deepgemm bash scripts/device/build_peers.sh || status=1
                 bench deepgemm --dtype fp8 --peers ${FP8_PEERS:-deepgemm mega-moe} \
                   --config ${FP8_BENCH_CONFIGS:-deepseek-v3-like} \
-                  --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
+                  --tokens ${FP8_BENCH_TOKENS:-8 128 4096}
+                [ "${FP8_DEEPGEMM_QWEN3:-0}" = 1 ] && bench deepgemm-qwen3 --dtype fp8 \
+                  --peers ${FP8_PEERS:-deepgemm mega-moe} --experts 128 --topk 8 \
+                  --hidden 2048 --ffn 768 --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
       *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
