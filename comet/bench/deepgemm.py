@@ -345,17 +345,26 @@ def layouts_for(tokens: int) -> tuple[str, ...]:
     return LAYOUTS if tokens <= MASKED_MAX_TOKENS else ("contiguous",)
 
 
+def load_for_smoke(name: str, load):
+    """``load(cuda)`` for a ``python -m`` smoke check, its backend printed; None, after
+    printing why, where it cannot run."""
+    peer = load(torch.device("cuda")) if torch.cuda.is_available() else "needs a CUDA GPU"
+    if isinstance(peer, str):
+        print(f"{name} unavailable: {peer}")
+        return None
+    print(peer.backend)
+    return peer
+
+
 def _smoke() -> int:
     """One small grouped GEMM per layout and shape (gate/up stacked in two parts, then a
     down projection), against the emulation; 1 if any is off or cannot run."""
     from comet.kernels.fp8_gemm import quantize_rows_triton
     from comet.quant import quantize_weight
-    dev = torch.device("cuda")
-    dg = load_deepgemm(dev) if torch.cuda.is_available() else "needs a CUDA GPU"
-    if isinstance(dg, str):
-        print(f"deepgemm unavailable: {dg}")
+    dg = load_for_smoke("deepgemm", load_deepgemm)
+    if dg is None:
         return 1
-    print(dg.backend)
+    dev = torch.device("cuda")
     torch.manual_seed(0)
     expert_rows = [0, 5, 130, 64, 1]   # an empty expert, partial and whole blocks
     ok = True

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from comet.activation import SILU, GatedActivation, gated
-from comet.bench.deepgemm import import_deep_gemm
+from comet.bench.deepgemm import import_deep_gemm, load_for_smoke
 from comet.bench.peers import Peer, PeerLayer, PeerUnavailable
 from comet.config import MoEConfig
 from comet.quant import E4M3, E4M3_MAX, GROUP, SCALE_PER_AMAX, Fp8Rows, Fp8Weight, quantize_rows
@@ -502,12 +502,10 @@ def _smoke() -> int:
     """One small layer against both emulations, and the gate/up conversion against the
     package's own ``transform_weights_for_mega_moe_sm90`` where it has one; 1 if off."""
     from comet.quant import quantize_weight
-    dev = torch.device("cuda")
-    mm = load_mega_moe(dev) if torch.cuda.is_available() else "needs a CUDA GPU"
-    if isinstance(mm, str):
-        print(f"mega-moe unavailable: {mm}")
+    mm = load_for_smoke("mega-moe", load_mega_moe)
+    if mm is None:
         return 1
-    print(mm.backend)
+    dev = torch.device("cuda")
     torch.manual_seed(0)
     e, k, h, f, t = 8, 2, 512, 512, 96
     gate_up = quantize_weight(torch.randn(e, 2 * f, h, device=dev) * h ** -0.5, parts=2)
