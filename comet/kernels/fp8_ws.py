@@ -15,9 +15,13 @@ two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``),
 consumer partitions of one warpgroup each that share the A box:
 
 * layer0 (``GATED``): box 0 the gate rows ``n0:+BLOCK_N``, box 1 the up rows ``N + n0:``;
-  the up partition hands its fp32 tile to the gate partition through shared memory, which
-  applies the gated activation, quantizes each row's ``BLOCK_N`` columns as one group of
-  the recipe (:func:`comet.kernels.fp8_gemm.quantize_groups`) and stores h in FP8;
+  the epilogue is split by columns between the two partitions, each handing the other
+  half of its fp32 tile over in shared memory (gate keeps the left half, up the right):
+  each applies the gated activation to its ``BLOCK_N / 2`` columns, the two trade their
+  rows' partial amax, and each quantizes its half of the row's one group of the recipe
+  (:func:`comet.kernels.fp8_gemm.quantize_groups`) and stores it in FP8. Half the
+  epilogue each, not all of it on one partition while the other stalls a ring's depth
+  into the next item: with K = 2048 (16 steps) the epilogue is a large part of an item;
 * layer1: boxes 0 and 1 the columns ``n0:+BLOCK_N`` and ``n0 + BLOCK_N:``, each partition
   storing its own tile -- into a bf16 ``out`` (``EPILOGUE_STORE``), or, weighted, into its
   rows' token slots (``EPILOGUE_SCATTER``, :func:`comet.kernels.layer1.scatter_home`'s
@@ -177,10 +181,15 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t):
 #: A consumer warpgroup's accumulator: wgmma's register layout, four warps of 16 rows.
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, BLOCK_N, 32]))
-#: h's FP8 tile as layer0 stores it: 16 bytes of a row per thread.
+#: h's FP8 half tile as layer0 stores it: 16 bytes of a row per thread.
 ROW_STORE = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-#: The up tile's layout in shared memory (written and read in MMA's layout).
-XBUF = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+#: A half tile handed over in shared memory, written and read in the accumulator's
+#: layout: a warp's access is 8 rows x 4 pairs of columns, and rows of 64 fp32 lie on the
+#: same banks; XOR-ing 32-byte blocks by the row spreads the 8 rows over every bank (an
+#: unswizzled buffer serializes them 8-way).
+XBUF = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+#: The rows' partial amax traded between the two halves.
+ABUF = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -322,32 +331,69 @@ def _epilogue(acc, epi, op, t, row_start, row_end, n0):
 
 
 @gluon.jit
-def _requant_store(h, epi, op, t, row_start, row_end, n0):
-    """``GATED``: the h tile (columns ``n0:+BLOCK_N``, one group) quantized per row by the
-    recipe, its e4m3 values and fp32 scale stored."""
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+def _halves(acc):
+    """The column halves ``(acc[:, :n/2], acc[:, n/2:])`` of a tile, each thread keeping
+    its own registers."""
+    m: gl.constexpr = acc.shape[0]
+    n: gl.constexpr = acc.shape[1]
+    return acc.reshape([m, 2, n // 2]).permute(0, 2, 1).split()
+
+
+@gluon.jit
+def _trade(mine, bufs, full, free, j, BOX: gl.constexpr):
+    """Hands ``mine`` to the other partition through ``bufs[BOX]`` and returns what it
+    handed over in ``bufs[1 - BOX]`` (same shape and layout), for the item counted ``j``;
+    each buffer is written again once its reader freed it."""
+    mbarrier.wait(free.index(BOX), (j & 1) ^ 1)
+    bufs.index(BOX).store(mine)
+    mbarrier.arrive(full.index(BOX), count=1)
+    mbarrier.wait(full.index(1 - BOX), j & 1)
+    theirs = bufs.index(1 - BOX).load(mine.type.layout)
+    mbarrier.arrive(free.index(1 - BOX), count=1)
+    return theirs
+
+
+@gluon.jit
+def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
+                row_start, row_end, n0, BOX: gl.constexpr):
+    """``GATED``: this partition's half of the item's h tile (the gate partition the left
+    columns, the up one the right), from its own fp32 tile (gate or up) and the other's
+    half handed over; quantized per row as one group of ``BLOCK_N`` columns with the
+    other half's amax, its e4m3 values stored (and by the gate partition the scale)."""
+    HALF: gl.constexpr = t.BLOCK_N // 2
+    lo, hi = _halves(acc)
+    if BOX == 0:
+        gate = lo
+        up = _trade(hi, xbufs, x_full, x_free, j, BOX)
+    else:
+        up = hi
+        gate = _trade(lo, xbufs, x_full, x_free, j, BOX)
+    h = gated(gate, up, t.ACT)
+    layout: gl.constexpr = h.type.layout
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
     h = gl.where(cols[None, :] < op.N, h, 0.0)
-    scale = gl.maximum(gl.max(gl.abs(h), axis=1), AMAX_EPS) * SCALE_PER_AMAX
+    amax = gl.max(gl.abs(h), axis=1)
+    amax = gl.maximum(amax, _trade(amax, abufs, a_full, a_free, j, BOX))
+    scale = gl.maximum(amax, AMAX_EPS) * SCALE_PER_AMAX
     q = gl.div_rn(h, gl.broadcast(scale[:, None], h)[0])
     q = gl.minimum(gl.maximum(q, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
-    gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N) + n0 // t.BLOCK_N,
-             scale, mask=rows < row_end)
-    # A thread of MMA holds two adjacent values (2-byte stores): 16 a thread instead.
+    if BOX == 0:
+        gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N)
+                 + n0 // t.BLOCK_N, scale, mask=rows < row_end)
+    # A thread of the accumulator holds two adjacent values (2-byte stores): 16 a thread.
     q = gl.convert_layout(q, ROW_STORE)
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, ROW_STORE))
-    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, ROW_STORE))
+    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ROW_STORE))
     gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
              mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
 
 
 @gluon.jit
-def consumer(a_bufs, x_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t,
-             BOX: gl.constexpr):
-    """Box ``BOX`` of every item. With ``GATED``, box 0 is the gate tile, which waits for
-    the up tile (``x_full``) and runs layer0's epilogue, and box 1 the up tile, handed
-    over through ``xbuf`` once the last one was read (``x_free``); else each box's
-    columns get the layer's epilogue."""
+def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full, a_free,
+             epi, op, t, BOX: gl.constexpr):
+    """Box ``BOX`` of every item: its columns get the layer's epilogue, or with ``GATED``
+    half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     it = 0
     j = 0
@@ -355,17 +401,11 @@ def consumer(a_bufs, x_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t,
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
         acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, n0, op, t,
                             BOX)
-        if not t.GATED:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
-        elif BOX == 0:
-            mbarrier.wait(x_full, j & 1)
-            up = xbuf.load(MMA)
-            mbarrier.arrive(x_free, count=1)
-            _requant_store(gated(acc, up, t.ACT), epi, op, t, row_start, row_end, n0)
+        if t.GATED:
+            _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
+                        row_start, row_end, n0, BOX)
         else:
-            mbarrier.wait(x_free, (j & 1) ^ 1)
-            xbuf.store(acc)
-            mbarrier.arrive(x_full, count=1)
+            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
         j += 1
 
 
@@ -388,22 +428,32 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
                                        b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
-    # GATED: the up tile on its way to the gate partition (unused, one element, else).
+    # GATED: each partition's half tile and rows' amax on their way to the other (one
+    # element each, unused, else).
     if t.GATED:
-        xbuf = gl.allocate_shared_memory(gl.float32, [t.BLOCK_M, t.BLOCK_N], XBUF)
+        xbufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M, t.BLOCK_N // 2], XBUF)
+        abufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M], ABUF)
     else:
-        xbuf = gl.allocate_shared_memory(gl.float32, [1, 1], XBUF)
-    x_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    x_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        xbufs = gl.allocate_shared_memory(gl.float32, [2, 1, 1], XBUF)
+        abufs = gl.allocate_shared_memory(gl.float32, [2, 1], ABUF)
+    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(t.STAGES):
         mbarrier.init(ready.index(i), count=1)
         # Both consumers read every slot; an arrive is one per partition.
         mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(x_full, count=1)
-    mbarrier.init(x_free, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(x_full.index(i), count=1)
+        mbarrier.init(x_free.index(i), count=1)
+        mbarrier.init(a_full.index(i), count=1)
+        mbarrier.init(a_free.index(i), count=1)
     gl.warp_specialize([
-        (consumer, (a_bufs, b_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t, 0)),
-        (consumer, (a_bufs, c_bufs, ready, empty, xbuf, x_full, x_free, epi, op, t, 1)),
+        (consumer, (a_bufs, b_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
+                    a_free, epi, op, t, 0)),
+        (consumer, (a_bufs, c_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
+                    a_free, epi, op, t, 1)),
         (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

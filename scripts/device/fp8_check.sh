@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|wsprobe|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -22,6 +22,10 @@
 #             fp8_ws_min_rows=0: the tl kernels), decode and prefill, to hold against the
 #             bench step's records (comet bench --from-json ... --against ...;
 #             FP8_WS_CONFIGS narrows the presets)
+#   wsprobe   scripts/device/fp8_ws_probe.py: layer0's warp-specialized gated GEMM alone at
+#             the presets' prefill shapes (FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS), beside the
+#             same GEMM without its epilogue and, with FP8_WS_BASE=TREE, another checkout's
+#             kernel on the same operands (its h must equal this one's byte for byte)
 #   decode    small calls and their K cuts in FP8 (layer0's stream-K and tail splits,
 #             layer1's K splits: on by default since 6526001): the small-call tests
 #             (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults, and
@@ -100,6 +104,13 @@ for step in "${@:-diff kernels tests}"; do
           tail -n 12 "$OUT/ws/probe.log"
           bench bench-tl --dtype fp8 --only-fused --tile fp8_ws_min_rows=0 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
+      wsprobe) mkdir -p "$OUT/wsprobe"
+               OUT="$OUT/wsprobe" timeout "${FP8_WSPROBE_TIMEOUT_S:-300}" python3 \
+                 scripts/device/fp8_ws_probe.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
+                 ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} \
+                 ${FP8_BENCH_TOKENS:+--tokens $FP8_BENCH_TOKENS} > "$OUT/wsprobe/probe.log" 2>&1 \
+                 || status=1
+               tail -n 14 "$OUT/wsprobe/probe.log" ;;
       decode) run_tests small "tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults
                 tests/test_gpu_fp8.py::test_fp8_small_calls_cut_the_k_loop" \
                 "${FP8_SMALL_TIMEOUT_S:-300}"
@@ -148,7 +159,7 @@ for step in "${@:-diff kernels tests}"; do
                 [ "${FP8_DEEPGEMM_QWEN3:-0}" = 1 ] && bench deepgemm-qwen3 --dtype fp8 \
                   --peers ${FP8_PEERS:-deepgemm mega-moe} --experts 128 --topk 8 \
                   --hidden 2048 --ffn 768 --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|decode|small|rows|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|wsprobe|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
 done

@@ -1,0 +1,160 @@
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...]
+"""layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
+requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
+
+For each preset and token count: ``tokens * top_k`` rows spread evenly over the experts,
+quantized per row; the layer's ``[E, 2F, H]`` weights in 128x128 blocks. Timed (do_bench
+medians, two alternating rounds, the faster kept):
+
+* ``gated``      -- this tree's kernel, as layer0 runs it;
+* ``base-gated`` -- with ``--base TREE``, that tree's ``comet/kernels/fp8_ws.py`` loaded
+  beside it (another commit's kernel, on the same operands in the same process);
+* ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
+  requantization): what the gated epilogue costs is the difference.
+
+Checks: h of the first two experts against the fp32 emulation (scales within 1e-5, the
+dequantized tile within rel L2 1e-2), and with ``--base`` h equal to the base kernel's
+byte for byte. Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from comet.activation import SILU, gated
+from comet.bench.provenance import provenance, write_result
+from comet.config import PRESETS
+from comet.kernels.fp8_gemm import m_tiles
+from comet.quant import Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
+from comet.reference import grouped_gemm_fp8
+
+#: ``(experts, top_k, H, F)`` of the shapes beside the presets.
+EXTRA = {"qwen3-30b-a3b-like": (128, 8, 2048, 768)}
+
+
+def shape(name: str) -> tuple[int, int, int, int]:
+    if name in EXTRA:
+        return EXTRA[name]
+    c = PRESETS[name]
+    return c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
+
+
+def load_base(tree: str):
+    """``comet/kernels/fp8_ws.py`` of another checkout as a module of its own."""
+    path = os.path.join(tree, "comet", "kernels", "fp8_ws.py")
+    spec = importlib.util.spec_from_file_location("base_fp8_ws", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def weights(e: int, n: int, k: int, g: torch.Generator) -> Fp8Weight:
+    """``[e, n, k]`` Gaussian weights in FP8, quantized a few experts at a time (a preset's
+    fp32 weights at once would not fit)."""
+    parts = [quantize_weight(torch.randn(min(8, e - i), n, k, device="cuda", generator=g)
+                             / k ** 0.5) for i in range(0, e, 8)]
+    return Fp8Weight(torch.cat([p.weight for p in parts]),
+                     torch.cat([p.scale_inv for p in parts]), parts[0].blocks)
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def probe(name: str, tokens: int, kernels: dict, seed: int) -> dict:
+    e, k, hid, f = shape(name)
+    per = tokens * k // e
+    rows = [per] * e
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = quantize_rows(torch.randn(sum(rows), hid, device="cuda", generator=g))
+    w = weights(e, 2 * f, hid, g)
+    tiles = m_tiles(rows, 64, "cuda")
+    rec = {"config": name, "tokens": tokens, "experts": e, "rows_per_expert": per,
+           "H": hid, "F": f, "gated_flop": 2.0 * sum(rows) * 2 * f * hid}
+    outs = {}
+    calls = {}
+    for label, mod in kernels.items():
+        calls[label + "gated"] = lambda mod=mod: mod.ws_group_gemm(x, w, tiles, activation=SILU)
+    plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
+    calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out)
+    for label, fn in calls.items():
+        outs[label] = fn()
+    torch.cuda.synchronize()
+    best = {label: float("inf") for label in calls}
+    for _ in range(2):
+        for label, fn in calls.items():
+            best[label] = min(best[label], timed(fn))
+    for label, ms in best.items():
+        rec[f"{label}_us"] = ms * 1e3
+        rec[f"{label}_tflops"] = rec["gated_flop"] / (ms * 1e-3) / 1e12
+    # The emulation on the first two experts' rows.
+    two = sum(rows[:2])
+    gu = grouped_gemm_fp8(Fp8Rows(x.data[:two], x.scale[:two]),
+                          Fp8Weight(w.weight[:2], w.scale_inv[:2], w.blocks), rows[:2])
+    ref = quantize_rows(gated(gu[:, :f], gu[:, f:], SILU))
+    h = outs["gated"]
+    rec["scale_max_rel_err"] = float(((h.scale[:two] - ref.scale).abs() / ref.scale).max())
+    hd = h.dequantize()[:two]
+    rd = ref.dequantize()
+    rec["h_rel_l2"] = float((hd - rd).norm() / rd.norm())
+    rec["ok"] = rec["scale_max_rel_err"] <= 1e-5 and rec["h_rel_l2"] <= 1e-2
+    if "base-gated" in outs:
+        b = outs["base-gated"]
+        rec["equal_to_base"] = bool(torch.equal(b.data.view(torch.uint8),
+                                                h.data.view(torch.uint8))
+                                    and torch.equal(b.scale, h.scale))
+        rec["ok"] = rec["ok"] and rec["equal_to_base"]
+        rec["gated_over_base"] = rec["gated_us"] / rec["base-gated_us"]
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="", help="another checkout whose fp8_ws.py to time beside")
+    ap.add_argument("--configs", nargs="+",
+                    default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like",
+                             "qwen3-30b-a3b-like"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
+    args = ap.parse_args()
+    import comet.kernels.fp8_ws as current
+    kernels = {"": current}
+    if args.base:
+        kernels["base-"] = load_base(args.base)
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    result = {**provenance(), "base": args.base or None, "records": []}
+    start = time.time()
+    for i, name in enumerate(args.configs):
+        for tokens in args.tokens:
+            try:
+                rec = probe(name, tokens, kernels, seed=i)
+            except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
+                rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
+            result["records"].append(rec)
+            print(json.dumps(rec), flush=True)
+            torch.cuda.empty_cache()
+    result["elapsed_s"] = time.time() - start
+    write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
+    print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
+          f"{'new/base':>8s} {'plain TF/s':>10s} {'ok':>5s}")
+    for r in result["records"]:
+        if "error" in r:
+            print(f"{r['config']:20s} {r['tokens']:6d} {r['error'][:60]}")
+            continue
+        print(f"{r['config']:20s} {r['tokens']:6d} {r['gated_tflops']:10.1f} "
+              f"{r.get('base-gated_tflops', float('nan')):10.1f} "
+              f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
+              f"{str(r['ok']):>5s}")
+
+
+if __name__ == "__main__":
+    main()
