@@ -308,6 +308,20 @@ def packed_views(rows: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor
             rows.view(torch.float32)[:, h // 4:h // 4 + h // GROUP])
 
 
+def pack_rows(a: Fp8Rows) -> torch.Tensor:
+    """``a`` (groups of :data:`GROUP`) as packed rows: uint8 ``[rows, packed_row_bytes(H)]``
+    as :func:`quantize_home_kernel` stores them (the inverse of :func:`packed_views`)."""
+    rows, h = a.data.shape
+    if a.group != GROUP or h % GROUP:
+        raise ValueError(f"packed rows hold whole groups of {GROUP}: got H = {h} in groups "
+                         f"of {a.group}")
+    out = torch.zeros(rows, packed_row_bytes(h), dtype=torch.uint8, device=a.data.device)
+    values, scales = packed_views(out, h)
+    values.copy_(a.data)
+    scales.copy_(a.scale)
+    return out
+
+
 class PackedRows(NamedTuple):
     """Where :func:`quantize_home_kernel` stores: row ``r``'s e4m3 values at bytes ``[r *
     row_bytes, + N)`` of ``q``, its fp32 scales right after them (``scale`` is the same

@@ -43,15 +43,16 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from comet.activation import GatedActivation
 from comet.constants import ADDRESS_ALIGN, constexpr
 from comet.kernels.activation import Act, act_tile, gated
-from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8GemmConfig, MTiles,
-                                    bf16_out, check_group_gemm, imprecise_acc)
+from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8Gather, Fp8GemmConfig,
+                                    MTiles, bf16_out, check_group_gemm, imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
 from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 
@@ -73,6 +74,20 @@ MAX_UNROLL = 2
 
 #: TMA box load: ``async_load`` from Triton 3.7 on, which removed 3.6's name for it.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: cp.async of a pointer tile into shared memory (the same rename).
+cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+#: A's shared-memory box, TMA's or the gather's (128-byte rows of e4m3, swizzled as wgmma
+#: reads them).
+A_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                           rank=2))
+#: The gathering producer's view of an A box: a lane copies 64 bytes (four cp.async) of
+#: each of its 4 rows, whole 32-byte sectors; 16 rows per instruction of the warp. Few rows
+#: a lane: their addresses are registers, and the producer warp has PRODUCER_REGS
+#: (setmaxnreg counts it as a warpgroup beside the two consumers).
+GATHER = gl.constexpr(gl.BlockedLayout([1, 64], [16, 2], [1, 1], [1, 0]))
+#: Lanes of the producer warp: with ``A_GATHER`` each arrives on a slot's ``ready`` once its
+#: copies landed.
+PRODUCER_LANES = gl.constexpr(32)
 
 EPILOGUE_STORE = constexpr(0)
 EPILOGUE_SCATTER = constexpr(1)
@@ -94,13 +109,15 @@ class WsTile(NamedTuple):
     ACT: Act
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
+    A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
 
 
 class WsOperands(NamedTuple):
     """Run-time operands besides the TMA descriptors and the epilogue's group."""
 
     tiles: MTiles
-    a_scale: torch.Tensor      # fp32 [rows, ceil(K / A_GROUP)] (strides below)
+    a_scale: torch.Tensor | None  # fp32 [rows, ceil(K / A_GROUP)] (strides below); None
+                                  # with A_GATHER (each packed row's scales follow it)
     sa_row: int
     sa_group: int
     rows: int                  # rows of A: scale loads stop there
@@ -155,12 +172,39 @@ def _second_box(op, t):
 
 
 @gluon.jit
-def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t):
+def gathered_rows(gather, rows, row_end):
+    """``(base, read)`` (``A_GATHER``): byte pointers to the packed rows (K e4m3 values, then
+    their fp32 group scales) that A's rows ``rows`` read, ``gather.tokens`` at ``src[row]
+    * row_bytes``, and which rows are the item's (the others read nothing)."""
+    read = rows < row_end
+    src = gl.load(gather.src + rows, mask=read, other=0).to(gl.int64)
+    return gather.tokens + src * gather.row_bytes, read
+
+
+@gluon.jit
+def _gather_a(slot, bar, gather, row_start, row_end, k, t):
+    """K step ``k`` of the item's rows ``row_start:+BLOCK_M``, read through the index
+    (:func:`gathered_rows`), into the A box ``slot`` by cp.async, each lane's copies
+    landing on ``bar`` (rows not the item's land as zeros)."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, GATHER))
+    base, read = gathered_rows(gather, rows, row_end)
+    cols = k + gl.arange(0, t.BLOCK_K, layout=gl.SliceLayout(0, GATHER))
+    ptrs = (base[:, None] + cols[None, :]).to(gl.pointer_type(gl.float8e4nv))
+    cp_async(slot, ptrs, mask=read[:, None])
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t):
     """Every item of this program, every K step: the A box and both B boxes into the
-    next free slot (``empty``), landing on ``ready``."""
+    next free slot (``empty``), landing on ``ready`` -- B by TMA, A by TMA too, or with
+    ``A_GATHER`` by each lane's cp.async of its rows (``ready`` counts the lanes)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    if t.A_GATHER:
+        nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     it = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
@@ -170,7 +214,10 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t):
             mbarrier.wait(empty.index(s), ((it // t.STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             k = kk * t.BLOCK_K
-            tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
+            if t.A_GATHER:
+                _gather_a(a_bufs.index(s), ready.index(s), gather, row_start, row_end, k, t)
+            else:
+                tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
             tma_load(b_desc, [b_row, k], ready.index(s), b_bufs.index(s))
             tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
                      c_bufs.index(s))
@@ -207,6 +254,10 @@ def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t):
     s = step % t.STAGES
     if J == 0:
         mbarrier.wait(ready.index(s), (step // t.STAGES) & 1)
+        if t.A_GATHER:
+            # cp.async wrote the A box through the generic proxy; wgmma reads it
+            # through the async one.
+            fence_async_shared()
     if t.MMA_K == t.BLOCK_K:
         a = a_bufs.index(s)
         b = x_bufs.index(s)
@@ -260,14 +311,19 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
 
 
 @gluon.jit
-def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, n0, op, t,
-              BOX: gl.constexpr):
+def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, op, gather,
+              t, BOX: gl.constexpr):
     """The fp32 tile of rows ``row_start:+BLOCK_M`` times box ``BOX`` of the item at
     columns ``n0`` (B rows as :func:`producer` loads them) over all of K, from the ring
-    (positions from ``it``); returns it and the next position."""
+    (positions from ``it``); returns it and the next position. A's scales: its rows',
+    or with ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    live = rows < op.rows
-    sa_ptr = op.a_scale + rows.to(gl.int64) * op.sa_row
+    if t.A_GATHER:
+        base, live = gathered_rows(gather, rows, row_end)
+        sa_ptr = (base + op.K).to(gl.pointer_type(gl.float32))
+    else:
+        live = rows < op.rows
+        sa_ptr = op.a_scale + rows.to(gl.int64) * op.sa_row
     sk = gl.cdiv(op.K, t.SCALE_K)
     if BOX == 0:
         scale_row = n0 // t.SCALE_N
@@ -406,7 +462,7 @@ def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j
 
 @gluon.jit
 def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full, a_free,
-             epi, op, t, BOX: gl.constexpr):
+             epi, op, gather, t, BOX: gl.constexpr):
     """Box ``BOX`` of every item: its columns get the layer's epilogue, or with ``GATED``
     half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
@@ -415,8 +471,8 @@ def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
         home, weight = _destinations(epi, t, row_start, row_end)
-        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, n0, op, t,
-                            BOX)
+        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
+                            op, gather, t, BOX)
         if t.GATED:
             _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
                         row_start, row_end, n0, BOX)
@@ -428,17 +484,18 @@ def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
 
 # ------------------------------------------------------------------------ kernel
 @gluon.jit
-def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
+def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
     """Persistent programs striding over the work items (m-tile x column block, in
     layer0's grouped order, comet.kernels.group_gemm.grouped_work): the producer warp
     and the two consumer warpgroups of :mod:`this module <comet.kernels.fp8_ws>`.
 
-    a_desc, b_desc: TMA descriptors of A (FP8 rows, box ``[BLOCK_M, BLOCK_K]``) and B
-    (``[E * NB, K]``, box ``[BLOCK_N, BLOCK_K]``); op: :class:`WsOperands`; epi:
-    :class:`WsH` (``GATED``), :class:`WsOut` or :class:`comet.kernels.layer1.Homes`;
+    a_desc, b_desc: TMA descriptors of A (FP8 rows, box ``[BLOCK_M, BLOCK_K]``; None with
+    ``A_GATHER``) and B (``[E * NB, K]``, box ``[BLOCK_N, BLOCK_K]``); op:
+    :class:`WsOperands`; epi: :class:`WsH` (``GATED``), :class:`WsOut` or
+    :class:`comet.kernels.layer1.Homes`; gather: with ``A_GATHER`` the
+    :class:`comet.kernels.fp8_gemm.Fp8Gather` A's rows are read through (else None);
     t: :class:`WsTile`."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [t.STAGES] + a_desc.block_type.shape,
-                                       a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, t.BLOCK_M, t.BLOCK_K], A_SMEM)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
     c_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
@@ -458,7 +515,11 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
     a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     a_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(t.STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        # The TMA bytes' expect; with A_GATHER also each producer lane's cp.async arrive.
+        if t.A_GATHER:
+            mbarrier.init(ready.index(i), count=1 + PRODUCER_LANES)
+        else:
+            mbarrier.init(ready.index(i), count=1)
         # Both consumers read every slot; an arrive is one per partition.
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
@@ -468,10 +529,10 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, t):
         mbarrier.init(a_free.index(i), count=1)
     gl.warp_specialize([
         (consumer, (a_bufs, b_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
-                    a_free, epi, op, t, 0)),
+                    a_free, epi, op, gather, t, 0)),
         (consumer, (a_bufs, c_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
-                    a_free, epi, op, t, 1)),
-        (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, t)),
+                    a_free, epi, op, gather, t, 1)),
+        (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -498,78 +559,125 @@ class WsLaunch(NamedTuple):
     """One launch of :func:`fp8_ws_gemm_kernel`, its arguments built once (the same
     launch serves every call of a layer: its buffers are at fixed addresses)."""
 
-    a: TensorDescriptor
+    a: TensorDescriptor | None
     b: TensorDescriptor
     op: WsOperands
     epi: tuple
+    gather: Fp8Gather | None
     tile: WsTile
 
     def __call__(self, programs: int) -> None:
         fp8_ws_gemm_kernel[(programs, )](a_desc=self.a, b_desc=self.b, op=self.op,
-                                         epi=self.epi, t=self.tile, num_warps=4)
+                                         epi=self.epi, gather=self.gather, t=self.tile,
+                                         num_warps=4)
 
 
-def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, tiles: MTiles, epi: tuple,
-            *, activation: GatedActivation | None = None, scatter: bool = False,
-            group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
+def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
+            tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
+            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
-    ``a_scale [rows, ceil(K / GROUP)]``, any strides) times ``w``, over ``tiles`` (m-tiles
-    of at most :data:`BLOCK_M` rows): with ``activation`` (``w = [gate | up]``), h into
-    ``epi`` (:class:`WsH`); else ``epi`` a :class:`WsOut` or (``scatter``) the scatter
-    epilogue's :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`.
-    ``promotion_k``: as :class:`comet.quant.Fp8`."""
+    ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
+    :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
+    :data:`BLOCK_K`) times ``w``, over ``tiles`` (m-tiles of at most :data:`BLOCK_M`
+    rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
+    ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
+    :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
+    :class:`comet.quant.Fp8`."""
     gated_ = activation is not None
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
-    rows, k = a.shape
+    gather = a if isinstance(a, Fp8Gather) else None
+    if gather is not None:
+        if a_scale is not None:
+            raise ValueError("a gathered A carries its scales in its packed rows: a_scale "
+                             "must be None")
+        if w.k % BLOCK_K:
+            raise ValueError(f"a gathered A is read in whole steps of {BLOCK_K} values; "
+                             f"K = {w.k}")
+        if gather.own is not None:
+            raise ValueError("the warp-specialized GEMM runs on one rank: a gather's rows "
+                             "are all in its tokens (pass the home rows there), no own "
+                             "rows beside them")
+        rows, k = gather.src.shape[0], w.k
+        op_a = (None, 0, 1, rows)     # scales follow each packed row's values
+    else:
+        rows, k = a.shape
+        op_a = (a_scale, a_scale.stride(0), a_scale.stride(1), rows)
     nb = w.n
     n = nb // 2 if gated_ else nb
     bn, bk = w.block_shape()
     sn = w.scale_grid()[0]
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
-    op = WsOperands(tiles, a_scale, a_scale.stride(0), a_scale.stride(1), rows, w.scale_inv,
-                    sn, up_row, nb, n, k)
+    op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
     tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
                                            unroll(k, promotion_k), GROUP, bn, bk,
                                            gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(promotion_k, BLOCK_K)))
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
-    return WsLaunch(TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout),
-                    TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
-                                                 [BLOCK_N, BLOCK_K], b_layout),
-                    op, epi, tile)
+    a_desc = (None if gather is not None else
+              TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], A_SMEM.value))
+    return WsLaunch(a_desc, TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
+                                                         [BLOCK_N, BLOCK_K], b_layout),
+                    op, epi, gather, tile)
 
 
-def ws_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, *,
+def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
                   promotion_k: int = BLOCK_K, out: torch.Tensor | None = None
                   ) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
-    :class:`comet.quant.Fp8Rows` (``requant`` there). ``programs``: persistent programs
-    (default: one per work item). ``out``: the bf16 output to write (not with
-    ``activation``)."""
-    check_group_gemm(a, w, tiles, activation, activation is not None,
-                     Fp8GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K))
-    if a.group != GROUP:
-        raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads {GROUP}")
-    rows = a.data.shape[0]
+    :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
+    :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
+    (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
+    ``programs``: persistent programs (default: one per work item). ``out``: the bf16
+    output to write (not with ``activation``)."""
+    if isinstance(a, Fp8Gather):
+        _check_gather(a, w)
+        rows, device = a.src.shape[0], a.src.device
+        placed = None
+    else:
+        check_group_gemm(a, w, tiles, activation, activation is not None,
+                         Fp8GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K))
+        if a.group != GROUP:
+            raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads "
+                             f"{GROUP}")
+        rows, device = a.data.shape[0], a.data.device
+        placed = a
     n = w.n // 2 if activation is not None else w.n
     if activation is not None:
-        epi = WsH(torch.empty(rows, n, dtype=E4M3, device=a.data.device),
+        epi = WsH(torch.empty(rows, n, dtype=E4M3, device=device),
                   torch.empty(rows, triton.cdiv(n, GROUP), dtype=torch.float32,
-                              device=a.data.device))
+                              device=device))
         cols = BLOCK_N
     else:
-        epi = WsOut(bf16_out(out, rows, n, a.data.device))
+        epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
-    launch = ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k)
+    launch = (ws_gemm(a, None, w, tiles, epi, activation=activation, promotion_k=promotion_k)
+              if placed is None else
+              ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
+                      promotion_k=promotion_k))
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))
     return Fp8Rows(epi.out, epi.out_scale, GROUP) if activation is not None else epi.out
+
+
+def _check_gather(g: Fp8Gather, w: Fp8Weight) -> None:
+    """What a gathered A must be, as a ValueError before the launch."""
+    if not (isinstance(g.src, torch.Tensor) and g.src.dtype == torch.int32
+            and g.src.dim() == 1):
+        raise ValueError("a gather's index is int32 [rows]")
+    t = g.tokens
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 2
+            and t.is_contiguous() and t.shape[1] == g.row_bytes):
+        raise ValueError(f"a gather reads contiguous packed rows, uint8 [tokens, "
+                         f"{g.row_bytes}]")
+    if g.row_bytes % 16 or g.row_bytes < w.k + 4 * (w.k // GROUP):
+        raise ValueError(f"a packed row of K = {w.k} needs at least {w.k + 4 * (w.k // GROUP)}"
+                         f" bytes, 16-byte aligned; got {g.row_bytes}")
+    if t.device != w.weight.device or g.src.device != w.weight.device:
+        raise ValueError("the gather's rows, index and the weight must be on one device")
