@@ -1,20 +1,23 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
 For each preset and token count: ``tokens * top_k`` rows spread evenly over the experts,
-quantized per row; the layer's ``[E, 2F, H]`` weights in 128x128 blocks. Timed (do_bench
-medians, two alternating rounds, the faster kept):
+each a copy of one of ``tokens`` quantized token rows (as a dispatch places them); the
+layer's ``[E, 2F, H]`` weights in 128x128 blocks. Timed (do_bench medians, two
+alternating rounds, the faster kept):
 
-* ``gated``      -- this tree's kernel, as layer0 runs it;
+* ``gated``      -- this tree's kernel, as layer0 runs it on placed rows;
+* ``gather-gated`` -- the same reading each row through the index from the tokens'
+  packed rows (``A_GATHER``: no row copied per pair; ``--no-gather`` leaves it out);
 * ``base-gated`` -- with ``--base TREE``, that tree's ``comet/kernels/fp8_ws.py`` loaded
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference.
 
 Checks: h of the first two experts against the fp32 emulation (scales within 1e-5, the
-dequantized tile within rel L2 1e-2), and with ``--base`` h equal to the base kernel's
-byte for byte. Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
+dequantized tile within rel L2 1e-2); the gathered h equal to the placed one's, and with
+``--base`` to the base kernel's, byte for byte. Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import triton
 from comet.activation import SILU, gated
 from comet.bench.provenance import provenance, write_result
 from comet.config import PRESETS
-from comet.kernels.fp8_gemm import m_tiles
+from comet.kernels.fp8_gemm import Fp8Gather, m_tiles
+from comet.kernels.fp8_roles import pack_rows
 from comet.quant import Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
 from comet.reference import grouped_gemm_fp8
 
@@ -70,12 +74,17 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def probe(name: str, tokens: int, kernels: dict, seed: int) -> dict:
+def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dict:
     e, k, hid, f = shape(name)
     per = tokens * k // e
     rows = [per] * e
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = quantize_rows(torch.randn(sum(rows), hid, device="cuda", generator=g))
+    # A row per (token, expert) pair, as a dispatch places them; the gathered GEMM reads
+    # the same rows through the index from the tokens' packed rows.
+    tok = quantize_rows(torch.randn(tokens, hid, device="cuda", generator=g))
+    src = (torch.randperm(sum(rows), device="cuda", generator=g) % tokens).to(torch.int32)
+    x = Fp8Rows(tok.data[src.long()], tok.scale[src.long()])
+    packed = pack_rows(tok)
     w = weights(e, 2 * f, hid, g)
     tiles = m_tiles(rows, 64, "cuda")
     rec = {"config": name, "tokens": tokens, "experts": e, "rows_per_expert": per,
@@ -84,6 +93,9 @@ def probe(name: str, tokens: int, kernels: dict, seed: int) -> dict:
     calls = {}
     for label, mod in kernels.items():
         calls[label + "gated"] = lambda mod=mod: mod.ws_group_gemm(x, w, tiles, activation=SILU)
+    if gather:
+        calls["gather-gated"] = lambda: kernels[""].ws_group_gemm(
+            Fp8Gather(src, packed, packed.shape[1]), w, tiles, activation=SILU)
     plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out)
     for label, fn in calls.items():
@@ -107,6 +119,13 @@ def probe(name: str, tokens: int, kernels: dict, seed: int) -> dict:
     rd = ref.dequantize()
     rec["h_rel_l2"] = float((hd - rd).norm() / rd.norm())
     rec["ok"] = rec["scale_max_rel_err"] <= 1e-5 and rec["h_rel_l2"] <= 1e-2
+    if "gather-gated" in outs:
+        gh = outs["gather-gated"]
+        rec["gather_equal"] = bool(torch.equal(gh.data.view(torch.uint8),
+                                               h.data.view(torch.uint8))
+                                   and torch.equal(gh.scale, h.scale))
+        rec["ok"] = rec["ok"] and rec["gather_equal"]
+        rec["gather_over_placed"] = rec["gather-gated_us"] / rec["gated_us"]
     if "base-gated" in outs:
         b = outs["base-gated"]
         rec["equal_to_base"] = bool(torch.equal(b.data.view(torch.uint8),
@@ -124,9 +143,12 @@ def main() -> None:
                     default=["qwen2-moe", "mixtral", "phi3.5-moe", "deepseek-v3-like",
                              "qwen3-30b-a3b-like"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
+    ap.add_argument("--no-gather", action="store_true",
+                    help="leave out the GEMM reading its rows through the index")
     args = ap.parse_args()
     import comet.kernels.fp8_ws as current
     kernels = {"": current}
+
     if args.base:
         kernels["base-"] = load_base(args.base)
     out_dir = os.environ.get("OUT", "out")
@@ -136,7 +158,7 @@ def main() -> None:
     for i, name in enumerate(args.configs):
         for tokens in args.tokens:
             try:
-                rec = probe(name, tokens, kernels, seed=i)
+                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather)
             except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
                 rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
             result["records"].append(rec)
@@ -145,7 +167,7 @@ def main() -> None:
     result["elapsed_s"] = time.time() - start
     write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
     print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
-          f"{'new/base':>8s} {'plain TF/s':>10s} {'ok':>5s}")
+          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} {'ok':>5s}")
     for r in result["records"]:
         if "error" in r:
             print(f"{r['config']:20s} {r['tokens']:6d} {r['error'][:60]}")
@@ -153,7 +175,7 @@ def main() -> None:
         print(f"{r['config']:20s} {r['tokens']:6d} {r['gated_tflops']:10.1f} "
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
-              f"{str(r['ok']):>5s}")
+              f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
 
 
 if __name__ == "__main__":
