@@ -79,6 +79,33 @@ def test_ws_gemm_at_mixtral_width():
     assert torch.all(requant_close(q.data, ref.data))
 
 
+@pytest.mark.parametrize("activation", [None, SILU])
+def test_ws_gemm_reads_rows_through_an_index(activation):
+    """``A_GATHER``: A's rows read through an index from packed token rows (each token
+    row read by several rows, partial m-tiles, an empty expert) give the bytes the GEMM
+    gives on the same rows placed, and a persistent grid of few programs the same."""
+    from comet.kernels.fp8_gemm import Fp8Gather
+    from comet.kernels.fp8_roles import pack_rows
+    from comet.kernels.fp8_ws import ws_group_gemm
+    e_rows = [70, 0, 33, 64, 129]
+    k, n = 1024, 384
+    tokens = quantize_rows(_randn(90, k, seed=5))
+    src = torch.randint(0, 90, (sum(e_rows), ), generator=torch.Generator().manual_seed(6),
+                        dtype=torch.int32).to(DEV)
+    placed = Fp8Rows(tokens.data[src.long()], tokens.scale[src.long()])
+    w = quantize_weight(_randn(len(e_rows), 2 * n, k, seed=7) / k ** 0.5)
+    tiles = m_tiles(e_rows, 64, DEV)
+    gather = Fp8Gather(src, pack_rows(tokens), pack_rows(tokens).shape[1])
+    want = ws_group_gemm(placed, w, tiles, activation=activation)
+    for programs in (None, 3):
+        got = ws_group_gemm(gather, w, tiles, activation=activation, programs=programs)
+        if activation is None:
+            assert torch.equal(got, want)
+        else:
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.scale, want.scale)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
 def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
     """FusedMoE on FP8 experts at the preset's size, one rank: calls large enough for
