@@ -315,6 +315,10 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     from comet.activation import GatedActivation
     ws_tile = tile.with_fields(fp8_ws_min_rows=128)
     out.append(lambda: call(t=ws_tile, space=allocate_virtual(fp8, world, "cpu", ws_tile)[0]).run())
+    # ... and with a gathered dispatch: layer0 reads A's rows through the index (A_GATHER).
+    ws_gather = ws_tile.with_fields(layer0_gather=True)
+    out.append(lambda: call(t=ws_gather,
+                            space=allocate_virtual(fp8, world, "cpu", ws_gather)[0]).run())
     for act in (GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0),
                 GatedActivation(kind="gelu_tanh")):
         ragged = fp8.replace(intermediate_size=320, activation=act)

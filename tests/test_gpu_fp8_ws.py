@@ -106,19 +106,23 @@ def test_ws_gemm_reads_rows_through_an_index(activation):
             assert torch.equal(got.scale, want.scale)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek-v3-like"])
-def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name):
+@pytest.mark.parametrize("name, gather", [("mixtral", False), ("deepseek-v3-like", False),
+                                          ("deepseek-v3-like", True)])
+def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name, gather):
     """FusedMoE on FP8 experts at the preset's size, one rank: calls large enough for
     the warp-specialized GEMMs and small ones interleaved, each twice (graph replay),
-    then 60 back-to-back calls of drifting sizes, every output against the emulation."""
+    then 60 back-to-back calls of drifting sizes, every output against the emulation;
+    ``gather``: with layer0's gathered dispatch (the GEMM reads the home rows through
+    the index, ``A_GATHER``)."""
     from test_gpu_fp8 import _bf16, _check, _emulate, _experts, _inputs
     from comet.runtime.layer import FusedMoE, default_tile
     rows = 128      # two m-tiles per expert
     cfg = PRESETS[name].replace(max_tokens=4096, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 0)
-    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=rows)
+    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=rows, layer0_gather=gather)
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
     assert layer.tile.variant.fp8_ws_min_rows == rows
+    assert layer.tile.variant.layer0_gather is gather
     large = -(-rows * cfg.num_experts // cfg.top_k)
     sizes = [4096, 3, large, 200, 4096]
     xs, ids, ws = _inputs(cfg, sizes, 5)

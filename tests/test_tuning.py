@@ -812,11 +812,14 @@ def test_the_warp_specialized_fp8_gemm_serves_large_calls_only(name):
     assert {selection.tile_for(t) for t in range(1, 16385, 97)} <= set(
         selection.tile_variants())
     for off in (fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows)),
-                fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=0), warp_specialized=True),
-                fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows, layer0_gather=True),
-                         warp_specialized=True)):
+                fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=0), warp_specialized=True)):
         plain = Selector(cfg, 1, off, 132, torch.device("cpu"), folder=None)
         assert not any(t.variant.fp8_ws_min_rows for t in plain.tile_variants())
+    # a gathered dispatch keeps the kernel (it reads A's rows through the index)
+    gathered = fp8_tile(TileConfig().with_fields(fp8_ws_min_rows=rows, layer0_gather=True),
+                        warp_specialized=True)
+    assert Selector(cfg, 1, gathered, 132, torch.device("cpu"), folder=None).tile_for(
+        16384).variant.fp8_ws_min_rows == rows
     # a bf16 layer's Selector carries the field as it is and no call turns it
     bf16 = Selector(cfg.replace(fp8=None), 1, TileConfig().with_fields(fp8_ws_min_rows=rows),
                     132, torch.device("cpu"), folder=None)

@@ -253,19 +253,32 @@ class ForwardCall:
     def _ws_layers(self) -> tuple[WsLaunch, WsLaunch]:
         """layer0's and layer1's GEMMs on the warp-specialized kernel
         (``Variant.fp8_ws_min_rows``): over the plan's m-tiles, layer0 from the rows the
-        dispatch placed into h in FP8 groups, layer1 from h, scattering each weighted
-        row into its token's slot as the fused kernel's epilogue does."""
+        dispatch placed (or, gathered, through its index) into h in FP8 groups, layer1
+        from h, scattering each weighted row into its token's slot as the fused kernel's
+        epilogue does."""
         ws, cfg = self.ws, self.ws.cfg
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
-        rows, scales = packed_views(ws.local.a0, cfg.hidden_size)
+        if self.tile.variant.layer0_gather:
+            a, a_scale = self._ws_gather(), None
+        else:
+            a, a_scale = packed_views(ws.local.a0, cfg.hidden_size)
         kw = dict(group_m=self.tile.gemm.group_m,
                   promotion_k=cfg.fp8.promotion(warp_specialized=True))
-        layer0 = ws_gemm(rows, scales, self.w13, tiles, WsH(ws.h, ws.h_scale),
+        layer0 = ws_gemm(a, a_scale, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,
                          **kw)
         return layer0, layer1
+
+    def _ws_gather(self) -> Fp8Gather:
+        """Where the warp-specialized layer0 reads its rows after a gathered dispatch, on
+        its one rank: every index entry is one of its own tokens, packed in its home rows
+        (``Variant.layer0_own_in_place``: none copied) or copied into ``a0``."""
+        ws = self.ws
+        tokens = (ws.home_rows if self.tile.variant.layer0_own_in_place
+                  else ws.local.a0[:ws.cfg.max_tokens])
+        return Fp8Gather(ws.gathered_rows().src, tokens, ws.home_rows.shape[1])
 
     def release_layer1(self) -> None:
         """After the warp-specialized layer1: every source told its rows landed (the

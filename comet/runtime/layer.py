@@ -123,10 +123,9 @@ def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     where they were packed, its home rows), the gathered K loop always loads only a
     tile's own rows, so the variant has no live-row switch for the Selector to turn.
     ``warp_specialized``: the layer can run large calls' GEMMs on comet.kernels.fp8_ws
-    (:func:`ws_gemm_fits`); ``Variant.fp8_ws_min_rows`` stays on only then, and not with
-    a gathered dispatch (that kernel reads A as TMA boxes of rows placed per pair)."""
-    ws_rows = (tile.variant.fp8_ws_min_rows
-               if warp_specialized and not tile.variant.layer0_gather else 0)
+    (:func:`ws_gemm_fits`); ``Variant.fp8_ws_min_rows`` stays on only then (with a
+    gathered dispatch that kernel reads A's rows through the index, ``A_GATHER``)."""
+    ws_rows = tile.variant.fp8_ws_min_rows if warp_specialized else 0
     return tile.with_fields(layer0_live_rows=False, fp8_ws_min_rows=ws_rows,
                             block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
 
