@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|ws|wsprobe|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -26,6 +26,10 @@
 #             the presets' prefill shapes (FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS), beside the
 #             same GEMM without its epilogue and, with FP8_WS_BASE=TREE, another checkout's
 #             kernel on the same operands (its h must equal this one's byte for byte)
+#   gather    FP8 calls with layer0's gathered dispatch (--tile layer0_gather=1: a token's
+#             row packed once, the GEMMs reading it through the index, the warp-specialized
+#             one too since A_GATHER), compared with the bench step's records (run it
+#             first; gather-vs-bench.txt; FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS as there)
 #   decode    small calls and their K cuts in FP8 (layer0's stream-K and tail splits,
 #             layer1's K splits: on by default since 6526001): the small-call tests
 #             (tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults, and
@@ -104,6 +108,13 @@ for step in "${@:-diff kernels tests}"; do
           tail -n 12 "$OUT/ws/probe.log"
           bench bench-tl --dtype fp8 --only-fused --tile fp8_ws_min_rows=0 \
             --config ${FP8_WS_CONFIGS:-mixtral deepseek-v3-like} --tokens 8 128 4096 16384 ;;
+      gather) FP8_BENCH_ITERS=${FP8_BENCH_ITERS:-10} bench gather --dtype fp8 --only-fused \
+                --tile layer0_gather=1 \
+                --config ${FP8_BENCH_CONFIGS:-qwen2-moe deepseek-v3-like mixtral phi3.5-moe} \
+                --tokens ${FP8_BENCH_TOKENS:-8 128 4096 16384}
+              python3 -m comet.cli.bench --from-json "$OUT"/gather/*.json \
+                --against "$OUT"/bench/*.json > "$OUT/gather-vs-bench.txt" 2>&1 || status=1
+              cat "$OUT/gather-vs-bench.txt" ;;
       wsprobe) mkdir -p "$OUT/wsprobe"
                OUT="$OUT/wsprobe" timeout "${FP8_WSPROBE_TIMEOUT_S:-300}" python3 \
                  scripts/device/fp8_ws_probe.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
