@@ -15,7 +15,7 @@ alternating rounds, the faster kept):
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference.
 
-Checks: h of the first two experts against the fp32 emulation (scales within 1e-5, the
+Checks: h of the first two experts against the fp32 emulation (scales within 1e-3, the
 dequantized tile within rel L2 1e-2); the gathered h equal to the placed one's, and with
 ``--base`` to the base kernel's, byte for byte. Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
 """
@@ -40,6 +40,10 @@ from comet.kernels.fp8_roles import pack_rows
 from comet.quant import Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
 from comet.reference import grouped_gemm_fp8
 
+#: How far h's scales may sit from the emulation's: the tensor cores sum K in another order
+#: than torch's fp32 matmul (tests/fp8_checks.py's bound on a GPU; 9.8e-4 seen at
+#: mixtral's K = 4096 on an H100).
+SCALE_RTOL = 1e-3
 #: ``(experts, top_k, H, F)`` of the shapes beside the presets.
 EXTRA = {"qwen3-30b-a3b-like": (128, 8, 2048, 768)}
 
@@ -118,7 +122,7 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     hd = h.dequantize()[:two]
     rd = ref.dequantize()
     rec["h_rel_l2"] = float((hd - rd).norm() / rd.norm())
-    rec["ok"] = rec["scale_max_rel_err"] <= 1e-5 and rec["h_rel_l2"] <= 1e-2
+    rec["ok"] = rec["scale_max_rel_err"] <= SCALE_RTOL and rec["h_rel_l2"] <= 1e-2
     if "gather-gated" in outs:
         gh = outs["gather-gated"]
         rec["gather_equal"] = bool(torch.equal(gh.data.view(torch.uint8),
