@@ -355,30 +355,15 @@ def _store(acc, epi, op, t, row_start, row_end, n0):
 
 
 @gluon.jit
-def _destinations(epi, t, row_start, row_end):
-    """``EPILOGUE_SCATTER``: the item's rows' ``(home, weight)``, loaded before its K loop
-    so that their latency is not the epilogue's (with a short K loop, as layer1's of
-    F = 768-1408, an exposed load per item is a large part of it); zeros else."""
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    if t.EPILOGUE == EPILOGUE_SCATTER:
-        live = rows < row_end
-        home = gl.load(epi.home + rows, mask=live, other=0)
-        weight = gl.load(epi.weight + rows, mask=live, other=0.0)
-    else:
-        home = gl.zeros([t.BLOCK_M], gl.int32, gl.SliceLayout(1, MMA))
-        weight = gl.zeros([t.BLOCK_M], gl.float32, gl.SliceLayout(1, MMA))
-    return home, weight
-
-
-@gluon.jit
-def _scatter(acc, homes, op, t, row_start, row_end, n0, home, weight):
+def _scatter(acc, homes, op, t, row_start, row_end, n0):
     """``EPILOGUE_SCATTER``: row ``r`` of the tile, times its routing weight, into its
     token's slot ``pair_out[home[r]]`` on the token's rank (and the rest of its group of
-    ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's layout;
-    ``home``, ``weight``: :func:`_destinations`."""
+    ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's layout."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
     cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
     live = rows < row_end
+    home = gl.load(homes.home + rows, mask=live, other=0)
+    weight = gl.load(homes.weight + rows, mask=live, other=0.0)
     value = (acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty)
     mask = live[:, None] & (cols[None, :] < op.N)
     rank = home // homes.slots
@@ -394,9 +379,9 @@ def _scatter(acc, homes, op, t, row_start, row_end, n0, home, weight):
 
 
 @gluon.jit
-def _epilogue(acc, epi, op, t, row_start, row_end, n0, home, weight):
+def _epilogue(acc, epi, op, t, row_start, row_end, n0):
     if t.EPILOGUE == EPILOGUE_SCATTER:
-        _scatter(acc, epi, op, t, row_start, row_end, n0, home, weight)
+        _scatter(acc, epi, op, t, row_start, row_end, n0)
     else:
         _store(acc, epi, op, t, row_start, row_end, n0)
 
@@ -470,15 +455,13 @@ def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
     j = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        home, weight = _destinations(epi, t, row_start, row_end)
         acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
                             op, gather, t, BOX)
         if t.GATED:
             _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
                         row_start, row_end, n0, BOX)
         else:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N, home,
-                      weight)
+            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
         j += 1
 
 
