@@ -74,6 +74,12 @@ def weights(e: int, n: int, k: int, g: torch.Generator) -> Fp8Weight:
                      torch.cat([p.scale_inv for p in parts]), parts[0].blocks)
 
 
+def same_h(a: Fp8Rows, b: Fp8Rows) -> bool:
+    """Whether two h outputs are equal byte for byte (values and scales)."""
+    return bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                and torch.equal(a.scale, b.scale))
+
+
 def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
@@ -123,19 +129,13 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     rd = ref.dequantize()
     rec["h_rel_l2"] = float((hd - rd).norm() / rd.norm())
     rec["ok"] = rec["scale_max_rel_err"] <= SCALE_RTOL and rec["h_rel_l2"] <= 1e-2
+    for other, equal in (("gather-gated", "gather_equal"), ("base-gated", "equal_to_base")):
+        if other in outs:
+            rec[equal] = same_h(outs[other], h)
+            rec["ok"] = rec["ok"] and rec[equal]
     if "gather-gated" in outs:
-        gh = outs["gather-gated"]
-        rec["gather_equal"] = bool(torch.equal(gh.data.view(torch.uint8),
-                                               h.data.view(torch.uint8))
-                                   and torch.equal(gh.scale, h.scale))
-        rec["ok"] = rec["ok"] and rec["gather_equal"]
         rec["gather_over_placed"] = rec["gather-gated_us"] / rec["gated_us"]
     if "base-gated" in outs:
-        b = outs["base-gated"]
-        rec["equal_to_base"] = bool(torch.equal(b.data.view(torch.uint8),
-                                                h.data.view(torch.uint8))
-                                    and torch.equal(b.scale, h.scale))
-        rec["ok"] = rec["ok"] and rec["equal_to_base"]
         rec["gated_over_base"] = rec["gated_us"] / rec["base-gated_us"]
     return rec
 
