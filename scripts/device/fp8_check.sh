@@ -25,7 +25,8 @@
 #   wsprobe   scripts/device/fp8_ws_probe.py: layer0's warp-specialized gated GEMM alone at
 #             the presets' prefill shapes (FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS), beside the
 #             same GEMM without its epilogue and, with FP8_WS_BASE=TREE, another checkout's
-#             kernel on the same operands (its h must equal this one's byte for byte)
+#             kernel on the same operands (its h must equal this one's byte for byte);
+#             FP8_WSPROBE_ARGS adds the probe's own (--k-sweep: per-step and per-item cost)
 #   gather    FP8 calls with layer0's gathered dispatch (--tile layer0_gather=1: a token's
 #             row packed once, the GEMMs reading it through the index, the warp-specialized
 #             one too since A_GATHER), compared with the bench step's records (run it
@@ -119,9 +120,9 @@ for step in "${@:-diff kernels tests}"; do
                OUT="$OUT/wsprobe" timeout "${FP8_WSPROBE_TIMEOUT_S:-300}" python3 \
                  scripts/device/fp8_ws_probe.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
                  ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} \
-                 ${FP8_BENCH_TOKENS:+--tokens $FP8_BENCH_TOKENS} > "$OUT/wsprobe/probe.log" 2>&1 \
-                 || status=1
-               tail -n 14 "$OUT/wsprobe/probe.log" ;;
+                 ${FP8_BENCH_TOKENS:+--tokens $FP8_BENCH_TOKENS} ${FP8_WSPROBE_ARGS:-} \
+                 > "$OUT/wsprobe/probe.log" 2>&1 || status=1
+               tail -n 18 "$OUT/wsprobe/probe.log" ;;
       decode) run_tests small "tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults
                 tests/test_gpu_fp8.py::test_fp8_small_calls_cut_the_k_loop" \
                 "${FP8_SMALL_TIMEOUT_S:-300}"

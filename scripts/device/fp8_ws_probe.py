@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--k-sweep [K ...]]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
@@ -14,6 +14,9 @@ alternating rounds, the faster kept):
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference.
+
+With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
+layer runs it, and a fit of its time into a cost per K step and a cost per item.
 
 Checks: h of the first two experts against the fp32 emulation (scales within 1e-3, the
 dequantized tile within rel L2 1e-2); the gathered h equal to the placed one's, and with
@@ -140,6 +143,43 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     return rec
 
 
+def k_sweep(kernels: dict, ks: list[int], programs: int, seed: int = 0) -> dict:
+    """The plain GEMM (bf16 store) on a persistent grid of ``programs`` at one M and N
+    (8 experts x 2048 rows, N = 4096: 4096 items of 64 x 256) and K = ``ks``: an item's
+    time against its K steps, ``us_per_round = steps * step_us + item_us`` fitted over
+    the sweep (a round: one item on every program), separates what an item costs
+    whatever its K (its start, its drain, its epilogue) from what a step costs."""
+    e, per, n = 8, 2048, 4096
+    rows = [per] * e
+    tiles = m_tiles(rows, 64, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    items = e * per // 64 * (n // 256)
+    rounds = -(-items // programs)
+    out = {"experts": e, "rows_per_expert": per, "N": n, "programs": programs,
+           "items": items, "rounds": rounds, "points": []}
+    y = torch.empty(e * per, n, dtype=torch.bfloat16, device="cuda")
+    for k in ks:
+        x = quantize_rows(torch.randn(e * per, k, device="cuda", generator=g))
+        w = weights(e, n, k, g)
+        point = {"K": k, "steps": k // 128, "flop": 2.0 * e * per * n * k}
+        for label, mod in kernels.items():
+            us = 1e3 * min(timed(lambda mod=mod: mod.ws_group_gemm(x, w, tiles, out=y,
+                                                                   programs=programs))
+                           for _ in range(2))
+            point[f"{label}plain_us"] = us
+            point[f"{label}plain_tflops"] = point["flop"] / (us * 1e-6) / 1e12
+        out["points"].append(point)
+        print(json.dumps(point), flush=True)
+    for label in kernels:
+        steps = torch.tensor([p["steps"] for p in out["points"]], dtype=torch.float64)
+        per_round = torch.tensor([p[f"{label}plain_us"] / rounds for p in out["points"]],
+                                 dtype=torch.float64)
+        a = torch.stack([steps, torch.ones_like(steps)], 1)
+        step_us, item_us = torch.linalg.lstsq(a, per_round[:, None]).solution[:, 0].tolist()
+        out[f"{label}step_us"], out[f"{label}item_us"] = step_us, item_us
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="", help="another checkout whose fp8_ws.py to time beside")
@@ -149,6 +189,9 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
+    ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
+                    help="also the plain GEMM at one M, N and these K (default 512 1024 "
+                         "2048 4096 8192) on a persistent grid: per-step and per-item cost")
     args = ap.parse_args()
     import comet.kernels.fp8_ws as current
     kernels = {"": current}
@@ -168,6 +211,10 @@ def main() -> None:
             result["records"].append(rec)
             print(json.dumps(rec), flush=True)
             torch.cuda.empty_cache()
+    if args.k_sweep is not None:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        result["k_sweep"] = k_sweep(kernels, args.k_sweep or [512, 1024, 2048, 4096, 8192],
+                                    sms)
     result["elapsed_s"] = time.time() - start
     write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
     print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
@@ -180,6 +227,15 @@ def main() -> None:
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
               f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
+    sweep = result.get("k_sweep")
+    if sweep:
+        print(f"\nplain GEMM, {sweep['items']} items of 64 x 256 on {sweep['programs']} "
+              f"programs ({sweep['rounds']} rounds):")
+        for label in kernels:
+            print(f"  {label or 'this tree'}: " + "  ".join(
+                f"K={p['K']} {p[label + 'plain_tflops']:.0f} TF/s" for p in sweep["points"])
+                + f"; fit: {sweep[label + 'step_us']:.3f} us a step, "
+                  f"{sweep[label + 'item_us']:.2f} us an item")
 
 
 if __name__ == "__main__":
