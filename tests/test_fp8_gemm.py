@@ -145,6 +145,32 @@ def test_the_warp_specialized_gemm_refuses_bad_input_before_any_launch(change, m
         ws_group_gemm(a.data.float() if change.get("bf16_rows") else a, w, tiles)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(src_dtype=torch.int64), "int32"),
+    (dict(row_bytes=256), "needs at least 264 bytes"),
+    (dict(strided=True), "contiguous packed rows"),
+    (dict(rows_per_tile=65), "longer than block_m = 64"),
+    (dict(own=True), "one rank"),
+])
+def test_the_warp_specialized_gemm_refuses_a_bad_gather_before_any_launch(change, match):
+    """A's rows read through an index (``A_GATHER``): the index, the packed rows, the
+    m-tiles and a gather of a multi-rank layout are checked before the Gluon launch."""
+    from comet.kernels.fp8_gemm import Fp8Gather, Fp8OwnRows
+    from comet.kernels.fp8_roles import pack_rows
+    from comet.kernels.fp8_ws import ws_group_gemm
+    w = quantize_weight(torch.randn(2, 256, 256) / 10)
+    packed = pack_rows(quantize_rows(torch.randn(10, 256)))
+    if change.get("row_bytes"):
+        packed = packed[:, :change["row_bytes"]].contiguous()
+    if change.get("strided"):
+        packed = torch.cat([packed, packed], 1)[:, :packed.shape[1]]
+    src = torch.zeros(130, dtype=change.get("src_dtype", torch.int32))
+    own = Fp8OwnRows(0, 0, 10) if change.get("own") else None
+    tiles = m_tiles([change.get("rows_per_tile", 64), 66], change.get("rows_per_tile", 64))
+    with pytest.raises(ValueError, match=match):
+        ws_group_gemm(Fp8Gather(src, packed, packed.shape[1], own), w, tiles)
+
+
 @pytest.mark.gpu
 def test_fp8_gemm_at_size_on_gpu():
     """Mixtral-width layer0 (H = 4096, F = 1024 of it) at the default tile: whole m-tiles,

@@ -535,7 +535,12 @@ def check_group_gemm(a: Fp8Rows, w: Fp8Weight, tiles: MTiles, activation, requan
     for name, v in (("block_m", c.block_m), ("block_n", c.block_n), ("block_k", c.block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    check_m_tiles(tiles, c.block_m)
+
+
+def check_m_tiles(tiles: MTiles, block_m: int) -> None:
+    """The m-tile table a standalone GroupGEMM walks, as a ValueError before the launch."""
     if not all(isinstance(x, torch.Tensor) and x.dtype == torch.int32 for x in tiles):
         raise ValueError("the m-tile table is int32 tensors (m_tiles builds one)")
-    if bool((tiles.row_end - tiles.row_start > c.block_m).any()):
-        raise ValueError(f"an m-tile is longer than block_m = {c.block_m}")
+    if bool((tiles.row_end - tiles.row_start > block_m).any()):
+        raise ValueError(f"an m-tile is longer than block_m = {block_m}")

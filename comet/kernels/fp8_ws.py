@@ -52,7 +52,8 @@ from comet.activation import GatedActivation
 from comet.constants import ADDRESS_ALIGN, constexpr
 from comet.kernels.activation import Act, act_tile, gated
 from comet.kernels.fp8_gemm import (AMAX_EPS, E4M3_MAX, SCALE_PER_AMAX, Fp8Gather, Fp8GemmConfig,
-                                    MTiles, bf16_out, check_group_gemm, imprecise_acc)
+                                    MTiles, bf16_out, check_group_gemm, check_m_tiles,
+                                    imprecise_acc)
 from comet.kernels.group_gemm import grouped_work
 from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 
@@ -620,16 +621,17 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
     output to write (not with ``activation``)."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
-        rows, device = a.src.shape[0], a.src.device
-        placed = None
+        check_m_tiles(tiles, BLOCK_M)
+        a_rows, a_scale, device = a, None, a.src.device
+        rows = a.src.shape[0]
     else:
         check_group_gemm(a, w, tiles, activation, activation is not None,
                          Fp8GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K))
         if a.group != GROUP:
             raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads "
                              f"{GROUP}")
-        rows, device = a.data.shape[0], a.data.device
-        placed = a
+        a_rows, a_scale, device = a.data, a.scale, a.data.device
+        rows = a.data.shape[0]
     n = w.n // 2 if activation is not None else w.n
     if activation is not None:
         epi = WsH(torch.empty(rows, n, dtype=E4M3, device=device),
@@ -639,10 +641,8 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
     else:
         epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
-    launch = (ws_gemm(a, None, w, tiles, epi, activation=activation, promotion_k=promotion_k)
-              if placed is None else
-              ws_gemm(a.data, a.scale, w, tiles, epi, activation=activation,
-                      promotion_k=promotion_k))
+    launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
+                     promotion_k=promotion_k)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))
