@@ -231,6 +231,11 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
                                              instr_shape=[16, BLOCK_N, 32]))
 #: h's FP8 half tile as layer0 stores it: 16 bytes of a row per thread.
 ROW_STORE = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+#: A bf16 tile as layer1 stores it: 16 bytes of a row per thread, a warp two whole rows of
+#: ``BLOCK_N``. The accumulator's layout gives a thread two adjacent values of a row: a
+#: warp's store then writes 16 bytes of each of 8 rows, half a sector each, in four times
+#: the instructions.
+BF16_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 #: A half tile handed over in shared memory, written and read in the accumulator's
 #: layout: a warp's access is 8 rows x 4 pairs of columns, and rows of 64 fp32 lie on the
 #: same banks; XOR-ing 32-byte blocks by the row spreads the 8 rows over every bank (an
@@ -347,12 +352,12 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
 
 @gluon.jit
 def _store(acc, epi, op, t, row_start, row_end, n0):
-    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype."""
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype, whole rows a warp."""
+    value = gl.convert_layout(acc.to(epi.out.dtype.element_ty), BF16_ROWS)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, BF16_ROWS))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, BF16_ROWS))
     mask = (rows[:, None] < row_end) & (cols[None, :] < op.N)
-    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
-             acc.to(epi.out.dtype.element_ty), mask=mask)
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], value, mask=mask)
 
 
 @gluon.jit
@@ -361,11 +366,15 @@ def _scatter(acc, homes, op, t, row_start, row_end, n0):
     token's slot ``pair_out[home[r]]`` on the token's rank (and the rest of its group of
     ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's layout."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, MMA))
+    weight = gl.load(homes.weight + rows, mask=rows < row_end, other=0.0)
+    # Weighted in the accumulator's layout (two rows a thread), stored whole rows a warp
+    # (BF16_ROWS: eight rows a thread, whose destinations are loaded in that layout).
+    value = gl.convert_layout((acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty),
+                              BF16_ROWS)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, BF16_ROWS))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, BF16_ROWS))
     live = rows < row_end
     home = gl.load(homes.home + rows, mask=live, other=0)
-    weight = gl.load(homes.weight + rows, mask=live, other=0.0)
-    value = (acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty)
     mask = live[:, None] & (cols[None, :] < op.N)
     rank = home // homes.slots
     offset = (home % homes.slots).to(gl.int64) * op.N
