@@ -357,6 +357,18 @@ def narrow_accesses(compiled, kwargs: dict) -> int:
     return count
 
 
+def row_pieces(name: str, compiled, kwargs: dict) -> str:
+    """The warp-specialized FP8 GEMM's bf16 epilogue (``fp8_ws``, not ``GATED``): its
+    4-byte stores in the PTX, each a half-sector piece of a row as the accumulator's layout
+    holds it; stored whole rows a warp (16 bytes a thread) they are none, and the FP8 call
+    ran 0.981x (benchmarks/results/2026-12-07). ``-`` for the other launches."""
+    t = kwargs.get("t")
+    if name != "fp8_ws_gemm_kernel" or t is None or t.GATED:
+        return "-"
+    ptx = compiled.asm["ptx"]
+    return str(sum(ptx.count(f"st.global.{w}b32") for w in ("", "v2.")))
+
+
 GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel")
 
 
@@ -418,7 +430,8 @@ def main() -> int:
             continue
         print(f"ok   {name:24s} role={int(kwargs.get('ROLE', -1))} smem={k.metadata.shared} "
               f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
-              f"{resource_usage(k)} b16={narrow_accesses(k, kwargs)} ({time.time() - t0:.1f}s)")
+              f"{resource_usage(k)} b16={narrow_accesses(k, kwargs)} "
+              f"pieces={row_pieces(name, k, kwargs)} ({time.time() - t0:.1f}s)")
     return 1 if failures else 0
 
 

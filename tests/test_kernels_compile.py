@@ -2,7 +2,8 @@
 machine with Triton's own compiler and the ptxas it ships (tests/sm90_compile.py) --
 every GEMM loop is software-pipelined, and no kernel moves rows with 2-byte accesses: copies through addresses loaded on the
 device (peer tables, the staged input and output) once did, which capped dispatch, reduce
-and combine bandwidth on the GPU."""
+and combine bandwidth on the GPU; and the warp-specialized FP8 GEMM's bf16 epilogue stores
+whole rows, not the accumulator layout's 4-byte pieces of them."""
 
 import os
 import subprocess
@@ -37,3 +38,7 @@ def test_all_kernels_compile_for_sm90():
     assert "pipelined=yes" in proc.stdout and "pipelined=no" not in proc.stdout, proc.stdout
     narrow = [line for line in proc.stdout.splitlines() if " b16=0 " not in line]
     assert not narrow, narrow
+    ws = [line for line in proc.stdout.splitlines() if "fp8_ws_gemm_kernel" in line]
+    assert any(" pieces=0 " in line for line in ws), ws     # layer1's launch is checked
+    pieces = [line for line in ws if " pieces=0 " not in line and " pieces=- " not in line]
+    assert not pieces, pieces
