@@ -351,11 +351,20 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
 
 
 @gluon.jit
-def _store(acc, epi, op, t, row_start, row_end, n0):
-    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype, whole rows a warp."""
-    value = gl.convert_layout(acc.to(epi.out.dtype.element_ty), BF16_ROWS)
+def _as_rows(value, row_start, n0, t):
+    """``(value, rows, cols)``: a tile of the item's rows ``row_start:`` and columns
+    ``n0:``, from the accumulator's layout into :data:`BF16_ROWS` (whole rows a warp),
+    with its rows' and columns' indices in that layout."""
+    value = gl.convert_layout(value, BF16_ROWS)
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, BF16_ROWS))
     cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, BF16_ROWS))
+    return value, rows, cols
+
+
+@gluon.jit
+def _store(acc, epi, op, t, row_start, row_end, n0):
+    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype, whole rows a warp."""
+    value, rows, cols = _as_rows(acc.to(epi.out.dtype.element_ty), row_start, n0, t)
     mask = (rows[:, None] < row_end) & (cols[None, :] < op.N)
     gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], value, mask=mask)
 
@@ -369,10 +378,8 @@ def _scatter(acc, homes, op, t, row_start, row_end, n0):
     weight = gl.load(homes.weight + rows, mask=rows < row_end, other=0.0)
     # Weighted in the accumulator's layout (two rows a thread), stored whole rows a warp
     # (BF16_ROWS: eight rows a thread, whose destinations are loaded in that layout).
-    value = gl.convert_layout((acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty),
-                              BF16_ROWS)
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, BF16_ROWS))
-    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, BF16_ROWS))
+    value, rows, cols = _as_rows(
+        (acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty), row_start, n0, t)
     live = rows < row_end
     home = gl.load(homes.home + rows, mask=live, other=0)
     mask = live[:, None] & (cols[None, :] < op.N)
