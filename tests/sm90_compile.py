@@ -369,6 +369,17 @@ def row_pieces(name: str, compiled, kwargs: dict) -> str:
     return str(sum(ptx.count(f"st.global.{w}b32") for w in ("", "v2.")))
 
 
+def divisions(name: str, compiled, kwargs: dict) -> str:
+    """The warp-specialized FP8 GEMM's gated epilogue (``fp8_ws``, ``GATED``): its IEEE
+    divisions in the PTX, a reciprocal per row of the requantization (4: two rows a thread,
+    two consumers); one per value (64) made it that epilogue's largest cost, 1.06x the
+    whole FP8 call (benchmarks/results/2026-12-07). ``-`` for the other launches."""
+    t = kwargs.get("t")
+    if name != "fp8_ws_gemm_kernel" or t is None or not t.GATED:
+        return "-"
+    return str(compiled.asm["ptx"].count("div.rn.f32"))
+
+
 GEMM_KERNELS = ("layer0_kernel", "layer1_reduce_kernel", "layer1_scatter_kernel")
 
 
@@ -431,7 +442,8 @@ def main() -> int:
         print(f"ok   {name:24s} role={int(kwargs.get('ROLE', -1))} smem={k.metadata.shared} "
               f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
               f"{resource_usage(k)} b16={narrow_accesses(k, kwargs)} "
-              f"pieces={row_pieces(name, k, kwargs)} ({time.time() - t0:.1f}s)")
+              f"pieces={row_pieces(name, k, kwargs)} divs={divisions(name, k, kwargs)} "
+              f"({time.time() - t0:.1f}s)")
     return 1 if failures else 0
 
 

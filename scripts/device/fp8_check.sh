@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|trace|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -27,6 +27,9 @@
 #             same GEMM without its epilogue and, with FP8_WS_BASE=TREE, another checkout's
 #             kernel on the same operands (its h must equal this one's byte for byte);
 #             FP8_WSPROBE_ARGS adds the probe's own (--k-sweep: per-step and per-item cost)
+#   trace     scripts/device/fp8_ws_trace.py: clock64 stamps per item of the warp-specialized
+#             GEMM (K loop, epilogue, gaps, producer lead) at the presets' 16384-token shapes,
+#             gated and plain; FP8_WS_BASE=TREE traces that checkout's kernel beside
 #   gather    FP8 calls with layer0's gathered dispatch (--tile layer0_gather=1: a token's
 #             row packed once, the GEMMs reading it through the index, the warp-specialized
 #             one too since A_GATHER), compared with the bench step's records (run it
@@ -123,6 +126,12 @@ for step in "${@:-diff kernels tests}"; do
                  ${FP8_BENCH_TOKENS:+--tokens $FP8_BENCH_TOKENS} ${FP8_WSPROBE_ARGS:-} \
                  > "$OUT/wsprobe/probe.log" 2>&1 || status=1
                tail -n 18 "$OUT/wsprobe/probe.log" ;;
+      trace) mkdir -p "$OUT/trace"
+             OUT="$OUT/trace" timeout "${FP8_TRACE_TIMEOUT_S:-120}" python3 \
+               scripts/device/fp8_ws_trace.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
+               ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} > "$OUT/trace/trace.log" 2>&1 \
+               || status=1
+             tail -n 8 "$OUT/trace/trace.log" ;;
       decode) run_tests small "tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults
                 tests/test_gpu_fp8.py::test_fp8_small_calls_cut_the_k_loop" \
                 "${FP8_SMALL_TIMEOUT_S:-300}"
@@ -171,7 +180,7 @@ for step in "${@:-diff kernels tests}"; do
                 [ "${FP8_DEEPGEMM_QWEN3:-0}" = 1 ] && bench deepgemm-qwen3 --dtype fp8 \
                   --peers ${FP8_PEERS:-deepgemm mega-moe} --experts 128 --topk 8 \
                   --hidden 2048 --ffn 768 --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|ws|wsprobe|decode|small|rows|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|gather|ws|wsprobe|trace|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
 done
