@@ -111,6 +111,7 @@ class WsTile(NamedTuple):
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
     A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
+    SKEW: gl.constexpr         # consumer 1's drained groups a step out of phase (ws_gemm)
 
 
 class WsOperands(NamedTuple):
@@ -285,8 +286,8 @@ def _promoted(acc, d, sc, empty, step, J: gl.constexpr, t):
 
 @gluon.jit
 def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
-           sb_ok, op, t):
-    """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
+           sb_ok, op, t, U: gl.constexpr):
+    """K steps ``kk .. kk + U - 1`` (ring positions from ``it``), each in
     ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
     promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
     runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default) that is
@@ -299,7 +300,7 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
     tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t)
     sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
     spare = spare1
-    for j in gl.static_range(1, t.UNROLL * SLICES):
+    for j in gl.static_range(1, U * SLICES):
         nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t)
         if j % SLICES == 0:
             sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
@@ -312,7 +313,7 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
         tok = nxt
         sc = sc_next
     d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-    acc = _promoted(acc, d, sc, empty, it + t.UNROLL - 1, SLICES - 1, t)
+    acc = _promoted(acc, d, sc, empty, it + U - 1, SLICES - 1, t)
     return acc, spare, d
 
 
@@ -344,9 +345,23 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     spare0 = zero
     spare1 = zero
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
-    for kk in range(0, k_steps, t.UNROLL):
+    if t.SKEW and BOX == 1 and t.UNROLL == 2:
+        # Out of phase with consumer 0 (one step alone first and last, pairs between):
+        # each group ends in a drain, in which the tensor core has only the other
+        # consumer's wgmma to run; in phase, both drain at once.
+        acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it,
+                                     0, sa_ptr, live, sb_ptr, sb_ok, op, t, 1)
+        for kk in range(1, k_steps - 1, 2):
+            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, 2)
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t)
+                                     it + k_steps - 1, k_steps - 1, sa_ptr, live, sb_ptr,
+                                     sb_ok, op, t, 1)
+    else:
+        for kk in range(0, k_steps, t.UNROLL):
+            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                         t.UNROLL)
     return acc, it + k_steps
 
 
@@ -588,7 +603,8 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
             tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
-            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
+            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K,
+            skew: bool = False) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
     :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
@@ -596,7 +612,9 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
     ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
-    :class:`comet.quant.Fp8`."""
+    :class:`comet.quant.Fp8`. ``skew``: the second consumer drains its pairs of K steps a
+    step out of phase with the first (an experiment, off in the layer until a GPU run
+    shows it pays: scripts/device/fp8_ws_probe.py --skew)."""
     gated_ = activation is not None
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
@@ -629,7 +647,8 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
                                            gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None),
+                  constexpr(skew))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     a_desc = (None if gather is not None else
               TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], A_SMEM.value))
@@ -640,15 +659,15 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
 
 def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None
-                  ) -> torch.Tensor | Fp8Rows:
+                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None,
+                  skew: bool = False) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
     :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
     (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
     ``programs``: persistent programs (default: one per work item). ``out``: the bf16
-    output to write (not with ``activation``)."""
+    output to write (not with ``activation``). ``skew``: as :func:`ws_gemm`."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
         check_m_tiles(tiles, BLOCK_M)
@@ -672,7 +691,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k)
+                     promotion_k=promotion_k, skew=skew)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))

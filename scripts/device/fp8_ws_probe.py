@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--k-sweep [K ...]]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--skew] [--k-sweep [K ...]]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
@@ -13,7 +13,10 @@ alternating rounds, the faster kept):
 * ``base-gated`` -- with ``--base TREE``, that tree's ``comet/kernels/fp8_ws.py`` loaded
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
-  requantization): what the gated epilogue costs is the difference.
+  requantization): what the gated epilogue costs is the difference;
+* ``skew-gated``, ``skew-plain`` -- with ``--skew``, both with the second consumer's
+  drained pairs of K steps a step out of phase (``ws_gemm(skew=True)``), whose outputs
+  must equal the unskewed ones byte for byte (the same sums in the same order).
 
 With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
 layer runs it, and a fit of its time into a cost per K step and a cost per item.
@@ -87,7 +90,8 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dict:
+def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
+          skew: bool = False) -> dict:
     e, k, hid, f = shape(name)
     per = tokens * k // e
     rows = [per] * e
@@ -111,6 +115,12 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
             Fp8Gather(src, packed, packed.shape[1]), w, tiles, activation=SILU)
     plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out)
+    if skew:
+        skew_out = torch.empty_like(plain_out)
+        calls["skew-gated"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, activation=SILU,
+                                                                skew=True)
+        calls["skew-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=skew_out,
+                                                                skew=True)
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
@@ -136,6 +146,12 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
         if other in outs:
             rec[equal] = same_h(outs[other], h)
             rec["ok"] = rec["ok"] and rec[equal]
+    if skew:
+        rec["skew_equal"] = same_h(outs["skew-gated"], h) and bool(
+            torch.equal(outs["skew-plain"], outs["plain"]))
+        rec["ok"] = rec["ok"] and rec["skew_equal"]
+        rec["skew_over_gated"] = rec["skew-gated_us"] / rec["gated_us"]
+        rec["skew_over_plain"] = rec["skew-plain_us"] / rec["plain_us"]
     if "gather-gated" in outs:
         rec["gather_over_placed"] = rec["gather-gated_us"] / rec["gated_us"]
     if "base-gated" in outs:
@@ -189,6 +205,8 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
+    ap.add_argument("--skew", action="store_true",
+                    help="also this tree's kernel with ws_gemm(skew=True), gated and plain")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
                     help="also the plain GEMM at one M, N and these K (default 512 1024 "
                          "2048 4096 8192) on a persistent grid: per-step and per-item cost")
@@ -205,7 +223,8 @@ def main() -> None:
     for i, name in enumerate(args.configs):
         for tokens in args.tokens:
             try:
-                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather)
+                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather,
+                            skew=args.skew)
             except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
                 rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
             result["records"].append(rec)
@@ -218,7 +237,8 @@ def main() -> None:
     result["elapsed_s"] = time.time() - start
     write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
     print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
-          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} {'ok':>5s}")
+          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} "
+          f"{'skew/gated':>10s} {'skew/plain':>10s} {'ok':>5s}")
     for r in result["records"]:
         if "error" in r:
             print(f"{r['config']:20s} {r['tokens']:6d} {r['error'][:60]}")
@@ -226,7 +246,9 @@ def main() -> None:
         print(f"{r['config']:20s} {r['tokens']:6d} {r['gated_tflops']:10.1f} "
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
-              f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
+              f"{r.get('gather_over_placed', float('nan')):13.3f} "
+              f"{r.get('skew_over_gated', float('nan')):10.3f} "
+              f"{r.get('skew_over_plain', float('nan')):10.3f} {str(r['ok']):>5s}")
     sweep = result.get("k_sweep")
     if sweep:
         print(f"\nplain GEMM, {sweep['items']} items of 64 x 256 on {sweep['programs']} "
