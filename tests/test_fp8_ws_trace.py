@@ -28,3 +28,24 @@ def test_a_kernel_the_trace_does_not_know_is_refused():
     from fp8_ws_trace import instrument
     with pytest.raises(ValueError, match="has changed"):
         instrument(_source().replace("        j += 1\n", "        j = j + 1\n"))
+
+
+def test_the_summary_reads_intervals_per_item():
+    """Synthetic stamps (4 programs, 10 items of a 400-cycle K loop, a 100-cycle epilogue,
+    10 cycles to the next item, the producer 50 ahead) come back as those medians."""
+    import torch
+    from fp8_ws_trace import MAX_ITEMS, STAMPS, summarize
+    programs, items = 4, 10
+    stamps = torch.zeros(8 * MAX_ITEMS * STAMPS, dtype=torch.int64)   # sized for more programs
+    view = stamps[:programs * MAX_ITEMS * STAMPS].view(programs, MAX_ITEMS, STAMPS)
+    for p in range(programs):
+        t = 1000
+        for j in range(len(range(p, items, programs))):
+            view[p, j, 6:8] = torch.tensor([t - 50, t + 300])
+            for o in (0, 3):
+                view[p, j, o:o + 3] = torch.tensor([t, t + 400, t + 500])
+            t += 510
+    r = summarize(stamps, items, programs, steps=4, us=1.0)
+    assert (r["c0_kloop_cyc"], r["c1_epi_cyc"], r["c0_gap_cyc"], r["lead_cyc"]) == (400, 100, 10, 50)
+    assert r["cyc_per_step"] == 100 and r["skew_cyc"] == 0
+    assert abs(r["outside"] - 110 / 510) < 1e-9

@@ -1,12 +1,15 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--configs ...] [--tokens N]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--skew] [--programs P ...] [--configs ...] [--tokens N]
 """Where an item of the warp-specialized FP8 GEMM (comet.kernels.fp8_ws) spends its time:
 ``%clock64`` stamps per item of every program, on one GPU.
 
 The kernel's source (this tree's, and with ``--base`` another checkout's) is loaded as an
 instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
 (before its table entries), the end of its K loop and the end of its epilogue; the producer
-stamps the item's start and when it issued the item's last step. The GEMM then runs once on
-a persistent grid of one program per SM at a preset's prefill shape (``tokens * top_k``
+stamps the item's start and when it issued the item's last step (``--skew``: this tree's
+kernel also with ``ws_gemm(skew=True)``). The GEMM then runs once on a persistent grid of
+one program per SM (``--programs``: also fewer; a K step that costs fewer cycles on half
+the SMs is bound by something they share, L2's bandwidth say, not by the SM's own loop)
+at a preset's prefill shape (``tokens * top_k``
 rows spread evenly over the experts, 128x128-block weights), gated as layer0 runs it and
 plain (bf16 store, layer1's shape of epilogue), and the stamps are summarized as medians
 over items (each program's first item left out):
@@ -132,7 +135,7 @@ def _median(xs: list[int]) -> float:
 def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: float) -> dict:
     """Medians of the stamped intervals (cycles and us) over every program's items but its
     first; the clock is the median program span over the kernel time ``us``."""
-    st = stamps.view(programs, MAX_ITEMS, STAMPS).cpu()
+    st = stamps[:programs * MAX_ITEMS * STAMPS].view(programs, MAX_ITEMS, STAMPS).cpu()
     spans = []
     parts = {k: [] for k in ("c0_kloop", "c0_epi", "c0_gap", "c1_kloop", "c1_epi", "c1_gap",
                              "producer_item", "lead", "skew", "first_kloop")}
@@ -159,7 +162,8 @@ def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: f
     return out
 
 
-def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int) -> list:
+def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int,
+          skew: bool = False) -> list:
     e, k, hid, f = probe.shape(name)
     rows = [tokens * k // e] * e
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -168,22 +172,26 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     tiles = m_tiles(rows, 64, "cuda")
     y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     records = []
-    for label, mod in kernels.items():
+    runs = [(label, mod, False) for label, mod in kernels.items()]
+    if skew:
+        runs.append(("skew", kernels["this"], True))
+    for label, mod, sk in runs:
         mod.STAMPS[0] = stamps
+        kw = {"programs": programs, "skew": True} if sk else {"programs": programs}
         for kind, cols, fn in (
-                ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU,
-                                                       programs=programs)),
-                ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y,
-                                                           programs=programs))):
+                ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, **kw)),
+                ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y, **kw))):
             items = sum(rows) // 64 * triton.cdiv(cols, 128 if kind == "gated" else 256)
             us = 1e3 * triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
             stamps.zero_()
             fn()
             torch.cuda.synchronize()
             rec = {"config": name, "tokens": tokens, "kernel": label, "epilogue": kind,
+                   "programs": programs,
                    **summarize(stamps, items, programs, triton.cdiv(hid, 128), us)}
             records.append(rec)
-            print(f"{name:18s} {kind:6s} {label:5s} {us:8.1f} us  {rec['ghz']:.2f} GHz  "
+            print(f"{name:18s} {kind:6s} {label:5s} {programs:3d} {us:8.1f} us  "
+                  f"{rec['ghz']:.2f} GHz  "
                   f"{rec['items_per_program']:4.0f} items x {rec['steps']:2d} steps: "
                   f"kloop {rec['c0_kloop_us']:6.2f} us ({rec['cyc_per_step']:4.0f} cyc/step) "
                   f"epi {rec['c0_epi_us']:5.2f} gap {rec['c0_gap_us']:4.2f} "
@@ -199,15 +207,22 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+",
                     default=["qwen2-moe", "deepseek-v3-like", "mixtral", "phi3.5-moe"])
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--skew", action="store_true",
+                    help="also this tree's kernel with ws_gemm(skew=True)")
+    ap.add_argument("--programs", nargs="+", type=int, default=[],
+                    help="persistent programs (default: one per SM)")
     args = ap.parse_args()
     kernels = {"this": load(".", "this")}
     if args.base:
         kernels["base"] = load(args.base, "base")
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    stamps = torch.zeros(programs * MAX_ITEMS * STAMPS, dtype=torch.int64, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grids = args.programs or [sms]
+    stamps = torch.zeros(max(grids) * MAX_ITEMS * STAMPS, dtype=torch.int64, device="cuda")
     result = {**provenance(), "base": args.base or None, "records": []}
     for name in args.configs:
-        result["records"] += trace(name, args.tokens, kernels, stamps, programs)
+        for programs in grids:
+            result["records"] += trace(name, args.tokens, kernels, stamps, programs,
+                                       skew=args.skew)
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
