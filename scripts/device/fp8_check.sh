@@ -29,7 +29,8 @@
 #             FP8_WSPROBE_ARGS adds the probe's own (--k-sweep: per-step and per-item cost)
 #   trace     scripts/device/fp8_ws_trace.py: clock64 stamps per item of the warp-specialized
 #             GEMM (K loop, epilogue, gaps, producer lead) at the presets' 16384-token shapes,
-#             gated and plain; FP8_WS_BASE=TREE traces that checkout's kernel beside
+#             gated and plain; FP8_WS_BASE=TREE traces that checkout's kernel beside,
+#             FP8_TRACE_ARGS adds the script's own (--skew, --programs 132 66)
 #   gather    FP8 calls with layer0's gathered dispatch (--tile layer0_gather=1: a token's
 #             row packed once, the GEMMs reading it through the index, the warp-specialized
 #             one too since A_GATHER), compared with the bench step's records (run it
@@ -129,7 +130,8 @@ for step in "${@:-diff kernels tests}"; do
       trace) mkdir -p "$OUT/trace"
              OUT="$OUT/trace" timeout "${FP8_TRACE_TIMEOUT_S:-120}" python3 \
                scripts/device/fp8_ws_trace.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
-               ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} > "$OUT/trace/trace.log" 2>&1 \
+               ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} ${FP8_TRACE_ARGS:-} \
+               > "$OUT/trace/trace.log" 2>&1 \
                || status=1
              tail -n 8 "$OUT/trace/trace.log" ;;
       decode) run_tests small "tests/test_gpu_fp8_ws.py::test_small_calls_with_the_defaults
