@@ -447,9 +447,10 @@ def _over_scale(x, scale):
     the row's reciprocal once, then each quotient ``q0 = x r`` corrected once by its
     residual, ``q = q0 + (x - q0 scale) r`` (two fma, the residual exact) -- the sequence of
     the division's own fast path, less the per-value reciprocal and its range check (the
-    slow path's branch): a value of h is 0 or a normal float, its scale normal. A division
-    per value made this the gated epilogue's largest cost (a MUFU and a branch each, 32 a
-    thread)."""
+    slow path's branch). The check guards subnormal and huge operands: a scale is at least
+    ``AMAX_EPS / 448``, and a subnormal value of h, whose quotient the correction might
+    round otherwise, is zero in e4m3 either way. A division per value made this the gated
+    epilogue's largest cost (a MUFU and a branch each, 32 a thread)."""
     r = gl.broadcast(gl.div_rn(gl.full_like(scale, 1.0), scale)[:, None], x)[0]
     s = gl.broadcast(scale[:, None], x)[0]
     q0 = x * r
