@@ -49,3 +49,12 @@ def test_the_summary_reads_intervals_per_item():
     assert (r["c0_kloop_cyc"], r["c1_epi_cyc"], r["c0_gap_cyc"], r["lead_cyc"]) == (400, 100, 10, 50)
     assert r["cyc_per_step"] == 100 and r["skew_cyc"] == 0
     assert abs(r["outside"] - 110 / 510) < 1e-9
+
+
+def test_the_ring_alone_has_no_wgmma():
+    """``--no-mma``: every wgmma and its waits taken out of the traced copy."""
+    from fp8_ws_trace import instrument
+    src = instrument(_source(), no_mma=True)
+    assert "warpgroup_mma(" not in src and "warpgroup_mma_wait(" not in src
+    assert src.count("d = tok") == 2
+    compile(src, "fp8_ws_trace", "exec")

@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--skew] [--programs P ...] [--configs ...] [--tokens N]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--skew] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
 """Where an item of the warp-specialized FP8 GEMM (comet.kernels.fp8_ws) spends its time:
 ``%clock64`` stamps per item of every program, on one GPU.
 
@@ -6,7 +6,9 @@ The kernel's source (this tree's, and with ``--base`` another checkout's) is loa
 instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
 (before its table entries), the end of its K loop and the end of its epilogue; the producer
 stamps the item's start and when it issued the item's last step (``--skew``: this tree's
-kernel also with ``ws_gemm(skew=True)``). The GEMM then runs once on a persistent grid of
+kernel also with ``ws_gemm(skew=True)``; ``--no-mma``: also a copy with every wgmma taken
+out, each slot still waited for, its garbage promoted and the slot released -- what moving
+the boxes through the ring costs a step without the tensor core). The GEMM then runs once on a persistent grid of
 one program per SM (``--programs``: also fewer; a K step that costs fewer cycles on half
 the SMs is bound by something they share, L2's bandwidth say, not by the SM's own loop)
 at a preset's prefill shape (``tokens * top_k``
@@ -84,9 +86,16 @@ def _function(src: str, name: str) -> tuple[int, int]:
     return start, end
 
 
-def instrument(src: str) -> str:
+def instrument(src: str, no_mma: bool = False) -> str:
     """``comet/kernels/fp8_ws.py``'s source with the stamps; the stamp buffer is the
-    module's ``STAMPS[0]`` when a launch is built (``int64 [programs * MAX_ITEMS * STAMPS]``)."""
+    module's ``STAMPS[0]`` when a launch is built (``int64 [programs * MAX_ITEMS * STAMPS]``).
+    ``no_mma``: each wgmma replaced by its operand tile and each wait by the token (its
+    output is garbage; only the stamps mean anything)."""
+    if no_mma:
+        src = _sub(src, r"return warpgroup_mma\(a, b\.permute\(\(1, 0\)\), into, use_acc=False, "
+                        r"is_async=True\)", "return into")
+        src = _sub(src, r"d = warpgroup_mma_wait\(num_outstanding=1, deps=\(tok, \)\)", "d = tok")
+        src = _sub(src, r"d = warpgroup_mma_wait\(num_outstanding=0, deps=\(tok, \)\)", "d = tok")
     src = _sub(src, r"\n# -+ producer", _CLOCK + r"\g<0>")
     src = _sub(src, r"\n    K: int\n", "\n    K: int\n    stamps: torch.Tensor = None\n")
     src = _sub(src, r"(op = WsOperands\([^)]*)\)", r"\1, STAMPS[0])")
@@ -113,10 +122,10 @@ def instrument(src: str) -> str:
     return src[:a] + body + src[b:]
 
 
-def load(tree: str, tag: str):
+def load(tree: str, tag: str, no_mma: bool = False):
     """``tree``'s kernel, instrumented, as a module of its own."""
     with open(os.path.join(tree, "comet", "kernels", "fp8_ws.py")) as f:
-        src = instrument(f.read())
+        src = instrument(f.read(), no_mma)
     path = os.path.join(tempfile.mkdtemp(), f"fp8_ws_trace_{tag}.py")
     with open(path, "w") as f:
         f.write(src)
@@ -209,12 +218,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--skew", action="store_true",
                     help="also this tree's kernel with ws_gemm(skew=True)")
+    ap.add_argument("--no-mma", action="store_true",
+                    help="also this tree's kernel without its wgmmas (the ring alone)")
     ap.add_argument("--programs", nargs="+", type=int, default=[],
                     help="persistent programs (default: one per SM)")
     args = ap.parse_args()
     kernels = {"this": load(".", "this")}
     if args.base:
         kernels["base"] = load(args.base, "base")
+    if args.no_mma:
+        kernels["nomma"] = load(".", "nomma", no_mma=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grids = args.programs or [sms]
     stamps = torch.zeros(max(grids) * MAX_ITEMS * STAMPS, dtype=torch.int64, device="cuda")
