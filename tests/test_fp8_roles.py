@@ -294,3 +294,49 @@ def test_roles_feed_the_fp8_gemm_like_the_reference(f, act):
         ref = expert_mlp_fp8(x.float(), gate_up, down, 0, act)
         assert float((y - ref).norm() / ref.norm()) <= 5e-3
         torch.testing.assert_close(y, ref, atol=0.035, rtol=0.035)
+
+
+_LAUNCHES = """
+import torch
+from sm90_compile import record_launches
+from comet.config import MoEConfig
+from comet.quant import Fp8, quantize_weight
+from comet.runtime.layer import FusedMoE
+
+g = torch.Generator().manual_seed(0)
+for fp8 in (False, True):
+    cfg = MoEConfig(num_experts=8, top_k=4, hidden_size=256, intermediate_size=256,
+                    max_tokens=512, fp8=Fp8() if fp8 else None, dtype=torch.bfloat16)
+    if fp8:
+        layer = FusedMoE(cfg, quantize_weight(torch.randn(8, 512, 256, generator=g), parts=2),
+                         quantize_weight(torch.randn(8, 256, 256, generator=g)))
+    else:
+        layer = FusedMoE(cfg, torch.zeros(8, 256, 512, dtype=torch.bfloat16),
+                         torch.zeros(8, 256, 256, dtype=torch.bfloat16), w13_layout="gate_up")
+    for tokens in (1, 512):
+        x = torch.zeros(tokens, 256, dtype=torch.bfloat16)
+        ids = torch.randint(0, 8, (tokens, 4), generator=g)
+        names = [k.fn.__name__ for k, _, _ in
+                 record_launches(lambda: layer(x, ids, torch.rand(tokens, 4, generator=g)))]
+        print("fp8" if fp8 else "bf16", tokens, " ".join(names))
+"""
+
+
+def test_a_small_fp8_call_quantizes_in_its_plan_opening():
+    """The home quantization of a call on the two-launch plan (``Variant.small_plan_blocks``)
+    runs on programs of the opening (``open_kernel``): an FP8 1-token call launches the
+    kernels a bf16 one does; a call too large for that plan launches it apart. Recorded
+    (tests/sm90_compile.py), not run."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here,
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHES], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = {tuple(line.split()[:2]): line.split()[2:] for line in proc.stdout.splitlines()}
+    assert calls[("fp8", "1")][0] == "open_kernel", proc.stdout
+    assert "quantize_home_kernel" not in calls[("fp8", "1")], proc.stdout
+    assert len(calls[("fp8", "1")]) == len(calls[("bf16", "1")]), proc.stdout
+    assert "open_kernel" not in calls[("fp8", "512")], proc.stdout
+    assert "quantize_home_kernel" in calls[("fp8", "512")], proc.stdout

@@ -347,25 +347,56 @@ def store_packed_rows(q, scale, out, rows, live, c0, COLS: tl.constexpr, GROUP: 
 
 
 @triton.jit
-def quantize_home_kernel(x_addr, like, num_tokens, out, t):
-    """Quantize on the home rank, before any row crosses: program ``(i, j)`` quantizes
-    the row blocks ``i, i + P, ...`` (``P`` programs along rows, ``BLOCK_R`` rows each)
-    of the call's input, columns ``[j * BLOCK_H, + BLOCK_H)`` (at the address
-    ``x_addr[0]``, ``num_tokens[0]`` rows of ``out.N``; ``like``: a tensor of its dtype)
-    into ``out``. The grid is fixed, so one launch serves every call (a graph replays
-    it), and bounded: a 1-token call of a layer sized for thousands of tokens schedules a
-    few hundred programs, not one per row block of its capacity."""
+def _quantize_home_rows(x_addr, like, num_tokens, out, t, row_program, row_programs,
+                        col_block):
+    """Row blocks ``row_program, row_program + row_programs, ...`` (``BLOCK_R`` rows each)
+    of the call's input (at the address ``x_addr[0]``, ``num_tokens[0]`` rows of ``out.N``;
+    ``like``: a tensor of its dtype), columns ``[col_block * BLOCK_H, + BLOCK_H)``,
+    quantized into ``out``."""
     m = tl.load(num_tokens)
     x = pointer_at(x_addr, 0, like)
-    cols = tl.program_id(1) * t.BLOCK_H + tl.arange(0, t.BLOCK_H)
-    for r0 in range(tl.program_id(0) * t.BLOCK_R, m, tl.num_programs(0) * t.BLOCK_R):
+    cols = col_block * t.BLOCK_H + tl.arange(0, t.BLOCK_H)
+    for r0 in range(row_program * t.BLOCK_R, m, row_programs * t.BLOCK_R):
         rows = r0 + tl.arange(0, t.BLOCK_R)
         live = rows < m
         v = tl.load(x + rows.to(tl.int64)[:, None] * out.N + cols[None, :],
                     mask=live[:, None] & (cols[None, :] < out.N), other=0.0)
         q, scale = quantize_groups(v.to(tl.float32), t.BLOCK_R, t.BLOCK_H, t.GROUP)
-        store_packed_rows(q, scale, out, rows, live, tl.program_id(1) * t.BLOCK_H, t.BLOCK_H,
+        store_packed_rows(q, scale, out, rows, live, col_block * t.BLOCK_H, t.BLOCK_H,
                           t.GROUP)
+
+
+@triton.jit
+def quantize_home_kernel(x_addr, like, num_tokens, out, t):
+    """Quantize on the home rank, before any row crosses: program ``(i, j)`` quantizes
+    the row blocks ``i, i + P, ...`` (``P`` programs along rows) of the call's input,
+    column block ``j``, into ``out``. The grid is fixed, so one launch serves every call
+    (a graph replays it), and bounded: a 1-token call of a layer sized for thousands of
+    tokens schedules a few hundred programs, not one per row block of its capacity."""
+    _quantize_home_rows(x_addr, like, num_tokens, out, t, tl.program_id(0),
+                        tl.num_programs(0), tl.program_id(1))
+
+
+class HomeQuant(NamedTuple):
+    """:func:`quantize_home_kernel`'s launch as one argument group, for a kernel that runs
+    it on programs beside its own (a small call's opening, comet.kernels.plan.open_kernel:
+    one launch fewer): ``ROWS x COLS`` programs, the row programs striding over the rows."""
+
+    x_addr: torch.Tensor
+    like: torch.Tensor
+    num_tokens: torch.Tensor
+    out: PackedRows
+    t: QuantTile
+    ROWS: tl.constexpr
+    COLS: tl.constexpr
+
+
+@triton.jit
+def quantize_home_part(q, p):
+    """Program ``p`` (``0 <= p < ROWS * COLS``) of the home quantization ``q``
+    (:class:`HomeQuant`)."""
+    _quantize_home_rows(q.x_addr, q.like, q.num_tokens, q.out, q.t, p // q.COLS, q.ROWS,
+                        p % q.COLS)
 
 
 def home_quantizer(rows: torch.Tensor, h: int, programs: int = HOME_QUANT_PROGRAMS
@@ -379,6 +410,15 @@ def home_quantizer(rows: torch.Tensor, h: int, programs: int = HOME_QUANT_PROGRA
     col_blocks = triton.cdiv(h, groups * GROUP)
     row_programs = min(triton.cdiv(rows.shape[0], BLOCK_ROWS), max(1, programs // col_blocks))
     return out, t, (row_programs, col_blocks)
+
+
+def home_quant(x_addr: torch.Tensor, like: torch.Tensor, num_tokens: torch.Tensor,
+               out: PackedRows, t: QuantTile, tokens: int) -> HomeQuant:
+    """:class:`HomeQuant` of calls of at most ``tokens`` tokens (more still run, on row
+    programs that stride further): a row program per ``BLOCK_R`` of them."""
+    rows = max(1, triton.cdiv(tokens, int(t.BLOCK_R)))
+    return HomeQuant(x_addr, like, num_tokens, out, t, constexpr(rows),
+                     constexpr(triton.cdiv(out.N, int(t.BLOCK_H))))
 
 
 def launch_quantize_home(x_addr: torch.Tensor, like: torch.Tensor, num_tokens: torch.Tensor,

@@ -26,7 +26,9 @@ otherwise), copies the caller's routing into the staged rows (otherwise a launch
 totals, all in one program; and the layout kernel's programs place the send list
 (``PLACE``), a token block each. The opening counts the call's blocks a step of several
 at a time in its one program, so it is right for any token count and fast for a few
-steps only: the host picks the two-launch plan per call (comet.runtime.selection).
+steps only: the host picks the two-launch plan per call (comet.runtime.selection). An FP8
+layer's opening also quantizes the call's rows on programs beside it
+(:class:`comet.kernels.fp8_roles.HomeQuant`), which needed a launch of their own.
 
 Every kernel stops at the call's token count, read on the device when the routing sits in
 a buffer sized for ``max_tokens`` (a captured graph serves every call): the plan of a
@@ -50,6 +52,7 @@ import triton.language as tl
 from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT
 from comet.config import TileConfig
 from comet.kernels.exchange import Exchange, push_counts, wait_counts
+from comet.kernels.fp8_roles import HomeQuant, quantize_home_part
 from comet.kernels.shape import Shape, next_pow2
 from comet.kernels.stage_routing import RoutingStage, caller_ids, stage_pairs
 from comet.kernels.sync import Sync, arrive, barrier, record_input_error
@@ -255,19 +258,21 @@ def launch_counts(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: S
 
 def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Sync,
                 shape: Shape, exchange: Exchange, counters: torch.Tensor,
-                stage: RoutingStage | None = None) -> None:
+                stage: RoutingStage | None = None, quant: HomeQuant | None = None) -> None:
     """A small call's opening and counts in one program (:func:`open_kernel`): what
     ``Workspace.begin_call``, the routing's staging (with ``stage``) and
-    :func:`launch_counts` do in five launches. ``counters``: the call's local int32
-    counters, zeroed."""
+    :func:`launch_counts` do in five launches; with ``quant``, an FP8 layer's home
+    quantization on programs beside it. ``counters``: the call's local int32 counters,
+    zeroed."""
     n = counters.numel()
-    open_kernel[(1,)](
+    programs = 1 + (int(quant.ROWS) * int(quant.COLS) if quant is not None else 0)
+    open_kernel[(programs,)](
         routing=routing, stage=stage, block_counts=plan.block_counts,
         blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
-        exchange=exchange, sync=sync, shape=shape, COUNTERS=n, COUNTERS_P2=next_pow2(n),
-        STAGE=stage is not None, BINS=count_bins(shape.NUM_EXPERTS),
-        BLOCK_T=plan_block_tokens(shape.TOPK), STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS),
-        num_warps=4)
+        exchange=exchange, sync=sync, shape=shape, quant=quant, COUNTERS=n,
+        COUNTERS_P2=next_pow2(n), STAGE=stage is not None, QUANT=quant is not None,
+        BINS=count_bins(shape.NUM_EXPERTS), BLOCK_T=plan_block_tokens(shape.TOPK),
+        STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS), num_warps=4)
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,
@@ -350,9 +355,27 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
 
 @triton.jit
 def open_kernel(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
-                shape, COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr,
-                STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr,
-                STEP_BLOCKS: tl.constexpr):
+                shape, quant, COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr,
+                STAGE: tl.constexpr, QUANT: tl.constexpr, BINS: tl.constexpr,
+                BLOCK_T: tl.constexpr, STEP_BLOCKS: tl.constexpr):
+    """A small call's opening (:func:`_open`) on program 0; with ``QUANT`` the FP8 home
+    quantization ``quant`` on the programs after it (the rows are read by this rank's
+    kernels only, after this launch: nothing orders them against the opening)."""
+    if QUANT:
+        if tl.program_id(0) == 0:
+            _open(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
+                  shape, COUNTERS, COUNTERS_P2, STAGE, BINS, BLOCK_T, STEP_BLOCKS)
+        else:
+            quantize_home_part(quant, tl.program_id(0) - 1)
+    else:
+        _open(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
+              shape, COUNTERS, COUNTERS_P2, STAGE, BINS, BLOCK_T, STEP_BLOCKS)
+
+
+@triton.jit
+def _open(routing, stage, block_counts, blocks, counters, input_err, exchange, sync, shape,
+          COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr, STAGE: tl.constexpr,
+          BINS: tl.constexpr, BLOCK_T: tl.constexpr, STEP_BLOCKS: tl.constexpr):
     """A small call's opening in one program: the next epoch and ``COUNTERS`` zeroed
     counters; with ``STAGE`` the caller's routing copied into the staged rows; rows ``1..
     used`` of ``block_counts`` as :func:`count_kernel` then :func:`scan_kernel` leave them

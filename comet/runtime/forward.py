@@ -35,7 +35,8 @@ from comet.kernels.layer0 import Dispatch, layer0_gemm
 from comet.kernels.fp8_gemm import (LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, MTiles,
                                      fused_fp8_gemm)
 from comet.kernels.fp8_ws import WsH, WsLaunch, ws_gemm
-from comet.kernels.fp8_roles import home_quantizer, launch_quantize_home, packed_views
+from comet.kernels.fp8_roles import (HomeQuant, home_quant, home_quantizer,
+                                     launch_quantize_home, packed_views)
 from comet.kernels.layer1 import column_splits, launch_release_sources, layer1_gemm
 from comet.kernels.mesh_routing import ShardRouting, launch_shard_routing
 from comet.kernels.stage_routing import RoutingStage, launch_stage_routing
@@ -43,7 +44,7 @@ from comet.mesh import Convention, MeshLayout
 from comet.quant import Fp8Weight
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
-                                launch_open, launch_place)
+                                launch_open, launch_place, plan_block_tokens)
 from comet.kernels.sync import Trace
 from comet.runtime.launches import CombineLaunch, Layer0Launch, Layer1Launch
 from comet.runtime.strategies import progress_of, scatter_homes, strategy_for
@@ -98,20 +99,22 @@ class Grids(NamedTuple):
 
 
 def plan_phases(ws: Workspace, routing: Routing, tile: TileConfig, *, small: bool = False,
-                stage: RoutingStage | None = None) -> tuple[Phase, Phase]:
+                stage: RoutingStage | None = None, quant: HomeQuant | None = None
+                ) -> tuple[Phase, Phase]:
     """``(open, plan)`` of a call: (with ``stage``, copy the caller's routing into the
     staged rows,) open it, count, and push this rank's counts to every peer (the scan's
     last program); then wait for every peer's counts (the layout kernel's programs) and
     build the offsets, tile table and send list. ``small``: in two launches, the open in
     one program and the send list by the layout kernel (comet.kernels.plan), for calls
-    of a few token blocks (``Variant.small_plan_blocks``)."""
+    of a few token blocks (``Variant.small_plan_blocks``), whose opening also runs an FP8
+    layer's home quantization ``quant`` (else a launch of its own in layer0's phases)."""
     count_exchange = ws.exchange(in_plan=True)
     chunking, cfg = Chunking.of(tile), ws.cfg
 
     def open_call() -> None:
         if small:
             launch_open(ws.plan, routing, ws.input_word, ws.sync, ws.shape, count_exchange,
-                        ws.counters, stage)
+                        ws.counters, stage, quant)
             return
         if stage is not None:
             launch_stage_routing(stage)
@@ -299,6 +302,23 @@ class ForwardCall:
             own = Fp8OwnRows(delta, base, ws.cfg.max_tokens)
         return Fp8Gather(g.src, g.tokens, row_bytes, own)
 
+    def quantizes_in_open(self) -> bool:
+        """Whether this FP8 call's home quantization runs on programs of its plan's
+        opening (a small call's plan: one launch fewer) rather than in a launch of its own
+        (modes that compute only skip it either way)."""
+        return (self.fp8 and self.mode != "compute_only"
+                and self.tile.variant.small_plan_blocks > 0)
+
+    def _open_quant(self) -> HomeQuant | None:
+        """The home quantization as the opening runs it: row programs for the most tokens
+        a small plan takes (:meth:`quantizes_in_open`; else None)."""
+        if not self.quantizes_in_open():
+            return None
+        tokens = self.tile.variant.small_plan_blocks * plan_block_tokens(self.ws.cfg.top_k)
+        out, t, _ = self.quantize
+        return home_quant(self.inputs.x_addr, self.ws.out1, self.inputs.num_tokens, out, t,
+                          tokens)
+
     def quantize_home(self) -> None:
         """An FP8 layer's first step of layer0: this rank's rows quantized, once, before
         any of them crosses (into ``ws.home_rows``, which the dispatch sends)."""
@@ -314,7 +334,8 @@ class ForwardCall:
         shards, stage = self.shard_routing, self.routing_stage
         plan = list(plan_phases(self.ws, self._routing, self.tile,
                                 small=self.tile.variant.small_plan_blocks > 0,
-                                stage=stage if shards is None else None))
+                                stage=stage if shards is None else None,
+                                quant=self._open_quant()))
         if shards is not None:
             plan.insert(0, lambda: launch_shard_routing(shards))
             if stage is not None:
@@ -349,7 +370,8 @@ class ForwardCall:
         """Fused with comm blocks as one launch; else the comm role (unless computing
         only), then the compute role (unless communicating only) as two."""
         mode, grids = self.mode, self.grids
-        phases = [self.quantize_home] if self.fp8 and mode != "compute_only" else []
+        phases = ([self.quantize_home] if self.fp8 and mode != "compute_only"
+                  and not self.quantizes_in_open() else [])
         if self.ws_gemm:    # the dispatch on every program, then the GEMM
             return phases + [lambda: self.launch_layer0(ROLE_COMM, grids.compute),
                              lambda: self.ws_layer0(grids.compute)]
