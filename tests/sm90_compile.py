@@ -325,7 +325,7 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
         out.append(lambda ragged=ragged: call(
             t=ws_tile, space=allocate_virtual(ragged, world, "cpu", ws_tile)[0],
             w=weights(el, cfg.hidden_size, 320, ScaleBlocks())).run())
-    # The warp-specialized GEMMs with the second consumer a step out of phase
+    # The warp-specialized GEMMs' experiments: the second consumer a step out of phase
     # (ws_gemm(skew=True), an experiment scripts/device/fp8_ws_probe.py times): 8 K steps,
     # drained in pairs, so its groups of one step and of two compile.
     from comet.activation import SILU
@@ -337,6 +337,8 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     skew_tiles = m_tiles([64, 64], 64, "cpu")
     out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, activation=SILU, skew=True))
     out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, skew=True))
+    # ... and the plain one on a ring of five slots (``stages=5``, the probe's --stages).
+    out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, stages=5))
     return out
 
 

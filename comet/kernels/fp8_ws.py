@@ -605,7 +605,7 @@ class WsLaunch(NamedTuple):
 def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
             tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
             scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K,
-            skew: bool = False) -> WsLaunch:
+            skew: bool = False, stages: int = STAGES) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
     :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
@@ -615,8 +615,13 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
     :class:`comet.quant.Fp8`. ``skew``: the second consumer drains its pairs of K steps a
     step out of phase with the first (an experiment, off in the layer until a GPU run
-    shows it pays: scripts/device/fp8_ws_probe.py --skew)."""
+    shows it pays: scripts/device/fp8_ws_probe.py --skew). ``stages``: slots of the ring
+    (40 KiB each; 5 fit beside a plain epilogue, not beside the gated one's buffers: an
+    experiment too, ``--stages``)."""
     gated_ = activation is not None
+    if not 2 <= stages <= (STAGES if gated_ else STAGES + 1):
+        raise ValueError(f"the warp-specialized FP8 GEMM's ring holds 2-{STAGES} slots "
+                         f"gated, 2-{STAGES + 1} plain; got {stages}")
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
@@ -643,7 +648,7 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     sn = w.scale_grid()[0]
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
     op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
-    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
+    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, stages,
                                            unroll(k, promotion_k), GROUP, bn, bk,
                                            gated_)),
                   act_tile(activation) if gated_ else act_tile(),
@@ -661,14 +666,14 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
 def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
                   promotion_k: int = BLOCK_K, out: torch.Tensor | None = None,
-                  skew: bool = False) -> torch.Tensor | Fp8Rows:
+                  skew: bool = False, stages: int = STAGES) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
     :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
     (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
     ``programs``: persistent programs (default: one per work item). ``out``: the bf16
-    output to write (not with ``activation``). ``skew``: as :func:`ws_gemm`."""
+    output to write (not with ``activation``). ``skew``, ``stages``: as :func:`ws_gemm`."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
         check_m_tiles(tiles, BLOCK_M)
@@ -692,7 +697,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k, skew=skew)
+                     promotion_k=promotion_k, skew=skew, stages=stages)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))
