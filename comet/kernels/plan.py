@@ -270,8 +270,7 @@ def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Syn
         routing=routing, stage=stage, block_counts=plan.block_counts,
         blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
         exchange=exchange, sync=sync, shape=shape, quant=quant, COUNTERS=n,
-        COUNTERS_P2=next_pow2(n), STAGE=stage is not None, QUANT=quant is not None,
-        BINS=count_bins(shape.NUM_EXPERTS), BLOCK_T=plan_block_tokens(shape.TOPK),
+        COUNTERS_P2=next_pow2(n), STAGE=stage is not None, BINS=count_bins(shape.NUM_EXPERTS), BLOCK_T=plan_block_tokens(shape.TOPK),
         STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS), num_warps=4)
 
 
@@ -356,12 +355,12 @@ def count_kernel(routing, block_counts, input_err, epoch, shape, BINS: tl.conste
 @triton.jit
 def open_kernel(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
                 shape, quant, COUNTERS: tl.constexpr, COUNTERS_P2: tl.constexpr,
-                STAGE: tl.constexpr, QUANT: tl.constexpr, BINS: tl.constexpr,
-                BLOCK_T: tl.constexpr, STEP_BLOCKS: tl.constexpr):
-    """A small call's opening (:func:`_open`) on program 0; with ``QUANT`` the FP8 home
-    quantization ``quant`` on the programs after it (the rows are read by this rank's
+                STAGE: tl.constexpr, BINS: tl.constexpr, BLOCK_T: tl.constexpr,
+                STEP_BLOCKS: tl.constexpr):
+    """A small call's opening (:func:`_open`) on program 0; with ``quant`` (not None) the
+    FP8 home quantization on the programs after it (the rows are read by this rank's
     kernels only, after this launch: nothing orders them against the opening)."""
-    if QUANT:
+    if quant is not None:
         if tl.program_id(0) == 0:
             _open(routing, stage, block_counts, blocks, counters, input_err, exchange, sync,
                   shape, COUNTERS, COUNTERS_P2, STAGE, BINS, BLOCK_T, STEP_BLOCKS)
