@@ -46,7 +46,8 @@ def test_the_summary_reads_intervals_per_item():
                 view[p, j, o:o + 3] = torch.tensor([t, t + 400, t + 500])
             t += 510
     r = summarize(stamps, items, programs, steps=4, us=1.0)
-    assert (r["c0_kloop_cyc"], r["c1_epi_cyc"], r["c0_gap_cyc"], r["lead_cyc"]) == (400, 100, 10, 50)
+    got = (r["c0_kloop_cyc"], r["c1_epi_cyc"], r["c0_gap_cyc"], r["lead_cyc"])
+    assert got == (400, 100, 10, 50)
     assert r["cyc_per_step"] == 100 and r["skew_cyc"] == 0
     assert abs(r["outside"] - 110 / 510) < 1e-9
 

@@ -270,8 +270,9 @@ def launch_open(plan: Plan, routing: Routing, input_err: torch.Tensor, sync: Syn
         routing=routing, stage=stage, block_counts=plan.block_counts,
         blocks=plan.block_counts.shape[0] - 1, counters=counters, input_err=input_err,
         exchange=exchange, sync=sync, shape=shape, quant=quant, COUNTERS=n,
-        COUNTERS_P2=next_pow2(n), STAGE=stage is not None, BINS=count_bins(shape.NUM_EXPERTS), BLOCK_T=plan_block_tokens(shape.TOPK),
-        STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS), num_warps=4)
+        COUNTERS_P2=next_pow2(n), STAGE=stage is not None, BINS=count_bins(shape.NUM_EXPERTS),
+        BLOCK_T=plan_block_tokens(shape.TOPK), STEP_BLOCKS=open_step_blocks(shape.NUM_EXPERTS),
+        num_warps=4)
 
 
 def launch_layout(plan: Plan, exchange: Exchange, sync: Sync, shape: Shape,

@@ -302,12 +302,18 @@ class ForwardCall:
             own = Fp8OwnRows(delta, base, ws.cfg.max_tokens)
         return Fp8Gather(g.src, g.tokens, row_bytes, own)
 
+    def _small_plan(self) -> bool:
+        """Whether this call plans in two launches (``Variant.small_plan_blocks``)."""
+        return self.tile.variant.small_plan_blocks > 0
+
+    def _quantizes(self) -> bool:
+        """Whether this call quantizes its home rows: an FP8 one, unless it computes only."""
+        return self.fp8 and self.mode != "compute_only"
+
     def quantizes_in_open(self) -> bool:
-        """Whether this FP8 call's home quantization runs on programs of its plan's
-        opening (a small call's plan: one launch fewer) rather than in a launch of its own
-        (modes that compute only skip it either way)."""
-        return (self.fp8 and self.mode != "compute_only"
-                and self.tile.variant.small_plan_blocks > 0)
+        """Whether this call's home quantization runs on programs of its plan's opening (a
+        small call's plan: one launch fewer) rather than in a launch of its own."""
+        return self._quantizes() and self._small_plan()
 
     def _open_quant(self) -> HomeQuant | None:
         """The home quantization as the opening runs it: row programs for the most tokens
@@ -333,7 +339,7 @@ class ForwardCall:
         # routing, which reads the staged rows, must run between the two.
         shards, stage = self.shard_routing, self.routing_stage
         plan = list(plan_phases(self.ws, self._routing, self.tile,
-                                small=self.tile.variant.small_plan_blocks > 0,
+                                small=self._small_plan(),
                                 stage=stage if shards is None else None,
                                 quant=self._open_quant()))
         if shards is not None:
@@ -370,8 +376,8 @@ class ForwardCall:
         """Fused with comm blocks as one launch; else the comm role (unless computing
         only), then the compute role (unless communicating only) as two."""
         mode, grids = self.mode, self.grids
-        phases = ([self.quantize_home] if self.fp8 and mode != "compute_only"
-                  and not self.quantizes_in_open() else [])
+        phases = ([self.quantize_home] if self._quantizes() and not self._small_plan()
+                  else [])
         if self.ws_gemm:    # the dispatch on every program, then the GEMM
             return phases + [lambda: self.launch_layer0(ROLE_COMM, grids.compute),
                              lambda: self.ws_layer0(grids.compute)]

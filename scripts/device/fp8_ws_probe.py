@@ -15,7 +15,7 @@ alternating rounds, the faster kept):
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference;
 * ``skew-gated``, ``skew-plain`` -- with ``--skew``, both with the second consumer's
-  drained pairs of K steps a step out of phase (``ws_gemm(skew=True)``), whose outputs
+  drained pairs of K steps a step out of phase (``WsSchedule(skew=True)``), whose outputs
   must equal the unskewed ones byte for byte (the same sums in the same order);
 * ``stages-plain`` -- with ``--stages N``, the plain GEMM on a ring of N slots (5 fit
   beside its epilogue; the gated one's buffers leave room for 4), its output equal to
@@ -64,14 +64,19 @@ def shape(name: str) -> tuple[int, int, int, int]:
     return c.num_experts, c.top_k, c.hidden_size, c.intermediate_size
 
 
-def load_base(tree: str):
-    """``comet/kernels/fp8_ws.py`` of another checkout as a module of its own."""
-    path = os.path.join(tree, "comet", "kernels", "fp8_ws.py")
-    spec = importlib.util.spec_from_file_location("base_fp8_ws", path)
+def load_module(path: str, name: str):
+    """The Python file ``path`` as a module ``name`` of its own (another tree's kernel,
+    or an instrumented copy of one)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_base(tree: str):
+    """``comet/kernels/fp8_ws.py`` of another checkout as a module of its own."""
+    return load_module(os.path.join(tree, "comet", "kernels", "fp8_ws.py"), "base_fp8_ws")
 
 
 def weights(e: int, n: int, k: int, g: torch.Generator) -> Fp8Weight:
@@ -120,14 +125,16 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
     calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out)
     if skew:
         skew_out = torch.empty_like(plain_out)
+        skewed = kernels[""].WsSchedule(skew=True)
         calls["skew-gated"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, activation=SILU,
-                                                                skew=True)
+                                                                schedule=skewed)
         calls["skew-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=skew_out,
-                                                                skew=True)
+                                                                schedule=skewed)
     if stages:
         stages_out = torch.empty_like(plain_out)
+        ring = kernels[""].WsSchedule(stages=stages)
         calls["stages-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=stages_out,
-                                                                  stages=stages)
+                                                                  schedule=ring)
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
@@ -218,7 +225,7 @@ def main() -> None:
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
     ap.add_argument("--skew", action="store_true",
-                    help="also this tree's kernel with ws_gemm(skew=True), gated and plain")
+                    help="also this tree's kernel with WsSchedule(skew=True), gated and plain")
     ap.add_argument("--stages", type=int, default=0,
                     help="also the plain GEMM on a ring of this many slots (5 fit)")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",

@@ -6,15 +6,15 @@ The kernel's source (this tree's, and with ``--base`` another checkout's) is loa
 instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
 (before its table entries), the end of its K loop and the end of its epilogue; the producer
 stamps the item's start and when it issued the item's last step (``--skew``: this tree's
-kernel also with ``ws_gemm(skew=True)``; ``--no-mma``: also a copy with every wgmma taken
+kernel also with ``WsSchedule(skew=True)``; ``--no-mma``: also a copy with every wgmma taken
 out, each slot still waited for, its garbage promoted and the slot released -- what moving
-the boxes through the ring costs a step without the tensor core). The GEMM then runs once on a persistent grid of
-one program per SM (``--programs``: also fewer; a K step that costs fewer cycles on half
-the SMs is bound by something they share, L2's bandwidth say, not by the SM's own loop)
-at a preset's prefill shape (``tokens * top_k``
-rows spread evenly over the experts, 128x128-block weights), gated as layer0 runs it and
-plain (bf16 store, layer1's shape of epilogue), and the stamps are summarized as medians
-over items (each program's first item left out):
+the boxes through the ring costs a step without the tensor core). The GEMM then runs once
+on a persistent grid of one program per SM (``--programs``: also fewer; a K step that
+costs fewer cycles on half the SMs is bound by something they share, L2's bandwidth say,
+not by the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread
+evenly over the experts, 128x128-block weights), gated as layer0 runs it and plain (bf16
+store, layer1's shape of epilogue), and the stamps are summarized as medians over items
+(each program's first item left out):
 
 * ``kloop``  -- an item's K loop, per consumer (``cyc/step``: its cycles over the K steps);
 * ``epi``    -- its epilogue: the tensor core idles for it, both consumers work one item in
@@ -32,8 +32,6 @@ and epilogue.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import re
 import sys
@@ -47,6 +45,7 @@ import fp8_ws_probe as probe  # noqa: E402
 
 from comet.activation import SILU  # noqa: E402
 from comet.bench.provenance import provenance, write_result  # noqa: E402
+from comet.bench.timing import median  # noqa: E402
 from comet.kernels.fp8_gemm import m_tiles  # noqa: E402
 from comet.quant import quantize_rows  # noqa: E402
 
@@ -116,8 +115,10 @@ def instrument(src: str, no_mma: bool = False) -> str:
     body = _sub(body, r"(\n        acc, it = _tile_acc\([^)]*\)\n)", r"\1        t1 = _clock(it)\n")
     body = _sub(body, r"\n        j \+= 1\n",
                 "\n        t2 = _clock(j)\n"
-                f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS} + BOX * 3\n"
-                "        gl.store(at, t0)\n        gl.store(at + 1, t1)\n        gl.store(at + 2, t2)\n"
+                f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS}"
+                " + BOX * 3\n"
+                "        gl.store(at, t0)\n        gl.store(at + 1, t1)\n"
+                "        gl.store(at + 2, t2)\n"
                 "        j += 1\n")
     return src[:a] + body + src[b:]
 
@@ -129,16 +130,11 @@ def load(tree: str, tag: str, no_mma: bool = False):
     path = os.path.join(tempfile.mkdtemp(), f"fp8_ws_trace_{tag}.py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location(f"fp8_ws_trace_{tag}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return probe.load_module(path, f"fp8_ws_trace_{tag}")
 
 
 def _median(xs: list[int]) -> float:
-    xs = sorted(xs)
-    return float(xs[len(xs) // 2]) if xs else float("nan")
+    return median(xs) if xs else float("nan")
 
 
 def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: float) -> dict:
@@ -186,7 +182,8 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
         runs.append(("skew", kernels["this"], True))
     for label, mod, sk in runs:
         mod.STAMPS[0] = stamps
-        kw = {"programs": programs, "skew": True} if sk else {"programs": programs}
+        kw = {"programs": programs, "schedule": mod.WsSchedule(skew=True)} if sk else \
+            {"programs": programs}
         for kind, cols, fn in (
                 ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, **kw)),
                 ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y, **kw))):
@@ -217,7 +214,7 @@ def main() -> None:
                     default=["qwen2-moe", "deepseek-v3-like", "mixtral", "phi3.5-moe"])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--skew", action="store_true",
-                    help="also this tree's kernel with ws_gemm(skew=True)")
+                    help="also this tree's kernel with WsSchedule(skew=True)")
     ap.add_argument("--no-mma", action="store_true",
                     help="also this tree's kernel without its wgmmas (the ring alone)")
     ap.add_argument("--programs", nargs="+", type=int, default=[],
