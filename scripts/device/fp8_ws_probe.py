@@ -4,8 +4,9 @@ requantization in its epilogue) at the presets' prefill shapes, on one GPU in on
 
 For each preset and token count: ``tokens * top_k`` rows spread evenly over the experts,
 each a copy of one of ``tokens`` quantized token rows (as a dispatch places them); the
-layer's ``[E, 2F, H]`` weights in 128x128 blocks. Timed (do_bench medians, two
-alternating rounds, the faster kept):
+layer's ``[E, 2F, H]`` weights in 128x128 blocks; a persistent grid of one program per SM,
+as the layer launches it. Timed (do_bench medians, two alternating rounds, the faster
+kept):
 
 * ``gated``      -- this tree's kernel, as layer0 runs it on placed rows;
 * ``gather-gated`` -- the same reading each row through the index from the tokens'
@@ -110,14 +111,17 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
            "H": hid, "F": f, "gated_flop": 2.0 * sum(rows) * 2 * f * hid}
     outs = {}
     calls = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for label, mod in kernels.items():
-        calls[label + "gated"] = lambda mod=mod: mod.ws_group_gemm(x, w, tiles, activation=SILU)
+        calls[label + "gated"] = lambda mod=mod: mod.ws_group_gemm(x, w, tiles, activation=SILU,
+                                                                   programs=sms)
     if gather:
         calls["gather-gated"] = lambda: kernels[""].ws_group_gemm(
-            Fp8Gather(src, packed, packed.shape[1]), w, tiles, activation=SILU)
+            Fp8Gather(src, packed, packed.shape[1]), w, tiles, activation=SILU, programs=sms)
     for label, mod in kernels.items():
         y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
-        calls[label + "plain"] = lambda mod=mod, y=y: mod.ws_group_gemm(x, w, tiles, out=y)
+        calls[label + "plain"] = lambda mod=mod, y=y: mod.ws_group_gemm(x, w, tiles, out=y,
+                                                                        programs=sms)
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
