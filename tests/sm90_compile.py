@@ -371,10 +371,9 @@ def row_pieces(name: str, compiled, kwargs: dict) -> str:
 
 def divisions(name: str, compiled, kwargs: dict) -> str:
     """The warp-specialized FP8 GEMM's gated epilogue (``fp8_ws``, ``GATED``): its IEEE
-    divisions in the PTX, a reciprocal per row of the requantization (8: the rows a thread
-    of the epilogue partition holds); one per value (64 in the kernel before the epilogue
-    partition) made it that epilogue's largest cost, 1.06x the whole FP8 call
-    (benchmarks/results/2026-12-07). ``-`` for the other launches."""
+    divisions in the PTX, a reciprocal per row of the requantization (4: the rows a thread
+    of the epilogue partition holds); one per value made it that epilogue's largest cost,
+    1.06x the whole FP8 call (benchmarks/results/2026-12-07). ``-`` for the other launches."""
     t = kwargs.get("t")
     if name != "fp8_ws_gemm_kernel" or t is None or not t.GATED:
         return "-"

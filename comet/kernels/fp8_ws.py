@@ -4,9 +4,8 @@ Why a second kernel: in :mod:`comet.kernels.fp8_gemm`'s ``tl`` K loop each step'
 must be complete before it is scaled into the fp32 accumulator (a dot whose result another
 op uses is made synchronous), so the tensor core idles while the CUDA cores promote. Here
 a one-warp producer partition streams the boxes through ``STAGES`` slots of shared memory
-with TMA, and two consumer warpgroups take turns on the tensor core: one promotes its
-product while the other's wgmma runs, so neither unit waits for the other
-(docs/precision.md). By default it promotes every step's sum (128 K); ``promotion_k=32``
+with TMA, and the consumer warpgroups promote each wgmma's product while the next one
+runs, so neither unit waits for the other (docs/precision.md). By default it promotes every step's sum (128 K); ``promotion_k=32``
 every 32 K (four wgmmas on slices of a step's boxes), slower: a promotion per 32 K costs
 the CUDA cores what the wgmma costs the tensor cores (docs/notebook.md, "GEMMs").
 
@@ -67,12 +66,15 @@ BLOCK_K = GROUP
 #: Shared-memory slots of the ring: 40 KiB each (A box and two B boxes); four fit beside
 #: the two 32 KiB tiles handed to the epilogue (224 KiB of the 227).
 STAGES = 4
-#: Registers a thread of each partition: the consumers hold an accumulator and one product
-#: tile (128), the epilogue half a tile of h at a time, the producer warp only issues
-#: copies (setmaxnreg counts it as a warpgroup: 4 x 128 in all).
-CONSUMER_REGS = constexpr(168)
-EPILOGUE_REGS = constexpr(152)
+#: Registers a thread of each partition: the consumers hold an accumulator and two product
+#: tiles (192), the epilogue a 64 x 32 chunk of a tile at a time, the producer warp only
+#: issues copies (setmaxnreg counts it as a warpgroup: 4 x 128 in all).
+CONSUMER_REGS = constexpr(208)
+EPILOGUE_REGS = constexpr(72)
 PRODUCER_REGS = constexpr(24)
+#: Most K steps per drained group of :func:`_steps`: a wgmma's register tile never
+#: crosses a loop edge (a copy of one in flight made ptxas serialize every wgmma, C7514).
+MAX_UNROLL = 2
 
 #: TMA box load: ``async_load`` from Triton 3.7 on, which removed 3.6's name for it.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -103,6 +105,7 @@ class WsTile(NamedTuple):
     BLOCK_K: gl.constexpr
     GROUP_M: gl.constexpr      # m-tiles sweeping the column blocks together (L2 reuse)
     STAGES: gl.constexpr
+    UNROLL: gl.constexpr       # K steps per drained group (divides the step count)
     A_GROUP: gl.constexpr      # K values per A scale
     SCALE_N: gl.constexpr      # B's scale block
     SCALE_K: gl.constexpr
@@ -266,20 +269,55 @@ def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t):
 
 
 @gluon.jit
+def _promoted(acc, d, sc, empty, step, J: gl.constexpr, t):
+    """``acc + d * sc`` for slice ``J`` of ring step ``step``; a step's last slice frees
+    its slot for the producer."""
+    acc += d * sc[:, None]
+    if J == t.BLOCK_K // t.MMA_K - 1:
+        mbarrier.arrive(empty.index(step % t.STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
+           sb_ok, op, t, U: gl.constexpr):
+    """K steps ``kk .. kk + U - 1`` (ring positions from ``it``), each in
+    ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
+    promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
+    runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default) that is
+    a whole step's sum, and with 32 (``promotion_k=32``) every instruction's, as
+    ``max_num_imprecise_acc=32`` asks -- whose lowering takes another register tile and
+    spilled here. A wgmma writes into a tile already promoted (``spare``: the operand
+    of a ``use_acc=False`` wgmma is only its registers), so the accumulator and two
+    product tiles are all the registers it takes. Returns the accumulator and two spares."""
+    SLICES: gl.constexpr = t.BLOCK_K // t.MMA_K
+    tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t)
+    sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
+    spare = spare1
+    for j in gl.static_range(1, U * SLICES):
+        nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t)
+        if j % SLICES == 0:
+            sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                  (kk + j // SLICES) * t.BLOCK_K)
+        else:
+            sc_next = sc
+        d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
+        acc = _promoted(acc, d, sc, empty, it + (j - 1) // SLICES, (j - 1) % SLICES, t)
+        spare = d
+        tok = nxt
+        sc = sc_next
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+    acc = _promoted(acc, d, sc, empty, it + U - 1, SLICES - 1, t)
+    return acc, spare, d
+
+
+@gluon.jit
 def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, op, gather,
               t, BOX: gl.constexpr):
     """The fp32 tile of rows ``row_start:+BLOCK_M`` times box ``BOX`` of the item at
     columns ``n0`` (B rows as :func:`producer` loads them) over all of K, from the ring
-    (positions from ``it``); returns it and the next position.
-
-    Each step in ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values, each exact product
-    promoted into fp32, ``acc += d * sa * sb`` (the step's scales), once it is complete:
-    the accumulator and one product tile are all the registers it takes, and while one
-    consumer promotes, the tensor core runs the other's wgmma. With ``MMA_K`` = ``BLOCK_K``
-    (the default) that is a whole step's sum, with 32 (``promotion_k=32``) every
-    instruction's, as ``max_num_imprecise_acc=32`` asks. A's scales: its rows', or with
-    ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
-    SLICES: gl.constexpr = t.BLOCK_K // t.MMA_K
+    (positions from ``it``); returns it and the next position. A's scales: its rows',
+    or with ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
     if t.A_GATHER:
         base, live = gathered_rows(gather, rows, row_end)
@@ -296,21 +334,15 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
         scale_row = (n0 + t.BLOCK_N) // t.SCALE_N
     sb_ok = scale_row < op.SN      # box 1 of a layer's last column block may lie past N
     sb_ptr = op.b_scale + (expert.to(gl.int64) * op.SN + scale_row) * sk
-    acc = gl.full([t.BLOCK_M, t.BLOCK_N], 0.0, gl.float32, MMA)
-    d = acc
+    zero = gl.full([t.BLOCK_M, t.BLOCK_N], 0.0, gl.float32, MMA)
+    acc = zero
+    spare0 = zero
+    spare1 = zero
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
-    sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, 0)
-    for kk in range(k_steps):
-        # The next step's scales are loaded a step ahead: their latency hides behind
-        # this step's wgmmas (past the last step they are a harmless reload of its own).
-        sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
-                              gl.minimum(kk + 1, k_steps - 1) * t.BLOCK_K)
-        for j in gl.static_range(SLICES):
-            tok = _wgmma(a_bufs, x_bufs, ready, it + kk, j, d, t)
-            d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            acc += d * sc[:, None]
-        mbarrier.arrive(empty.index((it + kk) % t.STAGES), count=1)
-        sc = sc_next
+    for kk in range(0, k_steps, t.UNROLL):
+        acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                     t.UNROLL)
     return acc, it + k_steps
 
 
@@ -334,17 +366,21 @@ def consumer(a_bufs, x_bufs, ready, empty, tiles, tile_full, tile_free, op, gath
 
 
 # ------------------------------------------------------------------------ epilogue
-#: The epilogue's view of a tile: whole rows a warp -- two rows of ``BLOCK_N`` (a thread 8
-#: values, 32 bytes of the fp32 tile, 16 of a bf16 row) or of a half tile (4 values a
-#: thread, a row's e4m3 group half in 64 bytes), so stores are whole sectors and a row's
-#: amax is a reduction within its lanes.
-ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-HALF_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0]))
+#: The epilogue reads a tile in chunks of ``CHUNK`` columns: the consumers keep their
+#: registers for the K loop's three tiles (CONSUMER_REGS), which leaves this partition
+#: EPILOGUE_REGS, a chunk's worth of values a thread.
+CHUNK = constexpr(32)
+#: A chunk as the epilogue holds it: a warp four rows of 32 values, 4 a thread (16 bytes
+#: of the fp32 tile, a row's 32 e4m3 values in one sector).
+CHUNK_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+#: A bf16 chunk of 64 columns: 8 values a thread, 16-byte stores.
+WIDE = constexpr(64)
+WIDE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
 def _row_indices(row_start, n0, t, layout: gl.constexpr, COLS: gl.constexpr):
-    """Rows ``row_start:+BLOCK_M`` and columns ``n0:+COLS`` of a tile in ``layout``."""
+    """Rows ``row_start:+BLOCK_M`` and columns ``n0:+COLS`` of a chunk in ``layout``."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = n0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     return rows, cols
@@ -352,8 +388,8 @@ def _row_indices(row_start, n0, t, layout: gl.constexpr, COLS: gl.constexpr):
 
 @gluon.jit
 def _store(value, epi, op, t, row_start, row_end, n0):
-    """``EPILOGUE_STORE``: a tile (:data:`ROWS`) into ``out`` in its dtype."""
-    rows, cols = _row_indices(row_start, n0, t, ROWS, t.BLOCK_N)
+    """``EPILOGUE_STORE``: a chunk (:data:`WIDE_ROWS`) into ``out`` in its dtype."""
+    rows, cols = _row_indices(row_start, n0, t, WIDE_ROWS, WIDE)
     mask = (rows[:, None] < row_end) & (cols[None, :] < op.N)
     gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
              value.to(epi.out.dtype.element_ty), mask=mask)
@@ -361,11 +397,11 @@ def _store(value, epi, op, t, row_start, row_end, n0):
 
 @gluon.jit
 def _scatter(value, homes, op, t, row_start, row_end, n0):
-    """``EPILOGUE_SCATTER``: row ``r`` of a tile (:data:`ROWS`), times its routing weight,
-    into its token's slot ``pair_out[home[r]]`` on the token's rank (and the rest of its
-    group of ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's
-    layout."""
-    rows, cols = _row_indices(row_start, n0, t, ROWS, t.BLOCK_N)
+    """``EPILOGUE_SCATTER``: row ``r`` of a chunk (:data:`WIDE_ROWS`), times its routing
+    weight, into its token's slot ``pair_out[home[r]]`` on the token's rank (and the rest
+    of its group of ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this
+    kernel's layout."""
+    rows, cols = _row_indices(row_start, n0, t, WIDE_ROWS, WIDE)
     live = rows < row_end
     weight = gl.load(homes.weight + rows, mask=live, other=0.0)
     value = (value * weight[:, None]).to(homes.pair_out.local.dtype.element_ty)
@@ -385,64 +421,57 @@ def _scatter(value, homes, op, t, row_start, row_end, n0):
 
 @gluon.jit
 def _plain(tile, epi, op, t, row_start, row_end, n0):
-    value = tile.load(ROWS)
-    if t.EPILOGUE == EPILOGUE_SCATTER:
-        _scatter(value, epi, op, t, row_start, row_end, n0)
-    else:
-        _store(value, epi, op, t, row_start, row_end, n0)
+    """A tile's columns ``n0:+BLOCK_N`` stored or scattered, a chunk at a time."""
+    for c in gl.static_range(t.BLOCK_N // WIDE):
+        value = tile.slice(c * WIDE, WIDE, 1).load(WIDE_ROWS)
+        if t.EPILOGUE == EPILOGUE_SCATTER:
+            _scatter(value, epi, op, t, row_start, row_end, n0 + c * WIDE)
+        else:
+            _store(value, epi, op, t, row_start, row_end, n0 + c * WIDE)
 
 
 @gluon.jit
-def _over_scale(x, scale):
-    """``x / scale[:, None]`` rounded as one IEEE division (the recipe's, torch's) each:
-    the row's reciprocal once, then each quotient ``q0 = x r`` corrected once by its
-    residual, ``q = q0 + (x - q0 scale) r`` (two fma, the residual exact) -- the sequence of
-    the division's own fast path, less the per-value reciprocal and its range check (the
-    slow path's branch). The check guards subnormal and huge operands: a scale is at least
-    ``AMAX_EPS / 448``, and a subnormal value of h, whose quotient the correction might
-    round otherwise, is zero in e4m3 either way. A division per value made this the gated
-    epilogue's largest cost (a MUFU and a branch each)."""
-    r = gl.broadcast(gl.div_rn(gl.full_like(scale, 1.0), scale)[:, None], x)[0]
+def _over_scale(x, scale, r):
+    """``x / scale[:, None]`` rounded as one IEEE division (the recipe's, torch's) each,
+    from the row's reciprocal ``r`` (one division a row): each quotient ``q0 = x r``
+    corrected once by its residual, ``q = q0 + (x - q0 scale) r`` (two fma, the residual
+    exact) -- the sequence of the division's own fast path, less the per-value reciprocal
+    and its range check (the slow path's branch). The check guards subnormal and huge
+    operands: a scale is at least ``AMAX_EPS / 448``, and a subnormal value of h, whose
+    quotient the correction might round otherwise, is zero in e4m3 either way. A division
+    per value made this the gated epilogue's largest cost (a MUFU and a branch each)."""
+    r = gl.broadcast(r[:, None], x)[0]
     s = gl.broadcast(scale[:, None], x)[0]
     q0 = x * r
     return gl.fma(gl.fma(-q0, s, x), r, q0)
 
 
 @gluon.jit
-def _h_half(gate, up, op, t, row_start, n0, HALF: gl.constexpr):
-    """Columns ``HALF * BLOCK_N / 2:`` of the item's h tile from the gate and up tiles in
-    shared memory, columns past N zero, in :data:`HALF_ROWS`; and their rows' amax."""
-    W: gl.constexpr = t.BLOCK_N // 2
-    h = gated(gate.slice(HALF * W, W, 1).load(HALF_ROWS), up.slice(HALF * W, W, 1).load(HALF_ROWS),
-              t.ACT)
-    rows, cols = _row_indices(row_start, n0 + HALF * W, t, HALF_ROWS, W)
-    h = gl.where(cols[None, :] < op.N, h, 0.0)
-    return h, gl.max(gl.abs(h), axis=1)
-
-
-@gluon.jit
-def _store_q(h, scale, epi, op, t, row_start, row_end, n0):
-    """A half of h over its rows' ``scale``, saturated and stored in e4m3."""
-    rows, cols = _row_indices(row_start, n0, t, HALF_ROWS, t.BLOCK_N // 2)
-    q = gl.minimum(gl.maximum(_over_scale(h, scale), -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
-    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
-             mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
-
-
-@gluon.jit
 def _gated(gate, up, epi, op, t, row_start, row_end, n0):
     """``GATED``: the item's h tile, ``act(gate) * up``, quantized per row as one group of
     ``BLOCK_N`` columns (:func:`comet.kernels.fp8_gemm.quantize_groups`' recipe): its
-    e4m3 values and its rows' scale. In two column halves: a whole tile at once (gate,
-    up and h) would not fit this partition's registers."""
-    lo, amax_lo = _h_half(gate, up, op, t, row_start, n0, 0)
-    hi, amax_hi = _h_half(gate, up, op, t, row_start, n0, 1)
-    scale = gl.maximum(gl.maximum(amax_lo, amax_hi), AMAX_EPS) * SCALE_PER_AMAX
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, HALF_ROWS))
+    e4m3 values and its rows' scale. Two passes over the chunks: h and its rows' amax,
+    each chunk of h written back over its gate chunk (read by no one else); then each
+    chunk quantized and stored."""
+    amax = gl.full([t.BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, CHUNK_ROWS))
+    for c in gl.static_range(t.BLOCK_N // CHUNK):
+        g = gate.slice(c * CHUNK, CHUNK, 1)
+        h = gated(g.load(CHUNK_ROWS), up.slice(c * CHUNK, CHUNK, 1).load(CHUNK_ROWS), t.ACT)
+        rows, cols = _row_indices(row_start, n0 + c * CHUNK, t, CHUNK_ROWS, CHUNK)
+        h = gl.where(cols[None, :] < op.N, h, 0.0)
+        amax = gl.maximum(amax, gl.max(gl.abs(h), axis=1))
+        g.store(h)
+    scale = gl.maximum(amax, AMAX_EPS) * SCALE_PER_AMAX
+    r = gl.div_rn(gl.full_like(scale, 1.0), scale)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, CHUNK_ROWS))
     gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N) + n0 // t.BLOCK_N,
              scale, mask=rows < row_end)
-    _store_q(lo, scale, epi, op, t, row_start, row_end, n0)
-    _store_q(hi, scale, epi, op, t, row_start, row_end, n0 + t.BLOCK_N // 2)
+    for c in gl.static_range(t.BLOCK_N // CHUNK):
+        h = gate.slice(c * CHUNK, CHUNK, 1).load(CHUNK_ROWS)
+        q = gl.minimum(gl.maximum(_over_scale(h, scale, r), -E4M3_MAX), E4M3_MAX)
+        rows, cols = _row_indices(row_start, n0 + c * CHUNK, t, CHUNK_ROWS, CHUNK)
+        gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
+                 q.to(gl.float8e4nv), mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
 
 
 @gluon.jit
@@ -520,6 +549,16 @@ def fits(w: Fp8Weight, gated: bool) -> bool:
     return bn % BLOCK_N == 0 and bk % BLOCK_K == 0 and up_aligned and w.k % 16 == 0
 
 
+def unroll(k: int, promotion_k: int) -> int:
+    """K steps per drained group: the most, up to :data:`MAX_UNROLL`, dividing the steps
+    -- one where ``promotion_k`` splits a step into a chain of wgmmas (two steps of four
+    spilled layer0's kernel 1.7 KB at 168 registers)."""
+    if promotion_k < BLOCK_K:
+        return 1
+    steps = triton.cdiv(k, BLOCK_K)
+    return next(u for u in range(MAX_UNROLL, 0, -1) if steps % u == 0)
+
+
 class WsLaunch(NamedTuple):
     """One launch of :func:`fp8_ws_gemm_kernel`, its arguments built once (the same
     launch serves every call of a layer: its buffers are at fixed addresses)."""
@@ -575,8 +614,8 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     sn = w.scale_grid()[0]
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
     op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
-    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES, GROUP,
-                                           bn, bk, gated_)),
+    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
+                                           unroll(k, promotion_k), GROUP, bn, bk, gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
                   constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))

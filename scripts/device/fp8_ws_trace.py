@@ -98,6 +98,7 @@ def instrument(src: str, no_mma: bool = False) -> str:
     if no_mma:
         src = _sub(src, r"return warpgroup_mma\(a, b\.permute\(\(1, 0\)\), into, use_acc=False, "
                         r"is_async=True\)", "return into")
+        src = _sub(src, r"d = warpgroup_mma_wait\(num_outstanding=1, deps=\(tok, \)\)", "d = tok")
         src = _sub(src, r"d = warpgroup_mma_wait\(num_outstanding=0, deps=\(tok, \)\)", "d = tok")
     src = _sub(src, r"\n# -+ producer", _CLOCK + r"\g<0>")
     src = _sub(src, r"\n    K: int\n", "\n    K: int\n    stamps: torch.Tensor = None\n")
