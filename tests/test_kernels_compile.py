@@ -42,6 +42,6 @@ def test_all_kernels_compile_for_sm90():
     assert any(" pieces=0 " in line for line in ws), ws     # layer1's launch is checked
     pieces = [line for line in ws if " pieces=0 " not in line and " pieces=- " not in line]
     assert not pieces, pieces
-    # layer0's requantization: one division per row a thread holds (4), not per value.
+    # layer0's requantization: one division per row (4), not per value (64).
     gated = [line for line in ws if " divs=- " not in line]
     assert gated and all(" divs=4 " in line for line in gated), gated

@@ -5,24 +5,25 @@ must be complete before it is scaled into the fp32 accumulator (a dot whose resu
 op uses is made synchronous), so the tensor core idles while the CUDA cores promote. Here
 a one-warp producer partition streams the boxes through ``STAGES`` slots of shared memory
 with TMA, and the consumer warpgroups promote each wgmma's product while the next one
-runs, so neither unit waits for the other (docs/precision.md). By default it promotes every step's sum (128 K); ``promotion_k=32``
-every 32 K (four wgmmas on slices of a step's boxes), slower: a promotion per 32 K costs
-the CUDA cores what the wgmma costs the tensor cores (docs/notebook.md, "GEMMs").
+runs, so neither unit waits for the other (docs/precision.md). By default it promotes
+every step's sum (128 K); ``promotion_k=32`` every 32 K (four wgmmas on slices of a
+step's boxes), slower: a promotion per 32 K costs the CUDA cores what the wgmma costs the
+tensor cores (docs/notebook.md, "GEMMs").
 
 A work item is one m-tile of the plan's table (``BLOCK_M`` = 64 rows of one expert) times
 two boxes of B, each ``BLOCK_N`` rows (K-major, the checkpoint's ``[E, N, K]``), on two
-consumer partitions of one warpgroup each that share the A box, each handing its finished
-fp32 tile in shared memory to an epilogue partition (a warpgroup of its own), and going on
-with the next item's K loop while the epilogue works: with the epilogue in the consumers,
-both ran it at once and the tensor core idled for it (2.3-2.6 us an item of layer0, 30%
-of qwen2-moe's 16-step items: docs/notebook.md, "GEMMs"):
+consumer partitions of one warpgroup each that share the A box:
 
 * layer0 (``GATED``): box 0 the gate rows ``n0:+BLOCK_N``, box 1 the up rows ``N + n0:``;
-  the epilogue applies the gated activation, and quantizes each row of h as one group of
-  the recipe (:func:`comet.kernels.fp8_gemm.quantize_groups`), stored in FP8 with its
-  scale;
-* layer1: boxes 0 and 1 the columns ``n0:+BLOCK_N`` and ``n0 + BLOCK_N:``, the epilogue
-  storing both tiles -- into a bf16 ``out`` (``EPILOGUE_STORE``), or, weighted, into their
+  the epilogue is split by columns between the two partitions, each handing the other
+  half of its fp32 tile over in shared memory (gate keeps the left half, up the right):
+  each applies the gated activation to its ``BLOCK_N / 2`` columns, the two trade their
+  rows' partial amax, and each quantizes its half of the row's one group of the recipe
+  (:func:`comet.kernels.fp8_gemm.quantize_groups`) and stores it in FP8. Half the
+  epilogue each, not all of it on one partition while the other stalls a ring's depth
+  into the next item: with K = 2048 (16 steps) the epilogue is a large part of an item;
+* layer1: boxes 0 and 1 the columns ``n0:+BLOCK_N`` and ``n0 + BLOCK_N:``, each partition
+  storing its own tile -- into a bf16 ``out`` (``EPILOGUE_STORE``), or, weighted, into its
   rows' token slots (``EPILOGUE_SCATTER``, :func:`comet.kernels.layer1.scatter_home`'s
   epilogue).
 
@@ -63,15 +64,11 @@ BLOCK_M = 64
 BLOCK_N = GROUP
 #: K per step: one scale of A and of B per step.
 BLOCK_K = GROUP
-#: Shared-memory slots of the ring: 40 KiB each (A box and two B boxes); four fit beside
-#: the two 32 KiB tiles handed to the epilogue (224 KiB of the 227).
+#: Shared-memory slots of the ring: 40 KiB each (A box and two B boxes).
 STAGES = 4
-#: Registers a thread of each partition: the consumers hold an accumulator and two product
-#: tiles (192), the epilogue a 64 x 32 chunk of a tile at a time, the producer warp only
-#: issues copies (setmaxnreg counts it as a warpgroup: 4 x 128 in all).
-CONSUMER_REGS = constexpr(208)
-EPILOGUE_REGS = constexpr(72)
-PRODUCER_REGS = constexpr(24)
+#: Registers of the producer warp (it only issues TMA copies) and of the second consumer.
+PRODUCER_REGS = constexpr(40)
+CONSUMER_REGS = constexpr(232)
 #: Most K steps per drained group of :func:`_steps`: a wgmma's register tile never
 #: crosses a loop edge (a copy of one in flight made ptxas serialize every wgmma, C7514).
 MAX_UNROLL = 2
@@ -114,6 +111,7 @@ class WsTile(NamedTuple):
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
     A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
+    SKEW: gl.constexpr         # consumer 1's drained groups a step out of phase (WsSchedule)
 
 
 class WsOperands(NamedTuple):
@@ -232,12 +230,20 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t
 #: A consumer warpgroup's accumulator: wgmma's register layout, four warps of 16 rows.
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, BLOCK_N, 32]))
-#: A consumer's finished fp32 tile on its way to the epilogue partition, written in the
-#: accumulator's layout (a warp's store: 8 rows x 32 bytes, rows of 128 fp32 on the same
-#: banks) and read whole rows a warp: XOR-ing 32-byte blocks by the row spreads the 8 rows
-#: over every bank (an unswizzled buffer serializes them 8-way) and keeps each thread's
-#: 32 bytes of a row together for the reads.
-TILE_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+#: h's FP8 half tile as layer0 stores it: 16 bytes of a row per thread.
+ROW_STORE = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+#: A bf16 tile as layer1 stores it: 16 bytes of a row per thread, a warp two whole rows of
+#: ``BLOCK_N``. The accumulator's layout gives a thread two adjacent values of a row: a
+#: warp's store then writes 16 bytes of each of 8 rows, half a sector each, in four times
+#: the instructions.
+BF16_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+#: A half tile handed over in shared memory, written and read in the accumulator's
+#: layout: a warp's access is 8 rows x 4 pairs of columns, and rows of 64 fp32 lie on the
+#: same banks; XOR-ing 32-byte blocks by the row spreads the 8 rows over every bank (an
+#: unswizzled buffer serializes them 8-way).
+XBUF = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+#: The rows' partial amax traded between the two halves.
+ABUF = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -339,72 +345,57 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     spare0 = zero
     spare1 = zero
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
-    for kk in range(0, k_steps, t.UNROLL):
+    if t.SKEW and BOX == 1 and t.UNROLL == 2:
+        # Out of phase with consumer 0 (one step alone first and last, pairs between):
+        # each group ends in a drain, in which the tensor core has only the other
+        # consumer's wgmma to run; in phase, both drain at once.
+        acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it,
+                                     0, sa_ptr, live, sb_ptr, sb_ok, op, t, 1)
+        for kk in range(1, k_steps - 1, 2):
+            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, 2)
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
-                                     t.UNROLL)
+                                     it + k_steps - 1, k_steps - 1, sa_ptr, live, sb_ptr,
+                                     sb_ok, op, t, 1)
+    else:
+        for kk in range(0, k_steps, t.UNROLL):
+            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
+                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                         t.UNROLL)
     return acc, it + k_steps
 
 
 @gluon.jit
-def consumer(a_bufs, x_bufs, ready, empty, tiles, tile_full, tile_free, op, gather, t,
-             BOX: gl.constexpr):
-    """Box ``BOX`` of every item: its fp32 tile over K, handed to the epilogue partition
-    in shared memory (``tiles[BOX]``, once the epilogue has read the last one) -- the
-    next item's K loop starts while the epilogue works on this one's."""
-    n_blocks = gl.cdiv(op.N, _item_cols(t))
-    it = 0
-    j = 0
-    for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
-        expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
-                            op, gather, t, BOX)
-        mbarrier.wait(tile_free.index(BOX), (j & 1) ^ 1)
-        tiles.index(BOX).store(acc)
-        mbarrier.arrive(tile_full.index(BOX), count=1)
-        j += 1
-
-
-# ------------------------------------------------------------------------ epilogue
-#: The epilogue reads a tile in chunks of ``CHUNK`` columns: the consumers keep their
-#: registers for the K loop's three tiles (CONSUMER_REGS), which leaves this partition
-#: EPILOGUE_REGS, a chunk's worth of values a thread.
-CHUNK = constexpr(32)
-#: A chunk as the epilogue holds it: a warp four rows of 32 values, 4 a thread (16 bytes
-#: of the fp32 tile, a row's 32 e4m3 values in one sector).
-CHUNK_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
-#: A bf16 chunk of 64 columns: 8 values a thread, 16-byte stores.
-WIDE = constexpr(64)
-WIDE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+def _as_rows(value, row_start, n0, t):
+    """``(value, rows, cols)``: a tile of the item's rows ``row_start:`` and columns
+    ``n0:``, from the accumulator's layout into :data:`BF16_ROWS` (whole rows a warp),
+    with its rows' and columns' indices in that layout."""
+    value = gl.convert_layout(value, BF16_ROWS)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, BF16_ROWS))
+    cols = n0 + gl.arange(0, t.BLOCK_N, layout=gl.SliceLayout(0, BF16_ROWS))
+    return value, rows, cols
 
 
 @gluon.jit
-def _row_indices(row_start, n0, t, layout: gl.constexpr, COLS: gl.constexpr):
-    """Rows ``row_start:+BLOCK_M`` and columns ``n0:+COLS`` of a chunk in ``layout``."""
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = n0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    return rows, cols
-
-
-@gluon.jit
-def _store(value, epi, op, t, row_start, row_end, n0):
-    """``EPILOGUE_STORE``: a chunk (:data:`WIDE_ROWS`) into ``out`` in its dtype."""
-    rows, cols = _row_indices(row_start, n0, t, WIDE_ROWS, WIDE)
+def _store(acc, epi, op, t, row_start, row_end, n0):
+    """``EPILOGUE_STORE``: the tile into ``out`` in its dtype, whole rows a warp."""
+    value, rows, cols = _as_rows(acc.to(epi.out.dtype.element_ty), row_start, n0, t)
     mask = (rows[:, None] < row_end) & (cols[None, :] < op.N)
-    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
-             value.to(epi.out.dtype.element_ty), mask=mask)
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], value, mask=mask)
 
 
 @gluon.jit
-def _scatter(value, homes, op, t, row_start, row_end, n0):
-    """``EPILOGUE_SCATTER``: row ``r`` of a chunk (:data:`WIDE_ROWS`), times its routing
-    weight, into its token's slot ``pair_out[home[r]]`` on the token's rank (and the rest
-    of its group of ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this
-    kernel's layout."""
-    rows, cols = _row_indices(row_start, n0, t, WIDE_ROWS, WIDE)
+def _scatter(acc, homes, op, t, row_start, row_end, n0):
+    """``EPILOGUE_SCATTER``: row ``r`` of the tile, times its routing weight, into its
+    token's slot ``pair_out[home[r]]`` on the token's rank (and the rest of its group of
+    ``FANOUT``): :func:`comet.kernels.layer1.scatter_home` on this kernel's layout."""
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    weight = gl.load(homes.weight + rows, mask=rows < row_end, other=0.0)
+    # Weighted in the accumulator's layout (two rows a thread), stored whole rows a warp
+    # (BF16_ROWS: eight rows a thread, whose destinations are loaded in that layout).
+    value, rows, cols = _as_rows(
+        (acc * weight[:, None]).to(homes.pair_out.local.dtype.element_ty), row_start, n0, t)
     live = rows < row_end
-    weight = gl.load(homes.weight + rows, mask=live, other=0.0)
-    value = (value * weight[:, None]).to(homes.pair_out.local.dtype.element_ty)
     home = gl.load(homes.home + rows, mask=live, other=0)
     mask = live[:, None] & (cols[None, :] < op.N)
     rank = home // homes.slots
@@ -413,85 +404,111 @@ def _scatter(value, homes, op, t, row_start, row_end, n0):
         base = gl.load(homes.pair_out.peers + (rank - rank % homes.FANOUT + q), mask=live,
                        other=0)
         # Symmetric buffers are ADDRESS_ALIGN-aligned (comet.kernels.address): said so,
-        # a thread's adjacent values are one store, not 2-byte ones.
+        # a thread's two adjacent values are one store, not two 2-byte ones.
         ptr = gl.multiple_of(base.to(gl.pointer_type(homes.pair_out.local.dtype.element_ty)),
                              ADDRESS_ALIGN) + offset
         gl.store(ptr[:, None] + cols[None, :], value, mask=mask)
 
 
 @gluon.jit
-def _plain(tile, epi, op, t, row_start, row_end, n0):
-    """A tile's columns ``n0:+BLOCK_N`` stored or scattered, a chunk at a time."""
-    for c in gl.static_range(t.BLOCK_N // WIDE):
-        value = tile.slice(c * WIDE, WIDE, 1).load(WIDE_ROWS)
-        if t.EPILOGUE == EPILOGUE_SCATTER:
-            _scatter(value, epi, op, t, row_start, row_end, n0 + c * WIDE)
-        else:
-            _store(value, epi, op, t, row_start, row_end, n0 + c * WIDE)
+def _epilogue(acc, epi, op, t, row_start, row_end, n0):
+    if t.EPILOGUE == EPILOGUE_SCATTER:
+        _scatter(acc, epi, op, t, row_start, row_end, n0)
+    else:
+        _store(acc, epi, op, t, row_start, row_end, n0)
 
 
 @gluon.jit
-def _over_scale(x, scale, r):
-    """``x / scale[:, None]`` rounded as one IEEE division (the recipe's, torch's) each,
-    from the row's reciprocal ``r`` (one division a row): each quotient ``q0 = x r``
-    corrected once by its residual, ``q = q0 + (x - q0 scale) r`` (two fma, the residual
-    exact) -- the sequence of the division's own fast path, less the per-value reciprocal
-    and its range check (the slow path's branch). The check guards subnormal and huge
-    operands: a scale is at least ``AMAX_EPS / 448``, and a subnormal value of h, whose
-    quotient the correction might round otherwise, is zero in e4m3 either way. A division
-    per value made this the gated epilogue's largest cost (a MUFU and a branch each)."""
-    r = gl.broadcast(r[:, None], x)[0]
+def _halves(acc):
+    """The column halves ``(acc[:, :n/2], acc[:, n/2:])`` of a tile, each thread keeping
+    its own registers."""
+    m: gl.constexpr = acc.shape[0]
+    n: gl.constexpr = acc.shape[1]
+    return acc.reshape([m, 2, n // 2]).permute(0, 2, 1).split()
+
+
+@gluon.jit
+def _trade(mine, bufs, full, free, j, BOX: gl.constexpr):
+    """Hands ``mine`` to the other partition through ``bufs[BOX]`` and returns what it
+    handed over in ``bufs[1 - BOX]`` (same shape and layout), for the item counted ``j``;
+    each buffer is written again once its reader freed it."""
+    mbarrier.wait(free.index(BOX), (j & 1) ^ 1)
+    bufs.index(BOX).store(mine)
+    mbarrier.arrive(full.index(BOX), count=1)
+    mbarrier.wait(full.index(1 - BOX), j & 1)
+    theirs = bufs.index(1 - BOX).load(mine.type.layout)
+    mbarrier.arrive(free.index(1 - BOX), count=1)
+    return theirs
+
+
+@gluon.jit
+def _over_scale(x, scale):
+    """``x / scale[:, None]`` rounded as one IEEE division (the recipe's, torch's) each:
+    the row's reciprocal once, then each quotient ``q0 = x r`` corrected once by its
+    residual, ``q = q0 + (x - q0 scale) r`` (two fma, the residual exact) -- the sequence of
+    the division's own fast path, less the per-value reciprocal and its range check (the
+    slow path's branch). The check guards subnormal and huge operands: a scale is at least
+    ``AMAX_EPS / 448``, and a subnormal value of h, whose quotient the correction might
+    round otherwise, is zero in e4m3 either way. A division per value made this the gated
+    epilogue's largest cost (a MUFU and a branch each, 32 a thread)."""
+    r = gl.broadcast(gl.div_rn(gl.full_like(scale, 1.0), scale)[:, None], x)[0]
     s = gl.broadcast(scale[:, None], x)[0]
     q0 = x * r
     return gl.fma(gl.fma(-q0, s, x), r, q0)
 
 
 @gluon.jit
-def _gated(gate, up, epi, op, t, row_start, row_end, n0):
-    """``GATED``: the item's h tile, ``act(gate) * up``, quantized per row as one group of
-    ``BLOCK_N`` columns (:func:`comet.kernels.fp8_gemm.quantize_groups`' recipe): its
-    e4m3 values and its rows' scale. Two passes over the chunks: h and its rows' amax,
-    each chunk of h written back over its gate chunk (read by no one else); then each
-    chunk quantized and stored."""
-    amax = gl.full([t.BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, CHUNK_ROWS))
-    for c in gl.static_range(t.BLOCK_N // CHUNK):
-        g = gate.slice(c * CHUNK, CHUNK, 1)
-        h = gated(g.load(CHUNK_ROWS), up.slice(c * CHUNK, CHUNK, 1).load(CHUNK_ROWS), t.ACT)
-        rows, cols = _row_indices(row_start, n0 + c * CHUNK, t, CHUNK_ROWS, CHUNK)
-        h = gl.where(cols[None, :] < op.N, h, 0.0)
-        amax = gl.maximum(amax, gl.max(gl.abs(h), axis=1))
-        g.store(h)
+def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
+                row_start, row_end, n0, BOX: gl.constexpr):
+    """``GATED``: this partition's half of the item's h tile (the gate partition the left
+    columns, the up one the right), from its own fp32 tile (gate or up) and the other's
+    half handed over; quantized per row as one group of ``BLOCK_N`` columns with the
+    other half's amax, its e4m3 values stored (and by the gate partition the scale)."""
+    HALF: gl.constexpr = t.BLOCK_N // 2
+    lo, hi = _halves(acc)
+    if BOX == 0:
+        gate = lo
+        up = _trade(hi, xbufs, x_full, x_free, j, BOX)
+    else:
+        up = hi
+        gate = _trade(lo, xbufs, x_full, x_free, j, BOX)
+    h = gated(gate, up, t.ACT)
+    layout: gl.constexpr = h.type.layout
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    h = gl.where(cols[None, :] < op.N, h, 0.0)
+    amax = gl.max(gl.abs(h), axis=1)
+    amax = gl.maximum(amax, _trade(amax, abufs, a_full, a_free, j, BOX))
     scale = gl.maximum(amax, AMAX_EPS) * SCALE_PER_AMAX
-    r = gl.div_rn(gl.full_like(scale, 1.0), scale)
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, CHUNK_ROWS))
-    gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N) + n0 // t.BLOCK_N,
-             scale, mask=rows < row_end)
-    for c in gl.static_range(t.BLOCK_N // CHUNK):
-        h = gate.slice(c * CHUNK, CHUNK, 1).load(CHUNK_ROWS)
-        q = gl.minimum(gl.maximum(_over_scale(h, scale, r), -E4M3_MAX), E4M3_MAX)
-        rows, cols = _row_indices(row_start, n0 + c * CHUNK, t, CHUNK_ROWS, CHUNK)
-        gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :],
-                 q.to(gl.float8e4nv), mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
+    q = gl.minimum(gl.maximum(_over_scale(h, scale), -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+    if BOX == 0:
+        gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N)
+                 + n0 // t.BLOCK_N, scale, mask=rows < row_end)
+    # A thread of the accumulator holds two adjacent values (2-byte stores): 16 a thread.
+    q = gl.convert_layout(q, ROW_STORE)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, ROW_STORE))
+    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ROW_STORE))
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
+             mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
 
 
 @gluon.jit
-def epilogue(tiles, tile_full, tile_free, epi, op, t):
-    """Every item's epilogue from the two consumers' tiles, while they run the next
-    item's K loop: with ``GATED`` h from the gate (box 0) and up (box 1) tiles, else each
-    box's columns stored or scattered. A tile is freed for its consumer once read."""
+def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full, a_free,
+             epi, op, gather, t, BOX: gl.constexpr):
+    """Box ``BOX`` of every item: its columns get the layer's epilogue, or with ``GATED``
+    half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
+    it = 0
     j = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        mbarrier.wait(tile_full.index(0), j & 1)
-        mbarrier.wait(tile_full.index(1), j & 1)
+        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
+                            op, gather, t, BOX)
         if t.GATED:
-            _gated(tiles.index(0), tiles.index(1), epi, op, t, row_start, row_end, n0)
+            _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
+                        row_start, row_end, n0, BOX)
         else:
-            _plain(tiles.index(0), epi, op, t, row_start, row_end, n0)
-            _plain(tiles.index(1), epi, op, t, row_start, row_end, n0 + t.BLOCK_N)
-        mbarrier.arrive(tile_free.index(0), count=1)
-        mbarrier.arrive(tile_free.index(1), count=1)
+            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
         j += 1
 
 
@@ -499,9 +516,8 @@ def epilogue(tiles, tile_full, tile_free, epi, op, t):
 @gluon.jit
 def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
     """Persistent programs striding over the work items (m-tile x column block, in
-    layer0's grouped order, comet.kernels.group_gemm.grouped_work): the producer warp,
-    the two consumer warpgroups and the epilogue warpgroup of
-    :mod:`this module <comet.kernels.fp8_ws>`.
+    layer0's grouped order, comet.kernels.group_gemm.grouped_work): the producer warp
+    and the two consumer warpgroups of :mod:`this module <comet.kernels.fp8_ws>`.
 
     a_desc, b_desc: TMA descriptors of A (FP8 rows, box ``[BLOCK_M, BLOCK_K]``; None with
     ``A_GATHER``) and B (``[E * NB, K]``, box ``[BLOCK_N, BLOCK_K]``); op:
@@ -516,9 +532,18 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
                                        b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
-    tiles = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M, t.BLOCK_N], TILE_SMEM)
-    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # GATED: each partition's half tile and rows' amax on their way to the other (one
+    # element each, unused, else).
+    if t.GATED:
+        xbufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M, t.BLOCK_N // 2], XBUF)
+        abufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M], ABUF)
+    else:
+        xbufs = gl.allocate_shared_memory(gl.float32, [2, 1, 1], XBUF)
+        abufs = gl.allocate_shared_memory(gl.float32, [2, 1], ABUF)
+    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    a_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(t.STAGES):
         # The TMA bytes' expect; with A_GATHER also each producer lane's cp.async arrive.
         if t.A_GATHER:
@@ -528,16 +553,17 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
         # Both consumers read every slot; an arrive is one per partition.
         mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
-        mbarrier.init(tile_full.index(i), count=1)
-        mbarrier.init(tile_free.index(i), count=1)
+        mbarrier.init(x_full.index(i), count=1)
+        mbarrier.init(x_free.index(i), count=1)
+        mbarrier.init(a_full.index(i), count=1)
+        mbarrier.init(a_free.index(i), count=1)
     gl.warp_specialize([
-        (consumer, (a_bufs, b_bufs, ready, empty, tiles, tile_full, tile_free, op, gather, t,
-                    0)),
-        (consumer, (a_bufs, c_bufs, ready, empty, tiles, tile_full, tile_free, op, gather, t,
-                    1)),
-        (epilogue, (tiles, tile_full, tile_free, epi, op, t)),
+        (consumer, (a_bufs, b_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
+                    a_free, epi, op, gather, t, 0)),
+        (consumer, (a_bufs, c_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
+                    a_free, epi, op, gather, t, 1)),
         (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t)),
-    ], [4, 4, 1], [CONSUMER_REGS, EPILOGUE_REGS, PRODUCER_REGS])
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------- host
@@ -559,6 +585,24 @@ def unroll(k: int, promotion_k: int) -> int:
     return next(u for u in range(MAX_UNROLL, 0, -1) if steps % u == 0)
 
 
+class WsSchedule(NamedTuple):
+    """How the kernel runs its ring and consumers, the default being what the layer runs;
+    the other values are experiments a GPU run has not yet decided
+    (scripts/device/fp8_ws_probe.py ``--skew``, ``--stages``)."""
+
+    stages: int = STAGES   # slots of the ring, 40 KiB each: 5 fit beside a plain
+                           # epilogue, not beside the gated one's exchange buffers
+    skew: bool = False     # the second consumer drains its pairs of K steps a step out
+                           # of phase with the first (the same sums in the same order)
+
+    def check(self, gated: bool) -> None:
+        """A ValueError for a ring the kernel's shared memory cannot hold."""
+        most = STAGES if gated else STAGES + 1
+        if not 2 <= self.stages <= most:
+            raise ValueError(f"the warp-specialized FP8 GEMM's ring holds 2-{STAGES} slots "
+                             f"gated, 2-{STAGES + 1} plain; got {self.stages}")
+
+
 class WsLaunch(NamedTuple):
     """One launch of :func:`fp8_ws_gemm_kernel`, its arguments built once (the same
     launch serves every call of a layer: its buffers are at fixed addresses)."""
@@ -578,7 +622,8 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
             tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
-            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
+            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K,
+            schedule: WsSchedule = WsSchedule()) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
     :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
@@ -586,8 +631,9 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
     ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
-    :class:`comet.quant.Fp8`."""
+    :class:`comet.quant.Fp8`. ``schedule``: :class:`WsSchedule`."""
     gated_ = activation is not None
+    schedule.check(gated_)
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
@@ -614,11 +660,13 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     sn = w.scale_grid()[0]
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
     op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
-    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m, STAGES,
-                                           unroll(k, promotion_k), GROUP, bn, bk, gated_)),
+    tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m,
+                                           schedule.stages, unroll(k, promotion_k), GROUP,
+                                           bn, bk, gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None),
+                  constexpr(schedule.skew))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     a_desc = (None if gather is not None else
               TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], A_SMEM.value))
@@ -629,15 +677,15 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
 
 def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  promotion_k: int = BLOCK_K,
-                  out: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
+                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None,
+                  schedule: WsSchedule = WsSchedule()) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
     :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
     (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
     ``programs``: persistent programs (default: one per work item). ``out``: the bf16
-    output to write (not with ``activation``)."""
+    output to write (not with ``activation``). ``schedule``: as :func:`ws_gemm`."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
         check_m_tiles(tiles, BLOCK_M)
@@ -661,7 +709,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k)
+                     promotion_k=promotion_k, schedule=schedule)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))

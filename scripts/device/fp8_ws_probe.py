@@ -1,12 +1,12 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--k-sweep [K ...]]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--skew] [--stages N] [--k-sweep [K ...]]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
 For each preset and token count: ``tokens * top_k`` rows spread evenly over the experts,
 each a copy of one of ``tokens`` quantized token rows (as a dispatch places them); the
 layer's ``[E, 2F, H]`` weights in 128x128 blocks; a persistent grid of one program per SM,
-as the layer launches it. Timed (do_bench medians, two alternating rounds, the faster
-kept):
+as the layer launches it (before ``a0b81fd``: one program per item, which hid whatever
+overlaps items). Timed (do_bench medians, two alternating rounds, the faster kept):
 
 * ``gated``      -- this tree's kernel, as layer0 runs it on placed rows;
 * ``gather-gated`` -- the same reading each row through the index from the tokens'
@@ -15,14 +15,19 @@ kept):
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference;
-* ``base-plain`` -- with ``--base``, that tree's kernel on the plain GEMM too.
+* ``skew-gated``, ``skew-plain`` -- with ``--skew``, both with the second consumer's
+  drained pairs of K steps a step out of phase (``WsSchedule(skew=True)``), whose outputs
+  must equal the unskewed ones byte for byte (the same sums in the same order);
+* ``stages-plain`` -- with ``--stages N``, the plain GEMM on a ring of N slots (5 fit
+  beside its epilogue; the gated one's buffers leave room for 4), its output equal to
+  the 4-slot one's byte for byte.
 
 With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
 layer runs it, and a fit of its time into a cost per K step and a cost per item.
 
 Checks: h of the first two experts against the fp32 emulation (scales within 1e-3, the
 dequantized tile within rel L2 1e-2); the gathered h equal to the placed one's, and with
-``--base`` to the base kernel's, byte for byte (and the plain outputs the same). Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
+``--base`` to the base kernel's, byte for byte. Writes ``$OUT/fp8-ws-probe.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dict:
+def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
+          skew: bool = False, stages: int = 0) -> dict:
     e, k, hid, f = shape(name)
     per = tokens * k // e
     rows = [per] * e
@@ -118,10 +124,21 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     if gather:
         calls["gather-gated"] = lambda: kernels[""].ws_group_gemm(
             Fp8Gather(src, packed, packed.shape[1]), w, tiles, activation=SILU, programs=sms)
-    for label, mod in kernels.items():
-        y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
-        calls[label + "plain"] = lambda mod=mod, y=y: mod.ws_group_gemm(x, w, tiles, out=y,
-                                                                        programs=sms)
+    plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
+    calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out,
+                                                       programs=sms)
+    if skew:
+        skew_out = torch.empty_like(plain_out)
+        skewed = kernels[""].WsSchedule(skew=True)
+        calls["skew-gated"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, activation=SILU,
+                                                                schedule=skewed, programs=sms)
+        calls["skew-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=skew_out,
+                                                                schedule=skewed, programs=sms)
+    if stages:
+        stages_out = torch.empty_like(plain_out)
+        ring = kernels[""].WsSchedule(stages=stages)
+        calls["stages-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=stages_out,
+                                                                  schedule=ring, programs=sms)
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
@@ -147,10 +164,17 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
         if other in outs:
             rec[equal] = same_h(outs[other], h)
             rec["ok"] = rec["ok"] and rec[equal]
-    if "base-plain" in outs:
-        rec["plain_equal_to_base"] = bool(torch.equal(outs["base-plain"], outs["plain"]))
-        rec["ok"] = rec["ok"] and rec["plain_equal_to_base"]
-        rec["plain_over_base"] = rec["plain_us"] / rec["base-plain_us"]
+    if skew:
+        rec["skew_equal"] = same_h(outs["skew-gated"], h) and bool(
+            torch.equal(outs["skew-plain"], outs["plain"]))
+        rec["ok"] = rec["ok"] and rec["skew_equal"]
+        rec["skew_over_gated"] = rec["skew-gated_us"] / rec["gated_us"]
+        rec["skew_over_plain"] = rec["skew-plain_us"] / rec["plain_us"]
+    if stages:
+        rec["stages"] = stages
+        rec["stages_equal"] = bool(torch.equal(outs["stages-plain"], outs["plain"]))
+        rec["ok"] = rec["ok"] and rec["stages_equal"]
+        rec["stages_over_plain"] = rec["stages-plain_us"] / rec["plain_us"]
     if "gather-gated" in outs:
         rec["gather_over_placed"] = rec["gather-gated_us"] / rec["gated_us"]
     if "base-gated" in outs:
@@ -204,6 +228,10 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
+    ap.add_argument("--skew", action="store_true",
+                    help="also this tree's kernel with WsSchedule(skew=True), gated and plain")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="also the plain GEMM on a ring of this many slots (5 fit)")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
                     help="also the plain GEMM at one M, N and these K (default 512 1024 "
                          "2048 4096 8192) on a persistent grid: per-step and per-item cost")
@@ -220,7 +248,8 @@ def main() -> None:
     for i, name in enumerate(args.configs):
         for tokens in args.tokens:
             try:
-                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather)
+                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather,
+                            skew=args.skew, stages=args.stages)
             except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
                 rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
             result["records"].append(rec)
@@ -233,8 +262,8 @@ def main() -> None:
     result["elapsed_s"] = time.time() - start
     write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
     print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
-          f"{'new/base':>8s} {'plain TF/s':>10s} {'plain new/base':>14s} "
-          f"{'gather/placed':>13s} {'ok':>5s}")
+          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} "
+          f"{'skew/gated':>10s} {'skew/plain':>10s} {'stages/plain':>12s} {'ok':>5s}")
     for r in result["records"]:
         if "error" in r:
             print(f"{r['config']:20s} {r['tokens']:6d} {r['error'][:60]}")
@@ -242,8 +271,10 @@ def main() -> None:
         print(f"{r['config']:20s} {r['tokens']:6d} {r['gated_tflops']:10.1f} "
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
-              f"{r.get('plain_over_base', float('nan')):14.3f} "
-              f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
+              f"{r.get('gather_over_placed', float('nan')):13.3f} "
+              f"{r.get('skew_over_gated', float('nan')):10.3f} "
+              f"{r.get('skew_over_plain', float('nan')):10.3f} "
+              f"{r.get('stages_over_plain', float('nan')):12.3f} {str(r['ok']):>5s}")
     sweep = result.get("k_sweep")
     if sweep:
         print(f"\nplain GEMM, {sweep['items']} items of 64 x 256 on {sweep['programs']} "

@@ -1,32 +1,27 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--skew] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
 """Where an item of the warp-specialized FP8 GEMM (comet.kernels.fp8_ws) spends its time:
 ``%clock64`` stamps per item of every program, on one GPU.
 
-The kernel's source (this tree's, and with ``--base`` another checkout's of the same
-structure) is loaded as an instrumented copy (:func:`instrument`): each consumer partition
-stamps an item's start (before its table entries), the end of its K loop and the end of its
-handoff (the tile stored for the epilogue partition); the epilogue partition stamps when
-both tiles are in and when it is done; the producer stamps the item's start and when it
-issued the item's last step (``--no-mma``: also a copy with every wgmma taken out, each
-slot still waited for, its garbage promoted and the slot released -- what moving the boxes
-through the ring costs a step without the tensor core). The GEMM then runs once on a
-persistent grid of one program per SM (``--programs``: also fewer; a K step that costs
-fewer cycles on half the SMs is bound by something they share, L2's bandwidth say, not by
-the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread evenly over
-the experts, 128x128-block weights), gated as layer0 runs it and plain (bf16 store,
-layer1's shape of epilogue), and the stamps are summarized as medians over items (each
-program's first item left out):
+The kernel's source (this tree's, and with ``--base`` another checkout's) is loaded as an
+instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
+(before its table entries), the end of its K loop and the end of its epilogue; the producer
+stamps the item's start and when it issued the item's last step (``--skew``: this tree's
+kernel also with ``WsSchedule(skew=True)``; ``--no-mma``: also a copy with every wgmma taken
+out, each slot still waited for, its garbage promoted and the slot released -- what moving
+the boxes through the ring costs a step without the tensor core). The GEMM then runs once
+on a persistent grid of one program per SM (``--programs``: also fewer; a K step that
+costs fewer cycles on half the SMs is bound by something they share, L2's bandwidth say,
+not by the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread
+evenly over the experts, 128x128-block weights), gated as layer0 runs it and plain (bf16
+store, layer1's shape of epilogue), and the stamps are summarized as medians over items
+(each program's first item left out):
 
 * ``kloop``  -- an item's K loop, per consumer (``cyc/step``: its cycles over the K steps);
-* ``handoff`` -- its tile into shared memory, waiting first for the epilogue to have read
-  the last one (a long handoff: the epilogue is the bottleneck);
-* ``gap``    -- from one item's handoff end to the next item's start;
-* ``epi``    -- the epilogue partition's work on an item (it overlaps the next K loop);
-* ``epi_wait`` -- the epilogue partition idle, from one item's end until both tiles of
-  the next are in;
+* ``epi``    -- its epilogue: the tensor core idles for it, both consumers work one item in
+  lockstep (``skew``: consumer 1's K-loop end minus consumer 0's);
+* ``gap``    -- from one item's epilogue end to the next item's start;
 * ``lead``   -- how far the producer started the item before consumer 0;
-* ``skew``   -- consumer 1's K-loop end minus consumer 0's;
-* ``outside`` -- the share of a consumer's item outside its K loop (handoff and gap).
+* ``outside`` -- the share of an item outside its K loop (epilogue and gap).
 
 Microseconds use the clock estimated from the programs' spans over the kernel's time
 (``do_bench`` median, uninstrumented stamps included: a stamp is a register read and, per
@@ -56,9 +51,9 @@ from comet.quant import quantize_rows  # noqa: E402
 
 #: Items a program may stamp (deepseek-v3-like's layer0 at 16384 tokens: 248).
 MAX_ITEMS = 4096
-#: int64 stamps per item: consumer 0's start, K-loop end, handoff end; consumer 1's three;
-#: the producer's start and last issue; the epilogue partition's start and end.
-STAMPS = 10
+#: int64 stamps per item: consumer 0's start, K-loop end, epilogue end; consumer 1's three;
+#: the producer's start and last issue.
+STAMPS = 8
 
 _CLOCK = '''
 STAMPS = [None]
@@ -125,16 +120,6 @@ def instrument(src: str, no_mma: bool = False) -> str:
                 "        gl.store(at, t0)\n        gl.store(at + 1, t1)\n"
                 "        gl.store(at + 2, t2)\n"
                 "        j += 1\n")
-    src = src[:a] + body + src[b:]
-    a, b = _function(src, "epilogue")
-    body = src[a:b]
-    body = _sub(body, r"(\n        mbarrier\.wait\(tile_full\.index\(1\), j & 1\)\n)",
-                r"\1        e0 = _clock(j)\n")
-    body = _sub(body, r"\n        j \+= 1\n",
-                "\n        e1 = _clock(j)\n"
-                f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS} + 8\n"
-                "        gl.store(at, e0)\n        gl.store(at + 1, e1)\n"
-                "        j += 1\n")
     return src[:a] + body + src[b:]
 
 
@@ -157,35 +142,33 @@ def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: f
     first; the clock is the median program span over the kernel time ``us``."""
     st = stamps[:programs * MAX_ITEMS * STAMPS].view(programs, MAX_ITEMS, STAMPS).cpu()
     spans = []
-    parts = {k: [] for k in ("c0_kloop", "c0_handoff", "c0_gap", "c1_kloop", "c1_handoff",
-                             "c1_gap", "producer_item", "lead", "skew", "first_kloop", "epi",
-                             "epi_wait")}
+    parts = {k: [] for k in ("c0_kloop", "c0_epi", "c0_gap", "c1_kloop", "c1_epi", "c1_gap",
+                             "producer_item", "lead", "skew", "first_kloop")}
     for p in range(min(programs, items)):
         s = st[p, :len(range(p, items, programs))].tolist()
-        spans.append(max(s[-1][2], s[-1][5], s[-1][9]) - min(s[0][0], s[0][3]))
+        spans.append(max(s[-1][2], s[-1][5]) - min(s[0][0], s[0][3]))
         parts["first_kloop"].append(s[0][1] - s[0][0])
         for j in range(1, len(s)):
             for c, o in (("c0", 0), ("c1", 3)):
                 parts[f"{c}_kloop"].append(s[j][o + 1] - s[j][o])
-                parts[f"{c}_handoff"].append(s[j][o + 2] - s[j][o + 1])
+                parts[f"{c}_epi"].append(s[j][o + 2] - s[j][o + 1])
                 parts[f"{c}_gap"].append(s[j][o] - s[j - 1][o + 2])
             parts["producer_item"].append(s[j][7] - s[j][6])
             parts["lead"].append(s[j][0] - s[j][6])
             parts["skew"].append(s[j][4] - s[j][1])
-            parts["epi"].append(s[j][9] - s[j][8])
-            parts["epi_wait"].append(s[j][8] - s[j - 1][9])
     ghz = _median(spans) / us / 1e3
     out = {"ghz": ghz, "items_per_program": items / programs, "steps": steps, "kernel_us": us}
     for k, v in parts.items():
         out[f"{k}_cyc"] = _median(v)
         out[f"{k}_us"] = _median(v) / ghz / 1e3
     out["cyc_per_step"] = out["c0_kloop_cyc"] / steps
-    item = out["c0_kloop_cyc"] + out["c0_handoff_cyc"] + out["c0_gap_cyc"]
-    out["outside"] = (out["c0_handoff_cyc"] + out["c0_gap_cyc"]) / item
+    item = out["c0_kloop_cyc"] + out["c0_epi_cyc"] + out["c0_gap_cyc"]
+    out["outside"] = (out["c0_epi_cyc"] + out["c0_gap_cyc"]) / item
     return out
 
 
-def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int) -> list:
+def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int,
+          skew: bool = False) -> list:
     e, k, hid, f = probe.shape(name)
     rows = [tokens * k // e] * e
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -194,9 +177,13 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     tiles = m_tiles(rows, 64, "cuda")
     y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     records = []
-    for label, mod in kernels.items():
+    runs = [(label, mod, False) for label, mod in kernels.items()]
+    if skew:
+        runs.append(("skew", kernels["this"], True))
+    for label, mod, sk in runs:
         mod.STAMPS[0] = stamps
-        kw = {"programs": programs}
+        kw = {"programs": programs, "schedule": mod.WsSchedule(skew=True)} if sk else \
+            {"programs": programs}
         for kind, cols, fn in (
                 ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, **kw)),
                 ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y, **kw))):
@@ -213,11 +200,10 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
                   f"{rec['ghz']:.2f} GHz  "
                   f"{rec['items_per_program']:4.0f} items x {rec['steps']:2d} steps: "
                   f"kloop {rec['c0_kloop_us']:6.2f} us ({rec['cyc_per_step']:4.0f} cyc/step) "
-                  f"handoff {rec['c0_handoff_us']:5.2f} gap {rec['c0_gap_us']:4.2f} "
-                  f"(consumer 1: {rec['c1_kloop_us']:.2f} / {rec['c1_handoff_us']:.2f} / "
-                  f"{rec['c1_gap_us']:.2f}) epi {rec['epi_us']:5.2f} (idle "
-                  f"{rec['epi_wait_us']:.2f}) skew {rec['skew_us']:5.2f} "
-                  f"lead {rec['lead_us']:.2f} outside {rec['outside']:.2f}", flush=True)
+                  f"epi {rec['c0_epi_us']:5.2f} gap {rec['c0_gap_us']:4.2f} "
+                  f"(consumer 1: {rec['c1_kloop_us']:.2f} / {rec['c1_epi_us']:.2f} / "
+                  f"{rec['c1_gap_us']:.2f}) skew {rec['skew_us']:5.2f} lead {rec['lead_us']:.2f} "
+                  f"outside {rec['outside']:.2f}", flush=True)
     return records
 
 
@@ -227,6 +213,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+",
                     default=["qwen2-moe", "deepseek-v3-like", "mixtral", "phi3.5-moe"])
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--skew", action="store_true",
+                    help="also this tree's kernel with WsSchedule(skew=True)")
     ap.add_argument("--no-mma", action="store_true",
                     help="also this tree's kernel without its wgmmas (the ring alone)")
     ap.add_argument("--programs", nargs="+", type=int, default=[],
@@ -243,7 +231,8 @@ def main() -> None:
     result = {**provenance(), "base": args.base or None, "records": []}
     for name in args.configs:
         for programs in grids:
-            result["records"] += trace(name, args.tokens, kernels, stamps, programs)
+            result["records"] += trace(name, args.tokens, kernels, stamps, programs,
+                                       skew=args.skew)
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
