@@ -325,21 +325,6 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
         out.append(lambda ragged=ragged: call(
             t=ws_tile, space=allocate_virtual(ragged, world, "cpu", ws_tile)[0],
             w=weights(el, cfg.hidden_size, 320, ScaleBlocks())).run())
-    # The warp-specialized GEMMs' experiments: the second consumer a step out of phase
-    # (WsSchedule(skew=True), an experiment scripts/device/fp8_ws_probe.py times): 8 K steps,
-    # drained in pairs, so its groups of one step and of two compile.
-    from comet.activation import SILU
-    from comet.kernels.fp8_gemm import m_tiles
-    from comet.kernels.fp8_ws import WsSchedule, ws_group_gemm
-    from comet.quant import quantize_rows, quantize_weight
-    rows = quantize_rows(torch.zeros(128, 1024))
-    w_skew = quantize_weight(torch.ones(2, 512, 1024))
-    skew_tiles = m_tiles([64, 64], 64, "cpu")
-    skewed = WsSchedule(skew=True)
-    out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, activation=SILU, schedule=skewed))
-    out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, schedule=skewed))
-    # ... and the plain one on a ring of five slots (``WsSchedule(stages=5)``, --stages).
-    out.append(lambda: ws_group_gemm(rows, w_skew, skew_tiles, schedule=WsSchedule(stages=5)))
     return out
 
 

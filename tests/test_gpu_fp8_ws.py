@@ -79,29 +79,6 @@ def test_ws_gemm_at_mixtral_width():
     assert torch.all(requant_close(q.data, ref.data))
 
 
-@pytest.mark.parametrize("k", [1024, 384])
-@pytest.mark.parametrize("activation", [None, SILU])
-def test_a_skewed_second_consumer_gives_the_same_bytes(activation, k):
-    """``WsSchedule(skew=True)``: the second consumer drains its pairs of K steps a step out
-    of phase (8 steps: one, three pairs, one; 3 steps run one at a time either way) --
-    the same sums in the same order, so the same bytes, on many programs and on few."""
-    from comet.kernels.fp8_ws import WsSchedule, ws_group_gemm
-    e_rows = [70, 0, 33, 64, 129]
-    n = 384
-    w = quantize_weight(_randn(len(e_rows), 2 * n, k, seed=8) / k ** 0.5)
-    a = quantize_rows(_randn(sum(e_rows), k, seed=9))
-    tiles = m_tiles(e_rows, 64, DEV)
-    want = ws_group_gemm(a, w, tiles, activation=activation)
-    for programs in (None, 3):
-        got = ws_group_gemm(a, w, tiles, activation=activation, programs=programs,
-                            schedule=WsSchedule(skew=True))
-        if activation is None:
-            assert torch.equal(got, want)
-        else:
-            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
-            assert torch.equal(got.scale, want.scale)
-
-
 @pytest.mark.parametrize("activation", [None, SILU])
 def test_ws_gemm_reads_rows_through_an_index(activation):
     """``A_GATHER``: A's rows read through an index from packed token rows (each token

@@ -111,7 +111,6 @@ class WsTile(NamedTuple):
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
     A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
-    SKEW: gl.constexpr         # consumer 1's drained groups a step out of phase (WsSchedule)
 
 
 class WsOperands(NamedTuple):
@@ -345,23 +344,10 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     spare0 = zero
     spare1 = zero
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
-    if t.SKEW and BOX == 1 and t.UNROLL == 2:
-        # Out of phase with consumer 0 (one step alone first and last, pairs between):
-        # each group ends in a drain, in which the tensor core has only the other
-        # consumer's wgmma to run; in phase, both drain at once.
-        acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it,
-                                     0, sa_ptr, live, sb_ptr, sb_ok, op, t, 1)
-        for kk in range(1, k_steps - 1, 2):
-            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, 2)
+    for kk in range(0, k_steps, t.UNROLL):
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + k_steps - 1, k_steps - 1, sa_ptr, live, sb_ptr,
-                                     sb_ok, op, t, 1)
-    else:
-        for kk in range(0, k_steps, t.UNROLL):
-            acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                         it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
-                                         t.UNROLL)
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
+                                     t.UNROLL)
     return acc, it + k_steps
 
 
@@ -585,24 +571,6 @@ def unroll(k: int, promotion_k: int) -> int:
     return next(u for u in range(MAX_UNROLL, 0, -1) if steps % u == 0)
 
 
-class WsSchedule(NamedTuple):
-    """How the kernel runs its ring and consumers, the default being what the layer runs;
-    the other values are experiments a GPU run has not yet decided
-    (scripts/device/fp8_ws_probe.py ``--skew``, ``--stages``)."""
-
-    stages: int = STAGES   # slots of the ring, 40 KiB each: 5 fit beside a plain
-                           # epilogue, not beside the gated one's exchange buffers
-    skew: bool = False     # the second consumer drains its pairs of K steps a step out
-                           # of phase with the first (the same sums in the same order)
-
-    def check(self, gated: bool) -> None:
-        """A ValueError for a ring the kernel's shared memory cannot hold."""
-        most = STAGES if gated else STAGES + 1
-        if not 2 <= self.stages <= most:
-            raise ValueError(f"the warp-specialized FP8 GEMM's ring holds 2-{STAGES} slots "
-                             f"gated, 2-{STAGES + 1} plain; got {self.stages}")
-
-
 class WsLaunch(NamedTuple):
     """One launch of :func:`fp8_ws_gemm_kernel`, its arguments built once (the same
     launch serves every call of a layer: its buffers are at fixed addresses)."""
@@ -622,8 +590,7 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
             tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
-            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K,
-            schedule: WsSchedule = WsSchedule()) -> WsLaunch:
+            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
     :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
@@ -631,9 +598,8 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
     ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
-    :class:`comet.quant.Fp8`. ``schedule``: :class:`WsSchedule`."""
+    :class:`comet.quant.Fp8`."""
     gated_ = activation is not None
-    schedule.check(gated_)
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
@@ -661,12 +627,11 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
     op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
     tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m,
-                                           schedule.stages, unroll(k, promotion_k), GROUP,
+                                           STAGES, unroll(k, promotion_k), GROUP,
                                            bn, bk, gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None),
-                  constexpr(schedule.skew))
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     a_desc = (None if gather is not None else
               TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], A_SMEM.value))
@@ -677,15 +642,15 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
 
 def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None,
-                  schedule: WsSchedule = WsSchedule()) -> torch.Tensor | Fp8Rows:
+                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None
+                  ) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
     :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
     (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
     ``programs``: persistent programs (default: one per work item). ``out``: the bf16
-    output to write (not with ``activation``). ``schedule``: as :func:`ws_gemm`."""
+    output to write (not with ``activation``)."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
         check_m_tiles(tiles, BLOCK_M)
@@ -709,7 +674,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         epi = WsOut(bf16_out(out, rows, n, device))
         cols = 2 * BLOCK_N
     launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k, schedule=schedule)
+                     promotion_k=promotion_k)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))

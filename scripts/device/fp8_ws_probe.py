@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--skew] [--stages N] [--k-sweep [K ...]]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--k-sweep [K ...]]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
@@ -14,13 +14,7 @@ overlaps items). Timed (do_bench medians, two alternating rounds, the faster kep
 * ``base-gated`` -- with ``--base TREE``, that tree's ``comet/kernels/fp8_ws.py`` loaded
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
-  requantization): what the gated epilogue costs is the difference;
-* ``skew-gated``, ``skew-plain`` -- with ``--skew``, both with the second consumer's
-  drained pairs of K steps a step out of phase (``WsSchedule(skew=True)``), whose outputs
-  must equal the unskewed ones byte for byte (the same sums in the same order);
-* ``stages-plain`` -- with ``--stages N``, the plain GEMM on a ring of N slots (5 fit
-  beside its epilogue; the gated one's buffers leave room for 4), its output equal to
-  the 4-slot one's byte for byte.
+  requantization): what the gated epilogue costs is the difference.
 
 With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
 layer runs it, and a fit of its time into a cost per K step and a cost per item.
@@ -99,8 +93,7 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
-          skew: bool = False, stages: int = 0) -> dict:
+def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dict:
     e, k, hid, f = shape(name)
     per = tokens * k // e
     rows = [per] * e
@@ -127,18 +120,6 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
     plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out,
                                                        programs=sms)
-    if skew:
-        skew_out = torch.empty_like(plain_out)
-        skewed = kernels[""].WsSchedule(skew=True)
-        calls["skew-gated"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, activation=SILU,
-                                                                schedule=skewed, programs=sms)
-        calls["skew-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=skew_out,
-                                                                schedule=skewed, programs=sms)
-    if stages:
-        stages_out = torch.empty_like(plain_out)
-        ring = kernels[""].WsSchedule(stages=stages)
-        calls["stages-plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=stages_out,
-                                                                  schedule=ring, programs=sms)
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
@@ -164,17 +145,6 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
         if other in outs:
             rec[equal] = same_h(outs[other], h)
             rec["ok"] = rec["ok"] and rec[equal]
-    if skew:
-        rec["skew_equal"] = same_h(outs["skew-gated"], h) and bool(
-            torch.equal(outs["skew-plain"], outs["plain"]))
-        rec["ok"] = rec["ok"] and rec["skew_equal"]
-        rec["skew_over_gated"] = rec["skew-gated_us"] / rec["gated_us"]
-        rec["skew_over_plain"] = rec["skew-plain_us"] / rec["plain_us"]
-    if stages:
-        rec["stages"] = stages
-        rec["stages_equal"] = bool(torch.equal(outs["stages-plain"], outs["plain"]))
-        rec["ok"] = rec["ok"] and rec["stages_equal"]
-        rec["stages_over_plain"] = rec["stages-plain_us"] / rec["plain_us"]
     if "gather-gated" in outs:
         rec["gather_over_placed"] = rec["gather-gated_us"] / rec["gated_us"]
     if "base-gated" in outs:
@@ -228,10 +198,6 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
-    ap.add_argument("--skew", action="store_true",
-                    help="also this tree's kernel with WsSchedule(skew=True), gated and plain")
-    ap.add_argument("--stages", type=int, default=0,
-                    help="also the plain GEMM on a ring of this many slots (5 fit)")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
                     help="also the plain GEMM at one M, N and these K (default 512 1024 "
                          "2048 4096 8192) on a persistent grid: per-step and per-item cost")
@@ -248,8 +214,7 @@ def main() -> None:
     for i, name in enumerate(args.configs):
         for tokens in args.tokens:
             try:
-                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather,
-                            skew=args.skew, stages=args.stages)
+                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather)
             except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
                 rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
             result["records"].append(rec)
@@ -262,8 +227,7 @@ def main() -> None:
     result["elapsed_s"] = time.time() - start
     write_result(os.path.join(out_dir, "fp8-ws-probe.json"), result)
     print(f"\n{'config':20s} {'tokens':>6s} {'gated TF/s':>10s} {'base TF/s':>10s} "
-          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} "
-          f"{'skew/gated':>10s} {'skew/plain':>10s} {'stages/plain':>12s} {'ok':>5s}")
+          f"{'new/base':>8s} {'plain TF/s':>10s} {'gather/placed':>13s} {'ok':>5s}")
     for r in result["records"]:
         if "error" in r:
             print(f"{r['config']:20s} {r['tokens']:6d} {r['error'][:60]}")
@@ -271,10 +235,7 @@ def main() -> None:
         print(f"{r['config']:20s} {r['tokens']:6d} {r['gated_tflops']:10.1f} "
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
-              f"{r.get('gather_over_placed', float('nan')):13.3f} "
-              f"{r.get('skew_over_gated', float('nan')):10.3f} "
-              f"{r.get('skew_over_plain', float('nan')):10.3f} "
-              f"{r.get('stages_over_plain', float('nan')):12.3f} {str(r['ok']):>5s}")
+              f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
     sweep = result.get("k_sweep")
     if sweep:
         print(f"\nplain GEMM, {sweep['items']} items of 64 x 256 on {sweep['programs']} "

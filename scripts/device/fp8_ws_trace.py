@@ -1,13 +1,12 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--skew] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
 """Where an item of the warp-specialized FP8 GEMM (comet.kernels.fp8_ws) spends its time:
 ``%clock64`` stamps per item of every program, on one GPU.
 
 The kernel's source (this tree's, and with ``--base`` another checkout's) is loaded as an
 instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
 (before its table entries), the end of its K loop and the end of its epilogue; the producer
-stamps the item's start and when it issued the item's last step (``--skew``: this tree's
-kernel also with ``WsSchedule(skew=True)``; ``--no-mma``: also a copy with every wgmma taken
-out, each slot still waited for, its garbage promoted and the slot released -- what moving
+stamps the item's start and when it issued the item's last step (``--no-mma``: also a
+copy of this tree's kernel with every wgmma taken out, each slot still waited for, its garbage promoted and the slot released -- what moving
 the boxes through the ring costs a step without the tensor core). The GEMM then runs once
 on a persistent grid of one program per SM (``--programs``: also fewer; a K step that
 costs fewer cycles on half the SMs is bound by something they share, L2's bandwidth say,
@@ -167,8 +166,8 @@ def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: f
     return out
 
 
-def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int,
-          skew: bool = False) -> list:
+def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int
+          ) -> list:
     e, k, hid, f = probe.shape(name)
     rows = [tokens * k // e] * e
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -177,13 +176,9 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     tiles = m_tiles(rows, 64, "cuda")
     y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     records = []
-    runs = [(label, mod, False) for label, mod in kernels.items()]
-    if skew:
-        runs.append(("skew", kernels["this"], True))
-    for label, mod, sk in runs:
+    for label, mod in kernels.items():
         mod.STAMPS[0] = stamps
-        kw = {"programs": programs, "schedule": mod.WsSchedule(skew=True)} if sk else \
-            {"programs": programs}
+        kw = {"programs": programs}
         for kind, cols, fn in (
                 ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, **kw)),
                 ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y, **kw))):
@@ -213,8 +208,6 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+",
                     default=["qwen2-moe", "deepseek-v3-like", "mixtral", "phi3.5-moe"])
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--skew", action="store_true",
-                    help="also this tree's kernel with WsSchedule(skew=True)")
     ap.add_argument("--no-mma", action="store_true",
                     help="also this tree's kernel without its wgmmas (the ring alone)")
     ap.add_argument("--programs", nargs="+", type=int, default=[],
@@ -231,8 +224,7 @@ def main() -> None:
     result = {**provenance(), "base": args.base or None, "records": []}
     for name in args.configs:
         for programs in grids:
-            result["records"] += trace(name, args.tokens, kernels, stamps, programs,
-                                       skew=args.skew)
+            result["records"] += trace(name, args.tokens, kernels, stamps, programs)
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
