@@ -6,14 +6,20 @@ ptxas it ships, for a Hopper target. This catches type errors, unsupported const
 inline-PTX mistakes in CI, before any GPU time is spent.
 
 Run as a script (``TRITON_INTERPRET`` must be unset): prints one line per kernel, exits 1
-on the first failure.
+on the first failure. ``--digest`` adds each launch's SASS digest (:func:`sass_digest`):
+run it on two checkouts and diff the lines to show that a change leaves the machine code
+of the kernels a GPU run measured as it was (or which launches it changed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
@@ -343,6 +349,22 @@ def resource_usage(compiled) -> str:
     return f"regs={m.group(1)} stack={m.group(2)} local={m.group(4)}" if m else ""
 
 
+def sass_digest(compiled) -> str:
+    """12 hex digits of the kernel's SASS (``nvdisasm`` of the cubin, as Triton ships it),
+    instruction addresses and encodings stripped: equal digests are the same instructions,
+    whatever the source lines or the kernel's debug info."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    code = [re.sub(r"/\*\s*0?x?[0-9a-f]+\s*\*/|;.*$", "", line).strip()
+            for line in sass.splitlines()]
+    return hashlib.sha1("\n".join(c for c in code if c).encode()).hexdigest()[:12]
+
+
 def narrow_accesses(compiled, kwargs: dict) -> int:
     """Global loads and stores of 2-byte elements one at a time in the PTX: a row copy
     compiled that way (the pointer's alignment unknown to Triton) runs at a fraction of
@@ -423,7 +445,7 @@ def _holds_constexpr(group) -> bool:
                or (isinstance(v, tuple) and _holds_constexpr(v)) for v in group)
 
 
-def main() -> int:
+def main(digest: bool = False) -> int:
     failures = 0
     for kernel, args, kwargs in fused_launches():
         name = kernel.fn.__name__
@@ -443,9 +465,9 @@ def main() -> int:
               f"pipelined={pipelined(name, kwargs, k.metadata.shared)} "
               f"{resource_usage(k)} b16={narrow_accesses(k, kwargs)} "
               f"pieces={row_pieces(name, k, kwargs)} divs={divisions(name, k, kwargs)} "
-              f"({time.time() - t0:.1f}s)")
+              + (f"sass={sass_digest(k)} " if digest else "") + f"({time.time() - t0:.1f}s)")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(digest="--digest" in sys.argv[1:]))

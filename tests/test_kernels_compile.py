@@ -6,6 +6,7 @@ and combine bandwidth on the GPU; and the warp-specialized FP8 GEMM's bf16 epilo
 whole rows, not the accumulator layout's 4-byte pieces of them."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,8 +25,8 @@ def test_all_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), here,
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), "--digest"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for kernel in ("count_kernel", "open_kernel", "layout_kernel", "place_kernel",
                    "exchange_counts_kernel",
@@ -45,3 +46,10 @@ def test_all_kernels_compile_for_sm90():
     # layer0's requantization: one division per row (4), not per value (64).
     gated = [line for line in ws if " divs=- " not in line]
     assert gated and all(" divs=4 " in line for line in gated), gated
+    # The SASS digests that tell a change of machine code from a change of source: every
+    # launch has one, and the gated and plain GEMMs (other code) never share one.
+    digests = [re.search(r" sass=([0-9a-f]{12}) ", line) for line in proc.stdout.splitlines()
+               if line.startswith("ok ")]
+    assert digests and all(digests), proc.stdout[-3000:]
+    plain = {re.search(r" sass=(\w+) ", line)[1] for line in ws if " divs=- " in line}
+    assert plain and plain.isdisjoint(re.search(r" sass=(\w+) ", line)[1] for line in gated)
