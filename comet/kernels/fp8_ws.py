@@ -285,8 +285,8 @@ def _promoted(acc, d, sc, empty, step, J: gl.constexpr, t):
 
 @gluon.jit
 def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
-           sb_ok, op, t, U: gl.constexpr):
-    """K steps ``kk .. kk + U - 1`` (ring positions from ``it``), each in
+           sb_ok, op, t):
+    """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
     ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
     promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
     runs; the last one drained. With ``MMA_K`` = ``BLOCK_K`` (the default) that is
@@ -299,7 +299,7 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
     tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t)
     sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
     spare = spare1
-    for j in gl.static_range(1, U * SLICES):
+    for j in gl.static_range(1, t.UNROLL * SLICES):
         nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t)
         if j % SLICES == 0:
             sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
@@ -312,7 +312,7 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
         tok = nxt
         sc = sc_next
     d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-    acc = _promoted(acc, d, sc, empty, it + U - 1, SLICES - 1, t)
+    acc = _promoted(acc, d, sc, empty, it + t.UNROLL - 1, SLICES - 1, t)
     return acc, spare, d
 
 
@@ -346,8 +346,7 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
     for kk in range(0, k_steps, t.UNROLL):
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t,
-                                     t.UNROLL)
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t)
     return acc, it + k_steps
 
 

@@ -6,8 +6,9 @@ The kernel's source (this tree's, and with ``--base`` another checkout's) is loa
 instrumented copy (:func:`instrument`): each consumer partition stamps an item's start
 (before its table entries), the end of its K loop and the end of its epilogue; the producer
 stamps the item's start and when it issued the item's last step (``--no-mma``: also a
-copy of this tree's kernel with every wgmma taken out, each slot still waited for, its garbage promoted and the slot released -- what moving
-the boxes through the ring costs a step without the tensor core). The GEMM then runs once
+copy of this tree's kernel with every wgmma taken out, each slot still waited for, its
+garbage promoted and the slot released -- what moving the boxes through the ring costs a
+step without the tensor core). The GEMM then runs once
 on a persistent grid of one program per SM (``--programs``: also fewer; a K step that
 costs fewer cycles on half the SMs is bound by something they share, L2's bandwidth say,
 not by the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread
@@ -166,8 +167,7 @@ def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: f
     return out
 
 
-def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int
-          ) -> list:
+def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int) -> list:
     e, k, hid, f = probe.shape(name)
     rows = [tokens * k // e] * e
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -178,10 +178,11 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     records = []
     for label, mod in kernels.items():
         mod.STAMPS[0] = stamps
-        kw = {"programs": programs}
         for kind, cols, fn in (
-                ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, **kw)),
-                ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y, **kw))):
+                ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU,
+                                                       programs=programs)),
+                ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y,
+                                                           programs=programs))):
             items = sum(rows) // 64 * triton.cdiv(cols, 128 if kind == "gated" else 256)
             us = 1e3 * triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
             stamps.zero_()
