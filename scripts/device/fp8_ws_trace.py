@@ -13,7 +13,8 @@ on a persistent grid of one program per SM (``--programs``: also fewer; a K step
 costs fewer cycles on half the SMs is bound by something they share, L2's bandwidth say,
 not by the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread
 evenly over the experts, 128x128-block weights), gated as layer0 runs it and plain (bf16
-store, layer1's shape of epilogue), and the stamps are summarized as medians over items
+store, layer1's shape of epilogue) and at layer1's shape (``layer1``: N = H, K = F, plain,
+bf16 store: the short K loops), and the stamps are summarized as medians over items
 (each program's first item left out):
 
 * ``kloop``  -- an item's K loop, per consumer (``cyc/step``: its cycles over the K steps);
@@ -175,14 +176,19 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     w = probe.weights(e, 2 * f, hid, g)
     tiles = m_tiles(rows, 64, "cuda")
     y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
+    h = quantize_rows(torch.randn(sum(rows), f, device="cuda", generator=g))
+    w2 = probe.weights(e, hid, f, g)
+    y2 = torch.empty(sum(rows), hid, dtype=torch.bfloat16, device="cuda")
     records = []
     for label, mod in kernels.items():
         mod.STAMPS[0] = stamps
-        for kind, cols, fn in (
-                ("gated", f, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU,
-                                                       programs=programs)),
-                ("plain", 2 * f, lambda: mod.ws_group_gemm(x, w, tiles, out=y,
-                                                           programs=programs))):
+        for kind, cols, depth, fn in (
+                ("gated", f, hid, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU,
+                                                            programs=programs)),
+                ("plain", 2 * f, hid, lambda: mod.ws_group_gemm(x, w, tiles, out=y,
+                                                                programs=programs)),
+                ("layer1", hid, f, lambda: mod.ws_group_gemm(h, w2, tiles, out=y2,
+                                                             programs=programs))):
             items = sum(rows) // 64 * triton.cdiv(cols, 128 if kind == "gated" else 256)
             us = 1e3 * triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
             stamps.zero_()
@@ -190,7 +196,7 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
             torch.cuda.synchronize()
             rec = {"config": name, "tokens": tokens, "kernel": label, "epilogue": kind,
                    "programs": programs,
-                   **summarize(stamps, items, programs, triton.cdiv(hid, 128), us)}
+                   **summarize(stamps, items, programs, triton.cdiv(depth, 128), us)}
             records.append(rec)
             print(f"{name:18s} {kind:6s} {label:5s} {programs:3d} {us:8.1f} us  "
                   f"{rec['ghz']:.2f} GHz  "
