@@ -3,10 +3,11 @@
 README.md, docs/*.md and benchmarks/results/README.md may cite only files in the tree.
 A dated README (benchmarks/results/<date>/README.md) is that day's history: it may name
 files removed from the tree since, when it names the commit that still has them
-(:data:`REMOVED_AT`), which must hold them wherever git can say.
+(one of :data:`REMOVED_AT`), which must hold them wherever git can say.
 """
 
 import fnmatch
+import functools
 import importlib.util
 import itertools
 import re
@@ -21,8 +22,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: The results tree's budget: the source tree is not the archive (git history is).
 MAX_RESULTS_BYTES = 10 * 2**20
 
-#: The commit that still has the files removed from benchmarks/results on 2026-12-04.
-REMOVED_AT = "820e493"
+#: Commits that still have files removed from benchmarks/results: each removal's parent
+#: (2026-12-04: 820e493).
+REMOVED_AT = ("820e493",)
 
 _END = r"(?:\{[^{}\s]*\}|[^\s)`'\",;\]|<>{}])*(?:\{[^{}\s]*\}|[^\s)`'\",;\]|<>{}.:])"
 #: A path under benchmarks/results, or one starting at a date folder (``2026-11-26/x.json``).
@@ -43,7 +45,7 @@ def cited(text: str, base: Path) -> list[str]:
     ``base``: the doc's folder, for file names cited on their own in a dated README."""
     out = []
     for m in _CITED.finditer(text):
-        if text[:m.start()].endswith(f"{REMOVED_AT}:"):
+        if text[:m.start()].endswith(tuple(f"{c}:" for c in REMOVED_AT)):
             continue                    # a file removed from the tree, cited at the commit
         path = m.group(0).split("benchmarks/results/")[-1]
         out += expand(path)
@@ -59,10 +61,10 @@ def cited(text: str, base: Path) -> list[str]:
     return [p.rstrip("/") for p in out if p.rstrip("/")]
 
 
-def cited_at_commit(text: str) -> list[str]:
-    """The results paths a doc cites at :data:`REMOVED_AT`
+def cited_at_commit(text: str, commit: str = REMOVED_AT[0]) -> list[str]:
+    """The results paths a doc cites at ``commit``, one of :data:`REMOVED_AT`
     (``820e493:benchmarks/results/<date>/<file>``), brace-expanded."""
-    return [p.rstrip("/") for m in re.finditer(re.escape(REMOVED_AT)
+    return [p.rstrip("/") for m in re.finditer(re.escape(commit)
                                                + ":benchmarks/results/(" + _END + ")", text)
             for p in expand(m.group(1))]
 
@@ -81,17 +83,18 @@ def test_every_results_path_a_doc_cites_is_in_the_tree(doc):
     assert not missing, f"{doc.relative_to(ROOT)} cites files not in the tree: {missing}"
 
 
-def _removed_at_commit() -> set[str] | None:
-    """Files under benchmarks/results at :data:`REMOVED_AT`, None without git or it."""
+@functools.lru_cache(maxsize=None)
+def _removed_at_commit(commit: str) -> frozenset[str] | None:
+    """Files under benchmarks/results at ``commit``, None without git or it."""
     try:
-        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", REMOVED_AT,
+        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit,
                               "benchmarks/results"], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
-    return {line[len("benchmarks/results/"):] for line in out.stdout.splitlines()}
+    return frozenset(line[len("benchmarks/results/"):] for line in out.stdout.splitlines())
 
 
 def _at_commit(path: str, old: set[str]) -> bool:
@@ -99,12 +102,13 @@ def _at_commit(path: str, old: set[str]) -> bool:
 
 
 @pytest.mark.parametrize("doc", TOP_DOCS + DATED, ids=lambda p: str(p.relative_to(ROOT)))
-def test_a_file_cited_at_the_removal_commit_is_there(doc):
-    old = _removed_at_commit()
+@pytest.mark.parametrize("commit", REMOVED_AT)
+def test_a_file_cited_at_the_removal_commit_is_there(doc, commit):
+    old = _removed_at_commit(commit)
     if old is None:
-        pytest.skip(f"no git history with {REMOVED_AT} here (a shallow clone)")
-    gone = [p for p in cited_at_commit(doc.read_text()) if not _at_commit(p, old)]
-    assert not gone, f"{doc.relative_to(ROOT)} cites files {REMOVED_AT} lacks: {gone}"
+        pytest.skip(f"no git history with {commit} here (a shallow clone)")
+    gone = [p for p in cited_at_commit(doc.read_text(), commit) if not _at_commit(p, old)]
+    assert not gone, f"{doc.relative_to(ROOT)} cites files {commit} lacks: {gone}"
 
 
 @pytest.mark.parametrize("readme", DATED, ids=lambda p: p.parent.name)
@@ -113,13 +117,15 @@ def test_a_dated_readme_names_where_its_removed_files_are(readme):
     missing = [p for p in cited(text, readme.parent) if not exists(p)]
     if not missing:
         return
-    assert REMOVED_AT in text, (f"{readme.relative_to(ROOT)} cites files not in the tree "
-                                f"and does not name the commit that has them: {missing[:5]}")
-    old = _removed_at_commit()
-    if old is not None:     # a shallow clone cannot say; a full one must agree
-        gone = [p for p in missing if not _at_commit(p, old)
-                and not _at_commit("*/" + p.split("/", 1)[1], old)]    # another day's
-        assert not gone, f"not at {REMOVED_AT} either: {gone[:10]}"
+    named = [c for c in REMOVED_AT if c in text]
+    assert named, (f"{readme.relative_to(ROOT)} cites files not in the tree and does not "
+                   f"name a commit that has them ({REMOVED_AT}): {missing[:5]}")
+    trees = [_removed_at_commit(c) for c in named]
+    if None not in trees:   # a shallow clone cannot say; a full one must agree
+        gone = [p for p in missing if not any(
+            _at_commit(p, old) or _at_commit("*/" + p.split("/", 1)[1], old)  # another day's
+            for old in trees)]
+        assert not gone, f"not at {named} either: {gone[:10]}"
 
 
 def test_the_results_tree_stays_small():
@@ -137,7 +143,7 @@ def test_the_citation_reader_finds_what_docs_write():
     assert cited(text, ROOT / "docs") == [
         "2026-11-26/h200x4-bench-ep4.json", "2026-11-23/bench.md", "2026-12-03/x.json",
         "2026-12-03/x.log"]
-    removed = f"`{REMOVED_AT}:benchmarks/results/2026-11-27/h100x4-r26-timeline-*`"
+    removed = f"`{REMOVED_AT[0]}:benchmarks/results/2026-11-27/h100x4-r26-timeline-*`"
     assert cited(removed, ROOT / "docs") == []
     assert cited_at_commit(removed) == ["2026-11-27/h100x4-r26-timeline-*"]
     day = RESULTS / "2026-12-03"
