@@ -111,6 +111,9 @@ class WsTile(NamedTuple):
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
     A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
+    #: Without GATED: an item is an m-tile of 2 * BLOCK_M rows times one B box, the
+    #: consumers on its row halves (see :func:`ws_gemm`'s ``paired``)
+    PAIRED: gl.constexpr = constexpr(False)
 
 
 class WsOperands(NamedTuple):
@@ -154,9 +157,9 @@ def _item(w, tiles, n_blocks, t):
 
 @gluon.jit
 def _item_cols(t):
-    """Output columns of one item: ``BLOCK_N`` (GATED: both boxes give one h tile) or two
-    boxes' worth."""
-    if t.GATED:
+    """Output columns of one item: ``BLOCK_N`` (GATED: both boxes give one h tile;
+    PAIRED: one box, both consumers) or two boxes' worth."""
+    if t.GATED or t.PAIRED:
         return t.BLOCK_N
     else:
         return 2 * t.BLOCK_N
@@ -204,6 +207,8 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
     if t.A_GATHER:
         nbytes: gl.constexpr = 2 * b_desc.block_type.nbytes
+    elif t.PAIRED:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
     it = 0
@@ -220,8 +225,9 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t
             else:
                 tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
             tma_load(b_desc, [b_row, k], ready.index(s), b_bufs.index(s))
-            tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
-                     c_bufs.index(s))
+            if not t.PAIRED:
+                tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
+                         c_bufs.index(s))
             it += 1
 
 
@@ -253,10 +259,10 @@ def _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, k):
 
 
 @gluon.jit
-def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t):
+def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t, HALF: gl.constexpr):
     """K slice ``J`` (``MMA_K`` values) of ring step ``step``: its exact product ``A @
     B^T`` into the registers of ``into``, async; a step's first slice waits for its slot
-    to land."""
+    to land. ``HALF``: with PAIRED, the A box's row half this consumer multiplies."""
     s = step % t.STAGES
     if J == 0:
         mbarrier.wait(ready.index(s), (step // t.STAGES) & 1)
@@ -264,11 +270,13 @@ def _wgmma(a_bufs, x_bufs, ready, step, J: gl.constexpr, into, t):
             # cp.async wrote the A box through the generic proxy; wgmma reads it
             # through the async one.
             fence_async_shared()
+    a = a_bufs.index(s)
+    if t.PAIRED:
+        a = a.slice(HALF * t.BLOCK_M, t.BLOCK_M, 0)
     if t.MMA_K == t.BLOCK_K:
-        a = a_bufs.index(s)
         b = x_bufs.index(s)
     else:
-        a = a_bufs.index(s).slice(J * t.MMA_K, t.MMA_K, 1)
+        a = a.slice(J * t.MMA_K, t.MMA_K, 1)
         b = x_bufs.index(s).slice(J * t.MMA_K, t.MMA_K, 1)
     return warpgroup_mma(a, b.permute((1, 0)), into, use_acc=False, is_async=True)
 
@@ -285,7 +293,7 @@ def _promoted(acc, d, sc, empty, step, J: gl.constexpr, t):
 
 @gluon.jit
 def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, live, sb_ptr,
-           sb_ok, op, t):
+           sb_ok, op, t, HALF: gl.constexpr):
     """K steps ``kk .. kk + UNROLL - 1`` (ring positions from ``it``), each in
     ``BLOCK_K // MMA_K`` wgmmas of ``MMA_K`` values: each wgmma's exact product is
     promoted into fp32, ``acc += d * sa * sb`` (the step's scales), while the next one
@@ -294,13 +302,14 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
     ``max_num_imprecise_acc=32`` asks -- whose lowering takes another register tile and
     spilled here. A wgmma writes into a tile already promoted (``spare``: the operand
     of a ``use_acc=False`` wgmma is only its registers), so the accumulator and two
-    product tiles are all the registers it takes. Returns the accumulator and two spares."""
+    product tiles are all the registers it takes. Returns the accumulator and two spares.
+    ``HALF``: as :func:`_wgmma`'s."""
     SLICES: gl.constexpr = t.BLOCK_K // t.MMA_K
-    tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t)
+    tok = _wgmma(a_bufs, x_bufs, ready, it, 0, spare0, t, HALF)
     sc = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t, kk * t.BLOCK_K)
     spare = spare1
     for j in gl.static_range(1, t.UNROLL * SLICES):
-        nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t)
+        nxt = _wgmma(a_bufs, x_bufs, ready, it + j // SLICES, j % SLICES, spare, t, HALF)
         if j % SLICES == 0:
             sc_next = _step_scale(sa_ptr, live, sb_ptr, sb_ok, op, t,
                                   (kk + j // SLICES) * t.BLOCK_K)
@@ -320,8 +329,9 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
 def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, op, gather,
               t, BOX: gl.constexpr):
     """The fp32 tile of rows ``row_start:+BLOCK_M`` times box ``BOX`` of the item at
-    columns ``n0`` (B rows as :func:`producer` loads them) over all of K, from the ring
-    (positions from ``it``); returns it and the next position. A's scales: its rows',
+    columns ``n0`` (B rows as :func:`producer` loads them; PAIRED: the one box, times the
+    A box's row half ``BOX``, whose first row ``row_start`` is) over all of K, from the
+    ring (positions from ``it``); returns it and the next position. A's scales: its rows',
     or with ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
     if t.A_GATHER:
@@ -331,7 +341,7 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
         live = rows < op.rows
         sa_ptr = op.a_scale + rows.to(gl.int64) * op.sa_row
     sk = gl.cdiv(op.K, t.SCALE_K)
-    if BOX == 0:
+    if BOX == 0 or t.PAIRED:
         scale_row = n0 // t.SCALE_N
     elif t.GATED:
         scale_row = op.up_scale_row + n0 // t.SCALE_N
@@ -346,7 +356,7 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
     for kk in range(0, k_steps, t.UNROLL):
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t)
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, BOX)
     return acc, it + k_steps
 
 
@@ -481,17 +491,23 @@ def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j
 def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full, a_free,
              epi, op, gather, t, BOX: gl.constexpr):
     """Box ``BOX`` of every item: its columns get the layer's epilogue, or with ``GATED``
-    half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile)."""
+    half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile); with
+    ``PAIRED``, row half ``BOX`` of the item times its one box (a half past the item's
+    rows multiplies rows it then does not store)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     it = 0
     j = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
+        if t.PAIRED:
+            row_start += BOX * t.BLOCK_M
         acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
                             op, gather, t, BOX)
         if t.GATED:
             _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
                         row_start, row_end, n0, BOX)
+        elif t.PAIRED:
+            _epilogue(acc, epi, op, t, row_start, row_end, n0)
         else:
             _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
         j += 1
@@ -510,11 +526,19 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
     :class:`comet.kernels.layer1.Homes`; gather: with ``A_GATHER`` the
     :class:`comet.kernels.fp8_gemm.Fp8Gather` A's rows are read through (else None);
     t: :class:`WsTile`."""
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, t.BLOCK_M, t.BLOCK_K], A_SMEM)
+    if t.PAIRED:
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, 2 * t.BLOCK_M, t.BLOCK_K],
+                                           A_SMEM)
+    else:
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, t.BLOCK_M, t.BLOCK_K],
+                                           A_SMEM)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
-                                       b_desc.layout)
+    if t.PAIRED:    # both consumers read the one box
+        c_bufs = b_bufs
+    else:
+        c_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
+                                           b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
     # GATED: each partition's half tile and rows' amax on their way to the other (one
@@ -589,7 +613,8 @@ class WsLaunch(NamedTuple):
 
 def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Weight,
             tiles: MTiles, epi: tuple, *, activation: GatedActivation | None = None,
-            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K) -> WsLaunch:
+            scatter: bool = False, group_m: int = 8, promotion_k: int = BLOCK_K,
+            paired: bool = False, stages: int = STAGES) -> WsLaunch:
     """The launch of ``a`` (e4m3 rows ``[rows, K]``, any 16-byte row stride; fp32
     ``a_scale [rows, ceil(K / GROUP)]``, any strides; or A's rows read through an index,
     :class:`comet.kernels.fp8_gemm.Fp8Gather`, with ``a_scale`` None and K a multiple of
@@ -597,8 +622,15 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
     ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
-    :class:`comet.quant.Fp8`."""
+    :class:`comet.quant.Fp8`. ``paired`` (a plain GEMM on placed rows only): ``tiles``
+    of up to 2 x :data:`BLOCK_M` rows, an item one such m-tile times one B box, the two
+    consumers on its row halves: a K step moves 32 KiB (an A box of 128 rows, one B box)
+    where the default's moves 40 (64 rows, two B boxes) for the same FLOPs. ``stages``:
+    slots of the ring."""
     gated_ = activation is not None
+    if paired and (gated_ or isinstance(a, Fp8Gather)):
+        raise ValueError("paired m-tiles run the plain GEMM on placed rows only (no "
+                         "activation, no gather)")
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")
@@ -626,14 +658,16 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     up_row = (sn // w.parts if w.parts == 2 else n // bn) if gated_ else 0
     op = WsOperands(tiles, *op_a, w.scale_inv, sn, up_row, nb, n, k)
     tile = WsTile(*(constexpr(v) for v in (BLOCK_M, BLOCK_N, BLOCK_K, group_m,
-                                           STAGES, unroll(k, promotion_k), GROUP,
+                                           stages, unroll(k, promotion_k), GROUP,
                                            bn, bk, gated_)),
                   act_tile(activation) if gated_ else act_tile(),
                   EPILOGUE_SCATTER if scatter else EPILOGUE_STORE,
-                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None))
+                  constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None),
+                  constexpr(paired))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
+    a_rows = 2 * BLOCK_M if paired else BLOCK_M
     a_desc = (None if gather is not None else
-              TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], A_SMEM.value))
+              TensorDescriptor.from_tensor(a, [a_rows, BLOCK_K], A_SMEM.value))
     return WsLaunch(a_desc, TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
                                                          [BLOCK_N, BLOCK_K], b_layout),
                     op, epi, gather, tile)
@@ -641,15 +675,16 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
 
 def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
                   activation: GatedActivation | None = None, programs: int | None = None,
-                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None
-                  ) -> torch.Tensor | Fp8Rows:
+                  promotion_k: int = BLOCK_K, out: torch.Tensor | None = None,
+                  paired: bool = False, stages: int = STAGES) -> torch.Tensor | Fp8Rows:
     """:func:`comet.kernels.fp8_gemm.fp8_group_gemm` on this kernel (``tiles`` of at most
     :data:`BLOCK_M` rows): bf16 ``[rows, N]``, or with ``activation`` h as
     :class:`comet.quant.Fp8Rows` (``requant`` there). ``a``: A's rows, or an
     :class:`comet.kernels.fp8_gemm.Fp8Gather` whose index reads packed rows
     (:func:`comet.kernels.fp8_roles.pack_rows`; rows = the index's length).
     ``programs``: persistent programs (default: one per work item). ``out``: the bf16
-    output to write (not with ``activation``)."""
+    output to write (not with ``activation``). ``paired``, ``stages``: as
+    :func:`ws_gemm`'s (``tiles`` then of up to 2 x :data:`BLOCK_M` rows)."""
     if isinstance(a, Fp8Gather):
         _check_gather(a, w)
         check_m_tiles(tiles, BLOCK_M)
@@ -657,7 +692,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         rows = a.src.shape[0]
     else:
         check_group_gemm(a, w, tiles, activation, activation is not None,
-                         Fp8GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K))
+                         Fp8GemmConfig((2 if paired else 1) * BLOCK_M, BLOCK_N, BLOCK_K))
         if a.group != GROUP:
             raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads "
                              f"{GROUP}")
@@ -671,9 +706,9 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         cols = BLOCK_N
     else:
         epi = WsOut(bf16_out(out, rows, n, device))
-        cols = 2 * BLOCK_N
+        cols = (1 if paired else 2) * BLOCK_N
     launch = ws_gemm(a_rows, a_scale, w, tiles, epi, activation=activation,
-                     promotion_k=promotion_k)
+                     promotion_k=promotion_k, paired=paired, stages=stages)
     items = tiles.expert.shape[0] * triton.cdiv(n, cols)
     if items:
         launch(max(1, min(items, programs or items)))

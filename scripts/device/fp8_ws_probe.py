@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--k-sweep [K ...]]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_probe.py [--base TREE] [--configs ...] [--tokens ...] [--no-gather] [--pairs] [--k-sweep [K ...]]
 """layer0's warp-specialized FP8 GEMM (comet.kernels.fp8_ws, gated: the activation and h's
 requantization in its epilogue) at the presets' prefill shapes, on one GPU in one call.
 
@@ -15,6 +15,10 @@ overlaps items). Timed (do_bench medians, two alternating rounds, the faster kep
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference.
+* with ``--pairs``: ``plain-paired``, the plain GEMM on paired m-tiles (``ws_gemm``'s
+  ``paired``: 128-row m-tiles, one B box an item, a K step moving 32 KiB in place of 40),
+  and layer1's shape (N = H, K = F) plain, ``l1``, beside ``l1-paired`` and
+  ``l1-paired6`` (6 ring slots); their bf16 outputs must equal the default's.
 
 With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
 layer runs it, and a fit of its time into a cost per K step and a cost per item.
@@ -93,7 +97,8 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dict:
+def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
+          pairs: bool = False) -> dict:
     e, k, hid, f = shape(name)
     per = tokens * k // e
     rows = [per] * e
@@ -120,6 +125,27 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     plain_out = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     calls["plain"] = lambda: kernels[""].ws_group_gemm(x, w, tiles, out=plain_out,
                                                        programs=sms)
+    flop = {label: rec["gated_flop"] for label in calls}
+    if pairs:
+        # 128-row m-tiles, one B box an item, the consumers on its row halves; beside the
+        # default at layer0's plain shape and at layer1's (N = H, K = F).
+        tiles2 = m_tiles(rows, 128, "cuda")
+        h = quantize_rows(torch.randn(sum(rows), f, device="cuda", generator=g))
+        w2 = weights(e, hid, f, g)
+        pair_out = torch.empty_like(plain_out)
+        l1_out = {v: torch.empty(sum(rows), hid, dtype=torch.bfloat16, device="cuda")
+                  for v in ("", "-paired", "-paired6")}
+        mod = kernels[""]
+        calls["plain-paired"] = lambda: mod.ws_group_gemm(x, w, tiles2, out=pair_out,
+                                                          programs=sms, paired=True)
+        calls["l1"] = lambda: mod.ws_group_gemm(h, w2, tiles, out=l1_out[""], programs=sms)
+        calls["l1-paired"] = lambda: mod.ws_group_gemm(h, w2, tiles2, out=l1_out["-paired"],
+                                                       programs=sms, paired=True)
+        calls["l1-paired6"] = lambda: mod.ws_group_gemm(h, w2, tiles2,
+                                                        out=l1_out["-paired6"], programs=sms,
+                                                        paired=True, stages=6)
+        flop.update({"plain-paired": rec["gated_flop"],
+                     **{f"l1{v}": 2.0 * sum(rows) * hid * f for v in l1_out}})
     for label, fn in calls.items():
         outs[label] = fn()
     torch.cuda.synchronize()
@@ -129,7 +155,14 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
             best[label] = min(best[label], timed(fn))
     for label, ms in best.items():
         rec[f"{label}_us"] = ms * 1e3
-        rec[f"{label}_tflops"] = rec["gated_flop"] / (ms * 1e-3) / 1e12
+        rec[f"{label}_tflops"] = flop[label] / (ms * 1e-3) / 1e12
+    if pairs:   # the same wgmmas and promotions on the same rows: equal bf16 outputs
+        rec["paired_equal"] = bool(torch.equal(outs["plain-paired"], outs["plain"])
+                                   and torch.equal(outs["l1-paired"], outs["l1"])
+                                   and torch.equal(outs["l1-paired6"], outs["l1"]))
+        rec["plain_paired_over_plain"] = rec["plain-paired_us"] / rec["plain_us"]
+        rec["l1_paired_over_l1"] = rec["l1-paired_us"] / rec["l1_us"]
+        rec["l1_paired6_over_l1"] = rec["l1-paired6_us"] / rec["l1_us"]
     # The emulation on the first two experts' rows.
     two = sum(rows[:2])
     gu = grouped_gemm_fp8(Fp8Rows(x.data[:two], x.scale[:two]),
@@ -140,7 +173,8 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool) -> dic
     hd = h.dequantize()[:two]
     rd = ref.dequantize()
     rec["h_rel_l2"] = float((hd - rd).norm() / rd.norm())
-    rec["ok"] = rec["scale_max_rel_err"] <= SCALE_RTOL and rec["h_rel_l2"] <= 1e-2
+    rec["ok"] = (rec["scale_max_rel_err"] <= SCALE_RTOL and rec["h_rel_l2"] <= 1e-2
+                 and rec.get("paired_equal", True))
     for other, equal in (("gather-gated", "gather_equal"), ("base-gated", "equal_to_base")):
         if other in outs:
             rec[equal] = same_h(outs[other], h)
@@ -198,6 +232,9 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
+    ap.add_argument("--pairs", action="store_true",
+                    help="also the plain GEMM on paired m-tiles (128 rows, one B box an "
+                         "item) beside the default, at layer0's and layer1's shapes")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
                     help="also the plain GEMM at one M, N and these K (default 512 1024 "
                          "2048 4096 8192) on a persistent grid: per-step and per-item cost")
@@ -214,7 +251,8 @@ def main() -> None:
     for i, name in enumerate(args.configs):
         for tokens in args.tokens:
             try:
-                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather)
+                rec = probe(name, tokens, kernels, seed=i, gather=not args.no_gather,
+                            pairs=args.pairs)
             except Exception as exc:   # noqa: BLE001 -- a shape that fails is a result too
                 rec = {"config": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:800]}
             result["records"].append(rec)
@@ -236,6 +274,12 @@ def main() -> None:
               f"{r.get('base-gated_tflops', float('nan')):10.1f} "
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
               f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
+        if "paired_equal" in r:
+            print(f"{'':27s} paired / default: plain {r['plain_paired_over_plain']:.3f}, "
+                  f"layer1 {r['l1_paired_over_l1']:.3f} (6 stages "
+                  f"{r['l1_paired6_over_l1']:.3f}); layer1 TF/s {r['l1_tflops']:.0f} -> "
+                  f"{r['l1-paired_tflops']:.0f} / {r['l1-paired6_tflops']:.0f}; equal "
+                  f"{r['paired_equal']}")
     sweep = result.get("k_sweep")
     if sweep:
         print(f"\nplain GEMM, {sweep['items']} items of 64 x 256 on {sweep['programs']} "
