@@ -266,7 +266,8 @@ def tile_field_error(name: str, value) -> str | None:
 
 VariantName = Literal["layer1_scatter", "layer0_gather", "layer0_own_in_place",
                       "layer0_live_rows", "layer0_stream_k", "layer0_tail_split",
-                      "layer1_split_k", "small_plan_blocks"]
+                      "layer1_split_k", "small_plan_blocks", "fp8_ws_min_rows",
+                      "fp8_ws_paired_rows"]
 
 
 @dataclass(frozen=True)
@@ -366,6 +367,14 @@ class Variant:
             fused forward calls with the scatter epilogue only. A bf16 layer ignores it.
             4 by default: the rows from which it is GPU-tested against the accuracy
             bound (docs/precision.md).
+        fp8_ws_paired_rows: calls on the warp-specialized kernel with at least this many
+            rows per expert (expected as for ``fp8_ws_min_rows``; 0: none) run layer1 on
+            paired m-tiles: an item is 128 rows (the plan's tiles, paired per expert by
+            comet.kernels.plan.paired_tiles) times one 128-column box of B, the two
+            consumers on its row halves, so a K step moves 32 KiB from L2 where the
+            64-row item's two B boxes move 40 for the same FLOPs: the K loop is bound by
+            those moves, not by the tensor cores (docs/precision.md). The Selector turns
+            it off for smaller calls (Selector.ws_paired_by_rule).
     """
 
     layer1_scatter: bool = True
@@ -377,6 +386,7 @@ class Variant:
     layer1_split_k: int = 4
     small_plan_blocks: int = 16
     fp8_ws_min_rows: int = 4
+    fp8_ws_paired_rows: int = 0
 
     def __post_init__(self):
         if self.layer1_split_k < 1:
@@ -387,6 +397,9 @@ class Variant:
             raise ValueError(f"small_plan_blocks must be >= 0, got {self.small_plan_blocks}")
         if self.fp8_ws_min_rows < 0:
             raise ValueError(f"fp8_ws_min_rows must be >= 0, got {self.fp8_ws_min_rows}")
+        if self.fp8_ws_paired_rows < 0:
+            raise ValueError(f"fp8_ws_paired_rows must be >= 0, got "
+                             f"{self.fp8_ws_paired_rows}")
 
     def without(self, names: tuple[VariantName, ...]) -> "Variant":
         """This variant with the fields ``names`` off (False, or 0)."""

@@ -321,6 +321,11 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     from comet.activation import GatedActivation
     ws_tile = tile.with_fields(fp8_ws_min_rows=128)
     out.append(lambda: call(t=ws_tile, space=allocate_virtual(fp8, world, "cpu", ws_tile)[0]).run())
+    # ... with layer1 on paired m-tiles (Variant.fp8_ws_paired_rows: the plan's table
+    # re-cut in 128-row tiles, comet.kernels.plan.paired_tiles, then the paired GEMM).
+    ws_paired = ws_tile.with_fields(fp8_ws_paired_rows=128)
+    out.append(lambda: call(t=ws_paired,
+                            space=allocate_virtual(fp8, world, "cpu", ws_paired)[0]).run())
     # ... and with a gathered dispatch: layer0 reads A's rows through the index (A_GATHER).
     ws_gather = ws_tile.with_fields(layer0_gather=True)
     out.append(lambda: call(t=ws_gather,

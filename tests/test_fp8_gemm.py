@@ -145,6 +145,22 @@ def test_the_warp_specialized_gemm_refuses_bad_input_before_any_launch(change, m
         ws_group_gemm(a.data.float() if change.get("bf16_rows") else a, w, tiles)
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(activation=True), "plain GEMM on placed rows only"),
+    (dict(rows_per_tile=129), "longer than block_m = 128"),
+])
+def test_paired_m_tiles_refuse_what_they_cannot_run(change, match):
+    """``paired``: the plain GEMM on placed rows, over m-tiles of at most 128 rows."""
+    from comet.activation import SILU
+    from comet.kernels.fp8_ws import ws_group_gemm
+    w = quantize_weight(torch.randn(2, 256, 256) / 10)
+    a = quantize_rows(torch.randn(260, 256))
+    rows = change.get("rows_per_tile", 128)
+    with pytest.raises(ValueError, match=match):
+        ws_group_gemm(a, w, m_tiles([rows, 66], rows), paired=True,
+                      activation=SILU if change.get("activation") else None)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(src_dtype=torch.int64), "int32"),
     (dict(row_bytes=256), "needs at least 264 bytes"),

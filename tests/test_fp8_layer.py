@@ -148,26 +148,34 @@ def _ws_kernel_model(activation, calls):
     return run
 
 
-@pytest.mark.parametrize("f, act", [(192, SILU), (256, GELU)], ids=["f192_silu", "f256_gelu"])
+@pytest.mark.parametrize("f, act, paired", [(192, SILU, False), (256, GELU, False),
+                                           (192, SILU, True)],
+                         ids=["f192_silu", "f256_gelu", "f192_paired"])
 def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffers(
-        monkeypatch, f, act):
+        monkeypatch, f, act, paired):
     """A one-rank layer with ``Variant.fp8_ws_min_rows`` (here as on a GPU, at 4 rows per
     expert): a large call runs the dispatch as its own launch, layer0's and layer1's
     GEMMs as the warp-specialized kernel's two launches -- here a torch model of that
     kernel over the very arguments it gets: the descriptors of the packed rows, of h and
     of the weights, the scales, the tile table, the token slots -- then flag1's release
-    and the combine, and matches the emulation; a small call keeps the fused kernels."""
+    and the combine, and matches the emulation; a small call keeps the fused kernels.
+    ``paired`` (``Variant.fp8_ws_paired_rows``): layer1 over the plan's rows re-cut in
+    128-row tiles (comet.kernels.plan.paired_tiles), which the model walks as it gets
+    them: a tile table that missed rows, or gave them twice, would miss the emulation."""
     import comet.kernels.fp8_ws as fp8_ws
     import comet.runtime.layer as layer_mod
     monkeypatch.setattr(layer_mod, "ws_gemm_fits", lambda *args: True)
     calls = []
     monkeypatch.setattr(fp8_ws.fp8_ws_gemm_kernel, "run", _ws_kernel_model(act, calls))
-    cfg = fp8_config(f=f, activation=act)
+    # paired: 150 rows an expert, so that tiles pair
+    cfg = fp8_config(f=f, activation=act, max_tokens=300 if paired else 12)
     g = torch.Generator().manual_seed(f + 1)
     gate_up, down = fp8_experts(cfg, g)
-    layer = FusedMoE(cfg, gate_up, down, tile=TileConfig.small().with_fields(fp8_ws_min_rows=4))
+    tile = TileConfig.small().with_fields(fp8_ws_min_rows=4,
+                                          fp8_ws_paired_rows=4 if paired else 0)
+    layer = FusedMoE(cfg, gate_up, down, tile=tile)
     assert layer.tile.variant.fp8_ws_min_rows == 4
-    for m, ws in ((12, True), (1, False), (9, True)):
+    for m, ws in ((12, True), (1, False), (9, True)) + (((300, True), ) if paired else ()):
         x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
         ids = make_ids("random", [m], cfg.num_experts, cfg.top_k, g)[0]
         w = torch.rand(m, cfg.top_k, generator=g)
@@ -175,8 +183,8 @@ def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffe
         assert_matches(layer(x, ids, w), emulate(x, ids, w, gate_up, down, act))
         assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is ws
         assert layer.last_ws_gemm is ws
-        assert [(bool(t.GATED), int(t.EPILOGUE)) for t in calls] == (
-            [(True, 0), (False, int(fp8_ws.EPILOGUE_SCATTER))] if ws else [])
+        assert [(bool(t.GATED), int(t.EPILOGUE), bool(t.PAIRED)) for t in calls] == (
+            [(True, 0, False), (False, int(fp8_ws.EPILOGUE_SCATTER), paired)] if ws else [])
 
 
 # ------------------------------------------------------------------------- errors

@@ -106,20 +106,42 @@ def test_ws_gemm_reads_rows_through_an_index(activation):
             assert torch.equal(got.scale, want.scale)
 
 
-@pytest.mark.parametrize("name, gather", [("mixtral", False), ("deepseek-v3-like", False),
-                                          ("deepseek-v3-like", True)])
-def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name, gather):
+@pytest.mark.parametrize("k, stages", [(1024, 4), (640, 4), (640, 6)])
+def test_paired_m_tiles_give_the_default_bytes(k, stages):
+    """``paired``: 128-row m-tiles, the consumers on their row halves over one B box,
+    give the bytes of the 64-row items over two boxes (the same wgmmas and promotions):
+    odd step counts, a box past N, halves past an expert's rows, an empty expert, a
+    persistent grid of few programs, six ring slots."""
+    from comet.kernels.fp8_ws import ws_group_gemm
+    e_rows = [70, 0, 33, 64, 129, 300, 1]
+    n = 320
+    w = quantize_weight(_randn(len(e_rows), n, k, seed=k + stages) / k ** 0.5)
+    a = quantize_rows(_randn(sum(e_rows), k, seed=8))
+    want = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV))
+    for programs in (None, 3):
+        got = ws_group_gemm(a, w, m_tiles(e_rows, 128, DEV), paired=True, stages=stages,
+                            programs=programs)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name, gather, paired", [("mixtral", False, False),
+                                                  ("deepseek-v3-like", False, False),
+                                                  ("deepseek-v3-like", True, False),
+                                                  ("qwen2-moe", False, True)])
+def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name, gather, paired):
     """FusedMoE on FP8 experts at the preset's size, one rank: calls large enough for
     the warp-specialized GEMMs and small ones interleaved, each twice (graph replay),
     then 60 back-to-back calls of drifting sizes, every output against the emulation;
     ``gather``: with layer0's gathered dispatch (the GEMM reads the home rows through
-    the index, ``A_GATHER``)."""
+    the index, ``A_GATHER``); ``paired``: layer1 on paired m-tiles from 128 rows per
+    expert (``Variant.fp8_ws_paired_rows``)."""
     from test_gpu_fp8 import _bf16, _check, _emulate, _experts, _inputs
     from comet.runtime.layer import FusedMoE, default_tile
     rows = 128      # two m-tiles per expert
     cfg = PRESETS[name].replace(max_tokens=4096, fp8=Fp8())
     gu, dn, gu8, dn8 = _experts(cfg, 0)
-    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=rows, layer0_gather=gather)
+    tile = default_tile(cfg=cfg).with_fields(fp8_ws_min_rows=rows, layer0_gather=gather,
+                                             fp8_ws_paired_rows=rows if paired else 0)
     layer = FusedMoE(cfg, gu8, dn8, check_errors="sync", tile=tile)
     assert layer.tile.variant.fp8_ws_min_rows == rows
     assert layer.tile.variant.layer0_gather is gather
@@ -134,6 +156,8 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name, gather):
         assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is (x.shape[0] >= large), \
             x.shape[0]
         assert layer.last_ws_gemm is (x.shape[0] >= large), x.shape[0]
+        on_pairs = layer.last_tile.variant.fp8_ws_paired_rows > 0
+        assert on_pairs is (paired and x.shape[0] >= large), x.shape[0]
     drift = [int(v) for v in torch.randint(1, 4097, (60, ), generator=torch.Generator()
                                           .manual_seed(6))]
     xs, ids, ws = _inputs(cfg, drift, 7)

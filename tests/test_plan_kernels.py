@@ -180,3 +180,25 @@ def test_the_scan_pushes_the_counts_after_every_program_has_summed():
         got = wss[r].local.counts[int(wss[r].epoch) % 2].view(world, world, el + 1).cpu()
         assert torch.equal(got, counts.cpu().int())
         assert int(wss[r].count.scanned) == 2       # both programs arrived; the last pushed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("el, rows", [(4, 8), (6, 3), (2, 5)])
+def test_paired_tiles_cover_a_one_rank_plan_in_longer_tiles(kind, el, rows):
+    """paired_tiles over a one-rank plan's segments: the table m_tiles builds from each
+    expert's rows at ``rows`` rows a tile (experts with no rows have no tile), whatever
+    the table held before."""
+    from comet.kernels.fp8_gemm import MTiles, m_tiles
+    from comet.kernels.plan import paired_tiles
+    cfg, ids, wts, wss, counts, layout, tile = _plan_both(1, el, min(3, el), 40, kind,
+                                                          seed=el + rows)
+    plan = wss[0].plan
+    cap = plan.tiles.expert.shape[0]
+    out = MTiles(*(torch.full((cap, ), 77, dtype=torch.int32, device=DEVICE)
+                   for _ in range(3)), torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    paired_tiles(plan.segments, out, wss[0].shape, rows)
+    want = m_tiles(counts[0, 0, :el].tolist(), rows)    # [source, destination, expert]
+    n = int(out.num)
+    assert n == int(want.num) <= cap
+    for got, exp in zip(out[:3], want[:3]):
+        assert got[:n].cpu().tolist() == exp.tolist()

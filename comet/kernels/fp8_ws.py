@@ -62,6 +62,8 @@ from comet.quant import E4M3, GROUP, Fp8Rows, Fp8Weight
 BLOCK_M = 64
 #: Rows of each B box: one activation group (layer0 quantizes a tile's h row as one group).
 BLOCK_N = GROUP
+#: Rows of a paired item (``ws_gemm``'s ``paired``): a row half per consumer.
+PAIRED_ROWS = 2 * BLOCK_M
 #: K per step: one scale of A and of B per step.
 BLOCK_K = GROUP
 #: Shared-memory slots of the ring: 40 KiB each (A box and two B boxes).
@@ -665,7 +667,7 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
                   constexpr(imprecise_acc(promotion_k, BLOCK_K)), constexpr(gather is not None),
                   constexpr(paired))
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
-    a_rows = 2 * BLOCK_M if paired else BLOCK_M
+    a_rows = PAIRED_ROWS if paired else BLOCK_M
     a_desc = (None if gather is not None else
               TensorDescriptor.from_tensor(a, [a_rows, BLOCK_K], A_SMEM.value))
     return WsLaunch(a_desc, TensorDescriptor.from_tensor(w.weight.view(w.experts * nb, k),
@@ -692,7 +694,7 @@ def ws_group_gemm(a: Fp8Rows | Fp8Gather, w: Fp8Weight, tiles: MTiles, *,
         rows = a.src.shape[0]
     else:
         check_group_gemm(a, w, tiles, activation, activation is not None,
-                         Fp8GemmConfig((2 if paired else 1) * BLOCK_M, BLOCK_N, BLOCK_K))
+                         Fp8GemmConfig(PAIRED_ROWS if paired else BLOCK_M, BLOCK_N, BLOCK_K))
         if a.group != GROUP:
             raise ValueError(f"rows quantized in groups of {a.group}; this kernel reads "
                              f"{GROUP}")

@@ -52,6 +52,7 @@ import triton.language as tl
 from comet.constants import constexpr, COUNT_BUFFERS, INPUT_BAD_EXPERT, INPUT_BAD_WEIGHT
 from comet.config import TileConfig
 from comet.kernels.exchange import Exchange, push_counts, wait_counts
+from comet.kernels.fp8_gemm import MTiles
 from comet.kernels.fp8_roles import HomeQuant, quantize_home_part
 from comet.kernels.shape import Shape, next_pow2
 from comet.kernels.stage_routing import RoutingStage, caller_ids, stage_pairs
@@ -746,3 +747,35 @@ def _place_block(placing, send_base, dst_base, rows, epoch, b, shape):
         tl.store(ent_rows + slot[:, None] * TOPK + j[None, :], tl.where(on, dst_row, -1), mask=jm)
         tl.store(ent_weight + slot[:, None] * TOPK + j[None, :], tl.where(on, w, 0.0), mask=jm)
         tl.store(dest_mask + t.to(tl.int64) * WORLD + d, any_d, mask=live_t)
+
+
+@triton.jit
+def paired_tiles_kernel(segments, out, shape, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: the m-tile table of ``ROWS``-row tiles (``out``, an
+    :class:`comet.kernels.fp8_gemm.MTiles`) over a one-rank call's rows, expert by
+    expert as its segments place them (ring offset 0 holds every row). A tile finds its
+    expert among the experts' running tile counts, ``CHUNK`` tiles at a time."""
+    el = tl.arange(0, shape.EL_P2)
+    on = el < shape.LOCAL_EXPERTS
+    rows = tl.load(segments.rows + el, mask=on, other=0)
+    first = tl.load(segments.start + el, mask=on, other=0)
+    ends = tl.cumsum(tl.cdiv(rows, ROWS), axis=0)           # tiles up to each expert
+    total = tl.sum(tl.cdiv(rows, ROWS), axis=0)
+    tl.store(out.num, total)
+    for c0 in range(0, total, CHUNK):
+        t = c0 + tl.arange(0, CHUNK)
+        e = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)  # [CHUNK]
+        mine = el[None, :] == e[:, None]
+        before = tl.sum(tl.where(mine, ends - tl.cdiv(rows, ROWS), 0), axis=1)
+        start = tl.sum(tl.where(mine, first, 0), axis=1) + (t - before) * ROWS
+        end = tl.minimum(start + ROWS, tl.sum(tl.where(mine, first + rows, 0), axis=1))
+        live = t < total
+        tl.store(out.expert + t, e, mask=live)
+        tl.store(out.row_start + t, start, mask=live)
+        tl.store(out.row_end + t, end, mask=live)
+
+
+def paired_tiles(segments: Segments, out: MTiles, shape: Shape, rows: int) -> None:
+    """Fill ``out`` with :func:`paired_tiles_kernel`'s table of ``rows``-row tiles (room
+    for as many as the plan's own table, whose tiles are no longer)."""
+    paired_tiles_kernel[(1, )](segments, out, shape, ROWS=rows, CHUNK=64, num_warps=4)

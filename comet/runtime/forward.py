@@ -34,7 +34,7 @@ from comet.kernels.combine import combine_of
 from comet.kernels.layer0 import Dispatch, layer0_gemm
 from comet.kernels.fp8_gemm import (LAYER0_BLOCK_N, Fp8Gather, Fp8OwnRows, MTiles,
                                      fused_fp8_gemm)
-from comet.kernels.fp8_ws import WsH, WsLaunch, ws_gemm
+from comet.kernels.fp8_ws import PAIRED_ROWS, WsH, WsLaunch, ws_gemm
 from comet.kernels.fp8_roles import (HomeQuant, home_quant, home_quantizer,
                                      launch_quantize_home, packed_views)
 from comet.kernels.layer1 import column_splits, launch_release_sources, layer1_gemm
@@ -44,7 +44,7 @@ from comet.mesh import Convention, MeshLayout
 from comet.quant import Fp8Weight
 from comet.scheduler.shared_tensor import layout_decomposition
 from comet.kernels.plan import (Chunking, Routing, launch_counts, launch_layout,
-                                launch_open, launch_place, plan_block_tokens)
+                                launch_open, launch_place, paired_tiles, plan_block_tokens)
 from comet.kernels.sync import Trace
 from comet.runtime.launches import CombineLaunch, Layer0Launch, Layer1Launch
 from comet.runtime.strategies import progress_of, scatter_homes, strategy_for
@@ -258,10 +258,14 @@ class ForwardCall:
         (``Variant.fp8_ws_min_rows``): over the plan's m-tiles, layer0 from the rows the
         dispatch placed (or, gathered, through its index) into h in FP8 groups, layer1
         from h, scattering each weighted row into its token's slot as the fused kernel's
-        epilogue does."""
+        epilogue does -- on paired m-tiles (``Variant.fp8_ws_paired_rows``: the plan's
+        rows in tiles of twice its rows, :attr:`paired`, one B box an item)."""
         ws, cfg = self.ws, self.ws.cfg
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
+        self.paired = None
+        if self.tile.variant.fp8_ws_paired_rows > 0:
+            self.paired = MTiles(*(torch.empty_like(x) for x in tiles))
         if self.tile.variant.layer0_gather:
             a, a_scale = self._ws_gather(), None
         else:
@@ -270,9 +274,13 @@ class ForwardCall:
                   promotion_k=cfg.fp8.promotion(warp_specialized=True))
         layer0 = ws_gemm(a, a_scale, self.w13, tiles, WsH(ws.h, ws.h_scale),
                          activation=cfg.activation, **kw)
-        layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, tiles, scatter_homes(ws), scatter=True,
-                         **kw)
+        layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, self.paired or tiles, scatter_homes(ws),
+                         scatter=True, paired=self.paired is not None, **kw)
         return layer0, layer1
+
+    def pair_tiles(self) -> None:
+        """:attr:`paired` from this call's plan (comet.kernels.plan.paired_tiles)."""
+        paired_tiles(self.ws.plan.segments, self.paired, self.ws.shape, PAIRED_ROWS)
 
     def _ws_gather(self) -> Fp8Gather:
         """Where the warp-specialized layer0 reads its rows after a gathered dispatch, on
@@ -397,7 +405,8 @@ class ForwardCall:
         device), or its compute role then its comm role."""
         mode, grids = self.mode, self.grids
         if self.ws_gemm:
-            return [lambda: self.ws_layer1(grids.compute), self.release_layer1]
+            pair = [self.pair_tiles] if self.paired is not None else []
+            return pair + [lambda: self.ws_layer1(grids.compute), self.release_layer1]
         if self.strategy.comm_blocks(1) == 0 or self.fused:
             return [lambda: self.launch_layer1(ROLE_FUSED, grids.compute,
                                                trace=self._trace["layer1"],

@@ -111,8 +111,8 @@ def default_tile(mesh: MeshLayout | None = None, convention: Convention = "seque
 #: they spilled (sm_90, triton 3.6: tests/sm90_compile.py).
 FP8_BLOCK_M = 64
 #: TileConfig fields only an FP8 layer reads (``Variant.fp8_ws_min_rows``,
-#: ``GemmConfig.small_block_m``).
-FP8_ONLY_FIELDS = ("fp8_ws_min_rows", "small_block_m")
+#: ``fp8_ws_paired_rows``, ``GemmConfig.small_block_m``).
+FP8_ONLY_FIELDS = ("fp8_ws_min_rows", "fp8_ws_paired_rows", "small_block_m")
 _FP8_ONLY_DEFAULTS = {n: v for n, v in TileConfig().flat().items() if n in FP8_ONLY_FIELDS}
 
 
@@ -123,10 +123,14 @@ def fp8_tile(tile: TileConfig, warp_specialized: bool = False) -> TileConfig:
     where they were packed, its home rows), the gathered K loop always loads only a
     tile's own rows, so the variant has no live-row switch for the Selector to turn.
     ``warp_specialized``: the layer can run large calls' GEMMs on comet.kernels.fp8_ws
-    (:func:`ws_gemm_fits`); ``Variant.fp8_ws_min_rows`` stays on only then (with a
-    gathered dispatch that kernel reads A's rows through the index, ``A_GATHER``)."""
-    ws_rows = tile.variant.fp8_ws_min_rows if warp_specialized else 0
+    (:func:`ws_gemm_fits`); ``Variant.fp8_ws_min_rows`` and ``fp8_ws_paired_rows`` stay
+    on only then (with a gathered dispatch that kernel reads A's rows through the index,
+    ``A_GATHER``)."""
+    v = tile.variant
+    ws_rows, paired = ((v.fp8_ws_min_rows, v.fp8_ws_paired_rows) if warp_specialized
+                       else (0, 0))
     return tile.with_fields(layer0_live_rows=False, fp8_ws_min_rows=ws_rows,
+                            fp8_ws_paired_rows=paired,
                             block_m=min(tile.gemm.block_m, FP8_BLOCK_M))
 
 

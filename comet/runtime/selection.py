@@ -72,6 +72,7 @@ class Selector:
         self.may_live_rows = tile.variant.layer0_gather and tile.variant.layer0_live_rows
         self.may_small_plan = tile.variant.small_plan_blocks > 0
         self.may_ws_gemm = cfg.fp8 is not None and tile.variant.fp8_ws_min_rows > 0
+        self.may_ws_paired = self.may_ws_gemm and tile.variant.fp8_ws_paired_rows > 0
         self.may_small_rows = cfg.fp8 is not None and tile.small_rows_tile() is not None
         self._small_rows: dict[int, bool] = {}
         self._on_small_rows: dict[TileConfig, TileConfig] = {}
@@ -174,7 +175,8 @@ class Selector:
         live-row loads past :meth:`live_rows_by_rule` (a call that stream-K may cut
         keeps them: it is a small one), the two-launch plan past
         :meth:`small_plan_by_rule` -- and the one of large calls, the warp-specialized
-        FP8 GEMM below :meth:`ws_gemm_by_rule`. Decided once per token count."""
+        FP8 GEMM below :meth:`ws_gemm_by_rule` and its paired m-tiles below
+        :meth:`ws_paired_by_rule`. Decided once per token count."""
         if num_tokens not in self._too_large:
             stream_k = self.may_stream_k and self.stream_k_by_rule(num_tokens)
             off = []
@@ -188,6 +190,8 @@ class Selector:
                 off.append("small_plan_blocks")
             if self.may_ws_gemm and not self.ws_gemm_by_rule(num_tokens):
                 off.append("fp8_ws_min_rows")
+            if self.may_ws_paired and not self.ws_paired_by_rule(num_tokens):
+                off.append("fp8_ws_paired_rows")
             self._too_large[num_tokens] = tuple(off)
         return self._too_large[num_tokens]
 
@@ -328,6 +332,13 @@ class Selector:
         the rule holds from some count on, the others' up to one)."""
         per_expert, busy = self._expected_rows(num_tokens)
         return busy > 0 and per_expert >= self.tile.variant.fp8_ws_min_rows
+
+    def ws_paired_by_rule(self, num_tokens: int) -> bool:
+        """Whether a call on the warp-specialized kernel runs layer1 on paired m-tiles:
+        each expert's rows, expected as :meth:`ws_gemm_by_rule` expects them, at least
+        ``Variant.fp8_ws_paired_rows``."""
+        per_expert, busy = self._expected_rows(num_tokens)
+        return busy > 0 and per_expert >= self.tile.variant.fp8_ws_paired_rows
 
     def small_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether an FP8 call with ``num_tokens`` on this rank runs on
