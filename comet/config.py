@@ -374,7 +374,8 @@ class Variant:
             consumers on its row halves, so a K step moves 32 KiB from L2 where the
             64-row item's two B boxes move 40 for the same FLOPs: the K loop is bound by
             those moves, not by the tensor cores (docs/precision.md). The Selector turns
-            it off for smaller calls (Selector.ws_paired_by_rule).
+            it off for smaller calls (Selector.ws_paired_by_rule). 0 by default: not yet
+            timed in the layer on a GPU.
     """
 
     layer1_scatter: bool = True
