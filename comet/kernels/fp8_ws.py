@@ -528,12 +528,8 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
     :class:`comet.kernels.layer1.Homes`; gather: with ``A_GATHER`` the
     :class:`comet.kernels.fp8_gemm.Fp8Gather` A's rows are read through (else None);
     t: :class:`WsTile`."""
-    if t.PAIRED:
-        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, 2 * t.BLOCK_M, t.BLOCK_K],
-                                           A_SMEM)
-    else:
-        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, t.BLOCK_M, t.BLOCK_K],
-                                           A_SMEM)
+    A_ROWS: gl.constexpr = 2 * t.BLOCK_M if t.PAIRED else t.BLOCK_M
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [t.STAGES, A_ROWS, t.BLOCK_K], A_SMEM)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [t.STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
     if t.PAIRED:    # both consumers read the one box

@@ -759,14 +759,15 @@ def paired_tiles_kernel(segments, out, shape, ROWS: tl.constexpr, CHUNK: tl.cons
     on = el < shape.LOCAL_EXPERTS
     rows = tl.load(segments.rows + el, mask=on, other=0)
     first = tl.load(segments.start + el, mask=on, other=0)
-    ends = tl.cumsum(tl.cdiv(rows, ROWS), axis=0)           # tiles up to each expert
-    total = tl.sum(tl.cdiv(rows, ROWS), axis=0)
+    tiles = tl.cdiv(rows, ROWS)
+    ends = tl.cumsum(tiles, axis=0)                         # tiles up to each expert
+    total = tl.sum(tiles, axis=0)
     tl.store(out.num, total)
     for c0 in range(0, total, CHUNK):
         t = c0 + tl.arange(0, CHUNK)
         e = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)  # [CHUNK]
         mine = el[None, :] == e[:, None]
-        before = tl.sum(tl.where(mine, ends - tl.cdiv(rows, ROWS), 0), axis=1)
+        before = tl.sum(tl.where(mine, ends - tiles, 0), axis=1)
         start = tl.sum(tl.where(mine, first, 0), axis=1) + (t - before) * ROWS
         end = tl.minimum(start + ROWS, tl.sum(tl.where(mine, first + rows, 0), axis=1))
         live = t < total

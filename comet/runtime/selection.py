@@ -330,15 +330,18 @@ class Selector:
         warp-specialized kernel: each expert's rows, expected as :meth:`decode_by_rule`
         expects them, are at least the layer's ``Variant.fp8_ws_min_rows`` (large calls;
         the rule holds from some count on, the others' up to one)."""
-        per_expert, busy = self._expected_rows(num_tokens)
-        return busy > 0 and per_expert >= self.tile.variant.fp8_ws_min_rows
+        return self._rows_per_expert_reach(num_tokens, self.tile.variant.fp8_ws_min_rows)
 
     def ws_paired_by_rule(self, num_tokens: int) -> bool:
         """Whether a call on the warp-specialized kernel runs layer1 on paired m-tiles:
         each expert's rows, expected as :meth:`ws_gemm_by_rule` expects them, at least
         ``Variant.fp8_ws_paired_rows``."""
+        return self._rows_per_expert_reach(num_tokens, self.tile.variant.fp8_ws_paired_rows)
+
+    def _rows_per_expert_reach(self, num_tokens: int, rows: int) -> bool:
+        """Whether some expert is busy and each one's expected rows are at least ``rows``."""
         per_expert, busy = self._expected_rows(num_tokens)
-        return busy > 0 and per_expert >= self.tile.variant.fp8_ws_paired_rows
+        return busy > 0 and per_expert >= rows
 
     def small_rows_by_rule(self, num_tokens: int) -> bool:
         """Whether an FP8 call with ``num_tokens`` on this rank runs on
