@@ -368,14 +368,16 @@ class Variant:
             4 by default: the rows from which it is GPU-tested against the accuracy
             bound (docs/precision.md).
         fp8_ws_paired_rows: calls on the warp-specialized kernel with at least this many
-            rows per expert (expected as for ``fp8_ws_min_rows``; 0: none) run layer1 on
-            paired m-tiles: an item is 128 rows (the plan's tiles, paired per expert by
-            comet.kernels.plan.paired_tiles) times one 128-column box of B, the two
-            consumers on its row halves, so a K step moves 32 KiB from L2 where the
-            64-row item's two B boxes move 40 for the same FLOPs: the K loop is bound by
-            those moves, not by the tensor cores (docs/precision.md). The Selector turns
-            it off for smaller calls (Selector.ws_paired_by_rule). 0 by default: not yet
-            timed in the layer on a GPU.
+            rows per expert (expected as for ``fp8_ws_min_rows``; 0: none) run both
+            GEMMs on paired m-tiles: an item is 128 rows (the plan's tiles, paired per
+            expert by comet.kernels.plan.paired_tiles), each consumer on 64 of them, times
+            one 128-column box of B at a time (layer0: its gate box over K, then its up
+            box, the gate tile parked in shared memory), so a K step moves 32 KiB from
+            L2 where the 64-row item's two B boxes move 40 for the same FLOPs: the K loop
+            is bound by those moves, not by the tensor cores (docs/precision.md).
+            layer0 keeps 64-row items after a gathered dispatch (``layer0_gather``). The
+            Selector turns it off for smaller calls (Selector.ws_paired_by_rule). 0 by
+            default: not yet timed in the layer on a GPU.
     """
 
     layer1_scatter: bool = True

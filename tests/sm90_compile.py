@@ -321,8 +321,8 @@ def fp8_launches(cfg, world, inputs, grids) -> list:
     from comet.activation import GatedActivation
     ws_tile = tile.with_fields(fp8_ws_min_rows=128)
     out.append(lambda: call(t=ws_tile, space=allocate_virtual(fp8, world, "cpu", ws_tile)[0]).run())
-    # ... with layer1 on paired m-tiles (Variant.fp8_ws_paired_rows: the plan's table
-    # re-cut in 128-row tiles, comet.kernels.plan.paired_tiles, then the paired GEMM).
+    # ... with both GEMMs on paired m-tiles (Variant.fp8_ws_paired_rows: the plan's table
+    # re-cut in 128-row tiles, comet.kernels.plan.paired_tiles, then the paired GEMMs).
     ws_paired = ws_tile.with_fields(fp8_ws_paired_rows=128)
     out.append(lambda: call(t=ws_paired,
                             space=allocate_virtual(fp8, world, "cpu", ws_paired)[0]).run())

@@ -146,19 +146,28 @@ def test_the_warp_specialized_gemm_refuses_bad_input_before_any_launch(change, m
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(activation=True), "plain GEMM on placed rows only"),
+    (dict(gather=True), "placed rows only"),
     (dict(rows_per_tile=129), "longer than block_m = 128"),
+    (dict(rows_per_tile=129, activation=True), "longer than block_m = 128"),
 ])
 def test_paired_m_tiles_refuse_what_they_cannot_run(change, match):
-    """``paired``: the plain GEMM on placed rows, over m-tiles of at most 128 rows."""
+    """``paired``: placed rows, over m-tiles of at most 128 rows."""
     from comet.activation import SILU
-    from comet.kernels.fp8_ws import ws_group_gemm
+    from comet.kernels.fp8_gemm import Fp8Gather
+    from comet.kernels.fp8_roles import pack_rows
+    from comet.kernels.fp8_ws import ws_gemm, ws_group_gemm
     w = quantize_weight(torch.randn(2, 256, 256) / 10)
     a = quantize_rows(torch.randn(260, 256))
     rows = change.get("rows_per_tile", 128)
+    tiles = m_tiles([rows, 66], rows)
+    act = SILU if change.get("activation") else None
     with pytest.raises(ValueError, match=match):
-        ws_group_gemm(a, w, m_tiles([rows, 66], rows), paired=True,
-                      activation=SILU if change.get("activation") else None)
+        if change.get("gather"):
+            packed = pack_rows(a)
+            src = torch.zeros(rows + 66, dtype=torch.int32)
+            ws_gemm(Fp8Gather(src, packed, packed.shape[1]), None, w, tiles, (), paired=True)
+        else:
+            ws_group_gemm(a, w, tiles, paired=True, activation=act)
 
 
 @pytest.mark.parametrize("change,match", [

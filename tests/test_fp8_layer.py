@@ -159,8 +159,8 @@ def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffe
     kernel over the very arguments it gets: the descriptors of the packed rows, of h and
     of the weights, the scales, the tile table, the token slots -- then flag1's release
     and the combine, and matches the emulation; a small call keeps the fused kernels.
-    ``paired`` (``Variant.fp8_ws_paired_rows``): layer1 over the plan's rows re-cut in
-    128-row tiles (comet.kernels.plan.paired_tiles), which the model walks as it gets
+    ``paired`` (``Variant.fp8_ws_paired_rows``): both GEMMs over the plan's rows re-cut
+    in 128-row tiles (comet.kernels.plan.paired_tiles), which the model walks as it gets
     them: a tile table that missed rows, or gave them twice, would miss the emulation."""
     import comet.kernels.fp8_ws as fp8_ws
     import comet.runtime.layer as layer_mod
@@ -184,7 +184,7 @@ def test_large_calls_on_the_warp_specialized_gemm_read_and_write_the_right_buffe
         assert (layer.last_tile.variant.fp8_ws_min_rows > 0) is ws
         assert layer.last_ws_gemm is ws
         assert [(bool(t.GATED), int(t.EPILOGUE), bool(t.PAIRED)) for t in calls] == (
-            [(True, 0, False), (False, int(fp8_ws.EPILOGUE_SCATTER), paired)] if ws else [])
+            [(True, 0, paired), (False, int(fp8_ws.EPILOGUE_SCATTER), paired)] if ws else [])
 
 
 # ------------------------------------------------------------------------- errors

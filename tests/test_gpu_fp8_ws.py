@@ -106,22 +106,30 @@ def test_ws_gemm_reads_rows_through_an_index(activation):
             assert torch.equal(got.scale, want.scale)
 
 
-@pytest.mark.parametrize("k, stages", [(1024, 4), (640, 4), (640, 6)])
-def test_paired_m_tiles_give_the_default_bytes(k, stages):
-    """``paired``: 128-row m-tiles, the consumers on their row halves over one B box,
-    give the bytes of the 64-row items over two boxes (the same wgmmas and promotions):
-    odd step counts, a box past N, halves past an expert's rows, an empty expert, a
-    persistent grid of few programs, six ring slots."""
+@pytest.mark.parametrize("k, stages, act", [(1024, 4, None), (640, 4, None), (640, 6, None),
+                                            (1024, 4, SILU), (640, 4, GatedActivation(
+                                                alpha=1.702, limit=7.0, up_offset=1.0))])
+def test_paired_m_tiles_give_the_default_bytes(k, stages, act):
+    """``paired``: 128-row m-tiles, the consumers on their row halves over one B box
+    (with ``act``, layer0's: the gate box, parked, then the up box), give the bytes of the
+    64-row items over two boxes (the same wgmmas and promotions; h's group amax the max of
+    the same values): odd step counts, a box past N, halves past an expert's rows, an
+    empty expert, a persistent grid of few programs, six ring slots."""
     from comet.kernels.fp8_ws import ws_group_gemm
     e_rows = [70, 0, 33, 64, 129, 300, 1]
     n = 320
-    w = quantize_weight(_randn(len(e_rows), n, k, seed=k + stages) / k ** 0.5)
+    w = quantize_weight(_randn(len(e_rows), n, k, seed=k + stages) / k ** 0.5,
+                        parts=2 if act else 1)
     a = quantize_rows(_randn(sum(e_rows), k, seed=8))
-    want = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV))
+    want = ws_group_gemm(a, w, m_tiles(e_rows, 64, DEV), activation=act)
     for programs in (None, 3):
         got = ws_group_gemm(a, w, m_tiles(e_rows, 128, DEV), paired=True, stages=stages,
-                            programs=programs)
-        assert torch.equal(got, want)
+                            programs=programs, activation=act)
+        if act is None:
+            assert torch.equal(got, want)
+        else:
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.scale, want.scale)
 
 
 @pytest.mark.parametrize("name, gather, paired", [("mixtral", False, False),
@@ -133,8 +141,8 @@ def test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized(name, gather, pa
     the warp-specialized GEMMs and small ones interleaved, each twice (graph replay),
     then 60 back-to-back calls of drifting sizes, every output against the emulation;
     ``gather``: with layer0's gathered dispatch (the GEMM reads the home rows through
-    the index, ``A_GATHER``); ``paired``: layer1 on paired m-tiles from 128 rows per
-    expert (``Variant.fp8_ws_paired_rows``)."""
+    the index, ``A_GATHER``); ``paired``: both GEMMs on paired m-tiles from 128 rows
+    per expert (``Variant.fp8_ws_paired_rows``)."""
     from test_gpu_fp8 import _bf16, _check, _emulate, _experts, _inputs
     from comet.runtime.layer import FusedMoE, default_tile
     rows = 128      # two m-tiles per expert

@@ -27,6 +27,12 @@ consumer partitions of one warpgroup each that share the A box:
   rows' token slots (``EPILOGUE_SCATTER``, :func:`comet.kernels.layer1.scatter_home`'s
   epilogue).
 
+Or, ``PAIRED``, an item is a 128-row m-tile times one box at a time, each consumer on a row
+half of the A box (a fifth fewer bytes a K step for the same FLOPs: the K loop is bound by
+moving the boxes from L2, docs/precision.md): layer1 over its column block, layer0 over
+its gate box, then its up box, the gate tile parked in shared memory, each consumer then
+holding whole rows of the h group (no trade).
+
 The kernel waits for no peer: it runs where every row it reads is in place when it starts
 (a rank with no peers, after its dispatch launch: ``Variant.fp8_ws_min_rows``). Its
 scales are one per step for A (a row's 128-value group) and for B (``SCALE_N x SCALE_K``
@@ -113,8 +119,8 @@ class WsTile(NamedTuple):
     EPILOGUE: gl.constexpr     # without GATED: EPILOGUE_STORE or EPILOGUE_SCATTER
     MMA_K: gl.constexpr        # K values a wgmma sums before fp32 promotion
     A_GATHER: gl.constexpr     # A's rows read through an index (Fp8Gather), not TMA boxes
-    #: Without GATED: an item is an m-tile of 2 * BLOCK_M rows times one B box, the
-    #: consumers on its row halves (see :func:`ws_gemm`'s ``paired``)
+    #: An item is an m-tile of 2 * BLOCK_M rows, the consumers on its row halves, times
+    #: one B box (GATED: the gate box, then the up box; see :func:`ws_gemm`'s ``paired``)
     PAIRED: gl.constexpr = constexpr(False)
 
 
@@ -204,7 +210,9 @@ def _gather_a(slot, bar, gather, row_start, row_end, k, t):
 def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t):
     """Every item of this program, every K step: the A box and both B boxes into the
     next free slot (``empty``), landing on ``ready`` -- B by TMA, A by TMA too, or with
-    ``A_GATHER`` by each lane's cp.async of its rows (``ready`` counts the lanes)."""
+    ``A_GATHER`` by each lane's cp.async of its rows (``ready`` counts the lanes). PAIRED:
+    the A box and one B box a step, over K once, or with GATED twice (the gate box, then
+    the up box)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
     if t.A_GATHER:
@@ -213,24 +221,27 @@ def producer(a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    PASSES: gl.constexpr = 2 if t.PAIRED and t.GATED else 1
     it = 0
     for w in range(gl.program_id(0), gl.load(op.tiles.num) * n_blocks, gl.num_programs(0)):
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
-        b_row = expert * op.NB + n0
-        for kk in range(k_steps):
-            s = it % t.STAGES
-            mbarrier.wait(empty.index(s), ((it // t.STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            k = kk * t.BLOCK_K
-            if t.A_GATHER:
-                _gather_a(a_bufs.index(s), ready.index(s), gather, row_start, row_end, k, t)
-            else:
-                tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
-            tma_load(b_desc, [b_row, k], ready.index(s), b_bufs.index(s))
-            if not t.PAIRED:
-                tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
-                         c_bufs.index(s))
-            it += 1
+        for p in gl.static_range(PASSES):
+            b_row = expert * op.NB + n0 + p * _second_box(op, t)
+            for kk in range(k_steps):
+                s = it % t.STAGES
+                mbarrier.wait(empty.index(s), ((it // t.STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                k = kk * t.BLOCK_K
+                if t.A_GATHER:
+                    _gather_a(a_bufs.index(s), ready.index(s), gather, row_start, row_end, k,
+                              t)
+                else:
+                    tma_load(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
+                tma_load(b_desc, [b_row, k], ready.index(s), b_bufs.index(s))
+                if not t.PAIRED:
+                    tma_load(b_desc, [b_row + _second_box(op, t), k], ready.index(s),
+                             c_bufs.index(s))
+                it += 1
 
 
 # ------------------------------------------------------------------------ consumers
@@ -328,13 +339,26 @@ def _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc, it, kk, sa_ptr, li
 
 
 @gluon.jit
-def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, op, gather,
-              t, BOX: gl.constexpr):
-    """The fp32 tile of rows ``row_start:+BLOCK_M`` times box ``BOX`` of the item at
-    columns ``n0`` (B rows as :func:`producer` loads them; PAIRED: the one box, times the
-    A box's row half ``BOX``, whose first row ``row_start`` is) over all of K, from the
-    ring (positions from ``it``); returns it and the next position. A's scales: its rows',
-    or with ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
+def _scale_row(n0, op, t, BOX: gl.constexpr):
+    """B's scale row of box ``BOX`` of the item at columns ``n0``, as :func:`producer`
+    loads the boxes: the gate rows, the up rows (GATED) or the next column block."""
+    if BOX == 0:
+        row = n0 // t.SCALE_N
+    elif t.GATED:
+        row = op.up_scale_row + n0 // t.SCALE_N
+    else:
+        row = (n0 + t.BLOCK_N) // t.SCALE_N
+    return row
+
+
+@gluon.jit
+def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, scale_row, op,
+              gather, t, HALF: gl.constexpr):
+    """The fp32 tile of rows ``row_start:+BLOCK_M`` times the ring's B box of scale row
+    ``scale_row`` (:func:`_scale_row`) over all of K, from the ring (positions from
+    ``it``); returns it and the next position. PAIRED: the rows are the A box's row half
+    ``HALF``, whose first row ``row_start`` is. A's scales: its rows', or with
+    ``A_GATHER`` those after each gathered row's values (the item's rows only)."""
     rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, MMA))
     if t.A_GATHER:
         base, live = gathered_rows(gather, rows, row_end)
@@ -343,12 +367,6 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
         live = rows < op.rows
         sa_ptr = op.a_scale + rows.to(gl.int64) * op.sa_row
     sk = gl.cdiv(op.K, t.SCALE_K)
-    if BOX == 0 or t.PAIRED:
-        scale_row = n0 // t.SCALE_N
-    elif t.GATED:
-        scale_row = op.up_scale_row + n0 // t.SCALE_N
-    else:
-        scale_row = (n0 + t.BLOCK_N) // t.SCALE_N
     sb_ok = scale_row < op.SN      # box 1 of a layer's last column block may lie past N
     sb_ptr = op.b_scale + (expert.to(gl.int64) * op.SN + scale_row) * sk
     zero = gl.full([t.BLOCK_M, t.BLOCK_N], 0.0, gl.float32, MMA)
@@ -358,7 +376,7 @@ def _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0, 
     k_steps = gl.cdiv(op.K, t.BLOCK_K)
     for kk in range(0, k_steps, t.UNROLL):
         acc, spare0, spare1 = _steps(a_bufs, x_bufs, ready, empty, spare0, spare1, acc,
-                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, BOX)
+                                     it + kk, kk, sa_ptr, live, sb_ptr, sb_ok, op, t, HALF)
     return acc, it + k_steps
 
 
@@ -455,6 +473,35 @@ def _over_scale(x, scale):
 
 
 @gluon.jit
+def _h_amax(h, c0, op):
+    """``(h, amax)``: ``h`` (columns from ``c0``) with its columns past N zeroed, and each
+    row's amax over them."""
+    cols = c0 + gl.arange(0, h.shape[1], layout=gl.SliceLayout(0, h.type.layout))
+    h = gl.where(cols[None, :] < op.N, h, 0.0)
+    return h, gl.max(gl.abs(h), axis=1)
+
+
+@gluon.jit
+def _store_h(h, amax, epi, op, t, row_start, row_end, n0, c0: gl.constexpr,
+             SCALE: gl.constexpr):
+    """Columns ``n0 + c0:`` of the rows' h group at ``n0``, quantized with the group's
+    ``amax`` as the recipe does (:func:`comet.kernels.fp8_gemm.quantize_groups`), stored
+    in FP8 -- and with ``SCALE`` the group's scales."""
+    scale = gl.maximum(amax, AMAX_EPS) * SCALE_PER_AMAX
+    q = gl.minimum(gl.maximum(_over_scale(h, scale), -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+    if SCALE:
+        rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, h.type.layout))
+        gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N)
+                 + n0 // t.BLOCK_N, scale, mask=rows < row_end)
+    # A thread of the accumulator holds two adjacent values (2-byte stores): 16 a thread.
+    q = gl.convert_layout(q, ROW_STORE)
+    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, ROW_STORE))
+    cols = n0 + c0 + gl.arange(0, h.shape[1], layout=gl.SliceLayout(0, ROW_STORE))
+    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
+             mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
+
+
+@gluon.jit
 def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
                 row_start, row_end, n0, BOX: gl.constexpr):
     """``GATED``: this partition's half of the item's h tile (the gate partition the left
@@ -469,33 +516,38 @@ def _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j
     else:
         up = hi
         gate = _trade(lo, xbufs, x_full, x_free, j, BOX)
-    h = gated(gate, up, t.ACT)
-    layout: gl.constexpr = h.type.layout
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    h = gl.where(cols[None, :] < op.N, h, 0.0)
-    amax = gl.max(gl.abs(h), axis=1)
+    h, amax = _h_amax(gated(gate, up, t.ACT), n0 + BOX * HALF, op)
     amax = gl.maximum(amax, _trade(amax, abufs, a_full, a_free, j, BOX))
-    scale = gl.maximum(amax, AMAX_EPS) * SCALE_PER_AMAX
-    q = gl.minimum(gl.maximum(_over_scale(h, scale), -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
-    if BOX == 0:
-        gl.store(epi.out_scale + rows.to(gl.int64) * gl.cdiv(op.N, t.BLOCK_N)
-                 + n0 // t.BLOCK_N, scale, mask=rows < row_end)
-    # A thread of the accumulator holds two adjacent values (2-byte stores): 16 a thread.
-    q = gl.convert_layout(q, ROW_STORE)
-    rows = row_start + gl.arange(0, t.BLOCK_M, layout=gl.SliceLayout(1, ROW_STORE))
-    cols = n0 + BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ROW_STORE))
-    gl.store(epi.out + rows[:, None].to(gl.int64) * op.N + cols[None, :], q,
-             mask=(rows[:, None] < row_end) & (cols[None, :] < op.N))
+    _store_h(h, amax, epi, op, t, row_start, row_end, n0, BOX * HALF, BOX == 0)
+
+
+@gluon.jit
+def _paired_gated(a_bufs, x_bufs, ready, empty, park, it, expert, row_start, row_end, n0, epi,
+                  op, gather, t, HALF: gl.constexpr):
+    """``GATED`` and ``PAIRED``: the h tile of row half ``HALF`` of the item, all of its
+    ``BLOCK_N`` columns (the row's whole group, no trade with the other partition): the
+    gate tile over K, parked in shared memory ``park`` while the up tile runs over K (the
+    two and the product tiles would not fit the registers), then the activation and the
+    requantization. Returns the next ring position."""
+    gate, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end,
+                         _scale_row(n0, op, t, 0), op, gather, t, HALF)
+    park.store(gate)
+    up, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end,
+                       _scale_row(n0, op, t, 1), op, gather, t, HALF)
+    # Each thread reads back only what it stored: no barrier.
+    h, amax = _h_amax(gated(park.load(MMA), up, t.ACT), n0, op)
+    _store_h(h, amax, epi, op, t, row_start, row_end, n0, 0, True)
+    return it
 
 
 @gluon.jit
 def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full, a_free,
-             epi, op, gather, t, BOX: gl.constexpr):
+             park, epi, op, gather, t, BOX: gl.constexpr):
     """Box ``BOX`` of every item: its columns get the layer's epilogue, or with ``GATED``
     half of layer0's (:func:`_gated_half`: box 0 the gate tile, box 1 the up tile); with
-    ``PAIRED``, row half ``BOX`` of the item times its one box (a half past the item's
-    rows multiplies rows it then does not store)."""
+    ``PAIRED``, row half ``BOX`` of the item times its one box, or with ``GATED`` its gate
+    then its up box (:func:`_paired_gated`; a half past the item's rows multiplies rows it
+    then does not store)."""
     n_blocks = gl.cdiv(op.N, _item_cols(t))
     it = 0
     j = 0
@@ -503,15 +555,21 @@ def consumer(a_bufs, x_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
         expert, row_start, row_end, n0 = _item(w, op.tiles, n_blocks, t)
         if t.PAIRED:
             row_start += BOX * t.BLOCK_M
-        acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end, n0,
-                            op, gather, t, BOX)
-        if t.GATED:
-            _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
-                        row_start, row_end, n0, BOX)
-        elif t.PAIRED:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0)
+            if t.GATED:
+                it = _paired_gated(a_bufs, x_bufs, ready, empty, park.index(BOX), it, expert,
+                                   row_start, row_end, n0, epi, op, gather, t, BOX)
+            else:
+                acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start,
+                                    row_end, _scale_row(n0, op, t, 0), op, gather, t, BOX)
+                _epilogue(acc, epi, op, t, row_start, row_end, n0)
         else:
-            _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
+            acc, it = _tile_acc(a_bufs, x_bufs, ready, empty, it, expert, row_start, row_end,
+                                _scale_row(n0, op, t, BOX), op, gather, t, 0)
+            if t.GATED:
+                _gated_half(acc, xbufs, x_full, x_free, abufs, a_full, a_free, epi, op, t, j,
+                            row_start, row_end, n0, BOX)
+            else:
+                _epilogue(acc, epi, op, t, row_start, row_end, n0 + BOX * t.BLOCK_N)
         j += 1
 
 
@@ -539,14 +597,18 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
                                            b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [t.STAGES, 1], mbarrier.MBarrierLayout())
-    # GATED: each partition's half tile and rows' amax on their way to the other (one
-    # element each, unused, else).
-    if t.GATED:
+    # GATED: each partition's half tile and rows' amax on their way to the other, or
+    # with PAIRED each one's parked gate tile (one element each, unused, else).
+    if t.GATED and not t.PAIRED:
         xbufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M, t.BLOCK_N // 2], XBUF)
         abufs = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M], ABUF)
     else:
         xbufs = gl.allocate_shared_memory(gl.float32, [2, 1, 1], XBUF)
         abufs = gl.allocate_shared_memory(gl.float32, [2, 1], ABUF)
+    if t.GATED and t.PAIRED:
+        park = gl.allocate_shared_memory(gl.float32, [2, t.BLOCK_M, t.BLOCK_N], XBUF)
+    else:
+        park = gl.allocate_shared_memory(gl.float32, [2, 1, 1], XBUF)
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -566,9 +628,9 @@ def fp8_ws_gemm_kernel(a_desc, b_desc, op, epi, gather, t):
         mbarrier.init(a_free.index(i), count=1)
     gl.warp_specialize([
         (consumer, (a_bufs, b_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
-                    a_free, epi, op, gather, t, 0)),
+                    a_free, park, epi, op, gather, t, 0)),
         (consumer, (a_bufs, c_bufs, ready, empty, xbufs, x_full, x_free, abufs, a_full,
-                    a_free, epi, op, gather, t, 1)),
+                    a_free, park, epi, op, gather, t, 1)),
         (producer, (a_desc, b_desc, a_bufs, b_bufs, c_bufs, ready, empty, op, gather, t)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -620,15 +682,15 @@ def ws_gemm(a: torch.Tensor | Fp8Gather, a_scale: torch.Tensor | None, w: Fp8Wei
     rows): with ``activation`` (``w = [gate | up]``), h into ``epi`` (:class:`WsH`); else
     ``epi`` a :class:`WsOut` or (``scatter``) the scatter epilogue's
     :class:`comet.kernels.layer1.Homes`. ``w`` must :func:`fit`. ``promotion_k``: as
-    :class:`comet.quant.Fp8`. ``paired`` (a plain GEMM on placed rows only): ``tiles``
-    of up to 2 x :data:`BLOCK_M` rows, an item one such m-tile times one B box, the two
-    consumers on its row halves: a K step moves 32 KiB (an A box of 128 rows, one B box)
-    where the default's moves 40 (64 rows, two B boxes) for the same FLOPs. ``stages``:
-    slots of the ring."""
+    :class:`comet.quant.Fp8`. ``paired`` (placed rows only): ``tiles`` of up to 2 x
+    :data:`BLOCK_M` rows, an item one such m-tile, the two consumers on its row halves,
+    times one B box -- a K step moves 32 KiB (an A box of 128 rows, one B box) where the
+    default's moves 40 (64 rows, two B boxes) for the same FLOPs; with ``activation`` an
+    item runs its gate box over K, then its up box, each consumer parking its gate tile in
+    shared memory (32 KiB) meanwhile. ``stages``: slots of the ring."""
     gated_ = activation is not None
-    if paired and (gated_ or isinstance(a, Fp8Gather)):
-        raise ValueError("paired m-tiles run the plain GEMM on placed rows only (no "
-                         "activation, no gather)")
+    if paired and isinstance(a, Fp8Gather):
+        raise ValueError("paired m-tiles read placed rows only (no gather)")
     if not fits(w, gated_):
         raise ValueError(f"the warp-specialized FP8 GEMM needs scale blocks of whole "
                          f"{BLOCK_N}x{BLOCK_K} boxes, got {w.block_shape()}")

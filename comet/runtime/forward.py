@@ -259,7 +259,8 @@ class ForwardCall:
         dispatch placed (or, gathered, through its index) into h in FP8 groups, layer1
         from h, scattering each weighted row into its token's slot as the fused kernel's
         epilogue does -- on paired m-tiles (``Variant.fp8_ws_paired_rows``: the plan's
-        rows in tiles of twice its rows, :attr:`paired`, one B box an item)."""
+        rows in tiles of twice its rows, :attr:`paired`, one B box at a time; layer0 only
+        on placed rows)."""
         ws, cfg = self.ws, self.ws.cfg
         t = ws.plan.tiles
         tiles = MTiles(t.expert, t.row_start, t.row_end, t.num)
@@ -272,8 +273,9 @@ class ForwardCall:
             a, a_scale = packed_views(ws.local.a0, cfg.hidden_size)
         kw = dict(group_m=self.tile.gemm.group_m,
                   promotion_k=cfg.fp8.promotion(warp_specialized=True))
-        layer0 = ws_gemm(a, a_scale, self.w13, tiles, WsH(ws.h, ws.h_scale),
-                         activation=cfg.activation, **kw)
+        pair0 = self.paired is not None and a_scale is not None
+        layer0 = ws_gemm(a, a_scale, self.w13, self.paired if pair0 else tiles,
+                         WsH(ws.h, ws.h_scale), activation=cfg.activation, paired=pair0, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, self.paired or tiles, scatter_homes(ws),
                          scatter=True, paired=self.paired is not None, **kw)
         return layer0, layer1
@@ -387,7 +389,8 @@ class ForwardCall:
         phases = ([self.quantize_home] if self._quantizes() and not self._small_plan()
                   else [])
         if self.ws_gemm:    # the dispatch on every program, then the GEMM
-            return phases + [lambda: self.launch_layer0(ROLE_COMM, grids.compute),
+            pair = [self.pair_tiles] if self.paired is not None else []
+            return phases + [lambda: self.launch_layer0(ROLE_COMM, grids.compute), *pair,
                              lambda: self.ws_layer0(grids.compute)]
         if self.fused and self.layer0_comm:
             return phases + [lambda: self.launch_layer0(ROLE_FUSED, grids.compute,
@@ -405,8 +408,7 @@ class ForwardCall:
         device), or its compute role then its comm role."""
         mode, grids = self.mode, self.grids
         if self.ws_gemm:
-            pair = [self.pair_tiles] if self.paired is not None else []
-            return pair + [lambda: self.ws_layer1(grids.compute), self.release_layer1]
+            return [lambda: self.ws_layer1(grids.compute), self.release_layer1]
         if self.strategy.comm_blocks(1) == 0 or self.fused:
             return [lambda: self.launch_layer1(ROLE_FUSED, grids.compute,
                                                trace=self._trace["layer1"],

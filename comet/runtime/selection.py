@@ -333,7 +333,7 @@ class Selector:
         return self._rows_per_expert_reach(num_tokens, self.tile.variant.fp8_ws_min_rows)
 
     def ws_paired_by_rule(self, num_tokens: int) -> bool:
-        """Whether a call on the warp-specialized kernel runs layer1 on paired m-tiles:
+        """Whether a call on the warp-specialized kernel runs its GEMMs on paired m-tiles:
         each expert's rows, expected as :meth:`ws_gemm_by_rule` expects them, at least
         ``Variant.fp8_ws_paired_rows``."""
         return self._rows_per_expert_reach(num_tokens, self.tile.variant.fp8_ws_paired_rows)

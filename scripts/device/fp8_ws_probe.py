@@ -15,10 +15,11 @@ overlaps items). Timed (do_bench medians, two alternating rounds, the faster kep
   beside it (another commit's kernel, on the same operands in the same process);
 * ``plain``      -- the same GEMM storing bf16 ``[rows, 2F]`` (no activation, no
   requantization): what the gated epilogue costs is the difference.
-* with ``--pairs``: ``plain-paired``, the plain GEMM on paired m-tiles (``ws_gemm``'s
-  ``paired``: 128-row m-tiles, one B box an item, a K step moving 32 KiB in place of 40),
-  and layer1's shape (N = H, K = F) plain, ``l1``, beside ``l1-paired`` and
-  ``l1-paired6`` (6 ring slots); their bf16 outputs must equal the default's.
+* with ``--pairs``: ``gated-paired`` and ``plain-paired``, layer0's GEMMs on paired
+  m-tiles (``ws_gemm``'s ``paired``: 128-row m-tiles, one B box at a time, a K step moving
+  32 KiB in place of 40; gated: the gate box over K, parked, then the up box), and
+  layer1's shape (N = H, K = F) plain, ``l1``, beside ``l1-paired`` and ``l1-paired6``
+  (6 ring slots); their outputs must equal the default's byte for byte.
 
 With ``--k-sweep``: the plain GEMM at one M and N over K, on a persistent grid as the
 layer runs it, and a fit of its time into a cost per K step and a cost per item.
@@ -136,6 +137,8 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
         l1_out = {v: torch.empty(sum(rows), hid, dtype=torch.bfloat16, device="cuda")
                   for v in ("", "-paired", "-paired6")}
         mod = kernels[""]
+        calls["gated-paired"] = lambda: mod.ws_group_gemm(x, w, tiles2, activation=SILU,
+                                                          programs=sms, paired=True)
         calls["plain-paired"] = lambda: mod.ws_group_gemm(x, w, tiles2, out=pair_out,
                                                           programs=sms, paired=True)
         calls["l1"] = lambda: mod.ws_group_gemm(h, w2, tiles, out=l1_out[""], programs=sms)
@@ -144,7 +147,7 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
         calls["l1-paired6"] = lambda: mod.ws_group_gemm(h, w2, tiles2,
                                                         out=l1_out["-paired6"], programs=sms,
                                                         paired=True, stages=6)
-        flop.update({"plain-paired": rec["gated_flop"],
+        flop.update({"gated-paired": rec["gated_flop"], "plain-paired": rec["gated_flop"],
                      **{f"l1{v}": 2.0 * sum(rows) * hid * f for v in l1_out}})
     for label, fn in calls.items():
         outs[label] = fn()
@@ -158,8 +161,10 @@ def probe(name: str, tokens: int, kernels: dict, seed: int, gather: bool,
         rec[f"{label}_tflops"] = flop[label] / (ms * 1e-3) / 1e12
     if pairs:   # the same wgmmas and promotions on the same rows: equal bf16 outputs
         rec["paired_equal"] = bool(torch.equal(outs["plain-paired"], outs["plain"])
+                                   and same_h(outs["gated-paired"], outs["gated"])
                                    and torch.equal(outs["l1-paired"], outs["l1"])
                                    and torch.equal(outs["l1-paired6"], outs["l1"]))
+        rec["gated_paired_over_gated"] = rec["gated-paired_us"] / rec["gated_us"]
         rec["plain_paired_over_plain"] = rec["plain-paired_us"] / rec["plain_us"]
         rec["l1_paired_over_l1"] = rec["l1-paired_us"] / rec["l1_us"]
         rec["l1_paired6_over_l1"] = rec["l1-paired6_us"] / rec["l1_us"]
@@ -233,8 +238,8 @@ def main() -> None:
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the GEMM reading its rows through the index")
     ap.add_argument("--pairs", action="store_true",
-                    help="also the plain GEMM on paired m-tiles (128 rows, one B box an "
-                         "item) beside the default, at layer0's and layer1's shapes")
+                    help="also the GEMMs on paired m-tiles (128 rows, one B box at a "
+                         "time) beside the default, at layer0's and layer1's shapes")
     ap.add_argument("--k-sweep", nargs="*", type=int, default=None, metavar="K",
                     help="also the plain GEMM at one M, N and these K (default 512 1024 "
                          "2048 4096 8192) on a persistent grid: per-step and per-item cost")
@@ -275,7 +280,8 @@ def main() -> None:
               f"{r.get('gated_over_base', float('nan')):8.3f} {r['plain_tflops']:10.1f} "
               f"{r.get('gather_over_placed', float('nan')):13.3f} {str(r['ok']):>5s}")
         if "paired_equal" in r:
-            print(f"{'':27s} paired / default: plain {r['plain_paired_over_plain']:.3f}, "
+            print(f"{'':27s} paired / default: gated {r['gated_paired_over_gated']:.3f}, "
+                  f"plain {r['plain_paired_over_plain']:.3f}, "
                   f"layer1 {r['l1_paired_over_l1']:.3f} (6 stages "
                   f"{r['l1_paired6_over_l1']:.3f}); layer1 TF/s {r['l1_tflops']:.0f} -> "
                   f"{r['l1-paired_tflops']:.0f} / {r['l1-paired6_tflops']:.0f}; equal "
