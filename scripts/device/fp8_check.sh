@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|trace|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -27,6 +27,13 @@
 #             same GEMM without its epilogue and, with FP8_WS_BASE=TREE, another checkout's
 #             kernel on the same operands (its h must equal this one's byte for byte);
 #             FP8_WSPROBE_ARGS adds the probe's own (--k-sweep: per-step and per-item cost)
+#   paired    paired m-tiles (Variant.fp8_ws_paired_rows, off by default): their GPU tests
+#             (equal bytes to the 64-row items, gated and plain; the one-rank qwen2-moe
+#             layer on pairs against the emulation), the probe's --pairs (each GEMM alone
+#             beside the default on the same operands: FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS
+#             as for wsprobe), then FP8 calls at 4096 and 16384 tokens without and with
+#             --tile fp8_ws_paired_rows=128 (paired/default/, paired/on/), compared
+#             record by record (paired-vs-default.txt)
 #   trace     scripts/device/fp8_ws_trace.py: clock64 stamps per item of the warp-specialized
 #             GEMM (K loop, epilogue, gaps, producer lead) at the presets' 16384-token shapes,
 #             gated and plain; FP8_WS_BASE=TREE traces that checkout's kernel beside,
@@ -127,6 +134,24 @@ for step in "${@:-diff kernels tests}"; do
                  ${FP8_BENCH_TOKENS:+--tokens $FP8_BENCH_TOKENS} ${FP8_WSPROBE_ARGS:-} \
                  > "$OUT/wsprobe/probe.log" 2>&1 || status=1
                tail -n 18 "$OUT/wsprobe/probe.log" ;;
+      paired) run_tests paired-tests "tests/test_gpu_fp8_ws.py::test_paired_m_tiles_give_the_default_bytes
+                tests/test_gpu_fp8_ws.py::test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized[qwen2-moe-False-True]" \
+                "${FP8_PAIRED_TIMEOUT_S:-200}"
+              mkdir -p "$OUT/wsprobe"
+              OUT="$OUT/wsprobe" timeout "${FP8_WSPROBE_TIMEOUT_S:-150}" python3 \
+                scripts/device/fp8_ws_probe.py --no-gather --pairs \
+                ${FP8_BENCH_CONFIGS:+--configs $FP8_BENCH_CONFIGS} \
+                --tokens ${FP8_BENCH_TOKENS:-16384} > "$OUT/wsprobe/probe.log" 2>&1 || status=1
+              tail -n 24 "$OUT/wsprobe/probe.log"
+              presets="${FP8_BENCH_CONFIGS:-qwen2-moe phi3.5-moe deepseek-v3-like mixtral}"
+              bench paired/default --dtype fp8 --only-fused --config $presets \
+                --tokens 16384 4096
+              bench paired/on --dtype fp8 --only-fused --config $presets --tokens 16384 4096 \
+                --tile fp8_ws_paired_rows=128
+              python3 -m comet.cli.bench --from-json "$OUT"/paired/on/*.json \
+                --against "$OUT"/paired/default/*.json > "$OUT/paired-vs-default.txt" 2>&1 \
+                || status=1
+              cat "$OUT/paired-vs-default.txt" ;;
       trace) mkdir -p "$OUT/trace"
              OUT="$OUT/trace" timeout "${FP8_TRACE_TIMEOUT_S:-120}" python3 \
                scripts/device/fp8_ws_trace.py ${FP8_WS_BASE:+--base "$FP8_WS_BASE"} \
@@ -182,7 +207,7 @@ for step in "${@:-diff kernels tests}"; do
                 [ "${FP8_DEEPGEMM_QWEN3:-0}" = 1 ] && bench deepgemm-qwen3 --dtype fp8 \
                   --peers ${FP8_PEERS:-deepgemm mega-moe} --experts 128 --topk 8 \
                   --hidden 2048 --ffn 768 --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|gather|ws|wsprobe|trace|decode|small|rows|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
 done
