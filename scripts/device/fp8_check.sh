@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
+# usage: bash scripts/device/fp8_check.sh [diff|kernels|tests|models|example|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm] ...  (default: diff kernels tests)
 # Issue 68's one-GPU checks of the fused FP8 layer, from the repo root on a device machine
 # (no pip install), each step in the order given, each under its own time limit so that
 # what ran comes back from one 10-minute call:
@@ -11,6 +11,9 @@
 #   tests     tests/test_gpu_fp8.py (every layout, CUDA graphs, the FP8 liveness stress; ~6 min
 #             now that they pass: the first 14 took 260 s on an H200, the last 3 77 s on an H100)
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
+#   example   examples/fp8_experts.py on the GPU at qwen2-moe's width, 4096 tokens (its
+#             fused FP8 layer on a checkpoint's tensors against the emulation; bf16 and
+#             FP8 CometMoE timed) into example.log
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #             (FP8_PROMOTION_K=32 or 128: that promotion in every GEMM; FP8_BENCH_CONFIGS,
@@ -106,6 +109,10 @@ for step in "${@:-diff kernels tests}"; do
                tail -n 15 "$OUT/kernels/pytest.log" ;;
       tests) run_tests tests tests/test_gpu_fp8.py "${FP8_TESTS_TIMEOUT_S:-400}" ;;
       models) run_tests models tests/test_gpu_fp8_models.py "${FP8_MODELS_TIMEOUT_S:-200}" ;;
+      example) timeout "${FP8_EXAMPLE_TIMEOUT_S:-120}" python3 examples/fp8_experts.py \
+                 --device cuda --experts 60 --top-k 4 --hidden 2048 --ffn 1408 \
+                 --tokens 4096 > "$OUT/example.log" 2>&1 || status=1
+               cat "$OUT/example.log" ;;
       bench) bench bench --dtype bf16 fp8 --only-fused \
                --config ${FP8_BENCH_CONFIGS:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like} \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384}
@@ -207,7 +214,7 @@ for step in "${@:-diff kernels tests}"; do
                 [ "${FP8_DEEPGEMM_QWEN3:-0}" = 1 ] && bench deepgemm-qwen3 --dtype fp8 \
                   --peers ${FP8_PEERS:-deepgemm mega-moe} --experts 128 --topk 8 \
                   --hidden 2048 --ffn 768 --tokens ${FP8_BENCH_TOKENS:-8 128 4096} ;;
-      *) echo "unknown step $s (diff|kernels|tests|models|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm)"; exit 2 ;;
+      *) echo "unknown step $s (diff|kernels|tests|models|example|bench|gather|ws|wsprobe|paired|trace|decode|small|rows|deepgemm)"; exit 2 ;;
     esac
   done
 done
