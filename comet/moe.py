@@ -36,7 +36,8 @@ from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.eplb import ExpertReplicas, physical_config
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
 from comet.placement import Placement, PlacementConfig
-from comet.quant import Fp8, Fp8Weight, quantize_weight
+from comet.quant import (Fp8, Fp8Weight, ScaleBlocks, is_ue8m0, quantize_weight,
+                         ue8m0_to_fp32)
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
@@ -136,31 +137,6 @@ class LocalExperts(nn.Module):
             return {}
         return {"b13": gate_up_first(self.b13), "b2": self.added_b2}
 
-    def quantize_fp8(self, fp8: Fp8) -> None:
-        """Quantize these experts into FP8 with :mod:`comet.quant`'s recipe in ``fp8``'s
-        blocks, into buffers the layer runs from (:meth:`fp8_weights`): ``w13_fp8``
-        e4m3 ``[El, 2Ft, H]`` (gate rows, then up rows, a block grid each) and
-        ``w2_fp8`` ``[El, H, Ft]`` -- the checkpoints' layout -- with fp32
-        ``w13_scale_inv`` / ``w2_scale_inv``. The bf16 parameters stay (their shape,
-        dtype and device describe the layer, and they are what the state dict holds) but
-        are frozen: an FP8 layer runs the forward only."""
-        gate_up = quantize_weight(gate_up_first(self.w13).detach().transpose(1, 2),
-                                  fp8.blocks, parts=2)
-        down = quantize_weight(self.w2.detach().transpose(1, 2), fp8.blocks)
-        # Not in the state dict, which keeps the bf16 experts (CometMoE requantizes them
-        # after a load).
-        for name, w in (("w13", gate_up), ("w2", down)):
-            self.register_buffer(f"{name}_fp8", w.weight, persistent=False)
-            self.register_buffer(f"{name}_scale_inv", w.scale_inv, persistent=False)
-        self.fp8_blocks = fp8.blocks
-        self.w13.requires_grad_(False)
-        self.w2.requires_grad_(False)
-
-    def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
-        """``(gate_up, down)``: the experts :meth:`quantize_fp8` made."""
-        return (Fp8Weight(self.w13_fp8, self.w13_scale_inv, self.fp8_blocks, parts=2),
-                Fp8Weight(self.w2_fp8, self.w2_scale_inv, self.fp8_blocks))
-
     def gate_up(self) -> torch.Tensor:
         """``w13`` as ``[El, H, 2F]`` with all gate columns first (a copy), the layout
         :mod:`comet.reference` and :mod:`comet.baseline` take. Not cached: edits through
@@ -168,6 +144,67 @@ class LocalExperts(nn.Module):
         paths that call it are the spec, not the fast path. Differentiable: gradients of
         the CPU paths reach ``w13``."""
         return gate_up_first(self.w13)
+
+
+class Fp8LocalExperts(nn.Module):
+    """This rank's routed experts in W8A8 FP8, held as FP8 checkpoints hold them and
+    nothing else (no bf16 copy): ``w13`` e4m3 ``[El, 2Ft, H]`` (gate rows, then up rows,
+    a block grid each), ``w2`` e4m3 ``[El, H, Ft]``, and ``w13_scale_inv`` /
+    ``w2_scale_inv`` fp32 in ``blocks`` (:class:`comet.quant.ScaleBlocks`, 128 x 128 by
+    default) -- parameters without gradients (the layer runs the forward only), which the
+    state dict holds under those keys. So a checkpoint's FP8 tensors load as they are
+    (this rank's experts; a TP layout's shard: :meth:`comet.mesh.MeshLayout.shard_fp8`),
+    and a bf16 :class:`LocalExperts`' state dict loads too, quantized with
+    :mod:`comet.quant`'s recipe on the way in (:func:`quantize_local`).
+    """
+
+    b13 = b2 = added_b2 = None      # FP8 experts have no biases
+
+    def __init__(self, source: LocalExperts, blocks: ScaleBlocks):
+        super().__init__()
+        self.blocks = blocks
+        for name, w in zip(("w13", "w2"), quantize_local(source.w13, source.w2, blocks)):
+            self.register_parameter(name, nn.Parameter(w.weight, requires_grad=False))
+            self.register_parameter(f"{name}_scale_inv",
+                                    nn.Parameter(w.scale_inv, requires_grad=False))
+        self.register_load_state_dict_pre_hook(_quantize_bf16_on_load)
+
+    def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
+        """``(gate_up, down)`` as the FP8 layer takes them."""
+        return (Fp8Weight(self.w13, self.w13_scale_inv, self.blocks, parts=2),
+                Fp8Weight(self.w2, self.w2_scale_inv, self.blocks))
+
+    def extra_repr(self) -> str:
+        return (f"{self.w13.shape[0]} experts, FP8 {self.blocks.n}x{self.blocks.k} blocks")
+
+
+def quantize_local(w13: torch.Tensor, w2: torch.Tensor, blocks: ScaleBlocks
+                   ) -> tuple[Fp8Weight, Fp8Weight]:
+    """A :class:`LocalExperts`' ``w13 [El, H, 2Ft]`` (interleaved) and ``w2 [El, Ft, H]``
+    as FP8 in the checkpoints' layout: ``[El, 2Ft, H]`` (gate rows, then up rows, a block
+    grid each) and ``[El, H, Ft]``."""
+    with torch.no_grad():
+        return (quantize_weight(gate_up_first(w13).transpose(1, 2), blocks, parts=2),
+                quantize_weight(w2.transpose(1, 2), blocks))
+
+
+def _quantize_bf16_on_load(module: Fp8LocalExperts, state_dict, prefix, *args) -> None:
+    """What a state dict that loads into FP8 experts holds, made what they hold, in place
+    in ``state_dict``: UE8M0 scales (exponent bytes, which a load would copy as integers)
+    as fp32, exactly; a bf16 :class:`LocalExperts`' ``w13`` / ``w2`` quantized, with
+    their scales. Any other tensor is left for the load to take or refuse."""
+    for name in ("w13_scale_inv", "w2_scale_inv"):
+        scale = state_dict.get(prefix + name)
+        if scale is not None and is_ue8m0(scale):
+            state_dict[prefix + name] = ue8m0_to_fp32(scale)
+    w13, w2 = state_dict.get(prefix + "w13"), state_dict.get(prefix + "w2")
+    el, n2, h = module.w13.shape
+    if (w13 is None or w2 is None or w13.dtype == module.w13.dtype
+            or tuple(w13.shape) != (el, h, n2) or tuple(w2.shape) != (el, n2 // 2, h)):
+        return
+    for name, w in zip(("w13", "w2"), quantize_local(w13, w2, module.blocks)):
+        state_dict[prefix + name] = w.weight
+        state_dict[prefix + name + "_scale_inv"] = w.scale_inv
 
 
 #: The unfused TP path's process groups per layout, with the world they were made in:
@@ -413,7 +450,10 @@ class CometMoE(nn.Module):
             n_group, topk_group, routed_scaling_factor, score_correction_bias,
             num_shared_experts, shared_intermediate_size, shared_expert_gate, dtype,
             max_tokens, fp8). ``fp8=comet.quant.Fp8()`` runs the routed experts in W8A8
-            FP8, forward only (:func:`quantize_experts` turns a built block FP8).
+            FP8, forward only, holding them in FP8 only (:class:`Fp8LocalExperts`: the
+            state dict has FP8 checkpoints' tensors, ``experts.w13`` e4m3 ``[El, 2F,
+            H]`` and its ``w13_scale_inv``, ...; a bf16 block's loads too, quantized);
+            :func:`quantize_experts` turns a built block FP8.
 
     The router and the shared expert are replicated: every rank must hold the same ones.
 
@@ -505,9 +545,8 @@ class CometMoE(nn.Module):
             raise NotImplementedError("FP8 experts with biases (expert_bias) are not "
                                       "supported yet")
         self.cfg = self.cfg.replace(fp8=fp8)
-        self.experts.quantize_fp8(fp8)
+        self.experts = Fp8LocalExperts(self.experts, fp8.blocks)   # the bf16 ones go
         self._fused = None
-        self.register_load_state_dict_post_hook(_requantize)
 
     def __setstate__(self, state):
         # A copy (copy.deepcopy, unpickling) is a layer of its own: give it its own key,
@@ -703,9 +742,15 @@ class CometMoE(nn.Module):
         tensor's values on a GPU: there the kernels check the expert ids, and a bad one
         raises :class:`~comet.runtime.errors.CometInputError`; CPU ids are
         range-checked here)."""
-        check_inputs(self.cfg, x, topk_ids, topk_weights, dtype=self.experts.w13.dtype,
+        check_inputs(self.cfg, x, topk_ids, topk_weights, dtype=self.rows_dtype,
                      device=self.experts.w13.device, rank=self.par.rank, batched=True,
                      host_ids=True)
+
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of the rows the experts take: their weights', or for FP8 experts the
+        layer's (bf16)."""
+        return self.cfg.dtype if self.cfg.fp8 is not None else self.experts.w13.dtype
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
@@ -920,10 +965,11 @@ class CometMoE(nn.Module):
 def quantize_experts(module: CometMoE, fp8: Fp8 = Fp8()) -> CometMoE:
     """Run a bf16 :class:`CometMoE`'s routed experts in W8A8 FP8 from now on, in one call:
     its experts quantized with :mod:`comet.quant`'s recipe (``fp8.blocks``, 128 x 128 by
-    default; :meth:`LocalExperts.quantize_fp8`), its config's ``fp8`` set, its fused layer
-    rebuilt on first use. Each rank quantizes its own experts (its TP shard's, with block
-    grids of their own). Forward only: a call that needs gradients then raises
-    NotImplementedError. Returns ``module``."""
+    default) into :class:`Fp8LocalExperts`, which replace the bf16 ones (their memory
+    is freed once nothing else holds them: an optimizer's state would), its config's
+    ``fp8`` set, its fused layer rebuilt on first use. Each rank quantizes its own experts
+    (its TP shard's, with block grids of their own). Forward only: a call that needs
+    gradients then raises NotImplementedError. Returns ``module``."""
     if not isinstance(module, CometMoE):
         raise TypeError(f"quantize_experts takes a CometMoE, got {type(module).__name__}")
     if not isinstance(fp8, Fp8):
@@ -932,10 +978,3 @@ def quantize_experts(module: CometMoE, fp8: Fp8 = Fp8()) -> CometMoE:
         raise ValueError("this layer's experts are FP8 already")
     module._start_fp8(fp8)
     return module
-
-
-def _requantize(module: "CometMoE", incompatible_keys) -> None:
-    """After a state dict loaded (bf16 experts: the FP8 buffers are not part of it),
-    quantize the experts again and rebuild the fused layer on first use."""
-    module.experts.quantize_fp8(module.cfg.fp8)
-    module._fused = None

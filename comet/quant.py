@@ -248,7 +248,7 @@ class Fp8Weight:
                 else scale_inv.reshape(1, 1, 1)
         if block_size is None and scale_inv.dim() < 3:   # one scale per tensor: [] or [E]
             scale_inv = scale_inv.reshape(-1, 1, 1).expand(weight.shape[0], 1, 1)
-        if _is_ue8m0(scale_inv):
+        if is_ue8m0(scale_inv):
             scale_inv = ue8m0_to_fp32(scale_inv)
         elif scale_inv.dtype in (torch.float16, torch.bfloat16):   # exact in fp32
             scale_inv = scale_inv.float()
@@ -261,14 +261,14 @@ class Fp8Weight:
         return cls(weight, scale_inv.contiguous(), blocks, parts)
 
 
-def _is_ue8m0(t: torch.Tensor) -> bool:
+def is_ue8m0(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 or (_UE8M0 is not None and t.dtype == _UE8M0)
 
 
 def ue8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 scales (``torch.float8_e8m0fnu``, or their exponent bytes as uint8) as fp32,
     exactly: byte ``e`` is ``2 ** (e - 127)``. The NaN byte (255) is a ValueError."""
-    if not _is_ue8m0(scale):
+    if not is_ue8m0(scale):
         raise ValueError(f"UE8M0 scales are float8_e8m0fnu or uint8 bytes, got {scale.dtype}")
     e = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
     if bool((e == _UE8M0_NAN).any()):
@@ -389,7 +389,7 @@ def _as_weight(name: str, w, scale_inv, blocks: ScaleBlocks, parts: tuple[int, .
                         "comet.quant.quantize_weight)")
     if not isinstance(scale_inv, torch.Tensor):
         raise ValueError(f"an {E4M3} {name} needs its {name}_scale_inv tensor")
-    if _is_ue8m0(scale_inv):       # DeepSeek-V4 / MXFP8 exponent bytes: exact in fp32
+    if is_ue8m0(scale_inv):       # DeepSeek-V4 / MXFP8 exponent bytes: exact in fp32
         scale_inv = ue8m0_to_fp32(scale_inv)
     for p in parts[:-1]:
         try:

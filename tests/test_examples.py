@@ -20,4 +20,4 @@ def test_the_fp8_example_runs_and_its_numbers_are_the_recipes():
     # The W8A8 recipe's own distance from bf16 on random data (docs/precision.md).
     assert 3e-2 < rel < 1e-1 and 1e-3 < diff < 4e-3, out.stdout
     assert "UE8M0 scales exact in fp32: True" in out.stdout
-    assert re.search(r"FP8 experts 1\.5 MiB against bf16 3\.0 MiB", out.stdout), out.stdout
+    assert re.search(r"experts 3\.00 MiB in bf16 -> 1\.50 MiB in FP8", out.stdout), out.stdout

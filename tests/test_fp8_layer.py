@@ -612,21 +612,25 @@ def test_fp8_shards_are_the_full_weights_columns():
 # ------------------------------------------------------------------------- CometMoE
 def test_quantize_experts_turns_a_bf16_comet_moe_into_an_fp8_one():
     """One call quantizes the block's experts (gate rows then up rows, down as [E, H, F]:
-    the checkpoints' layout) and sets cfg.fp8; the CPU path is then comet.reference's
-    emulation, near the bf16 layer; a call that needs gradients raises."""
+    the checkpoints' layout), holds them in FP8 only and sets cfg.fp8; the CPU path is
+    then comet.reference's emulation, near the bf16 layer; a call that needs gradients
+    raises."""
     from comet import reference
-    from comet.moe import CometMoE, quantize_experts
+    from comet.moe import CometMoE, Fp8LocalExperts, quantize_experts
     torch.manual_seed(0)
     moe = CometMoE(4, 2, 256, 192, max_tokens=8)
     x = torch.randn(5, 256).bfloat16()
     with torch.no_grad():
         bf16 = moe(x).float()
         logits, wts, ids = moe.gate(x)
+    full = moe.experts.gate_up()                   # [E, H, 2F], gate columns first
     assert quantize_experts(moe) is moe and moe.cfg.fp8 == Fp8()
+    assert isinstance(moe.experts, Fp8LocalExperts)
+    assert {n: p.dtype for n, p in moe.experts.named_parameters()} == {
+        "w13": E4M3, "w13_scale_inv": torch.float32, "w2": E4M3, "w2_scale_inv": torch.float32}
     gate_up, down = moe.experts.fp8_weights()
     assert gate_up.weight.shape == (4, 384, 256) and gate_up.parts == 2
     assert down.weight.shape == (4, 256, 192)
-    full = moe.experts.gate_up()                   # [E, H, 2F], gate columns first
     assert torch.equal(gate_up.weight, quantize_weight(full.transpose(1, 2), parts=2).weight)
     with pytest.raises(NotImplementedError, match="forward only"):
         moe(x)
@@ -639,18 +643,37 @@ def test_quantize_experts_turns_a_bf16_comet_moe_into_an_fp8_one():
         quantize_experts(moe)
 
 
-def test_a_comet_moe_built_fp8_requantizes_the_bf16_experts_it_loads():
-    """CometMoE(..., fp8=Fp8()) keeps its bf16 experts in the state dict and quantizes
-    whatever it loads, so it serves the same calls as a bf16 block quantized after."""
+def test_an_fp8_comet_moe_loads_fp8_checkpoints_and_bf16_state_dicts():
+    """CometMoE(..., fp8=Fp8()) holds FP8 experts only, under FP8 checkpoints' keys: its
+    state dict round-trips byte for byte; a checkpoint's e4m3 tensors with UE8M0 scales
+    load exactly (as fp32); a bf16 block's state dict loads quantized, so the layer
+    serves what that block quantized after serves. A state dict of other shapes is
+    refused by the load."""
     from comet.moe import CometMoE, quantize_experts
     torch.manual_seed(1)
     source = CometMoE(4, 2, 256, 192, max_tokens=8)
     fp8 = CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8())
-    assert set(fp8.state_dict()) == set(source.state_dict())
+    keys = set(source.state_dict())
+    assert set(fp8.state_dict()) == keys | {"experts.w13_scale_inv", "experts.w2_scale_inv"}
     fp8.load_state_dict(source.state_dict())
     quantize_experts(source)
     x = torch.randn(6, 256).bfloat16()
     with torch.no_grad():
         assert torch.equal(fp8(x), source(x))
+    # FP8 -> FP8: byte for byte
+    again = CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8())
+    again.load_state_dict(fp8.state_dict())
+    for name, value in fp8.state_dict().items():
+        assert torch.equal(again.state_dict()[name].view(torch.uint8),
+                           value.view(torch.uint8)), name
+    # A checkpoint with UE8M0 scales (exponent bytes): exact powers of two in fp32
+    state = fp8.state_dict()
+    for name in ("experts.w13_scale_inv", "experts.w2_scale_inv"):
+        state[name] = torch.full_like(state[name], 120, dtype=torch.uint8)
+    again.load_state_dict(state)
+    assert torch.all(again.experts.w13_scale_inv == 2.0 ** -7)
+    bad = dict(source.state_dict(), **{"experts.w2": torch.zeros(4, 256, 256, dtype=E4M3)})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        again.load_state_dict(bad)
     with pytest.raises(NotImplementedError, match="biases"):
         CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8(), expert_bias=True)

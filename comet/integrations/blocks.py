@@ -381,15 +381,9 @@ class CometMoEBlock(CometMoE):
             return self._legacy_forward(*args, **kwargs)
         if self._comet_check_input:
             x = args[0] if args else kwargs.get("hidden_states")
-            check_inputs(self._comet_input_cfg, x, None, None, dtype=self._comet_dtype,
+            check_inputs(self._comet_input_cfg, x, None, None, dtype=self.rows_dtype,
                          device=self.experts.w13.device, rank=self.par.rank, batched=True)
         return self._replaced_class.forward(self, *args, **kwargs)
-
-    @property
-    def _comet_dtype(self) -> torch.dtype:
-        """The dtype of the rows the experts take: their weights', or for FP8 experts the
-        layer's (bf16)."""
-        return self.cfg.dtype if self.cfg.fp8 is not None else self.experts.w13.dtype
 
     def call_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None,
                      top_k_weights: torch.Tensor | None) -> torch.Tensor:
@@ -400,7 +394,7 @@ class CometMoEBlock(CometMoE):
         sentinels -- contribute nothing), ``top_k_weights [T, k]`` -> ``hidden``'s shape.
         Dense experts: ``routed_in [E*T, H]`` (row block ``e`` = expert ``e``'s inputs) ->
         ``[E*T, H]``. The result has the input's dtype."""
-        w13, rows_dtype = self.experts.w13, self._comet_dtype
+        w13, rows_dtype = self.experts.w13, self.rows_dtype
         shape, dtype = hidden_states.shape, hidden_states.dtype
         x = hidden_states.reshape(-1, shape[-1]).to(rows_dtype).contiguous()
         if top_k_index is None:

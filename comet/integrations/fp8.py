@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from comet.quant import E4M3, GROUP, ScaleBlocks, _is_ue8m0, fp8_experts
+from comet.quant import E4M3, GROUP, ScaleBlocks, is_ue8m0, fp8_experts
 
 #: The scale tensors of fused FP8 experts, next to ``gate_up_proj`` / ``down_proj``.
 FP8_SCALE_KEYS = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
@@ -112,7 +112,7 @@ def fp8_refusals(experts: nn.Module, sizes: tuple[int, int, int], transposed: bo
     if not all(isinstance(s, torch.Tensor) for s in scales):
         missing = [k for k, s in zip(FP8_SCALE_KEYS, scales) if not isinstance(s, torch.Tensor)]
         reasons.append(f"FP8 experts without {', '.join(missing)}")
-    elif not all(s.dtype == torch.float32 or _is_ue8m0(s) for s in scales):
+    elif not all(s.dtype == torch.float32 or is_ue8m0(s) for s in scales):
         reasons.append(f"scales in {', '.join(sorted({str(s.dtype) for s in scales}))} are "
                        "not supported: comet reads fp32 or UE8M0 scales")
     if reasons:
