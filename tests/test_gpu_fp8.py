@@ -346,17 +346,24 @@ def test_fp8_tp_shards_of_192_columns():
 # ------------------------------------------------------------------------- CometMoE
 def test_comet_moe_quantize_experts_on_cuda():
     """A bf16 CometMoE quantized in one call runs the fused FP8 layer: its output is the
-    emulation of its own FP8 experts, near the bf16 block's."""
+    emulation of its own FP8 experts, near the bf16 block's; the bf16 experts' memory is
+    freed (half of it comes back as FP8)."""
+    import gc
     from comet.moe import CometMoE, quantize_experts
     torch.manual_seed(0)
     cfg = PRESETS["mixtral"]
     moe = CometMoE(cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size,
                    device=DEVICE, max_tokens=256)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in moe.experts.parameters())
     x = torch.randn(200, cfg.hidden_size, device=DEVICE).bfloat16()
     with torch.no_grad():
         bf16 = moe(x).float()
         _, wts, ids = moe.gate(x)
+        gc.collect()
+        before = torch.cuda.memory_allocated()
         quantize_experts(moe)
+        gc.collect()
+        assert torch.cuda.memory_allocated() <= before - 0.4 * bf16_bytes
         y = moe(x)
     gate_up, down = moe.experts.fp8_weights()
     _check(y, _emulate(x, ids, wts, gate_up, down, moe.cfg.activation), bf16)
