@@ -23,8 +23,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 MAX_RESULTS_BYTES = 10 * 2**20
 
 #: Commits that still have files removed from benchmarks/results: each removal's parent
-#: (2026-12-04: 820e493).
-REMOVED_AT = ("820e493",)
+#: (2026-12-04: 820e493; 2026-12-08: dd00c18).
+REMOVED_AT = ("820e493", "dd00c18")
 
 _END = r"(?:\{[^{}\s]*\}|[^\s)`'\",;\]|<>{}])*(?:\{[^{}\s]*\}|[^\s)`'\",;\]|<>{}.:])"
 #: A path under benchmarks/results, or one starting at a date folder (``2026-11-26/x.json``).
