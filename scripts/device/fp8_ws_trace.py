@@ -104,8 +104,8 @@ def instrument(src: str, no_mma: bool = False) -> str:
     body = _sub(body, r"    it = 0\n", "    it = 0\n    pj = 0\n")
     body = _sub(body, r"(\n        expert, row_start, row_end, n0 = _item\()",
                 r"\n        p0 = _clock(pj)\1")
-    body = _sub(body, r"\n            it \+= 1\n",
-                "\n            it += 1\n        p1 = _clock(it)\n"
+    body = _sub(body, r"\n                it \+= 1\n",
+                "\n                it += 1\n        p1 = _clock(it)\n"
                 f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + pj) * {STAMPS} + 6\n"
                 "        gl.store(at, p0)\n        gl.store(at + 1, p1)\n        pj += 1\n")
     src = src[:a] + body + src[b:]
@@ -113,7 +113,9 @@ def instrument(src: str, no_mma: bool = False) -> str:
     body = src[a:b]
     body = _sub(body, r"(\n        expert, row_start, row_end, n0 = _item\()",
                 r"\n        t0 = _clock(j)\1")
-    body = _sub(body, r"(\n        acc, it = _tile_acc\([^)]*\)\n)", r"\1        t1 = _clock(it)\n")
+    # the default (not PAIRED) items' K loop
+    body = _sub(body, r"(\n            acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, 0\)\n)",
+                r"\1            t1 = _clock(it)\n")
     body = _sub(body, r"\n        j \+= 1\n",
                 "\n        t2 = _clock(j)\n"
                 f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS}"
