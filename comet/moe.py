@@ -976,5 +976,11 @@ def quantize_experts(module: CometMoE, fp8: Fp8 = Fp8()) -> CometMoE:
         raise TypeError(f"fp8 must be a comet.quant.Fp8, got {type(fp8).__name__}")
     if module.cfg.fp8 is not None:
         raise ValueError("this layer's experts are FP8 already")
+    if type(module.experts) is not LocalExperts:
+        raise TypeError(
+            f"quantize_experts quantizes a CometMoE's own experts; this block runs "
+            f"{type(module.experts).__name__} (a patched transformers model's, kept under "
+            "its keys). Load the model in FP8 instead (transformers' FineGrainedFP8Config) "
+            "and patch that: patch_model keeps FP8Experts in FP8")
     module._start_fp8(fp8)
     return module

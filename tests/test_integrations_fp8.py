@@ -222,3 +222,23 @@ def test_per_expert_fp8_linears_are_refused():
 
 def test_fp8_with_redundant_experts_is_refused_before_converting():
     _refused(fp8_model("qwen3_moe"), "redundant experts", ValueError, redundant_experts=8)
+
+
+def test_quantize_experts_refuses_a_patched_bf16_block_and_leaves_it_working():
+    """A patched bf16 transformers block keeps the model's experts under its keys:
+    quantize_experts refuses it by name (load the model in FP8 and patch that), before
+    changing anything -- the block still runs in bf16."""
+    from comet import CometMoE
+    from comet.moe import quantize_experts
+    from fp8_models import bf16_model
+    model = bf16_model("qwen3_moe")
+    patch_model(model)
+    block = model.get_submodule(BLOCK)
+    assert isinstance(block, CometMoE)
+    ids = _tokens(1, 8)
+    with torch.no_grad():
+        want = model(ids).logits
+        with pytest.raises(TypeError, match="FineGrainedFP8Config"):
+            quantize_experts(block)
+        assert block.cfg.fp8 is None
+        assert torch.equal(model(ids).logits, want)
