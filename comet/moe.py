@@ -36,8 +36,8 @@ from comet.config import MoEConfig, ParallelConfig, TileConfig, check_layout
 from comet.eplb import ExpertReplicas, physical_config
 from comet.mesh import CONVENTIONS, Convention, MeshLayout
 from comet.placement import Placement, PlacementConfig
-from comet.quant import (Fp8, Fp8Weight, ScaleBlocks, is_ue8m0, quantize_weight,
-                         ue8m0_to_fp32)
+from comet.quant import (Fp8, Fp8Weight, ScaleBlocks, device_only, is_ue8m0,
+                         quantize_weight, ue8m0_to_fp32)
 from comet.runtime.inputs import check_inputs
 from comet.runtime.layer import FusedMoE
 from comet.weights import gate_up_first
@@ -152,7 +152,7 @@ class Fp8LocalExperts(nn.Module):
     a block grid each), ``w2`` e4m3 ``[El, H, Ft]``, and ``w13_scale_inv`` /
     ``w2_scale_inv`` fp32 in ``blocks`` (:class:`comet.quant.ScaleBlocks`, 128 x 128 by
     default) -- parameters without gradients (the layer runs the forward only), which the
-    state dict holds under those keys. So a checkpoint's FP8 tensors load as they are
+    state dict holds under those keys, and which ``.to(dtype)`` moves but never casts. So a checkpoint's FP8 tensors load as they are
     (this rank's experts; a TP layout's shard: :meth:`comet.mesh.MeshLayout.shard_fp8`),
     and a bf16 :class:`LocalExperts`' state dict loads too, quantized with
     :mod:`comet.quant`'s recipe on the way in (:func:`quantize_local`).
@@ -168,6 +168,9 @@ class Fp8LocalExperts(nn.Module):
             self.register_parameter(f"{name}_scale_inv",
                                     nn.Parameter(w.scale_inv, requires_grad=False))
         self.register_load_state_dict_pre_hook(_quantize_bf16_on_load)
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(device_only(fn), recurse)   # .to(dtype) keeps them FP8
 
     def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
         """``(gate_up, down)`` as the FP8 layer takes them."""

@@ -277,6 +277,17 @@ def ue8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
                        e.to(torch.int32) - 127)
 
 
+def device_only(fn):
+    """A module's ``_apply`` function for FP8 weights and their scales: moved between
+    devices, never cast. ``model.to(torch.bfloat16)`` or ``.half()`` casts every floating
+    tensor, e4m3 included: the weights would turn bf16 and the fp32 scales round, which
+    no cast back recovers."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out if out.dtype == t.dtype else t.to(out.device)
+    return apply
+
+
 def _saturating_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 

@@ -648,7 +648,7 @@ def test_an_fp8_comet_moe_loads_fp8_checkpoints_and_bf16_state_dicts():
     state dict round-trips byte for byte; a checkpoint's e4m3 tensors with UE8M0 scales
     load exactly (as fp32); a bf16 block's state dict loads quantized, so the layer
     serves what that block quantized after serves. A state dict of other shapes is
-    refused by the load."""
+    refused by the load. ``.to(dtype)`` leaves the FP8 tensors as they are."""
     from comet.moe import CometMoE, quantize_experts
     torch.manual_seed(1)
     source = CometMoE(4, 2, 256, 192, max_tokens=8)
@@ -672,6 +672,17 @@ def test_an_fp8_comet_moe_loads_fp8_checkpoints_and_bf16_state_dicts():
         state[name] = torch.full_like(state[name], 120, dtype=torch.uint8)
     again.load_state_dict(state)
     assert torch.all(again.experts.w13_scale_inv == 2.0 ** -7)
+    # model.to(torch.bfloat16) / .half() move FP8 experts but never cast them
+    before = {n: p.clone() for n, p in again.experts.named_parameters()}
+    with torch.no_grad():
+        want = again(x)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half().bfloat16()):
+        cast(again)
+        for name, value in again.experts.named_parameters():
+            assert value.dtype == before[name].dtype and torch.equal(
+                value.view(torch.uint8), before[name].view(torch.uint8)), name
+        with torch.no_grad():
+            assert torch.equal(again(x), want)
     bad = dict(source.state_dict(), **{"experts.w2": torch.zeros(4, 256, 256, dtype=E4M3)})
     with pytest.raises(RuntimeError, match="size mismatch"):
         again.load_state_dict(bad)

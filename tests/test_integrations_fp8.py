@@ -242,3 +242,21 @@ def test_quantize_experts_refuses_a_patched_bf16_block_and_leaves_it_working():
             quantize_experts(block)
         assert block.cfg.fp8 is None
         assert torch.equal(model(ids).logits, want)
+
+
+def test_a_patched_fp8_model_cast_to_bf16_keeps_its_experts_fp8():
+    """``model.to(torch.bfloat16)`` casts the rest of a patched FP8 model; its experts'
+    e4m3 tensors and scales stay as they were (a cast would round the scales, which no
+    cast back recovers), and the block computes what it did."""
+    model = patch_model(fp8_model("qwen3_moe", scale_fmt="ue8m0"))
+    experts = model.get_submodule(BLOCK).experts
+    before = {n: p.clone() for n, p in experts.named_parameters()}
+    ids = _tokens()
+    with emulate_fp8(), torch.no_grad():
+        want = model(ids).logits
+        model.to(torch.bfloat16)
+        got = model(ids).logits
+    for name, value in experts.named_parameters():
+        assert value.dtype == before[name].dtype, name
+        assert torch.equal(_bits(value), _bits(before[name])), name
+    assert torch.equal(got, want)

@@ -27,7 +27,7 @@ from comet.integrations.layout import (_FUSED_BIASES, _FUSED_KEYS, _LINEAR_NAMES
                                        _kernel_to_stacked, _linear_to_kernel, _models_order,
                                        _stacked_to_kernel, ffn_columns)
 from comet.moe import LocalExperts
-from comet.quant import Fp8Weight, fp8_experts
+from comet.quant import Fp8Weight, device_only, fp8_experts
 from comet.weights import gate_up_first, interleave_gate_up
 
 
@@ -355,6 +355,9 @@ class Fp8TransformersExperts(nn.Module):
     @property
     def w2(self) -> torch.Tensor:
         return self.down_proj
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(device_only(fn), recurse)   # .to(dtype) keeps them FP8
 
     def fp8_weights(self) -> tuple[Fp8Weight, Fp8Weight]:
         """``(gate_up, down)`` as the FP8 layer takes them."""
