@@ -367,5 +367,16 @@ def test_comet_moe_quantize_experts_on_cuda():
         y = moe(x)
     gate_up, down = moe.experts.fp8_weights()
     _check(y, _emulate(x, ids, wts, gate_up, down, moe.cfg.activation), bf16)
+    # Another FP8 checkpoint loaded in place after the fused layer was built (and its
+    # calls captured): the next call runs the new experts.
+    torch.manual_seed(1)
+    other = CometMoE(cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size,
+                     device=DEVICE, max_tokens=256, fp8=moe.cfg.fp8)
+    other.gate.load_state_dict(moe.gate.state_dict())
+    moe.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        y = moe(x)
+    gate_up, down = other.experts.fp8_weights()
+    _check(y, _emulate(x, ids, wts, gate_up, down, moe.cfg.activation))
     with pytest.raises(NotImplementedError, match="forward only"):
         moe(x)
