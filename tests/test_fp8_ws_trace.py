@@ -18,9 +18,11 @@ def _source() -> str:
 def test_the_trace_stamps_every_item_of_both_partitions():
     from fp8_ws_trace import instrument
     src = instrument(_source())
-    for stamp in ("p0 = _clock(pj)", "p1 = _clock(it)", "t0 = _clock(j)", "t1 = _clock(it)",
-                  "t2 = _clock(j)", "stamps: torch.Tensor = None", "STAMPS[0])"):
+    for stamp in ("p0 = _clock(pj)", "p1 = _clock(it)", "t0 = _clock(j)", "t2 = _clock(j)",
+                  "stamps: torch.Tensor = None", "STAMPS[0])", "return it, t1"):
         assert src.count(stamp) == 1, stamp
+    # a K loop's end on each path: the default items, paired plain, paired gated
+    assert src.count("t1 = _clock(it)") == 3
     compile(src, "fp8_ws_trace", "exec")
 
 

@@ -40,7 +40,7 @@
 #   trace     scripts/device/fp8_ws_trace.py: clock64 stamps per item of the warp-specialized
 #             GEMM (K loop, epilogue, gaps, producer lead) at the presets' 16384-token shapes,
 #             gated and plain; FP8_WS_BASE=TREE traces that checkout's kernel beside,
-#             FP8_TRACE_ARGS adds the script's own (--no-mma, --programs 132 66)
+#             FP8_TRACE_ARGS adds the script's own (--no-mma, --programs 132 66, --pairs)
 #   gather    FP8 calls with layer0's gathered dispatch (--tile layer0_gather=1: a token's
 #             row packed once, the GEMMs reading it through the index, the warp-specialized
 #             one too since A_GATHER), compared with the bench step's records (run it

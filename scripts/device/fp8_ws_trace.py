@@ -1,4 +1,4 @@
-# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--no-mma] [--programs P ...] [--configs ...] [--tokens N]
+# usage: PYTHONPATH=. OUT=out python scripts/device/fp8_ws_trace.py [--base TREE] [--no-mma] [--pairs] [--programs P ...] [--configs ...] [--tokens N]
 """Where an item of the warp-specialized FP8 GEMM (comet.kernels.fp8_ws) spends its time:
 ``%clock64`` stamps per item of every program, on one GPU.
 
@@ -14,8 +14,9 @@ costs fewer cycles on half the SMs is bound by something they share, L2's bandwi
 not by the SM's own loop) at a preset's prefill shape (``tokens * top_k`` rows spread
 evenly over the experts, 128x128-block weights), gated as layer0 runs it and plain (bf16
 store, layer1's shape of epilogue) and at layer1's shape (``layer1``: N = H, K = F, plain,
-bf16 store: the short K loops), and the stamps are summarized as medians over items
-(each program's first item left out):
+bf16 store: the short K loops) -- with ``--pairs`` also on paired m-tiles (``gated-paired``,
+its K loop both passes over K; ``layer1-paired``) -- and the stamps are summarized as
+medians over items (each program's first item left out):
 
 * ``kloop``  -- an item's K loop, per consumer (``cyc/step``: its cycles over the K steps);
 * ``epi``    -- its epilogue: the tensor core idles for it, both consumers work one item in
@@ -109,13 +110,22 @@ def instrument(src: str, no_mma: bool = False) -> str:
                 f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + pj) * {STAMPS} + 6\n"
                 "        gl.store(at, p0)\n        gl.store(at + 1, p1)\n        pj += 1\n")
     src = src[:a] + body + src[b:]
+    a, b = _function(src, "_paired_gated")
+    body = src[a:b]
+    body = _sub(body, r"(\n    up, it = _tile_acc\([^\n]*\n[^\n]*\)\n)", r"\1    t1 = _clock(it)\n")
+    body = _sub(body, r"\n    return it\n", "\n    return it, t1\n")
+    src = src[:a] + body + src[b:]
     a, b = _function(src, "consumer")
     body = src[a:b]
     body = _sub(body, r"(\n        expert, row_start, row_end, n0 = _item\()",
                 r"\n        t0 = _clock(j)\1")
-    # the default (not PAIRED) items' K loop
+    # each K loop's end: the default items', the paired plain ones', the paired gated
+    # ones' (after the up pass, inside _paired_gated, which returns it)
     body = _sub(body, r"(\n            acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, 0\)\n)",
                 r"\1            t1 = _clock(it)\n")
+    body = _sub(body, r"(\n                acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, BOX\)\n)",
+                r"\1                t1 = _clock(it)\n")
+    body = _sub(body, r"\n                it = _paired_gated\(", "\n                it, t1 = _paired_gated(")
     body = _sub(body, r"\n        j \+= 1\n",
                 "\n        t2 = _clock(j)\n"
                 f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS}"
@@ -170,13 +180,15 @@ def summarize(stamps: torch.Tensor, items: int, programs: int, steps: int, us: f
     return out
 
 
-def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int) -> list:
+def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs: int,
+          pairs: bool = False) -> list:
     e, k, hid, f = probe.shape(name)
     rows = [tokens * k // e] * e
     g = torch.Generator(device="cuda").manual_seed(0)
     x = quantize_rows(torch.randn(sum(rows), hid, device="cuda", generator=g))
     w = probe.weights(e, 2 * f, hid, g)
     tiles = m_tiles(rows, 64, "cuda")
+    tiles2 = m_tiles(rows, 128, "cuda")
     y = torch.empty(sum(rows), 2 * f, dtype=torch.bfloat16, device="cuda")
     h = quantize_rows(torch.randn(sum(rows), f, device="cuda", generator=g))
     w2 = probe.weights(e, hid, f, g)
@@ -184,23 +196,34 @@ def trace(name: str, tokens: int, kernels: dict, stamps: torch.Tensor, programs:
     records = []
     for label, mod in kernels.items():
         mod.STAMPS[0] = stamps
-        for kind, cols, depth, fn in (
-                ("gated", f, hid, lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU,
-                                                            programs=programs)),
-                ("plain", 2 * f, hid, lambda: mod.ws_group_gemm(x, w, tiles, out=y,
-                                                                programs=programs)),
-                ("layer1", hid, f, lambda: mod.ws_group_gemm(h, w2, tiles, out=y2,
-                                                             programs=programs))):
-            items = sum(rows) // 64 * triton.cdiv(cols, 128 if kind == "gated" else 256)
+        # (kind, m-tiles, output columns an item, K steps an item, launch)
+        kinds = [
+            ("gated", tiles, 128, triton.cdiv(hid, 128), f,
+             lambda: mod.ws_group_gemm(x, w, tiles, activation=SILU, programs=programs)),
+            ("plain", tiles, 256, triton.cdiv(hid, 128), 2 * f,
+             lambda: mod.ws_group_gemm(x, w, tiles, out=y, programs=programs)),
+            ("layer1", tiles, 256, triton.cdiv(f, 128), hid,
+             lambda: mod.ws_group_gemm(h, w2, tiles, out=y2, programs=programs))]
+        if pairs and label != "base":   # 128-row items, one B box at a time (gated: two
+                                        # passes over K); a base tree may have none
+            kinds += [
+                ("gated-paired", tiles2, 128, 2 * triton.cdiv(hid, 128), f,
+                 lambda: mod.ws_group_gemm(x, w, tiles2, activation=SILU, programs=programs,
+                                           paired=True)),
+                ("layer1-paired", tiles2, 128, triton.cdiv(f, 128), hid,
+                 lambda: mod.ws_group_gemm(h, w2, tiles2, out=y2, programs=programs,
+                                           paired=True))]
+        for kind, mt, item_cols, steps, cols, fn in kinds:
+            items = mt.expert.shape[0] * triton.cdiv(cols, item_cols)
             us = 1e3 * triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
             stamps.zero_()
             fn()
             torch.cuda.synchronize()
             rec = {"config": name, "tokens": tokens, "kernel": label, "epilogue": kind,
                    "programs": programs,
-                   **summarize(stamps, items, programs, triton.cdiv(depth, 128), us)}
+                   **summarize(stamps, items, programs, steps, us)}
             records.append(rec)
-            print(f"{name:18s} {kind:6s} {label:5s} {programs:3d} {us:8.1f} us  "
+            print(f"{name:18s} {kind:13s} {label:5s} {programs:3d} {us:8.1f} us  "
                   f"{rec['ghz']:.2f} GHz  "
                   f"{rec['items_per_program']:4.0f} items x {rec['steps']:2d} steps: "
                   f"kloop {rec['c0_kloop_us']:6.2f} us ({rec['cyc_per_step']:4.0f} cyc/step) "
@@ -219,6 +242,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--no-mma", action="store_true",
                     help="also this tree's kernel without its wgmmas (the ring alone)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="also the paired m-tiles' GEMMs (gated and at layer1's shape)")
     ap.add_argument("--programs", nargs="+", type=int, default=[],
                     help="persistent programs (default: one per SM)")
     args = ap.parse_args()
@@ -233,7 +258,8 @@ def main() -> None:
     result = {**provenance(), "base": args.base or None, "records": []}
     for name in args.configs:
         for programs in grids:
-            result["records"] += trace(name, args.tokens, kernels, stamps, programs)
+            result["records"] += trace(name, args.tokens, kernels, stamps, programs,
+                                       args.pairs)
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
