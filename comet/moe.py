@@ -152,10 +152,11 @@ class Fp8LocalExperts(nn.Module):
     a block grid each), ``w2`` e4m3 ``[El, H, Ft]``, and ``w13_scale_inv`` /
     ``w2_scale_inv`` fp32 in ``blocks`` (:class:`comet.quant.ScaleBlocks`, 128 x 128 by
     default) -- parameters without gradients (the layer runs the forward only), which the
-    state dict holds under those keys, and which ``.to(dtype)`` moves but never casts. So a checkpoint's FP8 tensors load as they are
-    (this rank's experts; a TP layout's shard: :meth:`comet.mesh.MeshLayout.shard_fp8`),
-    and a bf16 :class:`LocalExperts`' state dict loads too, quantized with
-    :mod:`comet.quant`'s recipe on the way in (:func:`quantize_local`).
+    state dict holds under those keys, and which ``.to(dtype)`` moves but never casts. So
+    a checkpoint's FP8 tensors load as they are (this rank's experts; a TP layout's shard:
+    :meth:`comet.mesh.MeshLayout.shard_fp8`), and a bf16 :class:`LocalExperts`' state
+    dict loads too, quantized with :mod:`comet.quant`'s recipe on the way in
+    (:func:`quantize_local`).
     """
 
     b13 = b2 = added_b2 = None      # FP8 experts have no biases
@@ -178,7 +179,7 @@ class Fp8LocalExperts(nn.Module):
                 Fp8Weight(self.w2, self.w2_scale_inv, self.blocks))
 
     def extra_repr(self) -> str:
-        return (f"{self.w13.shape[0]} experts, FP8 {self.blocks.n}x{self.blocks.k} blocks")
+        return f"{self.w13.shape[0]} experts, FP8 {self.blocks.n}x{self.blocks.k} blocks"
 
 
 def quantize_local(w13: torch.Tensor, w2: torch.Tensor, blocks: ScaleBlocks

@@ -262,6 +262,7 @@ class Fp8Weight:
 
 
 def is_ue8m0(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds UE8M0 scales: ``torch.float8_e8m0fnu`` or exponent bytes."""
     return t.dtype == torch.uint8 or (_UE8M0 is not None and t.dtype == _UE8M0)
 
 
