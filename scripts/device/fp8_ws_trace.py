@@ -121,11 +121,10 @@ def instrument(src: str, no_mma: bool = False) -> str:
                 r"\n        t0 = _clock(j)\1")
     # each K loop's end: the default items', the paired plain ones', the paired gated
     # ones' (after the up pass, inside _paired_gated, which returns it)
-    body = _sub(body, r"(\n            acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, 0\)\n)",
-                r"\1            t1 = _clock(it)\n")
-    body = _sub(body, r"(\n                acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, BOX\)\n)",
-                r"\1                t1 = _clock(it)\n")
-    body = _sub(body, r"\n                it = _paired_gated\(", "\n                it, t1 = _paired_gated(")
+    call = r"acc, it = _tile_acc\([^\n]*\n[^\n]*, op, gather, t, "
+    body = _sub(body, r"(\n {12}" + call + r"0\)\n)", r"\1            t1 = _clock(it)\n")
+    body = _sub(body, r"(\n {16}" + call + r"BOX\)\n)", r"\1                t1 = _clock(it)\n")
+    body = _sub(body, r"\n {16}it = _paired_gated\(", "\n                it, t1 = _paired_gated(")
     body = _sub(body, r"\n        j \+= 1\n",
                 "\n        t2 = _clock(j)\n"
                 f"        at = op.stamps + (gl.program_id(0) * {MAX_ITEMS} + j) * {STAMPS}"
