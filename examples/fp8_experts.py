@@ -91,7 +91,7 @@ def main() -> None:
         return
     ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(args.tokens)])
     weights = torch.rand(args.tokens, k, device=dev)
-    want = moe_forward_fp8(x, ids, weights, gate_up, down)
+    want = moe_forward_fp8(x.float(), ids, weights, gate_up, down)
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=f,
                     max_tokens=args.tokens, fp8=Fp8())
     layer = FusedMoE(cfg, tensors[0][0], tensors[1][0], w13_scale_inv=tensors[0][1],
