@@ -101,10 +101,10 @@ def copy_experts(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
         for name, t in src.items():
             if s == rank:
                 rows = index(tuple(local[e] for e in experts), t.device)
-                ops.append(dist.P2POp(dist.isend, t[rows], peer, group))
+                ops.append(dist.P2POp(dist.isend, _wire(t[rows]), peer, group))
             else:
                 buf = t.new_empty((len(experts), *t.shape[1:]))
-                ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+                ops.append(dist.P2POp(dist.irecv, _wire(buf), peer, group))
                 for i, e in enumerate(experts):
                     received[name, e] = (buf, i)
     here = [(row, e) for row, e in mine if e in local]
@@ -120,6 +120,12 @@ def copy_experts(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
             if e not in local:
                 buf, i = received[name, e]
                 t[row] = buf[i]
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is sent: FP8 experts (e4m3, UE8M0) as their bytes, which every backend
+    sends, where not every backend and version takes float8 types."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def _global(group, rank: int) -> int:
@@ -304,6 +310,11 @@ class ExpertReplicas(nn.Module):
                          self.par.rank, group)
         else:
             self._load_tables(plan)
+        self._versions = _versions(slots)
+
+    def consistent(self, slots: dict[str, torch.Tensor | None]) -> None:
+        """Take ``slots`` as consistent (each expert's copies equal) as they are now: new
+        Parameters made from consistent ones (FP8 experts quantized slot by slot)."""
         self._versions = _versions(slots)
 
     @torch.no_grad()

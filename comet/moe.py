@@ -160,6 +160,9 @@ class Fp8LocalExperts(nn.Module):
     """
 
     b13 = b2 = added_b2 = None      # FP8 experts have no biases
+    #: The Parameters that are the experts (by expert, dim 0): what redundant experts'
+    #: slots hold, copy and move (comet.eplb).
+    SLOT_NAMES = ("w13", "w13_scale_inv", "w2", "w2_scale_inv")
 
     def __init__(self, source: LocalExperts, blocks: ScaleBlocks):
         super().__init__()
@@ -340,7 +343,8 @@ def _check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
-#: The expert Parameters' names (biases None without ``expert_bias``).
+#: The expert Parameters' names (biases None without ``expert_bias``); FP8 experts name
+#: theirs (:attr:`Fp8LocalExperts.SLOT_NAMES`).
 _EXPERT_NAMES = ("w13", "w2", "b13", "b2")
 
 
@@ -541,15 +545,16 @@ class CometMoE(nn.Module):
             self._start_fp8(cfg.fp8)
 
     def _start_fp8(self, fp8: Fp8) -> None:
-        """Run the routed experts in FP8 from now on (:func:`quantize_experts`)."""
-        if self.replicas is not None:
-            raise NotImplementedError("FP8 experts with redundant experts (EPLB) are not "
-                                      "supported yet")
+        """Run the routed experts in FP8 from now on (:func:`quantize_experts`). With
+        redundant experts each slot is quantized where it is: the copies of an expert are
+        equal, so their FP8 ones are too (no exchange)."""
         if self.cfg.expert_bias:
             raise NotImplementedError("FP8 experts with biases (expert_bias) are not "
                                       "supported yet")
         self.cfg = self.cfg.replace(fp8=fp8)
         self.experts = Fp8LocalExperts(self.experts, fp8.blocks)   # the bf16 ones go
+        if self.replicas is not None:
+            self.replicas.consistent(self._slots())
         self._fused = None
 
     def __setstate__(self, state):
@@ -596,7 +601,8 @@ class CometMoE(nn.Module):
 
     # ------------------------------------------------------------------ redundant experts
     def _expert_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {n: self.experts._parameters.get(n) for n in _EXPERT_NAMES}
+        names = getattr(self.experts, "SLOT_NAMES", _EXPERT_NAMES)
+        return {n: self.experts._parameters.get(n) for n in names}
 
     def _slots(self) -> dict[str, torch.Tensor]:
         """The physical slots (the experts' Parameters, ``[P/W, ...]``) by name, the
@@ -948,11 +954,12 @@ class CometMoE(nn.Module):
         """The :class:`comet.runtime.layer.FusedMoE` of this block (built on first use)."""
         if self._fused is None and self.replicas is not None:
             r, e = self.replicas, self.experts
-            self._fused = FusedMoE(physical_config(self.cfg, r.placement_config.redundant_experts),
-                                   e.w13, e.w2, b13=e.b13, b2=e.b2, group=self.group,
-                                   w13_layout="interleaved",
-                                   tuned_config_folder=self.tuned_config_folder,
-                                   mesh=self.mesh, convention=self.convention, tile=self.tile)
+            cfg = physical_config(self.cfg, r.placement_config.redundant_experts)
+            kw = dict(group=self.group, tuned_config_folder=self.tuned_config_folder,
+                      mesh=self.mesh, convention=self.convention, tile=self.tile)
+            self._fused = (FusedMoE(cfg, *e.fp8_weights(), **kw) if self.cfg.fp8 is not None
+                           else FusedMoE(cfg, e.w13, e.w2, b13=e.b13, b2=e.b2,
+                                         w13_layout="interleaved", **kw))
         if self._fused is None and self.cfg.fp8 is not None:
             self._fused = FusedMoE(self.cfg, *self.experts.fp8_weights(), group=self.group,
                                    tuned_config_folder=self.tuned_config_folder,

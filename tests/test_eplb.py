@@ -838,3 +838,84 @@ def test_gpu_fused_layer_with_replicas_matches_and_trains():
         grads.append((xg.grad, logical["w13"], logical["w2"]))
     for got, ref in zip(grads[1], grads[0]):
         assert _rel(got, ref) < 2e-2
+
+
+# ----------------------------------------------------------------- FP8 experts
+def _fp8_pair(redundant=4):
+    """An FP8 layer with ``redundant`` replicas and the same layer without (H and F whole
+    128-blocks)."""
+    from comet.quant import Fp8
+    torch.manual_seed(0)
+    plain = CometMoE(E, K, 256, 256, max_tokens=64, fp8=Fp8())
+    replicated = CometMoE(E, K, 256, 256, max_tokens=64, fp8=Fp8(),
+                          redundant_experts=redundant)
+    replicated.load_state_dict(plain.state_dict())
+    return plain, replicated
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@torch.no_grad()
+def test_fp8_experts_with_replicas_are_the_layer_without():
+    """FP8 slots (e4m3 weights and their scales) hold, copy and move as bf16 ones: the
+    layer's output before and after rebalancing is the layer's without replicas, its
+    state dict the logical FP8 experts; a bf16 block's state dict loads quantized, and
+    quantize_experts turns a replicated bf16 layer into the same FP8 one."""
+    from comet.moe import Fp8LocalExperts, quantize_experts
+    plain, replicated = _fp8_pair()
+    assert isinstance(replicated.experts, Fp8LocalExperts)
+    assert replicated.experts.w13.shape[0] == E + 4 and replicated.experts.w13_scale_inv.shape[0] == E + 4
+    x = torch.randn(40, 256).bfloat16()
+    ids, w = _skewed_ids(40)
+    assert torch.equal(plain(x, ids, w), replicated(x, ids, w))
+    plan = replicated.rebalance()
+    assert plan.replicas[0, 3] > 1
+    assert torch.equal(plain(x, ids, w), replicated(x, ids, w))
+    assert torch.equal(plain(x), replicated(x))
+    state = replicated.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(_bytes_of(state[key]), _bytes_of(value)), key
+    # a bf16 block's state dict: quantized on load, into the logical experts, every slot
+    torch.manual_seed(3)
+    source = CometMoE(E, K, 256, 256, max_tokens=64, redundant_experts=4)
+    replicated.load_state_dict(source.state_dict())
+    plain.load_state_dict(source.state_dict())
+    assert torch.equal(plain(x, ids, w), replicated(x, ids, w))
+    quantize_experts(source)
+    assert torch.equal(source(x, ids, w), plain(x, ids, w))
+    source.rebalance()
+    assert torch.equal(source(x, ids, w), plain(x, ids, w))
+
+
+def _check_gloo_fp8_rebalance(world, rank):
+    """FP8 slots cross ranks on a rebalance, each rank's slots then the logical experts
+    they name (byte for byte); the state dict gathers them back."""
+    from comet.quant import Fp8
+    torch.manual_seed(0)
+    kw = dict(max_tokens=64, fp8=Fp8())
+    plain = CometMoE(E, K, 256, 256, **kw)
+    layer = CometMoE(E, K, 256, 256, redundant_experts=2 * world, **kw)
+    layer.load_state_dict(plain.state_dict())
+    slots = (E + 2 * world) // world
+    with torch.no_grad():
+        home = layer.replicas.phy2log.clone()
+        layer.rebalance(Placement.from_phy2log(torch.roll(home, -slots), E, world))
+    mine = layer.replicas.phy2log[rank * slots:(rank + 1) * slots].tolist()
+    every = {}
+    for name, t in plain.experts.named_parameters():
+        parts = [torch.empty_like(_bytes_of(t)) for _ in range(world)]
+        dist.all_gather(parts, _bytes_of(t).contiguous())
+        every[name] = torch.cat(parts)
+    for name, t in layer.experts.named_parameters():
+        for i, e in enumerate(mine):
+            assert torch.equal(_bytes_of(t)[i], every[name][e]), (name, i, e)
+    state, want = layer.state_dict(), plain.state_dict()
+    for key, value in want.items():
+        assert torch.equal(_bytes_of(state[key]), _bytes_of(value)), key
+
+
+def test_gloo_ranks_move_fp8_experts():
+    gloo_ranks.spawn(_check_gloo_fp8_rebalance, 2)

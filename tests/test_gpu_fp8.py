@@ -344,6 +344,31 @@ def test_fp8_tp_shards_of_192_columns():
 
 
 # ------------------------------------------------------------------------- CometMoE
+def test_comet_moe_fp8_with_redundant_experts_on_cuda():
+    """FP8 experts with replicas (EPLB) on the fused kernels' physical layout: a skewed
+    call before and after a rebalance against the emulation of the logical experts."""
+    from comet.moe import CometMoE
+    torch.manual_seed(0)
+    cfg = PRESETS["mixtral"]
+    shape = (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size)
+    plain = CometMoE(*shape, device=DEVICE, max_tokens=512, fp8=Fp8())
+    moe = CometMoE(*shape, device=DEVICE, max_tokens=512, fp8=Fp8(), redundant_experts=4)
+    moe.load_state_dict(plain.state_dict())
+    x = torch.randn(500, cfg.hidden_size, device=DEVICE).bfloat16()
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    scores = torch.rand(500, cfg.num_experts, device=DEVICE, generator=g)
+    scores[:, 3] += 0.8                      # expert 3 takes most first choices
+    ids = scores.topk(cfg.top_k, dim=1).indices
+    wts = torch.rand(500, cfg.top_k, device=DEVICE, generator=g)
+    expect = _emulate(x, ids, wts, *plain.experts.fp8_weights(), cfg.activation)
+    with torch.no_grad():
+        _check(moe(x, ids, wts), expect)
+        plan = moe.rebalance()
+        assert plan.replicas[0, 3] > 1
+        for _ in range(2):                   # graph replay
+            _check(moe(x, ids, wts), expect)
+
+
 def test_comet_moe_quantize_experts_on_cuda():
     """A bf16 CometMoE quantized in one call runs the fused FP8 layer: its output is the
     emulation of its own FP8 experts, near the bf16 block's; the bf16 experts' memory is
