@@ -13,8 +13,9 @@
 #   models    tests/test_gpu_fp8_models.py (FP8 transformers models at real MoE widths)
 #   example   examples/fp8_experts.py on the GPU at qwen2-moe's width, 4096 tokens (its
 #             fused FP8 layer on a checkpoint's tensors against the emulation; bf16 and
-#             FP8 CometMoE timed) into example.log, then CometMoE's FP8 GPU test
-#             (quantize_experts frees the bf16 memory; a checkpoint loaded in place runs)
+#             FP8 CometMoE timed) into example.log, then CometMoE's FP8 GPU tests
+#             (quantize_experts frees the bf16 memory; a checkpoint loaded in place runs;
+#             redundant experts before and after a rebalance)
 #   bench     `comet bench --dtype bf16 fp8 --only-fused` at EP=1: the four presets and the
 #             Qwen3-30B-A3B-like shape, decode and prefill, with the summary's FP8 checks
 #             (FP8_PROMOTION_K=32 or 128: that promotion in every GEMM; FP8_BENCH_CONFIGS,
@@ -114,8 +115,9 @@ for step in "${@:-diff kernels tests}"; do
                  --device cuda --experts 60 --top-k 4 --hidden 2048 --ffn 1408 \
                  --tokens 4096 > "$OUT/example.log" 2>&1 || status=1
                cat "$OUT/example.log"
-               run_tests cometmoe tests/test_gpu_fp8.py::test_comet_moe_quantize_experts_on_cuda \
-                 "${FP8_EXAMPLE_TIMEOUT_S:-120}" ;;
+               run_tests cometmoe "tests/test_gpu_fp8.py::test_comet_moe_quantize_experts_on_cuda
+                 tests/test_gpu_fp8.py::test_comet_moe_fp8_with_redundant_experts_on_cuda" \
+                 "${FP8_EXAMPLE_TIMEOUT_S:-150}" ;;
       bench) bench bench --dtype bf16 fp8 --only-fused \
                --config ${FP8_BENCH_CONFIGS:-mixtral qwen2-moe phi3.5-moe deepseek-v3-like} \
                --tokens ${FP8_BENCH_TOKENS:-1 8 32 128 4096 16384}
