@@ -672,6 +672,13 @@ def test_an_fp8_comet_moe_loads_fp8_checkpoints_and_bf16_state_dicts():
         state[name] = torch.full_like(state[name], 120, dtype=torch.uint8)
     again.load_state_dict(state)
     assert torch.all(again.experts.w13_scale_inv == 2.0 ** -7)
+    # built on the meta device (no bf16 experts ever allocated), then a checkpoint loaded
+    meta = CometMoE(4, 2, 256, 192, max_tokens=8, fp8=Fp8(), device="meta")
+    assert meta.experts.w13.dtype == E4M3
+    meta = meta.to_empty(device="cpu")
+    meta.load_state_dict(fp8.state_dict())
+    with torch.no_grad():
+        assert torch.equal(meta(x), fp8(x))
     # model.to(torch.bfloat16) / .half() move FP8 experts but never cast them
     before = {n: p.clone() for n, p in again.experts.named_parameters()}
     with torch.no_grad():
