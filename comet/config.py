@@ -377,7 +377,8 @@ class Variant:
             is bound by those moves, not by the tensor cores (docs/precision.md).
             layer0 keeps 64-row items after a gathered dispatch (``layer0_gather``). The
             Selector turns it off for smaller calls (Selector.ws_paired_by_rule). 0 by
-            default: not yet timed in the layer on a GPU.
+            default: on one H100 the whole FP8 call took 0.94-1.00x the time at 16384
+            tokens and 1.03-1.06x at 4096 (four presets, one run; docs/precision.md).
     """
 
     layer1_scatter: bool = True

@@ -33,8 +33,9 @@
 #             kernel on the same operands (its h must equal this one's byte for byte);
 #             FP8_WSPROBE_ARGS adds the probe's own (--k-sweep: per-step and per-item cost)
 #   paired    paired m-tiles (Variant.fp8_ws_paired_rows, off by default): their GPU tests
-#             (equal bytes to the 64-row items, gated and plain; the one-rank qwen2-moe
-#             layer on pairs against the emulation), the probe's --pairs (each GEMM alone
+#             (equal bytes to the 64-row items, gated and plain, and to the unpaired
+#             qwen2-moe layer; the one-rank mixtral layer on pairs against the
+#             emulation), the probe's --pairs (each GEMM alone
 #             beside the default on the same operands: FP8_BENCH_CONFIGS, FP8_BENCH_TOKENS
 #             as for wsprobe), then FP8 calls at 4096 and 16384 tokens without and with
 #             --tile fp8_ws_paired_rows=128 (paired/default/, paired/on/), compared
@@ -147,7 +148,8 @@ for step in "${@:-diff kernels tests}"; do
                  > "$OUT/wsprobe/probe.log" 2>&1 || status=1
                tail -n 18 "$OUT/wsprobe/probe.log" ;;
       paired) run_tests paired-tests "tests/test_gpu_fp8_ws.py::test_paired_m_tiles_give_the_default_bytes
-                tests/test_gpu_fp8_ws.py::test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized[qwen2-moe-False-True]" \
+                tests/test_gpu_fp8_ws.py::test_paired_m_tiles_give_the_unpaired_layers_bytes
+                tests/test_gpu_fp8_ws.py::test_a_one_rank_fp8_layer_runs_large_calls_warp_specialized[mixtral-False-True]" \
                 "${FP8_PAIRED_TIMEOUT_S:-200}"
               mkdir -p "$OUT/wsprobe"
               OUT="$OUT/wsprobe" timeout "${FP8_WSPROBE_TIMEOUT_S:-150}" python3 \
