@@ -105,6 +105,10 @@ class LocalExperts(nn.Module):
     layer's keys and loads a checkpoint the same way.
     """
 
+    #: The Parameters that are the experts (by expert, dim 0; biases None without
+    #: ``expert_bias``): what redundant experts' slots hold, copy and move (comet.eplb).
+    SLOT_NAMES = ("w13", "w2", "b13", "b2")
+
     def __init__(self, cfg: MoEConfig, local_experts: int, device=None,
                  ffn_shard: int | None = None, adds_b2: bool = True):
         super().__init__()
@@ -160,9 +164,7 @@ class Fp8LocalExperts(nn.Module):
     """
 
     b13 = b2 = added_b2 = None      # FP8 experts have no biases
-    #: The Parameters that are the experts (by expert, dim 0): what redundant experts'
-    #: slots hold, copy and move (comet.eplb).
-    SLOT_NAMES = ("w13", "w13_scale_inv", "w2", "w2_scale_inv")
+    SLOT_NAMES = ("w13", "w13_scale_inv", "w2", "w2_scale_inv")   # as LocalExperts'
 
     def __init__(self, source: LocalExperts, blocks: ScaleBlocks):
         super().__init__()
@@ -343,9 +345,6 @@ def _check_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
-#: The expert Parameters' names (biases None without ``expert_bias``); FP8 experts name
-#: theirs (:attr:`Fp8LocalExperts.SLOT_NAMES`).
-_EXPERT_NAMES = ("w13", "w2", "b13", "b2")
 
 
 def _logical_view(module: "CometMoE", *args) -> None:
@@ -601,8 +600,7 @@ class CometMoE(nn.Module):
 
     # ------------------------------------------------------------------ redundant experts
     def _expert_tensors(self) -> dict[str, torch.Tensor | None]:
-        names = getattr(self.experts, "SLOT_NAMES", _EXPERT_NAMES)
-        return {n: self.experts._parameters.get(n) for n in names}
+        return {n: self.experts._parameters.get(n) for n in self.experts.SLOT_NAMES}
 
     def _slots(self) -> dict[str, torch.Tensor]:
         """The physical slots (the experts' Parameters, ``[P/W, ...]``) by name, the
@@ -947,7 +945,7 @@ class CometMoE(nn.Module):
         grads = (*grads, None, None) if len(grads) == 4 else grads
         if not weight_grads:
             return (*grads[:2], None, None, None, None)
-        folded = r.fold(dict(zip(_EXPERT_NAMES, grads[2:])), self.group)
+        folded = r.fold(dict(zip(LocalExperts.SLOT_NAMES, grads[2:])), self.group)
         return (*grads[:2], *folded.values())
 
     def fused_layer(self) -> FusedMoE:

@@ -314,6 +314,10 @@ class TransformersExperts(LocalExperts):
                         slot.copy_(bias if part == "down" else self._ffn_shard(bias, 0))
 
 
+#: The tensors of fused FP8 experts, in the checkpoint's names.
+_FP8_KEYS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+
+
 class Fp8TransformersExperts(nn.Module):
     """This rank's FP8 experts as the FP8 checkpoint holds them, under its keys:
     ``gate_up_proj`` e4m3 ``[El, 2F, H]`` (gate rows, then up rows), ``down_proj`` e4m3
@@ -331,6 +335,7 @@ class Fp8TransformersExperts(nn.Module):
 
     _comet_block = None     # the owning CometMoEBlock (a plain attribute, not a child)
     b13 = b2 = added_b2 = None    # FP8 experts have no biases
+    SLOT_NAMES = _FP8_KEYS          # as LocalExperts' (comet.eplb)
 
     def __init__(self, cfg: MoEConfig, experts: nn.Module, fp8: Fp8Checkpoint,
                  first_expert: int, local_experts: int):
@@ -389,7 +394,3 @@ class Fp8TransformersExperts(nn.Module):
                                       missing_keys, unexpected_keys, error_msgs)
         if self._comet_block is not None:     # its fused layer may hold fp32 copies of
             self._comet_block._fused = None   # UE8M0 scales: rebuilt on first use
-
-
-#: The tensors of fused FP8 experts, in the checkpoint's names.
-_FP8_KEYS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")

@@ -273,7 +273,7 @@ class ForwardCall:
             a, a_scale = packed_views(ws.local.a0, cfg.hidden_size)
         kw = dict(group_m=self.tile.gemm.group_m,
                   promotion_k=cfg.fp8.promotion(warp_specialized=True))
-        pair0 = self.paired is not None and a_scale is not None
+        pair0 = self.paired is not None and not self.tile.variant.layer0_gather
         layer0 = ws_gemm(a, a_scale, self.w13, self.paired if pair0 else tiles,
                          WsH(ws.h, ws.h_scale), activation=cfg.activation, paired=pair0, **kw)
         layer1 = ws_gemm(ws.h, ws.h_scale, self.w2, self.paired or tiles, scatter_homes(ws),
